@@ -1,0 +1,488 @@
+"""Record one training step at the aten level under fake tensors.
+
+Why dispatch-level tracing and not ``torch.export``: export gives the forward graph only (backward and the
+optimizer step are what dominate memory), inlines activation checkpointing, and costs seconds per large
+model. A ``TorchDispatchMode`` stacked on ``FakeTensorMode`` sees every aten op of the *real* eager step —
+forward, the autograd engine's backward and the optimizer's foreach kernels — with real shapes and dtypes
+but no data, and costs about what a fake forward+backward costs. Storage lifetimes come from the Python
+storage objects' finalizers (storages keep their Python object alive while any tensor uses them), so the
+memory timeline is what autograd really keeps alive, not a guess from graph liveness.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._torch_compat import (
+    FakeTensorMode,
+    ModTracker,
+    TorchDispatchMode,
+    WeakIdKeyDictionary,
+    tree_flatten,
+    tree_map,
+)
+from ..profile.flops import op_flops
+from .blocks import find_block_runs, folded
+from .graph import (
+    BlockRun,
+    MemoryEvent,
+    OpNode,
+    Phase,
+    Segment,
+    StepGraph,
+    StorageInfo,
+    TensorRef,
+    ValueInfo,
+    ValueKind,
+)
+from .inputs import CaptureError, validate_inputs
+
+logger = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+# Metadata queries that are not kernels; FlopCounterMode skips the same set.
+_METADATA_OPS = {
+    aten.sym_is_contiguous.default,
+    aten.is_contiguous.default,
+    aten.is_contiguous.memory_format,
+    aten.is_strides_like_format.default,
+    aten.is_non_overlapping_and_dense.default,
+    aten.size.default,
+    aten.sym_size.default,
+    aten.stride.default,
+    aten.sym_stride.default,
+    aten.storage_offset.default,
+    aten.sym_storage_offset.default,
+    aten.numel.default,
+    aten.sym_numel.default,
+    aten.dim.default,
+    torch.ops.prim.layout.default,
+    torch.ops.prim.device.default,
+}
+
+MIXED_PRECISION_DTYPES = {None: None, "no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _Recorder(TorchDispatchMode):
+    """Dispatch mode that appends an :class:`OpNode` per aten call and tracks storages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: list[OpNode] = []
+        self.values: dict[int, ValueInfo] = {}
+        self.storages: dict[int, StorageInfo] = {}
+        self.events: list[MemoryEvent] = []
+        self.initial: list[int] = []
+        self.phase = Phase.FORWARD
+        self.module_stack: list[str] = []
+        self.recording = True
+        self.scalar_stub = False
+        self._storage_ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._value_by_view: dict[tuple, int] = {}
+        self._next_storage = 0
+        self._next_value = 0
+        self._finalizers: list[weakref.finalize] = []
+
+    # ------------------------------------------------------------ identities
+    def _storage(self, t: torch.Tensor, *, kind: ValueKind, name: str | None, initial: bool) -> tuple[int, bool]:
+        st = t.untyped_storage()
+        sid = self._storage_ids.get(st)
+        if sid is not None:
+            return sid, False
+        sid = self._next_storage
+        self._next_storage += 1
+        self._storage_ids[st] = sid
+        nbytes = int(st.nbytes())
+        self.storages[sid] = StorageInfo(sid, nbytes, kind, name)
+        if initial:
+            self.initial.append(sid)
+        else:
+            self.events.append(MemoryEvent(len(self.nodes), sid, nbytes))
+        self._finalizers.append(weakref.finalize(st, self._on_free, sid, nbytes))
+        return sid, True
+
+    def _on_free(self, sid: int, nbytes: int) -> None:
+        if self.recording:
+            self.events.append(MemoryEvent(len(self.nodes), sid, -nbytes))
+
+    @staticmethod
+    def _view_key(t: torch.Tensor, sid: int) -> tuple:
+        return (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def register(
+        self, t: torch.Tensor, kind: ValueKind, name: str | None = None, *, initial: bool, producer: int | None = None
+    ) -> int:
+        sid, _ = self._storage(t, kind=kind, name=name, initial=initial)
+        vid = self._next_value
+        self._next_value += 1
+        self.values[vid] = ValueInfo(
+            id=vid,
+            shape=tuple(t.shape),
+            dtype=_dtype_name(t.dtype),
+            nbytes=t.numel() * t.element_size(),
+            storage_id=sid,
+            kind=kind,
+            producer=producer,
+            name=name,
+            requires_grad=t.requires_grad,
+        )
+        self._value_by_view[self._view_key(t, sid)] = vid
+        return vid
+
+    def value_of(self, t: torch.Tensor) -> int:
+        st = t.untyped_storage()
+        sid = self._storage_ids.get(st)
+        if sid is not None:
+            vid = self._value_by_view.get(self._view_key(t, sid))
+            if vid is not None:
+                return vid
+            return self.register(t, self.storages[sid].kind, initial=False)
+        # A tensor made outside the recorder (should be rare): count its storage from the start.
+        logger.debug("untracked tensor of shape %s enters the step", tuple(t.shape))
+        return self.register(t, ValueKind.ACTIVATION, initial=True)
+
+    # ------------------------------------------------------------ dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA_OPS or not self.recording:
+            return func(*args, **kwargs)
+        if func is aten._local_scalar_dense.default and self.scalar_stub:
+            # Optimizers read their step counter with .item(); a fake tensor has no value. The value does not
+            # change any shape or allocation, so any number serves.
+            return 1.0 if args[0].dtype.is_floating_point else 1
+        # Same as FlopCounterMode: an op with a CompositeImplicit decomposition is recorded as its parts.
+        with self:
+            decomposed = func.decompose(*args, **kwargs)
+        if decomposed is not NotImplemented:
+            return decomposed
+        out = func(*args, **kwargs)
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func, args, kwargs, out) -> None:
+        index = len(self.nodes)
+        in_tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        in_ids = [self.value_of(t) for t in in_tensors]
+        out_tensors = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        in_storages = {self.values[v].storage_id for v in in_ids}
+        out_ids: list[int] = []
+        new_bytes = 0
+        for t in out_tensors:
+            st = t.untyped_storage()
+            known = self._storage_ids.get(st)
+            vid = self.register(t, ValueKind.ACTIVATION, initial=False, producer=index)
+            out_ids.append(vid)
+            if known is None:
+                new_bytes += self.values[vid].nbytes
+        is_view = bool(out_tensors) and new_bytes == 0 and all(
+            self.values[v].storage_id in in_storages for v in out_ids
+        )
+        bytes_read = 0 if is_view else sum(self.values[v].nbytes for v in dict.fromkeys(in_ids))
+        bytes_written = 0 if is_view else sum(self.values[v].nbytes for v in out_ids)
+        ref_of = {id(t): TensorRef(v) for t, v in zip(in_tensors, in_ids, strict=True)}
+        recorded_args = tree_map(
+            lambda a: ref_of.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs)
+        )
+        self.nodes.append(
+            OpNode(
+                index=index,
+                op=str(func),
+                phase=self.phase,
+                module=self.module_stack[-1] if self.module_stack else "",
+                inputs=in_ids,
+                outputs=out_ids,
+                flops=op_flops(func, args, kwargs, out),
+                bytes_read=bytes_read,
+                bytes_written=bytes_written,
+                args=recorded_args,
+                is_view=is_view,
+            )
+        )
+
+
+def _fake_like(t: torch.Tensor) -> torch.Tensor:
+    """A fake CPU tensor with ``t``'s metadata. Works for real, meta and fake sources alike."""
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+
+
+def _make_optimizer(name: str | None, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
+    if name is None or name == "none":
+        return None
+    key = name.lower()
+    if key == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    if key == "adam":
+        return torch.optim.Adam(params, lr=1e-4, foreach=True)
+    if key == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)
+    raise ValueError(f"Unknown optimizer {name!r}; use one of 'adamw', 'adam', 'sgd' or None.")
+
+
+def _extract_loss(output: Any, model: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        loss = output[0] if output[0].dim() == 0 else None
+    if loss is None:
+        raise CaptureError(
+            f"{type(model).__name__} returned no loss for the example inputs (keys: {sorted(inputs)}). "
+            "A training step needs one: pass `labels` in example_inputs (for causal LMs labels=input_ids)."
+        )
+    return loss
+
+
+def _trace_once(
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    *,
+    autocast_dtype: torch.dtype | None,
+    optimizer: str | None,
+) -> tuple[_Recorder, dict[str, int]]:
+    """Trace one steady-state step of ``model`` (as it is now, maybe folded). Returns the recorder and the
+    optimizer-state bytes per parameter FQN."""
+    rec = _Recorder()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    root_name = type(model).__name__
+    with fake_mode:
+        params = {n: _fake_like(p).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+        buffers = {n: _fake_like(b) for n, b in model.named_buffers()}
+        fake_inputs = {
+            k: (_fake_like(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()
+        }
+        trainable = [p for p in params.values() if p.requires_grad]
+        opt = _make_optimizer(optimizer, trainable)
+        state_bytes: dict[str, int] = {}
+        if opt is not None and trainable:
+            # Steady state: the optimizer state exists before the step begins.
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
+            rec.scalar_stub = True
+            rec.recording = False
+            with rec:
+                opt.step()
+            rec.recording = True
+            for p in trainable:
+                p.grad = None
+            for n, p in params.items():
+                st = opt.state.get(p, {})
+                state_bytes[n] = sum(
+                    v.untyped_storage().nbytes() for v in st.values() if isinstance(v, torch.Tensor)
+                )
+        # Everything alive now is the memory floor of the step.
+        param_fqn = {}
+        for n, p in params.items():
+            rec.register(p, ValueKind.PARAM, n, initial=True)
+            param_fqn[id(p)] = n
+        for n, b in buffers.items():
+            rec.register(b, ValueKind.BUFFER, n, initial=True)
+        for k, v in fake_inputs.items():
+            if isinstance(v, torch.Tensor):
+                rec.register(v, ValueKind.INPUT, k, initial=True)
+        if opt is not None:
+            for p, st in opt.state.items():
+                n = param_fqn.get(id(p), "?")
+                for key, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        rec.register(v, ValueKind.OPTIMIZER_STATE, f"{n}.{key}", initial=True)
+
+        tracker = ModTracker()
+
+        def _name(mod: nn.Module) -> str:
+            full = tracker._get_mod_name(mod)
+            return full[len(root_name) + 1 :] if full.startswith(root_name + ".") else ""
+
+        def _push(mod, *_):
+            rec.module_stack.append(_name(mod))
+
+        def _pop(mod, *_):
+            name = _name(mod)
+            for i in range(len(rec.module_stack) - 1, -1, -1):
+                if rec.module_stack[i] == name:
+                    del rec.module_stack[i]
+                    break
+
+        tracker.register_user_hooks(_push, _pop, _push, _pop)
+        try:
+            with tracker, rec:
+                rec.phase = Phase.FORWARD
+                ctx = (
+                    torch.autocast("cpu", dtype=autocast_dtype)
+                    if autocast_dtype is not None
+                    else torch.autocast("cpu", enabled=False)
+                )
+                with ctx:
+                    output = torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=fake_inputs)
+                loss = _extract_loss(output, model, inputs)
+                del output
+                rec.phase = Phase.BACKWARD
+                rec.module_stack.clear()
+                loss.backward()
+                del loss
+                rec.module_stack.clear()
+                if opt is not None and trainable:
+                    rec.phase = Phase.OPTIMIZER
+                    rec.scalar_stub = True
+                    opt.step()
+        finally:
+            rec.recording = False
+            tracker.clear_user_hooks()
+        for n, p in params.items():
+            if p.grad is not None:
+                sid = rec._storage_ids.get(p.grad.untyped_storage())
+                if sid is not None:
+                    rec.storages[sid].kind = ValueKind.GRAD
+                    rec.storages[sid].name = f"{n}.grad"
+    return rec, state_bytes
+
+
+def _segments(nodes: list[OpNode], block: str) -> dict[Phase, Segment] | None:
+    """Contiguous forward/backward node ranges of one block, or None when its ops are not contiguous."""
+    result: dict[Phase, Segment] = {}
+    prefix = block + "."
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        idx = [n.index for n in nodes if n.phase is phase and (n.module == block or n.module.startswith(prefix))]
+        if not idx:
+            continue
+        if idx[-1] - idx[0] + 1 != len(idx):
+            return None
+        result[phase] = Segment(idx[0], idx[-1] + 1)
+    return result
+
+
+def _segment_signature(rec: _Recorder, seg: Segment) -> tuple:
+    ops = tuple(n.op for n in rec.nodes[seg.start : seg.end])
+    deltas = tuple(
+        (e.slot - seg.start, e.delta) for e in rec.events if seg.start <= e.slot < seg.end
+    )
+    return ops, deltas
+
+
+def _verify_folding(rec: _Recorder, runs: list[BlockRun]) -> dict[str, dict[Phase, Segment]] | None:
+    """Check that the two traced copies of each run behaved identically; return every block's segments."""
+    segments: dict[str, dict[Phase, Segment]] = {}
+    for run in runs:
+        segs = [_segments(rec.nodes, b) for b in run.traced]
+        if any(s is None for s in segs):
+            return None
+        first, rep = segs
+        if set(first) != set(rep) or Phase.FORWARD not in rep:
+            return None
+        for phase in rep:
+            if _segment_signature(rec, first[phase]) != _segment_signature(rec, rep[phase]):
+                return None
+        for b, s in zip(run.traced, segs, strict=True):
+            segments[b] = s
+    return segments
+
+
+def trace_training_step(
+    model: nn.Module,
+    example_inputs: Mapping[str, Any],
+    *,
+    mixed_precision: str | None = None,
+    optimizer: str | None = "adamw",
+    fold_blocks: bool = True,
+) -> StepGraph:
+    """Record one steady-state training step of ``model`` on ``example_inputs`` without real compute.
+
+    The model may live on ``meta``, on CPU or anywhere else: only parameter metadata is read. The step is
+    forward (under autocast when ``mixed_precision`` is ``"bf16"``/``"fp16"``), backward of ``output.loss``,
+    and ``optimizer.step()`` with the optimizer state already allocated.
+    """
+    if mixed_precision not in MIXED_PRECISION_DTYPES:
+        raise ValueError(
+            f"Unknown mixed_precision {mixed_precision!r}; use one of {sorted(k for k in MIXED_PRECISION_DTYPES if k)}"
+            " or None."
+        )
+    autocast_dtype = MIXED_PRECISION_DTYPES[mixed_precision]
+    validate_inputs(model, example_inputs)
+    runs = find_block_runs(model) if fold_blocks else []
+    segments: dict[str, dict[Phase, Segment]] = {}
+    rec: _Recorder | None = None
+    if runs:
+        with folded(model, runs):
+            rec, state_bytes = _run_capture(model, example_inputs, autocast_dtype, optimizer)
+        verified = _verify_folding(rec, runs)
+        if verified is None:
+            logger.info(
+                "%s: repeated blocks did not trace identically; profiling every block instead",
+                type(model).__name__,
+            )
+            runs, rec = [], None
+        else:
+            segments = verified
+    if rec is None:
+        rec, state_bytes = _run_capture(model, example_inputs, autocast_dtype, optimizer)
+
+    return _assemble(model, rec, state_bytes, runs, segments, mixed_precision, optimizer, example_inputs)
+
+
+def _run_capture(model, inputs, autocast_dtype, optimizer):
+    try:
+        return _trace_once(model, inputs, autocast_dtype=autocast_dtype, optimizer=optimizer)
+    except CaptureError:
+        raise
+    except Exception as exc:  # the user's model failed under fake tensors: say where and what to try
+        raise CaptureError.from_exception(model, exc) from exc
+
+
+def _assemble(
+    model: nn.Module,
+    rec: _Recorder,
+    traced_state_bytes: dict[str, int],
+    runs: list[BlockRun],
+    segments: dict[str, dict[Phase, Segment]],
+    mixed_precision: str | None,
+    optimizer: str | None,
+    inputs: Mapping[str, Any],
+) -> StepGraph:
+    all_params = dict(model.named_parameters())
+    param_bytes = {n: p.numel() * p.element_size() for n, p in all_params.items()}
+    param_shapes = {n: tuple(p.shape) for n, p in all_params.items()}
+    # Optimizer state of folded blocks mirrors the representative's, parameter by parameter.
+    state_bytes: dict[str, int] = {}
+    rep_of: dict[str, str] = {}
+    for run in runs:
+        for b in run.all_blocks[len(run.traced) :]:
+            rep_of[b] = run.representative
+    for n in all_params:
+        if n in traced_state_bytes:
+            state_bytes[n] = traced_state_bytes[n]
+            continue
+        for b, rep in rep_of.items():
+            if n.startswith(b + "."):
+                state_bytes[n] = traced_state_bytes.get(rep + n[len(b) :], 0)
+                break
+        else:
+            state_bytes[n] = 0
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    input_bytes = sum(v.numel() * v.element_size() for v in inputs.values() if isinstance(v, torch.Tensor))
+    return StepGraph(
+        model_class=type(model).__name__,
+        nodes=rec.nodes,
+        values=rec.values,
+        storages=rec.storages,
+        initial_storages=rec.initial,
+        memory_events=list(rec.events),
+        param_names=list(all_params),
+        param_bytes=param_bytes,
+        param_shapes=param_shapes,
+        optimizer_state_bytes=state_bytes,
+        buffer_bytes=buffer_bytes,
+        input_bytes=input_bytes,
+        block_runs=runs,
+        block_segments=segments,
+        mixed_precision=mixed_precision,
+        optimizer=optimizer,
+    )

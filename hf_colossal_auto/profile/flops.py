@@ -1,0 +1,57 @@
+"""FLOPs of one aten op, counted exactly as ``torch.utils.flop_counter.FlopCounterMode`` counts them.
+
+We read FlopCounterMode's own registry, so a matmul costs here what it costs there. FlopCounterMode has no
+formula for the CPU flash-attention kernels that ``scaled_dot_product_attention`` dispatches to on CPU (it
+counts them as 0), which would make attention free in every plan made on a CPU host. We add the same
+formula torch uses for the CUDA flash kernels. :data:`EXTRA_FLOP_FORMULAS` is public so that a
+measurement can pass it to ``FlopCounterMode(custom_mapping=...)`` and count the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+from .._torch_compat import flop_registry
+
+aten = torch.ops.aten
+
+
+def _cpu_flash_attention_flop(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(tuple(query.shape), tuple(key.shape), tuple(value.shape))
+
+
+def _cpu_flash_attention_backward_flop(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(
+        tuple(grad_out.shape), tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    )
+
+
+EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flop,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flop,
+}
+
+
+def flop_formula(func: torch._ops.OpOverload) -> Callable[..., int] | None:
+    """The formula for ``func`` (an OpOverload), or None when the op costs no FLOPs in torch's accounting."""
+    packet = func._overloadpacket
+    formula = flop_registry.get(packet)
+    if formula is None:
+        formula = EXTRA_FLOP_FORMULAS.get(packet)
+    return formula
+
+
+def has_flop_formula(func: torch._ops.OpOverload) -> bool:
+    return flop_formula(func) is not None
+
+
+def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs of one call, using torch's convention (a multiply-add counts 2)."""
+    formula = flop_formula(func)
+    if formula is None:
+        return 0
+    return int(formula(*args, **kwargs, out_val=out))
