@@ -1,0 +1,32 @@
+import os
+
+# Set before anything imports transformers / huggingface_hub: tests never touch the network or the Hub, and
+# never run the (slow, machine-specific) hardware calibration.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_COLOSSAL_AUTO_NO_CALIBRATE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def tiny_model():
+    """Factory: `tiny_model("tiny-gpt2", seed=0, **build_model_kwargs)` -> a real, seeded CPU model in train mode."""
+    from hf_colossal_auto.models import build_model
+
+    def make(name: str = "tiny-gpt2", *, seed: int = 0, **kwargs):
+        if not name.startswith("tiny-"):
+            raise ValueError(f"tiny_model builds tiny presets only (real weights on CPU), got {name!r}")
+        torch.manual_seed(seed)
+        return build_model(name, device="cpu", **kwargs)
+
+    return make
