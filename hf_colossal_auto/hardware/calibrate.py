@@ -1,0 +1,369 @@
+"""Micro-benchmark calibration of the ``cpu`` device, cached on disk.
+
+There is no datasheet for "whatever CPU this is", and CPU matmul throughput
+varies by two orders of magnitude between hosts and dtypes (fp16 matmul on a CPU
+without native fp16 support can be 100x slower than fp32).  So the ``cpu``
+preset is measured: a few matmuls per dtype for FLOP/s and one large copy for
+memory bandwidth, about one second in total, using the thread count torch will
+actually use.
+
+The result is cached as JSON in ``$HF_COLOSSAL_AUTO_CACHE/cpu_calibration.json``
+(default ``~/.cache/hf_colossal_auto/cpu_calibration.json``), keyed by CPU
+model, ``torch.get_num_threads()``, torch version and benchmark version, so it
+runs once per host configuration.  Set ``HF_COLOSSAL_AUTO_NO_CALIBRATE=1`` to
+skip measurement and use :data:`~hf_colossal_auto.hardware.catalog.STATIC_CPU_SPEC`
+(deterministic; what the test-suite uses).
+
+Collective bandwidth/latency are *not* measured here (that needs a process
+group, see :mod:`hf_colossal_auto.hardware.comm`); the cpu links keep their
+documented gloo-over-loopback defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from hf_colossal_auto.hardware.catalog import STATIC_CPU_SPEC, DeviceSpec
+from hf_colossal_auto.units import MiB
+
+__all__ = [
+    "CACHE_ENV",
+    "NO_CALIBRATE_ENV",
+    "CPU_CACHE_FILENAME",
+    "CPU_BENCHMARK_VERSION",
+    "CpuBenchmarkResult",
+    "cache_dir",
+    "cpu_cache_path",
+    "calibration_disabled",
+    "cpu_model_name",
+    "cpu_cache_key",
+    "host_memory_bytes",
+    "run_cpu_benchmark",
+    "cpu_device_spec",
+    "clear_cpu_calibration_memo",
+]
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "HF_COLOSSAL_AUTO_CACHE"
+NO_CALIBRATE_ENV = "HF_COLOSSAL_AUTO_NO_CALIBRATE"
+CPU_CACHE_FILENAME = "cpu_calibration.json"
+# Bump when the benchmark changes in a way that changes its numbers, so stale
+# cache entries are ignored instead of mixed with new ones.
+CPU_BENCHMARK_VERSION = 1
+_CACHE_FORMAT = 1
+
+_FALSE_STRINGS = frozenset({"", "0", "false", "no", "off"})
+
+
+def cache_dir() -> Path:
+    """Directory for all on-disk calibration caches (``$HF_COLOSSAL_AUTO_CACHE`` or ``~/.cache/hf_colossal_auto``)."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    return Path.home() / ".cache" / "hf_colossal_auto"
+
+
+def cpu_cache_path() -> Path:
+    """Path of the cpu calibration JSON file."""
+    return cache_dir() / CPU_CACHE_FILENAME
+
+
+def calibration_disabled() -> bool:
+    """True when ``HF_COLOSSAL_AUTO_NO_CALIBRATE`` is set to anything but ``0/false/no/off/''``."""
+    return os.environ.get(NO_CALIBRATE_ENV, "").strip().lower() not in _FALSE_STRINGS
+
+
+def cpu_model_name() -> str:
+    """Human-readable CPU model, e.g. ``"AMD EPYC 7763 64-Core Processor"``.
+
+    Read from ``/proc/cpuinfo`` on Linux (``platform.processor()`` is often empty
+    there), falling back to ``platform`` elsewhere.
+    """
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                _, _, value = line.partition(":")
+                if value.strip():
+                    return value.strip()
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def cpu_cache_key() -> str:
+    """Cache key: CPU model, torch thread count, torch version and benchmark version."""
+    import torch
+
+    return (
+        f"{cpu_model_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+        f"|bench=v{CPU_BENCHMARK_VERSION}"
+    )
+
+
+def _read_int_file(path: str) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+        if text and text != "max":
+            return int(text)
+    return None
+
+
+def host_memory_bytes() -> int:
+    """Memory this process may use: physical RAM, capped by a cgroup (container) limit if any."""
+    physical: int | None = None
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if not physical or physical <= 0:
+        return STATIC_CPU_SPEC.memory_bytes
+    limits = [
+        _read_int_file("/sys/fs/cgroup/memory.max"),  # cgroup v2
+        _read_int_file("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # cgroup v1
+    ]
+    # cgroup v1 reports "no limit" as a huge number near 2**63, which min() ignores.
+    return min([physical, *[limit for limit in limits if limit is not None and limit > 0]])
+
+
+@dataclass(frozen=True)
+class CpuBenchmarkResult:
+    """Measured peaks of this host.
+
+    Attributes:
+        peak_flops: best observed matmul FLOP/s per canonical dtype name;
+            always has ``"float32"``; a dtype whose matmul failed is omitted
+            (the roofline then falls back to float32).
+        memory_bandwidth: best observed copy bandwidth, bytes/s (read + write).
+        seconds: wall time the benchmark took.
+    """
+
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    seconds: float = field(default=0.0)
+
+
+def _best_seconds(fn: Callable[[], object], target_s: float, min_reps: int = 3, max_reps: int = 20) -> float:
+    """Fastest of several timed calls after one warm-up.
+
+    The minimum (not the mean) is taken because we want the device's peak;
+    slower repetitions are interference from the OS and other processes.
+    """
+    fn()  # warm-up: oneDNN primitive creation, page faults, thread-pool spin-up
+    best = math.inf
+    start = time.perf_counter()
+    reps = 0
+    while reps < max_reps and (reps < min_reps or time.perf_counter() - start < target_s):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    return max(best, 1e-9)
+
+
+def _matmul_peak(dtype: Any, budget_s: float, generator: Any) -> float:
+    """Best FLOP/s of square matmuls of this dtype within about ``budget_s`` seconds.
+
+    A single 256x256 probe decides whether a 512x512 matmul (large enough to
+    reach near-peak on CPUs) fits in the budget: an emulated dtype (fp16 on a
+    CPU without native support) can be 100x slower than fp32 and must not blow
+    the calibration time.  The probe is deliberately not used to *predict*
+    the larger size's rate: small matmuls can take a slow non-blocked path
+    (seen with bf16 in oneDNN) that says nothing about the peak.
+    """
+    import torch
+
+    def operands(n: int) -> tuple[Any, Any]:
+        return (
+            torch.randn(n, n, generator=generator).to(dtype),
+            torch.randn(n, n, generator=generator).to(dtype),
+        )
+
+    start = time.perf_counter()
+    a, b = operands(256)
+    probe = time.perf_counter()
+    torch.mm(a, b)
+    probe_s = time.perf_counter() - probe
+    # Upper bound on one 512 matmul if the 256 rate held: 8x the work.
+    n = 512 if 8 * probe_s <= budget_s / 2 else 256
+    if n == 512:
+        a, b = operands(512)
+    remaining = max(budget_s - (time.perf_counter() - start), 0.0)
+    seconds = _best_seconds(lambda: torch.mm(a, b), target_s=remaining / 2, min_reps=1)
+    rate = 2.0 * n**3 / seconds
+    if n == 512:
+        return rate
+    return max(rate, 2.0 * 256**3 / probe_s)
+
+
+def _copy_bandwidth(budget_s: float) -> float:
+    """Best bytes/s of a large tensor copy (bytes read + bytes written).
+
+    128 MiB per buffer is far beyond any CPU's last-level cache, so the copy
+    measures DRAM; on hosts with little memory the buffer is shrunk.
+    """
+    import torch
+
+    nbytes = int(min(128 * MiB, max(8 * MiB, host_memory_bytes() // 64)))
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = _best_seconds(lambda: dst.copy_(src), target_s=budget_s, min_reps=3)
+    return 2.0 * src.numel() * src.element_size() / seconds
+
+
+def run_cpu_benchmark(time_budget_s: float = 1.2) -> CpuBenchmarkResult:
+    """Measure this host's matmul FLOP/s per dtype and memory bandwidth.
+
+    Uses ``torch.get_num_threads()`` threads (whatever torch is configured
+    with), a private RNG so the caller's seeded global RNG is untouched, and
+    roughly ``time_budget_s`` seconds (a slow dtype can overshoot by one matmul).
+    """
+    import torch
+
+    t0 = time.perf_counter()
+    generator = torch.Generator().manual_seed(0)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    per_part = time_budget_s / (len(dtypes) + 1)
+    peak_flops: dict[str, float] = {}
+    with torch.no_grad():
+        for name, dtype in dtypes.items():
+            try:
+                rate = _matmul_peak(dtype, per_part, generator)
+            except RuntimeError as exc:  # dtype without a CPU matmul kernel in this build
+                if name == "float32":
+                    raise
+                logger.warning(
+                    "cpu calibration: %s matmul failed (%s); it will fall back to float32", name, exc
+                )
+                continue
+            peak_flops[name] = rate
+        bandwidth = _copy_bandwidth(per_part)
+    return CpuBenchmarkResult(
+        peak_flops=peak_flops, memory_bandwidth=bandwidth, seconds=time.perf_counter() - t0
+    )
+
+
+def _load_cache(path: Path) -> dict[str, Any]:
+    """Read the cache file; a missing or corrupt file is treated as empty (it is only a cache)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        logger.warning("Ignoring unreadable calibration cache %s: %s", path, exc)
+        return {}
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != _CACHE_FORMAT
+        or not isinstance(data.get("entries"), dict)
+    ):
+        return {}
+    return data["entries"]
+
+
+def _entry_to_result(entry: Any) -> CpuBenchmarkResult | None:
+    """Validate one cache entry; anything malformed is a cache miss, never a crash."""
+    try:
+        flops = {str(k): float(v) for k, v in entry["peak_flops"].items()}
+        bandwidth = float(entry["memory_bandwidth"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    values = [*flops.values(), bandwidth]
+    if "float32" not in flops or not all(math.isfinite(v) and v > 0 for v in values):
+        return None
+    return CpuBenchmarkResult(
+        peak_flops=flops, memory_bandwidth=bandwidth, seconds=float(entry.get("seconds", 0.0))
+    )
+
+
+def _load_average() -> float | None:
+    with contextlib.suppress(OSError, AttributeError):
+        return os.getloadavg()[0]
+    return None
+
+
+def _store_cache(path: Path, key: str, result: CpuBenchmarkResult) -> None:
+    """Merge one entry into the cache file atomically (temp file + rename).
+
+    Failure to write (read-only home, full disk) only costs a re-run next
+    time, so it is logged, not raised.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = _load_cache(path)
+        entries[key] = {
+            "peak_flops": result.peak_flops,
+            "memory_bandwidth": result.memory_bandwidth,
+            "seconds": result.seconds,
+            # Recorded for diagnosis: a calibration taken on a busy host is slow.
+            "load_average_1min": _load_average(),
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        fd, tmp = tempfile.mkstemp(prefix=".cpu_calibration.", suffix=".json", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"format": _CACHE_FORMAT, "entries": entries}, f, indent=2, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as exc:
+        logger.warning("Could not write calibration cache %s: %s", path, exc)
+
+
+# In-process memo so repeated get_device("cpu") calls do not re-read the file.
+# Keyed by (cache path, cache key) so a changed env var or thread count is honoured.
+_MEMO: dict[tuple[str, str], DeviceSpec] = {}
+
+
+def clear_cpu_calibration_memo() -> None:
+    """Forget in-process results (the on-disk cache is kept); for tests and after changing threads."""
+    _MEMO.clear()
+
+
+def cpu_device_spec(force: bool = False) -> DeviceSpec:
+    """The ``cpu`` :class:`DeviceSpec` for this host.
+
+    With ``HF_COLOSSAL_AUTO_NO_CALIBRATE`` set, returns
+    :data:`STATIC_CPU_SPEC` unchanged.  Otherwise returns the cached
+    calibration for this host/thread-count/torch version, running
+    :func:`run_cpu_benchmark` once (about a second) and caching it if missing
+    or if ``force`` is true.  ``memory_bytes`` is always the live host memory
+    (it is cheap to read and may change with container limits).
+    """
+    if calibration_disabled():
+        return STATIC_CPU_SPEC
+    path = cpu_cache_path()
+    key = cpu_cache_key()
+    memo_key = (str(path), key)
+    if not force and memo_key in _MEMO:
+        return _MEMO[memo_key]
+    result = None if force else _entry_to_result(_load_cache(path).get(key))
+    if result is None:
+        result = run_cpu_benchmark()
+        logger.info(
+            "Calibrated cpu in %.2f s: %s FLOP/s, %.3g B/s memory bandwidth (cached in %s)",
+            result.seconds,
+            {k: f"{v:.3g}" for k, v in result.peak_flops.items()},
+            result.memory_bandwidth,
+            path,
+        )
+        _store_cache(path, key, result)
+    spec = STATIC_CPU_SPEC.with_overrides(
+        peak_flops=result.peak_flops,
+        memory_bandwidth=result.memory_bandwidth,
+        memory_bytes=host_memory_bytes(),
+    )
+    _MEMO[memo_key] = spec
+    return spec
