@@ -1,0 +1,26 @@
+from .brute_force import brute_force
+from .ilp import available_solvers, solve
+from .problem import (
+    DecisionEdge,
+    DecisionNode,
+    InfeasibleError,
+    MemoryConstraint,
+    Problem,
+    Solution,
+    evaluate,
+    memory_usage,
+)
+
+__all__ = [
+    "DecisionEdge",
+    "DecisionNode",
+    "InfeasibleError",
+    "MemoryConstraint",
+    "Problem",
+    "Solution",
+    "available_solvers",
+    "brute_force",
+    "evaluate",
+    "memory_usage",
+    "solve",
+]

@@ -1,0 +1,523 @@
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+
+import pulp
+
+from .problem import (
+    InfeasibleError,
+    MemoryConstraint,
+    Problem,
+    Solution,
+    evaluate,
+    infeasible_message,
+    memory_usage,
+    overshoot,
+    reference_budget,
+)
+
+try:
+    from highspy import HighsModelStatus
+except ImportError:
+    HighsModelStatus = None
+
+SOLVERS = ("highs", "cbc")
+MAX_REPAIRS = 100
+ADDITIVE_RTOL = 1e-12
+ROUNDING_RTOL = 1e-12
+OBJECTIVE_MAGNITUDE = 2.0**10
+
+
+@functools.cache
+def available_solvers() -> tuple[str, ...]:
+    found = []
+    if pulp.HiGHS(msg=False).available():
+        found.append("highs")
+    if _cbc(msg=False).available():
+        found.append("cbc")
+    return tuple(found)
+
+
+def _cbc(**options: object) -> pulp.LpSolver:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(**options)
+
+
+def _backend(solver: str) -> str:
+    if solver not in ("auto", *SOLVERS):
+        raise ValueError(f"unknown solver {solver!r}; expected 'auto', 'highs' or 'cbc'")
+    available = available_solvers()
+    if solver == "auto":
+        if not available:
+            raise RuntimeError("neither HiGHS (highspy) nor pulp's bundled CBC is available")
+        return available[0]
+    if solver not in available:
+        raise RuntimeError(f"solver {solver!r} is not available here (available: {list(available)})")
+    return solver
+
+
+def _pow2(magnitude: float) -> float:
+    if magnitude <= 0 or not math.isfinite(magnitude):
+        return 1.0
+    return math.ldexp(1.0, math.frexp(magnitude)[1])
+
+
+class _Groups:
+    def __init__(self, problem: Problem):
+        self.members: list[list[str]] = []
+        self.pin: list[int | None] = []
+        self.size: list[int] = []
+        self.of: dict[str, int] = {}
+        for index, (members, pin) in enumerate(problem.strategy_groups()):
+            self.members.append(members)
+            self.pin.append(pin)
+            self.size.append(len(problem.node(members[0]).costs))
+            for name in members:
+                self.of[name] = index
+        self.free = [g for g, pin in enumerate(self.pin) if pin is None]
+
+    def expand(self, free_choice: dict[int, int]) -> dict[str, int]:
+        choice = {}
+        for g, members in enumerate(self.members):
+            pin = self.pin[g]
+            strategy = pin if pin is not None else free_choice[g]
+            for name in members:
+                choice[name] = strategy
+        return dict(sorted(choice.items()))
+
+    def support(self, problem: Problem, constraint: MemoryConstraint) -> list[int]:
+        names = set(constraint.terms)
+        for src, dst in constraint.edge_terms:
+            names.update((src, dst))
+        return sorted({self.of[n] for n in names if self.pin[self.of[n]] is None})
+
+
+def _additive(matrix: list[list[float]]) -> tuple[list[float], list[float]] | None:
+    rows = [row[0] for row in matrix]
+    cols = [value - matrix[0][0] for value in matrix[0]]
+    tolerance = ADDITIVE_RTOL * max(abs(v) for row in matrix for v in row)
+    for i, row in enumerate(matrix):
+        for j, value in enumerate(row):
+            if abs(value - rows[i] - cols[j]) > tolerance:
+                return None
+    return rows, cols
+
+
+@dataclass
+class _Form:
+    constant: float
+    lin: dict[int, list[float]]
+    pairs: dict[tuple[int, int], list[list[float]]]
+
+    def top(self) -> float:
+        tops = [max(v) for v in self.lin.values()]
+        tops += [max(max(row) for row in m) for m in self.pairs.values()]
+        return math.fsum(tops)
+
+    def magnitude(self) -> float:
+        values = [max(v) for v in self.lin.values()]
+        values += [max(max(row) for row in m) for m in self.pairs.values()]
+        return max(values, default=0.0)
+
+    def key(self) -> tuple:
+        lin = tuple((g, tuple(v)) for g, v in sorted(self.lin.items()))
+        pairs = tuple((k, tuple(map(tuple, m))) for k, m in sorted(self.pairs.items()))
+        return lin, pairs
+
+
+class _Affine:
+    def __init__(self, groups: _Groups, constant: float = 0.0):
+        self.groups = groups
+        self.constant = constant
+        self.lin: dict[int, list[float]] = {}
+        self.pairs: dict[tuple[int, int], list[list[float]]] = {}
+
+    def add_group(self, g: int, values: list[float]) -> None:
+        pin = self.groups.pin[g]
+        if pin is not None:
+            self.constant += values[pin]
+            return
+        acc = self.lin.setdefault(g, [0.0] * len(values))
+        for s, value in enumerate(values):
+            acc[s] += value
+
+    def add_node(self, name: str, values: list[float]) -> None:
+        self.add_group(self.groups.of[name], values)
+
+    def add_edge(self, src: str, dst: str, matrix: list[list[float]]) -> None:
+        g, h = self.groups.of[src], self.groups.of[dst]
+        pin_g, pin_h = self.groups.pin[g], self.groups.pin[h]
+        if pin_g is not None and pin_h is not None:
+            self.constant += matrix[pin_g][pin_h]
+        elif pin_g is not None:
+            self.add_group(h, matrix[pin_g])
+        elif pin_h is not None:
+            self.add_group(g, [row[pin_h] for row in matrix])
+        elif g == h:
+            self.add_group(g, [matrix[i][i] for i in range(len(matrix))])
+        else:
+            if g > h:
+                g, h = h, g
+                matrix = [list(col) for col in zip(*matrix, strict=True)]
+            acc = self.pairs.setdefault((g, h), [[0.0] * len(matrix[0]) for _ in matrix])
+            for i, row in enumerate(matrix):
+                for j, value in enumerate(row):
+                    acc[i][j] += value
+
+    def finish(self) -> _Form:
+        pairs = {}
+        for key in sorted(self.pairs):
+            matrix = self.pairs[key]
+            if not any(any(row) for row in matrix):
+                continue
+            split = _additive(matrix)
+            if split is None:
+                pairs[key] = matrix
+            else:
+                self.add_group(key[0], split[0])
+                self.add_group(key[1], split[1])
+        constant = self.constant
+        lin = {}
+        for g in sorted(self.lin):
+            low = min(self.lin[g])
+            constant += low
+            shifted = [value - low for value in self.lin[g]]
+            if any(shifted):
+                lin[g] = shifted
+        for key, matrix in pairs.items():
+            low = min(min(row) for row in matrix)
+            constant += low
+            pairs[key] = [[value - low for value in row] for row in matrix]
+        return _Form(constant, lin, pairs)
+
+
+def _objective_form(problem: Problem, groups: _Groups) -> _Form:
+    acc = _Affine(groups)
+    for node in sorted(problem.nodes, key=lambda n: n.name):
+        acc.add_node(node.name, [node.multiplicity * c for c in node.costs])
+    for edge in sorted(problem.edges, key=lambda e: (e.src, e.dst)):
+        if edge.multiplicity and any(any(row) for row in edge.cost):
+            acc.add_edge(edge.src, edge.dst, [[edge.multiplicity * c for c in row] for row in edge.cost])
+    return acc.finish()
+
+
+@dataclass
+class _Row:
+    name: str
+    budget: float
+    form: _Form
+
+    @property
+    def slack(self) -> float:
+        return self.budget - self.form.constant
+
+    @property
+    def rounding(self) -> float:
+        return ROUNDING_RTOL * max(abs(self.budget), abs(self.form.constant), self.form.top())
+
+
+def _memory_rows(problem: Problem, groups: _Groups) -> list[_Row]:
+    rows = []
+    for constraint in sorted(problem.memory_constraints, key=lambda c: c.name):
+        if not math.isfinite(constraint.budget):
+            continue
+        acc = _Affine(groups, constraint.constant)
+        for name in sorted(constraint.terms):
+            scale = problem.node(name).multiplicity if constraint.apply_multiplicity else 1
+            acc.add_node(name, [scale * v for v in constraint.terms[name]])
+        for src, dst in sorted(constraint.edge_terms):
+            scale = problem.edge(src, dst).multiplicity if constraint.apply_multiplicity else 1
+            matrix = constraint.edge_terms[(src, dst)]
+            acc.add_edge(src, dst, [[scale * v for v in row] for row in matrix])
+        rows.append(_Row(constraint.name, constraint.budget, acc.finish()))
+    return rows
+
+
+def _tightest(rows: list[_Row]) -> list[_Row]:
+    best: dict[tuple, _Row] = {}
+    for row in rows:
+        key = row.form.key()
+        if key not in best or row.slack < best[key].slack:
+            best[key] = row
+    return sorted(best.values(), key=lambda r: r.name)
+
+
+class _Model:
+    def __init__(self, groups: _Groups):
+        self.groups = groups
+        self.prob = pulp.LpProblem("hf_colossal_auto", pulp.LpMinimize)
+        self.x: dict[int, list[pulp.LpVariable]] = {}
+        self.e: dict[tuple[int, int], list[list[pulp.LpVariable]]] = {}
+        self.cuts = 0
+        for g in groups.free:
+            xs = [pulp.LpVariable(f"x_{g:05d}_{s:03d}", cat=pulp.LpBinary) for s in range(groups.size[g])]
+            self.x[g] = xs
+            self.prob += pulp.LpAffineExpression([(v, 1.0) for v in xs]) == 1, f"one_{g:05d}"
+
+    def joint(self, g: int, h: int) -> list[list[pulp.LpVariable]]:
+        if (g, h) in self.e:
+            return self.e[(g, h)]
+        xs, ys = self.x[g], self.x[h]
+        e = [
+            [pulp.LpVariable(f"e_{g:05d}_{h:05d}_{i:03d}_{j:03d}", 0, 1) for j in range(len(ys))]
+            for i in range(len(xs))
+        ]
+        for i, x in enumerate(xs):
+            terms = [(v, 1.0) for v in e[i]] + [(x, -1.0)]
+            self.prob += pulp.LpAffineExpression(terms) == 0, f"row_{g:05d}_{h:05d}_{i:03d}"
+        for j, y in enumerate(ys):
+            terms = [(e[i][j], 1.0) for i in range(len(xs))] + [(y, -1.0)]
+            self.prob += pulp.LpAffineExpression(terms) == 0, f"col_{g:05d}_{h:05d}_{j:03d}"
+        self.e[(g, h)] = e
+        return e
+
+    def terms(self, form: _Form, scale: float) -> list[tuple[pulp.LpVariable, float]]:
+        out = []
+        for g, values in form.lin.items():
+            out += [(self.x[g][s], v / scale) for s, v in enumerate(values) if v]
+        for (g, h), matrix in form.pairs.items():
+            e = self.joint(g, h)
+            out += [(e[i][j], v / scale) for i, row in enumerate(matrix) for j, v in enumerate(row) if v]
+        return out
+
+    def add_row(self, name: str, form: _Form, rhs: float) -> None:
+        scale = _pow2(form.magnitude())
+        self.prob += pulp.LpAffineExpression(self.terms(form, scale)) <= rhs / scale, name
+
+    def cut(self, free_choice: dict[int, int], support: list[int]) -> None:
+        terms = [(self.x[g][free_choice[g]], 1.0) for g in support]
+        self.prob += pulp.LpAffineExpression(terms) <= len(support) - 1, f"cut_{self.cuts:05d}"
+        self.cuts += 1
+
+    def choice(self) -> dict[int, int]:
+        out = {}
+        for g, xs in self.x.items():
+            values = [v.varValue or 0.0 for v in xs]
+            out[g] = max(range(len(values)), key=values.__getitem__)
+        return out
+
+    def size(self) -> tuple[int, int]:
+        return len(self.prob.variables()), len(self.prob.constraints)
+
+
+@dataclass
+class _Outcome:
+    status: str
+    choice: dict[int, int] | None
+    bound: float | None
+
+
+def _cbc_bound(log_path: str) -> float | None:
+    try:
+        with open(log_path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    found = re.findall(r"^Lower bound:\s+(\S+)", text, flags=re.MULTILINE)
+    try:
+        return float(found[-1]) if found else None
+    except ValueError:
+        return None
+
+
+def _run(model: _Model, backend: str, time_limit: float, mip_gap: float, msg: bool) -> _Outcome:
+    gap_abs = 0.0 if mip_gap == 0 else None
+    if backend == "highs":
+        solver = pulp.HiGHS(msg=msg, timeLimit=time_limit, gapRel=mip_gap, gapAbs=gap_abs)
+        model.prob.solve(solver)
+        highs = model.prob.solverModel
+        raw = highs.getModelStatus()
+        timed_out = raw in (
+            HighsModelStatus.kTimeLimit,
+            HighsModelStatus.kInterrupt,
+            HighsModelStatus.kIterationLimit,
+        )
+        bound = highs.getInfo().mip_dual_bound
+        bound = bound if math.isfinite(bound) else None
+    else:
+        with tempfile.TemporaryDirectory(prefix="hf_colossal_auto_cbc_") as tmp:
+            log_path = None if msg else os.path.join(tmp, "cbc.log")
+            solver = _cbc(msg=msg, timeLimit=time_limit, gapRel=mip_gap, gapAbs=gap_abs, logPath=log_path)
+            model.prob.solve(solver)
+            bound = _cbc_bound(log_path) if log_path else None
+        timed_out = model.prob.status == pulp.LpStatusNotSolved
+    status, sol = model.prob.status, model.prob.sol_status
+    if status == pulp.LpStatusInfeasible or sol == pulp.LpSolutionInfeasible:
+        return _Outcome("infeasible", None, None)
+    if sol == pulp.LpSolutionOptimal:
+        return _Outcome("optimal", model.choice(), bound)
+    if sol == pulp.LpSolutionIntegerFeasible:
+        return _Outcome("feasible", model.choice(), bound)
+    if sol == pulp.LpSolutionNoSolutionFound and timed_out:
+        return _Outcome("timeout_no_solution", None, bound)
+    raise RuntimeError(
+        f"{backend} failed on problem {model.prob.name!r}: status {pulp.LpStatus.get(status)}, "
+        f"solution {pulp.LpSolution.get(sol)}"
+    )
+
+
+def _relative_gap(value: float, bound: float | None) -> float | None:
+    if bound is None:
+        return None
+    scale = max(abs(value), abs(bound))
+    return 0.0 if scale == 0 else max(0.0, value - bound) / scale
+
+
+def _solution(
+    problem: Problem,
+    choice: dict[str, int],
+    status: str,
+    gap: float | None,
+    start: float,
+    solver: str,
+    size: tuple[int, int],
+) -> Solution:
+    objective, peak, _ = evaluate(problem, choice)
+    labels = {node.name: node.labels[choice[node.name]] for node in problem.nodes}
+    return Solution(
+        choice=choice,
+        objective_s=objective,
+        status=status,
+        gap=gap,
+        solve_time_s=time.perf_counter() - start,
+        solver=solver,
+        num_variables=size[0],
+        num_constraints=size[1],
+        peak_memory=peak,
+        labels=dict(sorted(labels.items())),
+    )
+
+
+def _no_solution(start: float, solver: str, size: tuple[int, int]) -> Solution:
+    return Solution(
+        choice={},
+        objective_s=math.inf,
+        status="timeout_no_solution",
+        gap=None,
+        solve_time_s=time.perf_counter() - start,
+        solver=solver,
+        num_variables=size[0],
+        num_constraints=size[1],
+        peak_memory=math.inf,
+    )
+
+
+def _least_memory(
+    problem: Problem,
+    groups: _Groups,
+    rows: list[_Row],
+    backend: str,
+    deadline: float,
+    msg: bool,
+    start: float,
+) -> Solution:
+    reference = reference_budget(problem)
+    lower = max(row.form.constant - row.budget for row in rows)
+    choice: dict[str, int] | None = None
+    exact = False
+    if not groups.free:
+        choice = groups.expand({})
+        exact = True
+    else:
+        relevant = _tightest([r for r in rows if r.form.constant - r.budget + r.form.top() > lower])
+        remaining = deadline - time.perf_counter()
+        if not relevant:
+            choice = groups.expand({g: 0 for g in groups.free})
+            exact = True
+        elif remaining > 0:
+            model = _Model(groups)
+            unit = _pow2(max([abs(lower)] + [r.form.magnitude() for r in relevant]))
+            excess = pulp.LpVariable("t", lowBound=lower / unit)
+            model.prob.setObjective(pulp.LpAffineExpression([(excess, 1.0)]))
+            for index, row in enumerate(relevant):
+                terms = model.terms(row.form, unit) + [(excess, -1.0)]
+                model.prob += pulp.LpAffineExpression(terms) <= row.slack / unit, f"mem_{index:05d}"
+            outcome = _run(model, backend, remaining, 0.0, msg)
+            if outcome.choice is not None:
+                choice = groups.expand(outcome.choice)
+                exact = outcome.status == "optimal"
+            if outcome.bound is not None:
+                lower = max(lower, outcome.bound * unit)
+    if choice is not None:
+        shortfall = overshoot(problem, choice)
+        if shortfall <= 0:
+            return _solution(problem, choice, "feasible", None, start, backend, (0, 0))
+        if exact:
+            lower = shortfall
+    raise InfeasibleError(
+        infeasible_message(problem, reference + lower, exact),
+        min_required=reference + lower,
+        exact=exact,
+        choice=choice,
+    )
+
+
+def solve(
+    problem: Problem,
+    *,
+    time_limit_s: float = 60,
+    solver: str = "auto",
+    mip_gap: float = 0.0,
+    msg: bool = False,
+) -> Solution:
+    start = time.perf_counter()
+    if not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be > 0, got {time_limit_s!r}")
+    if not 0 <= mip_gap < 1:
+        raise ValueError(f"mip_gap must be in [0, 1), got {mip_gap!r}")
+    backend = _backend(solver)
+    deadline = start + time_limit_s
+    groups = _Groups(problem)
+    rows = _memory_rows(problem, groups)
+    if any(row.slack < -row.rounding for row in rows):
+        return _least_memory(problem, groups, rows, backend, deadline, msg, start)
+    if not groups.free:
+        choice = groups.expand({})
+        if overshoot(problem, choice) > 0:
+            return _least_memory(problem, groups, rows, backend, deadline, msg, start)
+        return _solution(problem, choice, "optimal", 0.0, start, "none", (0, 0))
+
+    objective = _objective_form(problem, groups)
+    unit = _pow2(objective.magnitude()) / OBJECTIVE_MAGNITUDE
+    model = _Model(groups)
+    model.prob.setObjective(pulp.LpAffineExpression(model.terms(objective, unit)))
+    binding = _tightest([r for r in rows if (r.form.lin or r.form.pairs) and r.form.top() > r.slack])
+    for index, row in enumerate(binding):
+        model.add_row(f"mem_{index:05d}", row.form, row.slack + row.rounding)
+
+    for _ in range(MAX_REPAIRS):
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            return _no_solution(start, backend, model.size())
+        outcome = _run(model, backend, remaining, mip_gap, msg)
+        if outcome.status == "infeasible":
+            return _least_memory(problem, groups, rows, backend, deadline, msg, start)
+        if outcome.choice is None:
+            return _no_solution(start, backend, model.size())
+        choice = groups.expand(outcome.choice)
+        usage = memory_usage(problem, choice)
+        violated = [c for c in problem.memory_constraints if usage[c.name] > c.budget]
+        if not violated:
+            objective_s, _, _ = evaluate(problem, choice)
+            bound = None if outcome.bound is None else objective.constant + outcome.bound * unit
+            gap = _relative_gap(objective_s, bound)
+            if gap is None and outcome.status == "optimal" and mip_gap == 0:
+                gap = 0.0
+            return _solution(problem, choice, outcome.status, gap, start, backend, model.size())
+        supports = {tuple(groups.support(problem, c)) for c in violated}
+        if () in supports:
+            return _least_memory(problem, groups, rows, backend, deadline, msg, start)
+        for support in sorted(supports):
+            model.cut(outcome.choice, list(support))
+    raise RuntimeError(
+        f"the solver kept returning choices that exceed a memory budget by less than its tolerance "
+        f"({MAX_REPAIRS} repairs); problem {problem.name!r}"
+    )

@@ -1,0 +1,346 @@
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+GIB = float(1 << 30)
+
+
+def _number(value: object, what: str) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: {value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{what}: {value!r} is not finite")
+    return number
+
+
+def _vector(values: object, what: str) -> list[float]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{what}: expected a list of numbers, got {values!r}")
+    return [_number(v, what) for v in values]  # type: ignore[union-attr]
+
+
+def _matrix(rows: object, what: str) -> list[list[float]]:
+    if isinstance(rows, (str, bytes)) or not hasattr(rows, "__iter__"):
+        raise ValueError(f"{what}: expected a list of rows, got {rows!r}")
+    matrix = [_vector(row, what) for row in rows]  # type: ignore[union-attr]
+    if not matrix or not matrix[0]:
+        raise ValueError(f"{what}: the matrix is empty")
+    if any(len(row) != len(matrix[0]) for row in matrix):
+        raise ValueError(f"{what}: rows have different lengths {[len(r) for r in matrix]}")
+    return matrix
+
+
+def _index(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _count(value: object, what: str) -> int:
+    count = _index(value)
+    if count is None:
+        raise ValueError(f"{what}: multiplicity must be an integer, got {value!r}")
+    if count < 0:
+        raise ValueError(f"{what}: multiplicity must be >= 0, got {count}")
+    return count
+
+
+def _shape(matrix: list[list[float]]) -> tuple[int, int]:
+    return len(matrix), len(matrix[0])
+
+
+@dataclass
+class DecisionNode:
+    name: str
+    costs: list[float]
+    labels: list[str]
+    multiplicity: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"node name must be a non-empty string, got {self.name!r}")
+        what = f"node {self.name!r}"
+        self.costs = _vector(self.costs, f"{what} costs")
+        if not self.costs:
+            raise ValueError(f"{what} has no strategies")
+        self.labels = list(self.labels)
+        if len(self.labels) != len(self.costs):
+            raise ValueError(f"{what} has {len(self.costs)} costs but {len(self.labels)} labels")
+        if not all(isinstance(label, str) for label in self.labels):
+            raise ValueError(f"{what} labels must be strings, got {self.labels!r}")
+        self.multiplicity = _count(self.multiplicity, what)
+
+
+@dataclass
+class DecisionEdge:
+    src: str
+    dst: str
+    cost: list[list[float]]
+    multiplicity: int = 1
+
+    def __post_init__(self) -> None:
+        what = f"edge {self.src!r}->{self.dst!r}"
+        if not isinstance(self.src, str) or not isinstance(self.dst, str):
+            raise ValueError(f"{what}: endpoints must be node names")
+        self.cost = _matrix(self.cost, f"{what} cost")
+        self.multiplicity = _count(self.multiplicity, what)
+
+
+@dataclass
+class MemoryConstraint:
+    name: str
+    budget: float
+    constant: float
+    terms: dict[str, list[float]]
+    edge_terms: dict[tuple[str, str], list[list[float]]] = field(default_factory=dict)
+    apply_multiplicity: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"memory constraint name must be a non-empty string, got {self.name!r}")
+        what = f"memory constraint {self.name!r}"
+        budget = float(self.budget)
+        if math.isnan(budget) or budget == -math.inf:
+            raise ValueError(f"{what}: budget {self.budget!r} is not a number of bytes")
+        self.budget = budget
+        self.constant = _number(self.constant, f"{what} constant")
+        self.terms = {node: _vector(values, f"{what} term {node!r}") for node, values in self.terms.items()}
+        edge_terms = {}
+        for key, matrix in (self.edge_terms or {}).items():
+            if not isinstance(key, tuple) or len(key) != 2:
+                raise ValueError(f"{what}: edge term key must be a (src, dst) tuple, got {key!r}")
+            edge_terms[key] = _matrix(matrix, f"{what} edge term {key[0]!r}->{key[1]!r}")
+        self.edge_terms = edge_terms
+
+
+@dataclass
+class Problem:
+    nodes: list[DecisionNode]
+    edges: list[DecisionEdge] = field(default_factory=list)
+    memory_constraints: list[MemoryConstraint] = field(default_factory=list)
+    name: str = ""
+    fixed: dict[str, int] = field(default_factory=dict)
+    equal_strategy: list[tuple[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.nodes = list(self.nodes)
+        self.edges = list(self.edges)
+        self.memory_constraints = list(self.memory_constraints)
+        self.fixed = dict(self.fixed)
+        self.equal_strategy = [tuple(pair) for pair in self.equal_strategy]
+        self._by_name: dict[str, DecisionNode] = {}
+        for node in self.nodes:
+            if not isinstance(node, DecisionNode):
+                raise ValueError(f"nodes must be DecisionNode instances, got {node!r}")
+            if node.name in self._by_name:
+                raise ValueError(f"node {node.name!r} is defined twice")
+            self._by_name[node.name] = node
+        self._edge_by_key: dict[tuple[str, str], DecisionEdge] = {}
+        for edge in self.edges:
+            self._check_edge(edge)
+        names = set()
+        for constraint in self.memory_constraints:
+            if constraint.name in names:
+                raise ValueError(f"memory constraint {constraint.name!r} is defined twice")
+            names.add(constraint.name)
+            self._check_constraint(constraint)
+        for node_name, value in self.fixed.items():
+            node = self._node(node_name, "fixed strategy")
+            strategy = _index(value)
+            if strategy is None:
+                raise ValueError(f"fixed strategy of node {node_name!r} must be an int, got {value!r}")
+            self.fixed[node_name] = strategy
+            if not 0 <= strategy < len(node.costs):
+                raise ValueError(
+                    f"fixed strategy {strategy} of node {node_name!r} is out of range "
+                    f"(it has {len(node.costs)} strategies)"
+                )
+        for pair in self.equal_strategy:
+            if len(pair) != 2:
+                raise ValueError(f"equal_strategy entries must be (node, node) pairs, got {pair!r}")
+            first = self._node(pair[0], "equal_strategy")
+            second = self._node(pair[1], "equal_strategy")
+            if len(first.costs) != len(second.costs):
+                raise ValueError(
+                    f"equal_strategy ties node {first.name!r} ({len(first.costs)} strategies) to node "
+                    f"{second.name!r} ({len(second.costs)} strategies); the counts must match"
+                )
+        self.strategy_groups()
+
+    def _node(self, name: object, where: str) -> DecisionNode:
+        node = self._by_name.get(name) if isinstance(name, str) else None
+        if node is None:
+            raise ValueError(f"{where} refers to unknown node {name!r}")
+        return node
+
+    def _check_edge(self, edge: DecisionEdge) -> None:
+        if not isinstance(edge, DecisionEdge):
+            raise ValueError(f"edges must be DecisionEdge instances, got {edge!r}")
+        what = f"edge {edge.src!r}->{edge.dst!r}"
+        src = self._node(edge.src, what)
+        dst = self._node(edge.dst, what)
+        expected = (len(src.costs), len(dst.costs))
+        if _shape(edge.cost) != expected:
+            raise ValueError(f"{what} cost matrix has shape {_shape(edge.cost)}, expected {expected}")
+        key = (edge.src, edge.dst)
+        if key in self._edge_by_key:
+            raise ValueError(f"{what} is defined twice; merge the two by summing their cost matrices")
+        self._edge_by_key[key] = edge
+
+    def _check_constraint(self, constraint: MemoryConstraint) -> None:
+        if not isinstance(constraint, MemoryConstraint):
+            raise ValueError(f"memory_constraints must be MemoryConstraint instances, got {constraint!r}")
+        what = f"memory constraint {constraint.name!r}"
+        for node_name, values in constraint.terms.items():
+            node = self._node(node_name, what)
+            if len(values) != len(node.costs):
+                raise ValueError(
+                    f"{what} term for node {node_name!r} has {len(values)} values, expected {len(node.costs)}"
+                )
+        for key, matrix in constraint.edge_terms.items():
+            edge = self._edge_by_key.get(key)
+            if edge is None:
+                raise ValueError(f"{what} has an edge term for unknown edge {key[0]!r}->{key[1]!r}")
+            if _shape(matrix) != _shape(edge.cost):
+                raise ValueError(
+                    f"{what} edge term {key[0]!r}->{key[1]!r} has shape {_shape(matrix)}, "
+                    f"expected {_shape(edge.cost)}"
+                )
+
+    def node(self, name: str) -> DecisionNode:
+        return self._node(name, "lookup")
+
+    def edge(self, src: str, dst: str) -> DecisionEdge:
+        edge = self._edge_by_key.get((src, dst))
+        if edge is None:
+            raise ValueError(f"unknown edge {src!r}->{dst!r}")
+        return edge
+
+    def strategy_groups(self) -> list[tuple[list[str], int | None]]:
+        parent = {name: name for name in self._by_name}
+
+        def root(name: str) -> str:
+            while parent[name] != name:
+                parent[name] = parent[parent[name]]
+                name = parent[name]
+            return name
+
+        for first, second in self.equal_strategy:
+            a, b = root(first), root(second)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+        members: dict[str, list[str]] = {}
+        for name in sorted(self._by_name):
+            members.setdefault(root(name), []).append(name)
+        groups = []
+        for group in sorted(members.values()):
+            pins = {self.fixed[name] for name in group if name in self.fixed}
+            if len(pins) > 1:
+                pinned = {name: self.fixed[name] for name in group if name in self.fixed}
+                raise ValueError(f"equal_strategy ties nodes pinned to different strategies: {pinned}")
+            pin = pins.pop() if pins else None
+            if pin is None and len(self._by_name[group[0]].costs) == 1:
+                pin = 0
+            groups.append((group, pin))
+        return groups
+
+
+@dataclass
+class Solution:
+    choice: dict[str, int]
+    objective_s: float
+    status: str
+    gap: float | None
+    solve_time_s: float
+    solver: str
+    num_variables: int
+    num_constraints: int
+    peak_memory: float
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class InfeasibleError(ValueError):
+    def __init__(self, message: str, *, min_required: float, exact: bool, choice: dict[str, int] | None):
+        super().__init__(message)
+        self.min_required = min_required
+        self.exact = exact
+        self.choice = choice
+
+
+def infeasible_message(problem: Problem, min_required: float, exact: bool) -> str:
+    budget = reference_budget(problem)
+    amount = f"{min_required:.0f} bytes ({min_required / GIB:.3f} GiB)"
+    if exact:
+        head = f"the smallest per-device memory any choice needs is {amount}"
+    else:
+        head = f"the smallest per-device memory any choice needs is at least {amount} (search timed out)"
+    label = f" for problem {problem.name!r}" if problem.name else ""
+    return (
+        f"no strategy choice fits the memory budget{label}: {head}, "
+        f"over the budget of {budget:.0f} bytes ({budget / GIB:.3f} GiB)"
+    )
+
+
+def reference_budget(problem: Problem) -> float:
+    budgets = [c.budget for c in problem.memory_constraints if math.isfinite(c.budget)]
+    return max(budgets) if budgets else math.inf
+
+
+def _check_choice(problem: Problem, choice: dict[str, int]) -> None:
+    for name in choice:
+        problem._node(name, "choice")
+    for node in problem.nodes:
+        if node.name not in choice:
+            raise ValueError(f"choice has no strategy for node {node.name!r}")
+        strategy = _index(choice[node.name])
+        if strategy is None or not 0 <= strategy < len(node.costs):
+            raise ValueError(
+                f"choice gives node {node.name!r} strategy {strategy!r}, "
+                f"which is not in range({len(node.costs)})"
+            )
+
+
+def _objective(problem: Problem, choice: dict[str, int]) -> float:
+    parts = [node.multiplicity * node.costs[choice[node.name]] for node in problem.nodes]
+    parts += [edge.multiplicity * edge.cost[choice[edge.src]][choice[edge.dst]] for edge in problem.edges]
+    return math.fsum(parts)
+
+
+def _usage(problem: Problem, constraint: MemoryConstraint, choice: dict[str, int]) -> float:
+    parts = [constraint.constant]
+    for node_name, values in constraint.terms.items():
+        scale = problem._by_name[node_name].multiplicity if constraint.apply_multiplicity else 1
+        parts.append(scale * values[choice[node_name]])
+    for (src, dst), matrix in constraint.edge_terms.items():
+        scale = problem._edge_by_key[(src, dst)].multiplicity if constraint.apply_multiplicity else 1
+        parts.append(scale * matrix[choice[src]][choice[dst]])
+    return math.fsum(parts)
+
+
+def memory_usage(problem: Problem, choice: dict[str, int]) -> dict[str, float]:
+    _check_choice(problem, choice)
+    return {c.name: _usage(problem, c, choice) for c in problem.memory_constraints}
+
+
+def overshoot(problem: Problem, choice: dict[str, int]) -> float:
+    excess = [
+        _usage(problem, c, choice) - c.budget for c in problem.memory_constraints if math.isfinite(c.budget)
+    ]
+    return max(excess) if excess else -math.inf
+
+
+def evaluate(problem: Problem, choice: dict[str, int]) -> tuple[float, float, bool]:
+    _check_choice(problem, choice)
+    usage = [(_usage(problem, c, choice), c.budget) for c in problem.memory_constraints]
+    peak = max((value for value, _ in usage), default=0.0)
+    feasible = all(value <= budget for value, budget in usage)
+    feasible = feasible and all(choice[name] == strategy for name, strategy in problem.fixed.items())
+    feasible = feasible and all(choice[a] == choice[b] for a, b in problem.equal_strategy)
+    return _objective(problem, choice), peak, feasible
