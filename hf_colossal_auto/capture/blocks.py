@@ -1,9 +1,12 @@
 """Find runs of identical transformer blocks and trace only a few of them.
 
 A transformer is a stack of N blocks that run the same ops on same-shaped tensors. Tracing all N costs N
-times the work and tells nothing new, so we keep the first two blocks of each run (the second one is the
-*representative*: it sees an input produced by an identical block, like every later block does) and let it
-stand for the rest. Profiling cost then grows with the number of distinct blocks, not with depth.
+times the work and tells nothing new, so we keep the first four blocks of each run. The first and the last
+block of a stack are special (the first frees what the embeddings made, in backward the first block is where
+tensors shared by all blocks — rotary tables, masks — die; the last feeds the head); the two middle copies
+are ordinary blocks with a block on each side, like every block we do not trace. The tracer checks that the
+two middle copies recorded the same ops and memory deltas, and the second one (the *representative*) then
+stands for every untraced block. Profiling cost grows with the number of distinct blocks, not with depth.
 
 Two blocks are identical when they have the same class, the same parameter and buffer names, shapes and
 dtypes, the same per-layer config entries (``config.layer_types`` distinguishes e.g. sliding-window from
@@ -26,9 +29,10 @@ from .graph import BlockRun
 
 logger = logging.getLogger(__name__)
 
-MIN_RUN = 3
-"""Runs shorter than this are traced in full: folding two of two saves nothing."""
-KEPT = 2
+KEPT = 4
+"""Blocks traced per run: first, two middle copies (compared with each other), last."""
+MIN_RUN = KEPT + 1
+"""Runs of at most ``KEPT`` blocks are traced in full: folding would save nothing."""
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -80,7 +84,7 @@ def folded(model: nn.Module, runs: list[BlockRun]) -> Iterator[None]:
     for run in runs:
         container = modules[run.container]
         assert isinstance(container, nn.ModuleList)
-        keep_upto = int(run.traced[-1].rsplit(".", 1)[-1]) + 1
+        keep_upto = int(run.traced[-1].rsplit(".", 1)[-1]) + 1  # the traced copies are a prefix
         folds.append(_Fold(run.container, container, run, keep_upto))
     saved = {id(f.container): dict(f.container._modules) for f in folds}
     try:

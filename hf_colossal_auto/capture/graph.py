@@ -119,14 +119,18 @@ class StorageInfo:
     nbytes: int
     kind: ValueKind
     name: str | None = None
+    owner: str | None = None
+    """Parameter FQN this storage belongs to (the parameter, its grad, its optimizer state, and the optimizer
+    step's temporaries for it); lets folded blocks replay the optimizer step per parameter."""
 
 
 @dataclass
 class BlockRun:
     """A run of identical consecutive blocks in a ``ModuleList`` of which only some were traced.
 
-    ``traced`` are the FQNs of the traced copies (consecutive, in order); the last one stands for itself and
-    for ``repeat`` more blocks that were not traced. ``all_blocks`` lists every block FQN of the run.
+    ``traced`` are the FQNs of the traced copies: the first blocks of the run, in order. The last traced copy
+    ran as the last block of the (cut) stack and stands for ``all_blocks[-1]``; the one before it, the
+    *representative*, stands for itself and for the ``repeat`` middle blocks that were not traced.
     """
 
     container: str
@@ -139,7 +143,16 @@ class BlockRun:
 
     @property
     def representative(self) -> str:
-        return self.traced[-1]
+        return self.traced[-2]
+
+    @property
+    def untraced(self) -> list[str]:
+        """Real blocks the representative's copies stand for, in forward order."""
+        return self.all_blocks[len(self.traced) - 1 : -1]
+
+    def real_block(self, traced_block: str) -> str:
+        """The real block a traced copy stands for when it is not a copy of the representative."""
+        return self.all_blocks[-1] if traced_block == self.traced[-1] else traced_block
 
 
 @dataclass

@@ -27,8 +27,8 @@ from .._torch_compat import (
     tree_flatten,
     tree_map,
 )
-from ..profile.flops import op_flops
 from .blocks import find_block_runs, folded
+from .flops import op_flops
 from .graph import (
     BlockRun,
     MemoryEvent,
@@ -94,7 +94,9 @@ class _Recorder(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
 
     # ------------------------------------------------------------ identities
-    def _storage(self, t: torch.Tensor, *, kind: ValueKind, name: str | None, initial: bool) -> tuple[int, bool]:
+    def _storage(
+        self, t: torch.Tensor, *, kind: ValueKind, name: str | None, initial: bool
+    ) -> tuple[int, bool]:
         st = t.untyped_storage()
         sid = self._storage_ids.get(st)
         if sid is not None:
@@ -120,7 +122,13 @@ class _Recorder(TorchDispatchMode):
         return (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
     def register(
-        self, t: torch.Tensor, kind: ValueKind, name: str | None = None, *, initial: bool, producer: int | None = None
+        self,
+        t: torch.Tensor,
+        kind: ValueKind,
+        name: str | None = None,
+        *,
+        initial: bool,
+        producer: int | None = None,
     ) -> int:
         sid, _ = self._storage(t, kind=kind, name=name, initial=initial)
         vid = self._next_value
@@ -184,8 +192,12 @@ class _Recorder(TorchDispatchMode):
             out_ids.append(vid)
             if known is None:
                 new_bytes += self.values[vid].nbytes
-        is_view = bool(out_tensors) and new_bytes == 0 and all(
-            self.values[v].storage_id in in_storages for v in out_ids
+        if self.phase is Phase.OPTIMIZER:
+            self._assign_owners(args, in_ids, out_tensors, out_ids)
+        is_view = (
+            bool(out_tensors)
+            and new_bytes == 0
+            and all(self.values[v].storage_id in in_storages for v in out_ids)
         )
         bytes_read = 0 if is_view else sum(self.values[v].nbytes for v in dict.fromkeys(in_ids))
         bytes_written = 0 if is_view else sum(self.values[v].nbytes for v in out_ids)
@@ -208,6 +220,34 @@ class _Recorder(TorchDispatchMode):
                 is_view=is_view,
             )
         )
+
+    def set_owner(self, t: torch.Tensor, owner: str) -> None:
+        sid = self._storage_ids.get(t.untyped_storage())
+        if sid is not None:
+            self.storages[sid].owner = owner
+
+    def _assign_owners(self, args, in_ids, out_tensors, out_ids) -> None:
+        """Attribute each new storage of an optimizer op to a parameter: foreach ops map list position to
+        parameter (out[i] belongs to the owner of the first list argument's element i); others inherit the
+        owner of their first owned input."""
+        lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+        for pos, (t, vid) in enumerate(zip(out_tensors, out_ids, strict=True)):
+            info = self.storages[self.values[vid].storage_id]
+            if info.owner is not None:
+                continue
+            owner = None
+            if lists and len(lists[0]) == len(out_tensors):
+                owner = self.storages[self.values[self.value_of(lists[0][pos])].storage_id].owner
+            if owner is None:
+                owner = next(
+                    (
+                        self.storages[self.values[v].storage_id].owner
+                        for v in in_ids
+                        if self.storages[self.values[v].storage_id].owner
+                    ),
+                    None,
+                )
+            info.owner = owner
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:
@@ -257,9 +297,7 @@ def _trace_once(
     with fake_mode:
         params = {n: _fake_like(p).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
         buffers = {n: _fake_like(b) for n, b in model.named_buffers()}
-        fake_inputs = {
-            k: (_fake_like(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()
-        }
+        fake_inputs = {k: (_fake_like(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
         trainable = [p for p in params.values() if p.requires_grad]
         opt = _make_optimizer(optimizer, trainable)
         state_bytes: dict[str, int] = {}
@@ -283,6 +321,7 @@ def _trace_once(
         param_fqn = {}
         for n, p in params.items():
             rec.register(p, ValueKind.PARAM, n, initial=True)
+            rec.set_owner(p, n)
             param_fqn[id(p)] = n
         for n, b in buffers.items():
             rec.register(b, ValueKind.BUFFER, n, initial=True)
@@ -295,6 +334,7 @@ def _trace_once(
                 for key, v in st.items():
                     if isinstance(v, torch.Tensor):
                         rec.register(v, ValueKind.OPTIMIZER_STATE, f"{n}.{key}", initial=True)
+                        rec.set_owner(v, n)
 
         tracker = ModTracker()
 
@@ -303,9 +343,12 @@ def _trace_once(
             return full[len(root_name) + 1 :] if full.startswith(root_name + ".") else ""
 
         def _push(mod, *_):
-            rec.module_stack.append(_name(mod))
+            if mod is not None:  # a module built inside forward may be gone by backward
+                rec.module_stack.append(_name(mod))
 
         def _pop(mod, *_):
+            if mod is None:
+                return
             name = _name(mod)
             for i in range(len(rec.module_stack) - 1, -1, -1):
                 if rec.module_stack[i] == name:
@@ -322,7 +365,9 @@ def _trace_once(
                     else torch.autocast("cpu", enabled=False)
                 )
                 with ctx:
-                    output = torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=fake_inputs)
+                    output = torch.func.functional_call(
+                        model, {**params, **buffers}, args=(), kwargs=fake_inputs
+                    )
                 loss = _extract_loss(output, model, inputs)
                 del output
                 rec.phase = Phase.BACKWARD
@@ -330,6 +375,7 @@ def _trace_once(
                 loss.backward()
                 del loss
                 rec.module_stack.clear()
+                _classify_grads(rec, params)
                 if opt is not None and trainable:
                     rec.phase = Phase.OPTIMIZER
                     rec.scalar_stub = True
@@ -337,13 +383,17 @@ def _trace_once(
         finally:
             rec.recording = False
             tracker.clear_user_hooks()
-        for n, p in params.items():
-            if p.grad is not None:
-                sid = rec._storage_ids.get(p.grad.untyped_storage())
-                if sid is not None:
-                    rec.storages[sid].kind = ValueKind.GRAD
-                    rec.storages[sid].name = f"{n}.grad"
     return rec, state_bytes
+
+
+def _classify_grads(rec: _Recorder, params: dict[str, torch.Tensor]) -> None:
+    for n, p in params.items():
+        if p.grad is not None:
+            sid = rec._storage_ids.get(p.grad.untyped_storage())
+            if sid is not None:
+                rec.storages[sid].kind = ValueKind.GRAD
+                rec.storages[sid].name = f"{n}.grad"
+                rec.storages[sid].owner = n
 
 
 def _segments(nodes: list[OpNode], block: str) -> dict[Phase, Segment] | None:
@@ -351,7 +401,9 @@ def _segments(nodes: list[OpNode], block: str) -> dict[Phase, Segment] | None:
     result: dict[Phase, Segment] = {}
     prefix = block + "."
     for phase in (Phase.FORWARD, Phase.BACKWARD):
-        idx = [n.index for n in nodes if n.phase is phase and (n.module == block or n.module.startswith(prefix))]
+        idx = [
+            n.index for n in nodes if n.phase is phase and (n.module == block or n.module.startswith(prefix))
+        ]
         if not idx:
             continue
         if idx[-1] - idx[0] + 1 != len(idx):
@@ -362,20 +414,18 @@ def _segments(nodes: list[OpNode], block: str) -> dict[Phase, Segment] | None:
 
 def _segment_signature(rec: _Recorder, seg: Segment) -> tuple:
     ops = tuple(n.op for n in rec.nodes[seg.start : seg.end])
-    deltas = tuple(
-        (e.slot - seg.start, e.delta) for e in rec.events if seg.start <= e.slot < seg.end
-    )
+    deltas = tuple((e.slot - seg.start, e.delta) for e in rec.events if seg.start <= e.slot < seg.end)
     return ops, deltas
 
 
 def _verify_folding(rec: _Recorder, runs: list[BlockRun]) -> dict[str, dict[Phase, Segment]] | None:
-    """Check that the two traced copies of each run behaved identically; return every block's segments."""
+    """Check that the two middle traced copies of each run behaved identically; return every block's segments."""
     segments: dict[str, dict[Phase, Segment]] = {}
     for run in runs:
         segs = [_segments(rec.nodes, b) for b in run.traced]
         if any(s is None for s in segs):
             return None
-        first, rep = segs
+        first, rep = segs[-3], segs[-2]
         if set(first) != set(rep) or Phase.FORWARD not in rep:
             return None
         for phase in rep:

@@ -7,9 +7,9 @@ liveness that Alpa constrains, not Colossal-Auto's sum over every node.
 
 When identical blocks were folded, :func:`unroll` rebuilds the full-depth timeline: the representative
 block's forward and backward event slices are repeated once per untraced block (the tracer verified that
-two consecutive copies produce identical slices), the untraced blocks' parameters and optimizer state join
-the floor, and the optimizer phase — whose foreach kernels allocate in proportion to the parameters they
-update — is scaled by the ratio of trainable parameter bytes.
+two middle copies produce identical slices), the untraced blocks' parameters and optimizer state join
+the floor, and in the optimizer step every storage that belongs to a representative's parameter (the
+recorder maps foreach list positions to parameters) is allocated and freed once per twin parameter.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ class UnrolledStep:
     order: list[int]
     """Traced node index for every op of the full step, in execution order."""
     block_of: list[str | None]
-    """The real block FQN each op of ``order`` belongs to (None outside folded blocks)."""
+    """The real block FQN each op of ``order`` belongs to (None outside traced blocks of folded runs)."""
+    source_of: list[str | None]
+    """The traced block whose op it is (differs from ``block_of`` for copies standing in for other blocks)."""
     events: list[tuple[int, int, ValueKind]]
     """(position in ``order``, bytes delta, storage kind), chronological; position -1 = before any op."""
     initial_bytes: int
@@ -61,36 +63,40 @@ def unroll(graph: StepGraph) -> UnrolledStep:
     rep_info: dict[int, tuple[Phase, list[str]]] = {}
     """Segment start -> (phase, labels of the copies to emit in order)."""
     seg_end: dict[int, int] = {}
+    block_label: dict[int, tuple[str, str]] = {}
+    """Traced node -> (real block, traced block) for nodes of traced blocks."""
     for run in graph.block_runs:
-        segs = graph.block_segments[run.representative]
-        extra = run.all_blocks[len(run.traced) :]
-        for phase, seg in segs.items():
-            labels = [run.representative, *extra] if phase is Phase.FORWARD else [*reversed(extra), run.representative]
+        rep = run.representative
+        extra = run.untraced
+        for phase, seg in graph.block_segments[rep].items():
+            labels = [rep, *extra] if phase is Phase.FORWARD else [*reversed(extra), rep]
             rep_info[seg.start] = (phase, labels)
             seg_end[seg.start] = seg.end
-
-    block_label: dict[int, str] = {}
-    for block, segs in graph.block_segments.items():
-        for seg in segs.values():
-            for i in range(seg.start, seg.end):
-                block_label[i] = block
+        for block in run.traced:
+            for seg in graph.block_segments[block].values():
+                for i in range(seg.start, seg.end):
+                    block_label[i] = (run.real_block(block), block)
 
     by_slot = _group_by_slot(graph)
     kind_of = {sid: s.kind for sid, s in graph.storages.items()}
-    scale = _optimizer_scale(graph)
-    opt_start = graph.phase_range(Phase.OPTIMIZER).start if scale != 1.0 else len(graph.nodes)
+    for slot, frees in _escaping_frees(graph).items():
+        by_slot[slot].extend(frees)
+    opt_copies = _optimizer_copies(graph)
+    opt_start = graph.phase_range(Phase.OPTIMIZER).start
 
     order: list[int] = []
     block_of: list[str | None] = []
+    source_of: list[str | None] = []
     events: list[tuple[int, int, ValueKind]] = []
 
-    def emit(i: int, label: str | None) -> None:
+    def emit(i: int, label: str | None, source: str | None) -> None:
         pos = len(order)
         order.append(i)
         block_of.append(label)
-        factor = scale if i >= opt_start else 1.0
+        source_of.append(source)
         for delta, sid in by_slot.get(i, ()):
-            events.append((pos, round(delta * factor), kind_of[sid]))
+            copies = opt_copies.get(sid, 1) if i >= opt_start else 1
+            events.extend([(pos, delta, kind_of[sid])] * copies)
 
     for delta, sid in by_slot.get(-1, ()):
         events.append((-1, delta, kind_of[sid]))
@@ -99,12 +105,14 @@ def unroll(graph: StepGraph) -> UnrolledStep:
     while i < n:
         if i in rep_info:
             _, labels = rep_info[i]
+            source = block_label[i][1]
             for label in labels:
                 for j in range(i, seg_end[i]):
-                    emit(j, label)
+                    emit(j, label, source)
             i = seg_end[i]
             continue
-        emit(i, block_label.get(i))
+        label, source = block_label.get(i, (None, None))
+        emit(i, label, source)
         i += 1
 
     initial_by_kind: dict[ValueKind, int] = defaultdict(int)
@@ -112,8 +120,38 @@ def unroll(graph: StepGraph) -> UnrolledStep:
         initial_by_kind[kind_of[sid]] += graph.storages[sid].nbytes
     folded_params = _folded_params(graph)
     initial_by_kind[ValueKind.PARAM] += sum(graph.param_bytes[p] for p in folded_params)
-    initial_by_kind[ValueKind.OPTIMIZER_STATE] += sum(graph.optimizer_state_bytes.get(p, 0) for p in folded_params)
-    return UnrolledStep(order, block_of, events, sum(initial_by_kind.values()), dict(initial_by_kind))
+    initial_by_kind[ValueKind.OPTIMIZER_STATE] += sum(
+        graph.optimizer_state_bytes.get(p, 0) for p in folded_params
+    )
+    return UnrolledStep(
+        order, block_of, source_of, events, sum(initial_by_kind.values()), dict(initial_by_kind)
+    )
+
+
+def _escaping_frees(graph: StepGraph) -> dict[int, list[tuple[int, int]]]:
+    """Frees to add so that every untraced copy releases what the representative releases outside the run.
+
+    A storage allocated by the representative and freed inside a segment of the same run (a saved activation
+    freed in backward, a hidden state handed to the next block) is replayed by the copies themselves. One freed
+    elsewhere — e.g. per-block gradient contributions to a tensor shared by all blocks, summed and released
+    once after the last block — must be freed once per copy at that same place.
+    """
+    extra: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    alloc_slot = {e.storage_id: e.slot for e in graph.memory_events if e.delta > 0}
+    for run in graph.block_runs:
+        if run.repeat == 0:
+            continue
+        inside = set()
+        for block in run.traced:
+            for seg in graph.block_segments[block].values():
+                inside.update(range(seg.start, seg.end))
+        rep_slots = set()
+        for seg in graph.block_segments[run.representative].values():
+            rep_slots.update(range(seg.start, seg.end))
+        for e in graph.memory_events:
+            if e.delta < 0 and e.slot not in inside and alloc_slot.get(e.storage_id) in rep_slots:
+                extra[e.slot].extend([(e.delta, e.storage_id)] * run.repeat)
+    return extra
 
 
 def _folded_params(graph: StepGraph) -> list[str]:
@@ -125,13 +163,21 @@ def _folded_params(graph: StepGraph) -> list[str]:
     return [p for p in graph.param_names if p.startswith(prefixes)]
 
 
-def _optimizer_scale(graph: StepGraph) -> float:
-    """Full-model over traced trainable parameter bytes; the optimizer's temporaries scale with it."""
-    folded = set(_folded_params(graph))
-    if not folded:
-        return 1.0
-    traced = sum(b for p, b in graph.param_bytes.items() if p not in folded)
-    return (traced + sum(graph.param_bytes[p] for p in folded)) / traced if traced else 1.0
+def _optimizer_copies(graph: StepGraph) -> dict[int, int]:
+    """Storages of the optimizer step that belong to a representative's parameter, and how many parameters
+    of the full model each stands for (itself and its twins in every untraced block)."""
+    prefixes = {run.representative + ".": 1 + run.repeat for run in graph.block_runs if run.repeat}
+    if not prefixes:
+        return {}
+    copies: dict[int, int] = {}
+    for sid, info in graph.storages.items():
+        if info.owner is None:
+            continue
+        for prefix, count in prefixes.items():
+            if info.owner.startswith(prefix):
+                copies[sid] = count
+                break
+    return copies
 
 
 def memory_profile(graph: StepGraph, unrolled: UnrolledStep | None = None) -> MemoryProfile:

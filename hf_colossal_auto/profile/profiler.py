@@ -38,7 +38,9 @@ def node_times(graph: StepGraph, spec: DeviceSpec) -> list[float]:
     ]
 
 
-def block_units(model_or_graph: StepGraph, module_names: list[str], list_children: list[str]) -> dict[str, str]:
+def block_units(
+    model_or_graph: StepGraph, module_names: list[str], list_children: list[str]
+) -> dict[str, str]:
     """Map each module FQN to the depth unit ("block") it belongs to.
 
     Children of a ``ModuleList`` are blocks (the outermost such list wins, so a T5 block's inner ``layer`` list
@@ -138,20 +140,15 @@ def build_report(
         flops[n.phase] += n.flops * c
         phase_time[n.phase] += times[i] * c
 
-    # Per real module: translate a folded copy's module path from its representative to the real block.
-    rep_of_label: dict[str, str] = {}
-    for run in graph.block_runs:
-        for b in run.all_blocks[len(run.traced) - 1 :]:
-            rep_of_label[b] = run.representative
+    # Per real module: translate a copy's module path from the traced block to the real block it stands for.
     modules: dict[str, ModuleProfile] = {}
     real_module: list[str] = []
     for pos, i in enumerate(step.order):
         n = graph.nodes[i]
-        label = step.block_of[pos]
+        label, source = step.block_of[pos], step.source_of[pos]
         name = n.module
-        rep = rep_of_label.get(label) if label else None
-        if rep is not None and (name == rep or name.startswith(rep + ".")):
-            name = label + name[len(rep) :]
+        if label is not None and source is not None and (name == source or name.startswith(source + ".")):
+            name = label + name[len(source) :]
         real_module.append(name)
         mp = modules.setdefault(name, ModuleProfile(name))
         if n.phase is Phase.FORWARD:
@@ -163,7 +160,9 @@ def build_report(
             mp.backward_time_s += times[i]
 
     list_children = _module_list_children(model)
-    unit_of = block_units(graph, sorted(set(real_module) | {n for n, _ in model.named_modules()}), list_children)
+    unit_of = block_units(
+        graph, sorted(set(real_module) | {n for n, _ in model.named_modules()}), list_children
+    )
     blocks: dict[str, BlockProfile] = {}
     order: list[str] = []
     params = dict(model.named_parameters())
@@ -193,11 +192,15 @@ def build_report(
             b.backward_flops += n.flops
             b.backward_time_s += times[i]
     for run in graph.block_runs:
-        for b in run.all_blocks[len(run.traced) :]:
-            if b in blocks:
-                blocks[b].traced_as = run.representative
+        for b in run.untraced:
+            blocks[b].traced_as = run.representative
+        blocks[run.all_blocks[-1]].traced_as = run.traced[-1]
     block_list = [
-        blocks[u] for u in order if blocks[u].forward_flops or blocks[u].num_params or blocks[u].backward_flops
+        blocks[u]
+        for u in order
+        if blocks[u].forward_flops
+        or blocks[u].num_params
+        or blocks[u].backward_flops
         or blocks[u].forward_time_s
     ]
 

@@ -158,9 +158,13 @@ class ProfileReport:
             "  ".join("-" * w for w in widths),
         ]
         for r in rows:
-            lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+            lines.append(
+                "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            )
         if self.folded_blocks:
-            lines.append(f"* figures reused from an identical traced block ({self.folded_blocks} blocks folded)")
+            lines.append(
+                f"* figures reused from an identical traced block ({self.folded_blocks} blocks folded)"
+            )
         lines += [
             "",
             f"parameters          {_count(self.num_params)} ({format_bytes(self.param_bytes)}),"

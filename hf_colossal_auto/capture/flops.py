@@ -13,21 +13,23 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 from .._torch_compat import flop_registry
 
 aten = torch.ops.aten
 
 
-def _cpu_flash_attention_flop(query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_flop_count(tuple(query.shape), tuple(key.shape), tuple(value.shape))
+# Formulas take shapes, like torch's own before its ``shape_wrapper`` (FlopCounterMode wraps a custom mapping
+# the same way).
+def _cpu_flash_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-def _cpu_flash_attention_backward_flop(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(
-        tuple(grad_out.shape), tuple(query.shape), tuple(key.shape), tuple(value.shape)
-    )
+def _cpu_flash_attention_backward_flop(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
 EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
@@ -35,13 +37,15 @@ EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flop,
 }
 
+_EXTRA_WRAPPED = {k: shape_wrapper(v) for k, v in EXTRA_FLOP_FORMULAS.items()}
+
 
 def flop_formula(func: torch._ops.OpOverload) -> Callable[..., int] | None:
     """The formula for ``func`` (an OpOverload), or None when the op costs no FLOPs in torch's accounting."""
     packet = func._overloadpacket
     formula = flop_registry.get(packet)
     if formula is None:
-        formula = EXTRA_FLOP_FORMULAS.get(packet)
+        formula = _EXTRA_WRAPPED.get(packet)
     return formula
 
 
