@@ -72,12 +72,12 @@ def validate_inputs(model: nn.Module, example_inputs: Mapping[str, Any]) -> None
                 f"it takes {list(params)}."
             )
     config = getattr(model, "config", None)
-    if config is not None and getattr(config, "is_encoder_decoder", False):
-        if "labels" not in example_inputs and "decoder_input_ids" not in example_inputs:
-            raise ValueError(
-                f"{type(model).__name__} is an encoder-decoder model: example_inputs need `labels` "
-                "(or `decoder_input_ids`) for the decoder."
-            )
+    is_encoder_decoder = config is not None and getattr(config, "is_encoder_decoder", False)
+    if is_encoder_decoder and "labels" not in example_inputs and "decoder_input_ids" not in example_inputs:
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model: example_inputs need `labels` "
+            "(or `decoder_input_ids`) for the decoder."
+        )
     for k, v in example_inputs.items():
         if isinstance(v, torch.Tensor) and v.dim() == 0 and k in ("input_ids", "labels"):
             raise ValueError(f"example_inputs[{k!r}] is a scalar; it needs a batch dimension.")

@@ -231,7 +231,7 @@ class _Recorder(TorchDispatchMode):
         parameter (out[i] belongs to the owner of the first list argument's element i); others inherit the
         owner of their first owned input."""
         lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
-        for pos, (t, vid) in enumerate(zip(out_tensors, out_ids, strict=True)):
+        for pos, (_t, vid) in enumerate(zip(out_tensors, out_ids, strict=True)):
             info = self.storages[self.values[vid].storage_id]
             if info.owner is not None:
                 continue

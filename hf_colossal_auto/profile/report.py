@@ -154,12 +154,18 @@ class ProfileReport:
             f" (mixed precision: {self.mixed_precision or 'no'}, optimizer: {self.optimizer or 'none'})",
             "inputs: " + ", ".join(f"{k}{tuple(v)}" for k, v in self.input_shapes.items()),
             "",
-            "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))),
+            "  ".join(
+                h.ljust(w) if i == 0 else h.rjust(w)
+                for i, (h, w) in enumerate(zip(header, widths, strict=False))
+            ),
             "  ".join("-" * w for w in widths),
         ]
         for r in rows:
             lines.append(
-                "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                "  ".join(
+                    c.ljust(w) if i == 0 else c.rjust(w)
+                    for i, (c, w) in enumerate(zip(r, widths, strict=False))
+                )
             )
         if self.folded_blocks:
             lines.append(
