@@ -1,0 +1,26 @@
+"""hf-colossal-auto: automatic tensor parallelism and activation recompute for HuggingFace models.
+
+The pipeline (see docs/ARCHITECTURE.md): capture -> profile -> strategies -> solve -> apply -> integrations.
+"""
+
+from .capture import CaptureError, StepGraph, trace_training_step
+from .hardware import DeviceSpec, get_device, list_devices
+from .models import build_model, list_presets, load_config, make_example_inputs
+from .profile import ProfileReport, profile_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError",
+    "DeviceSpec",
+    "ProfileReport",
+    "StepGraph",
+    "build_model",
+    "get_device",
+    "list_devices",
+    "list_presets",
+    "load_config",
+    "make_example_inputs",
+    "profile_model",
+    "trace_training_step",
+]

@@ -27,6 +27,7 @@ from .._torch_compat import (
     tree_flatten,
     tree_map,
 )
+from .attention import target_attention_kernels
 from .blocks import find_block_runs, folded
 from .flops import op_flops
 from .graph import (
@@ -288,6 +289,7 @@ def _trace_once(
     *,
     autocast_dtype: torch.dtype | None,
     optimizer: str | None,
+    device_kind: str = "cpu",
 ) -> tuple[_Recorder, dict[str, int]]:
     """Trace one steady-state step of ``model`` (as it is now, maybe folded). Returns the recorder and the
     optimizer-state bytes per parameter FQN."""
@@ -364,7 +366,7 @@ def _trace_once(
                     if autocast_dtype is not None
                     else torch.autocast("cpu", enabled=False)
                 )
-                with ctx:
+                with ctx, target_attention_kernels(device_kind):
                     output = torch.func.functional_call(
                         model, {**params, **buffers}, args=(), kwargs=fake_inputs
                     )
@@ -443,12 +445,14 @@ def trace_training_step(
     mixed_precision: str | None = None,
     optimizer: str | None = "adamw",
     fold_blocks: bool = True,
+    device_kind: str = "cpu",
 ) -> StepGraph:
     """Record one steady-state training step of ``model`` on ``example_inputs`` without real compute.
 
     The model may live on ``meta``, on CPU or anywhere else: only parameter metadata is read. The step is
     forward (under autocast when ``mixed_precision`` is ``"bf16"``/``"fp16"``), backward of ``output.loss``,
-    and ``optimizer.step()`` with the optimizer state already allocated.
+    and ``optimizer.step()`` with the optimizer state already allocated. ``device_kind`` ("cpu" or "cuda")
+    selects which device's attention kernels are traced (see :mod:`hf_colossal_auto.capture.attention`).
     """
     if mixed_precision not in MIXED_PRECISION_DTYPES:
         raise ValueError(
@@ -462,7 +466,7 @@ def trace_training_step(
     rec: _Recorder | None = None
     if runs:
         with folded(model, runs):
-            rec, state_bytes = _run_capture(model, example_inputs, autocast_dtype, optimizer)
+            rec, state_bytes = _run_capture(model, example_inputs, autocast_dtype, optimizer, device_kind)
         verified = _verify_folding(rec, runs)
         if verified is None:
             logger.info(
@@ -473,14 +477,16 @@ def trace_training_step(
         else:
             segments = verified
     if rec is None:
-        rec, state_bytes = _run_capture(model, example_inputs, autocast_dtype, optimizer)
+        rec, state_bytes = _run_capture(model, example_inputs, autocast_dtype, optimizer, device_kind)
 
     return _assemble(model, rec, state_bytes, runs, segments, mixed_precision, optimizer, example_inputs)
 
 
-def _run_capture(model, inputs, autocast_dtype, optimizer):
+def _run_capture(model, inputs, autocast_dtype, optimizer, device_kind="cpu"):
     try:
-        return _trace_once(model, inputs, autocast_dtype=autocast_dtype, optimizer=optimizer)
+        return _trace_once(
+            model, inputs, autocast_dtype=autocast_dtype, optimizer=optimizer, device_kind=device_kind
+        )
     except CaptureError:
         raise
     except Exception as exc:  # the user's model failed under fake tensors: say where and what to try

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..capture.graph import OpNode, Phase, StepGraph
 from ..capture.tracer import trace_training_step
-from ..hardware.catalog import DeviceSpec, get_device
+from ..hardware import DeviceSpec, get_device
 from ..hardware.roofline import op_time
 from .memory import memory_profile, unroll
 from .report import BlockProfile, ModuleProfile, NodeProfile, ProfileReport
@@ -103,7 +103,8 @@ def profile_model(
             (HF models with ``labels``). It may live on ``meta``: only shapes are read.
         example_inputs: one batch, e.g. ``{"input_ids": ..., "labels": ...}`` (real or meta tensors).
         device: a hardware catalog name (``hf_colossal_auto.hardware.list_devices()``) or a ``DeviceSpec``;
-            sets the roofline times.
+            sets the roofline times and which device's attention kernels are traced (a GPU target gets the
+            flash/memory-efficient kernels even when profiling on a CPU host).
         mixed_precision: ``None``/``"no"``, ``"bf16"`` or ``"fp16"`` (autocast, as accelerate applies it).
         optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"`` or None; its state counts as already allocated.
         fold_blocks: trace one representative of each run of identical blocks and reuse its figures.
@@ -111,7 +112,12 @@ def profile_model(
     spec = get_device(device)
     t0 = time.perf_counter()
     graph = trace_training_step(
-        model, example_inputs, mixed_precision=mixed_precision, optimizer=optimizer, fold_blocks=fold_blocks
+        model,
+        example_inputs,
+        mixed_precision=mixed_precision,
+        optimizer=optimizer,
+        fold_blocks=fold_blocks,
+        device_kind=spec.kind,
     )
     t1 = time.perf_counter()
     report = build_report(model, graph, spec, example_inputs)

@@ -129,17 +129,18 @@ class ProfileReport:
         header = ("block", "params", "fwd FLOPs", "bwd FLOPs", "saved act.", "fwd time", "bwd time")
         rows = []
         blocks = self.blocks
-        hidden = 0
-        if max_blocks is not None and len(blocks) > max_blocks:
-            head = max_blocks // 2
-            hidden = len(blocks) - max_blocks
-            blocks = blocks[:head] + blocks[len(blocks) - (max_blocks - head) :]
-        for i, b in enumerate(blocks):
-            if hidden and i == max_blocks // 2:
-                rows.append((f"... {hidden} more blocks ...", "", "", "", "", "", ""))
+        i = 0
+        while i < len(blocks):
+            b = blocks[i]
+            j = i
+            while j + 1 < len(blocks) and blocks[j + 1].traced_as and blocks[j + 1].traced_as == b.traced_as:
+                j += 1
+            name = b.name or "(model)"
+            if j > i:
+                name = f"{name} .. {blocks[j].name.rsplit('.', 1)[-1]} (x{j - i + 1})"
             rows.append(
                 (
-                    (b.name or "(model)") + (" *" if b.traced_as else ""),
+                    name + (" *" if b.traced_as else ""),
                     _count(b.num_params),
                     format_flops(b.forward_flops),
                     format_flops(b.backward_flops),
@@ -148,6 +149,15 @@ class ProfileReport:
                     format_seconds(b.backward_time_s),
                 )
             )
+            i = j + 1
+        if max_blocks is not None and len(rows) > max_blocks:
+            head = max_blocks // 2
+            hidden = len(rows) - max_blocks
+            rows = [
+                *rows[:head],
+                (f"... {hidden} more rows ...", "", "", "", "", "", ""),
+                *rows[-(max_blocks - head) :],
+            ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = [
             f"Profile of {self.model_class} on {self.device}"

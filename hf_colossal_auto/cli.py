@@ -1,0 +1,173 @@
+"""``hf-colossal-auto`` command line: profile (and, as the planner lands, plan) models you don't have to own.
+
+Everything here builds models from configs on the ``meta`` device, so it runs on a laptop for 7B+ configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+logger = logging.getLogger("hf_colossal_auto")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", required=True, help="preset name (see `hf-colossal-auto presets`) or a config.json path"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=8, help="global batch size (sequences per optimizer step)"
+    )
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--device", default="a100-80gb", help="hardware preset (see `hf-colossal-auto devices`)")
+    p.add_argument(
+        "--mixed-precision",
+        choices=["no", "bf16", "fp16"],
+        default="no",
+        help="autocast dtype, as accelerate applies it",
+    )
+    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "none"], default="adamw")
+    p.add_argument(
+        "--no-fold", action="store_true", help="trace every block instead of reusing identical ones"
+    )
+
+
+class _Stage:
+    """Prints a one-line progress note around a slow stage (stderr, so --json output stays clean)."""
+
+    def __init__(self, text: str, quiet: bool = False) -> None:
+        self.text, self.quiet = text, quiet
+
+    def __enter__(self) -> _Stage:
+        self.t0 = time.perf_counter()
+        if not self.quiet:
+            print(f"  {self.text} ...", end="", file=sys.stderr, flush=True)
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if not self.quiet:
+            status = "failed" if exc_type else f"{time.perf_counter() - self.t0:.2f} s"
+            print(f" {status}", file=sys.stderr, flush=True)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .hardware import get_device
+    from .models import build_model, make_example_inputs
+    from .profile import profile_model
+
+    spec = get_device(args.device)
+    with _Stage(f"building {args.model} on meta", args.quiet):
+        model = build_model(args.model, device="meta")
+    with _Stage(f"example batch {args.batch_size}x{args.seq_len}", args.quiet):
+        batch = make_example_inputs(model, args.batch_size, args.seq_len, device="meta")
+    with _Stage("capturing and profiling one training step", args.quiet):
+        report = profile_model(
+            model,
+            batch,
+            device=spec,
+            mixed_precision=None if args.mixed_precision == "no" else args.mixed_precision,
+            optimizer=None if args.optimizer == "none" else args.optimizer,
+            fold_blocks=not args.no_fold,
+        )
+    print(report.summary(max_blocks=args.max_blocks))
+    if args.json:
+        report.to_json(args.json)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    from .hardware import list_devices
+    from .hardware.catalog import static_presets
+    from .units import format_bytes, format_flops
+
+    presets = static_presets()
+    for name in list_devices():
+        spec = presets[name]
+        bf16 = spec.peak_flops.get("bfloat16", spec.peak_flops["float32"])
+        print(
+            f"{name:12s} {format_bytes(spec.memory_bytes):>11s}  bf16 {format_flops(bf16, per_second=True):>14s}"
+            f"  HBM {spec.memory_bandwidth / 1e9:7.0f} GB/s  {spec.devices_per_node}/node"
+        )
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from .models import list_presets
+
+    print("\n".join(list_presets()))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job for a fresh checkout: profile GPT-2 presets as a user would from the CLI."""
+    for model, batch, seq in (("gpt2", 8, 1024), ("gpt2-xl", 8, 1024)):
+        print(
+            f"\n$ hf-colossal-auto profile --model {model} --batch-size {batch} --seq-len {seq} --device a100-80gb"
+        )
+        ns = argparse.Namespace(
+            model=model,
+            batch_size=batch,
+            seq_len=seq,
+            device="a100-80gb",
+            mixed_precision="bf16",
+            optimizer="adamw",
+            no_fold=False,
+            json=None,
+            max_blocks=8,
+            quiet=args.quiet,
+        )
+        cmd_profile(ns)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-colossal-auto",
+        description="Symbolic profiling and automatic parallel planning for HuggingFace models.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("profile", help="profile one training step of a model config (no weights, no GPU)")
+    _add_model_args(p)
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument(
+        "--max-blocks", type=int, default=None, help="show at most this many rows of the block table"
+    )
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("devices", help="list the hardware presets")
+    p.set_defaults(func=cmd_devices)
+    p = sub.add_parser("presets", help="list the model presets")
+    p.set_defaults(func=cmd_presets)
+    p = sub.add_parser("demo", help="the `make demo` job")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    if not args.verbose:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        if args.verbose:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
