@@ -22,6 +22,7 @@ __all__ = [
     "flop_registry",
     "fake_process_group",
     "tree_flatten",
+    "tracked_module_name",
     "tree_map",
 ]
 
@@ -41,3 +42,8 @@ def fake_process_group(world_size: int, rank: int = 0) -> None:
     if dist.is_initialized():
         return
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def tracked_module_name(tracker: ModTracker, module: object) -> str:
+    """ModTracker's name for ``module`` (``"<RootClass>.<fqn>"``); a private method of ModTracker."""
+    return tracker._get_mod_name(module)

@@ -24,6 +24,7 @@ from .._torch_compat import (
     ModTracker,
     TorchDispatchMode,
     WeakIdKeyDictionary,
+    tracked_module_name,
     tree_flatten,
     tree_map,
 )
@@ -341,7 +342,7 @@ def _trace_once(
         tracker = ModTracker()
 
         def _name(mod: nn.Module) -> str:
-            full = tracker._get_mod_name(mod)
+            full = tracked_module_name(tracker, mod)
             return full[len(root_name) + 1 :] if full.startswith(root_name + ".") else ""
 
         def _push(mod, *_):
