@@ -1,0 +1,206 @@
+"""The Plan: the contract between planning and the parallel runtime.
+
+A plan is plain JSON in stable names — parameter FQNs and module paths of the HF model — so that it can be
+made on a laptop for hardware you don't have, checked into a repository, broadcast from one rank to all, and
+applied to a freshly built model. It carries its own predictions (seconds and bytes) so that the runtime and
+the tests can hold it to them.
+
+Placements are strings per mesh axis, in the order of ``mesh_axis_names``: ``"R"`` (replicate), ``"S<d>"``
+(shard tensor dim ``d``), ``"P"`` (partial sum, activations only).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .units import format_bytes, format_seconds
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass
+class BlockCost:
+    """Predicted cost of one depth unit (an embedding, a transformer block, the head) per training step."""
+
+    name: str
+    compute_s: float
+    communication_s: float
+    memory_bytes: int
+    """Activation bytes this unit keeps for backward, per device."""
+    placements: dict[str, str] = field(default_factory=dict)
+    """Parameter FQN (inside the unit) -> tensor-parallel placement, for the summary."""
+
+
+@dataclass
+class Plan:
+    """How to run one training step of one model on one mesh, with what it is predicted to cost."""
+
+    model_class: str
+    num_devices: int
+    device: str
+    mesh_shape: tuple[int, ...]
+    mesh_axis_names: tuple[str, ...]
+    dp_mode: str
+    """"ddp" (parameters replicated over the data-parallel axis, gradients all-reduced) or "fsdp" (parameters,
+    gradients and optimizer state sharded over it)."""
+    param_placements: dict[str, list[str]]
+    """Parameter FQN -> placement per mesh axis."""
+    activation_placements: dict[str, list[str]]
+    """Module FQN -> placement of its forward output per mesh axis, enforced at the module boundary."""
+    global_batch_size: int
+    input_shapes: dict[str, list[int]]
+    step_time_s: float
+    compute_time_s: float
+    communication_time_s: float
+    peak_memory_bytes: int
+    memory_budget_bytes: int
+    param_memory_bytes: int
+    """Parameters + gradients + optimizer state per device."""
+    activation_memory_bytes: int
+    blocks: list[BlockCost] = field(default_factory=list)
+    collectives: dict[str, int] = field(default_factory=dict)
+    """Predicted collectives per step, by kind (e.g. {"all_reduce": 98}), for the fidelity check."""
+    recompute: dict[str, str] = field(default_factory=dict)
+    """Module FQN -> recompute option ("none", "full", "selective:<k>")."""
+    solver: dict[str, Any] = field(default_factory=dict)
+    """status, gap, solve time, solver name, problem size."""
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    """Other meshes/modes tried: mesh, dp_mode, step_time_s, peak_memory_bytes, fits."""
+    format_version: int = PLAN_FORMAT_VERSION
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["mesh_shape"] = list(self.mesh_shape)
+        data["mesh_axis_names"] = list(self.mesh_axis_names)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        version = data.get("format_version", PLAN_FORMAT_VERSION)
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(
+                f"Plan format version {version} is not supported by this hf-colossal-auto (expects "
+                f"{PLAN_FORMAT_VERSION}); re-plan with this version."
+            )
+        data = dict(data)
+        data["mesh_shape"] = tuple(data["mesh_shape"])
+        data["mesh_axis_names"] = tuple(data["mesh_axis_names"])
+        data["blocks"] = [BlockCost(**b) for b in data.get("blocks", [])]
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Plan JSON has unknown fields {unknown}; was it written by another tool?")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def tp_size(self) -> int:
+        return self.mesh_shape[self.mesh_axis_names.index("tp")] if "tp" in self.mesh_axis_names else 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh_shape[self.mesh_axis_names.index("dp")] if "dp" in self.mesh_axis_names else 1
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.memory_budget_bytes
+
+    def summary(self, max_rows: int | None = 24) -> str:
+        """Per-block table (placements, memory, time) and the predicted totals."""
+        header = ("block", "tensor-parallel placements", "act. mem", "compute", "comm")
+        rows = []
+        for b in self.blocks:
+            shown = _compact_placements(b.placements)
+            rows.append(
+                (
+                    b.name or "(model)",
+                    shown,
+                    format_bytes(b.memory_bytes),
+                    format_seconds(b.compute_s),
+                    format_seconds(b.communication_s),
+                )
+            )
+        rows = _collapse_repeats(rows)
+        if max_rows is not None and len(rows) > max_rows:
+            keep = max_rows // 2
+            rows = [*rows[:keep], (f"... {len(rows) - max_rows} more rows", "", "", "", ""), *rows[-keep:]]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        aligns = ["<", "<", *[">"] * (len(widths) - 2)]
+        fmt = "  ".join(f"{{:{a}{w}}}" for a, w in zip(aligns, widths, strict=True))
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_axis_names, self.mesh_shape, strict=True))
+        lines = [
+            f"Plan for {self.model_class} on {self.num_devices} x {self.device}: mesh {mesh}, data parallel: "
+            f"{self.dp_mode}",
+            fmt.format(*header),
+            "  ".join("-" * w for w in widths),
+            *(fmt.format(*r) for r in rows),
+            "",
+            f"predicted step time   {format_seconds(self.step_time_s)} (compute {format_seconds(self.compute_time_s)}, "
+            f"communication {format_seconds(self.communication_time_s)})",
+            f"predicted peak memory {format_bytes(self.peak_memory_bytes)} per device of a "
+            f"{format_bytes(self.memory_budget_bytes)} budget (parameters+grads+optimizer "
+            f"{format_bytes(self.param_memory_bytes)}, activations {format_bytes(self.activation_memory_bytes)})",
+        ]
+        if self.solver:
+            lines.append(
+                "solver                "
+                + ", ".join(
+                    f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in self.solver.items()
+                )
+            )
+        return "\n".join(lines)
+
+
+def _compact_placements(placements: dict[str, str]) -> str:
+    """``attn.c_attn.weight:S1 ...`` with the block prefix stripped, only sharded ones, for the table."""
+    if not placements:
+        return "-"
+    prefix = _common_prefix(list(placements))
+    parts = [f"{k[len(prefix) :].removesuffix('.weight')}:{v}" for k, v in placements.items() if v != "R"]
+    return " ".join(parts) if parts else "replicated"
+
+
+def _common_prefix(names: list[str]) -> str:
+    if len(names) == 1:
+        return names[0].rsplit(".", 2)[0] + "." if names[0].count(".") >= 2 else ""
+    first = names[0].split(".")
+    n = 0
+    while all(len(x.split(".")) > n + 1 and x.split(".")[n] == first[n] for x in names):
+        n += 1
+    return ".".join(first[:n]) + "." if n else ""
+
+
+def _collapse_repeats(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """Merge consecutive rows that differ only in a block index ("h.3 .. h.46 (x44)")."""
+    out: list[tuple[str, ...]] = []
+    i = 0
+    while i < len(rows):
+        j = i
+        stem = rows[i][0].rsplit(".", 1)[0]
+        while (
+            j + 1 < len(rows)
+            and rows[j + 1][0].rsplit(".", 1)[0] == stem
+            and rows[j + 1][0].rsplit(".", 1)[-1].isdigit()
+            and rows[j + 1][1:] == rows[i][1:]
+        ):
+            j += 1
+        if j > i:
+            out.append((f"{rows[i][0]} .. {rows[j][0].rsplit('.', 1)[-1]} (x{j - i + 1})", *rows[i][1:]))
+        else:
+            out.append(rows[i])
+        i = j + 1
+    return out

@@ -1,0 +1,488 @@
+"""Turn a captured step + per-node strategies into the ILP of :mod:`hf_colossal_auto.solve.problem`.
+
+One ILP per (mesh, data-parallel mode). The tensor-parallel axis is decided per node; the data-parallel axis
+splits the batch of every activation (the graph is traced at the per-replica batch) and is priced per
+parameter (DDP all-reduce, or FSDP all-gather + reduce-scatter).
+
+Decision variables:
+
+* one node per forward op, with the strategies DTensor's rules allow (:mod:`hf_colossal_auto.strategies`);
+  cost = roofline time of forward + backward on local shapes;
+* one node per parameter (``p:<fqn>``) whose strategies are its storage placements (replicated, or sharded
+  along a dim the axis divides); cost = gradient synchronisation over the data-parallel axis and the
+  optimizer update on the local shard; memory = parameter + gradient + optimizer state on the device;
+* edges producer -> consumer with the forward resharding of the value and the backward resharding of its
+  gradient (:mod:`hf_colossal_auto.solve.cost_model`).
+
+Identical blocks are tied: every traced copy of a folded run maps onto the representative's nodes, so the
+ILP has one set of variables per distinct block and its size grows with distinct blocks, not depth. Each
+traced copy's edges and costs are weighted by how many real blocks it stands for (first: 1, second: 1,
+representative: N - 3, last: 1).
+
+Memory (per device) is constrained at two moments of the liveness timeline, as in Alpa's per-time-step
+constraint rather than a sum over all nodes: the activation peak (saved activations of every block, sharded
+by the producing node's output placement, plus parameters, optimizer state, the gradients alive then and the
+transient of that moment) and the optimizer step (parameters, gradients, optimizer state and the
+optimizer's temporaries, all by parameter placement).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..capture.graph import OpNode, Phase, StepGraph, ValueKind
+from ..hardware.catalog import DeviceSpec
+from ..hardware.roofline import op_time
+from ..profile.memory import memory_profile, unroll
+from ..profile.profiler import node_dtype
+from ..strategies.placements import Strategy, is_shard
+from .cost_model import (
+    AxisComm,
+    gradient_at_consumer,
+    gradient_at_producer,
+    redistribute,
+    shard_factor,
+    splits_work,
+)
+from .problem import DecisionEdge, DecisionNode, MemoryConstraint, Problem
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BACKWARD_RATIO = 2.0
+"""Backward/forward time of a module we saw no forward time for (a matmul's backward is two matmuls)."""
+
+
+@dataclass
+class TiedGraph:
+    """Forward nodes of a step with every copy of a folded block mapped onto the representative."""
+
+    graph: StepGraph
+    canonical: dict[int, int]
+    """Forward node index -> the node that decides for it."""
+    weight: dict[int, int]
+    """Forward node index -> how many real nodes of the full model it stands for (its copy's weight)."""
+    multiplicity: dict[int, int]
+    """Canonical node -> how many real nodes it decides for."""
+    copy_prefix: dict[int, tuple[str, str]]
+    """Forward node index inside a traced copy -> (copy block FQN, representative block FQN)."""
+
+    @classmethod
+    def build(cls, graph: StepGraph) -> TiedGraph:
+        fwd = [n.index for n in graph.nodes if n.phase is Phase.FORWARD]
+        canonical = {i: i for i in fwd}
+        weight = {i: 1 for i in fwd}
+        copy_prefix: dict[int, tuple[str, str]] = {}
+        for run in graph.block_runs:
+            rep = run.representative
+            rep_seg = graph.block_segments[rep][Phase.FORWARD]
+            n_real = len(run.all_blocks)
+            for block in run.traced:
+                seg = graph.block_segments[block][Phase.FORWARD]
+                w = n_real - (len(run.traced) - 1) if block == rep else 1
+                for i in range(seg.start, seg.end):
+                    canonical[i] = rep_seg.start + (i - seg.start)
+                    weight[i] = w
+                    copy_prefix[i] = (block, rep)
+        multiplicity: dict[int, int] = defaultdict(int)
+        for i in fwd:
+            multiplicity[canonical[i]] += weight[i]
+        return cls(graph, canonical, weight, dict(multiplicity), copy_prefix)
+
+    def canonical_param(self, name: str) -> str:
+        """The representative's parameter a (possibly folded or copied) parameter FQN is tied to."""
+        for run in self.graph.block_runs:
+            for block in run.all_blocks:
+                if name.startswith(block + "."):
+                    return run.representative + name[len(block) :]
+        return name
+
+
+@dataclass
+class BuiltProblem:
+    """The ILP and what is needed to read its solution back into a plan."""
+
+    problem: Problem
+    strategies: dict[str, list[Strategy]]
+    """ILP node name -> strategies of a graph node (empty for parameter nodes)."""
+    param_options: dict[str, list[str]]
+    """ILP node name of a parameter -> its storage placements on the tensor-parallel axis."""
+    param_of_node: dict[str, str]
+    """ILP node name -> canonical parameter FQN."""
+    node_of_name: dict[str, int]
+    """ILP node name -> canonical graph node index."""
+    block_of: dict[str, str] = field(default_factory=dict)
+    """ILP node name -> module FQN it belongs to (for per-block costs)."""
+    act_constant: float = 0.0
+    """Bytes of the activation-peak constraint that no choice changes (transient, batch, buffers)."""
+
+
+def _node_name(i: int) -> str:
+    return f"n{i}"
+
+
+def _param_node_name(fqn: str) -> str:
+    return f"p:{fqn}"
+
+
+def _backward_ratios(graph: StepGraph, spec: DeviceSpec) -> dict[str, float]:
+    fwd: dict[str, float] = defaultdict(float)
+    bwd: dict[str, float] = defaultdict(float)
+    for n in graph.nodes:
+        if n.is_view:
+            continue
+        t = op_time(n.flops, n.bytes_read + n.bytes_written, node_dtype(graph, n), spec)
+        if n.phase is Phase.FORWARD:
+            fwd[n.module] += t
+        elif n.phase is Phase.BACKWARD:
+            bwd[n.module] += t
+    return {m: bwd.get(m, 0.0) / t for m, t in fwd.items() if t > 0}
+
+
+def _local_node_time(
+    graph: StepGraph, node: OpNode, strat: Strategy, axis: int, size: int, spec: DeviceSpec
+) -> float:
+    if node.is_view:
+        return 0.0
+    ins = tuple(p[axis] if p is not None else None for p in strat.input_placements)
+    outs = tuple(p[axis] for p in strat.output_placements)
+    split = splits_work(ins, outs)
+    flops = node.flops / size if split else node.flops
+    nbytes = 0.0
+    seen = set()
+    for vid, p in zip(node.inputs, ins, strict=False):
+        if vid in seen:
+            continue
+        seen.add(vid)
+        nbytes += graph.values[vid].nbytes / shard_factor(p, size)
+    for vid, p in zip(node.outputs, outs, strict=False):
+        nbytes += graph.values[vid].nbytes / shard_factor(p, size)
+    return op_time(flops, nbytes, node_dtype(graph, node), spec)
+
+
+def param_storage_options(shape: tuple[int, ...], tp: int) -> list[str]:
+    """Replicated, or sharded along any dim the tensor-parallel axis divides."""
+    options = ["R"]
+    if tp > 1:
+        options += [f"S{d}" for d, size in enumerate(shape) if size % tp == 0 and size >= tp]
+    return options
+
+
+def build_problem(
+    graph: StepGraph,
+    strategies: dict[int, list[Strategy]],
+    *,
+    spec: DeviceSpec,
+    mesh_shape: tuple[int, int],
+    tp_comm: AxisComm,
+    dp_comm: AxisComm,
+    dp_mode: str,
+    budget: float,
+    fixed_params: dict[str, str] | None = None,
+    pin_unlisted: bool = False,
+) -> BuiltProblem:
+    """The ILP for one mesh ``(dp, tp)`` and data-parallel mode.
+
+    ``fixed_params`` pins parameter placements (canonical FQN -> tensor-parallel placement) for baselines and
+    user plans; with ``pin_unlisted`` every parameter it does not name is pinned replicated.
+    """
+    dp, tp = mesh_shape
+    axis = 0  # strategies are enumerated on the 1-D tensor-parallel mesh
+    tied = TiedGraph.build(graph)
+    ratios = _backward_ratios(graph, spec)
+    producer: dict[int, tuple[int, int]] = {}
+    for n in graph.nodes:
+        if n.phase is Phase.FORWARD:
+            for pos, vid in enumerate(n.outputs):
+                producer[vid] = (n.index, pos)
+
+    nodes: list[DecisionNode] = []
+    strat_of: dict[str, list[Strategy]] = {}
+    node_of_name: dict[str, int] = {}
+    block_of: dict[str, str] = {}
+    canon_nodes = sorted({tied.canonical[i] for i in tied.canonical})
+    for c in canon_nodes:
+        node = graph.nodes[c]
+        strats = strategies.get(c) or [_replicated(node)]
+        name = _node_name(c)
+        ratio = ratios.get(node.module, DEFAULT_BACKWARD_RATIO)
+        costs = [_local_node_time(graph, node, s, axis, tp, spec) * (1.0 + ratio) for s in strats]
+        nodes.append(
+            DecisionNode(name, costs, [_label(s, axis) for s in strats], multiplicity=tied.multiplicity[c])
+        )
+        strat_of[name] = strats
+        node_of_name[name] = c
+        block_of[name] = node.module
+
+    # ---------------------------------------------------------------- parameters
+    param_uses: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    """canonical param FQN -> (forward node, input position) of every use, over all copies."""
+    for i in tied.canonical:
+        node = graph.nodes[i]
+        for k, vid in enumerate(node.inputs):
+            v = graph.values[vid]
+            if v.kind is ValueKind.PARAM and v.name is not None:
+                param_uses[tied.canonical_param(v.name)].append((i, k))
+    total_param_bytes = float(sum(graph.param_bytes.values())) or 1.0
+    opt_time = _optimizer_time(graph, spec)
+    real_count: dict[str, int] = defaultdict(int)
+    for fqn in graph.param_names:
+        real_count[tied.canonical_param(fqn)] += 1
+    param_options: dict[str, list[str]] = {}
+    param_of_node: dict[str, str] = {}
+    param_mem_terms: dict[str, list[float]] = {}
+    grad_terms: dict[str, list[float]] = {}
+    opt_temp_terms: dict[str, list[float]] = {}
+    fixed: dict[str, int] = {}
+    mem = memory_profile(graph, unroll(graph))
+    opt_temp_ratio = _optimizer_temp_ratio(graph)
+    for fqn in sorted(param_uses):
+        shape = graph.param_shapes.get(fqn)
+        if shape is None:
+            continue
+        name = _param_node_name(fqn)
+        options = param_storage_options(shape, tp)
+        if fixed_params is not None and (fqn in fixed_params or pin_unlisted):
+            want = fixed_params.get(fqn, "R")
+            if want not in options:
+                raise ValueError(
+                    f"placement {want!r} for parameter {fqn} (shape {tuple(shape)}) is not possible on a "
+                    f"tensor-parallel axis of {tp}; possible: {options}"
+                )
+            fixed[name] = options.index(want)
+        pbytes = float(graph.param_bytes[fqn])
+        sbytes = float(graph.optimizer_state_bytes.get(fqn, 0))
+        dp_shard = dp if dp_mode == "fsdp" else 1
+        costs, mterms, gterms, tterms = [], [], [], []
+        for opt in options:
+            local = pbytes / shard_factor(opt, tp)
+            if dp_mode == "fsdp":
+                sync = 2 * dp_comm.time("all_gather", local) + dp_comm.time("reduce_scatter", local)
+            else:
+                sync = dp_comm.time("all_reduce", local)
+            costs.append(sync + opt_time * (pbytes / total_param_bytes) / shard_factor(opt, tp) / dp_shard)
+            mterms.append((local + sbytes / shard_factor(opt, tp)) / dp_shard)
+            gterms.append(local / dp_shard)
+            tterms.append(local / dp_shard * opt_temp_ratio)
+        nodes.append(DecisionNode(name, costs, options, multiplicity=real_count[fqn]))
+        param_options[name] = options
+        param_of_node[name] = fqn
+        param_mem_terms[name] = mterms
+        grad_terms[name] = gterms
+        opt_temp_terms[name] = tterms
+        block_of[name] = fqn.rsplit(".", 1)[0]
+
+    # ---------------------------------------------------------------- edges
+    edge_cost: dict[tuple[str, str], list[list[float]]] = {}
+    strat_by_canon = {node_of_name[n]: s for n, s in strat_of.items()}
+
+    def add_edge(src: str, dst: str, matrix: list[list[float]]) -> None:
+        if src == dst:
+            # A value flowing between two copies of one tied node (same strategy on both ends): diagonal only.
+            return
+        if (src, dst) in edge_cost:
+            acc = edge_cost[(src, dst)]
+            for a, row in zip(acc, matrix, strict=True):
+                for j, v in enumerate(row):
+                    a[j] += v
+        else:
+            edge_cost[(src, dst)] = [list(r) for r in matrix]
+
+    for v_idx in sorted(tied.canonical):
+        v_node = graph.nodes[v_idx]
+        w = tied.weight[v_idx]
+        v_c = tied.canonical[v_idx]
+        v_strats = strat_by_canon[v_c]
+        for k, vid in enumerate(v_node.inputs):
+            value = graph.values[vid]
+            if value.kind is ValueKind.PARAM and value.name is not None:
+                fqn = tied.canonical_param(value.name)
+                pname = _param_node_name(fqn)
+                if pname not in param_options:
+                    continue
+                matrix = [
+                    [w * _edge_time(o, s, k, value.nbytes, axis, tp_comm, param=True) for s in v_strats]
+                    for o in param_options[pname]
+                ]
+                add_edge(pname, _node_name(v_c), matrix)
+                continue
+            src = producer.get(vid)
+            if src is None:
+                continue
+            u_idx, pos = src
+            if u_idx not in tied.canonical:
+                continue
+            u_c = tied.canonical[u_idx]
+            u_strats = strat_by_canon[u_c]
+            matrix = [
+                [
+                    w * _edge_time(us.output_placements[pos][axis], s, k, value.nbytes, axis, tp_comm)
+                    for s in v_strats
+                ]
+                for us in u_strats
+            ]
+            if u_c == v_c:
+                continue
+            add_edge(_node_name(u_c), _node_name(v_c), matrix)
+
+    edges = [DecisionEdge(s, d, m) for (s, d), m in sorted(edge_cost.items())]
+
+    # ---------------------------------------------------------------- memory
+    static_by_kind = _activation_peak_kinds(graph)
+    saved = mem.saved_bytes_per_node
+    act_terms: dict[str, list[float]] = {}
+    saved_total = 0.0
+    weighted_saved: dict[int, float] = defaultdict(float)
+    for i, c in tied.canonical.items():
+        # every copy's saved bytes, weighted by the blocks it stands for, land on the canonical node
+        weighted_saved[c] += saved.get(i, 0) * tied.weight[i]
+    for c in canon_nodes:
+        name = _node_name(c)
+        weighted = weighted_saved.get(c, 0.0)
+        if not weighted:
+            continue
+        saved_total += weighted
+        per_real = weighted / tied.multiplicity[c]  # the constraint multiplies by the node's multiplicity
+        act_terms[name] = [
+            per_real / shard_factor(s.output_placements[0][axis] if s.output_placements else None, tp)
+            for s in strat_of[name]
+        ]
+    param_total = sum(graph.param_bytes.values())
+    grads_at_peak = static_by_kind.get("grad", 0)
+    grad_frac = grads_at_peak / param_total if param_total else 0.0
+    act_at_peak = static_by_kind.get("activation", 0)
+    transient = max(0.0, act_at_peak - saved_total)
+    constant_other = static_by_kind.get("input", 0) + static_by_kind.get("buffer", 0)
+    constraints: list[MemoryConstraint] = []
+    peak_terms: dict[str, list[float]] = dict(act_terms)
+    for pname, terms in param_mem_terms.items():
+        peak_terms[pname] = [m + grad_frac * g for m, g in zip(terms, grad_terms[pname], strict=True)]
+    constraints.append(
+        MemoryConstraint(
+            "activation-peak", budget, constant_other + transient, peak_terms, apply_multiplicity=True
+        )
+    )
+    opt_terms = {
+        p: [m + g + t for m, g, t in zip(param_mem_terms[p], grad_terms[p], opt_temp_terms[p], strict=True)]
+        for p in param_mem_terms
+    }
+    constraints.append(
+        MemoryConstraint("optimizer-step", budget, constant_other, opt_terms, apply_multiplicity=True)
+    )
+
+    problem = Problem(
+        nodes=nodes,
+        edges=edges,
+        memory_constraints=constraints,
+        name=f"mesh{mesh_shape}-{dp_mode}",
+        fixed=fixed,
+    )
+    return BuiltProblem(
+        problem=problem,
+        strategies=strat_of,
+        param_options=param_options,
+        param_of_node=param_of_node,
+        node_of_name=node_of_name,
+        block_of=block_of,
+        act_constant=constant_other + transient,
+    )
+
+
+def _edge_time(
+    src_place: str,
+    consumer: Strategy,
+    k: int,
+    nbytes: float,
+    axis: int,
+    comm: AxisComm,
+    param: bool = False,
+) -> float:
+    """Forward resharding of the value + backward resharding of its gradient, for one producer->consumer use."""
+    spec = consumer.input_placements[k] if k < len(consumer.input_placements) else None
+    dst = spec[axis] if spec is not None else src_place
+    fwd, _ = redistribute(src_place, dst, nbytes, comm)
+    ins = tuple(p[axis] if p is not None else None for p in consumer.input_placements)
+    outs = tuple(p[axis] for p in consumer.output_placements)
+    grad_from = gradient_at_consumer(dst, splits_work(ins, outs))
+    grad_to = src_place if param and is_shard(src_place) else gradient_at_producer(src_place)
+    bwd, _ = redistribute(grad_from, grad_to, nbytes, comm)
+    return fwd + bwd
+
+
+def edge_collectives(
+    src_place: str, consumer: Strategy, k: int, nbytes: float, axis: int, comm: AxisComm, param: bool = False
+) -> list[str]:
+    """The collectives :func:`_edge_time` prices, by kind (for the plan's communication summary)."""
+    spec = consumer.input_placements[k] if k < len(consumer.input_placements) else None
+    dst = spec[axis] if spec is not None else src_place
+    out = []
+    _, kind = redistribute(src_place, dst, nbytes, comm)
+    if kind:
+        out.append(kind)
+    ins = tuple(p[axis] if p is not None else None for p in consumer.input_placements)
+    outs = tuple(p[axis] for p in consumer.output_placements)
+    grad_from = gradient_at_consumer(dst, splits_work(ins, outs))
+    grad_to = src_place if param and is_shard(src_place) else gradient_at_producer(src_place)
+    _, kind = redistribute(grad_from, grad_to, nbytes, comm)
+    if kind:
+        out.append(kind)
+    return out
+
+
+def _replicated(node: OpNode) -> Strategy:
+    return Strategy(
+        tuple(("R",) for _ in node.inputs), tuple(("R",) for _ in node.outputs), "replicate-fallback"
+    )
+
+
+def _label(s: Strategy, axis: int) -> str:
+    ins = ",".join(p[axis] if p is not None else "-" for p in s.input_placements)
+    outs = ",".join(p[axis] for p in s.output_placements)
+    return f"({ins})->({outs})"
+
+
+def _activation_peak_kinds(graph: StepGraph) -> dict[str, int]:
+    """Live bytes by kind at the highest point of forward+backward (the optimizer step is priced apart)."""
+    step = unroll(graph)
+    live: dict[ValueKind, int] = defaultdict(int, step.initial_by_kind)
+    best_total, best = sum(live.values()), dict(live)
+    total = best_total
+    for pos, delta, kind in step.events:
+        if pos >= 0 and graph.nodes[step.order[pos]].phase is Phase.OPTIMIZER:
+            break
+        total += delta
+        live[kind] += delta
+        if total > best_total:
+            best_total, best = total, dict(live)
+    return {k.value: v for k, v in best.items()}
+
+
+def _optimizer_time(graph: StepGraph, spec: DeviceSpec) -> float:
+    """Roofline seconds of the whole (unrolled) optimizer step on one device, unsharded."""
+    step = unroll(graph)
+    total = 0.0
+    for i in step.order:
+        n = graph.nodes[i]
+        if n.phase is Phase.OPTIMIZER and not n.is_view:
+            total += op_time(n.flops, n.bytes_read + n.bytes_written, node_dtype(graph, n), spec)
+    return total
+
+
+def _optimizer_temp_ratio(graph: StepGraph) -> float:
+    """The optimizer step's temporary bytes at their peak, per byte of trainable parameter."""
+    step = unroll(graph)
+    opt_positions = [pos for pos, i in enumerate(step.order) if graph.nodes[i].phase is Phase.OPTIMIZER]
+    if not opt_positions:
+        return 0.0
+    start = opt_positions[0]
+    live = 0
+    peak = 0
+    for pos, delta, kind in step.events:
+        if pos < start:
+            continue
+        if kind in (ValueKind.ACTIVATION,):
+            live += delta
+            peak = max(peak, live)
+    total = sum(graph.param_bytes.values())
+    return peak / total if total else 0.0

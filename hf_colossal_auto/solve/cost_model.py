@@ -1,0 +1,85 @@
+"""Seconds and bytes of sharding choices: compute on local shapes, resharding as collectives on a mesh axis.
+
+Everything is priced in seconds from the hardware model (roofline per kernel, alpha-beta per collective),
+never in FLOPs glued to seconds by a factor.
+
+Resharding one tensor of ``n`` logical bytes over a mesh axis of ``p`` devices (what DTensor's redistribute
+runs):
+
+=============  ================================  =========================
+from -> to     collective                         bytes passed to the model
+=============  ================================  =========================
+R -> S, R -> P  none (local slice / local zero)   -
+S -> R          all-gather                        n (the gathered output)
+P -> R          all-reduce                        n
+P -> S          reduce-scatter                    n (the input)
+S(a) -> S(b)    all-to-all                        n / p (per-rank buffer)
+S -> P          all-gather, then local            n
+=============  ================================  =========================
+
+Backward reverses each edge for the gradient: a consumer that computes with a replicated input while
+splitting its work produces a *partial* input gradient, which the producer then needs replicated (the
+all-reduce Megatron's "f" operator performs); a sharded input gets a sharded gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..hardware.catalog import LinkSpec
+from ..hardware.comm import collective_time
+from ..strategies.placements import is_partial, is_shard
+
+
+@dataclass(frozen=True)
+class AxisComm:
+    """Collective timing on one mesh axis: its size and the link its ranks talk over."""
+
+    size: int
+    link: LinkSpec
+
+    def time(self, kind: str, nbytes: float) -> float:
+        return collective_time(kind, nbytes, self.size, self.link)
+
+
+def redistribute(src: str, dst: str, nbytes: float, axis: AxisComm) -> tuple[float, str | None]:
+    """Seconds to move a tensor from placement ``src`` to ``dst`` on ``axis``, and the collective used."""
+    if src == dst or axis.size == 1 or nbytes == 0:
+        return 0.0, None
+    if src == "R":
+        return 0.0, None  # slicing or zeroing a replica is local
+    if is_shard(src):
+        if dst == "R" or is_partial(dst):
+            return axis.time("all_gather", nbytes), "all_gather"
+        return axis.time("all_to_all", nbytes / axis.size), "all_to_all"
+    if is_partial(src):
+        if dst == "R":
+            return axis.time("all_reduce", nbytes), "all_reduce"
+        if is_shard(dst):
+            return axis.time("reduce_scatter", nbytes), "reduce_scatter"
+        return 0.0, None  # P(sum) -> P(sum)
+    raise ValueError(f"cannot price a redistribution from {src!r} to {dst!r}")
+
+
+def splits_work(inputs: tuple, outputs: tuple) -> bool:
+    """True when a strategy divides the op's work over the axis (any input or output not replicated)."""
+    return any(p is not None and p != "R" for p in (*inputs, *outputs))
+
+
+def gradient_at_consumer(input_placement: str | None, work_split: bool) -> str:
+    """Placement of the gradient a consumer produces for one of its inputs."""
+    if input_placement is None or input_placement == "R":
+        return "P" if work_split else "R"
+    if is_partial(input_placement):
+        return "R"
+    return input_placement
+
+
+def gradient_at_producer(output_placement: str) -> str:
+    """Placement the producer needs its output's gradient in."""
+    return output_placement if is_shard(output_placement) else "R"
+
+
+def shard_factor(placement: str | None, axis_size: int) -> int:
+    """How many pieces a tensor with this placement is split into on the axis (memory and traffic)."""
+    return axis_size if is_shard(placement) else 1

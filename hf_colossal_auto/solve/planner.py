@@ -1,0 +1,663 @@
+"""``plan_model`` and ``evaluate_plan``: search meshes and data-parallel modes, solve, and write the Plan.
+
+For N devices every mesh ``(dp, tp)`` with ``dp * tp = N`` is tried (the 1-D meshes are ``(N, 1)`` and
+``(1, N)``), each with DDP and, when ``dp > 1``, FSDP on the data-parallel axis; the fastest plan that fits
+the memory budget wins. The data-parallel axis is the outer mesh axis, so with several nodes it is the one
+that crosses nodes (:class:`hf_colossal_auto.hardware.ClusterSpec` prices it on the inter-node link).
+
+Baselines are the same ILP with parameter placements pinned, priced by the same cost model:
+
+* ``"ddp"``: mesh ``(N, 1)``, DDP;  ``"fsdp"``: mesh ``(N, 1)``, FSDP;
+* ``"megatron"``: mesh ``(N / t, t)`` with ``t`` the largest tensor-parallel size up to the devices of one
+  node that divides the heads, attention and MLP column-then-row (as Megatron-LM and HF's
+  ``base_model_tp_plan``s do; GPT-2's fused ``c_attn`` Conv1D packed the same way), embeddings and head
+  replicated;
+* a HF-style tp_plan dict (``{"layers.*.mlp.up_proj": "colwise", ...}``) on the tensor-parallel size you
+  give with ``mesh_shape``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..capture.graph import Phase, StepGraph
+from ..capture.tracer import trace_training_step
+from ..hardware import ClusterSpec, DeviceSpec, get_device
+from ..hardware.catalog import memory_budget_default
+from ..plan import BlockCost, Plan
+from ..strategies import enumerate_strategies
+from ..units import format_bytes, parse_bytes
+from .builder import BuiltProblem, TiedGraph, build_problem, edge_collectives
+from .cost_model import AxisComm
+from .ilp import solve
+from .problem import InfeasibleError, Solution, evaluate
+
+logger = logging.getLogger(__name__)
+
+BASELINES = ("ddp", "fsdp", "megatron")
+
+
+@dataclass
+class Estimate:
+    """The predicted cost of a plan or baseline under our cost model."""
+
+    name: str
+    step_time_s: float
+    peak_memory_bytes: int
+    memory_budget_bytes: int
+    mesh_shape: tuple[int, ...]
+    dp_mode: str
+    plan: Plan | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.memory_budget_bytes
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _global_batch(example_inputs: Mapping[str, Any]) -> int:
+    sizes = {v.shape[0] for v in example_inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"example_inputs must share one batch dimension; got batch sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _local_batch(example_inputs: Mapping[str, Any], dp: int) -> dict[str, Any]:
+    out = {}
+    for k, v in example_inputs.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            out[k] = v[: v.shape[0] // dp]
+        else:
+            out[k] = v
+    return out
+
+
+class _Planner:
+    """Caches traces (per local batch) and strategies (per trace and tensor-parallel size)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: Mapping[str, Any],
+        cluster: ClusterSpec,
+        budget: int,
+        mixed_precision: str | None,
+        optimizer: str | None,
+        time_limit_s: float,
+    ) -> None:
+        self.model = model
+        self.inputs = example_inputs
+        self.cluster = cluster
+        self.spec = cluster.device
+        self.budget = budget
+        self.mixed_precision = mixed_precision
+        self.optimizer = optimizer
+        self.time_limit_s = time_limit_s
+        self.batch = _global_batch(example_inputs)
+        self._graphs: dict[int, StepGraph] = {}
+        self._strategies: dict[tuple[int, int], dict] = {}
+
+    def graph(self, dp: int) -> StepGraph:
+        if dp not in self._graphs:
+            self._graphs[dp] = trace_training_step(
+                self.model,
+                _local_batch(self.inputs, dp),
+                mixed_precision=self.mixed_precision,
+                optimizer=self.optimizer,
+                device_kind=self.spec.kind,
+            )
+        return self._graphs[dp]
+
+    def strategies(self, dp: int, tp: int) -> dict:
+        key = (dp, tp)
+        if key not in self._strategies:
+            self._strategies[key] = enumerate_strategies(self.graph(dp), (tp,), phases=(Phase.FORWARD,))
+        return self._strategies[key]
+
+    def build(
+        self,
+        mesh: tuple[int, int],
+        dp_mode: str,
+        fixed_params: dict[str, str] | None = None,
+        pin_unlisted: bool = False,
+    ) -> BuiltProblem:
+        dp, tp = mesh
+        graph = self.graph(dp)
+        tp_comm = AxisComm(tp, self.cluster.axis_link(mesh, 1))
+        dp_comm = AxisComm(dp, self.cluster.axis_link(mesh, 0))
+        return build_problem(
+            graph,
+            self.strategies(dp, tp),
+            spec=self.spec,
+            mesh_shape=mesh,
+            tp_comm=tp_comm,
+            dp_comm=dp_comm,
+            dp_mode=dp_mode,
+            budget=self.budget,
+            fixed_params=fixed_params,
+            pin_unlisted=pin_unlisted,
+        )
+
+    def solve_mesh(
+        self, mesh: tuple[int, int], dp_mode: str, fixed_params: dict[str, str] | None = None
+    ) -> tuple[BuiltProblem, Solution]:
+        built = self.build(mesh, dp_mode, fixed_params)
+        solution = solve(built.problem, time_limit_s=self.time_limit_s)
+        return built, solution
+
+    def to_plan(self, mesh: tuple[int, int], dp_mode: str, built: BuiltProblem, solution: Solution) -> Plan:
+        return _make_plan(self, mesh, dp_mode, built, solution)
+
+
+def _meshes(planner: _Planner, mesh_shape: tuple[int, ...] | None) -> list[tuple[int, int]]:
+    n = planner.cluster.num_devices
+    if mesh_shape is not None:
+        shape = tuple(mesh_shape)
+        if len(shape) == 1:
+            shape = (1, shape[0])
+        if math.prod(shape) != n or len(shape) != 2:
+            raise ValueError(
+                f"mesh_shape {tuple(mesh_shape)} must be (tp,) or (dp, tp) with a product of {n} devices"
+            )
+        candidates = [shape]
+    else:
+        candidates = [(n // t, t) for t in range(1, n + 1) if n % t == 0]
+    usable = []
+    for dp, tp in candidates:
+        if planner.batch % dp:
+            logger.info(
+                "mesh (%d, %d) skipped: global batch %d does not split over %d replicas",
+                dp,
+                tp,
+                planner.batch,
+                dp,
+            )
+            continue
+        usable.append((dp, tp))
+    if not usable:
+        raise ValueError(
+            f"No mesh of {n} devices can split the global batch of {planner.batch}: use a batch divisible by a "
+            f"data-parallel size, or pass mesh_shape=(1, {n}) for tensor parallelism only."
+        )
+    return usable
+
+
+def _resolve_budget(memory_budget: int | str | None, spec: DeviceSpec) -> int:
+    if memory_budget is None:
+        return memory_budget_default(spec)
+    return parse_bytes(memory_budget)
+
+
+def plan_model(
+    model: nn.Module,
+    example_inputs: Mapping[str, Any],
+    *,
+    num_devices: int,
+    device: str | DeviceSpec = "a100-80gb",
+    memory_budget: int | str | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    devices_per_node: int | None = None,
+    mixed_precision: str | None = None,
+    optimizer: str | None = "adamw",
+    time_limit_s: float = 60.0,
+) -> Plan:
+    """Plan data + tensor parallelism for ``model`` on ``num_devices`` devices of kind ``device``.
+
+    Runs on a meta/fake model with no processes. ``example_inputs`` is one *global* batch (what one optimizer
+    step consumes across all data-parallel ranks). ``memory_budget`` is per device, in bytes or a string like
+    ``"40GiB"``; None means the device's memory minus the margin of
+    :func:`hf_colossal_auto.hardware.memory_budget_default`.
+    """
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    spec = get_device(device)
+    cluster = ClusterSpec(spec, num_devices, devices_per_node)
+    budget = _resolve_budget(memory_budget, spec)
+    planner = _Planner(model, example_inputs, cluster, budget, mixed_precision, optimizer, time_limit_s)
+    t0 = time.perf_counter()
+    best: tuple[float, Plan] | None = None
+    tried: list[dict[str, Any]] = []
+    min_required = math.inf
+    for mesh in _meshes(planner, mesh_shape):
+        for dp_mode in ("ddp", "fsdp") if mesh[0] > 1 else ("ddp",):
+            try:
+                built, solution = planner.solve_mesh(mesh, dp_mode)
+            except InfeasibleError as exc:
+                min_required = min(min_required, exc.min_required)
+                tried.append(
+                    {
+                        "mesh": list(mesh),
+                        "dp_mode": dp_mode,
+                        "fits": False,
+                        "min_memory_bytes": exc.min_required,
+                    }
+                )
+                continue
+            plan = planner.to_plan(mesh, dp_mode, built, solution)
+            tried.append(
+                {
+                    "mesh": list(mesh),
+                    "dp_mode": dp_mode,
+                    "fits": plan.fits,
+                    "step_time_s": plan.step_time_s,
+                    "peak_memory_bytes": plan.peak_memory_bytes,
+                }
+            )
+            if plan.fits and (best is None or plan.step_time_s < best[0] - 1e-12):
+                best = (plan.step_time_s, plan)
+    if best is None:
+        raise InfeasibleError(
+            f"No plan for {type(model).__name__} on {num_devices} x {spec.name} fits {format_bytes(budget)} per "
+            f"device: the smallest per-device memory any plan needs is {format_bytes(min_required)}. Use more "
+            "devices, a smaller batch, or (when available) activation recompute.",
+            min_required=min_required,
+            exact=False,
+            choice=None,
+        )
+    plan = best[1]
+    plan.alternatives = tried
+    plan.solver["total_planning_s"] = time.perf_counter() - t0
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------- plan
+def _make_plan(
+    planner: _Planner, mesh: tuple[int, int], dp_mode: str, built: BuiltProblem, solution: Solution
+) -> Plan:
+    graph = planner.graph(mesh[0])
+    tied = TiedGraph.build(graph)
+    problem = built.problem
+    objective, peak, _ = evaluate(problem, solution.choice)
+    # split the objective into compute and communication
+    compute = 0.0
+    comm = 0.0
+    block_compute: dict[str, float] = defaultdict(float)
+    block_comm: dict[str, float] = defaultdict(float)
+    from .builder import _node_name  # noqa: PLC0415 - local import keeps the public surface small
+
+    unit_of = _unit_mapper(planner.model)
+
+    def spread(target: dict[str, float], module: str, cost: float) -> None:
+        """A tied node's cost is shared by the same module in every block it stands for."""
+        reals = _real_modules(graph, module)
+        for real in reals:
+            target[unit_of(real)] += cost / len(reals)
+
+    for node in problem.nodes:
+        i = solution.choice[node.name]
+        cost = node.costs[i] * node.multiplicity
+        module = built.block_of.get(node.name, "")
+        if node.name in built.param_options:
+            comm += cost
+            spread(block_comm, module, cost)
+        else:
+            compute += cost
+            spread(block_compute, module, cost)
+    for edge in problem.edges:
+        c = edge.cost[solution.choice[edge.src]][solution.choice[edge.dst]] * edge.multiplicity
+        comm += c
+        spread(block_comm, built.block_of.get(edge.dst, ""), c)
+    # placements
+    tp_place: dict[str, str] = {}
+    for pname, fqn in built.param_of_node.items():
+        tp_place[fqn] = built.param_options[pname][solution.choice[pname]]
+    dp_place = "S0" if dp_mode == "fsdp" else "R"
+    param_placements = {}
+    for fqn in graph.param_names:
+        canon = tied.canonical_param(fqn)
+        param_placements[fqn] = [dp_place, tp_place.get(canon, "R")]
+    # activation placements at module boundaries: the output of the last forward node of each module
+    last_node: dict[str, int] = {}
+    for i in sorted(tied.canonical):
+        n = graph.nodes[i]
+        if n.outputs and not n.module.startswith(tuple(f"{c}." for c in _copies_not_rep(graph))):
+            last_node[n.module] = i
+    activation_placements: dict[str, list[str]] = {}
+    for module, i in sorted(last_node.items()):
+        name = _node_name(tied.canonical[i])
+        if name not in built.strategies:
+            continue
+        strat = built.strategies[name][solution.choice[name]]
+        if strat.output_placements:
+            for real in _real_modules(graph, module):
+                activation_placements[real] = (
+                    ["S0", strat.output_placements[0][0]]
+                    if mesh[0] > 1
+                    else ["R", strat.output_placements[0][0]]
+                )
+    # per-block table
+    blocks: list[BlockCost] = []
+    per_unit_params: dict[str, dict[str, str]] = defaultdict(dict)
+    for fqn in graph.param_names:
+        per_unit_params[unit_of(fqn.rsplit(".", 1)[0])][fqn] = param_placements[fqn][1]
+    act_per_unit = _activation_per_unit(built, solution, graph, tied, unit_of, mesh[1])
+    for unit in _unit_order(planner.model, unit_of):
+        if unit not in block_compute and unit not in block_comm and unit not in per_unit_params:
+            continue
+        blocks.append(
+            BlockCost(
+                name=unit,
+                compute_s=block_compute.get(unit, 0.0),
+                communication_s=block_comm.get(unit, 0.0),
+                memory_bytes=int(act_per_unit.get(unit, 0)),
+                placements=per_unit_params.get(unit, {}),
+            )
+        )
+    collectives = _collectives(built, solution, graph, tied, mesh, planner, dp_mode)
+    param_mem = 0.0
+    for pname in built.param_options:
+        node = problem.node(pname)
+        terms = problem.memory_constraints[1].terms.get(pname)
+        if terms:
+            param_mem += terms[solution.choice[pname]] * node.multiplicity
+    act_mem = 0.0
+    for name, terms in problem.memory_constraints[0].terms.items():
+        if name in built.strategies:
+            act_mem += terms[solution.choice[name]] * problem.node(name).multiplicity
+    act_mem += built.act_constant
+    return Plan(
+        model_class=graph.model_class,
+        num_devices=planner.cluster.num_devices,
+        device=planner.spec.name,
+        mesh_shape=tuple(mesh),
+        mesh_axis_names=("dp", "tp"),
+        dp_mode=dp_mode,
+        param_placements=param_placements,
+        activation_placements=activation_placements,
+        global_batch_size=planner.batch,
+        input_shapes={k: list(v.shape) for k, v in planner.inputs.items() if isinstance(v, torch.Tensor)},
+        step_time_s=objective,
+        compute_time_s=compute,
+        communication_time_s=comm,
+        peak_memory_bytes=int(peak),
+        memory_budget_bytes=planner.budget,
+        param_memory_bytes=int(param_mem),
+        activation_memory_bytes=int(act_mem),
+        blocks=blocks,
+        collectives=collectives,
+        solver={
+            "status": solution.status,
+            "gap": solution.gap if solution.gap is not None else 0.0,
+            "solve_time_s": solution.solve_time_s,
+            "solver": solution.solver,
+            "variables": solution.num_variables,
+            "constraints": solution.num_constraints,
+        },
+    )
+
+
+def _copies_not_rep(graph: StepGraph) -> list[str]:
+    return [b for run in graph.block_runs for b in run.traced if b != run.representative]
+
+
+def _real_modules(graph: StepGraph, module: str) -> list[str]:
+    """A representative's module stands for the same module in every block of its run."""
+    for run in graph.block_runs:
+        rep = run.representative
+        if module == rep or module.startswith(rep + "."):
+            return [b + module[len(rep) :] for b in run.all_blocks]
+    return [module]
+
+
+def _unit_mapper(model: nn.Module):
+    from ..profile.profiler import _module_list_children, block_units
+
+    names = [n for n, _ in model.named_modules()]
+    mapping = block_units(None, names, _module_list_children(model))  # type: ignore[arg-type]
+
+    def unit_of(module: str) -> str:
+        while module and module not in mapping:
+            module = module.rsplit(".", 1)[0] if "." in module else ""
+        return mapping.get(module, module)
+
+    return unit_of
+
+
+def _unit_order(model: nn.Module, unit_of) -> list[str]:
+    seen: dict[str, None] = {}
+    for name, _ in model.named_modules():
+        seen.setdefault(unit_of(name), None)
+    return list(seen)
+
+
+def _activation_per_unit(built, solution, graph, tied, unit_of, tp) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    terms = built.problem.memory_constraints[0].terms
+    for name in built.strategies:
+        t = terms.get(name)
+        if not t:
+            continue
+        i = built.node_of_name[name]
+        per_copy = t[solution.choice[name]]
+        module = graph.nodes[i].module
+        reals = _real_modules(graph, module)
+        for real in reals:
+            out[unit_of(real)] += per_copy  # terms are per real block already
+    return out
+
+
+def _collectives(built, solution, graph, tied, mesh, planner, dp_mode) -> dict[str, int]:
+    """Predicted collectives per step by kind (tensor-parallel resharding + data-parallel gradient sync)."""
+    counts: dict[str, int] = defaultdict(int)
+    dp, tp = mesh
+    from .builder import _node_name, _param_node_name
+
+    producer = {}
+    for n in graph.nodes:
+        if n.phase is Phase.FORWARD:
+            for pos, vid in enumerate(n.outputs):
+                producer[vid] = (n.index, pos)
+    tp_comm = AxisComm(tp, planner.cluster.axis_link(mesh, 1))
+    for v_idx in sorted(tied.canonical):
+        w = tied.weight[v_idx]
+        v_name = _node_name(tied.canonical[v_idx])
+        strat = built.strategies[v_name][solution.choice[v_name]]
+        node = graph.nodes[v_idx]
+        for k, vid in enumerate(node.inputs):
+            value = graph.values[vid]
+            if value.name is not None and value.kind.value == "param":
+                pname = _param_node_name(tied.canonical_param(value.name))
+                if pname not in built.param_options:
+                    continue
+                src = built.param_options[pname][solution.choice[pname]]
+                for kind in edge_collectives(src, strat, k, value.nbytes, 0, tp_comm, param=True):
+                    counts[kind] += w
+                continue
+            if vid not in producer or producer[vid][0] not in tied.canonical:
+                continue
+            u_idx, pos = producer[vid]
+            u_name = _node_name(tied.canonical[u_idx])
+            if u_name == v_name:
+                continue
+            us = built.strategies[u_name][solution.choice[u_name]]
+            for kind in edge_collectives(us.output_placements[pos][0], strat, k, value.nbytes, 0, tp_comm):
+                counts[kind] += w
+    if dp > 1:
+        n_params = len([p for p in graph.param_names])
+        if dp_mode == "fsdp":
+            counts["dp_all_gather"] += 2 * n_params
+            counts["dp_reduce_scatter"] += n_params
+        else:
+            counts["dp_all_reduce"] += n_params
+    return dict(counts)
+
+
+# ---------------------------------------------------------------------------------------------- baselines
+_COLWISE_NAMES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "gate_proj",
+    "up_proj",
+    "query",
+    "key",
+    "value",
+    "c_fc",
+    "fc1",
+    "wi",
+    "wi_0",
+    "wi_1",
+    "q",
+    "k",
+    "v",
+    "intermediate.dense",
+)
+_ROWWISE_NAMES = ("o_proj", "down_proj", "attention.output.dense", "output.dense", "fc2", "wo", "o", "c_proj")
+
+
+def _linear_dims(model: nn.Module, module_fqn: str) -> tuple[int, int] | None:
+    """(out-features dim, in-features dim) of a module's weight: (0, 1) for nn.Linear, (1, 0) for GPT-2's Conv1D."""
+    module = dict(model.named_modules()).get(module_fqn)
+    if isinstance(module, nn.Linear):
+        return 0, 1
+    if type(module).__name__ == "Conv1D":
+        return 1, 0
+    return None
+
+
+def megatron_placements(model: nn.Module) -> dict[str, str]:
+    """Megatron-style TP of every attention and MLP: column-parallel in, row-parallel out (Linear and Conv1D)."""
+    out: dict[str, str] = {}
+    for fqn, module in model.named_modules():
+        dims = _linear_dims(model, fqn)
+        if dims is None:
+            continue
+        leaf = fqn.rsplit(".", 1)[-1]
+        tail2 = ".".join(fqn.rsplit(".", 2)[-2:])
+        col_dim, row_dim = dims
+        is_attn_proj = leaf == "c_proj" and ".attn." in f".{fqn}."
+        if leaf == "c_attn" or leaf in _COLWISE_NAMES or tail2 in _COLWISE_NAMES:
+            if leaf in ("c_proj",):
+                continue
+            out[f"{fqn}.weight"] = f"S{col_dim}"
+            if getattr(module, "bias", None) is not None:
+                out[f"{fqn}.bias"] = "S0"
+        elif leaf in _ROWWISE_NAMES or tail2 in _ROWWISE_NAMES or is_attn_proj:
+            out[f"{fqn}.weight"] = f"S{row_dim}"
+            if getattr(module, "bias", None) is not None:
+                out[f"{fqn}.bias"] = "R"
+    return out
+
+
+def tp_plan_placements(model: nn.Module, tp_plan: Mapping[str, str]) -> dict[str, str]:
+    """Parameter placements of a HF-style ``tp_plan`` (module pattern -> "colwise" | "rowwise" | ...)."""
+    out: dict[str, str] = {}
+    names = dict(model.named_modules())
+    prefixes = ["", *(n + "." for n, m in names.items() if m is not model and n and "." not in n)]
+    for pattern, style in tp_plan.items():
+        for fqn, module in names.items():
+            if not any(fnmatch.fnmatchcase(fqn, p + pattern) for p in prefixes):
+                continue
+            dims = _linear_dims(model, fqn)
+            base = style.split("_", 1)[-1] if style.startswith("packed_") else style
+            if isinstance(module, nn.Embedding):
+                out[f"{fqn}.weight"] = "S1" if base in ("colwise", "embedding_colwise") else "S0"
+                continue
+            if dims is None:
+                continue
+            col, row = dims
+            if base in ("colwise", "colwise_rep", "local_colwise"):
+                out[f"{fqn}.weight"] = f"S{col}"
+                if getattr(module, "bias", None) is not None:
+                    out[f"{fqn}.bias"] = "S0"
+            elif base in ("rowwise", "rowwise_rep", "local_rowwise"):
+                out[f"{fqn}.weight"] = f"S{row}"
+            else:
+                raise ValueError(
+                    f"tp_plan style {style!r} for {pattern!r} is not supported; use colwise or rowwise"
+                )
+    return out
+
+
+def _largest_tp(n: int, per_node: int, model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    heads = None
+    for attr in ("num_attention_heads", "n_head", "num_heads"):
+        heads = getattr(config, attr, None) or heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    best = 1
+    for t in range(1, min(n, per_node) + 1):
+        if n % t == 0 and (heads is None or (heads % t == 0 and kv % t == 0)):
+            best = t
+    return best
+
+
+def evaluate_plan(
+    model: nn.Module,
+    example_inputs: Mapping[str, Any],
+    plan_or_baseline: Plan | str | Mapping[str, str],
+    *,
+    num_devices: int,
+    device: str | DeviceSpec = "a100-80gb",
+    memory_budget: int | str | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    devices_per_node: int | None = None,
+    mixed_precision: str | None = None,
+    optimizer: str | None = "adamw",
+    time_limit_s: float = 60.0,
+) -> Estimate:
+    """Price a Plan, a HF-style tp_plan dict or a named baseline ("ddp", "fsdp", "megatron") under our model."""
+    spec = get_device(device)
+    cluster = ClusterSpec(spec, num_devices, devices_per_node)
+    budget = _resolve_budget(memory_budget, spec)
+    planner = _Planner(model, example_inputs, cluster, budget, mixed_precision, optimizer, time_limit_s)
+    n = num_devices
+    if isinstance(plan_or_baseline, Plan):
+        plan = plan_or_baseline
+        mesh = (plan.dp_size, plan.tp_size)
+        dp_mode = plan.dp_mode
+        tied_names = {
+            TiedGraph.build(planner.graph(mesh[0])).canonical_param(f): p[1]
+            for f, p in plan.param_placements.items()
+        }
+        fixed = tied_names
+        name = "plan"
+    elif isinstance(plan_or_baseline, str):
+        name = plan_or_baseline
+        if name == "ddp":
+            mesh, dp_mode, fixed = (n, 1), "ddp", {}
+        elif name == "fsdp":
+            mesh, dp_mode, fixed = (n, 1), "fsdp", {}
+        elif name == "megatron":
+            t = mesh_shape[-1] if mesh_shape else _largest_tp(n, cluster.device.devices_per_node, model)
+            mesh, dp_mode = (n // t, t), "ddp"
+            fixed = megatron_placements(model) if t > 1 else {}
+            if t == 1:
+                logger.warning(
+                    "megatron baseline: no tensor-parallel size of %d devices divides the attention heads; "
+                    "it degenerates to DDP",
+                    n,
+                )
+        else:
+            raise ValueError(f"Unknown baseline {name!r}; use one of {BASELINES}, a Plan, or a tp_plan dict.")
+    else:
+        name = "tp_plan"
+        t = mesh_shape[-1] if mesh_shape else _largest_tp(n, cluster.device.devices_per_node, model)
+        mesh, dp_mode = (n // t, t), "ddp"
+        fixed = tp_plan_placements(model, plan_or_baseline)
+    if planner.batch % mesh[0]:
+        raise ValueError(
+            f"{name}: global batch {planner.batch} does not split over {mesh[0]} data-parallel replicas"
+        )
+    tied = TiedGraph.build(planner.graph(mesh[0]))
+    canonical_fixed = {tied.canonical_param(k): v for k, v in fixed.items()}
+    # Every parameter the baseline does not name stays replicated, as the baseline means; activations are
+    # left to the solver (what a runtime's sharding propagation would do best). The budget is lifted so that a
+    # baseline that does not fit is still priced, and reported as not fitting.
+    planner.budget = 1 << 62
+    built = planner.build(mesh, dp_mode, canonical_fixed, pin_unlisted=True)
+    planner.budget = budget
+    solution = solve(built.problem, time_limit_s=time_limit_s)
+    plan = planner.to_plan(mesh, dp_mode, built, solution)
+    plan.memory_budget_bytes = budget
+    return Estimate(name, plan.step_time_s, plan.peak_memory_bytes, budget, tuple(mesh), dp_mode, plan)
