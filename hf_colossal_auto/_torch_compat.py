@@ -14,6 +14,17 @@ from torch.utils.flop_counter import flop_registry as _torch_flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "DTensorSpec",
+    "MaskPartial",
+    "OpSchema",
+    "OpSpec",
+    "OpStrategy",
+    "ShardingPlaceholder",
+    "StridedShard",
+    "TensorMeta",
+    "TupleStrategy",
+    "detached_device_mesh",
+    "dtensor_sharding_propagator",
     "FakeTensor",
     "FakeTensorMode",
     "ModTracker",
@@ -47,3 +58,45 @@ def fake_process_group(world_size: int, rank: int = 0) -> None:
 def tracked_module_name(tracker: ModTracker, module: object) -> str:
     """ModTracker's name for ``module`` (``"<RootClass>.<fqn>"``); a private method of ModTracker."""
     return tracker._get_mod_name(module)
+
+
+# --------------------------------------------------------------------------- DTensor sharding rules
+# The strategy enumerator (hf_colossal_auto.strategies) asks DTensor's own sharding rules which placements an
+# op supports. The rule registry, the OpSchema/OpStrategy containers and the placeholder/strided placement
+# classes are private; they are named here only.
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy  # noqa: E402
+from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: E402
+    _ShardingPlaceholder as ShardingPlaceholder,  # "shard on dim d" in single-mesh-dim rules
+)
+from torch.distributed.tensor.placement_types import (  # noqa: E402
+    _MaskPartial as MaskPartial,  # vocab-parallel embedding: partial output, locally masked ids
+)
+from torch.distributed.tensor.placement_types import (  # noqa: E402
+    _StridedShard as StridedShard,  # interleaved sharding that 2-D view rules may emit
+)
+
+
+def dtensor_sharding_propagator():
+    """DTensor's process-wide ShardingPropagator: the registries of per-op strategy functions
+    (``op_strategy_funcs``, ``op_single_dim_strategy_funcs``, ``op_to_schema_info``) and the
+    decomposition-tracing fallback (``decomp_strategy``). Importing DTensor's ``_ops`` fills them."""
+    import torch.distributed.tensor._ops  # noqa: F401  (registers every rule)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def detached_device_mesh(mesh_shape: tuple[int, ...], device_type: str = "cpu"):
+    """A DeviceMesh of ``mesh_shape`` over ranks ``0..N-1`` with no process groups behind it, as seen by rank 0.
+
+    Sharding rules read only the mesh's shape, so when the default (fake) group's size differs from the mesh
+    the planner wants to evaluate, a mesh that never communicates is exactly right.
+    """
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    n = 1
+    for s in mesh_shape:
+        n *= s
+    return DeviceMesh(device_type, torch.arange(n).reshape(mesh_shape), _init_backend=False, _rank=0)

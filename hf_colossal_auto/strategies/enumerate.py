@@ -1,0 +1,248 @@
+"""Per-node sharding strategies of a captured step: the candidate set the ILP chooses from.
+
+For every node of the requested phases the enumerator asks, in order:
+
+1. DTensor's registered rule (single-dim or op-strategy, :mod:`.dtensor_rules`) - the rules that will run
+   the plan;
+2. our own rule (:mod:`.custom_rules`) - ops DTensor lacks (CPU flash attention, factories);
+3. DTensor's decomposition tracer - generic but slow, hence after our explicit rules;
+4. otherwise the single all-replicate strategy, with one warning per op name per call, naming the op. The
+   plan is still valid (replicated compute is always correct); it is only less parallel than it could be.
+
+Results are filtered to evenly sharded strategies and deduplicated, and cached per call signature: the
+blocks of a transformer repeat the same ops on the same shapes, so a 12-layer model costs about one layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .._torch_compat import detached_device_mesh, fake_process_group
+from ..capture.graph import OpNode, Phase, StepGraph, TensorRef
+from .custom_rules import custom_strategies
+from .dtensor_rules import dtensor_rule_kind, dtensor_strategies, resolve_op
+from .placements import Strategy, evenly_sharded, replicate_strategy
+
+logger = logging.getLogger(__name__)
+
+_CACHE_SIZE = 16384
+_cache: OrderedDict[tuple, tuple[tuple[Strategy, ...], bool]] = OrderedDict()
+_meshes: dict[tuple, tuple[Any, Any]] = {}
+"""(mesh shape, world size, backend) -> (the default group it was built for, mesh). The group is held, not
+its id, so a group destroyed and re-created (tests do) can never be mistaken for the old one."""
+
+
+# ---------------------------------------------------------------------------------------------- mesh
+def _mesh_shape(mesh_shape: Sequence[int] | int) -> tuple[int, ...]:
+    shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(int(s) for s in mesh_shape)
+    if not shape or any(s < 1 for s in shape):
+        raise ValueError(f"mesh_shape must be a non-empty tuple of positive sizes, got {mesh_shape!r}")
+    return shape
+
+
+def _device_type(backend: str) -> str:
+    backend = backend.lower()
+    if "nccl" in backend:
+        return "cuda"
+    if "xccl" in backend:
+        return "xpu"
+    return "cpu"
+
+
+def device_mesh(mesh_shape: Sequence[int] | int) -> Any:
+    """A DeviceMesh of ``mesh_shape`` for asking sharding rules (which read only its shape).
+
+    * torch.distributed not initialised: start the in-process fake backend with one rank per mesh device
+      (no processes, no communication) and build the mesh over it.
+    * A group of exactly the mesh's size (fake or real): a mesh over it. On a real group with a 2-D mesh
+      this creates sub-groups, so every rank must make the same call, as for any DeviceMesh.
+    * A fake group of another size (an earlier enumeration for another mesh): a mesh with no process
+      groups behind it - the fake backend never communicates anyway, and a process group cannot be resized.
+    * A real group of another size: RuntimeError; a mesh over ranks that do not exist would be a lie.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = _mesh_shape(mesh_shape)
+    n = math.prod(shape)
+    if not dist.is_available():
+        raise RuntimeError(
+            "torch.distributed is not available in this torch build; strategies need DeviceMesh"
+        )
+    if not dist.is_initialized():
+        fake_process_group(n)
+    world = dist.get_world_size()
+    backend = str(dist.get_backend())
+    group = dist.group.WORLD
+    key = (shape, world, backend)
+    cached = _meshes.get(key)
+    if cached is not None and cached[0] is group:
+        return cached[1]
+    if world == n:
+        mesh = init_device_mesh(_device_type(backend), shape)
+    elif backend == "fake":
+        mesh = detached_device_mesh(shape, "cpu")
+    else:
+        raise RuntimeError(
+            f"torch.distributed is already initialised with a {backend!r} group of {world} ranks, but a mesh "
+            f"of shape {shape} needs {n}. Enumerate strategies for a mesh covering the group "
+            f"(product of mesh_shape == {world}), or from a process without a process group (a fake one "
+            "is then started)."
+        )
+    _meshes[key] = (group, mesh)
+    return mesh
+
+
+# ---------------------------------------------------------------------------------------------- cache key
+def _freeze(obj: Any, graph: StepGraph) -> Any:
+    """A hashable stand-in for recorded arguments: tensors by shape and dtype, containers as tuples."""
+    if isinstance(obj, TensorRef):
+        v = graph.values[obj.value_id]
+        return ("T", tuple(v.shape), v.dtype)
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, *(_freeze(o, graph) for o in obj))
+    if isinstance(obj, dict):
+        return ("dict", *((k, _freeze(v, graph)) for k, v in obj.items()))
+    try:
+        hash(obj)
+    except TypeError:
+        return ("repr", repr(obj))
+    if isinstance(obj, float) and obj != obj:  # NaN != NaN would defeat the cache
+        return ("nan",)
+    return (type(obj).__name__, obj)
+
+
+def _signature(node: OpNode, graph: StepGraph, mesh_shape: tuple[int, ...], allow_partial: bool) -> tuple:
+    outs = tuple((tuple(graph.values[v].shape), graph.values[v].dtype) for v in node.outputs)
+    return (node.op, _freeze(node.args, graph), outs, mesh_shape, allow_partial)
+
+
+# ---------------------------------------------------------------------------------------------- one node
+def _usable(strategies: Iterable[Strategy], node: OpNode, graph: StepGraph, mesh_shape: tuple[int, ...]):
+    """Evenly sharded strategies that line up with the node, first occurrence of each placement set."""
+    in_shapes = [graph.values[v].shape for v in node.inputs]
+    out_shapes = [graph.values[v].shape for v in node.outputs]
+    seen: set[tuple] = set()
+    out: list[Strategy] = []
+    for s in strategies:
+        if len(s.input_placements) != len(in_shapes) or len(s.output_placements) != len(out_shapes):
+            continue
+        if s.key in seen:
+            continue
+        if not all(
+            evenly_sharded(sh, sp, mesh_shape) for sh, sp in zip(in_shapes, s.input_placements, strict=True)
+        ):
+            continue
+        if not all(
+            evenly_sharded(sh, sp, mesh_shape) for sh, sp in zip(out_shapes, s.output_placements, strict=True)
+        ):
+            continue
+        seen.add(s.key)
+        out.append(s)
+    return out
+
+
+def node_strategies(
+    node: OpNode,
+    graph: StepGraph,
+    mesh: Any,
+    *,
+    allow_partial_inputs: bool = False,
+) -> tuple[list[Strategy], bool]:
+    """The strategies of one node on ``mesh`` (a DeviceMesh) and whether it fell back to replicate.
+
+    Uncached; :func:`enumerate_strategies` is the cached entry point.
+    """
+    mesh_shape = tuple(mesh.shape)
+    op = resolve_op(node.op)
+    kind = dtensor_rule_kind(op) if op is not None else None
+
+    def dtensor() -> list[Strategy] | None:
+        return dtensor_strategies(node, graph, mesh, allow_partial_inputs=allow_partial_inputs)
+
+    def custom() -> list[Strategy] | None:
+        return custom_strategies(node, graph, mesh_shape)
+
+    sources = []
+    if kind in ("single-dim", "op-strategy"):
+        sources.append(dtensor)
+    sources.append(custom)
+    if kind == "decomposition":
+        sources.append(dtensor)
+    for source in sources:
+        found = source()
+        if found:
+            usable = _usable(found, node, graph, mesh_shape)
+            if usable:
+                return usable, False
+    return [replicate_strategy(len(node.inputs), len(node.outputs), len(mesh_shape))], True
+
+
+# ---------------------------------------------------------------------------------------------- graph
+def enumerate_strategies(
+    graph: StepGraph,
+    mesh_shape: Sequence[int] | int,
+    *,
+    phases: Iterable[Phase] = (Phase.FORWARD,),
+    allow_partial_inputs: bool = False,
+) -> dict[int, list[Strategy]]:
+    """Candidate strategies for every node of ``phases``, keyed by node index.
+
+    Every listed node gets at least one strategy. Strategies are deduplicated (the first rule to propose a
+    placement set names its source) and those that shard a tensor dim unevenly are dropped: an uneven
+    split has a largest shard that sets both the step time and the per-device memory, DTensor pads it in
+    collectives, and the cost model prices even shards only, so offering it would let the solver believe
+    in savings that do not exist. Nodes with no usable rule get the all-replicate strategy, and each such
+    op name is logged once per call at WARNING. ``allow_partial_inputs`` keeps strategies that carry a
+    partial sum through linear ops (see :func:`.dtensor_rules._keep`); off by default.
+
+    Sets up a fake process group when torch.distributed is not initialised (see :func:`device_mesh`).
+    """
+    shape = _mesh_shape(mesh_shape)
+    wanted = {Phase(p) for p in phases}
+    mesh = device_mesh(shape)
+    result: dict[int, list[Strategy]] = {}
+    fell_back: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.phase not in wanted:
+            continue
+        key = _signature(node, graph, shape, allow_partial_inputs)
+        hit = _cache.get(key)
+        if hit is None:
+            found, fallback = node_strategies(node, graph, mesh, allow_partial_inputs=allow_partial_inputs)
+            hit = (tuple(found), fallback)
+            _cache[key] = hit
+            if len(_cache) > _CACHE_SIZE:
+                _cache.popitem(last=False)
+        else:
+            _cache.move_to_end(key)
+        strategies, fallback = hit
+        result[node.index] = list(strategies)
+        if fallback:
+            fell_back[node.op] = fell_back.get(node.op, 0) + 1
+    for op, count in fell_back.items():
+        logger.warning(
+            "no sharding rule for %s (%d node%s): running it replicated on mesh %s",
+            op,
+            count,
+            "" if count == 1 else "s",
+            shape,
+        )
+    return result
+
+
+def fallback_ops(strategies: dict[int, list[Strategy]], graph: StepGraph) -> list[str]:
+    """Op names whose nodes got only the replicate fallback, sorted; for reports."""
+    by_index = {n.index: n for n in graph.nodes}
+    return sorted(
+        {by_index[i].op for i, ss in strategies.items() if all(s.source == "replicate-fallback" for s in ss)}
+    )
+
+
+def clear_cache() -> None:
+    """Forget cached strategies (e.g. after registering a custom rule)."""
+    _cache.clear()
