@@ -79,6 +79,63 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .hardware import get_device
+    from .models import build_model, make_example_inputs
+    from .solve.planner import BASELINES, evaluate_plan, plan_model
+    from .units import format_bytes, format_seconds
+
+    spec = get_device(args.device)
+    mixed = None if args.mixed_precision == "no" else args.mixed_precision
+    optimizer = None if args.optimizer == "none" else args.optimizer
+    mesh = tuple(int(x) for x in args.mesh.split("x")) if args.mesh else None
+    common = dict(
+        num_devices=args.devices,
+        device=spec,
+        memory_budget=args.memory_budget,
+        devices_per_node=args.devices_per_node,
+        mixed_precision=mixed,
+        optimizer=optimizer,
+        time_limit_s=args.time_limit,
+    )
+    with _Stage(f"building {args.model} on meta", args.quiet):
+        model = build_model(args.model, device="meta")
+        batch = make_example_inputs(model, args.batch_size, args.seq_len, device="meta")
+    with _Stage(f"planning for {args.devices} x {spec.name} (capture, strategies, ILP per mesh)", args.quiet):
+        plan = plan_model(model, batch, mesh_shape=mesh, **common)
+    print(plan.summary())
+    print("\nmeshes tried:")
+    for alt in plan.alternatives:
+        mesh_txt = "x".join(str(x) for x in alt["mesh"])
+        if "step_time_s" in alt:
+            print(
+                f"  dp x tp = {mesh_txt:7s} {alt['dp_mode']:5s} {format_seconds(alt['step_time_s']):>9s}"
+                f"  peak {format_bytes(alt['peak_memory_bytes']):>11s}  {'fits' if alt['fits'] else 'does not fit'}"
+            )
+        else:
+            print(
+                f"  dp x tp = {mesh_txt:7s} {alt['dp_mode']:5s} needs >= {format_bytes(alt['min_memory_bytes'])}"
+            )
+    if not args.no_baselines:
+        print("\nbaselines under the same cost model:")
+        print(
+            f"  {'auto':9s} {format_seconds(plan.step_time_s):>9s}  peak {format_bytes(plan.peak_memory_bytes):>11s}  fits"
+        )
+        for base in BASELINES:
+            with _Stage(f"pricing {base}", True):
+                est = evaluate_plan(model, batch, base, **common)
+            ratio = est.step_time_s / plan.step_time_s if plan.step_time_s else float("nan")
+            print(
+                f"  {base:9s} {format_seconds(est.step_time_s):>9s}  peak {format_bytes(est.peak_memory_bytes):>11s}  "
+                f"{'fits' if est.fits else 'does NOT fit':12s} mesh {'x'.join(map(str, est.mesh_shape))} "
+                f"{est.dp_mode}  ({ratio:.2f}x auto)"
+            )
+    if args.out:
+        plan.save(args.out)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
 def cmd_devices(args: argparse.Namespace) -> int:
     from .hardware import list_devices
     from .hardware.catalog import static_presets
@@ -140,6 +197,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-blocks", type=int, default=None, help="show at most this many rows of the block table"
     )
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("plan", help="plan DP x TP sharding for N devices you may not have")
+    _add_model_args(p)
+    p.add_argument("--devices", type=int, required=True, help="number of devices")
+    p.add_argument(
+        "--devices-per-node", type=int, default=None, help="devices per node (default: the preset's)"
+    )
+    p.add_argument(
+        "--memory-budget", default=None, help="per-device budget, e.g. 40GiB (default: memory - margin)"
+    )
+    p.add_argument("--mesh", default=None, help="force a mesh, e.g. 2x4 (dp x tp) or 8 (tp only)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh, seconds")
+    p.add_argument("--no-baselines", action="store_true", help="skip pricing ddp/fsdp/megatron")
+    p.add_argument("--out", metavar="PATH", help="write the plan JSON here")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("devices", help="list the hardware presets")
     p.set_defaults(func=cmd_devices)

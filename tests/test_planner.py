@@ -1,0 +1,213 @@
+"""The planner: ILP built from a captured step, mesh search, baselines and the Plan contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hf_colossal_auto.capture import trace_training_step
+from hf_colossal_auto.capture.graph import Phase
+from hf_colossal_auto.hardware import ClusterSpec, get_device
+from hf_colossal_auto.models import build_model, load_config, make_example_inputs
+from hf_colossal_auto.plan import Plan
+from hf_colossal_auto.solve import InfeasibleError, brute_force, evaluate, solve
+from hf_colossal_auto.solve.builder import TiedGraph, build_problem
+from hf_colossal_auto.solve.cost_model import AxisComm, redistribute
+from hf_colossal_auto.solve.planner import evaluate_plan, megatron_placements, plan_model, tp_plan_placements
+from hf_colossal_auto.strategies import enumerate_strategies
+
+DEVICE = "a100-80gb"
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model = build_model("tiny-gpt2", device="meta")
+    return model, make_example_inputs(model, 8, 32, device="meta")
+
+
+class _TinyMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32, bias=False)
+        self.down = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        y = self.down(torch.relu(self.up(x)))
+        return {"loss": (y - labels).pow(2).mean()}
+
+
+def _problem(model, batch, mesh, budget=1e12, dp_mode="ddp", fixed=None):
+    graph = trace_training_step(model, batch, device_kind="cuda")
+    spec = get_device(DEVICE)
+    cluster = ClusterSpec(spec, mesh[0] * mesh[1])
+    strategies = enumerate_strategies(graph, (mesh[1],), phases=(Phase.FORWARD,))
+    return build_problem(
+        graph,
+        strategies,
+        spec=spec,
+        mesh_shape=mesh,
+        tp_comm=AxisComm(mesh[1], cluster.axis_link(mesh, 1)),
+        dp_comm=AxisComm(mesh[0], cluster.axis_link(mesh, 0)),
+        dp_mode=dp_mode,
+        budget=budget,
+        fixed_params=fixed,
+    )
+
+
+def test_redistribution_prices_match_the_collectives():
+    link = get_device(DEVICE).intra_node_link
+    axis = AxisComm(4, link)
+    n = 1 << 20
+    assert redistribute("R", "S0", n, axis) == (0.0, None)
+    assert redistribute("S1", "R", n, axis)[1] == "all_gather"
+    assert redistribute("P", "R", n, axis)[1] == "all_reduce"
+    assert redistribute("P", "S0", n, axis)[1] == "reduce_scatter"
+    assert redistribute("S0", "S1", n, axis)[1] == "all_to_all"
+    # a ring all-reduce moves twice what a reduce-scatter does
+    ar = redistribute("P", "R", n, axis)[0]
+    rs = redistribute("P", "S0", n, axis)[0]
+    assert ar > rs > 0
+
+
+def test_ilp_optimum_equals_brute_force_on_a_small_graph():
+    model = _TinyMLP()
+    batch = {"x": torch.randn(4, 16), "labels": torch.randn(4, 16)}
+    built = _problem(model, batch, (1, 2))
+    problem = built.problem
+    ilp = solve(problem)
+    exhaustive = brute_force(problem, limit=2_000_000)
+    assert ilp.objective_s == pytest.approx(exhaustive.objective_s, rel=1e-9, abs=1e-15)
+
+
+def test_ilp_optimum_equals_brute_force_under_a_binding_budget():
+    model = _TinyMLP()
+    batch = {"x": torch.randn(64, 16), "labels": torch.randn(64, 16)}
+    loose = _problem(model, batch, (1, 2)).problem
+    unconstrained = solve(loose)
+    _, peak, _ = evaluate(loose, unconstrained.choice)
+    built = _problem(model, batch, (1, 2), budget=peak * 0.9)
+    try:
+        exhaustive = brute_force(built.problem, limit=2_000_000)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve(built.problem)
+        return
+    ilp = solve(built.problem)
+    assert ilp.objective_s == pytest.approx(exhaustive.objective_s, rel=1e-9, abs=1e-15)
+
+
+def _gpt2_with_layers(n_layer: int) -> nn.Module:
+    config = load_config("tiny-gpt2")
+    config.n_layer = n_layer
+    return build_model(config, device="meta")
+
+
+def test_blocks_are_tied_so_the_ilp_does_not_grow_with_depth():
+    shallow, deep = _gpt2_with_layers(6), _gpt2_with_layers(12)
+    batch = make_example_inputs(shallow, 2, 16, device="meta")
+    p6 = _problem(shallow, batch, (1, 2)).problem
+    p12 = _problem(deep, batch, (1, 2)).problem
+    assert len(p6.nodes) == len(p12.nodes)
+    assert sum(n.multiplicity for n in p12.nodes) > sum(n.multiplicity for n in p6.nodes)
+
+
+def test_tied_graph_weights_count_every_real_block():
+    model = _gpt2_with_layers(9)
+    graph = trace_training_step(model, make_example_inputs(model, 2, 16, device="meta"))
+    tied = TiedGraph.build(graph)
+    run = graph.block_runs[0]
+    rep_seg = graph.block_segments[run.representative][Phase.FORWARD]
+    assert tied.multiplicity[rep_seg.start] == 9
+
+
+def test_plan_json_round_trip(gpt2, tmp_path):
+    model, batch = gpt2
+    plan = plan_model(model, batch, num_devices=4, device=DEVICE)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again == plan
+    assert set(again.param_placements) == {n for n, _ in model.named_parameters()}
+    assert again.mesh_shape[0] * again.mesh_shape[1] == 4
+    assert "Plan for GPT2LMHeadModel" in again.summary()
+
+
+def test_plan_is_deterministic(gpt2):
+    model, batch = gpt2
+    a = plan_model(model, batch, num_devices=4, device=DEVICE)
+    b = plan_model(model, batch, num_devices=4, device=DEVICE)
+    assert a.param_placements == b.param_placements
+    assert a.mesh_shape == b.mesh_shape
+    assert a.step_time_s == b.step_time_s
+
+
+def test_tighter_budget_never_gives_a_faster_plan(gpt2):
+    model, batch = gpt2
+    free = plan_model(model, batch, num_devices=4, device=DEVICE)
+    times = []
+    for fraction in (1.0, 0.8, 0.6):
+        budget = int(free.peak_memory_bytes * fraction)
+        try:
+            plan = plan_model(model, batch, num_devices=4, device=DEVICE, memory_budget=budget)
+        except InfeasibleError:
+            break
+        assert plan.peak_memory_bytes <= budget
+        times.append(plan.step_time_s)
+    assert times == sorted(times)
+
+
+def test_infeasible_budget_states_the_minimum(gpt2):
+    model, batch = gpt2
+    with pytest.raises(InfeasibleError, match="smallest per-device memory any plan needs") as info:
+        plan_model(model, batch, num_devices=2, device=DEVICE, memory_budget=1024)
+    assert info.value.min_required > 1024
+
+
+def test_batch_that_no_mesh_can_split_is_explained(gpt2):
+    model, _ = gpt2
+    batch = make_example_inputs(model, 3, 32, device="meta")
+    with pytest.raises(ValueError, match="split the global batch"):
+        plan_model(model, batch, num_devices=2, device=DEVICE, mesh_shape=(2, 1))
+
+
+def test_auto_is_never_slower_than_a_feasible_baseline(gpt2):
+    model, batch = gpt2
+    plan = plan_model(model, batch, num_devices=4, device=DEVICE)
+    for baseline in ("ddp", "fsdp", "megatron"):
+        est = evaluate_plan(model, batch, baseline, num_devices=4, device=DEVICE)
+        if est.fits:
+            assert plan.step_time_s <= est.step_time_s * (1 + 1e-9), baseline
+
+
+def test_evaluating_a_plan_reproduces_its_prediction(gpt2):
+    model, batch = gpt2
+    plan = plan_model(model, batch, num_devices=4, device=DEVICE)
+    est = evaluate_plan(model, batch, plan, num_devices=4, device=DEVICE)
+    assert est.step_time_s <= plan.step_time_s * (1 + 1e-9)
+    assert est.mesh_shape == plan.mesh_shape
+
+
+def test_megatron_and_tp_plan_placements():
+    llama = build_model("tiny-llama", device="meta")
+    meg = megatron_placements(llama)
+    assert meg["model.layers.0.self_attn.q_proj.weight"] == "S0"
+    assert meg["model.layers.0.self_attn.o_proj.weight"] == "S1"
+    assert meg["model.layers.0.mlp.down_proj.weight"] == "S1"
+    gpt = build_model("tiny-gpt2", device="meta")
+    meg = megatron_placements(gpt)
+    assert meg["transformer.h.0.attn.c_attn.weight"] == "S1"  # Conv1D weight is (in, out)
+    assert meg["transformer.h.0.mlp.c_proj.weight"] == "S0"
+    hf = tp_plan_placements(
+        llama, {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+    )
+    assert hf["model.layers.1.self_attn.q_proj.weight"] == "S0"
+    assert hf["model.layers.1.self_attn.o_proj.weight"] == "S1"
+    with pytest.raises(ValueError, match="not supported"):
+        tp_plan_placements(llama, {"layers.*.self_attn.q_proj": "sequence_parallel"})
+
+
+def test_unknown_baseline_is_named(gpt2):
+    model, batch = gpt2
+    with pytest.raises(ValueError, match="Unknown baseline 'zero'"):
+        evaluate_plan(model, batch, "zero", num_devices=2, device=DEVICE)
