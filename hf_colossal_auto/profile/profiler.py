@@ -15,7 +15,7 @@ from ..capture.graph import OpNode, Phase, StepGraph
 from ..capture.tracer import trace_training_step
 from ..hardware import DeviceSpec, get_device
 from ..hardware.roofline import op_time
-from .memory import memory_profile, unroll
+from .memory import _optimizer_copies, memory_profile, unroll
 from .report import BlockProfile, ModuleProfile, NodeProfile, ProfileReport
 
 logger = logging.getLogger(__name__)
@@ -31,9 +31,25 @@ def node_dtype(graph: StepGraph, node: OpNode) -> str:
 
 
 def node_times(graph: StepGraph, spec: DeviceSpec) -> list[float]:
-    """Roofline seconds of every traced node on ``spec``."""
+    """Roofline seconds of every traced node on ``spec``. An optimizer op over a representative block's
+    parameters also moves the bytes of their twins in the folded blocks (one foreach kernel for all)."""
+    copies = _optimizer_copies(graph)
+    opt_start = graph.phase_range(Phase.OPTIMIZER).start
+
+    def moved(vids) -> int:
+        return sum(graph.values[v].nbytes * copies.get(graph.values[v].storage_id, 1) for v in vids)
+
     return [
-        0.0 if n.is_view else op_time(n.flops, n.bytes_read + n.bytes_written, node_dtype(graph, n), spec)
+        0.0
+        if n.is_view
+        else op_time(
+            n.flops,
+            moved(dict.fromkeys(n.inputs)) + moved(n.outputs)
+            if copies and n.index >= opt_start
+            else n.bytes_read + n.bytes_written,
+            node_dtype(graph, n),
+            spec,
+        )
         for n in graph.nodes
     ]
 
