@@ -61,7 +61,7 @@ class Plan:
     """Parameters + gradients + optimizer state per device."""
     activation_memory_bytes: int
     blocks: list[BlockCost] = field(default_factory=list)
-    collectives: dict[str, int] = field(default_factory=dict)
+    collectives: dict[str, float] = field(default_factory=dict)
     """Predicted collectives per step, by kind (e.g. {"all_reduce": 98}), for the fidelity check."""
     recompute: dict[str, str] = field(default_factory=dict)
     """Module FQN -> recompute option ("none", "full", "selective:<k>")."""

@@ -126,6 +126,15 @@ def _param_node_name(fqn: str) -> str:
     return f"p:{fqn}"
 
 
+def value_readers(graph: StepGraph, tied: TiedGraph) -> dict[int, int]:
+    """Value id -> number of forward nodes that read it (the gradient contributions autograd sums)."""
+    readers: dict[int, int] = defaultdict(int)
+    for i in tied.canonical:
+        for vid in set(graph.nodes[i].inputs):
+            readers[vid] += 1
+    return readers
+
+
 def _backward_ratios(graph: StepGraph, spec: DeviceSpec) -> dict[str, float]:
     fwd: dict[str, float] = defaultdict(float)
     bwd: dict[str, float] = defaultdict(float)
@@ -274,6 +283,7 @@ def build_problem(
         block_of[name] = fqn.rsplit(".", 1)[0]
 
     # ---------------------------------------------------------------- edges
+    readers = value_readers(graph, tied)
     edge_cost: dict[tuple[str, str], list[list[float]]] = {}
     strat_by_canon = {node_of_name[n]: s for n, s in strat_of.items()}
 
@@ -302,7 +312,11 @@ def build_problem(
                 if pname not in param_options:
                     continue
                 matrix = [
-                    [w * _edge_time(o, s, k, value.nbytes, axis, tp_comm, param=True) for s in v_strats]
+                    [
+                        w
+                        * _edge_time(o, s, k, value.nbytes, axis, tp_comm, param=True, consumers=readers[vid])
+                        for s in v_strats
+                    ]
                     for o in param_options[pname]
                 ]
                 add_edge(pname, _node_name(v_c), matrix)
@@ -317,7 +331,16 @@ def build_problem(
             u_strats = strat_by_canon[u_c]
             matrix = [
                 [
-                    w * _edge_time(us.output_placements[pos][axis], s, k, value.nbytes, axis, tp_comm)
+                    w
+                    * _edge_time(
+                        us.output_placements[pos][axis],
+                        s,
+                        k,
+                        value.nbytes,
+                        axis,
+                        tp_comm,
+                        consumers=readers[vid],
+                    )
                     for s in v_strats
                 ]
                 for us in u_strats
@@ -389,45 +412,44 @@ def build_problem(
     )
 
 
-def _edge_time(
+def edge_reshardings(
     src_place: str,
     consumer: Strategy,
     k: int,
     nbytes: float,
     axis: int,
     comm: AxisComm,
+    *,
     param: bool = False,
-) -> float:
-    """Forward resharding of the value + backward resharding of its gradient, for one producer->consumer use."""
+    consumers: int = 1,
+) -> list[tuple[float, str, float]]:
+    """(seconds, collective, how many of it) of one producer->consumer use: the forward resharding of the value and the
+    backward resharding of its gradient.
+
+    A value read by several consumers gets the sum of their gradients. Partial gradients are summed locally
+    before a single reduction (what autograd's accumulation does with partial DTensors), so each of the
+    ``consumers`` readers carries ``1/consumers`` of that reduction; exact when the readers agree (q, k and v
+    projections of one normed input), an undercount when only some of them produce partial gradients.
+    """
     spec = consumer.input_placements[k] if k < len(consumer.input_placements) else None
     dst = spec[axis] if spec is not None else src_place
-    fwd, _ = redistribute(src_place, dst, nbytes, comm)
+    out: list[tuple[float, str, float]] = []
+    t, kind = redistribute(src_place, dst, nbytes, comm)
+    if kind:
+        out.append((t, kind, 1.0))
     ins = tuple(p[axis] if p is not None else None for p in consumer.input_placements)
     outs = tuple(p[axis] for p in consumer.output_placements)
     grad_from = gradient_at_consumer(dst, splits_work(ins, outs))
     grad_to = src_place if param and is_shard(src_place) else gradient_at_producer(src_place)
-    bwd, _ = redistribute(grad_from, grad_to, nbytes, comm)
-    return fwd + bwd
-
-
-def edge_collectives(
-    src_place: str, consumer: Strategy, k: int, nbytes: float, axis: int, comm: AxisComm, param: bool = False
-) -> list[str]:
-    """The collectives :func:`_edge_time` prices, by kind (for the plan's communication summary)."""
-    spec = consumer.input_placements[k] if k < len(consumer.input_placements) else None
-    dst = spec[axis] if spec is not None else src_place
-    out = []
-    _, kind = redistribute(src_place, dst, nbytes, comm)
+    t, kind = redistribute(grad_from, grad_to, nbytes, comm)
     if kind:
-        out.append(kind)
-    ins = tuple(p[axis] if p is not None else None for p in consumer.input_placements)
-    outs = tuple(p[axis] for p in consumer.output_placements)
-    grad_from = gradient_at_consumer(dst, splits_work(ins, outs))
-    grad_to = src_place if param and is_shard(src_place) else gradient_at_producer(src_place)
-    _, kind = redistribute(grad_from, grad_to, nbytes, comm)
-    if kind:
-        out.append(kind)
+        share = 1.0 / consumers if grad_from == "P" else 1.0
+        out.append((t * share, kind, share))
     return out
+
+
+def _edge_time(*args, **kwargs) -> float:
+    return sum(t for t, _, _ in edge_reshardings(*args, **kwargs))
 
 
 def _replicated(node: OpNode) -> Strategy:

@@ -37,7 +37,7 @@ from ..hardware.catalog import memory_budget_default
 from ..plan import BlockCost, Plan
 from ..strategies import enumerate_strategies
 from ..units import format_bytes, parse_bytes
-from .builder import BuiltProblem, TiedGraph, build_problem, edge_collectives
+from .builder import BuiltProblem, TiedGraph, build_problem, edge_reshardings, value_readers
 from .cost_model import AxisComm
 from .ilp import solve
 from .problem import InfeasibleError, Solution, evaluate
@@ -446,50 +446,54 @@ def _activation_per_unit(built, solution, graph, tied, unit_of, tp) -> dict[str,
     return out
 
 
-def _collectives(built, solution, graph, tied, mesh, planner, dp_mode) -> dict[str, int]:
-    """Predicted collectives per step by kind (tensor-parallel resharding + data-parallel gradient sync)."""
-    counts: dict[str, int] = defaultdict(int)
-    dp, tp = mesh
+def _collectives(built, solution, graph, tied, mesh, planner, dp_mode) -> dict[str, float]:
+    """Predicted collectives per step by kind: tensor-parallel resharding of every edge the solution prices
+    (fractions where consumers share one gradient reduction) and data-parallel gradient synchronisation."""
     from .builder import _node_name, _param_node_name
 
+    counts: dict[str, float] = defaultdict(float)
+    dp, tp = mesh
     producer = {}
     for n in graph.nodes:
         if n.phase is Phase.FORWARD:
             for pos, vid in enumerate(n.outputs):
                 producer[vid] = (n.index, pos)
+    readers = value_readers(graph, tied)
     tp_comm = AxisComm(tp, planner.cluster.axis_link(mesh, 1))
     for v_idx in sorted(tied.canonical):
         w = tied.weight[v_idx]
         v_name = _node_name(tied.canonical[v_idx])
         strat = built.strategies[v_name][solution.choice[v_name]]
-        node = graph.nodes[v_idx]
-        for k, vid in enumerate(node.inputs):
+        for k, vid in enumerate(graph.nodes[v_idx].inputs):
             value = graph.values[vid]
             if value.name is not None and value.kind.value == "param":
                 pname = _param_node_name(tied.canonical_param(value.name))
                 if pname not in built.param_options:
                     continue
-                src = built.param_options[pname][solution.choice[pname]]
-                for kind in edge_collectives(src, strat, k, value.nbytes, 0, tp_comm, param=True):
-                    counts[kind] += w
+                src, is_param = built.param_options[pname][solution.choice[pname]], True
+            elif vid in producer and producer[vid][0] in tied.canonical:
+                u_idx, pos = producer[vid]
+                u_name = _node_name(tied.canonical[u_idx])
+                if u_name == v_name:
+                    continue
+                src, is_param = (
+                    built.strategies[u_name][solution.choice[u_name]].output_placements[pos][0],
+                    False,
+                )
+            else:
                 continue
-            if vid not in producer or producer[vid][0] not in tied.canonical:
-                continue
-            u_idx, pos = producer[vid]
-            u_name = _node_name(tied.canonical[u_idx])
-            if u_name == v_name:
-                continue
-            us = built.strategies[u_name][solution.choice[u_name]]
-            for kind in edge_collectives(us.output_placements[pos][0], strat, k, value.nbytes, 0, tp_comm):
-                counts[kind] += w
+            for _, kind, count in edge_reshardings(
+                src, strat, k, value.nbytes, 0, tp_comm, param=is_param, consumers=readers[vid]
+            ):
+                counts[kind] += w * count
     if dp > 1:
-        n_params = len([p for p in graph.param_names])
+        n_params = len(graph.param_names)
         if dp_mode == "fsdp":
             counts["dp_all_gather"] += 2 * n_params
             counts["dp_reduce_scatter"] += n_params
         else:
             counts["dp_all_reduce"] += n_params
-    return dict(counts)
+    return {k: round(v, 6) for k, v in sorted(counts.items())}
 
 
 # ---------------------------------------------------------------------------------------------- baselines

@@ -9,6 +9,9 @@ Checked on the four tiny families (GPT-2, BERT, T5, Llama; forward and backward,
 * factory ops with no tensor input (``arange`` for position ids, ``zeros``, ``scalar_tensor`` for masking
   constants): DTensor has nothing to follow. They are created replicated; any shard a consumer wants is a
   free local slice of a replicated tensor, so no other placement is worth a candidate.
+* the GPU SDPA kernels (``_scaled_dot_product_{flash,efficient}_attention`` and backwards) that the tracer
+  records for GPU targets (:mod:`hf_colossal_auto.capture.attention`): DTensor's rules do not describe the
+  kernels' RNG-state outputs.
 * ``aten.fill_.Tensor`` (T5's decoder-input shift): no DTensor rule, and the decomposition tracer reaches
   the equally unregistered ``fill.Tensor``.
 
@@ -77,6 +80,27 @@ def flash_attention_cpu_backward_rule(
     return expand_single_dim_rules(rules, len(mesh_shape), "custom")
 
 
+def _follows_dim(shape: tuple[int, ...], d: int) -> bool:
+    """An attention tensor carries the batch/head dim ``d`` when it has rank >= 3 and does not broadcast on it."""
+    return len(shape) >= 3 and shape[d] > 1
+
+
+def cuda_attention_rule(node: OpNode, graph: StepGraph, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """The GPU SDPA kernels (flash, memory-efficient; forward and backward) that the tracer records when the
+    target is a GPU. q/k/v/out/lse/grads and a full-rank bias split together along batch (dim 0) or heads
+    (dim 1); a bias that broadcasts on that dim and the 0-dim RNG seed/offset stay replicated.
+
+    DTensor registers rules for the forward kernels, but they describe fewer outputs than the kernels return
+    (the RNG state), so they cannot be matched to the recorded node.
+    """
+    rules: list[SingleDimRule] = [([REPLICATE] * len(node.inputs), [REPLICATE] * len(node.outputs))]
+    for d in (0, 1):
+        ins = [shard(d) if _follows_dim(_shape(graph, v), d) else REPLICATE for v in node.inputs]
+        outs = [shard(d) if _follows_dim(_shape(graph, v), d) else REPLICATE for v in node.outputs]
+        rules.append((ins, outs))
+    return expand_single_dim_rules(rules, len(mesh_shape), "custom")
+
+
 def fill_tensor_rule(node: OpNode, graph: StepGraph, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     """``fill_(self, value: 0-dim Tensor)`` (T5 builds its decoder start tokens with it): every element of
     ``self`` gets the replicated scalar, so ``self`` may be replicated or sharded on any dim and the output
@@ -104,6 +128,10 @@ def factory_rule(node: OpNode, graph: StepGraph, mesh_shape: tuple[int, ...]) ->
 CUSTOM_RULES: dict[str, CustomRule] = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": flash_attention_cpu_rule,
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": flash_attention_cpu_backward_rule,
+    "aten._scaled_dot_product_efficient_attention.default": cuda_attention_rule,
+    "aten._scaled_dot_product_efficient_attention_backward.default": cuda_attention_rule,
+    "aten._scaled_dot_product_flash_attention.default": cuda_attention_rule,
+    "aten._scaled_dot_product_flash_attention_backward.default": cuda_attention_rule,
     "aten.fill_.Tensor": fill_tensor_rule,
     "aten.fill.Tensor": fill_tensor_rule,
 }
