@@ -314,6 +314,7 @@ def _trace_once(
             with rec:
                 opt.step()
             rec.recording = True
+            rec.scalar_stub = False  # only the optimizer's step counter; the model's .item() must fail
             for p in trainable:
                 p.grad = None
             for n, p in params.items():
@@ -461,6 +462,10 @@ def trace_training_step(
             f"Unknown mixed_precision {mixed_precision!r}; use one of {sorted(k for k in MIXED_PRECISION_DTYPES if k)}"
             " or None."
         )
+    if optimizer not in (None, "none") and (
+        not isinstance(optimizer, str) or optimizer.lower() not in ("adamw", "adam", "sgd")
+    ):  # checked here: inside the trace it would surface as a CaptureError about the inputs
+        raise ValueError(f"Unknown optimizer {optimizer!r}; use one of 'adamw', 'adam', 'sgd' or None.")
     autocast_dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     validate_inputs(model, example_inputs)
     runs = find_block_runs(model) if fold_blocks else []
