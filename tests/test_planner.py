@@ -211,3 +211,20 @@ def test_unknown_baseline_is_named(gpt2):
     model, batch = gpt2
     with pytest.raises(ValueError, match="Unknown baseline 'zero'"):
         evaluate_plan(model, batch, "zero", num_devices=2, device=DEVICE)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-bert", "tiny-t5", "tiny-llama"])
+def test_single_device_plan_predicts_the_profiled_peak(preset):
+    """With nothing to shard, the ILP's two memory moments must add up to the liveness peak of the profile
+    (which tests/test_profiler_accuracy.py holds against MemTracker on real tensors)."""
+    from hf_colossal_auto.profile import profile_model
+
+    config = load_config(preset)
+    for attr in ("n_layer", "num_hidden_layers", "num_layers"):
+        if hasattr(config, attr):
+            setattr(config, attr, 6)
+    model = build_model(config, device="meta")
+    batch = make_example_inputs(model, 4, 32, device="meta")
+    report = profile_model(model, batch, device=DEVICE)
+    plan = plan_model(model, batch, num_devices=1, device=DEVICE)
+    assert abs(plan.peak_memory_bytes - report.peak_memory_bytes) <= 8  # rounding of per-block averages
