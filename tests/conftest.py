@@ -30,3 +30,14 @@ def tiny_model():
         return build_model(name, device="cpu", **kwargs)
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_leaked_process_group():
+    """The planner starts an in-process fake process group when none exists; end it with the module so that
+    tests which need no group (or a real gloo one) never inherit it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
