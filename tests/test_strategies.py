@@ -135,8 +135,12 @@ def test_two_dim_mesh_combines_rules_per_mesh_dim(graphs) -> None:
     assert len(keys) == 16  # 4 rules per mesh dim, all evenly shardable here
 
 
-def test_flash_attention_cpu_uses_custom_heads_and_batch_rule(graphs) -> None:
-    graph = graphs["tiny-llama"]
+def test_flash_attention_cpu_uses_custom_heads_and_batch_rule() -> None:
+    # A padded batch keeps its mask (an all-ones mask is dropped, as eager transformers skips it).
+    model = build_model("tiny-llama", device="cpu")
+    batch = make_example_inputs(model, 4, 16)
+    batch["attention_mask"][0, -1] = 0
+    graph = trace_training_step(model, batch)
     fwd_op = "aten._scaled_dot_product_flash_attention_for_cpu.default"
     bwd_op = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
     result = enumerate_strategies(graph, (2,), phases=(Phase.FORWARD, Phase.BACKWARD))

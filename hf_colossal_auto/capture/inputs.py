@@ -81,3 +81,26 @@ def validate_inputs(model: nn.Module, example_inputs: Mapping[str, Any]) -> None
     for k, v in example_inputs.items():
         if isinstance(v, torch.Tensor) and v.dim() == 0 and k in ("input_ids", "labels"):
             raise ValueError(f"example_inputs[{k!r}] is a scalar; it needs a batch dimension.")
+
+
+MASK_KEYS = ("attention_mask", "decoder_attention_mask")
+
+
+def drop_all_ones_masks(example_inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch as eager transformers would run it: an attention mask with no padding is the same as none.
+
+    Eager transformers checks the mask's values and, when nothing is masked, passes no mask to SDPA (so the
+    flash kernel can run with ``is_causal``). Under fake tensors it cannot look at values and always builds a
+    ``batch x 1 x seq x seq`` mask, which the attention kernel then converts and saves per layer: the traced
+    step would not be the step that runs. We look at the values here instead (a ``meta`` mask has none and is
+    taken as all ones, which is what :func:`hf_colossal_auto.models.make_example_inputs` builds) and drop
+    masks that mask nothing; masks with padding are kept.
+    """
+    out = dict(example_inputs)
+    for key in MASK_KEYS:
+        mask = out.get(key)
+        if not isinstance(mask, torch.Tensor):
+            continue
+        if mask.device.type == "meta" or bool(mask.bool().all()):
+            del out[key]
+    return out

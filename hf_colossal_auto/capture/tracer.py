@@ -44,7 +44,8 @@ from .graph import (
     ValueInfo,
     ValueKind,
 )
-from .inputs import CaptureError, validate_inputs
+from .hf_masks import eager_mask_decisions
+from .inputs import CaptureError, drop_all_ones_masks, validate_inputs
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -369,7 +370,7 @@ def _trace_once(
                     if autocast_dtype is not None
                     else torch.autocast("cpu", enabled=False)
                 )
-                with ctx, target_attention_kernels(device_kind):
+                with ctx, target_attention_kernels(device_kind), eager_mask_decisions(inputs):
                     output = torch.func.functional_call(
                         model, {**params, **buffers}, args=(), kwargs=fake_inputs
                     )
@@ -468,6 +469,7 @@ def trace_training_step(
         raise ValueError(f"Unknown optimizer {optimizer!r}; use one of 'adamw', 'adam', 'sgd' or None.")
     autocast_dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     validate_inputs(model, example_inputs)
+    example_inputs = drop_all_ones_masks(example_inputs)
     runs = find_block_runs(model) if fold_blocks else []
     segments: dict[str, dict[Phase, Segment]] = {}
     rec: _Recorder | None = None
