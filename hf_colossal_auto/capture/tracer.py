@@ -11,7 +11,6 @@ memory timeline is what autograd really keeps alive, not a guess from graph live
 
 from __future__ import annotations
 
-import gc
 import logging
 import weakref
 from collections.abc import Mapping
@@ -492,10 +491,6 @@ def trace_training_step(
 
 
 def _run_capture(model, inputs, autocast_dtype, optimizer, device_kind="cpu"):
-    # The cyclic GC's full passes over a big model's (and transformers') long-lived objects cost up to half a
-    # capture, at random points. Storages die by reference counting, so the timeline does not depend on it.
-    gc_enabled = gc.isenabled()
-    gc.disable()
     try:
         return _trace_once(
             model, inputs, autocast_dtype=autocast_dtype, optimizer=optimizer, device_kind=device_kind
@@ -504,9 +499,6 @@ def _run_capture(model, inputs, autocast_dtype, optimizer, device_kind="cpu"):
         raise
     except Exception as exc:  # the user's model failed under fake tensors: say where and what to try
         raise CaptureError.from_exception(model, exc) from exc
-    finally:
-        if gc_enabled:
-            gc.enable()
 
 
 def _assemble(
