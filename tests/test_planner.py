@@ -228,3 +228,44 @@ def test_single_device_plan_predicts_the_profiled_peak(preset):
     report = profile_model(model, batch, device=DEVICE)
     plan = plan_model(model, batch, num_devices=1, device=DEVICE)
     assert abs(plan.peak_memory_bytes - report.peak_memory_bytes) <= 8  # rounding of per-block averages
+
+
+@pytest.mark.parametrize("device_kind", ["cpu", "cuda"])
+def test_redistribution_kinds_are_what_dtensor_runs(device_kind):
+    """Every redistribution the cost model prices is the collective DTensor issues (CommDebugMode, fake PG)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from hf_colossal_auto._torch_compat import fake_process_group
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    fake_process_group(4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        axis = AxisComm(4, get_device(DEVICE).intra_node_link, device_kind)
+        to_dt = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1), "P": Partial()}
+        names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+        checked = 0
+        for src in ("R", "S0", "S1", "P"):
+            for dst in ("R", "S0", "S1"):
+                if src == dst:
+                    continue
+                if src == "P":
+                    value = DTensor.from_local(torch.randn(8, 8), mesh, [Partial()])
+                else:
+                    value = distribute_tensor(torch.randn(8, 8), mesh, [to_dt[src]])
+                with CommDebugMode() as comm:
+                    value.redistribute(mesh, [to_dt[dst]])
+                ran = [
+                    names.get(str(op).split(".")[-1], str(op).split(".")[-1]) for op in comm.get_comm_counts()
+                ]
+                _, predicted = redistribute(src, dst, 8 * 8 * 4, axis)
+                if device_kind == "cpu" or predicted != "all_to_all":  # what the fake (CPU) group really ran
+                    assert ran == ([predicted] if predicted else []), (src, dst)
+                    checked += 1
+        assert checked >= 7
+    finally:
+        dist.destroy_process_group()

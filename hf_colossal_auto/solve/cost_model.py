@@ -14,8 +14,12 @@ S -> R          all-gather                        n (the gathered output)
 P -> R          all-reduce                        n
 P -> S          reduce-scatter                    n (the input)
 S(a) -> S(b)    all-to-all                        n / p (per-rank buffer)
+                (CPU/gloo: all-gather, then chunk  n)
 S -> P          all-gather, then local            n
 =============  ================================  =========================
+
+These are the collectives DTensor's ``redistribute`` issues (checked against ``CommDebugMode`` in the tests);
+gloo has no all-to-all, so on CPU meshes DTensor all-gathers and keeps its chunk.
 
 Backward reverses each edge for the gradient: a consumer that computes with a replicated input while
 splitting its work produces a *partial* input gradient, which the producer then needs replicated (the
@@ -37,6 +41,8 @@ class AxisComm:
 
     size: int
     link: LinkSpec
+    device_kind: str = "cuda"
+    """"cpu" meshes (gloo) have no all-to-all: DTensor all-gathers instead."""
 
     def time(self, kind: str, nbytes: float) -> float:
         return collective_time(kind, nbytes, self.size, self.link)
@@ -50,6 +56,8 @@ def redistribute(src: str, dst: str, nbytes: float, axis: AxisComm) -> tuple[flo
         return 0.0, None  # slicing or zeroing a replica is local
     if is_shard(src):
         if dst == "R" or is_partial(dst):
+            return axis.time("all_gather", nbytes), "all_gather"
+        if axis.device_kind == "cpu":
             return axis.time("all_gather", nbytes), "all_gather"
         return axis.time("all_to_all", nbytes / axis.size), "all_to_all"
     if is_partial(src):
