@@ -34,6 +34,8 @@ class UnrolledStep:
     """(position in ``order``, bytes delta, storage kind), chronological; position -1 = before any op."""
     initial_bytes: int
     initial_by_kind: dict[ValueKind, int]
+    event_storages: list[int] = field(default_factory=list)
+    """The traced storage id of each event (replayed copies repeat their representative's ids)."""
 
 
 @dataclass
@@ -88,6 +90,7 @@ def unroll(graph: StepGraph) -> UnrolledStep:
     block_of: list[str | None] = []
     source_of: list[str | None] = []
     events: list[tuple[int, int, ValueKind]] = []
+    event_storages: list[int] = []
 
     def emit(i: int, label: str | None, source: str | None) -> None:
         pos = len(order)
@@ -97,9 +100,11 @@ def unroll(graph: StepGraph) -> UnrolledStep:
         for delta, sid in by_slot.get(i, ()):
             copies = opt_copies.get(sid, 1) if i >= opt_start else 1
             events.extend([(pos, delta, kind_of[sid])] * copies)
+            event_storages.extend([sid] * copies)
 
     for delta, sid in by_slot.get(-1, ()):
         events.append((-1, delta, kind_of[sid]))
+        event_storages.append(sid)
     i = 0
     n = len(graph.nodes)
     while i < n:
@@ -124,7 +129,13 @@ def unroll(graph: StepGraph) -> UnrolledStep:
         graph.optimizer_state_bytes.get(p, 0) for p in folded_params
     )
     return UnrolledStep(
-        order, block_of, source_of, events, sum(initial_by_kind.values()), dict(initial_by_kind)
+        order,
+        block_of,
+        source_of,
+        events,
+        sum(initial_by_kind.values()),
+        dict(initial_by_kind),
+        event_storages,
     )
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from ..capture.graph import OpNode, Phase, StepGraph, ValueKind
 from ..hardware.catalog import DeviceSpec
 from ..hardware.roofline import op_time
-from ..profile.memory import memory_profile, unroll
+from ..profile.memory import unroll
 from ..profile.profiler import node_dtype
 from ..strategies.placements import Strategy, is_shard
 from .cost_model import (
@@ -244,7 +244,6 @@ def build_problem(
     grad_terms: dict[str, list[float]] = {}
     opt_temp_terms: dict[str, list[float]] = {}
     fixed: dict[str, int] = {}
-    mem = memory_profile(graph, unroll(graph))
     opt_temp_ratio = _optimizer_temp_ratio(graph)
     for fqn in sorted(param_uses):
         shape = graph.param_shapes.get(fqn)
@@ -352,14 +351,14 @@ def build_problem(
     edges = [DecisionEdge(s, d, m) for (s, d), m in sorted(edge_cost.items())]
 
     # ---------------------------------------------------------------- memory
-    static_by_kind = _activation_peak_kinds(graph)
-    saved = mem.saved_bytes_per_node
+    static_by_kind, alive_at_peak = _activation_peak(graph)
     act_terms: dict[str, list[float]] = {}
     saved_total = 0.0
     weighted_saved: dict[int, float] = defaultdict(float)
     for i, c in tied.canonical.items():
-        # every copy's saved bytes, weighted by the blocks it stands for, land on the canonical node
-        weighted_saved[c] += saved.get(i, 0) * tied.weight[i]
+        # what every copy allocated in forward and still holds at the peak (already summed over the blocks a
+        # replayed copy stands for) lands on the canonical node
+        weighted_saved[c] += alive_at_peak.get(i, 0)
     for c in canon_nodes:
         name = _node_name(c)
         weighted = weighted_saved.get(c, 0.0)
@@ -464,20 +463,26 @@ def _label(s: Strategy, axis: int) -> str:
     return f"({ins})->({outs})"
 
 
-def _activation_peak_kinds(graph: StepGraph) -> dict[str, int]:
-    """Live bytes by kind at the highest point of forward+backward (the optimizer step is priced apart)."""
+def _activation_peak(graph: StepGraph) -> tuple[dict[str, int], dict[int, int]]:
+    """At the highest point of forward+backward (the optimizer step is priced apart): live bytes by kind, and
+    the bytes still alive that each forward node allocated (summed over the blocks it stands for)."""
     step = unroll(graph)
+    alloc_node = {e.storage_id: e.slot for e in graph.memory_events if e.delta > 0}
     live: dict[ValueKind, int] = defaultdict(int, step.initial_by_kind)
-    best_total, best = sum(live.values()), dict(live)
+    by_node: dict[int, int] = defaultdict(int)
+    best_total, best, best_nodes = sum(live.values()), dict(live), {}
     total = best_total
-    for pos, delta, kind in step.events:
+    for (pos, delta, kind), sid in zip(step.events, step.event_storages, strict=True):
         if pos >= 0 and graph.nodes[step.order[pos]].phase is Phase.OPTIMIZER:
             break
         total += delta
         live[kind] += delta
+        node = alloc_node.get(sid)
+        if node is not None and graph.nodes[node].phase is Phase.FORWARD:
+            by_node[node] += delta
         if total > best_total:
-            best_total, best = total, dict(live)
-    return {k.value: v for k, v in best.items()}
+            best_total, best, best_nodes = total, dict(live), dict(by_node)
+    return {k.value: v for k, v in best.items()}, {n: b for n, b in best_nodes.items() if b > 0}
 
 
 def _optimizer_time(graph: StepGraph, spec: DeviceSpec) -> float:
