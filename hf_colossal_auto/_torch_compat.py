@@ -14,6 +14,8 @@ from torch.utils.flop_counter import flop_registry as _torch_flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "allow_implicit_replication",
+    "local_tensor_mode",
     "DTensorSpec",
     "MaskPartial",
     "OpSchema",
@@ -100,3 +102,18 @@ def detached_device_mesh(mesh_shape: tuple[int, ...], device_type: str = "cpu"):
     for s in mesh_shape:
         n *= s
     return DeviceMesh(device_type, torch.arange(n).reshape(mesh_shape), _init_backend=False, _rank=0)
+
+
+def allow_implicit_replication(enabled: bool) -> None:
+    """Let DTensor ops treat plain tensors as replicated, process-wide (the public context manager
+    ``implicit_replication`` only covers a ``with`` block, and backward runs outside the model's forward)."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher._allow_implicit_replication = enabled
+
+
+def local_tensor_mode(world_size: int):
+    """torch's single-process simulation of ``world_size`` ranks (for multi-rank tests without processes)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    return LocalTensorMode(frozenset(range(world_size)))

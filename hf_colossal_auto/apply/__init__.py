@@ -1,0 +1,23 @@
+"""Apply a Plan to the live model (DTensor parameters on a DP x TP mesh)."""
+
+from .dtensor_rules import register_runtime_rules
+from .runtime import (
+    PlanMismatchError,
+    apply_plan,
+    autoparallelize,
+    broadcast_plan,
+    build_mesh,
+    distribute_parameters,
+    validate_plan,
+)
+
+__all__ = [
+    "PlanMismatchError",
+    "apply_plan",
+    "autoparallelize",
+    "broadcast_plan",
+    "build_mesh",
+    "distribute_parameters",
+    "register_runtime_rules",
+    "validate_plan",
+]

@@ -210,14 +210,19 @@ def plan_model(
     mixed_precision: str | None = None,
     optimizer: str | None = "adamw",
     time_limit_s: float = 60.0,
+    dp_modes: tuple[str, ...] = ("ddp", "fsdp"),
 ) -> Plan:
     """Plan data + tensor parallelism for ``model`` on ``num_devices`` devices of kind ``device``.
 
     Runs on a meta/fake model with no processes. ``example_inputs`` is one *global* batch (what one optimizer
     step consumes across all data-parallel ranks). ``memory_budget`` is per device, in bytes or a string like
     ``"40GiB"``; None means the device's memory minus the margin of
-    :func:`hf_colossal_auto.hardware.memory_budget_default`.
+    :func:`hf_colossal_auto.hardware.memory_budget_default`. ``dp_modes`` are the data-parallel modes tried on
+    meshes with a data-parallel axis ("ddp", "fsdp").
     """
+    unknown = sorted(set(dp_modes) - {"ddp", "fsdp"})
+    if unknown or not dp_modes:
+        raise ValueError(f"dp_modes must be a non-empty subset of ('ddp', 'fsdp'), got {dp_modes!r}")
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     spec = get_device(device)
@@ -229,7 +234,7 @@ def plan_model(
     tried: list[dict[str, Any]] = []
     min_required = math.inf
     for mesh in _meshes(planner, mesh_shape):
-        for dp_mode in ("ddp", "fsdp") if mesh[0] > 1 else ("ddp",):
+        for dp_mode in dp_modes if mesh[0] > 1 else ("ddp",):
             try:
                 built, solution = planner.solve_mesh(mesh, dp_mode)
             except InfeasibleError as exc:

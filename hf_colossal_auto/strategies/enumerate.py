@@ -58,11 +58,11 @@ def device_mesh(mesh_shape: Sequence[int] | int) -> Any:
 
     * torch.distributed not initialised: start the in-process fake backend with one rank per mesh device
       (no processes, no communication) and build the mesh over it.
-    * A group of exactly the mesh's size (fake or real): a mesh over it. On a real group with a 2-D mesh
-      this creates sub-groups, so every rank must make the same call, as for any DeviceMesh.
-    * A fake group of another size (an earlier enumeration for another mesh): a mesh with no process
-      groups behind it - the fake backend never communicates anyway, and a process group cannot be resized.
-    * A real group of another size: RuntimeError; a mesh over ranks that do not exist would be a lie.
+    * A fake group of exactly the mesh's size: a mesh over it.
+    * Any other group — a fake one of another size (an earlier enumeration for another mesh), or a real one
+      (planning inside a training job, where only one rank plans): a mesh with no process groups behind it.
+      Rules read only the mesh's shape, and building a real mesh would create sub-groups, a collective call
+      the other ranks are not making.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -82,17 +82,10 @@ def device_mesh(mesh_shape: Sequence[int] | int) -> Any:
     cached = _meshes.get(key)
     if cached is not None and cached[0] is group:
         return cached[1]
-    if world == n:
+    if world == n and backend == "fake":
         mesh = init_device_mesh(_device_type(backend), shape)
-    elif backend == "fake":
-        mesh = detached_device_mesh(shape, "cpu")
     else:
-        raise RuntimeError(
-            f"torch.distributed is already initialised with a {backend!r} group of {world} ranks, but a mesh "
-            f"of shape {shape} needs {n}. Enumerate strategies for a mesh covering the group "
-            f"(product of mesh_shape == {world}), or from a process without a process group (a fake one "
-            "is then started)."
-        )
+        mesh = detached_device_mesh(shape, "cpu")
     _meshes[key] = (group, mesh)
     return mesh
 

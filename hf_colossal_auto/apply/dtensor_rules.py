@@ -1,0 +1,74 @@
+"""Sharding rules registered into DTensor for ops it cannot run sharded on its own.
+
+The runtime runs the model's own forward on DTensor parameters, so every op the step reaches must have a
+DTensor sharding rule. These are the ones transformer training steps hit that torch 2.13 lacks; they match
+the planner's custom rules (:mod:`hf_colossal_auto.strategies.custom_rules`), so that what is planned can run:
+
+* ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (the SDPA kernel on CPU): attention is
+  independent per batch row and per head, so q/k/v/out/logsumexp (and the gradients) split together along
+  dim 0 or dim 1; a mask splits with them unless it broadcasts on that dim;
+* ``aten.fill_.Tensor`` / ``aten.fill.Tensor`` (T5 shifts its labels into decoder inputs with it): the output
+  keeps the input's placement; the scalar value is replicated.
+
+Registration is process-wide and idempotent.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+
+aten = torch.ops.aten
+_registered = False
+
+
+def _mask_placement(mask, d: int):
+    if mask is None:
+        return None
+    return Shard(d) if mask.shape[d] > 1 else Replicate()
+
+
+def _flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    rules = [
+        (
+            [Replicate(), Replicate()],
+            [Replicate()] * 3 + [None, None, None if attn_mask is None else Replicate(), None],
+        )
+    ]
+    for d in (0, 1):
+        rules.append(
+            ([Shard(d), Shard(d)], [Shard(d)] * 3 + [None, None, _mask_placement(attn_mask, d), None])
+        )
+    return rules
+
+
+def _flash_cpu_backward(
+    grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None
+):
+    rules = [
+        (
+            [Replicate()] * 3,
+            [Replicate()] * 6 + [None, None, None if attn_mask is None else Replicate(), None],
+        )
+    ]
+    for d in (0, 1):
+        rules.append(([Shard(d)] * 3, [Shard(d)] * 6 + [None, None, _mask_placement(attn_mask, d), None]))
+    return rules
+
+
+def _fill_tensor(self, value):
+    rules = [([Replicate()], [Replicate(), Replicate()])]
+    rules += [([Shard(d)], [Shard(d), Replicate()]) for d in range(len(self.shape))]
+    return rules
+
+
+def register_runtime_rules() -> None:
+    """Register the rules above into DTensor's sharding propagator (once per process)."""
+    global _registered
+    if _registered:
+        return
+    register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)(_flash_cpu)
+    register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(_flash_cpu_backward)
+    register_sharding([aten.fill_.Tensor, aten.fill.Tensor])(_fill_tensor)
+    _registered = True

@@ -1,0 +1,281 @@
+"""Apply a Plan to the live model: DTensor parameters on a ``(dp, tp)`` mesh, the model's own forward.
+
+Why DTensor for everything rather than ``ParallelStyle``s per module: a plan may place any parameter on any
+dim (the planner's strategies are DTensor's, and it finds placements no style expresses), and DTensor ops
+have *global* semantics, so the model's Python code — GPT-2's fused ``c_attn`` split by ``split_size``, views
+with hard-coded head counts — runs unchanged on sharded tensors. What this module does:
+
+1. checks the plan against the model (names, shapes) and the job (world size);
+2. builds the mesh (NCCL on GPUs, gloo on CPU, whatever the default group is);
+3. turns every parameter into a DTensor with the plan's placements, tied parameters once, scattered from
+   rank 0's values so every rank starts from the same weights;
+4. wraps ``model.forward``: tensor inputs are each rank's *local* batch, made DTensors sharded over the
+   data-parallel axis and replicated over the tensor-parallel one; DTensor outputs come back as ordinary
+   tensors (replicated ones locally, sharded ones gathered);
+5. after backward, every gradient is brought to its parameter's placements and averaged over the
+   data-parallel axis (DDP). Plans that shard over the data-parallel axis (FSDP) are refused for now.
+
+Non-DTensor tensors the model makes itself (masks, position ids, RoPE tables) are the same on every rank, so
+DTensor is told to treat them as replicated (``implicit replication``) for the whole process.
+
+Not yet here (see the runtime issue): enforcing the plan's per-op strategies (DTensor's propagation picks
+its own for ops between parameters, so collectives can differ from the plan's prediction), FSDP2 prefetching,
+meta-device materialisation, checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+
+from .._torch_compat import allow_implicit_replication, tree_map
+from ..plan import Plan
+from .dtensor_rules import register_runtime_rules
+
+logger = logging.getLogger(__name__)
+
+
+class PlanMismatchError(ValueError):
+    """The plan was made for another model or another world size."""
+
+
+def to_placement(p: str) -> Placement:
+    if p == "R":
+        return Replicate()
+    if p.startswith("S"):
+        return Shard(int(p[1:]))
+    if p.startswith("P"):
+        return Partial()
+    raise ValueError(f"unknown placement {p!r} in plan (expected R, S<d> or P)")
+
+
+def validate_plan(model: nn.Module, plan: Plan, world_size: int | None = None) -> None:
+    """Refuse a plan made for another model (parameter names/shapes) or another world size."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(plan.param_placements))
+    extra = sorted(set(plan.param_placements) - set(params))
+    if missing or extra:
+        raise PlanMismatchError(
+            f"This plan was made for another model: it places {len(extra)} parameters {extra[:3]} the "
+            f"{type(model).__name__} does not have and misses {len(missing)} {missing[:3]}. Re-plan for this model."
+        )
+    if plan.model_class != type(model).__name__:
+        raise PlanMismatchError(f"plan made for {plan.model_class}, applied to {type(model).__name__}")
+    mesh_size = math.prod(plan.mesh_shape)
+    if world_size is not None and mesh_size != world_size:
+        raise PlanMismatchError(
+            f"plan's mesh {tuple(plan.mesh_shape)} needs {mesh_size} processes, the job has {world_size}; "
+            "re-plan with num_devices equal to the world size"
+        )
+    for fqn, placements in plan.param_placements.items():
+        shape = tuple(params[fqn].shape)
+        for axis, p in enumerate(placements):
+            if p.startswith("S"):
+                d = int(p[1:])
+                size = plan.mesh_shape[axis]
+                if d >= len(shape) or shape[d] % size:
+                    raise PlanMismatchError(
+                        f"plan shards {fqn} (shape {shape}) on dim {d} over {size} devices, which does not divide "
+                        "it; the plan was made for another configuration"
+                    )
+
+
+def build_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
+    """The plan's mesh over the running job's ranks (row-major: the last axis varies fastest)."""
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_axis_names))
+
+
+def distribute_parameters(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+    """Replace each parameter by a DTensor with the plan's placements (tied parameters stay tied)."""
+    done: dict[int, nn.Parameter] = {}
+    names = dict(model.named_parameters())
+    for fqn, param in list(model.named_parameters(remove_duplicate=False)):
+        module_name, _, attr = fqn.rpartition(".")
+        module = model.get_submodule(module_name)
+        if id(param) not in done:
+            placements = plan.param_placements.get(fqn)
+            if placements is None:  # an alias of a tied parameter listed under its first name
+                placements = next(plan.param_placements[n] for n, p in names.items() if p is param)
+            local = param.detach()
+            dt = distribute_tensor(local, mesh, [to_placement(p) for p in placements], src_data_rank=0)
+            done[id(param)] = nn.Parameter(dt, requires_grad=param.requires_grad)
+        setattr(module, attr, done[id(param)])
+
+
+def _to_dtensor(value: Any, mesh: DeviceMesh, placements: list[Placement]) -> Any:
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
+        return DTensor.from_local(value, mesh, placements, run_check=False)
+    return value
+
+
+def _from_dtensor(value: Any) -> Any:
+    if not isinstance(value, DTensor):
+        return value
+    if all(isinstance(p, Replicate) for p in value.placements):
+        return value.to_local()
+    return value.full_tensor()
+
+
+def wrap_forward(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Make ``model(**local_batch)`` run on DTensors and return ordinary tensors (same signature).
+
+    Each rank's batch is declared replicated on every mesh axis: within a tensor-parallel group all ranks get
+    the same batch; across the data-parallel axis the batches differ, as in DDP, and the gradients are
+    averaged after backward (:func:`register_gradient_sync`). The loss is then DDP's: the mean of the
+    replicas' losses.
+    """
+    placements = [Replicate()] * mesh.ndim
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        args = tree_map(lambda v: _to_dtensor(v, mesh, placements), args)
+        kwargs = tree_map(lambda v: _to_dtensor(v, mesh, placements), kwargs)
+        output = original(*args, **kwargs)
+        if isinstance(output, Mapping):  # HF ModelOutput is an OrderedDict subclass: keep its class
+            for key in list(output.keys()):
+                output[key] = tree_map(_from_dtensor, output[key])
+            return output
+        return tree_map(_from_dtensor, output)
+
+    model.forward = forward
+    model._hf_colossal_auto_original_forward = original
+
+
+def _reduce_partial_output(module: nn.Module, args: Any, output: Any) -> Any:
+    """A vocab-sharded embedding returns a *masked* partial sum (DTensor's ``_MaskPartial``), which is only valid
+    until its lookup mask is consumed: reduce it where it is made, as Megatron's vocab-parallel embedding does."""
+    if isinstance(output, DTensor) and any(p.is_partial() for p in output.placements):
+        placements = [Replicate() if p.is_partial() else p for p in output.placements]
+        return output.redistribute(output.device_mesh, placements)
+    return output
+
+
+def register_embedding_reduction(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            module.register_forward_hook(_reduce_partial_output)
+
+
+def _make_sync_hook(mesh: DeviceMesh):
+    names = mesh.mesh_dim_names or ()
+    dp_axis = names.index("dp") if "dp" in names and mesh.size(names.index("dp")) > 1 else None
+    dp_size = mesh.size(dp_axis) if dp_axis is not None else 1
+
+    def hook(param: nn.Parameter) -> None:
+        grad = param.grad
+        if not isinstance(grad, DTensor):
+            return
+        if tuple(grad.placements) != tuple(param.placements):
+            grad = grad.redistribute(param.device_mesh, param.placements)
+        if dp_axis is not None:
+            # DDP: every replica computed the gradient of its own batch; their average is a pending sum of
+            # (grad / dp) over the data-parallel axis, which DTensor reduces (an all-reduce over that axis).
+            pending = list(param.placements)
+            pending[dp_axis] = Partial("sum")
+            local = grad.to_local() / dp_size
+            grad = DTensor.from_local(local, param.device_mesh, pending, run_check=False).redistribute(
+                param.device_mesh, param.placements
+            )
+        param.grad = grad
+
+    return hook
+
+
+def register_gradient_sync(model: nn.Module, mesh: DeviceMesh) -> None:
+    """After each parameter's gradient is accumulated: bring it to the parameter's placements, then average
+    it over the data-parallel axis."""
+    hook = _make_sync_hook(mesh)
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_post_accumulate_grad_hook(hook)
+
+
+def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Shard ``model`` in place per ``plan`` on ``mesh`` (built from the running job when None)."""
+    world = dist.get_world_size() if dist.is_initialized() else None
+    validate_plan(model, plan, world)
+    if plan.dp_mode != "ddp" and plan.dp_size > 1:
+        raise NotImplementedError(
+            f"the runtime applies plans with dp_mode='ddp'; this plan shards parameters over the data-parallel "
+            f"axis ({plan.dp_mode!r}). Re-plan with plan_model(..., dp_modes=('ddp',))."
+        )
+    register_runtime_rules()
+    allow_implicit_replication(True)
+    if mesh is None:
+        mesh = build_mesh(plan)
+    distribute_parameters(model, plan, mesh)
+    wrap_forward(model, mesh)
+    register_embedding_reduction(model)
+    register_gradient_sync(model, mesh)
+    model._hf_colossal_auto_plan = plan
+    model._hf_colossal_auto_mesh = mesh
+    tp = plan.tp_size
+    model._tp_size = tp  # transformers' Trainer reads it for batch-size arithmetic
+    logger.info("applied plan: mesh %s, %s on the data-parallel axis", tuple(plan.mesh_shape), plan.dp_mode)
+    return model
+
+
+def broadcast_plan(plan: Plan | None, src: int = 0) -> Plan:
+    """Every rank runs the same plan: rank ``src`` sends its plan (as JSON) to all."""
+    payload = [plan.to_json() if plan is not None else None]
+    dist.broadcast_object_list(payload, src=src)
+    if payload[0] is None:
+        raise RuntimeError(f"rank {src} had no plan to broadcast")
+    import json
+
+    return Plan.from_dict(json.loads(payload[0]))
+
+
+def autoparallelize(
+    model: nn.Module,
+    example_inputs: Mapping[str, Any] | None = None,
+    *,
+    plan: Plan | None = None,
+    device_mesh: DeviceMesh | None = None,
+    **plan_model_kwargs: Any,
+) -> nn.Module:
+    """Plan (on rank 0, broadcast to all) and apply it, inside a running ``torch.distributed`` job.
+
+    ``example_inputs`` is one rank's *local* batch; the planner is given the global batch (local batch x the
+    data-parallel size is not known before planning, so the local batch is planned as the global batch of a
+    pure tensor-parallel job when ``plan_model_kwargs`` has no ``mesh_shape``; pass ``plan=`` or
+    ``mesh_shape=`` for data parallelism). ``num_devices`` defaults to the world size and ``device`` to the
+    running device kind ("cpu" under gloo).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "autoparallelize needs a running torch.distributed job (torchrun / accelerate launch); for planning "
+            "without processes use hf_colossal_auto.solve.planner.plan_model"
+        )
+    if plan is None:
+        if example_inputs is None:
+            raise ValueError("autoparallelize needs example_inputs (one batch) or a plan")
+        made = None
+        if dist.get_rank() == 0:
+            from ..solve.planner import plan_model
+
+            kwargs = dict(plan_model_kwargs)
+            kwargs.setdefault("num_devices", dist.get_world_size())
+            kwargs.setdefault("device", "cpu" if dist.get_backend() != "nccl" else _cuda_kind())
+            kwargs.setdefault("dp_modes", ("ddp",))
+            made = plan_model(model, example_inputs, **kwargs)
+        plan = broadcast_plan(made)
+    return apply_plan(model, plan, device_mesh)
+
+
+def _cuda_kind() -> str:
+    from ..hardware import detect_device
+
+    return detect_device()

@@ -1,0 +1,108 @@
+"""Run under torchrun: apply a plan to a tiny model on gloo ranks and compare with the single-process model.
+
+    torchrun --nproc_per_node N tests/multiproc/check_numerics.py --model tiny-llama --mesh 2x2 --out result.json
+
+Every rank builds the same seeded model, rank 0 plans and broadcasts, each data-parallel replica gets its own
+slice of one global batch, and rank 0 writes the loss and the largest gradient difference against the model
+trained on the whole batch in one process (the same quantity DDP computes: the mean of the replicas' losses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.tensor import DTensor
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--mesh", default="1x2")
+    parser.add_argument("--batch", type=int, default=4, help="global batch")
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--plan", choices=["auto", "megatron"], default="auto", help="plan to apply")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.solve.planner import evaluate_plan
+
+    dp, tp = (int(x) for x in args.mesh.split("x"))
+    torch.manual_seed(0)
+    model = build_model(args.model, device="cpu")
+    model.eval()  # no dropout: the comparison is exact
+    batch = make_example_inputs(model, args.batch, args.seq, seed=0)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    per_replica = args.batch // dp
+    replica = rank // tp
+    local = {k: v[replica * per_replica : (replica + 1) * per_replica] for k, v in batch.items()}
+    if args.plan == "megatron":
+        made = None
+        if rank == 0:
+            made = evaluate_plan(
+                model, batch, "megatron", num_devices=world, device="cpu", mesh_shape=(dp, tp)
+            ).plan
+        autoparallelize(model, plan=broadcast_plan(made))
+    else:
+        autoparallelize(model, batch, mesh_shape=(dp, tp), device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, ref_losses, worst = [], [], 0.0
+    for step in range(args.steps):
+        # reference: DDP's loss is the mean of the replicas' mean losses
+        ref_loss = (
+            sum(
+                reference(**{k: v[r * per_replica : (r + 1) * per_replica] for k, v in batch.items()}).loss
+                for r in range(dp)
+            )
+            / dp
+        )
+        ref_loss.backward()
+        loss = model(**local).loss
+        loss.backward()
+        if step == 0:
+            for (name, p_ref), (_, p) in zip(
+                reference.named_parameters(), model.named_parameters(), strict=True
+            ):
+                grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                worst = max(worst, float((grad - p_ref.grad).abs().max()))
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        all_losses = [None] * world
+        dist.all_gather_object(all_losses, float(loss))
+        losses.append(sum(all_losses[r * tp] for r in range(dp)) / dp)
+        ref_losses.append(float(ref_loss))
+    plan = model._hf_colossal_auto_plan
+    if rank == 0:
+        result = {
+            "model": args.model,
+            "mesh": [dp, tp],
+            "losses": losses,
+            "reference_losses": ref_losses,
+            "max_grad_diff": worst,
+            "sharded_params": sum(1 for v in plan.param_placements.values() if v[1] != "R"),
+            "world": world,
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    del model, opt, reference, ref_opt
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

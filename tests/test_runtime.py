@@ -1,0 +1,117 @@
+"""The runtime: a plan applied with DTensor gives the single-process model's loss and gradients."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
+from hf_colossal_auto.apply import PlanMismatchError, apply_plan, build_mesh, validate_plan
+from hf_colossal_auto.models import build_model, make_example_inputs
+from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fresh_fake_group(world: int) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    fake_process_group(world)
+
+
+def _tiny(preset: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = build_model(preset, device="cpu")
+    model.eval()  # no dropout, so that sharded and single-process runs are comparable exactly
+    return model
+
+
+def test_plan_for_another_model_or_world_is_refused():
+    gpt2, llama = _tiny("tiny-gpt2"), _tiny("tiny-llama")
+    batch = make_example_inputs(gpt2, 4, 16)
+    plan = plan_model(gpt2, batch, num_devices=2, device="cpu", mesh_shape=(1, 2))
+    with pytest.raises(PlanMismatchError, match="another model"):
+        validate_plan(llama, plan, 2)
+    with pytest.raises(PlanMismatchError, match="needs 2 processes, the job has 4"):
+        validate_plan(gpt2, plan, 4)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama", "tiny-t5", "tiny-bert"])
+@pytest.mark.parametrize("plan_kind", ["auto", "megatron"])
+def test_tensor_parallel_matches_single_process(preset, plan_kind, request):
+    """Two simulated ranks (LocalTensorMode) on a 1-D tensor-parallel mesh: same loss, same gradients."""
+    model = _tiny(preset)
+    batch = make_example_inputs(model, 4, 16)
+    reference = copy.deepcopy(model)
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    if plan_kind == "auto":
+        plan = plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(1, 2))
+    else:
+        plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+        assert any(p[1] != "R" for p in plan.param_placements.values())
+    if preset == "tiny-t5" and plan_kind == "megatron":
+        pytest.xfail(
+            "T5's head-sharded relative position bias is viewed with the full head count (runtime issue)"
+        )
+    if preset == "tiny-llama" and plan_kind == "megatron":
+        pytest.xfail(
+            "a view of Llama's head-sharded attention output fails on non-contiguous shards (runtime issue)"
+        )
+    _fresh_fake_group(2)
+    try:
+        with local_tensor_mode(2):
+            apply_plan(model, plan, build_mesh(plan, "cpu"))
+            loss = model(**batch).loss
+            loss.backward()
+            assert torch.allclose(
+                loss.reconcile() if hasattr(loss, "reconcile") else loss, ref_loss, atol=1e-6
+            )
+            for (name, p_ref), (_, p) in zip(
+                reference.named_parameters(), model.named_parameters(), strict=True
+            ):
+                torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, atol=1e-5, rtol=1e-5, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+def _torchrun(nproc: int, *args: str, tmp_path: Path) -> dict:
+    out = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_COLOSSAL_AUTO_NO_CALIBRATE": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--standalone",
+        str(ROOT / "tests" / "multiproc" / "check_numerics.py"),
+        *args,
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-bert"])
+def test_gloo_dp_x_tp_training_tracks_single_process(preset, tmp_path):
+    """4 gloo processes, mesh 2 x 2 (DDP over tensor-parallel groups), Megatron placements (GPT-2's fused
+    c_attn included): the first step's gradients and three AdamW steps' losses match one process."""
+    result = _torchrun(
+        4, "--model", preset, "--mesh", "2x2", "--plan", "megatron", "--steps", "3", tmp_path=tmp_path
+    )
+    assert result["sharded_params"] > 0
+    assert result["max_grad_diff"] < 1e-5
+    for got, want in zip(result["losses"], result["reference_losses"], strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
