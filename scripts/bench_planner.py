@@ -1,0 +1,549 @@
+"""Benchmark the planner: end-to-end planning time, and auto plans against DDP / FSDP / Megatron on a grid.
+
+``--timing``: one ``plan_model`` call (capture + profile + strategies + ILP, for every mesh and data-parallel
+mode it tries) per model, each in a *fresh* Python process (so no trace, dispatcher or import cache carries
+over from an earlier call), repeated ``--repeat`` times; the median, min and max wall time of the call, the
+number of (mesh, DP mode) ILPs tried and the distinct meshes, and a per-stage split measured by wrapping the
+planner's internal stages with timers (capture, strategy enumeration, ILP build, ILP solve, plan write-up).
+Defaults: GPT2-XL at 8x1024 on 8 devices and Llama-7B at 64x2048 on 64 devices, a100-80gb, bf16, AdamW.
+Targets: <= 10 s and <= 30 s.
+
+``--grid``: for each model x device count x per-device memory budget, ``plan_model`` ("auto") against the
+``ddp``, ``fsdp`` and ``megatron`` baselines of ``evaluate_plan`` (same cost model): predicted step time,
+per-device peak and whether it fits, and two checks per cell:
+
+* ``auto<=best``: auto is no slower than the fastest baseline that fits (n/a when none fits);
+* ``auto feasible``: auto found a plan whenever at least one baseline fits.
+
+The global batch is a whole number of sequences per device (so it divides by every data-parallel size of the
+device count): 4 sequences of 1024 tokens for GPT-2, 4 of 512 for BERT, 4 of 512 (targets 128) for T5, and 1 of
+2048 for Llama-7B (at 4 x 2048 per device no plan and no baseline fits 80 GB without activation recompute, which
+the planner does not model yet; ``--llama-seqs-per-device 4`` shows it).
+``evaluate_plan`` prices a baseline with the memory budget lifted and only compares its peak with the budget
+afterwards, so a baseline's time and peak do not depend on the budget: each baseline is priced once per
+(model, devices) and its ``fits`` is re-read against every budget (``--no-baseline-cache`` re-prices it per
+cell). A cell that raises records the error text instead of stopping the grid.
+
+Usage::
+
+    python scripts/bench_planner.py --timing [--repeat 3] [--json timing.json]
+    python scripts/bench_planner.py --grid --quick [--json grid-quick.json]
+    python scripts/bench_planner.py --grid [--models gpt2,llama-7b] [--devices 8,64] [--budgets default,20GiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("HF_COLOSSAL_AUTO_NO_CALIBRATE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+DEVICE = "a100-80gb"
+MIXED = "bf16"
+BASELINES = ("ddp", "fsdp", "megatron")
+
+TIMING_CASES = (("gpt2-xl", 8, 1024, 8), ("llama-7b", 64, 2048, 64))
+TIMING_TARGETS_S = {"gpt2-xl": 10.0, "llama-7b": 30.0}
+
+GRID_MODELS = ("gpt2", "gpt2-xl", "bert-base", "bert-large", "t5-small", "t5-large", "llama-7b")
+GRID_DEVICES = (8, 16, 64)
+GRID_BUDGETS = ("default", "40GiB", "20GiB")
+QUICK_MODELS = ("gpt2", "bert-base", "t5-small", "llama-7b")
+QUICK_DEVICES = (8, 64)
+QUICK_BUDGETS = ("default", "20GiB")
+SEQ_LEN = {"gpt2": 1024, "bert": 512, "t5": 512, "llama": 2048}
+SEQS_PER_DEVICE = {"gpt2": 4, "bert": 4, "t5": 4, "llama": 1}
+REL_TOL = 1e-6
+"""Relative slack of the ``auto<=best`` check (the ILP is solved to a zero gap; this only absorbs rounding)."""
+
+
+def _seq_len(model: str) -> int:
+    return SEQ_LEN[model.split("-")[0]]
+
+
+def _seqs_per_device(model: str) -> int:
+    return SEQS_PER_DEVICE[model.split("-")[0]]
+
+
+def _machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    import torch
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "git": _git_state(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def _git_state() -> str:
+    """Where the measured ``hf_colossal_auto`` was imported from, and its commit (the figures depend on it).
+
+    In a git checkout: HEAD and the tracked files modified in the working tree. In an exported snapshot
+    (``git archive``), the commit written to ``SNAPSHOT_COMMIT`` next to the package, if any.
+    """
+    import hf_colossal_auto
+
+    root = Path(hf_colossal_auto.__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        marker = root / "SNAPSHOT_COMMIT"
+        label = marker.read_text().strip() if marker.exists() else "not a git checkout"
+        return f"{root}: snapshot {label}"
+    modified = [line[3:] for line in dirty if line.strip()]
+    return f"{root}: {head}" + (f" + modified {', '.join(modified)}" if modified else "")
+
+
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f}G"
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.1f}ms"
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def _timing_child(model_name: str, batch: int, seq: int, devices: int) -> dict:
+    """Runs in a fresh process: one plan_model call, with its stages timed by wrapping them."""
+    t0 = time.perf_counter()
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.solve import planner as planner_mod
+
+    t_import = time.perf_counter() - t0
+    stages: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+
+    def timed(stage: str, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stages[stage] += time.perf_counter() - start
+                counts[stage] += 1
+
+        return wrapper
+
+    # Capture and strategies are cached per planner; wrap the uncached work only.
+    cls = planner_mod._Planner
+    orig_graph, orig_strat = cls.graph, cls.strategies
+
+    def graph(self, dp):
+        if dp in self._graphs:
+            return self._graphs[dp]
+        return timed("capture", orig_graph)(self, dp)
+
+    def strategies(self, dp, tp):
+        if (dp, tp) in self._strategies:
+            return self._strategies[(dp, tp)]
+        self.graph(dp)  # charge a first capture to "capture", not to "strategies"
+        return timed("strategies", orig_strat)(self, dp, tp)
+
+    cls.graph, cls.strategies = graph, strategies
+    planner_mod.build_problem = timed("ilp_build", planner_mod.build_problem)
+    planner_mod.solve = timed("ilp_solve", planner_mod.solve)
+    planner_mod._make_plan = timed("plan_writeup", planner_mod._make_plan)
+
+    t0 = time.perf_counter()
+    model = build_model(model_name, device="meta")
+    inputs = make_example_inputs(model, batch, seq, device="meta")
+    t_build = time.perf_counter() - t0
+    load = os.getloadavg()[0]
+    t0, c0 = time.perf_counter(), time.process_time()
+    plan = planner_mod.plan_model(model, inputs, num_devices=devices, device=DEVICE, mixed_precision=MIXED)
+    t_plan, c_plan = time.perf_counter() - t0, time.process_time() - c0
+    stages["other"] = t_plan - sum(stages.values())
+    return {
+        "import_s": t_import,
+        "build_s": t_build,
+        "plan_s": t_plan,
+        "plan_cpu_s": c_plan,
+        "loadavg_1m_before": load,
+        "total_planning_s": plan.solver.get("total_planning_s"),
+        "stages_s": dict(stages),
+        "stage_calls": dict(counts),
+        "ilps_tried": len(plan.alternatives),
+        "meshes_tried": len({tuple(a["mesh"]) for a in plan.alternatives}),
+        "alternatives": plan.alternatives,
+        "mesh": list(plan.mesh_shape),
+        "dp_mode": plan.dp_mode,
+        "step_time_s": plan.step_time_s,
+        "peak_memory_bytes": plan.peak_memory_bytes,
+        "solver": plan.solver,
+    }
+
+
+def run_timing(repeat: int) -> list[dict]:
+    results = []
+    for name, batch, seq, devices in TIMING_CASES:
+        runs = []
+        for r in range(repeat):
+            cmd = [sys.executable, __file__, "--_timing-child", f"{name}:{batch}x{seq}:{devices}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"timing child failed for {name}:\n{proc.stderr[-4000:]}")
+            run = json.loads(proc.stdout.strip().splitlines()[-1])
+            runs.append(run)
+            print(
+                f"  [{name} run {r + 1}/{repeat}] plan_model {run['plan_s']:.2f} s wall, "
+                f"{run['plan_cpu_s']:.2f} s CPU (import {run['import_s']:.2f} s, build {run['build_s']:.2f} s, "
+                f"load avg before {run['loadavg_1m_before']:.2f})",
+                file=sys.stderr,
+                flush=True,
+            )
+        plan_s = [r["plan_s"] for r in runs]
+        med = statistics.median(plan_s)
+        mid = runs[plan_s.index(sorted(plan_s)[len(plan_s) // 2])]
+        results.append(
+            {
+                "model": name,
+                "batch": batch,
+                "seq_len": seq,
+                "devices": devices,
+                "device": DEVICE,
+                "mixed_precision": MIXED,
+                "plan_s_median": med,
+                "plan_s_min": min(plan_s),
+                "plan_s_max": max(plan_s),
+                "plan_cpu_s_median": statistics.median(r["plan_cpu_s"] for r in runs),
+                "target_s": TIMING_TARGETS_S[name],
+                "meets_target": med <= TIMING_TARGETS_S[name],
+                "median_run": mid,
+                "runs": [{k: v for k, v in r.items() if k != "alternatives"} for r in runs],
+            }
+        )
+    return results
+
+
+def print_timing(results: list[dict]) -> None:
+    print(
+        f"{'model':9s} {'batch':>8s} {'dev':>4s} {'plan_model (median [min-max])':>30s} {'target':>7s} "
+        f"{'CPU s':>6s} {'ILPs':>5s} {'meshes':>6s}  best plan"
+    )
+    for r in results:
+        m = r["median_run"]
+        span = f"{r['plan_s_median']:.2f} s [{r['plan_s_min']:.2f}-{r['plan_s_max']:.2f}]"
+        print(
+            f"{r['model']:9s} {r['batch']:>3d}x{r['seq_len']:<4d} {r['devices']:>4d} {span:>30s} "
+            f"{'<=' + str(int(r['target_s'])) + ' s':>7s} {r['plan_cpu_s_median']:>6.2f} {m['ilps_tried']:>5d} {m['meshes_tried']:>6d}  "
+            f"{'x'.join(map(str, m['mesh']))} {m['dp_mode']} {_ms(m['step_time_s'])} {_gib(m['peak_memory_bytes'])}"
+            f"  {'OK' if r['meets_target'] else 'MISSES TARGET'}"
+        )
+        split = ", ".join(
+            f"{k} {v:.2f} s ({m['stage_calls'].get(k, '-')}x)" if k != "other" else f"other {v:.2f} s"
+            for k, v in m["stages_s"].items()
+        )
+        print(f"{'':9s} stages of the median run: {split}")
+
+
+# ------------------------------------------------------------------------------------------------ grid
+def _grid_cells(models, devices, budgets):
+    return [(m, n, b) for m in models for n in devices for b in budgets]
+
+
+def _budget_arg(budget: str):
+    return None if budget == "default" else budget
+
+
+def run_grid(models, devices, budgets, *, time_limit_s: float, cache_baselines: bool) -> dict:
+    from hf_colossal_auto.hardware import get_device
+    from hf_colossal_auto.hardware.catalog import memory_budget_default
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.solve import InfeasibleError
+    from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
+    from hf_colossal_auto.units import parse_bytes
+
+    spec = get_device(DEVICE)
+    budget_bytes = {b: memory_budget_default(spec) if b == "default" else parse_bytes(b) for b in budgets}
+    cells = _grid_cells(models, devices, budgets)
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    done = 0
+    for model_name in models:
+        try:
+            model = build_model(model_name, device="meta")
+        except Exception as exc:  # noqa: BLE001 - a model that does not build is one row of errors
+            for n in devices:
+                for b in budgets:
+                    done += 1
+                    rows.append(_error_row(model_name, n, b, None, f"build_model: {exc!r}"))
+            continue
+        seq = _seq_len(model_name)
+        for n in devices:
+            batch = _seqs_per_device(model_name) * n
+            inputs = make_example_inputs(model, batch, seq, device="meta")
+            common = dict(num_devices=n, device=DEVICE, mixed_precision=MIXED, time_limit_s=time_limit_s)
+            base_cache: dict[str, dict] = {}
+            for b in budgets:
+                done += 1
+                t_cell = time.perf_counter()
+                row = {
+                    "model": model_name,
+                    "devices": n,
+                    "budget": b,
+                    "budget_bytes": budget_bytes[b],
+                    "batch": batch,
+                    "seq_len": seq,
+                }
+                t0 = time.perf_counter()
+                try:
+                    plan = plan_model(model, inputs, memory_budget=_budget_arg(b), **common)
+                    row["auto"] = {
+                        "step_time_s": plan.step_time_s,
+                        "peak_memory_bytes": plan.peak_memory_bytes,
+                        "fits": plan.fits,
+                        "mesh": list(plan.mesh_shape),
+                        "dp_mode": plan.dp_mode,
+                        "ilps_tried": len(plan.alternatives),
+                        "solver_status": plan.solver.get("status"),
+                        "alternatives": plan.alternatives,
+                    }
+                except InfeasibleError as exc:
+                    row["auto"] = {"infeasible": True, "min_required_bytes": _finite(exc.min_required)}
+                except Exception as exc:  # noqa: BLE001
+                    row["auto"] = {"error": _err(exc)}
+                row["auto"]["planning_s"] = time.perf_counter() - t0
+                for base in BASELINES:
+                    t0 = time.perf_counter()
+                    if cache_baselines and base in base_cache:
+                        est = dict(base_cache[base])
+                        est["cached"] = True
+                        est["pricing_s"] = 0.0
+                    else:
+                        try:
+                            e = evaluate_plan(model, inputs, base, memory_budget=_budget_arg(b), **common)
+                            est = {
+                                "step_time_s": e.step_time_s,
+                                "peak_memory_bytes": e.peak_memory_bytes,
+                                "mesh": list(e.mesh_shape),
+                                "dp_mode": e.dp_mode,
+                            }
+                        except Exception as exc:  # noqa: BLE001
+                            est = {"error": _err(exc)}
+                        est["pricing_s"] = time.perf_counter() - t0
+                        base_cache[base] = est
+                    if "error" not in est:
+                        est["fits"] = est["peak_memory_bytes"] <= budget_bytes[b]
+                    row[base] = est
+                _checks(row)
+                row["cell_s"] = time.perf_counter() - t_cell
+                rows.append(row)
+                gc.collect()
+                print(
+                    f"  [{done}/{len(cells)}] {model_name} x{n} budget={b}: {_auto_text(row['auto'])}; "
+                    f"checks {row['check_faster']}/{row['check_feasible']} ({row['cell_s']:.1f} s, "
+                    f"elapsed {time.perf_counter() - t_start:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            del inputs
+        del model
+        gc.collect()
+    return {
+        "device": DEVICE,
+        "mixed_precision": MIXED,
+        "seqs_per_device": {m: _seqs_per_device(m) for m in models},
+        "baseline_cache": cache_baselines,
+        "time_limit_s": time_limit_s,
+        "elapsed_s": time.perf_counter() - t_start,
+        "rows": rows,
+        "failures": [
+            {k: r[k] for k in ("model", "devices", "budget", "check_faster", "check_feasible")}
+            for r in rows
+            if r["check_faster"] == "FAIL" or r["check_feasible"] == "FAIL" or "error" in r["auto"]
+        ],
+    }
+
+
+def _finite(x):
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else int(x)
+
+
+def _err(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"[:300]
+
+
+def _error_row(model, n, b, budget_bytes, text) -> dict:
+    row = {"model": model, "devices": n, "budget": b, "budget_bytes": budget_bytes, "auto": {"error": text}}
+    for base in BASELINES:
+        row[base] = {"error": text}
+    row["check_faster"] = row["check_feasible"] = "error"
+    return row
+
+
+def _checks(row: dict) -> None:
+    auto = row["auto"]
+    feasible = [row[b]["step_time_s"] for b in BASELINES if row[b].get("fits")]
+    auto_ok = "step_time_s" in auto and auto.get("fits")
+    if "error" in auto:
+        row["check_faster"] = row["check_feasible"] = "error"
+    else:
+        row["check_feasible"] = "ok" if auto_ok or not feasible else "FAIL"
+        if not feasible:
+            row["check_faster"] = "n/a"
+        else:
+            best = min(feasible)
+            row["best_baseline_s"] = best
+            if auto_ok:
+                row["auto_over_best"] = auto["step_time_s"] / best
+                row["check_faster"] = "ok" if auto["step_time_s"] <= best * (1 + REL_TOL) else "FAIL"
+            else:
+                row["check_faster"] = "FAIL"
+
+
+def _auto_text(auto: dict) -> str:
+    if "error" in auto:
+        return f"ERROR {auto['error']}"
+    if auto.get("infeasible"):
+        return f"infeasible (needs >= {_gib(auto['min_required_bytes'])})"
+    return (
+        f"{'x'.join(map(str, auto['mesh']))} {auto['dp_mode']} {_ms(auto['step_time_s'])} "
+        f"{_gib(auto['peak_memory_bytes'])} ({auto['planning_s']:.1f} s)"
+    )
+
+
+def _base_text(est: dict) -> str:
+    if "error" in est:
+        return "ERROR"
+    mesh = "x".join(map(str, est["mesh"]))
+    return (
+        f"{_ms(est['step_time_s'])} {_gib(est['peak_memory_bytes'])} {'fits' if est['fits'] else 'NO'} {mesh}"
+    )
+
+
+def print_grid(result: dict) -> None:
+    head = (
+        f"{'model':10s} {'dev':>3s} {'budget':>7s} | {'auto: mesh mode time peak (plan s)':38s} | "
+        + " | ".join(f"{b + ': time peak fits mesh':26s}" for b in BASELINES)
+        + " | auto<=best feasible  auto/best"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in result["rows"]:
+        ratio = f"{r['auto_over_best']:.3f}" if "auto_over_best" in r else "-"
+        print(
+            f"{r['model']:10s} {r['devices']:>3d} {r['budget']:>7s} | {_auto_text(r['auto']):38s} | "
+            + " | ".join(f"{_base_text(r[b]):26s}" for b in BASELINES)
+            + f" | {r['check_faster']:>10s} {r['check_feasible']:>8s}  {ratio:>9s}"
+        )
+    errors = [(r, k) for r in result["rows"] for k in ("auto", *BASELINES) if "error" in r[k]]
+    for r, k in errors:
+        print(f"ERROR {r['model']} x{r['devices']} {r['budget']} {k}: {r[k]['error']}")
+    n = len(result["rows"])
+    fails = result["failures"]
+    print(
+        f"\n{n} cells in {result['elapsed_s']:.0f} s; "
+        f"auto<=best failures: {sum(r['check_faster'] == 'FAIL' for r in result['rows'])}, "
+        f"feasibility failures: {sum(r['check_feasible'] == 'FAIL' for r in result['rows'])}, "
+        f"errors: {sum(r['check_faster'] == 'error' for r in result['rows'])}"
+    )
+    for f in fails:
+        print(
+            f"  failing: {f['model']} x{f['devices']} {f['budget']}: {f['check_faster']}/{f['check_feasible']}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ main
+def _csv(text: str, cast=str) -> tuple:
+    return tuple(cast(x) for x in text.split(",") if x)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--timing", action="store_true", help="end-to-end plan_model time in fresh processes")
+    p.add_argument("--repeat", type=int, default=3, help="fresh-process runs per timing case (median)")
+    p.add_argument("--grid", action="store_true", help="auto vs ddp / fsdp / megatron over a grid")
+    p.add_argument("--quick", action="store_true", help="grid subset: 4 models x {8, 64} x {default, 20GiB}")
+    p.add_argument("--models", type=_csv, help="comma-separated grid models (overrides the default set)")
+    p.add_argument("--devices", type=lambda s: _csv(s, int), help="comma-separated device counts")
+    p.add_argument("--budgets", type=_csv, help='comma-separated budgets ("default" or e.g. 40GiB)')
+    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh (s)")
+    p.add_argument(
+        "--llama-seqs-per-device",
+        type=int,
+        default=None,
+        help="grid batch of Llama-7B per device (default 1)",
+    )
+    p.add_argument("--no-baseline-cache", action="store_true", help="re-price each baseline per budget")
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument("--_timing-child", dest="timing_child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.timing_child:
+        name, shape, devices = args.timing_child.split(":")
+        batch, seq = (int(x) for x in shape.split("x"))
+        print(json.dumps(_timing_child(name, batch, seq, int(devices))))
+        return 0
+    if not (args.timing or args.grid):
+        p.error("pass --timing and/or --grid")
+
+    load_start = os.getloadavg()[0]
+    out: dict = {"machine": _machine(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    print(
+        f"machine: {out['machine']['cpu']}, {out['machine']['cores']} cores, torch {out['machine']['torch']}"
+    )
+    if args.timing:
+        print("\n== planning time (one plan_model call per fresh process) ==")
+        out["timing"] = run_timing(args.repeat)
+        print_timing(out["timing"])
+    if args.llama_seqs_per_device:
+        SEQS_PER_DEVICE["llama"] = args.llama_seqs_per_device
+    if args.grid:
+        models = args.models or (QUICK_MODELS if args.quick else GRID_MODELS)
+        devices = args.devices or (QUICK_DEVICES if args.quick else GRID_DEVICES)
+        budgets = args.budgets or (QUICK_BUDGETS if args.quick else GRID_BUDGETS)
+        print(f"\n== auto vs baselines: {len(models)} models x {devices} devices x {budgets} ==")
+        out["grid"] = run_grid(
+            models,
+            devices,
+            budgets,
+            time_limit_s=args.time_limit,
+            cache_baselines=not args.no_baseline_cache,
+        )
+        print_grid(out["grid"])
+    out["loadavg_1m_start_end"] = [load_start, os.getloadavg()[0]]
+    print(f"\n1-minute load average: {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end (2 cores)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+        print(f"\nwrote {args.json}")
+    ok_timing = all(r["meets_target"] for r in out.get("timing", []))
+    ok_grid = not out.get("grid", {}).get("failures")
+    return 0 if ok_timing and ok_grid else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
