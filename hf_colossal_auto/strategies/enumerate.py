@@ -2,9 +2,11 @@
 
 For every node of the requested phases the enumerator asks, in order:
 
-1. DTensor's registered rule (single-dim or op-strategy, :mod:`.dtensor_rules`) - the rules that will run
+1. our own rule (:mod:`.custom_rules`) for the ops it names - ops DTensor lacks (CPU flash attention,
+   factories) or describes unusably (the GPU attention kernels). They come first so that the answer does not
+   depend on whether the runtime has already registered its equivalents into DTensor in this process;
+2. DTensor's registered rule (single-dim or op-strategy, :mod:`.dtensor_rules`) - the rules that will run
    the plan;
-2. our own rule (:mod:`.custom_rules`) - ops DTensor lacks (CPU flash attention, factories);
 3. DTensor's decomposition tracer - generic but slow, hence after our explicit rules;
 4. otherwise the single all-replicate strategy, with one warning per op name per call, naming the op. The
    plan is still valid (replicated compute is always correct); it is only less parallel than it could be.
@@ -160,10 +162,9 @@ def node_strategies(
     def custom() -> list[Strategy] | None:
         return custom_strategies(node, graph, mesh_shape)
 
-    sources = []
+    sources = [custom]
     if kind in ("single-dim", "op-strategy"):
         sources.append(dtensor)
-    sources.append(custom)
     if kind == "decomposition":
         sources.append(dtensor)
     for source in sources:
