@@ -36,7 +36,7 @@ from ..capture.graph import OpNode, Phase, StepGraph, ValueKind
 from ..hardware.catalog import DeviceSpec
 from ..hardware.roofline import op_time
 from ..profile.memory import unroll
-from ..profile.profiler import node_dtype
+from ..profile.profiler import node_dtype, node_times
 from ..strategies.placements import Strategy, is_shard
 from .cost_model import (
     AxisComm,
@@ -486,14 +486,10 @@ def _activation_peak(graph: StepGraph) -> tuple[dict[str, int], dict[int, int]]:
 
 
 def _optimizer_time(graph: StepGraph, spec: DeviceSpec) -> float:
-    """Roofline seconds of the whole (unrolled) optimizer step on one device, unsharded."""
-    step = unroll(graph)
-    total = 0.0
-    for i in step.order:
-        n = graph.nodes[i]
-        if n.phase is Phase.OPTIMIZER and not n.is_view:
-            total += op_time(n.flops, n.bytes_read + n.bytes_written, node_dtype(graph, n), spec)
-    return total
+    """Roofline seconds of the whole optimizer step on one device, unsharded (folded blocks included: the
+    profiler's node times count each foreach kernel's bytes for every twin parameter)."""
+    times = node_times(graph, spec)
+    return sum(times[n.index] for n in graph.nodes if n.phase is Phase.OPTIMIZER)
 
 
 def _optimizer_temp_ratio(graph: StepGraph) -> float:

@@ -43,9 +43,14 @@ class AxisComm:
     link: LinkSpec
     device_kind: str = "cuda"
     """"cpu" meshes (gloo) have no all-to-all: DTensor all-gathers instead."""
+    call_overhead_s: float = 0.0
+    """Fixed cost of issuing one collective (a kernel launch), on top of the alpha-beta time: two collectives
+    that move what one does are not free to split."""
 
     def time(self, kind: str, nbytes: float) -> float:
-        return collective_time(kind, nbytes, self.size, self.link)
+        if self.size == 1 or nbytes == 0:
+            return 0.0
+        return collective_time(kind, nbytes, self.size, self.link) + self.call_overhead_s
 
 
 def redistribute(src: str, dst: str, nbytes: float, axis: AxisComm) -> tuple[float, str | None]:

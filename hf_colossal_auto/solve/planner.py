@@ -133,8 +133,8 @@ class _Planner:
     ) -> BuiltProblem:
         dp, tp = mesh
         graph = self.graph(dp)
-        tp_comm = AxisComm(tp, self.cluster.axis_link(mesh, 1), self.spec.kind)
-        dp_comm = AxisComm(dp, self.cluster.axis_link(mesh, 0), self.spec.kind)
+        tp_comm = AxisComm(tp, self.cluster.axis_link(mesh, 1), self.spec.kind, self.spec.kernel_overhead_s)
+        dp_comm = AxisComm(dp, self.cluster.axis_link(mesh, 0), self.spec.kind, self.spec.kernel_overhead_s)
         return build_problem(
             graph,
             self.strategies(dp, tp),
@@ -464,7 +464,9 @@ def _collectives(built, solution, graph, tied, mesh, planner, dp_mode) -> dict[s
             for pos, vid in enumerate(n.outputs):
                 producer[vid] = (n.index, pos)
     readers = value_readers(graph, tied)
-    tp_comm = AxisComm(tp, planner.cluster.axis_link(mesh, 1), planner.spec.kind)
+    tp_comm = AxisComm(
+        tp, planner.cluster.axis_link(mesh, 1), planner.spec.kind, planner.spec.kernel_overhead_s
+    )
     for v_idx in sorted(tied.canonical):
         w = tied.weight[v_idx]
         v_name = _node_name(tied.canonical[v_idx])
