@@ -304,3 +304,14 @@ def test_llama_block_on_a_1d_mesh_shards_every_matmul_when_memory_binds():
         model, batch, "megatron", num_devices=4, device=DEVICE, mesh_shape=(1, 4), mixed_precision="bf16"
     )
     assert plan.step_time_s <= megatron.step_time_s * (1 + 1e-9)
+
+
+def test_tensor_parallel_size_that_divides_nothing_is_explained(caplog):
+    """tiny-gpt2 has 4 heads, hidden 64 and vocab 512: a tensor-parallel axis of 3 can shard none of them."""
+    model = build_model("tiny-gpt2", device="meta")
+    batch = make_example_inputs(model, 2, 30, device="meta")
+    with caplog.at_level("WARNING", logger="hf_colossal_auto.solve.planner"):
+        plan = plan_model(model, batch, num_devices=3, device=DEVICE, mesh_shape=(1, 3))
+    assert all(p[1] == "R" for p in plan.param_placements.values())
+    assert "no parameter is sharded over the tensor-parallel axis of 3" in caplog.text
+    assert "4 attention heads" in caplog.text

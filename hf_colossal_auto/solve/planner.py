@@ -270,6 +270,16 @@ def plan_model(
             choice=None,
         )
     plan = best[1]
+    if plan.tp_size > 1 and all(p[1] == "R" for p in plan.param_placements.values()):
+        heads = _attention_heads(model)
+        logger.warning(
+            "%s on mesh %s: no parameter is sharded over the tensor-parallel axis of %d%s; its devices repeat the "
+            "same work. A mesh whose tensor-parallel size divides the model's dimensions plans better.",
+            type(model).__name__,
+            tuple(plan.mesh_shape),
+            plan.tp_size,
+            f" (the model has {heads} attention heads)" if heads else "",
+        )
     plan.alternatives = tried
     plan.solver["total_planning_s"] = time.perf_counter() - t0
     return plan
@@ -590,11 +600,18 @@ def tp_plan_placements(model: nn.Module, tp_plan: Mapping[str, str]) -> dict[str
     return out
 
 
+def _attention_heads(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for attr in ("num_attention_heads", "n_head", "num_heads"):
+        heads = getattr(config, attr, None)
+        if heads:
+            return heads
+    return None
+
+
 def _largest_tp(n: int, per_node: int, model: nn.Module) -> int:
     config = getattr(model, "config", None)
-    heads = None
-    for attr in ("num_attention_heads", "n_head", "num_heads"):
-        heads = getattr(config, attr, None) or heads
+    heads = _attention_heads(model)
     kv = getattr(config, "num_key_value_heads", None) or heads
     best = 1
     for t in range(1, min(n, per_node) + 1):
