@@ -160,24 +160,23 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job for a fresh checkout: profile GPT-2 presets as a user would from the CLI."""
-    for model, batch, seq in (("gpt2", 8, 1024), ("gpt2-xl", 8, 1024)):
-        print(
-            f"\n$ hf-colossal-auto profile --model {model} --batch-size {batch} --seq-len {seq} --device a100-80gb"
-        )
-        ns = argparse.Namespace(
-            model=model,
-            batch_size=batch,
-            seq_len=seq,
-            device="a100-80gb",
-            mixed_precision="bf16",
-            optimizer="adamw",
-            no_fold=False,
-            json=None,
-            max_blocks=8,
-            quiet=args.quiet,
-        )
-        cmd_profile(ns)
+    """The main job for a fresh checkout: profile GPT-2 XL, plan it for 8 x A100 next to the baselines, and
+    show what a tight budget does."""
+    parser = build_parser()
+    runs = [
+        "profile --model gpt2-xl --batch-size 8 --seq-len 1024 --device a100-80gb --mixed-precision bf16"
+        " --max-blocks 12",
+        "plan --model gpt2-xl --batch-size 8 --seq-len 1024 --devices 8 --device a100-80gb --mixed-precision bf16",
+        "plan --model gpt2-xl --batch-size 8 --seq-len 1024 --devices 8 --device a100-80gb --mixed-precision bf16"
+        " --memory-budget 12GiB --no-baselines",
+    ]
+    for line in runs:
+        print(f"\n$ hf-colossal-auto {line}", flush=True)
+        ns = parser.parse_args((["-q"] if args.quiet else []) + line.split())
+        try:
+            ns.func(ns)
+        except ValueError as exc:  # an impossible budget is a result worth showing, not a crash
+            print(f"error: {exc}")
     return 0
 
 
