@@ -14,6 +14,8 @@ from torch.utils.flop_counter import flop_registry as _torch_flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "default_dtensor_dispatch",
+    "register_dtensor_op_handler",
     "allow_implicit_replication",
     "local_tensor_mode",
     "DTensorSpec",
@@ -117,3 +119,24 @@ def local_tensor_mode(world_size: int):
     from torch.distributed._local_tensor import LocalTensorMode
 
     return LocalTensorMode(frozenset(range(world_size)))
+
+
+def register_dtensor_op_handler(op, handler) -> None:
+    """Route ``op`` on DTensors through ``handler(op, args, kwargs)`` (DTensor's private table of ops it
+    special-cases); inside the handler, :func:`default_dtensor_dispatch` runs DTensor's normal path."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher._custom_op_handlers[op] = handler
+
+
+def default_dtensor_dispatch(op, args, kwargs):
+    """Run ``op`` through DTensor's normal dispatch from inside a handler registered for it (the handler is
+    taken out of the table for the call; DTensor's dispatcher has no public "default" entry point)."""
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handler = handlers.pop(op)
+    try:
+        return op(*args, **(kwargs or {}))
+    finally:
+        handlers[op] = handler

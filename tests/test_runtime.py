@@ -60,13 +60,9 @@ def test_tensor_parallel_matches_single_process(preset, plan_kind, request):
         plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
         assert any(p[1] != "R" for p in plan.param_placements.values())
     if preset == "tiny-t5" and plan_kind == "megatron":
-        pytest.xfail(
-            "T5's head-sharded relative position bias is viewed with the full head count (runtime issue)"
-        )
-    if preset == "tiny-llama" and plan_kind == "megatron":
-        pytest.xfail(
-            "a view of Llama's head-sharded attention output fails on non-contiguous shards (runtime issue)"
-        )
+        # Known runtime gap (also with real gloo processes): with T5's attention heads sharded, a view of the
+        # (batch, heads, q, k) position bias fails: "shape '[1, 1, 4, 16]' is invalid for input of size 256".
+        request.applymarker(pytest.mark.xfail(strict=True, reason="T5 head-sharded position bias view"))
     _fresh_fake_group(2)
     try:
         with local_tensor_mode(2):
@@ -104,7 +100,7 @@ def _torchrun(nproc: int, *args: str, tmp_path: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-bert"])
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-bert", "tiny-llama"])
 def test_gloo_dp_x_tp_training_tracks_single_process(preset, tmp_path):
     """4 gloo processes, mesh 2 x 2 (DDP over tensor-parallel groups), Megatron placements (GPT-2's fused
     c_attn included): the first step's gradients and three AdamW steps' losses match one process."""

@@ -10,14 +10,24 @@ the planner's custom rules (:mod:`hf_colossal_auto.strategies.custom_rules`), so
 * ``aten.fill_.Tensor`` / ``aten.fill.Tensor`` (T5 shifts its labels into decoder inputs with it): the output
   keeps the input's placement; the scalar value is replicated.
 
+And one dispatch fix: ``aten.view`` on a DTensor whose *local* shard is not contiguous. After
+``transpose(1, 2)`` of a head-sharded attention output the global tensor's ``.contiguous()`` is a no-op when
+DTensor's global strides say contiguous, so the local shard stays strided and the following ``reshape`` ->
+``view`` fails ("view size is not compatible with input tensor's size and stride"). The handler makes the
+local shard contiguous first. DTensor wrappers never share storage with their inputs, so autograd is not
+affected; what is lost is only the aliasing of an in-place write through that view, which transformer
+forwards do not do.
+
 Registration is process-wide and idempotent.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
+
+from .._torch_compat import default_dtensor_dispatch, register_dtensor_op_handler
 
 aten = torch.ops.aten
 _registered = False
@@ -63,6 +73,21 @@ def _fill_tensor(self, value):
     return rules
 
 
+def _view_of_contiguous_shard(op, args, kwargs):
+    x = args[0]
+    if isinstance(x, DTensor) and not x._local_tensor.is_contiguous():
+        x = DTensor.from_local(
+            x._local_tensor.contiguous(),
+            x.device_mesh,
+            x.placements,
+            run_check=False,
+            shape=x.shape,
+            stride=x.stride(),
+        )
+        args = (x, *args[1:])
+    return default_dtensor_dispatch(op, args, kwargs)
+
+
 def register_runtime_rules() -> None:
     """Register the rules above into DTensor's sharding propagator (once per process)."""
     global _registered
@@ -71,4 +96,5 @@ def register_runtime_rules() -> None:
     register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)(_flash_cpu)
     register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(_flash_cpu_backward)
     register_sharding([aten.fill_.Tensor, aten.fill.Tensor])(_fill_tensor)
+    register_dtensor_op_handler(aten.view.default, _view_of_contiguous_shard)
     _registered = True

@@ -96,8 +96,21 @@ def build_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
     return init_device_mesh(device_type, tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_axis_names))
 
 
+def tensor_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The tensor-parallel sub-mesh DTensor computes on. The data-parallel axis is kept out of DTensor: a
+    replica's batch is not a replicated tensor (each replica holds different data), so DTensor must never be
+    free to slice it on that axis and gather it back; gradients are averaged over it explicitly."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["tp"] if "tp" in names and mesh.ndim > 1 else mesh
+
+
 def distribute_parameters(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
-    """Replace each parameter by a DTensor with the plan's placements (tied parameters stay tied)."""
+    """Replace each parameter by a DTensor on the tensor-parallel sub-mesh with the plan's tensor-parallel
+    placement (tied parameters stay tied)."""
+    tp_mesh = tensor_parallel_mesh(mesh)
+    tp_axis = (
+        list(plan.mesh_axis_names).index("tp") if "tp" in plan.mesh_axis_names else len(plan.mesh_shape) - 1
+    )
     done: dict[int, nn.Parameter] = {}
     names = dict(model.named_parameters())
     for fqn, param in list(model.named_parameters(remove_duplicate=False)):
@@ -108,7 +121,7 @@ def distribute_parameters(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> Non
             if placements is None:  # an alias of a tied parameter listed under its first name
                 placements = next(plan.param_placements[n] for n, p in names.items() if p is param)
             local = param.detach()
-            dt = distribute_tensor(local, mesh, [to_placement(p) for p in placements], src_data_rank=0)
+            dt = distribute_tensor(local, tp_mesh, [to_placement(placements[tp_axis])], src_data_rank=0)
             done[id(param)] = nn.Parameter(dt, requires_grad=param.requires_grad)
         setattr(module, attr, done[id(param)])
 
@@ -135,7 +148,8 @@ def wrap_forward(model: nn.Module, mesh: DeviceMesh) -> None:
     averaged after backward (:func:`register_gradient_sync`). The loss is then DDP's: the mean of the
     replicas' losses.
     """
-    placements = [Replicate()] * mesh.ndim
+    mesh = tensor_parallel_mesh(mesh)
+    placements = [Replicate()]
     original = model.forward
 
     @functools.wraps(original)
@@ -171,6 +185,7 @@ def register_embedding_reduction(model: nn.Module) -> None:
 def _make_sync_hook(mesh: DeviceMesh):
     names = mesh.mesh_dim_names or ()
     dp_axis = names.index("dp") if "dp" in names and mesh.size(names.index("dp")) > 1 else None
+    dp_group = mesh.get_group(dp_axis) if dp_axis is not None else None
     dp_size = mesh.size(dp_axis) if dp_axis is not None else 1
 
     def hook(param: nn.Parameter) -> None:
@@ -179,15 +194,13 @@ def _make_sync_hook(mesh: DeviceMesh):
             return
         if tuple(grad.placements) != tuple(param.placements):
             grad = grad.redistribute(param.device_mesh, param.placements)
-        if dp_axis is not None:
-            # DDP: every replica computed the gradient of its own batch; their average is a pending sum of
-            # (grad / dp) over the data-parallel axis, which DTensor reduces (an all-reduce over that axis).
-            pending = list(param.placements)
-            pending[dp_axis] = Partial("sum")
-            local = grad.to_local() / dp_size
-            grad = DTensor.from_local(local, param.device_mesh, pending, run_check=False).redistribute(
-                param.device_mesh, param.placements
-            )
+        if dp_group is not None:
+            # DDP: every replica computed the gradient of its own batch; average them (on a copy: autograd may
+            # have handed the accumulated gradient a buffer that backward still reads).
+            local = grad.to_local().clone()
+            dist.all_reduce(local, group=dp_group)
+            local.div_(dp_size)
+            grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
         param.grad = grad
 
     return hook
@@ -195,7 +208,7 @@ def _make_sync_hook(mesh: DeviceMesh):
 
 def register_gradient_sync(model: nn.Module, mesh: DeviceMesh) -> None:
     """After each parameter's gradient is accumulated: bring it to the parameter's placements, then average
-    it over the data-parallel axis."""
+    it over the data-parallel axis of ``mesh`` (the full mesh; parameters live on its tensor-parallel part)."""
     hook = _make_sync_hook(mesh)
     for param in model.parameters():
         if isinstance(param, DTensor) and param.requires_grad:
