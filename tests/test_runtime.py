@@ -111,3 +111,15 @@ def test_gloo_dp_x_tp_training_tracks_single_process(preset, tmp_path):
     assert result["max_grad_diff"] < 1e-5
     for got, want in zip(result["losses"], result["reference_losses"], strict=True):
         assert got == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_autoparallelize_plans_on_rank0_and_broadcasts(tmp_path):
+    """2 gloo processes: rank 0 plans inside the job (the planner must not build collective meshes), every
+    rank applies the broadcast plan, and training matches one process."""
+    result = _torchrun(
+        2, "--model", "tiny-llama", "--mesh", "1x2", "--plan", "auto", "--steps", "2", tmp_path=tmp_path
+    )
+    assert result["max_grad_diff"] < 1e-5
+    for got, want in zip(result["losses"], result["reference_losses"], strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
