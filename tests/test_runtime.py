@@ -123,3 +123,32 @@ def test_autoparallelize_plans_on_rank0_and_broadcasts(tmp_path):
     assert result["max_grad_diff"] < 1e-5
     for got, want in zip(result["losses"], result["reference_losses"], strict=True):
         assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_predicted_collectives_equal_what_dtensor_runs_for_bert():
+    """The fidelity check (CommDebugMode, simulated ranks): for BERT under Megatron placements, the plan's
+    predicted tensor-parallel collectives are exactly the ones DTensor issues in forward + backward.
+
+    Not yet for every family: DTensor's propagation between parameters chooses its own strategies, and for
+    GPT-2 (7 all-reduce + 5 all-gather predicted, 12 + 8 run) and Llama the runtime does not follow the plan's
+    per-op choices yet (runtime issue)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = _tiny("tiny-bert")
+    batch = make_example_inputs(model, 4, 16)
+    plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+    _fresh_fake_group(2)
+    try:
+        with local_tensor_mode(2):
+            apply_plan(model, plan, build_mesh(plan, "cpu"))
+            with CommDebugMode() as comm:
+                model(**batch).loss.backward()
+        names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+        ran = {
+            names.get(str(op).split(".")[-1], str(op).split(".")[-1]): n
+            for op, n in comm.get_comm_counts().items()
+        }
+        predicted = {k: v for k, v in plan.collectives.items() if not k.startswith("dp_") and v}
+        assert ran == predicted
+    finally:
+        dist.destroy_process_group()
