@@ -140,6 +140,32 @@ def _from_dtensor(value: Any) -> Any:
     return value.full_tensor()
 
 
+_original_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+
+def _sdpa_with_placed_mask(query, key, value, attn_mask=None, *args, **kwargs):
+    """Attention on DTensors with a DTensor mask: DTensor's kernels take the mask as a keyword argument, which
+    its sharding expansion does not place (only positional inputs are redistributed). Split the mask the way
+    the queries are split — heads or batch — unless it broadcasts on that dim (T5's position bias is a
+    per-head mask)."""
+    if isinstance(query, DTensor) and isinstance(attn_mask, torch.Tensor) and query.device_mesh.ndim == 1:
+        mesh = query.device_mesh
+        if not isinstance(attn_mask, DTensor):  # made by the model from plain tensors: the same on every rank
+            attn_mask = DTensor.from_local(attn_mask, mesh, [Replicate()], run_check=False)
+        placement = query.placements[0]
+        if placement.is_partial():
+            query, key, value = (t.redistribute(mesh, [Replicate()]) for t in (query, key, value))
+            placement = Replicate()
+        if isinstance(placement, Shard) and placement.dim in (0, 1) and attn_mask.dim() == 4:
+            key, value = (t.redistribute(mesh, [placement]) for t in (key, value))
+            wanted = placement if attn_mask.shape[placement.dim] > 1 else Replicate()
+        else:
+            query, key, value = (t.redistribute(mesh, [Replicate()]) for t in (query, key, value))
+            wanted = Replicate()
+        attn_mask = attn_mask.redistribute(mesh, [wanted])
+    return _original_sdpa(query, key, value, attn_mask, *args, **kwargs)
+
+
 def wrap_forward(model: nn.Module, mesh: DeviceMesh) -> None:
     """Make ``model(**local_batch)`` run on DTensors and return ordinary tensors (same signature).
 
@@ -156,7 +182,11 @@ def wrap_forward(model: nn.Module, mesh: DeviceMesh) -> None:
     def forward(*args, **kwargs):
         args = tree_map(lambda v: _to_dtensor(v, mesh, placements), args)
         kwargs = tree_map(lambda v: _to_dtensor(v, mesh, placements), kwargs)
-        output = original(*args, **kwargs)
+        torch.nn.functional.scaled_dot_product_attention = _sdpa_with_placed_mask
+        try:
+            output = original(*args, **kwargs)
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = _original_sdpa
         if isinstance(output, Mapping):  # HF ModelOutput is an OrderedDict subclass: keep its class
             for key in list(output.keys()):
                 output[key] = tree_map(_from_dtensor, output[key])
