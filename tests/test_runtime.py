@@ -149,3 +149,40 @@ def test_predicted_collectives_equal_what_dtensor_runs_for_bert():
         assert ran == predicted
     finally:
         dist.destroy_process_group()
+
+
+def _torchrun_script(nproc: int, script: str, *args: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_COLOSSAL_AUTO_NO_CALIBRATE": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        script,
+        *args,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_and_consolidated_export(tmp_path):
+    """Sharded state saved with torch.distributed.checkpoint resumes in fresh processes with the same next-step
+    loss; the consolidated export loads with from_pretrained in one process and gives that loss too."""
+    from transformers import AutoModelForCausalLM
+
+    script = str(ROOT / "tests" / "multiproc" / "check_checkpoint.py")
+    _torchrun_script(2, script, "--phase", "save", "--dir", str(tmp_path))
+    _torchrun_script(2, script, "--phase", "resume", "--dir", str(tmp_path))
+    expected = json.loads((tmp_path / "expected.json").read_text())["loss"]
+    resumed = json.loads((tmp_path / "resumed.json").read_text())["loss"]
+    assert resumed == pytest.approx(expected, abs=1e-6)
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    exported.eval()
+    batch = make_example_inputs(exported, 4, 16, seed=2)
+    assert float(exported(**batch).loss) == pytest.approx(expected, abs=1e-5)
+    reference = torch.load(tmp_path / "reference.pt")
+    for name, value in exported.state_dict().items():
+        torch.testing.assert_close(value, reference[name], atol=1e-4, rtol=0, msg=name)

@@ -1,5 +1,6 @@
 """Apply a Plan to the live model (DTensor parameters on a DP x TP mesh)."""
 
+from .checkpoint import consolidated_state_dict, load_checkpoint, save_checkpoint, save_pretrained
 from .dtensor_rules import register_runtime_rules
 from .runtime import (
     PlanMismatchError,
@@ -17,6 +18,10 @@ __all__ = [
     "autoparallelize",
     "broadcast_plan",
     "build_mesh",
+    "consolidated_state_dict",
+    "load_checkpoint",
+    "save_checkpoint",
+    "save_pretrained",
     "distribute_parameters",
     "register_runtime_rules",
     "validate_plan",
