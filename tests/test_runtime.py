@@ -186,3 +186,35 @@ def test_checkpoint_resume_and_consolidated_export(tmp_path):
     reference = torch.load(tmp_path / "reference.pt")
     for name, value in exported.state_dict().items():
         torch.testing.assert_close(value, reference[name], atol=1e-4, rtol=0, msg=name)
+
+
+def test_optimizer_made_before_parallelization_is_remapped():
+    """An AdamW created before apply_plan (passed in ``optimizers``) trains like one created after it."""
+    losses = {}
+    for when in ("before", "after"):
+        model = _tiny("tiny-llama")
+        batch = make_example_inputs(model, 4, 16)
+        plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+        _fresh_fake_group(2)
+        try:
+            with local_tensor_mode(2):
+                early = torch.optim.AdamW(model.parameters(), lr=1e-2) if when == "before" else None
+                apply_plan(model, plan, build_mesh(plan, "cpu"), optimizers=[early] if early else [])
+                opt = early or torch.optim.AdamW(model.parameters(), lr=1e-2)
+                assert all(
+                    isinstance(p, torch.distributed.tensor.DTensor)
+                    for g in opt.param_groups
+                    for p in g["params"]
+                )
+                steps = []
+                for _ in range(3):
+                    loss = model(**batch).loss
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    steps.append(float(loss.reconcile() if hasattr(loss, "reconcile") else loss))
+                losses[when] = steps
+        finally:
+            dist.destroy_process_group()
+    assert losses["before"] == pytest.approx(losses["after"], abs=1e-6)
+    assert losses["after"][-1] < losses["after"][0]

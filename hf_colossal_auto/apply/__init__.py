@@ -9,6 +9,7 @@ from .runtime import (
     broadcast_plan,
     build_mesh,
     distribute_parameters,
+    remap_optimizer,
     validate_plan,
 )
 
@@ -24,5 +25,6 @@ __all__ = [
     "save_pretrained",
     "distribute_parameters",
     "register_runtime_rules",
+    "remap_optimizer",
     "validate_plan",
 ]

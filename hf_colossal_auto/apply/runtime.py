@@ -104,9 +104,9 @@ def tensor_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["tp"] if "tp" in names and mesh.ndim > 1 else mesh
 
 
-def distribute_parameters(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+def distribute_parameters(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> dict[int, nn.Parameter]:
     """Replace each parameter by a DTensor on the tensor-parallel sub-mesh with the plan's tensor-parallel
-    placement (tied parameters stay tied)."""
+    placement (tied parameters stay tied). Returns ``id(old parameter) -> new parameter``."""
     tp_mesh = tensor_parallel_mesh(mesh)
     tp_axis = (
         list(plan.mesh_axis_names).index("tp") if "tp" in plan.mesh_axis_names else len(plan.mesh_shape) - 1
@@ -124,6 +124,30 @@ def distribute_parameters(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> Non
             dt = distribute_tensor(local, tp_mesh, [to_placement(placements[tp_axis])], src_data_rank=0)
             done[id(param)] = nn.Parameter(dt, requires_grad=param.requires_grad)
         setattr(module, attr, done[id(param)])
+    return done
+
+
+def remap_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Parameter]) -> None:
+    """Point an optimizer made before parallelization at the new (DTensor) parameters.
+
+    Param groups keep their hyper-parameters; state already accumulated for a parameter (a resumed optimizer)
+    is sharded like the parameter.
+    """
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    state = {}
+    for param, param_state in optimizer.state.items():
+        new = replaced.get(id(param), param)
+        if new is not param and isinstance(new, DTensor):
+            param_state = {
+                k: distribute_tensor(v, new.device_mesh, new.placements, src_data_rank=0)
+                if isinstance(v, torch.Tensor) and v.shape == param.shape
+                else v
+                for k, v in param_state.items()
+            }
+        state[new] = param_state
+    optimizer.state.clear()
+    optimizer.state.update(state)
 
 
 def _to_dtensor(value: Any, mesh: DeviceMesh, placements: list[Placement]) -> Any:
@@ -245,8 +269,17 @@ def register_gradient_sync(model: nn.Module, mesh: DeviceMesh) -> None:
             param.register_post_accumulate_grad_hook(hook)
 
 
-def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Module:
-    """Shard ``model`` in place per ``plan`` on ``mesh`` (built from the running job when None)."""
+def apply_plan(
+    model: nn.Module,
+    plan: Plan,
+    mesh: DeviceMesh | None = None,
+    optimizers: tuple[torch.optim.Optimizer, ...] | list[torch.optim.Optimizer] = (),
+) -> nn.Module:
+    """Shard ``model`` in place per ``plan`` on ``mesh`` (built from the running job when None).
+
+    Optimizers are best created afterwards, from ``model.parameters()``; one created before must be passed in
+    ``optimizers`` so that it is pointed at the new parameters.
+    """
     world = dist.get_world_size() if dist.is_initialized() else None
     validate_plan(model, plan, world)
     if plan.dp_mode != "ddp" and plan.dp_size > 1:
@@ -258,7 +291,9 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> 
     allow_implicit_replication(True)
     if mesh is None:
         mesh = build_mesh(plan)
-    distribute_parameters(model, plan, mesh)
+    replaced = distribute_parameters(model, plan, mesh)
+    for optimizer in optimizers:
+        remap_optimizer(optimizer, replaced)
     wrap_forward(model, mesh)
     register_embedding_reduction(model)
     register_gradient_sync(model, mesh)
@@ -287,6 +322,7 @@ def autoparallelize(
     *,
     plan: Plan | None = None,
     device_mesh: DeviceMesh | None = None,
+    optimizers: tuple[torch.optim.Optimizer, ...] | list[torch.optim.Optimizer] = (),
     **plan_model_kwargs: Any,
 ) -> nn.Module:
     """Plan (on rank 0, broadcast to all) and apply it, inside a running ``torch.distributed`` job.
@@ -295,7 +331,7 @@ def autoparallelize(
     data-parallel size is not known before planning, so the local batch is planned as the global batch of a
     pure tensor-parallel job when ``plan_model_kwargs`` has no ``mesh_shape``; pass ``plan=`` or
     ``mesh_shape=`` for data parallelism). ``num_devices`` defaults to the world size and ``device`` to the
-    running device kind ("cpu" under gloo).
+    running device kind ("cpu" under gloo). Optimizers created before this call go in ``optimizers``.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -315,7 +351,7 @@ def autoparallelize(
             kwargs.setdefault("dp_modes", ("ddp",))
             made = plan_model(model, example_inputs, **kwargs)
         plan = broadcast_plan(made)
-    return apply_plan(model, plan, device_mesh)
+    return apply_plan(model, plan, device_mesh, optimizers)
 
 
 def _cuda_kind() -> str:
