@@ -111,6 +111,31 @@ def test_gloo_dp_x_tp_training_tracks_single_process(preset, tmp_path):
 
 
 @pytest.mark.slow
+def test_gloo_fsdp_x_tp_training_tracks_single_process(tmp_path):
+    """4 gloo processes, mesh 2 x 2 with FSDP2 on the data-parallel axis over Megatron tensor parallelism
+    (parameters become 2-D DTensors): gradients and three AdamW steps match one process."""
+    result = _torchrun(
+        4,
+        "--model",
+        "tiny-llama",
+        "--mesh",
+        "2x2",
+        "--plan",
+        "megatron",
+        "--dp-mode",
+        "fsdp",
+        "--steps",
+        "3",
+        tmp_path=tmp_path,
+    )
+    assert result["dp_mode"] == "fsdp"
+    assert any("Shard(dim=0), Shard(dim=1)" in p for p in result["param_placements"])  # dp x tp sharded
+    assert result["max_grad_diff"] < 1e-5
+    for got, want in zip(result["losses"], result["reference_losses"], strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.slow
 def test_autoparallelize_plans_on_rank0_and_broadcasts(tmp_path):
     """2 gloo processes: rank 0 plans inside the job (the planner must not build collective meshes), every
     rank applies the broadcast plan, and training matches one process."""

@@ -12,15 +12,16 @@ with hard-coded head counts — runs unchanged on sharded tensors. What this mod
 4. wraps ``model.forward``: tensor inputs are each rank's *local* batch, made DTensors sharded over the
    data-parallel axis and replicated over the tensor-parallel one; DTensor outputs come back as ordinary
    tensors (replicated ones locally, sharded ones gathered);
-5. after backward, every gradient is brought to its parameter's placements and averaged over the
-   data-parallel axis (DDP). Plans that shard over the data-parallel axis (FSDP) are refused for now.
+5. the data-parallel axis: DDP — after backward every gradient is brought to its parameter's placements and
+   averaged over the replicas; or FSDP — FSDP2 ``fully_shard`` per block on the data-parallel sub-mesh, which
+   composes with the tensor-parallel DTensors (parameters become 2-D DTensors).
 
 Non-DTensor tensors the model makes itself (masks, position ids, RoPE tables) are the same on every rank, so
 DTensor is told to treat them as replicated (``implicit replication``) for the whole process.
 
 Not yet here (see the runtime issue): enforcing the plan's per-op strategies (DTensor's propagation picks
-its own for ops between parameters, so collectives can differ from the plan's prediction), FSDP2 prefetching,
-meta-device materialisation, checkpoints.
+its own for ops between parameters, so collectives can differ from the plan's prediction), meta-device
+materialisation.
 """
 
 from __future__ import annotations
@@ -260,10 +261,23 @@ def _make_sync_hook(mesh: DeviceMesh):
     return hook
 
 
-def register_gradient_sync(model: nn.Module, mesh: DeviceMesh) -> None:
+def _fully_shard(model: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP on the data-parallel axis (FSDP2 ``fully_shard`` per block, then the root): parameters, gradients
+    and optimizer state sharded over the replicas, gathered per block for compute, gradients reduce-scattered."""
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = mesh["dp"]
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for block in module:
+                fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def register_gradient_sync(model: nn.Module, mesh: DeviceMesh, average_over_dp: bool = True) -> None:
     """After each parameter's gradient is accumulated: bring it to the parameter's placements, then average
     it over the data-parallel axis of ``mesh`` (the full mesh; parameters live on its tensor-parallel part)."""
-    hook = _make_sync_hook(mesh)
+    hook = _make_sync_hook(mesh) if average_over_dp else _make_sync_hook(tensor_parallel_mesh(mesh))
     for param in model.parameters():
         if isinstance(param, DTensor) and param.requires_grad:
             param.register_post_accumulate_grad_hook(hook)
@@ -282,11 +296,7 @@ def apply_plan(
     """
     world = dist.get_world_size() if dist.is_initialized() else None
     validate_plan(model, plan, world)
-    if plan.dp_mode != "ddp" and plan.dp_size > 1:
-        raise NotImplementedError(
-            f"the runtime applies plans with dp_mode='ddp'; this plan shards parameters over the data-parallel "
-            f"axis ({plan.dp_mode!r}). Re-plan with plan_model(..., dp_modes=('ddp',))."
-        )
+    fsdp = plan.dp_mode == "fsdp" and plan.dp_size > 1
     register_runtime_rules()
     allow_implicit_replication(True)
     if mesh is None:
@@ -296,7 +306,9 @@ def apply_plan(
         remap_optimizer(optimizer, replaced)
     wrap_forward(model, mesh)
     register_embedding_reduction(model)
-    register_gradient_sync(model, mesh)
+    if fsdp:
+        _fully_shard(model, mesh)
+    register_gradient_sync(model, mesh, average_over_dp=not fsdp)
     model._hf_colossal_auto_plan = plan
     model._hf_colossal_auto_mesh = mesh
     tp = plan.tp_size
@@ -348,7 +360,6 @@ def autoparallelize(
             kwargs = dict(plan_model_kwargs)
             kwargs.setdefault("num_devices", dist.get_world_size())
             kwargs.setdefault("device", "cpu" if dist.get_backend() != "nccl" else _cuda_kind())
-            kwargs.setdefault("dp_modes", ("ddp",))
             made = plan_model(model, example_inputs, **kwargs)
         plan = broadcast_plan(made)
     return apply_plan(model, plan, device_mesh, optimizers)

@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--plan", choices=["auto", "megatron"], default="auto", help="plan to apply")
+    parser.add_argument("--dp-mode", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
@@ -54,6 +55,7 @@ def main() -> None:
             made = evaluate_plan(
                 model, batch, "megatron", num_devices=world, device="cpu", mesh_shape=(dp, tp)
             ).plan
+            made.dp_mode = args.dp_mode  # the same placements, the data-parallel axis as asked
         autoparallelize(model, plan=broadcast_plan(made))
     else:
         autoparallelize(model, batch, mesh_shape=(dp, tp), device="cpu")
@@ -93,6 +95,10 @@ def main() -> None:
             "max_grad_diff": worst,
             "sharded_params": sum(1 for v in plan.param_placements.values() if v[1] != "R"),
             "world": world,
+            "param_placements": sorted(
+                {str(p.placements) for p in model.parameters() if isinstance(p, DTensor)}
+            ),
+            "dp_mode": plan.dp_mode,
         }
         with open(args.out, "w") as f:
             json.dump(result, f)
