@@ -125,7 +125,7 @@ def test_gloo_fsdp_x_tp_training_tracks_single_process(tmp_path):
         "--dp-mode",
         "fsdp",
         "--steps",
-        "3",
+        "10",
         tmp_path=tmp_path,
     )
     assert result["dp_mode"] == "fsdp"
