@@ -1,0 +1,283 @@
+"""Benchmark the runtime: training-step time and per-rank peak memory of an applied plan on 2 CPU gloo ranks.
+
+Variants (same seeded Llama, same global batch, forward + backward + AdamW step):
+
+* ``megatron``: our runtime (``apply_plan``) with ``evaluate_plan(..., "megatron", mesh_shape=(1, 2)).plan``;
+* ``auto``: our runtime with our solver's plan forced to 1-D TP (``plan_model(..., mesh_shape=(1, 2),
+  dp_modes=("ddp",))``);
+* ``hf-tp``: transformers' own tensor parallelism, ``apply_tensor_parallelism(model, tp_mesh, tp_plan)`` with
+  the plan ``model._resolve_parallel_plans(DistributedConfig(tp_size=2))`` expands from the config's
+  ``base_model_tp_plan`` (plus ``lm_head: colwise_gather_output``);
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel``, the global batch split over the 2 ranks.
+
+In the TP variants every rank gets the whole global batch. Rank 0 plans and broadcasts (``broadcast_plan``).
+Each variant runs in its own ``torch.distributed.run`` job (so one variant's memory high-water cannot leak into
+another's); ``main()`` launches them and collects the results.
+
+Time: median wall time of ``--steps`` timed steps after ``--warmup`` warm-up steps, each step ended by a
+barrier, the max over ranks. Memory: resident-set high-water (Linux ``VmHWM``) of each rank, reset through
+``/proc/self/clear_refs`` just before one extra measured step, so it is the peak RSS *during a step* (weights,
+gradients, optimizer state, activations, plus the process's Python/torch baseline, ~300-400 MB); also the RSS
+before the model was built, to subtract. Falls back to the process lifetime high-water
+(``resource.getrusage``) where clear_refs is not writable, and says so in the output.
+
+Usage::
+
+    python scripts/bench_runtime.py [--variants megatron,auto,hf-tp,ddp] [--json runtime.json]
+    # one variant by hand:
+    python -m torch.distributed.run --standalone --nproc_per_node 2 scripts/bench_runtime.py --worker megatron \
+        --worker-out /tmp/megatron.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = ("megatron", "auto", "hf-tp", "ddp")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _model_config(args):
+    from hf_colossal_auto.models import load_config
+
+    cfg = load_config("tiny-llama")
+    cfg.hidden_size = args.hidden
+    cfg.intermediate_size = args.intermediate
+    cfg.num_attention_heads = args.heads
+    cfg.num_key_value_heads = args.heads
+    cfg.head_dim = args.hidden // args.heads
+    cfg.num_hidden_layers = args.layers
+    cfg.vocab_size = args.vocab
+    cfg.max_position_embeddings = max(args.seq, 512)
+    return cfg
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from hf_colossal_auto.models import build_model, make_example_inputs
+
+    rss_base_mib = _status_kib("VmRSS") / 1024
+    torch.manual_seed(0)
+    model = build_model(_model_config(args), device="cpu")
+    model.train()
+    batch = make_example_inputs(model, args.batch, args.seq, seed=0)
+    n_params = sum(p.numel() for p in model.parameters())
+    t0 = time.perf_counter()
+    if args.worker in ("megatron", "auto"):
+        from hf_colossal_auto.apply import apply_plan, broadcast_plan
+
+        made = None
+        if rank == 0:
+            if args.worker == "megatron":
+                from hf_colossal_auto.solve.planner import evaluate_plan
+
+                made = evaluate_plan(
+                    model, batch, "megatron", num_devices=world, device="cpu", mesh_shape=(1, world)
+                ).plan
+            else:
+                from hf_colossal_auto.solve.planner import plan_model
+
+                made = plan_model(
+                    model, batch, num_devices=world, device="cpu", mesh_shape=(1, world), dp_modes=("ddp",)
+                )
+        plan = broadcast_plan(made)
+        apply_plan(model, plan)
+        sharded = sum(1 for v in plan.param_placements.values() if any(p != "R" for p in v))
+        local = batch
+    elif args.worker == "hf-tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers.distributed import DistributedConfig
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=world))
+        apply_tensor_parallelism(model, init_device_mesh("cpu", (world,)), tp_plan)
+        sharded = sum(1 for k in tp_plan if k in dict(model.named_parameters()))
+        local = batch
+    elif args.worker == "ddp":
+        per = args.batch // world
+        local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        sharded = 0
+    else:
+        raise ValueError(args.worker)
+    setup_s = time.perf_counter() - t0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(model, opt, local) -> float:
+        out = model(**local)
+        loss = out.loss if hasattr(out, "loss") else out["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        dist.barrier()
+        t = time.perf_counter()
+        losses.append(step(model, opt, local))
+        dist.barrier()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    # memory: one more step with the RSS high-water reset just before it
+    dist.barrier()
+    reset = _reset_hwm()
+    step(model, opt, local)
+    peak_mib = (_status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
+    rec = {
+        "rank": rank,
+        "median_step_s": statistics.median(times),
+        "step_times_s": times,
+        "peak_rss_mib": peak_mib,
+        "rss_before_model_mib": rss_base_mib,
+        "peak_method": "VmHWM reset per step" if reset else "ru_maxrss (process lifetime)",
+        "losses": losses,
+        "setup_s": setup_s,
+        "sharded_params": sharded,
+        "n_params": n_params,
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rec)
+    if rank == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump(gathered, f)
+    del model, opt
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _launch(variant: str, args, out: str) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
+    cmd += [os.path.abspath(__file__), "--worker", variant, "--worker-out", out]
+    for k in (
+        "hidden",
+        "intermediate",
+        "heads",
+        "layers",
+        "vocab",
+        "batch",
+        "seq",
+        "warmup",
+        "steps",
+        "threads",
+    ):
+        cmd += [f"--{k}", str(getattr(args, k))]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0 or not os.path.exists(out):
+        tail = (proc.stdout + proc.stderr).strip().splitlines()
+        errs = [ln for ln in tail if "Error" in ln or "error" in ln] or tail
+        return {"variant": variant, "error": errs[-1][:400] if errs else f"exit {proc.returncode}"}
+    with open(out) as f:
+        ranks = json.load(f)
+    return {
+        "variant": variant,
+        "median_step_s": max(r["median_step_s"] for r in ranks),
+        "peak_rss_mib": [round(r["peak_rss_mib"], 1) for r in ranks],
+        "peak_over_base_mib": [round(r["peak_rss_mib"] - r["rss_before_model_mib"], 1) for r in ranks],
+        "peak_method": ranks[0]["peak_method"],
+        "loss_first_last": [ranks[0]["losses"][0], ranks[0]["losses"][-1]],
+        "setup_s": round(ranks[0]["setup_s"], 2),
+        "sharded_params": ranks[0]["sharded_params"],
+        "n_params": ranks[0]["n_params"],
+        "ranks": ranks,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=2816)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=900, help="seconds per variant")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in args.variants.split(","):
+            r = _launch(v, args, os.path.join(tmp, f"{v}.json"))
+            results.append(r)
+            print(f"done {v}: {r.get('error') or round(r['median_step_s'], 3)}", file=sys.stderr, flush=True)
+    ref = next((r for r in results if r["variant"] == "hf-tp" and "error" not in r), None)
+    print(
+        f"Llama h{args.hidden} i{args.intermediate} heads{args.heads} L{args.layers} V{args.vocab}, global batch "
+        f"{args.batch}x{args.seq}, {args.nproc} gloo ranks x {args.threads} thread(s), median of {args.steps} steps"
+    )
+    print(
+        f"{'variant':<10} {'step s':>8} {'vs hf-tp':>9} {'peak RSS MiB/rank':>20} {'peak-base MiB/rank':>20} "
+        f"{'mem vs hf':>9}  sharded"
+    )
+    for r in results:
+        if "error" in r:
+            print(f"{r['variant']:<10} FAILED: {r['error']}")
+            continue
+        t_ratio = m_ratio = ""
+        if ref:
+            t_ratio = f"{r['median_step_s'] / ref['median_step_s']:.3f}"
+            m_ratio = f"{max(r['peak_rss_mib']) / max(ref['peak_rss_mib']):.3f}"
+            r["time_vs_hf_tp"], r["mem_vs_hf_tp"] = float(t_ratio), float(m_ratio)
+        print(
+            f"{r['variant']:<10} {r['median_step_s']:>8.3f} {t_ratio:>9} {str(r['peak_rss_mib']):>20} "
+            f"{str(r['peak_over_base_mib']):>20} {m_ratio:>9}  {r['sharded_params']}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "config": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
