@@ -243,3 +243,32 @@ def test_optimizer_made_before_parallelization_is_remapped():
             dist.destroy_process_group()
     assert losses["before"] == pytest.approx(losses["after"], abs=1e-6)
     assert losses["after"][-1] < losses["after"][0]
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-bert"])
+def test_symbolic_runtime_issues_the_collectives_of_a_real_run(preset):
+    """simulate_collectives (fake tensors, fake process group) counts what the runtime runs on real values
+    (LocalTensorMode, CommDebugMode) — the cheap way to price what the runtime will do."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from hf_colossal_auto.apply.simulate import simulate_collectives
+
+    model = _tiny(preset)
+    batch = make_example_inputs(model, 4, 16)
+    plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+    simulated = simulate_collectives(model, plan, batch)
+    assert simulated.counts and all(simulated.bytes[k] > 0 for k in simulated.counts)
+    _fresh_fake_group(2)
+    try:
+        with local_tensor_mode(2):
+            apply_plan(model, plan, build_mesh(plan, "cpu"))
+            with CommDebugMode() as comm:
+                model(**batch).loss.backward()
+        names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+        ran = {
+            names.get(str(op).split(".")[-1], str(op).split(".")[-1]): n
+            for op, n in comm.get_comm_counts().items()
+        }
+        assert simulated.counts == ran
+    finally:
+        dist.destroy_process_group()

@@ -12,6 +12,7 @@ from .runtime import (
     remap_optimizer,
     validate_plan,
 )
+from .simulate import SimulatedComm, simulate_collectives
 
 __all__ = [
     "PlanMismatchError",
@@ -26,5 +27,7 @@ __all__ = [
     "distribute_parameters",
     "register_runtime_rules",
     "remap_optimizer",
+    "SimulatedComm",
+    "simulate_collectives",
     "validate_plan",
 ]
