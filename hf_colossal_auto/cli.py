@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -177,7 +178,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
             ns.func(ns)
         except ValueError as exc:  # an impossible budget is a result worth showing, not a crash
             print(f"error: {exc}")
-    return 0
+    return _demo_training()
+
+
+def _demo_training() -> int:
+    """Train a tiny Llama on 2 gloo processes with a plan applied by the runtime (scripts/demo_train.py)."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "demo_train.py"
+    if not script.exists():  # an installed package without the repository's scripts
+        return 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    print(f"\n$ torchrun --standalone --nproc_per_node 2 {script.relative_to(script.parents[1])}", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, check=False).returncode
 
 
 def build_parser() -> argparse.ArgumentParser:
