@@ -35,6 +35,25 @@ def _tiny(preset: str) -> nn.Module:
     return model
 
 
+def _collectives_of_a_step(model: nn.Module, plan, batch) -> dict[str, int]:
+    """Apply ``plan`` on 2 simulated ranks and count the collectives of one forward + backward by kind."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    _fresh_fake_group(2)
+    try:
+        with local_tensor_mode(2):
+            apply_plan(model, plan, build_mesh(plan, "cpu"))
+            with CommDebugMode() as comm:
+                model(**batch).loss.backward()
+    finally:
+        dist.destroy_process_group()
+    names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+    return {
+        names.get(str(op).split(".")[-1], str(op).split(".")[-1]): n
+        for op, n in comm.get_comm_counts().items()
+    }
+
+
 def test_plan_for_another_model_or_world_is_refused():
     gpt2, llama = _tiny("tiny-gpt2"), _tiny("tiny-llama")
     batch = make_example_inputs(gpt2, 4, 16)
@@ -154,26 +173,11 @@ def test_predicted_collectives_equal_what_dtensor_runs_for_bert():
     Not yet for every family: DTensor's propagation between parameters chooses its own strategies, and for
     GPT-2 (7 all-reduce + 5 all-gather predicted, 12 + 8 run) and Llama the runtime does not follow the plan's
     per-op choices yet (runtime issue)."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     model = _tiny("tiny-bert")
     batch = make_example_inputs(model, 4, 16)
     plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
-    _fresh_fake_group(2)
-    try:
-        with local_tensor_mode(2):
-            apply_plan(model, plan, build_mesh(plan, "cpu"))
-            with CommDebugMode() as comm:
-                model(**batch).loss.backward()
-        names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
-        ran = {
-            names.get(str(op).split(".")[-1], str(op).split(".")[-1]): n
-            for op, n in comm.get_comm_counts().items()
-        }
-        predicted = {k: v for k, v in plan.collectives.items() if not k.startswith("dp_") and v}
-        assert ran == predicted
-    finally:
-        dist.destroy_process_group()
+    predicted = {k: v for k, v in plan.collectives.items() if not k.startswith("dp_") and v}
+    assert _collectives_of_a_step(model, plan, batch) == predicted
 
 
 def _torchrun_script(nproc: int, script: str, *args: str) -> None:
@@ -249,8 +253,6 @@ def test_optimizer_made_before_parallelization_is_remapped():
 def test_symbolic_runtime_issues_the_collectives_of_a_real_run(preset):
     """simulate_collectives (fake tensors, fake process group) counts what the runtime runs on real values
     (LocalTensorMode, CommDebugMode) — the cheap way to price what the runtime will do."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     from hf_colossal_auto.apply.simulate import simulate_collectives
 
     model = _tiny(preset)
@@ -258,17 +260,4 @@ def test_symbolic_runtime_issues_the_collectives_of_a_real_run(preset):
     plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
     simulated = simulate_collectives(model, plan, batch)
     assert simulated.counts and all(simulated.bytes[k] > 0 for k in simulated.counts)
-    _fresh_fake_group(2)
-    try:
-        with local_tensor_mode(2):
-            apply_plan(model, plan, build_mesh(plan, "cpu"))
-            with CommDebugMode() as comm:
-                model(**batch).loss.backward()
-        names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
-        ran = {
-            names.get(str(op).split(".")[-1], str(op).split(".")[-1]): n
-            for op, n in comm.get_comm_counts().items()
-        }
-        assert simulated.counts == ran
-    finally:
-        dist.destroy_process_group()
+    assert simulated.counts == _collectives_of_a_step(model, plan, batch)

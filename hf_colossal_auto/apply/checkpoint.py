@@ -22,21 +22,22 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 
-def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
-    """Write the sharded model (and optimizer) state under ``path`` (a directory), one file per rank."""
+def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
     state = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optim_sd
-    dcp.save(state, checkpoint_id=str(path))
+    return state
+
+
+def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
+    """Write the sharded model (and optimizer) state under ``path`` (a directory), one file per rank."""
+    dcp.save(_training_state(model, optimizer), checkpoint_id=str(path))
 
 
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
     """Load what :func:`save_checkpoint` wrote into a model parallelized with the same plan."""
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
-    state = {"model": model_sd}
-    if optimizer is not None:
-        state["optimizer"] = optim_sd
+    state = _training_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         model,
