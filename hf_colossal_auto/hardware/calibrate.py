@@ -292,6 +292,20 @@ def _load_average() -> float | None:
     return None
 
 
+def write_json_atomically(path: Path, data: Any, prefix: str) -> None:
+    """Write ``data`` as JSON to ``path`` through a temp file and a rename, so that a reader (another rank,
+    another process) never sees a half-written cache. Raises OSError; callers decide whether that matters."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _store_cache(path: Path, key: str, result: CpuBenchmarkResult) -> None:
     """Merge one entry into the cache file atomically (temp file + rename).
 
@@ -309,15 +323,7 @@ def _store_cache(path: Path, key: str, result: CpuBenchmarkResult) -> None:
             "load_average_1min": _load_average(),
             "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        fd, tmp = tempfile.mkstemp(prefix=".cpu_calibration.", suffix=".json", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"format": _CACHE_FORMAT, "entries": entries}, f, indent=2, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_json_atomically(path, {"format": _CACHE_FORMAT, "entries": entries}, ".cpu_calibration.")
     except OSError as exc:
         logger.warning("Could not write calibration cache %s: %s", path, exc)
 

@@ -27,12 +27,9 @@ timing all-reduces of a few sizes and fitting the model above by least squares.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import os
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -358,15 +355,11 @@ class CommCalibration:
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 entries = {}
             entries[key] = {**link.to_dict(), "sizes": list(sizes), "times": list(times)}
-            fd, tmp = tempfile.mkstemp(prefix=".comm_calibration.", suffix=".json", dir=path.parent)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump({"format": _COMM_CACHE_FORMAT, "entries": entries}, f, indent=2, sort_keys=True)
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            from hf_colossal_auto.hardware.calibrate import write_json_atomically
+
+            write_json_atomically(
+                path, {"format": _COMM_CACHE_FORMAT, "entries": entries}, ".comm_calibration."
+            )
         except OSError as exc:
             logger.warning("Could not write comm calibration cache %s: %s", path, exc)
 
