@@ -107,6 +107,25 @@ class _Planner:
         self._graphs: dict[int, StepGraph] = {}
         self._strategies: dict[tuple[int, int], dict] = {}
 
+    @classmethod
+    def for_devices(
+        cls,
+        model: nn.Module,
+        example_inputs: Mapping[str, Any],
+        num_devices: int,
+        device: str | DeviceSpec,
+        devices_per_node: int | None,
+        memory_budget: int | str | None,
+        mixed_precision: str | None,
+        optimizer: str | None,
+        time_limit_s: float,
+    ) -> _Planner:
+        """A planner for the public entry points' arguments (device name, budget string)."""
+        spec = get_device(device)
+        cluster = ClusterSpec(spec, num_devices, devices_per_node)
+        budget = _resolve_budget(memory_budget, spec)
+        return cls(model, example_inputs, cluster, budget, mixed_precision, optimizer, time_limit_s)
+
     def graph(self, dp: int) -> StepGraph:
         if dp not in self._graphs:
             self._graphs[dp] = trace_training_step(
@@ -225,10 +244,18 @@ def plan_model(
         raise ValueError(f"dp_modes must be a non-empty subset of ('ddp', 'fsdp'), got {dp_modes!r}")
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
-    spec = get_device(device)
-    cluster = ClusterSpec(spec, num_devices, devices_per_node)
-    budget = _resolve_budget(memory_budget, spec)
-    planner = _Planner(model, example_inputs, cluster, budget, mixed_precision, optimizer, time_limit_s)
+    planner = _Planner.for_devices(
+        model,
+        example_inputs,
+        num_devices,
+        device,
+        devices_per_node,
+        memory_budget,
+        mixed_precision,
+        optimizer,
+        time_limit_s,
+    )
+    spec, budget = planner.spec, planner.budget
     t0 = time.perf_counter()
     best: tuple[float, Plan] | None = None
     tried: list[dict[str, Any]] = []
@@ -635,20 +662,24 @@ def evaluate_plan(
     time_limit_s: float = 60.0,
 ) -> Estimate:
     """Price a Plan, a HF-style tp_plan dict or a named baseline ("ddp", "fsdp", "megatron") under our model."""
-    spec = get_device(device)
-    cluster = ClusterSpec(spec, num_devices, devices_per_node)
-    budget = _resolve_budget(memory_budget, spec)
-    planner = _Planner(model, example_inputs, cluster, budget, mixed_precision, optimizer, time_limit_s)
+    planner = _Planner.for_devices(
+        model,
+        example_inputs,
+        num_devices,
+        device,
+        devices_per_node,
+        memory_budget,
+        mixed_precision,
+        optimizer,
+        time_limit_s,
+    )
+    cluster, budget = planner.cluster, planner.budget
     n = num_devices
     if isinstance(plan_or_baseline, Plan):
         plan = plan_or_baseline
         mesh = (plan.dp_size, plan.tp_size)
         dp_mode = plan.dp_mode
-        tied_names = {
-            TiedGraph.build(planner.graph(mesh[0])).canonical_param(f): p[1]
-            for f, p in plan.param_placements.items()
-        }
-        fixed = tied_names
+        fixed = {fqn: placements[1] for fqn, placements in plan.param_placements.items()}
         name = "plan"
     elif isinstance(plan_or_baseline, str):
         name = plan_or_baseline
