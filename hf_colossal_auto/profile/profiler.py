@@ -54,9 +54,7 @@ def node_times(graph: StepGraph, spec: DeviceSpec) -> list[float]:
     ]
 
 
-def block_units(
-    model_or_graph: StepGraph, module_names: list[str], list_children: list[str]
-) -> dict[str, str]:
+def block_units(module_names: list[str], list_children: list[str]) -> dict[str, str]:
     """Map each module FQN to the depth unit ("block") it belongs to.
 
     Children of a ``ModuleList`` are blocks (the outermost such list wins, so a T5 block's inner ``layer`` list
@@ -64,7 +62,6 @@ def block_units(
     list (``transformer.wte``, ``lm_head``); modules that contain block lists (``transformer``) and the root
     are their own unit.
     """
-    del model_or_graph
     containers = set()
     for child in list_children:
         parts = child.split(".")
@@ -182,9 +179,7 @@ def build_report(
             mp.backward_time_s += times[i]
 
     list_children = _module_list_children(model)
-    unit_of = block_units(
-        graph, sorted(set(real_module) | {n for n, _ in model.named_modules()}), list_children
-    )
+    unit_of = block_units(sorted(set(real_module) | {n for n, _ in model.named_modules()}), list_children)
     blocks: dict[str, BlockProfile] = {}
     order: list[str] = []
     params = dict(model.named_parameters())

@@ -455,7 +455,7 @@ def _unit_mapper(model: nn.Module):
     from ..profile.profiler import _module_list_children, block_units
 
     names = [n for n, _ in model.named_modules()]
-    mapping = block_units(None, names, _module_list_children(model))  # type: ignore[arg-type]
+    mapping = block_units(names, _module_list_children(model))
 
     def unit_of(module: str) -> str:
         while module and module not in mapping:
