@@ -86,10 +86,6 @@ class OpNode:
     is_view: bool = False
     """True when every output aliases an input (no new memory, no compute)."""
 
-    @property
-    def params(self) -> list[int]:  # pragma: no cover - convenience only
-        return self.inputs
-
 
 @dataclass(frozen=True)
 class MemoryEvent:
