@@ -35,9 +35,18 @@ from ..capture.tracer import trace_training_step
 from ..hardware import ClusterSpec, DeviceSpec, get_device
 from ..hardware.catalog import memory_budget_default
 from ..plan import BlockCost, Plan
+from ..profile.profiler import _module_list_children, block_units
 from ..strategies import enumerate_strategies
 from ..units import format_bytes, parse_bytes
-from .builder import BuiltProblem, TiedGraph, build_problem, edge_reshardings, value_readers
+from .builder import (
+    BuiltProblem,
+    TiedGraph,
+    _node_name,
+    _param_node_name,
+    build_problem,
+    edge_reshardings,
+    value_readers,
+)
 from .cost_model import AxisComm
 from .ilp import solve
 from .problem import InfeasibleError, Solution, evaluate
@@ -325,7 +334,6 @@ def _make_plan(
     comm = 0.0
     block_compute: dict[str, float] = defaultdict(float)
     block_comm: dict[str, float] = defaultdict(float)
-    from .builder import _node_name  # noqa: PLC0415 - local import keeps the public surface small
 
     unit_of = _unit_mapper(planner.model)
 
@@ -452,8 +460,6 @@ def _real_modules(graph: StepGraph, module: str) -> list[str]:
 
 
 def _unit_mapper(model: nn.Module):
-    from ..profile.profiler import _module_list_children, block_units
-
     names = [n for n, _ in model.named_modules()]
     mapping = block_units(names, _module_list_children(model))
 
@@ -491,8 +497,6 @@ def _activation_per_unit(built, solution, graph, tied, unit_of, tp) -> dict[str,
 def _collectives(built, solution, graph, tied, mesh, planner, dp_mode) -> dict[str, float]:
     """Predicted collectives per step by kind: tensor-parallel resharding of every edge the solution prices
     (fractions where consumers share one gradient reduction) and data-parallel gradient synchronisation."""
-    from .builder import _node_name, _param_node_name
-
     counts: dict[str, float] = defaultdict(float)
     dp, tp = mesh
     producer = {}
