@@ -10,7 +10,27 @@ from .profile import ProfileReport, profile_model
 
 __version__ = "0.1.0"
 
+_LAZY = {"AutoParallelPlugin", "AutoParallelAccelerator", "AutoParallelCallback", "autoparallelize"}
+
+
+def __getattr__(name: str):
+    """Integrations and the runtime load on first use (they import accelerate / torch.distributed)."""
+    if name == "autoparallelize":
+        from .apply import autoparallelize
+
+        return autoparallelize
+    if name in _LAZY:
+        from . import integrations
+
+        return getattr(integrations, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "AutoParallelAccelerator",
+    "AutoParallelCallback",
+    "AutoParallelPlugin",
+    "autoparallelize",
     "CaptureError",
     "DeviceSpec",
     "ProfileReport",
