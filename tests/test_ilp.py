@@ -9,6 +9,7 @@ import pulp
 import pytest
 
 from hf_colossal_auto.solve import (
+    ConditionalCost,
     DecisionEdge,
     DecisionNode,
     InfeasibleError,
@@ -109,7 +110,21 @@ def random_problem(seed: int, binding: bool = True) -> Problem:
                 apply_multiplicity=rng.random() < 0.8,
             )
         )
-    problem = Problem(nodes, edges, constraints, name=f"random{seed}", fixed=fixed, equal_strategy=equal)
+    conditional = []
+    for _ in range(rng.randint(0, 3)):
+        a, b, gate = (rng.choice(nodes) for _ in range(3))
+        when = tuple(rng.sample(range(len(gate.costs)), rng.randint(1, len(gate.costs))))
+        matrix = _matrix(rng, len(a.costs), len(b.costs), integral, seconds)
+        conditional.append(ConditionalCost(a.name, b.name, gate.name, when, matrix))
+    problem = Problem(
+        nodes,
+        edges,
+        constraints,
+        name=f"random{seed}",
+        fixed=fixed,
+        equal_strategy=equal,
+        conditional_costs=conditional,
+    )
     if binding:
         usages = [memory_usage(problem, _random_choice(rng, problem)) for _ in range(3)]
         for constraint in constraints:
@@ -504,3 +519,20 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="brute force"):
         brute_force(_chain(30, 4, 0))
     assert "highs" in SOLVERS
+
+
+@pytest.mark.parametrize("backend", SOLVERS)
+def test_conditional_cost_is_paid_only_under_its_gate(backend: str) -> None:
+    """A pairwise cost gated by a third node (the collectives a recomputed block runs again): three free
+    nodes, so the solver needs its gated variables; the optimum moves when the gate makes a pair expensive."""
+    a, b = _node("a", [0.0, 0.3]), _node("b", [0.0, 0.3])
+    gate = _node("r", [0.0, 0.1])  # option 1 is cheap in itself
+    memory = MemoryConstraint("m", 1.0, 0.0, {"r": [2.0, 0.0]})  # ...and the only one that fits
+    conditional = [ConditionalCost("a", "b", "r", (1,), [[1.0, 0.0], [0.0, 0.0]])]
+    problem = Problem([a, b, gate], [], [memory], conditional_costs=conditional)
+    found = solve(problem, solver=backend)
+    assert found.choice["r"] == 1
+    assert found.objective_s == pytest.approx(0.4)  # r=1 (0.1) + one of a/b moved off 0 (0.3), not 1.0
+    assert found.objective_s == pytest.approx(brute_force(problem).objective_s)
+    ungated = Problem([a, b, gate], [], [], conditional_costs=conditional)
+    assert solve(ungated, solver=backend).objective_s == 0.0

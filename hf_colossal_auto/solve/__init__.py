@@ -1,6 +1,7 @@
 from .brute_force import brute_force
 from .ilp import available_solvers, solve
 from .problem import (
+    ConditionalCost,
     DecisionEdge,
     DecisionNode,
     InfeasibleError,
@@ -12,6 +13,7 @@ from .problem import (
 )
 
 __all__ = [
+    "ConditionalCost",
     "DecisionEdge",
     "DecisionNode",
     "InfeasibleError",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pulp
 
 from .problem import (
+    ConditionalCost,
     InfeasibleError,
     MemoryConstraint,
     Problem,
@@ -199,14 +200,53 @@ class _Affine:
         return _Form(constant, lin, pairs)
 
 
-def _objective_form(problem: Problem, groups: _Groups) -> _Form:
+def _objective_form(problem: Problem, groups: _Groups) -> tuple[_Form, list[_Triple]]:
     acc = _Affine(groups)
     for node in sorted(problem.nodes, key=lambda n: n.name):
         acc.add_node(node.name, [node.multiplicity * c for c in node.costs])
     for edge in sorted(problem.edges, key=lambda e: (e.src, e.dst)):
         if edge.multiplicity and any(any(row) for row in edge.cost):
             acc.add_edge(edge.src, edge.dst, [[edge.multiplicity * c for c in row] for row in edge.cost])
-    return acc.finish()
+    triples = [t for c in problem.conditional_costs if (t := _conditional(acc, groups, c)) is not None]
+    return acc.finish(), triples
+
+
+@dataclass
+class _Triple:
+    """A conditional cost over three distinct free groups: ``cost[i][j]`` when ``g=i, h=j`` and ``r`` in ``when``."""
+
+    g: int
+    h: int
+    r: int
+    when: tuple[int, ...]
+    cost: list[list[float]]
+
+
+def _conditional(acc: _Affine, groups: _Groups, cond: ConditionalCost) -> _Triple | None:
+    """Fold a conditional cost into ``acc`` when pins or shared groups leave at most two free groups; otherwise
+    return it as a triple for :meth:`_Model.triple_terms`."""
+    if not any(any(row) for row in cond.cost):
+        return None
+    slots = (groups.of[cond.src], groups.of[cond.dst], groups.of[cond.when_node])
+    free = sorted({g for g in slots if groups.pin[g] is None})
+    if len(free) == 3:
+        return _Triple(*slots, cond.when, cond.cost)
+    when = set(cond.when)
+
+    def value(assign: dict[int, int]) -> float:
+        i, j, o = (assign[g] if groups.pin[g] is None else groups.pin[g] for g in slots)
+        return cond.cost[i][j] if o in when else 0.0
+
+    if not free:
+        acc.constant += value({})
+    elif len(free) == 1:
+        (g,) = free
+        acc.add_group(g, [value({g: i}) for i in range(groups.size[g])])
+    else:
+        g, h = free
+        matrix = [[value({g: i, h: j}) for j in range(groups.size[h])] for i in range(groups.size[g])]
+        acc.add_edge(groups.members[g][0], groups.members[h][0], matrix)
+    return None
 
 
 @dataclass
@@ -291,6 +331,26 @@ class _Model:
     def add_row(self, name: str, form: _Form, rhs: float) -> None:
         scale = _pow2(form.magnitude())
         self.prob += pulp.LpAffineExpression(self.terms(form, scale)) <= rhs / scale, name
+
+    def triple_terms(self, triples: list[_Triple], scale: float) -> list[tuple[pulp.LpVariable, float]]:
+        """Objective terms of conditional costs: ``z >= e[g,h][i][j] + x_r[when] - 1``, ``z >= 0``, cost >= 0."""
+        out = []
+        for index, t in enumerate(triples):
+            g, h, matrix = t.g, t.h, t.cost
+            if g > h:
+                g, h = h, g
+                matrix = [list(col) for col in zip(*matrix, strict=True)]
+            e = self.joint(g, h)
+            gate = [(self.x[t.r][o], 1.0) for o in t.when]
+            for i, row in enumerate(matrix):
+                for j, value in enumerate(row):
+                    if not value:
+                        continue
+                    z = pulp.LpVariable(f"z_{index:05d}_{i:03d}_{j:03d}", lowBound=0)
+                    terms = [(z, 1.0), (e[i][j], -1.0), *((v, -c) for v, c in gate)]
+                    self.prob += pulp.LpAffineExpression(terms) >= -1.0, f"zc_{index:05d}_{i:03d}_{j:03d}"
+                    out.append((z, value / scale))
+        return out
 
     def cut(self, free_choice: dict[int, int], support: list[int]) -> None:
         terms = [(self.x[g][free_choice[g]], 1.0) for g in support]
@@ -485,10 +545,12 @@ def solve(
             return _least_memory(problem, groups, rows, backend, deadline, msg, start)
         return _solution(problem, choice, "optimal", 0.0, start, "none", (0, 0))
 
-    objective = _objective_form(problem, groups)
-    unit = _pow2(objective.magnitude()) / OBJECTIVE_MAGNITUDE
+    objective, triples = _objective_form(problem, groups)
+    magnitude = max([objective.magnitude()] + [max(max(row) for row in t.cost) for t in triples])
+    unit = _pow2(magnitude) / OBJECTIVE_MAGNITUDE
     model = _Model(groups)
-    model.prob.setObjective(pulp.LpAffineExpression(model.terms(objective, unit)))
+    terms = model.terms(objective, unit) + model.triple_terms(triples, unit)
+    model.prob.setObjective(pulp.LpAffineExpression(terms))
     binding = _tightest([r for r in rows if (r.form.lin or r.form.pairs) and r.form.top() > r.slack])
     for index, row in enumerate(binding):
         model.add_row(f"mem_{index:05d}", row.form, row.slack + row.rounding)

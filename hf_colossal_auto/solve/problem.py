@@ -121,6 +121,33 @@ class MemoryConstraint:
 
 
 @dataclass
+class ConditionalCost:
+    """A pairwise cost ``cost[choice[src]][choice[dst]]`` paid only when node ``when_node`` takes one of the
+    strategies in ``when``.
+
+    Why: the collectives inside a recomputed block run twice, and whether they run at all depends on the two
+    endpoints' shardings while whether they run *again* depends on the block's recompute choice, a third node.
+    Costs must be >= 0 (the solver prices them through a variable bounded from below only).
+    """
+
+    src: str
+    dst: str
+    when_node: str
+    when: tuple[int, ...]
+    cost: list[list[float]]
+
+    def __post_init__(self) -> None:
+        what = f"conditional cost {self.src!r}->{self.dst!r} when {self.when_node!r}"
+        self.cost = _matrix(self.cost, f"{what} cost")
+        if any(v < 0 for row in self.cost for v in row):
+            raise ValueError(f"{what}: costs must be >= 0")
+        when = [_index(w) for w in self.when]
+        if any(w is None for w in when):
+            raise ValueError(f"{what}: strategies must be integers, got {self.when!r}")
+        self.when = tuple(sorted(set(when)))  # type: ignore[arg-type]
+
+
+@dataclass
 class Problem:
     nodes: list[DecisionNode]
     edges: list[DecisionEdge] = field(default_factory=list)
@@ -128,10 +155,12 @@ class Problem:
     name: str = ""
     fixed: dict[str, int] = field(default_factory=dict)
     equal_strategy: list[tuple[str, str]] = field(default_factory=list)
+    conditional_costs: list[ConditionalCost] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.nodes = list(self.nodes)
         self.edges = list(self.edges)
+        self.conditional_costs = list(self.conditional_costs)
         self.memory_constraints = list(self.memory_constraints)
         self.fixed = dict(self.fixed)
         self.equal_strategy = [tuple(pair) for pair in self.equal_strategy]
@@ -162,6 +191,18 @@ class Problem:
                     f"fixed strategy {strategy} of node {node_name!r} is out of range "
                     f"(it has {len(node.costs)} strategies)"
                 )
+        for cond in self.conditional_costs:
+            if not isinstance(cond, ConditionalCost):
+                raise ValueError(f"conditional_costs must be ConditionalCost instances, got {cond!r}")
+            what = f"conditional cost {cond.src!r}->{cond.dst!r}"
+            src, dst = self._node(cond.src, what), self._node(cond.dst, what)
+            gate = self._node(cond.when_node, what)
+            if _shape(cond.cost) != (len(src.costs), len(dst.costs)):
+                raise ValueError(
+                    f"{what} cost matrix has shape {_shape(cond.cost)}, expected {(len(src.costs), len(dst.costs))}"
+                )
+            if any(not 0 <= w < len(gate.costs) for w in cond.when):
+                raise ValueError(f"{what}: strategies {cond.when} out of range for node {gate.name!r}")
         for pair in self.equal_strategy:
             if len(pair) != 2:
                 raise ValueError(f"equal_strategy entries must be (node, node) pairs, got {pair!r}")
@@ -310,6 +351,11 @@ def _check_choice(problem: Problem, choice: dict[str, int]) -> None:
 def _objective(problem: Problem, choice: dict[str, int]) -> float:
     parts = [node.multiplicity * node.costs[choice[node.name]] for node in problem.nodes]
     parts += [edge.multiplicity * edge.cost[choice[edge.src]][choice[edge.dst]] for edge in problem.edges]
+    parts += [
+        c.cost[choice[c.src]][choice[c.dst]]
+        for c in problem.conditional_costs
+        if choice[c.when_node] in c.when
+    ]
     return math.fsum(parts)
 
 
