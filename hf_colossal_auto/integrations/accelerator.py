@@ -1,0 +1,611 @@
+"""``AutoParallelAccelerator``: an ``accelerate.Accelerator`` whose ``prepare`` plans and applies DP x TP.
+
+What it changes, and why; everything else is accelerate's (mixed precision, gradient accumulation,
+``clip_grad_norm_`` — already DTensor-aware —, logging, trackers):
+
+* **the model** (``prepare``/``prepare_model``): rank 0 plans from the first batch's shapes (peeked from a data
+  loader passed to the same ``prepare`` call, or ``plugin.example_inputs``) or every rank loads
+  ``plugin.plan_path``; the plan is applied with :func:`hf_colossal_auto.apply.apply_plan` and optimizers from
+  the same call are pointed at the new parameters. The model is **not** wrapped in DDP: the runtime averages
+  gradients over the data-parallel axis itself.
+* **the data** (``prepare_data_loader``): the ``tp`` ranks of one data-parallel group compute on the same batch,
+  so each group gets ``per-device batch x tp`` samples per step and the groups get disjoint shards — the
+  samples of one step are exactly those plain DDP would spread over the same processes, and the global batch
+  stays ``per-device batch x processes``. Done with accelerate's ``prepare_data_loader`` over ``dp`` shards.
+* **checkpoints** (``save_state``/``load_state``): model and optimizer through ``torch.distributed.checkpoint``
+  (every rank writes its shards; accelerate's own would save DTensors from the main process only);
+  schedulers, samplers, RNG states, the scaler and custom objects through accelerate's own helpers.
+  ``get_state_dict``/``save_model`` give consolidated tensors / a ``from_pretrained`` directory.
+
+With one process there is nothing to parallelize and it behaves as ``accelerate.Accelerator``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import shutil
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.checkpointing import (
+    load_accelerator_state,
+    load_custom_state,
+    save_accelerator_state,
+    save_custom_state,
+)
+from accelerate.data_loader import prepare_data_loader
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+from ..apply import PlanMismatchError, apply_plan, build_mesh, consolidated_state_dict, remap_optimizer
+from ..plan import Plan
+from .plugin import AutoParallelPlugin
+
+logger = logging.getLogger(__name__)
+
+DCP_DIR = "distributed_checkpoint"
+"""Sub-directory of a ``save_state`` folder holding the torch.distributed.checkpoint shards."""
+
+_OTHER_PLUGINS = {
+    "deepspeed_plugin": "DeepSpeed",
+    "deepspeed_plugins": "DeepSpeed",
+    "fsdp_plugin": "FSDP",
+    "megatron_lm_plugin": "Megatron-LM",
+    "torch_tp_plugin": "accelerate's tensor parallelism (TorchTensorParallelPlugin)",
+    "parallelism_config": "accelerate's ParallelismConfig",
+}
+_OTHER_ENV = {
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+    "ACCELERATE_USE_FSDP": "FSDP",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
+    "ACCELERATE_USE_PARALLELISM_CONFIG": "accelerate's ParallelismConfig",
+}
+
+
+def check_no_other_parallelism(kwargs: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse to start next to another parallelism plugin: two planners would shard the same model twice."""
+    found = [name for key, name in _OTHER_PLUGINS.items() if kwargs.get(key) is not None]
+    found += [
+        f"{name} (environment {key}=true, e.g. from an accelerate config)"
+        for key, name in _OTHER_ENV.items()
+        if environ.get(key, "false").lower() in ("1", "true", "yes")
+    ]
+    if found:
+        raise ValueError(
+            f"AutoParallelAccelerator plans data and tensor parallelism itself, but {', '.join(found)} is enabled "
+            "too. Use an accelerate config with distributed_type MULTI_GPU (or MULTI_CPU) and no DeepSpeed/FSDP/"
+            "Megatron-LM/parallelism section (see recipes/auto.yaml), and pass no other parallelism plugin."
+        )
+
+
+# ----------------------------------------------------------------------------------------- data layout
+def _scaled_loader(loader: DataLoader, factor: int) -> DataLoader:
+    """The same loader (dataset, sampler, collate, workers...) with ``factor`` times its batch size: one
+    data-parallel group's batch is the per-device batches of its ``tp`` ranks laid end to end."""
+    if factor == 1:
+        return loader
+    import inspect
+
+    params = inspect.signature(DataLoader.__init__).parameters
+    skip = {"self", "dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"}
+    kwargs = {k: getattr(loader, k) for k in params if k not in skip and hasattr(loader, k)}
+    dataset = loader.dataset
+    if loader.batch_size is not None:
+        if isinstance(dataset, IterableDataset):
+            return DataLoader(
+                dataset, batch_size=loader.batch_size * factor, drop_last=loader.drop_last, **kwargs
+            )
+        return DataLoader(
+            dataset,
+            batch_size=loader.batch_size * factor,
+            sampler=loader.sampler,
+            drop_last=loader.drop_last,
+            **kwargs,
+        )
+    sampler = loader.batch_sampler
+    if type(sampler) is BatchSampler:
+        scaled = BatchSampler(sampler.sampler, sampler.batch_size * factor, sampler.drop_last)
+        return DataLoader(dataset, batch_sampler=scaled, **kwargs)
+    raise ValueError(
+        f"this DataLoader has a custom batch sampler ({type(sampler).__name__}) and no batch_size, so its "
+        f"per-device batch cannot be grown to the {factor} tensor-parallel ranks that share it. Give the "
+        "DataLoader a batch_size, or use Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True)) "
+        "with batches of the global size."
+    )
+
+
+def _same_sampler_order(loader: DataLoader) -> None:
+    """With one data-parallel group accelerate does not shard, and so does not synchronise the sampler's
+    generator either: give every rank rank 0's generator state so that all ranks draw the same batches."""
+    sampler = getattr(loader, "sampler", None)
+    if not hasattr(sampler, "generator") or not (dist.is_available() and dist.is_initialized()):
+        return
+    if sampler.generator is None:
+        sampler.generator = torch.Generator()
+    payload = [sampler.generator.get_state()]
+    dist.broadcast_object_list(payload, src=0)
+    sampler.generator.set_state(payload[0])
+
+
+def shard_data_loader(
+    loader: DataLoader,
+    *,
+    dp_size: int,
+    dp_rank: int,
+    tp_size: int,
+    split_batches: bool = False,
+    **prepare_kwargs: Any,
+) -> DataLoader:
+    """``loader`` as one data-parallel group sees it: accelerate's ``prepare_data_loader`` over ``dp_size``
+    shards, each batch ``tp_size`` per-device batches long (or a ``1/dp_size`` slice of a global batch with
+    ``split_batches``). All ranks of a tensor-parallel group call it with the same ``dp_rank``."""
+    if not split_batches:
+        loader = _scaled_loader(loader, tp_size)
+    if dp_size == 1:
+        _same_sampler_order(loader)
+    prepare_kwargs["dispatch_batches"] = (
+        False  # each group reads its own shard; no slicing over all processes
+    )
+    return prepare_data_loader(
+        loader, num_processes=dp_size, process_index=dp_rank, split_batches=split_batches, **prepare_kwargs
+    )
+
+
+# ----------------------------------------------------------------------------------------- planning input
+@contextlib.contextmanager
+def _rng_preserved(*objects: Any) -> Iterator[None]:
+    """Peeking a batch must not move any random state the training run will use (global RNG, samplers')."""
+    generators = [g for o in objects if isinstance(g := getattr(o, "generator", None), torch.Generator)]
+    states = [g.get_state() for g in generators]
+    with torch.random.fork_rng(devices=[]):
+        yield
+    for g, s in zip(generators, states, strict=True):
+        g.set_state(s)
+
+
+def peek_batch(loader: DataLoader) -> Any:
+    """The first batch's contents without iterating ``loader`` (which would draw from its sampler's RNG)."""
+    dataset = loader.dataset
+    batch_sampler = loader.batch_sampler
+    sampler = getattr(batch_sampler, "sampler", None)
+    with _rng_preserved(loader.sampler, sampler, dataset):
+        if isinstance(dataset, IterableDataset):
+            items = list(itertools.islice(iter(dataset), loader.batch_size or 1))
+            return loader.collate_fn(items) if loader.batch_size is not None else loader.collate_fn(items[0])
+        if batch_sampler is None:
+            return loader.collate_fn(dataset[0])
+        if loader.batch_size is not None:
+            indices = range(min(loader.batch_size, len(dataset)))
+        else:
+            indices = next(iter(batch_sampler))
+        return loader.collate_fn([dataset[i] for i in indices])
+
+
+def _global_batch(batch: Mapping[str, Any], processes: int, device: torch.device) -> dict[str, Any]:
+    """What one optimizer step consumes over all processes, from one per-process batch (shapes matter, not
+    values: the planner traces on fake tensors)."""
+
+    def grow(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.to(device).repeat((processes,) + (1,) * (value.dim() - 1))
+        return value
+
+    return {k: grow(v) for k, v in batch.items()}
+
+
+def _optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str | None:
+    """The planner's optimizer-state model for the optimizer the user made (None: keep the planner's default)."""
+    for opt in optimizers:
+        kind = type(opt).__name__.lower()
+        if kind in ("adamw", "adam", "sgd"):
+            return kind
+    return None
+
+
+def _raw_optimizer(opt: Any) -> torch.optim.Optimizer:
+    while isinstance(opt, AcceleratedOptimizer):
+        opt = opt.optimizer
+    return opt
+
+
+class AutoParallelAccelerator(Accelerator):
+    """``accelerate.Accelerator`` that plans DP x TP for the model given to :meth:`prepare` and applies it.
+
+    ``auto_parallel_plugin`` holds the planner's settings (default: :class:`AutoParallelPlugin` read from the
+    environment / ``HF_COLOSSAL_AUTO_CONFIG``); every other argument is accelerate's. Another parallelism
+    plugin (DeepSpeed, FSDP, Megatron-LM, accelerate's TP / ``ParallelismConfig``) is refused.
+    """
+
+    def __init__(
+        self, *args: Any, auto_parallel_plugin: AutoParallelPlugin | None = None, **kwargs: Any
+    ) -> None:
+        plugin = auto_parallel_plugin if auto_parallel_plugin is not None else AutoParallelPlugin()
+        if not isinstance(plugin, AutoParallelPlugin):
+            raise TypeError(
+                f"auto_parallel_plugin must be an AutoParallelPlugin, got {type(plugin).__name__}"
+            )
+        check_no_other_parallelism(kwargs)
+        super().__init__(*args, **kwargs)
+        if self.distributed_type in (
+            DistributedType.DEEPSPEED,
+            DistributedType.FSDP,
+            DistributedType.MEGATRON_LM,
+        ):
+            raise ValueError(
+                f"AutoParallelAccelerator cannot run under accelerate's {self.distributed_type.value}: an earlier "
+                "Accelerator in this process set it up; create only AutoParallelAccelerator"
+            )
+        self.auto_parallel_plugin = plugin
+        self.auto_plan: Plan | None = None
+        self._auto_model: nn.Module | None = None
+        self._auto_dp_rank = 0
+        if plugin.num_devices is not None and plugin.num_devices != self.num_processes:
+            raise ValueError(
+                f"AutoParallelPlugin.num_devices={plugin.num_devices} but this job has {self.num_processes} "
+                f"processes: a plan is applied to the processes that run it. Launch {plugin.num_devices} processes "
+                "or unset num_devices (plan for other device counts with `hf-colossal-auto plan`)."
+            )
+        if plugin.plan_path is not None:
+            self.auto_plan = self._load_plan(plugin.plan_path)
+
+    # ----------------------------------------------------------------------------------- plan
+    @property
+    def _parallel(self) -> bool:
+        return self.num_processes > 1 and dist.is_available() and dist.is_initialized()
+
+    def _load_plan(self, path: str) -> Plan:
+        try:
+            plan = Plan.load(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"AutoParallelPlugin.plan_path={path}: cannot read a plan there ({exc})"
+            ) from exc
+        needed = math.prod(plan.mesh_shape)
+        if needed != self.num_processes:
+            raise PlanMismatchError(
+                f"the plan in {path} is for a {'x'.join(map(str, plan.mesh_shape))} (dp x tp) mesh of {needed} "
+                f"processes, this job has {self.num_processes}. Launch {needed} processes, or re-plan for "
+                f"{self.num_processes} (unset plan_path to plan at prepare time)."
+            )
+        return plan
+
+    def _example_inputs(self, loaders: list[DataLoader]) -> Mapping[str, Any]:
+        plugin = self.auto_parallel_plugin
+        if plugin.example_inputs is not None:
+            batch = plugin.example_inputs
+        elif loaders:
+            batch = peek_batch(loaders[0])
+        else:
+            raise ValueError(
+                "AutoParallelAccelerator plans from one batch: pass the training DataLoader to the same "
+                "prepare() call as the model, or set AutoParallelPlugin(example_inputs=...) or plan_path"
+            )
+        if not isinstance(batch, Mapping):
+            raise ValueError(
+                f"the planner calls model(**batch), but the batch is a {type(batch).__name__}; make the DataLoader "
+                "yield dicts of model.forward keyword arguments, or set AutoParallelPlugin(example_inputs=...)"
+            )
+        return batch
+
+    def _make_plan(self, model: nn.Module, loaders: list[DataLoader], optimizers: list) -> Plan:
+        """Rank 0 plans for this job (its processes, its device), every rank receives the same plan."""
+        made, error = None, None
+        if self.process_index == 0:
+            try:
+                from ..solve.planner import plan_model
+
+                batch = self._example_inputs(loaders)
+                device = next(model.parameters()).device
+                processes = 1 if self.split_batches and not self.auto_parallel_plugin.example_inputs else None
+                global_batch = _global_batch(batch, processes or self.num_processes, device)
+                kwargs: dict[str, Any] = {
+                    "num_devices": self.num_processes,
+                    "device": self._device_kind(),
+                    "devices_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes)),
+                    "mixed_precision": None if self.mixed_precision == "no" else self.mixed_precision,
+                }
+                kind = _optimizer_kind([_raw_optimizer(o) for o in optimizers])
+                if kind is not None:
+                    kwargs["optimizer"] = kind
+                kwargs.update(self.auto_parallel_plugin.planner_kwargs())
+                made = plan_model(model, global_batch, **kwargs).to_json()
+            except Exception as exc:  # every rank must leave the broadcast: send the error instead of a plan
+                error = exc
+        payload = [made, None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(payload, src=0)
+        if error is not None:
+            raise error
+        if payload[1] is not None:
+            raise RuntimeError(f"planning failed on the main process: {payload[1]}")
+        return Plan.from_dict(json.loads(payload[0]))
+
+    def _device_kind(self) -> str:
+        if self.device.type == "cuda":
+            from ..hardware import detect_device
+
+            return detect_device().name
+        return "cpu"
+
+    def _parallelize(self, model: nn.Module, loaders: list[DataLoader], optimizers: list) -> None:
+        if self._auto_model is not None and model is not self._auto_model:
+            raise ValueError(
+                "AutoParallelAccelerator parallelizes one model per job and already has one; prepare other "
+                "models (e.g. a frozen teacher) with a plain accelerate.Accelerator or run them unprepared"
+            )
+        plan = self.auto_plan if self.auto_plan is not None else self._make_plan(model, loaders, optimizers)
+        if self.device.type != "cpu" and next(model.parameters()).device != self.device:
+            model.to(self.device)
+        names = {id(p): n for n, p in model.named_parameters()}
+        mesh = build_mesh(plan, self.device.type)
+        apply_plan(model, plan, mesh)
+        # point optimizers made before prepare() at the new parameters, by name (FSDP replaces them twice)
+        new = dict(model.named_parameters())
+        for opt in optimizers:
+            raw = _raw_optimizer(opt)
+            replaced = {
+                id(p): new[names[id(p)]]
+                for group in raw.param_groups
+                for p in group["params"]
+                if id(p) in names
+            }
+            remap_optimizer(raw, replaced)
+        names_dp = mesh.mesh_dim_names or ()
+        self._auto_dp_rank = mesh.get_local_rank("dp") if "dp" in names_dp else 0
+        self.auto_plan, self._auto_model = plan, model
+        if self.is_main_process:
+            path = self.auto_parallel_plugin.save_plan_path
+            if path is not None:
+                plan.save(path)
+            self.print(plan.summary())
+
+    # ----------------------------------------------------------------------------------- prepare
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        models = [a for a in args if isinstance(a, nn.Module) and not hasattr(a, "_hf_colossal_auto_plan")]
+        if self._parallel and models:
+            if len(models) > 1:
+                raise ValueError(
+                    f"AutoParallelAccelerator.prepare got {len(models)} models; it parallelizes one per job"
+                )
+            loaders = [a for a in args if isinstance(a, DataLoader)]
+            optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+            self._parallelize(models[0], loaders, optimizers)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
+        """Parallelize (when not already done by :meth:`prepare`), then let accelerate add mixed precision and
+        compilation — but no DDP: the runtime synchronises gradients over the data-parallel axis."""
+        if not self._parallel:
+            return super().prepare_model(
+                model, device_placement=device_placement, evaluation_mode=evaluation_mode
+            )
+        if not hasattr(model, "_hf_colossal_auto_plan"):
+            self._parallelize(model, [], [])
+        return super().prepare_model(model, device_placement=False, evaluation_mode=True)
+
+    def prepare_data_loader(
+        self, data_loader: DataLoader, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
+    ) -> DataLoader:
+        """Shard batches over the data-parallel groups; the ranks of one tensor-parallel group share theirs."""
+        if getattr(data_loader, "_is_accelerate_prepared", False) or not self._parallel:
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if self.auto_plan is None:
+            raise ValueError(
+                "AutoParallelAccelerator: prepare the model before, or in the same prepare() call as, its data "
+                "loaders — how batches are split over processes depends on the plan's dp x tp mesh"
+            )
+        if self.auto_plan.tp_size == 1:  # pure data parallelism: accelerate's own layout is the right one
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        prepared = shard_data_loader(
+            data_loader,
+            dp_size=self.auto_plan.dp_size,
+            dp_rank=self._auto_dp_rank,
+            tp_size=self.auto_plan.tp_size,
+            split_batches=self.split_batches,
+            device=self.device,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=self.rng_types.copy(),
+            even_batches=self.even_batches,
+            use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
+    # ----------------------------------------------------------------------------------- models out
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """The model itself. Accelerate's unwrapping would re-bind the runtime's forward wrapper as a method
+        when it strips the autocast wrapper, so ours restores the runtime's forward directly."""
+        base = getattr(model, "_orig_mod", model)
+        if not hasattr(base, "_hf_colossal_auto_plan"):
+            return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+        if not keep_fp32_wrapper and "_original_forward" in base.__dict__:
+            base.forward = base.__dict__.pop("_original_forward")
+        return model if keep_torch_compile else base
+
+    def _is_auto(self, model: nn.Module) -> bool:
+        return hasattr(getattr(model, "_orig_mod", model), "_hf_colossal_auto_plan")
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """Full, ordinary tensors on every rank (collective: call on all ranks)."""
+        if not self._is_auto(model):
+            return super().get_state_dict(model, unwrap)
+        return consolidated_state_dict(self.unwrap_model(model, keep_torch_compile=False))
+
+    def save_model(
+        self,
+        model: nn.Module,
+        save_directory: str | os.PathLike,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """A consolidated checkpoint; for a transformers model with its config, so that ``from_pretrained``
+        loads it in one process (collective: call on all ranks, the main process writes)."""
+        module = self.unwrap_model(model, keep_torch_compile=False) if self._is_auto(model) else None
+        if module is None or not hasattr(module, "save_pretrained"):
+            return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        state = consolidated_state_dict(module)
+        if self.is_main_process:
+            module.save_pretrained(str(save_directory), state_dict=state, max_shard_size=max_shard_size)
+        self.wait_for_everyone()
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    def _training_state(self) -> tuple[dict[str, Any], list[tuple[nn.Module, list[torch.optim.Optimizer]]]]:
+        """DCP state of every prepared model with the optimizers over its parameters."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        optimizers = [_raw_optimizer(o) for o in self._optimizers]
+        owner: dict[int, int] = {}
+        pairs = []
+        for i, model in enumerate(self._models):
+            module = self.unwrap_model(model, keep_torch_compile=False)
+            ids = {id(p) for p in module.parameters()}
+            mine = [o for o in optimizers if all(id(p) in ids for g in o.param_groups for p in g["params"])]
+            owner.update({id(o): i for o in mine})
+            pairs.append((module, mine))
+        orphans = [type(o).__name__ for o in optimizers if id(o) not in owner]
+        if orphans:
+            raise ValueError(
+                f"save_state/load_state: optimizer(s) {orphans} do not belong to one prepared model; "
+                "give each optimizer the parameters of a single model passed to prepare()"
+            )
+        state: dict[str, Any] = {}
+        for i, (module, mine) in enumerate(pairs):
+            model_sd, optim_sd = get_state_dict(module, mine)
+            state[f"model_{i}"] = model_sd
+            if mine:
+                state[f"optimizer_{i}"] = optim_sd
+        return state, pairs
+
+    def _checkpoint_dir(self, output_dir: str | None) -> str:
+        """Where ``save_state`` writes, with accelerate's automatic checkpoint naming and ``total_limit``."""
+        config = self.project_configuration
+        if not config.automatic_checkpoint_naming:
+            if output_dir is None:
+                raise ValueError(
+                    "save_state needs output_dir (or ProjectConfiguration(automatic_checkpoint_naming))"
+                )
+            return os.path.expanduser(str(output_dir))
+        root = os.path.join(self.project_dir, "checkpoints")
+        os.makedirs(root, exist_ok=True)
+        folders = sorted(
+            (os.path.join(root, f) for f in os.listdir(root)),
+            key=lambda f: int(re.findall(r"(\d+)(?=[^/]*$)", f)[0]),
+        )
+        if config.total_limit is not None and len(folders) + 1 > config.total_limit and self.is_main_process:
+            for folder in folders[: len(folders) + 1 - config.total_limit]:
+                shutil.rmtree(folder)
+        output_dir = os.path.join(root, f"checkpoint_{self.save_iteration}")
+        if os.path.exists(output_dir):
+            raise ValueError(
+                f"checkpoint directory {output_dir} exists; set accelerator.project_configuration.iteration"
+            )
+        self.wait_for_everyone()
+        return output_dir
+
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any
+    ) -> str:
+        """Model + optimizer shards through torch.distributed.checkpoint (``<output_dir>/distributed_checkpoint``),
+        the rest (schedulers, samplers, RNG, scaler, step, custom objects) as accelerate saves it."""
+        if self._auto_model is None:
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        import torch.distributed.checkpoint as dcp
+
+        output_dir = self._checkpoint_dir(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        for hook in self._save_model_state_pre_hook.values():
+            hook(self._models, [], output_dir)
+        state, _ = self._training_state()
+        dcp.save(state, checkpoint_id=os.path.join(output_dir, DCP_DIR))
+        location = save_accelerator_state(
+            output_dir,
+            [],
+            [],
+            self._schedulers,
+            self._dataloaders,
+            self.state.process_index,
+            self.step,
+            self.scaler,
+            save_on_each_node=self.project_configuration.save_on_each_node,
+            safe_serialization=safe_serialization,
+        )
+        for i, obj in enumerate(self._custom_objects):
+            save_custom_state(
+                obj, output_dir, i, save_on_each_node=self.project_configuration.save_on_each_node
+            )
+        self.project_configuration.iteration += 1
+        self.wait_for_everyone()
+        return location
+
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any
+    ) -> None:
+        """Resume what :meth:`save_state` wrote, into a job prepared with the same plan."""
+        if self._auto_model is None:
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            root = os.path.join(self.project_dir, "checkpoints")
+            input_dir = max(
+                (os.path.join(root, f) for f in os.listdir(root)),
+                key=lambda f: int(re.findall(r"(\d+)(?=[^/]*$)", f)[0]),
+            )
+        if input_dir is None:
+            raise ValueError(
+                "load_state needs input_dir (or ProjectConfiguration(automatic_checkpoint_naming))"
+            )
+        input_dir = os.path.expanduser(str(input_dir))
+        shards = os.path.join(input_dir, DCP_DIR)
+        if not os.path.isdir(shards):
+            raise ValueError(
+                f"{input_dir} has no {DCP_DIR}/ folder: it was not written by AutoParallelAccelerator.save_state"
+            )
+        for hook in self._load_model_state_pre_hook.values():
+            hook(self._models, input_dir)
+        state, pairs = self._training_state()
+        dcp.load(state, checkpoint_id=shards)
+        for i, (module, mine) in enumerate(pairs):
+            set_state_dict(
+                module,
+                mine,
+                model_state_dict=state[f"model_{i}"],
+                optim_state_dict=state.get(f"optimizer_{i}", {}),
+            )
+        override = load_accelerator_state(
+            input_dir,
+            [],
+            [],
+            self._schedulers,
+            self._dataloaders,
+            self.state.process_index,
+            self.scaler,
+            kwargs.pop("map_location", "cpu"),
+            load_kwargs,
+        )
+        if "step" in override:
+            self.step = override["step"]
+        found = [f for f in os.listdir(input_dir) if re.search(r"^custom_checkpoint_\d+\.pkl$", f)]
+        if len(found) != len(self._custom_objects):
+            raise RuntimeError(
+                f"{input_dir} holds {len(found)} custom checkpoints but {len(self._custom_objects)} objects are "
+                "registered with register_for_checkpointing; register the same objects as when it was saved"
+            )
+        for index, obj in enumerate(self._custom_objects):
+            load_custom_state(obj, input_dir, index)

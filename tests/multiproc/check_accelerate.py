@@ -1,0 +1,106 @@
+"""An ordinary accelerate training script, used to check AutoParallelAccelerator against plain accelerate.
+
+    python tests/multiproc/check_accelerate.py --out ref/                       # one process, plain accelerate
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/auto_cpu.yaml --multi_gpu --num_processes 2 \
+        -m hf_colossal_auto.run tests/multiproc/check_accelerate.py --out par/  # 2 gloo processes, planned
+
+Nothing here knows about hf-colossal-auto: the same global batch (``--global-batch`` split over the processes
+as with DDP), AdamW made before ``prepare``, a linear LR schedule, ``clip_grad_norm_``. After ``--save-at``
+steps it saves the state, trains on, then loads the state and replays the same batches (the losses must repeat),
+evaluates one fixed batch, and writes a consolidated checkpoint with ``save_model``. The main process writes
+``result.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import torch
+import transformers
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, set_seed
+from torch.utils.data import DataLoader
+
+from hf_colossal_auto.models import build_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny-gpt2")
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--save-at", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    accelerator = Accelerator(
+        # one scheduler step per optimizer step, whatever the process count (accelerate's default steps it once
+        # per process), so that the single-process run has the same learning rates
+        step_scheduler_with_optimizer=False,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=120))],
+    )
+    set_seed(0)
+    model = build_model(args.model, device="cpu")
+    model.eval()  # no dropout: the processes' run and the single process' run compare exactly
+
+    vocab = model.config.vocab_size
+    data_rng = torch.Generator().manual_seed(1)
+    samples = [
+        {"input_ids": ids, "labels": ids.clone()}
+        for ids in torch.randint(0, vocab, (args.global_batch * args.steps, args.seq), generator=data_rng)
+    ]
+    per_device = args.global_batch // accelerator.num_processes
+    loader = DataLoader(
+        samples, batch_size=per_device, shuffle=True, generator=torch.Generator().manual_seed(2)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / (2 * args.steps))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+    def train_step(batch: dict) -> float:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        return float(accelerator.reduce(loss.detach(), "mean"))
+
+    losses, batches = [], []
+    for step, batch in enumerate(loader):
+        if step == args.save_at:
+            accelerator.save_state(os.path.join(args.out, "state"))
+        batches.append({k: v.clone() for k, v in batch.items()})
+        losses.append(train_step(batch))
+    accelerator.load_state(os.path.join(args.out, "state"))
+    resumed = [train_step(batch) for batch in batches[args.save_at :]]
+
+    eval_batch = {k: torch.stack([s[k] for s in samples[: args.global_batch]]) for k in samples[0]}
+    with torch.no_grad():
+        eval_loss = float(model(**eval_batch).loss)
+    accelerator.save_model(model, os.path.join(args.out, "export"))
+    unwrapped = accelerator.unwrap_model(model)
+    plan = getattr(unwrapped, "_hf_colossal_auto_plan", None)
+    if accelerator.is_main_process:
+        result = {
+            "processes": accelerator.num_processes,
+            "losses": losses,
+            "resumed_losses": resumed,
+            "eval_loss": eval_loss,
+            "model_class": type(model).__name__,
+            "mesh": list(plan.mesh_shape) if plan is not None else None,
+            "sharded_params": sum(1 for p in plan.param_placements.values() if p[-1] != "R") if plan else 0,
+            "learning_rate": scheduler.get_last_lr()[0],
+        }
+        with open(os.path.join(args.out, "result.json"), "w") as f:
+            json.dump(result, f)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
