@@ -161,7 +161,10 @@ def _from_dtensor(value: Any) -> Any:
     if not isinstance(value, DTensor):
         return value
     if all(isinstance(p, Replicate) for p in value.placements):
-        return value.to_local()
+        local = value.to_local()
+        # A scalar (the loss) is copied: callers scale it in place (the Trainer's ``loss *= ...``), which autograd
+        # forbids on the view ``to_local`` returns. Larger outputs (logits) stay views, to cost no memory.
+        return local.clone() if local.dim() == 0 else local
     return value.full_tensor()
 
 

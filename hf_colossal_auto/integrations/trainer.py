@@ -1,0 +1,552 @@
+"""``transformers.Trainer`` integration: one callback plans and applies tensor parallelism for the Trainer.
+
+Usage (launch with ``torchrun --nproc_per_node N train.py`` or ``accelerate launch``)::
+
+    from transformers import Trainer, TrainingArguments
+    from hf_colossal_auto import AutoParallelCallback
+
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(output_dir="out", per_device_train_batch_size=8, ...),
+        train_dataset=train,
+        eval_dataset=valid,
+        callbacks=[AutoParallelCallback()],  # or AutoParallelCallback(mesh_shape=(2, 4), memory_budget="60GiB")
+    )
+    trainer.train()  # resume_from_checkpoint=... works too
+    trainer.save_model("export")  # consolidated: AutoModel*.from_pretrained("export") in one process
+
+``Seq2SeqTrainer`` works the same way. Everything happens when the Trainer is built (the callback's
+``on_init_end``, the first moment a callback is given the Trainer — found on the call stack):
+
+1. **Conflicts are refused** before anything runs: ``TrainingArguments(fsdp=...)``, ``deepspeed=...``,
+   ``parallelism_config=...`` (accelerate's own tensor/context parallelism, ``tp_size``), an accelerate launch
+   config enabling DeepSpeed or FSDP, a model already sharded by transformers (``tp_plan``/``tp_size``),
+   ``model_init`` (the model would be rebuilt unparallelised) and ``auto_find_batch_size``.
+   ``gradient_checkpointing``/``activation_checkpointing=True`` is *not* an error, but **the plan wins**: it
+   decides which modules recompute their activations, so the Trainer's own checkpointing is turned off with a
+   warning.
+2. **Plan**: rank 0 collates one *global* batch — ``per_device_train_batch_size x world size`` samples of the
+   training set (the eval set when there is none) through the Trainer's own collator and column filter, under
+   saved RNG state so that the run's randomness is untouched — and calls
+   :func:`~hf_colossal_auto.solve.planner.plan_model` for the job's devices; the plan is broadcast (or loaded
+   from ``plan_path`` on every rank).
+3. **Apply**: :func:`~hf_colossal_auto.apply.apply_plan` shards the live model (and remaps an optimizer
+   passed in ``Trainer(optimizers=...)``) before the Trainer builds its optimizer.
+4. **Patch the Trainer instance** (the smallest set of method replacements; a ``Trainer`` subclass keeps its
+   own overrides, which are wrapped, not replaced):
+
+   * no DDP wrapping: the runtime averages gradients over the plan's data-parallel axis itself (DDP over
+     DTensor parameters would be wrong), via the Trainer's own path for models that manage their own
+     parallelism (``is_distributed_loading_by_transformers``);
+   * data: the ranks of one tensor-parallel group get the same batch, and each data-parallel group gets
+     ``per_device_train_batch_size x tp`` samples, so that the global batch stays what plain DDP would give
+     (per-device batch x processes) and the learning-rate schedule and logged losses are those of the same job
+     under DDP. Evaluation batches stay ``per_device_eval_batch_size`` per data-parallel group, and the gathered
+     predictions/losses keep one copy per tensor-parallel group;
+   * checkpoints (``save_steps``, ``resume_from_checkpoint``): model and optimizer state go to
+     ``checkpoint-N/hf_colossal_auto_state`` with ``torch.distributed.checkpoint`` (every rank writes its
+     shards; a job with the same plan resumes from them), next to a consolidated ``from_pretrained``-loadable
+     copy of the weights, the scheduler, RNG and trainer state. ``load_best_model_at_end`` and resuming from a
+     ``save_only_model`` checkpoint load the sharded state, else the consolidated weights;
+   * ``save_model``: every rank joins the gather of the full tensors, the main process writes.
+
+What is left out: ``predict_with_generate`` runs ``generate`` on the sharded model untested; gradient
+accumulation under an FSDP plan reduces gradients after every micro-batch (correct, not deferred);
+``model_init``/hyper-parameter search is refused. A callback added after the Trainer was built
+(``trainer.add_callback``) must be set up by hand: ``callback.setup(trainer)`` before ``train()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import itertools
+import json
+import logging
+import os
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from ..apply import apply_plan, broadcast_plan, consolidated_state_dict, load_checkpoint, save_checkpoint
+from ..plan import Plan
+
+logger = logging.getLogger(__name__)
+
+STATE_DIR = "hf_colossal_auto_state"
+"""Sub-directory of a Trainer checkpoint holding the sharded (torch.distributed.checkpoint) training state."""
+
+_SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
+
+
+class AutoParallelCallback(TrainerCallback):
+    """Plan tensor parallelism for the Trainer's model and train it under the plan (see the module docstring).
+
+    Args:
+        memory_budget: per-device memory the plan must fit in (bytes or ``"40GiB"``); None: the device's
+            memory minus a margin.
+        device: device kind to plan for (``"a100-80gb"``, ``"cpu"``, ...); None: the running device (``"cpu"``
+            under gloo).
+        mesh_shape: ``(dp, tp)`` to plan on that mesh only; None: the planner searches the meshes.
+        plan_path: a saved :class:`~hf_colossal_auto.plan.Plan` to apply instead of planning.
+        save_plan_path: where the main process writes the plan it applied (JSON).
+        time_limit_s: the ILP solver's time limit per mesh.
+        **plan_kwargs: further :func:`~hf_colossal_auto.solve.planner.plan_model` arguments
+            (``mixed_precision``, ``dp_modes``, ``devices_per_node``, ``optimizer``).
+    """
+
+    def __init__(
+        self,
+        memory_budget: int | str | None = None,
+        device: str | None = None,
+        mesh_shape: tuple[int, int] | list[int] | None = None,
+        plan_path: str | os.PathLike | None = None,
+        save_plan_path: str | os.PathLike | None = None,
+        time_limit_s: float = 60.0,
+        **plan_kwargs: Any,
+    ) -> None:
+        _check_settings(memory_budget, device, mesh_shape, plan_path, time_limit_s, plan_kwargs)
+        self.memory_budget = memory_budget
+        self.device = device
+        self.mesh_shape = tuple(mesh_shape) if mesh_shape is not None else None
+        self.plan_path = Path(plan_path) if plan_path is not None else None
+        self.save_plan_path = Path(save_plan_path) if save_plan_path is not None else None
+        self.time_limit_s = time_limit_s
+        self.plan_kwargs = plan_kwargs
+        self.plan: Plan | None = None
+        self._trainer: Trainer | None = None
+
+    # --- callback events ---------------------------------------------------------------------------------
+
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """The Trainer is built (its accelerator and process group too): plan, apply, patch it."""
+        trainer = _calling_trainer()
+        if trainer is None:
+            raise RuntimeError(
+                "AutoParallelCallback.on_init_end was not called from a transformers.Trainer's __init__; call "
+                "callback.setup(trainer) yourself before training"
+            )
+        self.setup(trainer)
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._trainer is None and _is_distributed():
+            raise RuntimeError(
+                "AutoParallelCallback was added after the Trainer was built (trainer.add_callback), so the model "
+                "was not parallelised before the Trainer made its optimizer and data loader. Pass it in "
+                "Trainer(callbacks=[AutoParallelCallback()]) or call callback.setup(trainer) before train()."
+            )
+
+    # --- setup -------------------------------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer) -> None:
+        """Refuse conflicting settings, plan (rank 0) and apply the plan, patch ``trainer``. Idempotent."""
+        if self._trainer is trainer:
+            return
+        check_trainer_compatible(trainer)
+        if not _is_distributed():
+            logger.warning(
+                "AutoParallelCallback: this is a single process (no torch.distributed job), so there is nothing "
+                "to parallelise; training as usual. Launch with torchrun/accelerate launch to use the plan."
+            )
+            self._trainer = trainer
+            return
+        _turn_off_trainer_recompute(trainer.args)
+        with _preserved_rng():
+            self.plan = self._make_plan(trainer)
+            optimizers = [_unwrap_optimizer(trainer.optimizer)] if trainer.optimizer is not None else []
+            apply_plan(trainer.model, self.plan, optimizers=optimizers)
+        if self.save_plan_path is not None and dist.get_rank() == 0:
+            self.save_plan_path.parent.mkdir(parents=True, exist_ok=True)
+            self.plan.save(self.save_plan_path)
+        _patch_trainer(trainer, self.plan)
+        self._trainer = trainer
+
+    def _make_plan(self, trainer: Trainer) -> Plan:
+        if self.plan_path is not None:
+            return Plan.load(self.plan_path)
+        made = None
+        if dist.get_rank() == 0:
+            from ..solve.planner import plan_model
+
+            world = dist.get_world_size()
+            batch = example_global_batch(trainer, trainer.args.per_device_train_batch_size * world)
+            kwargs = dict(self.plan_kwargs)
+            kwargs.setdefault("mixed_precision", _mixed_precision(trainer.args))
+            made = plan_model(
+                trainer.model,
+                batch,
+                num_devices=world,
+                device=self.device or _running_device_kind(),
+                memory_budget=self.memory_budget,
+                mesh_shape=self.mesh_shape,
+                time_limit_s=self.time_limit_s,
+                **kwargs,
+            )
+            logger.info("AutoParallelCallback plan:\n%s", made.summary())
+        return broadcast_plan(made)
+
+
+# --- settings and conflicts ------------------------------------------------------------------------------
+
+_PLAN_MODEL_KWARGS = {"mixed_precision", "dp_modes", "devices_per_node", "optimizer"}
+
+
+def _check_settings(
+    memory_budget: Any,
+    device: Any,
+    mesh_shape: Any,
+    plan_path: Any,
+    time_limit_s: Any,
+    plan_kwargs: Mapping[str, Any],
+) -> None:
+    """Bad constructor arguments fail where they are written, not in the middle of Trainer.__init__."""
+    unknown = sorted(set(plan_kwargs) - _PLAN_MODEL_KWARGS)
+    if unknown:
+        raise TypeError(
+            f"AutoParallelCallback got unknown setting(s) {unknown}; the planning settings are memory_budget, "
+            f"device, mesh_shape, plan_path, save_plan_path, time_limit_s and {sorted(_PLAN_MODEL_KWARGS)}"
+        )
+    if memory_budget is not None and (
+        isinstance(memory_budget, bool) or not isinstance(memory_budget, int | str)
+    ):
+        raise TypeError(f"memory_budget must be bytes (int) or a string like '40GiB', got {memory_budget!r}")
+    if device is not None and not isinstance(device, str):
+        raise TypeError(f"device must be a device kind name such as 'a100-80gb' or 'cpu', got {device!r}")
+    if mesh_shape is not None:
+        shape = tuple(mesh_shape) if isinstance(mesh_shape, list | tuple) else None
+        if shape is None or len(shape) != 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
+            raise ValueError(f"mesh_shape must be (dp, tp), two positive integers, got {mesh_shape!r}")
+    if plan_path is not None and not Path(plan_path).is_file():
+        raise FileNotFoundError(f"plan_path {str(plan_path)!r} does not exist (a Plan saved with plan.save)")
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, int | float) or time_limit_s <= 0:
+        raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+
+
+def check_trainer_compatible(trainer: Trainer) -> None:
+    """Refuse Trainer settings that parallelise the model another way, or that the plan cannot follow."""
+    args = trainer.args
+    problems = []
+    if args.fsdp:
+        problems.append(f"TrainingArguments(fsdp={args.fsdp!r}): the plan chooses DDP or FSDP per job itself")
+    if args.deepspeed:
+        problems.append("TrainingArguments(deepspeed=...): DeepSpeed shards the model its own way")
+    if getattr(args, "parallelism_config", None) is not None:
+        problems.append(
+            "TrainingArguments(parallelism_config=...): accelerate's tensor/context parallelism (tp_size) "
+            "conflicts with the plan's"
+        )
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        problems.append("the accelerate launch config enables FSDP or DeepSpeed")
+    model_tp = getattr(trainer.model, "tp_size", None) or 1
+    if model_tp > 1 or getattr(trainer, "is_distributed_loading_by_transformers", False):
+        problems.append("the model was already sharded by transformers (from_pretrained(tp_plan=...))")
+    if trainer.model_init is not None:
+        problems.append("Trainer(model_init=...): the model would be rebuilt without the plan at train()")
+    if args.auto_find_batch_size:
+        problems.append("TrainingArguments(auto_find_batch_size=True): the plan is made for one batch size")
+    if getattr(args, "n_gpu", 1) > 1:
+        problems.append("several GPUs in one process (torch.nn.DataParallel): launch one process per GPU")
+    if problems:
+        raise ValueError(
+            "AutoParallelCallback cannot be used with: "
+            + "; ".join(problems)
+            + ". Remove these settings (the plan decides data and tensor parallelism), or remove the callback."
+        )
+
+
+def _turn_off_trainer_recompute(args: TrainingArguments) -> None:
+    """The plan decides activation recompute per module; the Trainer's blanket checkpointing would override it."""
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        logger.warning(
+            "AutoParallelCallback: gradient_checkpointing/activation_checkpointing=True is ignored: the plan "
+            "decides which modules recompute their activations (plan.recompute)."
+        )
+        for name in ("activation_checkpointing", "gradient_checkpointing"):
+            if hasattr(args, name):
+                setattr(args, name, False)
+
+
+# --- planning inputs ---------------------------------------------------------------------------------------
+
+
+def _calling_trainer() -> Trainer | None:
+    """The Trainer whose ``__init__`` is running the callback event (callbacks are not given the Trainer)."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, Trainer):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def example_global_batch(trainer: Trainer, size: int) -> dict[str, Any]:
+    """``size`` samples of the training set (else the eval set), collated as the Trainer's data loader would:
+    the Trainer's collator, with the columns the model does not take removed."""
+    dataset = trainer.train_dataset if trainer.train_dataset is not None else trainer.eval_dataset
+    if isinstance(dataset, Mapping):  # eval_dataset={"name": dataset, ...}
+        dataset = next(iter(dataset.values()), None)
+    if dataset is None:
+        raise ValueError(
+            "AutoParallelCallback plans from one batch of the Trainer's train_dataset (or eval_dataset); the "
+            "Trainer has neither. Pass a dataset, or a saved plan with plan_path=."
+        )
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        features = list(itertools.islice(iter(dataset), size))
+    else:
+        features = [dataset[i % len(dataset)] for i in range(size)]
+    if not features:
+        raise ValueError("AutoParallelCallback: the dataset to plan from is empty")
+    collate = trainer.data_collator
+    remove_columns = getattr(trainer, "_get_collator_with_removed_columns", None)
+    if remove_columns is not None:
+        collate = remove_columns(collate, description="planning")
+    batch = collate(features)
+    return {k: v for k, v in dict(batch).items() if isinstance(v, torch.Tensor)}
+
+
+@contextlib.contextmanager
+def _preserved_rng():
+    """Planning and applying must not change the run's random streams (data order, dropout, init)."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    devices = (
+        [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    )
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+def _mixed_precision(args: TrainingArguments) -> str | None:
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else None
+
+
+def _running_device_kind() -> str:
+    if dist.get_backend() != "nccl":
+        return "cpu"
+    from ..hardware import detect_device
+
+    return detect_device().name
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's ``AcceleratedOptimizer`` wrapper (checkpoints need the real one)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+# --- the Trainer patches -----------------------------------------------------------------------------------
+
+
+def _patch_trainer(trainer: Trainer, plan: Plan) -> None:
+    """Route the Trainer's data, gradient sync, evaluation gathers and checkpoints through the plan's mesh."""
+    mesh = trainer.model._hf_colossal_auto_mesh
+    names = tuple(plan.mesh_axis_names)
+    coordinate = mesh.get_coordinate() or [0] * len(names)
+    dp_rank = coordinate[names.index("dp")] if "dp" in names else 0
+    dp_size, tp_size = plan.dp_size, plan.tp_size
+
+    # No DDP/FSDP wrapping by accelerate; the optimizer is prepared alone (transformers' path for models that
+    # manage their own parallelism). Gradient sync is the runtime's, after every micro-batch.
+    trainer.is_distributed_loading_by_transformers = True
+    trainer._defer_fsdp_gradient_reduction = contextlib.nullcontext
+    _batch_per_dp_group(trainer, tp_size)
+    _shard_data_over_dp(trainer, dp_size, dp_rank)
+    if tp_size > 1:
+        trainer.gather_function = _gather_one_copy_per_tp_group(trainer, tp_size)
+
+    trainer._save = _consolidated_save(trainer, trainer._save)
+    trainer._save_optimizer_and_scheduler = functools.partial(_save_sharded_state, trainer)
+    trainer._load_from_checkpoint = functools.partial(_load_model_state, trainer)
+    trainer._load_optimizer_and_scheduler = functools.partial(_load_sharded_state, trainer)
+    trainer._load_best_model = lambda: _load_model_state(trainer, trainer.state.best_model_checkpoint)
+
+
+def _batch_per_dp_group(trainer: Trainer, tp_size: int) -> None:
+    """One data-parallel group is one DDP replica: its training loader yields per-device batch x tp samples, so
+    that a step consumes per-device batch x processes, as under DDP. The Trainer's per-device batch size itself
+    (saved in its state, compared on resume) is left alone; its count of the global batch is corrected."""
+    original_loader = trainer.get_train_dataloader
+
+    @functools.wraps(original_loader)
+    def get_train_dataloader():
+        per_device = trainer._train_batch_size
+        trainer._train_batch_size = per_device * tp_size
+        try:
+            return original_loader()
+        finally:
+            trainer._train_batch_size = per_device
+
+    def get_total_train_batch_size(args: TrainingArguments) -> int:
+        return trainer._train_batch_size * args.gradient_accumulation_steps * args.world_size
+
+    trainer.get_train_dataloader = get_train_dataloader
+    trainer.get_total_train_batch_size = get_total_train_batch_size
+
+
+def _shard_data_over_dp(trainer: Trainer, dp_size: int, dp_rank: int) -> None:
+    """Every data loader the Trainer prepares is split over the data-parallel groups only: the ranks of one
+    tensor-parallel group read the same batches (accelerate would split over all processes)."""
+    from accelerate.data_loader import prepare_data_loader
+
+    accelerator = trainer.accelerator
+    original = accelerator.prepare_data_loader
+
+    def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return original(data_loader, device_placement, slice_fn_for_dispatch)
+        prepared = prepare_data_loader(
+            data_loader,
+            accelerator.device,
+            num_processes=dp_size,
+            process_index=dp_rank,
+            split_batches=accelerator.split_batches,
+            put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+            rng_types=accelerator.rng_types.copy(),
+            dispatch_batches=accelerator.dispatch_batches,
+            even_batches=accelerator.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=accelerator.use_seedable_sampler,
+            data_seed=accelerator.dataloader_config.data_seed,
+            non_blocking=accelerator.non_blocking,
+            use_stateful_dataloader=accelerator.use_stateful_dataloader,
+        )
+        accelerator._dataloaders.append(prepared)
+        return prepared
+
+    accelerator.prepare_data_loader = prepare
+
+
+def _gather_one_copy_per_tp_group(trainer: Trainer, tp_size: int):
+    """``gather_for_metrics`` for batches shared by tensor-parallel groups: gather from all ranks, keep the
+    tensor-parallel rank 0 copy of each group's rows, then drop the padding of the last batch as accelerate does
+    (its remainder counts data-parallel groups, which is how the loaders were split)."""
+    from accelerate.utils import gather_object, recursively_apply
+
+    accelerator = trainer.accelerator
+    world = accelerator.num_processes
+
+    def first_copies(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0 or tensor.shape[0] % world:
+            return tensor
+        rows = tensor.shape[0] // world
+        return tensor.reshape(world // tp_size, tp_size, rows, *tensor.shape[1:])[:, 0].reshape(
+            -1, *tensor.shape[1:]
+        )
+
+    def gather(input_data: Any, use_gather_object: bool = False) -> Any:
+        if use_gather_object:
+            data = gather_object(input_data)
+            per_rank = len(data) // world
+            data = [x for i, x in enumerate(data) if (i // per_rank) % tp_size == 0]
+        else:
+            data = recursively_apply(first_copies, accelerator.gather(input_data))
+        state = accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            if use_gather_object:
+                return data[: state.remainder]
+            return recursively_apply(lambda t: t[: state.remainder], data)
+        return data
+
+    return functools.partial(gather, use_gather_object=trainer.args.eval_use_gather_object)
+
+
+def _consolidated_save(trainer: Trainer, original_save):
+    """``save_model`` (and the weights of every checkpoint): all ranks gather the full tensors, the main
+    process writes them with the Trainer's own ``_save`` (config, tokenizer, training arguments)."""
+
+    @functools.wraps(original_save)
+    def save(output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        full = consolidated_state_dict(trainer.model) if state_dict is None else state_dict
+        if trainer.args.should_save:
+            original_save(output_dir, state_dict=full)
+        dist.barrier()
+
+    return save
+
+
+def _save_sharded_state(trainer: Trainer, output_dir: str) -> None:
+    """Model + optimizer shards with torch.distributed.checkpoint (every rank), the scheduler from the main one."""
+    save_checkpoint(trainer.model, _unwrap_optimizer(trainer.optimizer), Path(output_dir) / STATE_DIR)
+    if trainer.args.should_save:
+        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+
+
+def _load_model_state(trainer: Trainer, checkpoint: str, model: nn.Module | None = None) -> None:
+    """Model weights from a checkpoint: its sharded state if it has one, else its consolidated weights."""
+    model = trainer.model if model is None else model
+    sharded = Path(checkpoint) / STATE_DIR
+    if sharded.is_dir():
+        load_checkpoint(model, None, sharded)
+    else:
+        load_consolidated(model, checkpoint)
+    logger.info("AutoParallelCallback: loaded model weights from %s", checkpoint)
+
+
+def _load_sharded_state(trainer: Trainer, checkpoint: str | None) -> None:
+    """Optimizer (with the model, as saved together) and scheduler state when resuming."""
+    if checkpoint is None:
+        return
+    sharded = Path(checkpoint) / STATE_DIR
+    scheduler = Path(checkpoint) / _SCHEDULER_NAME
+    if not sharded.is_dir():
+        logger.warning(
+            "AutoParallelCallback: %s has no %s (saved with save_only_model=True?): resuming with a fresh "
+            "optimizer and schedule",
+            checkpoint,
+            STATE_DIR,
+        )
+        return
+    load_checkpoint(trainer.model, _unwrap_optimizer(trainer.optimizer), sharded)
+    if scheduler.is_file():
+        trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def load_consolidated(model: nn.Module, directory: str | os.PathLike) -> None:
+    """Load a ``save_pretrained`` directory (safetensors, one file or an index) into a parallelised model: full
+    tensors are sliced to each parameter's placements (collective: call on every rank)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"{directory} has neither {STATE_DIR}/ (sharded state) nor model.safetensors; it is not a checkpoint "
+            "written by a Trainer with AutoParallelCallback"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(directory / name)))
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -1,0 +1,139 @@
+"""A transformers Trainer script with AutoParallelCallback (under torchrun), or its single-process reference.
+
+    torchrun --nproc_per_node 2 tests/multiproc/check_trainer.py --out D/run.json --output-dir D/run \\
+        --mesh 1x2 --save-steps 3 --export D/export --save-plan D/plan.json
+    torchrun --nproc_per_node 2 tests/multiproc/check_trainer.py --out D/resumed.json --output-dir D/run \\
+        --plan D/plan.json --resume D/run/checkpoint-3
+    python tests/multiproc/check_trainer.py --out D/ref.json --output-dir D/ref --per-device 4 \\
+        --eval-export D/export
+
+A seeded tiny model without dropout, a generated token dataset, fp32 on CPU (gloo), ``logging_steps=1``. Under
+torchrun the Trainer gets ``callbacks=[AutoParallelCallback(...)]``; without it (one process) it is the plain
+Trainer, whose per-device batch should then be the distributed run's global batch. Rank 0 writes to ``--out``:
+the loss of every step, the eval loss after training, the plan's mesh; ``--eval-export`` adds the eval loss of
+that directory loaded with ``from_pretrained`` in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import transformers
+from torch.utils.data import Dataset
+
+
+class TokenDataset(Dataset):
+    """Rows of one generated batch (token ids in [0, vocab), labels as the model's task wants them)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(next(iter(self.tensors.values())))
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.tensors.items()}
+
+
+def build(preset: str) -> torch.nn.Module:
+    from hf_colossal_auto.models import build_model, load_config
+
+    config = load_config(preset)
+    for name in ("dropout_rate", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob"):
+        if hasattr(config, name):
+            setattr(config, name, 0.0)  # exact comparisons: no dropout
+    torch.manual_seed(0)
+    return build_model(config, device="cpu")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--per-device", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
+    parser.add_argument("--mesh", default=None, help="dp x tp, e.g. 1x2; default: the planner searches")
+    parser.add_argument("--plan", default=None, help="a saved plan to apply")
+    parser.add_argument("--save-plan", default=None)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--export", default=None, help="trainer.save_model() here after training")
+    parser.add_argument(
+        "--eval-export", default=None, help="evaluate this save_model() output in one process"
+    )
+    parser.add_argument("--seq2seq", action="store_true", help="Seq2SeqTrainer")
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    distributed = "LOCAL_RANK" in os.environ
+    from hf_colossal_auto.integrations.trainer import AutoParallelCallback
+    from hf_colossal_auto.models import make_example_inputs
+
+    model = build(args.model)
+    train = TokenDataset(make_example_inputs(model, 64, args.seq, seed=1))
+    valid = TokenDataset(make_example_inputs(model, 8, args.seq, seed=2))
+    arg_cls, trainer_cls = (
+        (transformers.Seq2SeqTrainingArguments, transformers.Seq2SeqTrainer)
+        if args.seq2seq
+        else (transformers.TrainingArguments, transformers.Trainer)
+    )
+    training_args = arg_cls(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.per_device,
+        per_device_eval_batch_size=2,
+        max_steps=args.steps,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        logging_steps=1,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        ddp_timeout=120,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    callbacks = []
+    if distributed:
+        mesh = tuple(int(x) for x in args.mesh.split("x")) if args.mesh else None
+        callbacks.append(
+            AutoParallelCallback(mesh_shape=mesh, plan_path=args.plan, save_plan_path=args.save_plan)
+        )
+    trainer = trainer_cls(
+        model=model, args=training_args, train_dataset=train, eval_dataset=valid, callbacks=callbacks
+    )
+    trainer.train(resume_from_checkpoint=args.resume)
+    result = {
+        "losses": {str(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e},
+        "eval_loss": trainer.evaluate()["eval_loss"],
+    }
+    if distributed:
+        plan = model._hf_colossal_auto_plan
+        result["mesh"] = list(plan.mesh_shape)
+        result["sharded_params"] = sum(1 for p in plan.param_placements.values() if p[-1] != "R")
+    if args.export:
+        trainer.save_model(args.export)
+    if args.eval_export:
+        exported = type(model).from_pretrained(args.eval_export)
+        result["export_eval_loss"] = trainer_cls(
+            model=exported, args=training_args, eval_dataset=valid
+        ).evaluate()["eval_loss"]
+    if trainer.is_world_process_zero():
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    if distributed:
+        import torch.distributed as dist
+
+        del trainer, model
+        dist.barrier()
+        dist.destroy_process_group()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

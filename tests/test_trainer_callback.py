@@ -1,0 +1,309 @@
+"""AutoParallelCallback: a transformers Trainer trained, evaluated, checkpointed and exported under a plan.
+
+The multi-process tests run ``tests/multiproc/check_trainer.py`` on 2 gloo ranks and compare with the plain
+single-process Trainer on the same global batch; the others check the errors and helpers without processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments
+
+from hf_colossal_auto.integrations.trainer import (
+    AutoParallelCallback,
+    _gather_one_copy_per_tp_group,
+    _turn_off_trainer_recompute,
+    check_trainer_compatible,
+    example_global_batch,
+    load_consolidated,
+)
+from hf_colossal_auto.models import build_model, make_example_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "multiproc" / "check_trainer.py"
+
+
+class _Rows(Dataset):
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+def _token_rows(model, n: int, seq: int = 16, *, extra_text: bool = False) -> _Rows:
+    batch = make_example_inputs(model, n, seq, seed=1)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(n)]
+    if extra_text:
+        for i, row in enumerate(rows):
+            row["text"] = f"sample {i}"  # a column the model does not take: the Trainer drops it
+    return _Rows(rows)
+
+
+def _args(tmp_path: Path, **overrides) -> TrainingArguments:
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+    )
+    return TrainingArguments(**{**defaults, **overrides})
+
+
+# --- bad input, without processes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"mesh": (1, 2)}, TypeError, "unknown setting"),
+        ({"mesh_shape": (2,)}, ValueError, r"\(dp, tp\)"),
+        ({"mesh_shape": (0, 2)}, ValueError, r"\(dp, tp\)"),
+        ({"memory_budget": 1.5}, TypeError, "memory_budget"),
+        ({"device": 3}, TypeError, "device kind"),
+        ({"time_limit_s": 0}, ValueError, "time_limit_s"),
+        ({"plan_path": "/nonexistent/plan.json"}, FileNotFoundError, "plan_path"),
+    ],
+)
+def test_bad_settings_fail_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AutoParallelCallback(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "match"),
+    [
+        ("fsdp", "full_shard", "fsdp="),
+        ("deepspeed", {"zero_optimization": {"stage": 2}}, "deepspeed="),
+        ("parallelism_config", object(), "parallelism_config="),
+        ("auto_find_batch_size", True, "auto_find_batch_size"),
+    ],
+)
+def test_conflicting_trainer_settings_are_refused(tiny_model, tmp_path, setting, value, match):
+    """Another parallelism (or a setting the plan cannot follow) in the Trainer's arguments: a clear error that
+    names the setting, before any training."""
+    model = tiny_model("tiny-llama")
+    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=_token_rows(model, 4))
+    object.__setattr__(trainer.args, setting, value)
+    with pytest.raises(ValueError, match=match) as info:
+        check_trainer_compatible(trainer)
+    assert "remove the callback" in str(info.value)
+
+
+def test_callback_in_the_trainer_constructor_checks_the_trainer(tiny_model, tmp_path):
+    """The one-line usage reaches the Trainer from the callback's on_init_end: model_init is refused there."""
+    model = tiny_model("tiny-llama")
+    with pytest.raises(ValueError, match="model_init"):
+        Trainer(
+            model_init=lambda: tiny_model("tiny-llama"),
+            args=_args(tmp_path),
+            train_dataset=_token_rows(model, 4),
+            callbacks=[AutoParallelCallback()],
+        )
+
+
+def test_single_process_trains_as_usual_with_a_warning(tiny_model, tmp_path, caplog):
+    model = tiny_model("tiny-llama")
+    with caplog.at_level(logging.WARNING, logger="hf_colossal_auto.integrations.trainer"):
+        trainer = Trainer(
+            model=model,
+            args=_args(tmp_path, max_steps=2),
+            train_dataset=_token_rows(model, 8),
+            callbacks=[AutoParallelCallback()],
+        )
+    assert "nothing to parallelise" in caplog.text
+    assert trainer.train().global_step == 2
+    assert not hasattr(model, "_hf_colossal_auto_plan")
+
+
+def test_trainer_recompute_is_turned_off_in_favour_of_the_plan(tmp_path, caplog):
+    args = _args(tmp_path, gradient_checkpointing=True)
+    assert args.activation_checkpointing
+    with caplog.at_level(logging.WARNING, logger="hf_colossal_auto.integrations.trainer"):
+        _turn_off_trainer_recompute(args)
+    assert not args.activation_checkpointing and not args.gradient_checkpointing
+    assert "plan decides" in caplog.text
+
+
+# --- helpers, without processes -----------------------------------------------------------------------------
+
+
+def test_example_global_batch_is_collated_like_the_trainer_and_keeps_rng(tiny_model, tmp_path):
+    """The planning batch: n samples through the Trainer's collator with unused columns removed; the run's
+    random streams are not advanced by building it."""
+    model = tiny_model("tiny-llama")
+    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=_token_rows(model, 6, extra_text=True))
+    torch.manual_seed(3)
+    expected_next = torch.rand(1)
+    torch.manual_seed(3)
+    from hf_colossal_auto.integrations.trainer import _preserved_rng
+
+    with _preserved_rng():
+        batch = example_global_batch(trainer, 8)  # more than the dataset holds: it wraps around
+        torch.rand(5)
+    assert torch.equal(torch.rand(1), expected_next)
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert batch["input_ids"].shape == (8, 16)
+    assert torch.equal(batch["input_ids"][6], batch["input_ids"][0])
+
+
+def test_example_global_batch_needs_a_dataset(tiny_model, tmp_path):
+    model = tiny_model("tiny-llama")
+    trainer = Trainer(model=model, args=_args(tmp_path))
+    with pytest.raises(ValueError, match="train_dataset"):
+        example_global_batch(trainer, 4)
+
+
+def test_evaluation_gather_keeps_one_copy_per_tensor_parallel_group():
+    """4 ranks, tp=2: ranks 0/1 and 2/3 evaluated the same rows; the gather keeps ranks 0 and 2, then drops
+    the last batch's padding as accelerate does (its remainder counts data-parallel groups)."""
+    state = SimpleNamespace(end_of_dataloader=False, remainder=-1)
+    accelerator = SimpleNamespace(num_processes=4, gather=lambda t: t, gradient_state=state)
+    trainer = SimpleNamespace(accelerator=accelerator, args=SimpleNamespace(eval_use_gather_object=False))
+    gather = _gather_one_copy_per_tp_group(trainer, tp_size=2)
+    gathered = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [3, 1]])  # [rank, row]
+    kept = gather({"x": gathered})["x"]
+    assert kept[:, 0].tolist() == [0, 0, 2, 2] and kept[:, 1].tolist() == [0, 1, 0, 1]
+    state.end_of_dataloader, state.remainder = True, 3
+    assert gather(gathered)[:, 0].tolist() == [0, 0, 2]
+
+
+def test_consolidated_weights_load_into_a_parallelised_model(tmp_path):
+    """A save_pretrained directory (what save_model writes) loads into a model sharded by a plan: each rank
+    gets its slice of the full tensors (two ranks simulated in one process)."""
+    from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
+    from hf_colossal_auto.apply import apply_plan, build_mesh
+    from hf_colossal_auto.solve.planner import evaluate_plan
+
+    torch.manual_seed(1)
+    source = build_model("tiny-llama", device="cpu")
+    source.save_pretrained(tmp_path / "export")
+    torch.manual_seed(0)
+    model = build_model("tiny-llama", device="cpu")
+    batch = make_example_inputs(model, 4, 16)
+    plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    fake_process_group(2)
+    try:
+        with local_tensor_mode(2):
+            apply_plan(model, plan, build_mesh(plan, "cpu"))
+            load_consolidated(model, tmp_path / "export")
+            loaded = {n: p.full_tensor() for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    assert any(p[-1] != "R" for p in plan.param_placements.values())
+    for name, value in source.named_parameters():
+        torch.testing.assert_close(loaded[name], value.detach(), msg=name)
+    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+        load_consolidated(model, tmp_path)
+
+
+# --- 2 gloo processes ---------------------------------------------------------------------------------------
+
+
+def _run(*args: str, nproc: int | None = 2) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_COLOSSAL_AUTO_NO_CALIBRATE": "1"}
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc
+        else [sys.executable]
+    )
+    proc = subprocess.run(
+        [*launcher, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def _result(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_trainer_tracks_single_process_resumes_and_exports(tmp_path):
+    """tiny Llama, Megatron placements on a 1 x 2 mesh (both ranks read the same batches), per-device batch 2:
+    the first six losses equal the plain single-process Trainer's with batch 4; a fresh job resumed from
+    checkpoint-3 continues with the same losses; save_model's output loads with from_pretrained in one process
+    and gives the distributed run's eval loss."""
+    from hf_colossal_auto.solve.planner import evaluate_plan
+
+    torch.manual_seed(0)
+    model = build_model("tiny-llama", device="cpu")
+    batch = make_example_inputs(model, 4, 16)
+    plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+    plan.save(tmp_path / "plan.json")
+    six_steps = ["--model", "tiny-llama", "--steps", "6"]
+    planned = [*six_steps, "--plan", str(tmp_path / "plan.json")]
+    run, resumed, ref = (tmp_path / name for name in ("run", "resumed", "ref"))
+    _run(
+        *planned,
+        "--out",
+        f"{run}.json",
+        "--output-dir",
+        str(run),
+        "--save-steps",
+        "3",
+        "--export",
+        f"{run}-export",
+    )
+    _run(
+        *planned, "--out", f"{resumed}.json", "--output-dir", str(resumed), "--resume", f"{run}/checkpoint-3"
+    )
+    reference = [*six_steps, "--per-device", "4", "--out", f"{ref}.json", "--output-dir", str(ref)]
+    _run(*reference, "--eval-export", f"{run}-export", nproc=None)
+
+    got, want = _result(tmp_path / "run.json"), _result(tmp_path / "ref.json")
+    assert got["mesh"] == [1, 2] and got["sharded_params"] > 0
+    assert sorted(got["losses"], key=int) == [str(s) for s in range(1, 7)]
+    for step, loss in want["losses"].items():
+        assert got["losses"][step] == pytest.approx(loss, abs=1e-5), step
+    assert want["losses"]["6"] < want["losses"]["1"]
+    assert (run / "checkpoint-3" / "hf_colossal_auto_state").is_dir()
+    continued = _result(tmp_path / "resumed.json")["losses"]
+    for step in ("4", "5", "6"):
+        assert continued[step] == pytest.approx(got["losses"][step], abs=1e-6), step
+    assert want["export_eval_loss"] == pytest.approx(got["eval_loss"], abs=1e-5)
+    assert want["eval_loss"] == pytest.approx(got["eval_loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_seq2seq_trainer_plans_from_the_dataset(tmp_path):
+    """Seq2SeqTrainer with tiny T5: rank 0 plans from a batch of the training set (mesh 1 x 2 asked), the plan
+    is broadcast and applied, and three steps' losses and the eval loss equal the single-process Trainer's."""
+    common = ["--model", "tiny-t5", "--seq2seq", "--steps", "3"]
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    _run(
+        *common,
+        "--mesh",
+        "1x2",
+        "--out",
+        f"{run}.json",
+        "--output-dir",
+        str(run),
+        "--save-plan",
+        f"{run}-plan.json",
+    )
+    _run(*common, "--per-device", "4", "--out", f"{ref}.json", "--output-dir", str(ref), nproc=None)
+    got, want = _result(tmp_path / "run.json"), _result(tmp_path / "ref.json")
+    assert got["mesh"] == [1, 2]
+    assert _result(tmp_path / "run-plan.json")["mesh_shape"] == [1, 2]
+    for step, loss in want["losses"].items():
+        assert got["losses"][step] == pytest.approx(loss, abs=1e-5), step
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-5)
