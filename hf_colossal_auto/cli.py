@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_devices)
     p = sub.add_parser("presets", help="list the model presets")
     p.set_defaults(func=cmd_presets)
+    from .integrations.launch import add_launch_parser
+
+    add_launch_parser(sub)
     p = sub.add_parser("demo", help="the `make demo` job")
     p.set_defaults(func=cmd_demo)
     return parser
