@@ -48,6 +48,19 @@ def split_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return data, ours
 
 
+def _local_gpus(config: str | Path) -> int:
+    """``num_processes: -1`` (or none) in a MULTI_GPU config means every GPU of this machine."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count < 1:
+        raise ValueError(
+            f"--config {config}: num_processes -1 means all local GPUs, and this machine has none; set "
+            "num_processes (and use_cpu: true for CPU processes, see recipes/auto_cpu.yaml)"
+        )
+    return count
+
+
 def prepare_launch(
     config: str | Path, script: str, script_args: list[str], workdir: str | Path
 ) -> tuple[list[str], dict[str, str]]:
@@ -57,6 +70,11 @@ def prepare_launch(
     from .plugin import CONFIG_ENV, AutoParallelPlugin, PluginConfigError
 
     accelerate_cfg, ours = split_config(config)
+    if (
+        accelerate_cfg.get("distributed_type") == "MULTI_GPU"
+        and accelerate_cfg.get("num_processes", -1) == -1
+    ):
+        accelerate_cfg["num_processes"] = _local_gpus(config)
     workdir = Path(workdir)
     accelerate_path, ours_path = workdir / "accelerate.yaml", workdir / "auto_parallel.yaml"
     accelerate_path.write_text(yaml.safe_dump(accelerate_cfg))
