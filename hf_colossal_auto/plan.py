@@ -32,6 +32,8 @@ class BlockCost:
     """Activation bytes this unit keeps for backward, per device."""
     placements: dict[str, str] = field(default_factory=dict)
     """Parameter FQN (inside the unit) -> tensor-parallel placement, for the summary."""
+    recompute: str = "none"
+    """The unit's activation-recompute option ("none", "full", "selective:<op classes>")."""
 
 
 @dataclass
@@ -64,11 +66,19 @@ class Plan:
     collectives: dict[str, float] = field(default_factory=dict)
     """Predicted collectives per step, by kind (e.g. {"all_reduce": 98}), for the fidelity check."""
     recompute: dict[str, str] = field(default_factory=dict)
-    """Module FQN -> recompute option ("none", "full", "selective:<k>")."""
+    """Block FQN -> activation-recompute option: "none", "full" (checkpoint the block) or
+    "selective:<op classes>" (recompute those classes, keep the other ops' outputs; see
+    :mod:`hf_colossal_auto.capture.op_classes`). Blocks not listed are not recomputed."""
     solver: dict[str, Any] = field(default_factory=dict)
     """status, gap, solve time, solver name, problem size."""
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     """Other meshes/modes tried: mesh, dp_mode, step_time_s, peak_memory_bytes, fits."""
+    param_use_placements: dict[str, list[str]] = field(default_factory=dict)
+    """``<module FQN>.<attr>`` -> placement per mesh axis a parameter is redistributed to where that module
+    uses it, when it differs from its storage placement (e.g. a sharded weight gathered for use)."""
+    collective_bytes: dict[str, float] = field(default_factory=dict)
+    """Predicted bytes per step by collective kind (the tensor each collective is given), for the fidelity
+    check; same keys as ``collectives``."""
     format_version: int = PLAN_FORMAT_VERSION
 
     # ------------------------------------------------------------------ serialisation
@@ -121,7 +131,7 @@ class Plan:
 
     def summary(self, max_rows: int | None = 24) -> str:
         """Per-block table (placements, memory, time) and the predicted totals."""
-        header = ("block", "tensor-parallel placements", "act. mem", "compute", "comm")
+        header = ("block", "tensor-parallel placements", "recompute", "act. mem", "compute", "comm")
         rows = []
         for b in self.blocks:
             shown = _compact_placements(b.placements)
@@ -129,6 +139,7 @@ class Plan:
                 (
                     b.name or "(model)",
                     shown,
+                    b.recompute.removeprefix("selective:"),
                     format_bytes(b.memory_bytes),
                     format_seconds(b.compute_s),
                     format_seconds(b.communication_s),
@@ -137,9 +148,9 @@ class Plan:
         rows = _collapse_repeats(rows)
         if max_rows is not None and len(rows) > max_rows:
             keep = max_rows // 2
-            rows = [*rows[:keep], (f"... {len(rows) - max_rows} more rows", "", "", "", ""), *rows[-keep:]]
+            rows = [*rows[:keep], (f"... {len(rows) - max_rows} more rows", "", "", "", "", ""), *rows[-keep:]]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        aligns = ["<", "<", *[">"] * (len(widths) - 2)]
+        aligns = ["<", "<", "<", *[">"] * (len(widths) - 3)]
         fmt = "  ".join(f"{{:{a}{w}}}" for a, w in zip(aligns, widths, strict=True))
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_axis_names, self.mesh_shape, strict=True))
         lines = [

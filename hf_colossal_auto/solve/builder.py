@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..capture.graph import OpNode, Phase, StepGraph, ValueKind
 from ..hardware.catalog import DeviceSpec
 from ..hardware.roofline import op_time
-from ..profile.memory import unroll
+from ..profile.memory import UnrolledStep, unroll
 from ..profile.profiler import node_dtype, node_times
 from ..strategies.placements import Strategy, is_shard
 from .cost_model import (
@@ -46,7 +47,8 @@ from .cost_model import (
     shard_factor,
     splits_work,
 )
-from .problem import DecisionEdge, DecisionNode, MemoryConstraint, Problem
+from .problem import ConditionalCost, DecisionEdge, DecisionNode, MemoryConstraint, Problem
+from .recompute import RecomputeOption, RecomputeUnit, find_units, unit_options
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +118,10 @@ class BuiltProblem:
     """ILP node name -> module FQN it belongs to (for per-block costs)."""
     act_constant: float = 0.0
     """Bytes of the activation-peak constraint that no choice changes (transient, batch, buffers)."""
+    recompute_units: dict[str, RecomputeUnit] = field(default_factory=dict)
+    """ILP node name of a recompute decision (``rc:<unit>``) -> the blocks it decides for."""
+    recompute_options: dict[str, list[RecomputeOption]] = field(default_factory=dict)
+    """ILP node name of a recompute decision -> its options, in the node's strategy order."""
 
 
 def _node_name(i: int) -> str:
@@ -124,6 +130,10 @@ def _node_name(i: int) -> str:
 
 def _param_node_name(fqn: str) -> str:
     return f"p:{fqn}"
+
+
+def _recompute_node_name(unit: str) -> str:
+    return f"rc:{unit}"
 
 
 def value_readers(graph: StepGraph, tied: TiedGraph) -> dict[int, int]:
@@ -190,16 +200,32 @@ def build_problem(
     budget: float,
     fixed_params: dict[str, str] | None = None,
     pin_unlisted: bool = False,
+    recompute_layers: Sequence[str] | None = None,
+    recompute_pin: str | Mapping[str, str] | None = None,
 ) -> BuiltProblem:
     """The ILP for one mesh ``(dp, tp)`` and data-parallel mode.
 
     ``fixed_params`` pins parameter placements (canonical FQN -> tensor-parallel placement) for baselines and
     user plans; with ``pin_unlisted`` every parameter it does not name is pinned replicated.
+    ``recompute_layers`` (the model's ``ModuleList`` children) makes activation recompute a decision per
+    block (:mod:`hf_colossal_auto.solve.recompute`); None leaves it out. ``recompute_pin`` fixes it: one
+    option name for every unit ("none", "full"), or unit name -> option name.
     """
     dp, tp = mesh_shape
     axis = 0  # strategies are enumerated on the 1-D tensor-parallel mesh
     tied = TiedGraph.build(graph)
     ratios = _backward_ratios(graph, spec)
+    units = find_units(graph, tied.canonical, recompute_layers) if recompute_layers is not None else []
+    unit_index_of = {c: u for u, unit in enumerate(units) for c in unit.nodes}
+    fwd_into: dict[tuple[str, str], list[list[float]]] = {}
+    """(source node, recomputable consumer) -> the forward resharding a recompute of the consumer repeats."""
+
+    def add_forward(src: str, dst: str, matrix: list[list[float]]) -> None:
+        acc = fwd_into.setdefault((src, dst), [[0.0] * len(matrix[0]) for _ in matrix])
+        for a, row in zip(acc, matrix, strict=True):
+            for j, v in enumerate(row):
+                a[j] += v
+
     producer: dict[int, tuple[int, int]] = {}
     for n in graph.nodes:
         if n.phase is Phase.FORWARD:
@@ -319,6 +345,12 @@ def build_problem(
                     for o in param_options[pname]
                 ]
                 add_edge(pname, _node_name(v_c), matrix)
+                if v_c in unit_index_of:
+                    forward = [
+                        [w * _forward_time(o, s, k, value.nbytes, axis, tp_comm) for s in v_strats]
+                        for o in param_options[pname]
+                    ]
+                    add_forward(pname, _node_name(v_c), forward)
                 continue
             src = producer.get(vid)
             if src is None:
@@ -347,44 +379,121 @@ def build_problem(
             if u_c == v_c:
                 continue
             add_edge(_node_name(u_c), _node_name(v_c), matrix)
+            if v_c in unit_index_of:
+                forward = [
+                    [
+                        w * _forward_time(us.output_placements[pos][axis], s, k, value.nbytes, axis, tp_comm)
+                        for s in v_strats
+                    ]
+                    for us in u_strats
+                ]
+                add_forward(_node_name(u_c), _node_name(v_c), forward)
+
+    # ---------------------------------------------------------------- recompute decisions
+    step = unroll(graph)
+    moments = [_backward_start(graph, step, unit) for unit in units]
+    peak_snapshot, unit_snapshots = _liveness(graph, step, moments)
+    weighted_saved = _weighted(tied, peak_snapshot.by_node)
+    out_bytes = {c: float(sum(graph.values[v].nbytes for v in graph.nodes[c].outputs)) for c in canon_nodes}
+    unit_options_of: list[list[RecomputeOption]] = []
+    conditional: list[ConditionalCost] = []
+    rc_names: list[str] = []
+    for unit in units:
+        forward_s = {
+            c: _local_node_time(graph, graph.nodes[c], _replicated(graph.nodes[c]), axis, 1, spec)
+            for c in unit.nodes
+        }
+        options = unit_options(graph, unit, weighted_saved, forward_s)
+        unit_options_of.append(options)
+        rc = _recompute_node_name(unit.name)
+        rc_names.append(rc)
+        nodes.append(DecisionNode(rc, [0.0] * len(options), [o.name for o in options], multiplicity=1))
+        block_of[rc] = unit.name
+        for c in unit.nodes:
+            name = _node_name(c)
+            node = graph.nodes[c]
+            local = [_local_node_time(graph, node, st, axis, tp, spec) for st in strat_of[name]]
+            matrix = [
+                [t * tied.multiplicity[c] if o.recomputes(node) else 0.0 for t in local] for o in options
+            ]
+            edge_cost[(rc, name)] = matrix
+        if recompute_pin is not None:
+            want = recompute_pin if isinstance(recompute_pin, str) else recompute_pin.get(unit.name, "none")
+            names = [o.name for o in options]
+            if want not in names:
+                raise ValueError(
+                    f"recompute option {want!r} for {unit.name} is not one of its options {names}"
+                )
+            fixed[rc] = names.index(want)
+    for (src, dst), matrix in sorted(fwd_into.items()):
+        c = node_of_name[dst]
+        u = unit_index_of[c]
+        when = tuple(k for k, o in enumerate(unit_options_of[u]) if o.recomputes(graph.nodes[c]))
+        if when and any(any(row) for row in matrix):
+            conditional.append(ConditionalCost(src, dst, rc_names[u], when, matrix))
 
     edges = [DecisionEdge(s, d, m) for (s, d), m in sorted(edge_cost.items())]
 
     # ---------------------------------------------------------------- memory
-    static_by_kind, alive_at_peak = _activation_peak(graph)
-    act_terms: dict[str, list[float]] = {}
-    saved_total = 0.0
-    weighted_saved: dict[int, float] = defaultdict(float)
-    for i, c in tied.canonical.items():
-        # what every copy allocated in forward and still holds at the peak (already summed over the blocks a
-        # replayed copy stands for) lands on the canonical node
-        weighted_saved[c] += alive_at_peak.get(i, 0)
-    for c in canon_nodes:
-        name = _node_name(c)
-        weighted = weighted_saved.get(c, 0.0)
-        if not weighted:
-            continue
-        saved_total += weighted
-        per_real = weighted / tied.multiplicity[c]  # the constraint multiplies by the node's multiplicity
-        act_terms[name] = [
-            per_real / shard_factor(s.output_placements[0][axis] if s.output_placements else None, tp)
-            for s in strat_of[name]
-        ]
+    def out_shard(st: Strategy) -> float:
+        return shard_factor(st.output_placements[0][axis] if st.output_placements else None, tp)
+
+    def kept(option: RecomputeOption, c: int, alive: float) -> float:
+        """Bytes of node ``c`` (all the real blocks it stands for) kept for backward under ``option``."""
+        if option.is_none:
+            return alive
+        escaping = c in units[unit_index_of[c]].escaping
+        cached = out_bytes[c] * tied.multiplicity[c] if option.caches(graph.nodes[c]) else 0.0
+        return max(cached, alive) if escaping else cached
+
+    def rematerialised(option: RecomputeOption, c: int, alive: float) -> float:
+        """Bytes node ``c`` holds again for one block while that block's backward recomputes it."""
+        node = graph.nodes[c]
+        if option.is_none or c in units[unit_index_of[c]].escaping or not option.recomputes(node):
+            return 0.0
+        return alive / tied.multiplicity[c]
+
     param_total = sum(graph.param_bytes.values())
-    grads_at_peak = static_by_kind.get("grad", 0)
-    grad_frac = grads_at_peak / param_total if param_total else 0.0
-    act_at_peak = static_by_kind.get("activation", 0)
-    transient = max(0.0, act_at_peak - saved_total)
-    constant_other = static_by_kind.get("input", 0) + static_by_kind.get("buffer", 0)
+    constant_other = peak_snapshot.by_kind.get("input", 0) + peak_snapshot.by_kind.get("buffer", 0)
+
+    def constraint_at(name: str, snapshot: _Snapshot, current: int | None) -> tuple[MemoryConstraint, float]:
+        """Per-device bytes at one moment of the step: what forward nodes still hold (kept per the recompute
+        choice; at the start of unit ``current``'s backward, also its recomputed block), parameters, gradients
+        alive then, and the moment's other transients."""
+        saved = _weighted(tied, snapshot.by_node)
+        transient = max(0.0, snapshot.by_kind.get("activation", 0) - sum(saved.values()))
+        terms: dict[str, list[float]] = {}
+        edge_terms: dict[tuple[str, str], list[list[float]]] = {}
+        for c in canon_nodes:
+            name_c = _node_name(c)
+            strats = strat_of[name_c]
+            alive = saved.get(c, 0.0)
+            u = unit_index_of.get(c)
+            if u is None:
+                if alive:
+                    terms[name_c] = [alive / tied.multiplicity[c] / out_shard(st) for st in strats]
+                continue
+            if current is not None and u > current:
+                continue  # that unit's backward is over: nothing of it is held any more
+            matrix = [
+                [
+                    (kept(o, c, alive) + (rematerialised(o, c, alive) if u == current else 0.0))
+                    / out_shard(st)
+                    for st in strats
+                ]
+                for o in unit_options_of[u]
+            ]
+            if any(any(row) for row in matrix):
+                edge_terms[(rc_names[u], name_c)] = matrix
+        grad_frac = snapshot.by_kind.get("grad", 0) / param_total if param_total else 0.0
+        for pname, mterms in param_mem_terms.items():
+            terms[pname] = [m + grad_frac * g for m, g in zip(mterms, grad_terms[pname], strict=True)]
+        constant = constant_other + transient
+        return MemoryConstraint(name, budget, constant, terms, edge_terms, apply_multiplicity=True), constant
+
     constraints: list[MemoryConstraint] = []
-    peak_terms: dict[str, list[float]] = dict(act_terms)
-    for pname, terms in param_mem_terms.items():
-        peak_terms[pname] = [m + grad_frac * g for m, g in zip(terms, grad_terms[pname], strict=True)]
-    constraints.append(
-        MemoryConstraint(
-            "activation-peak", budget, constant_other + transient, peak_terms, apply_multiplicity=True
-        )
-    )
+    peak_constraint, act_constant = constraint_at("activation-peak", peak_snapshot, None)
+    constraints.append(peak_constraint)
     opt_terms = {
         p: [m + g + t for m, g, t in zip(param_mem_terms[p], grad_terms[p], opt_temp_terms[p], strict=True)]
         for p in param_mem_terms
@@ -392,6 +501,8 @@ def build_problem(
     constraints.append(
         MemoryConstraint("optimizer-step", budget, constant_other, opt_terms, apply_multiplicity=True)
     )
+    for u, (unit, snapshot) in enumerate(zip(units, unit_snapshots, strict=True)):
+        constraints.append(constraint_at(f"recompute:{unit.name}", snapshot, u)[0])
 
     problem = Problem(
         nodes=nodes,
@@ -399,6 +510,7 @@ def build_problem(
         memory_constraints=constraints,
         name=f"mesh{mesh_shape}-{dp_mode}",
         fixed=fixed,
+        conditional_costs=conditional,
     )
     return BuiltProblem(
         problem=problem,
@@ -407,7 +519,9 @@ def build_problem(
         param_of_node=param_of_node,
         node_of_name=node_of_name,
         block_of=block_of,
-        act_constant=constant_other + transient,
+        act_constant=act_constant,
+        recompute_units={rc: unit for rc, unit in zip(rc_names, units, strict=True)},
+        recompute_options={rc: opts for rc, opts in zip(rc_names, unit_options_of, strict=True)},
     )
 
 
@@ -451,6 +565,15 @@ def _edge_time(*args, **kwargs) -> float:
     return sum(t for t, _, _ in edge_reshardings(*args, **kwargs))
 
 
+def _forward_time(
+    src_place: str, consumer: Strategy, k: int, nbytes: float, axis: int, comm: AxisComm
+) -> float:
+    """Seconds of the forward resharding of one use (what rerunning the consumer repeats)."""
+    spec = consumer.input_placements[k] if k < len(consumer.input_placements) else None
+    dst = spec[axis] if spec is not None else src_place
+    return redistribute(src_place, dst, nbytes, comm)[0]
+
+
 def _replicated(node: OpNode) -> Strategy:
     return Strategy(
         tuple(("R",) for _ in node.inputs), tuple(("R",) for _ in node.outputs), "replicate-fallback"
@@ -463,16 +586,32 @@ def _label(s: Strategy, axis: int) -> str:
     return f"({ins})->({outs})"
 
 
-def _activation_peak(graph: StepGraph) -> tuple[dict[str, int], dict[int, int]]:
-    """At the highest point of forward+backward (the optimizer step is priced apart): live bytes by kind, and
-    the bytes still alive that each forward node allocated (summed over the blocks it stands for)."""
-    step = unroll(graph)
+@dataclass
+class _Snapshot:
+    """Live bytes at one moment: by storage kind, and by the forward node that allocated them (summed over
+    the blocks a replayed copy stands for)."""
+
+    by_kind: dict[str, int]
+    by_node: dict[int, int]
+
+
+def _liveness(graph: StepGraph, step: UnrolledStep, moments: list[int]) -> tuple[_Snapshot, list[_Snapshot]]:
+    """The highest point of forward + backward (the optimizer step is priced apart) and the state just before
+    each position in ``moments`` (positions in ``step.order``)."""
     alloc_node = {e.storage_id: e.slot for e in graph.memory_events if e.delta > 0}
     live: dict[ValueKind, int] = defaultdict(int, step.initial_by_kind)
     by_node: dict[int, int] = defaultdict(int)
-    best_total, best, best_nodes = sum(live.values()), dict(live), {}
+
+    def snap() -> _Snapshot:
+        return _Snapshot({k.value: v for k, v in live.items()}, {n: b for n, b in by_node.items() if b > 0})
+
+    wanted = sorted(set(moments))
+    taken: dict[int, _Snapshot] = {}
+    best_total, best = sum(live.values()), snap()
     total = best_total
     for (pos, delta, kind), sid in zip(step.events, step.event_storages, strict=True):
+        while wanted and pos >= wanted[0]:
+            taken[wanted.pop(0)] = snap()
         if pos >= 0 and graph.nodes[step.order[pos]].phase is Phase.OPTIMIZER:
             break
         total += delta
@@ -481,8 +620,33 @@ def _activation_peak(graph: StepGraph) -> tuple[dict[str, int], dict[int, int]]:
         if node is not None and graph.nodes[node].phase is Phase.FORWARD:
             by_node[node] += delta
         if total > best_total:
-            best_total, best, best_nodes = total, dict(live), dict(by_node)
-    return {k.value: v for k, v in best.items()}, {n: b for n, b in best_nodes.items() if b > 0}
+            best_total, best = total, snap()
+    for moment in wanted:
+        taken[moment] = snap()
+    return best, [taken[m] for m in moments]
+
+
+def _weighted(tied: TiedGraph, by_node: dict[int, int]) -> dict[int, float]:
+    """Bytes per canonical node: every copy's allocations land on the node that decides for it."""
+    out: dict[int, float] = defaultdict(float)
+    for i, c in tied.canonical.items():
+        out[c] += by_node.get(i, 0)
+    return out
+
+
+def _backward_start(graph: StepGraph, step: UnrolledStep, unit: RecomputeUnit) -> int:
+    """Position (in ``step.order``) of the first backward op of the unit's block that goes backward first."""
+    block = unit.last_block
+    for pos, i in enumerate(step.order):
+        node = graph.nodes[i]
+        if node.phase is not Phase.BACKWARD:
+            continue
+        label = step.block_of[pos]
+        if label == block or (
+            label is None and (node.module == block or node.module.startswith(block + "."))
+        ):
+            return pos
+    return len(step.order)
 
 
 def _optimizer_time(graph: StepGraph, spec: DeviceSpec) -> float:

@@ -1,0 +1,111 @@
+"""Run the plan's activation recompute: per block, nothing, a full checkpoint, or a selective one.
+
+``full`` wraps the block's forward in non-reentrant ``torch.utils.checkpoint`` (only the block's inputs are
+kept; its forward reruns in backward). ``selective:<classes>`` adds a selective-checkpoint context whose
+policy keeps the outputs of every op *not* in the listed classes and recomputes the rest — decided op by op
+with :func:`hf_colossal_auto.capture.op_classes.op_class`, the same function the planner priced the option
+with. Both work on DTensor-sharded blocks (the policy sees DTensor-level aten ops, as the planner's trace
+did) and under FSDP2 (its pre-backward hook unshards the parameters before the block is recomputed).
+
+HF's own switch (``model.gradient_checkpointing_enable()``, the Trainer's ``gradient_checkpointing=True``)
+would checkpoint every layer a second time, on top of the plan, at the price the planner avoided. The plan
+wins: a plan that decides recompute turns HF's switch off and makes later calls to it warn and do nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..capture.op_classes import op_class
+from ..plan import Plan
+from ..solve.recompute import RecomputeOption, parse_option
+
+logger = logging.getLogger(__name__)
+
+
+def selective_policy(option: RecomputeOption):
+    """The selective-checkpoint policy of ``option``: keep what the option keeps, recompute the rest."""
+    recomputed = option.recomputed
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op_class(str(func)) in recomputed:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
+
+
+def checkpoint_module(module: nn.Module, option: RecomputeOption) -> None:
+    """Make ``module``'s forward recompute per ``option`` in backward (in place; idempotent per module)."""
+    if option.is_none or getattr(module, "_hf_colossal_auto_recompute", None) is not None:
+        return
+    inner = module.forward
+    if option.is_full:
+        context_fn = None
+    else:
+        policy = selective_policy(option)
+
+        def context_fn():
+            return create_selective_checkpoint_contexts(policy)
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+    module.forward = forward
+    module._hf_colossal_auto_recompute = option.name
+
+
+def apply_recompute(model: nn.Module, plan: Plan) -> dict[str, str]:
+    """Apply ``plan.recompute`` to ``model``; returns block FQN -> option applied (``none`` left out)."""
+    if not plan.recompute:
+        return {}
+    modules = dict(model.named_modules())
+    applied: dict[str, str] = {}
+    for fqn, text in sorted(plan.recompute.items()):
+        option = parse_option(text)
+        if option.is_none:
+            continue
+        module = modules.get(fqn)
+        if module is None:
+            logger.warning(
+                "plan recomputes %s but %s has no such module; it runs without", fqn, type(model).__name__
+            )
+            continue
+        checkpoint_module(module, option)
+        applied[fqn] = option.name
+    _plan_wins_over_hf_checkpointing(model)
+    if applied:
+        kinds = sorted(set(applied.values()))
+        logger.info("activation recompute on %d blocks (%s)", len(applied), ", ".join(kinds))
+    return applied
+
+
+def _plan_wins_over_hf_checkpointing(model: nn.Module) -> None:
+    if getattr(model, "is_gradient_checkpointing", False) and hasattr(
+        model, "gradient_checkpointing_disable"
+    ):
+        logger.warning(
+            "%s had HF gradient checkpointing enabled; the plan decides activation recompute per block, so it "
+            "is turned off (it would recompute every layer again on top of the plan)",
+            type(model).__name__,
+        )
+        model.gradient_checkpointing_disable()
+    if hasattr(model, "gradient_checkpointing_enable"):
+
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            logger.warning(
+                "gradient_checkpointing_enable() ignored: this model runs a plan that decides activation "
+                "recompute per block (hf_colossal_auto); re-plan with recompute='full' to checkpoint every block"
+            )
+
+        model.gradient_checkpointing_enable = refuse

@@ -1,0 +1,140 @@
+"""Activation-recompute options per block, for the joint sharding + recompute ILP.
+
+A *unit* is what one recompute decision covers: a run of identical transformer blocks (tied, like their
+sharding: one decision for all of them) or a single block of a ``ModuleList`` that was not folded. Its
+options, cheapest in time first:
+
+* ``none``: every output autograd saves stays alive until backward;
+* ``selective:<classes>``: the outputs of the other op classes are kept (a selective-checkpoint policy caches
+  them whether or not autograd needs them) and the listed classes are recomputed in backward
+  (:mod:`hf_colossal_auto.capture.op_classes`). Levels add classes in order of bytes freed per second of
+  recompute, the greedy order of a knapsack over classes (torch's SAC estimator ranks ops the same way);
+* ``full``: the block is checkpointed; only what leaves the block is kept and its whole forward reruns.
+
+Under any option a recomputed op's forward time is paid again, and so are the collectives that feed it
+(DTensor redistributes its inputs again when it reruns): the builder prices them as conditional costs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..capture.graph import OpNode, Phase, StepGraph
+from ..capture.op_classes import ATTENTION, CLASSES, MATMUL, POINTWISE, op_class
+
+
+@dataclass(frozen=True)
+class RecomputeOption:
+    """One way to run a unit: which op classes it recomputes in backward."""
+
+    name: str
+    recomputed: frozenset[str]
+
+    @property
+    def is_none(self) -> bool:
+        return not self.recomputed
+
+    @property
+    def is_full(self) -> bool:
+        return self.name == "full"
+
+    def recomputes(self, node: OpNode) -> bool:
+        """Does backward run this forward op again?"""
+        if self.is_full:
+            return True
+        return op_class(node.op) in self.recomputed
+
+    def caches(self, node: OpNode) -> bool:
+        """Does a selective policy keep this op's output (views never: they would pin their base)?"""
+        return not self.is_none and not self.is_full and not node.is_view and not self.recomputes(node)
+
+
+NO_RECOMPUTE = RecomputeOption("none", frozenset())
+FULL_RECOMPUTE = RecomputeOption("full", frozenset(CLASSES))
+
+
+def selective(classes: Iterable[str]) -> RecomputeOption:
+    ordered = [c for c in (POINTWISE, ATTENTION, MATMUL) if c in set(classes)]
+    return RecomputeOption("selective:" + "+".join(ordered), frozenset(ordered))
+
+
+def parse_option(text: str) -> RecomputeOption:
+    """``"none"``, ``"full"`` or ``"selective:pointwise+attention"`` (as written in a Plan)."""
+    if text == "none":
+        return NO_RECOMPUTE
+    if text == "full":
+        return FULL_RECOMPUTE
+    if text.startswith("selective:"):
+        classes = [c for c in text.split(":", 1)[1].split("+") if c]
+        unknown = sorted(set(classes) - set(CLASSES))
+        if not classes or unknown:
+            raise ValueError(f"recompute option {text!r}: unknown op classes {unknown}; known: {list(CLASSES)}")
+        return selective(classes)
+    raise ValueError(f"unknown recompute option {text!r}; use 'none', 'full' or 'selective:<classes>'")
+
+
+@dataclass
+class RecomputeUnit:
+    """Blocks that share one recompute decision, and the forward nodes (canonical) that decide for them."""
+
+    name: str
+    blocks: list[str]
+    """Real block FQNs the decision applies to (the runtime checkpoints each)."""
+    nodes: list[int]
+    """Canonical forward node indices inside the unit."""
+    escaping: frozenset[int]
+    """Nodes whose outputs are read after the unit (by the next block, the head): kept under any option."""
+    last_block: str
+    """The block whose backward comes first: the moment its recompute adds to everything still saved."""
+
+
+def _inside(module: str, block: str) -> bool:
+    return module == block or module.startswith(block + ".")
+
+
+def find_units(graph: StepGraph, canonical: dict[int, int], layers: Iterable[str]) -> list[RecomputeUnit]:
+    """Units for the ``layers`` (``ModuleList`` children) of a traced step: one per folded run, one per other
+    layer that ran forward ops. ``canonical`` maps forward nodes to the node deciding for them."""
+    fwd = [n for n in graph.nodes if n.phase is Phase.FORWARD]
+    runs = {run.representative: run for run in graph.block_runs}
+    in_run = {b for run in graph.block_runs for b in run.all_blocks}
+    units: list[RecomputeUnit] = []
+    candidates = [(rep, run.all_blocks) for rep, run in runs.items()]
+    candidates += [(layer, [layer]) for layer in layers if layer not in in_run]
+    for name, blocks in candidates:
+        traced = runs[name].traced if name in runs else blocks
+        members = {n.index for n in fwd if any(_inside(n.module, b) for b in traced)}
+        nodes = sorted({canonical[i] for i in members})
+        if not nodes:
+            continue
+        escaping: set[int] = set()
+        for block in traced:  # each block is checkpointed alone: what the next block reads is kept
+            own = {n.index for n in fwd if _inside(n.module, block)}
+            read_after = {vid for n in fwd if n.index not in own for vid in n.inputs}
+            escaping.update(canonical[i] for i in own if read_after.intersection(graph.nodes[i].outputs))
+        units.append(RecomputeUnit(name, list(blocks), nodes, frozenset(escaping), blocks[-1]))
+    units.sort(key=lambda u: min(u.nodes))
+    return units
+
+
+def unit_options(
+    graph: StepGraph, unit: RecomputeUnit, saved_bytes: dict[int, float], forward_s: dict[int, float]
+) -> list[RecomputeOption]:
+    """``none``, the selective levels worth having (classes that free bytes, best bytes-per-second first), and
+    ``full``. ``saved_bytes``/``forward_s``: per canonical node, unsharded, for ranking only."""
+    freed: dict[str, float] = defaultdict(float)
+    cost: dict[str, float] = defaultdict(float)
+    for i in unit.nodes:
+        node = graph.nodes[i]
+        cls = op_class(node.op)
+        cost[cls] += forward_s.get(i, 0.0)
+        if i not in unit.escaping:
+            freed[cls] += saved_bytes.get(i, 0.0)
+    ranked = sorted(
+        (c for c in (POINTWISE, ATTENTION) if freed[c] > 0),
+        key=lambda c: (-freed[c] / max(cost[c], 1e-30), c),
+    )
+    levels = [selective(ranked[: k + 1]) for k in range(len(ranked))]
+    return [NO_RECOMPUTE, *levels, FULL_RECOMPUTE]
