@@ -1,0 +1,310 @@
+"""The Accelerate integration: plugin settings, refusals before training, data layout, the runner, and a
+2-process ``accelerate launch`` run that matches plain accelerate in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from hf_colossal_auto.integrations.plugin import AutoParallelPlugin, PluginConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No plugin settings inherited from the caller's environment."""
+    for key in list(os.environ):
+        if key.startswith("HF_COLOSSAL_AUTO_") and key != "HF_COLOSSAL_AUTO_NO_CALIBRATE":
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
+@pytest.fixture
+def accelerate_state():
+    """Accelerate keeps process-wide singletons: start and end each test that builds an Accelerator clean."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _yaml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "auto.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------- settings
+def test_precedence_constructor_then_env_then_yaml_then_default(clean_env, tmp_path):
+    clean_env.setenv(
+        "HF_COLOSSAL_AUTO_CONFIG",
+        _yaml(tmp_path, "mesh_shape: [2, 1]\nmemory_budget: 2GiB\ntime_limit_s: 5\ndp_modes: [fsdp]\n"),
+    )
+    clean_env.setenv("HF_COLOSSAL_AUTO_MEMORY_BUDGET", "3GiB")
+    clean_env.setenv("HF_COLOSSAL_AUTO_MESH_SHAPE", "1x2")
+    plugin = AutoParallelPlugin(mesh_shape="4x1")
+    assert plugin.mesh_shape == (4, 1)  # constructor beats environment and file
+    assert plugin.memory_budget == 3 * 2**30  # environment beats file
+    assert plugin.time_limit_s == 5.0 and plugin.dp_modes == ("fsdp",)  # file beats default
+    assert plugin.device is None and plugin.num_devices is None  # automatic
+    clean_env.setenv("HF_COLOSSAL_AUTO_PLAN_KWARGS", '{"optimizer": "sgd"}')
+    kwargs = AutoParallelPlugin().planner_kwargs()
+    assert kwargs == {
+        "mesh_shape": (1, 2),
+        "memory_budget": 3 * 2**30,
+        "dp_modes": ("fsdp",),
+        "time_limit_s": 5.0,
+        "optimizer": "sgd",
+    }
+
+
+@pytest.mark.parametrize(
+    ("where", "key", "value", "message"),
+    [
+        ("yaml", "mesh_shap", "[1, 2]", r"unknown setting\(s\) \['mesh_shap'\]; allowed: num_devices"),
+        ("yaml", "example_inputs", "{}", r"unknown setting\(s\) \['example_inputs'\]"),
+        ("yaml", "mesh_shape", "[2]", r"mesh_shape from .*expected \(dp, tp\)"),
+        ("yaml", "num_devices", "two", r"num_devices from .*expected an integer >= 1, got 'two'"),
+        ("env", "MESHSHAPE", "1x2", r"unknown setting HF_COLOSSAL_AUTO_MESHSHAPE"),
+        ("env", "NUM_DEVICES", "0", r"num_devices from environment variable HF_COLOSSAL_AUTO_NUM_DEVICES"),
+        ("env", "DP_MODES", "zero3", r"dp_modes .*subset of \('ddp', 'fsdp'\)"),
+        ("env", "MEMORY_BUDGET", "lots", r"memory_budget .*'40GiB'"),
+        ("env", "PLAN_KWARGS", "{recompute: yes}", r"plan_kwargs .*JSON object"),
+        ("env", "TIME_LIMIT_S", "-1", r"time_limit_s .*positive number"),
+    ],
+)
+def test_unknown_or_ill_typed_settings_name_the_key(clean_env, tmp_path, where, key, value, message):
+    if where == "yaml":
+        clean_env.setenv("HF_COLOSSAL_AUTO_CONFIG", _yaml(tmp_path, f"{key}: {value}\n"))
+    else:
+        clean_env.setenv(f"HF_COLOSSAL_AUTO_{key}", value)
+    with pytest.raises(PluginConfigError, match=message):
+        AutoParallelPlugin()
+
+
+def test_combined_file_section_and_missing_file(clean_env, tmp_path):
+    clean_env.setenv(
+        "HF_COLOSSAL_AUTO_CONFIG",
+        _yaml(tmp_path, "distributed_type: MULTI_GPU\nauto_parallel:\n  device: h100\n"),
+    )
+    assert AutoParallelPlugin().device == "h100"
+    clean_env.setenv("HF_COLOSSAL_AUTO_CONFIG", str(tmp_path / "nope.yaml"))
+    with pytest.raises(PluginConfigError, match="no such file"):
+        AutoParallelPlugin()
+
+
+def test_launch_splits_a_combined_config(clean_env, tmp_path):
+    from hf_colossal_auto.integrations.launch import prepare_launch
+
+    config = _yaml(
+        tmp_path, "distributed_type: MULTI_GPU\nnum_processes: 2\nauto_parallel:\n  mesh_shape: 1x2\n"
+    )
+    cmd, env = prepare_launch(config, "train.py", ["--lr", "1"], tmp_path)
+    assert cmd[-7:] == [
+        "--config_file",
+        str(tmp_path / "accelerate.yaml"),
+        "-m",
+        "hf_colossal_auto.run",
+        "train.py",
+        "--lr",
+        "1",
+    ]
+    assert "auto_parallel" not in (tmp_path / "accelerate.yaml").read_text()
+    assert env["HF_COLOSSAL_AUTO_CONFIG"] == str(tmp_path / "auto_parallel.yaml")
+    bad = _yaml(tmp_path, "num_processes: 2\nauto_parallel:\n  mesh: 1x2\n")
+    with pytest.raises(PluginConfigError, match=r"section auto_parallel: .*unknown setting\(s\) \['mesh'\]"):
+        prepare_launch(bad, "train.py", [], tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    ("kwargs", "env", "named"),
+    [
+        ({"fsdp_plugin": object()}, {}, "FSDP"),
+        ({"deepspeed_plugin": object()}, {}, "DeepSpeed"),
+        ({"parallelism_config": object()}, {}, "ParallelismConfig"),
+        ({}, {"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed"),
+        ({}, {"ACCELERATE_USE_FSDP": "true"}, "FSDP"),
+    ],
+)
+def test_other_parallelism_plugins_are_refused(clean_env, kwargs, env, named):
+    from hf_colossal_auto.integrations import AutoParallelAccelerator
+
+    for key, value in env.items():
+        clean_env.setenv(key, value)
+    with pytest.raises(ValueError, match=f"plans data and tensor parallelism itself, but .*{named}"):
+        AutoParallelAccelerator(**kwargs)
+
+
+def test_saved_plan_for_another_world_size_is_refused_at_construction(clean_env, tmp_path, accelerate_state):
+    from hf_colossal_auto.apply import PlanMismatchError
+    from hf_colossal_auto.integrations import AutoParallelAccelerator
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.solve.planner import plan_model
+
+    model = build_model("tiny-gpt2", device="cpu")
+    plan = plan_model(
+        model, make_example_inputs(model, 4, 16), num_devices=2, device="cpu", mesh_shape=(1, 2)
+    )
+    plan.save(tmp_path / "plan.json")
+    plugin = AutoParallelPlugin(plan_path=str(tmp_path / "plan.json"))
+    with pytest.raises(PlanMismatchError, match=r"1x2 \(dp x tp\) mesh of 2 processes, this job has 1"):
+        AutoParallelAccelerator(cpu=True, auto_parallel_plugin=plugin)
+    with pytest.raises(ValueError, match="num_devices=4 but this job has 1 processes"):
+        AutoParallelAccelerator(cpu=True, auto_parallel_plugin=AutoParallelPlugin(num_devices=4))
+
+
+# ------------------------------------------------------------------------------------------- data
+def _batches(loader) -> list[list[int]]:
+    return [batch.tolist() for batch in loader]
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(2, 2), (1, 2), (3, 1)])
+def test_data_layout_gives_each_step_the_samples_ddp_would(accelerate_state, dp, tp):
+    """In every full step, data-parallel group d gets the per-device batches of DDP ranks d*tp .. d*tp+tp-1,
+    end to end."""
+    from accelerate import Accelerator
+    from accelerate.data_loader import prepare_data_loader
+
+    from hf_colossal_auto.integrations.accelerator import shard_data_loader
+
+    Accelerator(cpu=True)  # the process state accelerate's loaders read (one process, no group)
+    per_device, world = 3, dp * tp
+    data = list(range(per_device * world * 4 + 5))
+
+    def loader() -> DataLoader:
+        return DataLoader(
+            data, batch_size=per_device, shuffle=True, generator=torch.Generator().manual_seed(7)
+        )
+
+    ddp = [
+        _batches(prepare_data_loader(loader(), num_processes=world, process_index=r)) for r in range(world)
+    ]
+    ours = [
+        _batches(shard_data_loader(loader(), dp_size=dp, dp_rank=d, tp_size=tp, rng_types=["generator"]))
+        for d in range(dp)
+    ]
+    full_steps = len(data) // (per_device * world)
+    for step in range(full_steps):
+        for d in range(dp):
+            assert ours[d][step] == sum((ddp[d * tp + j][step] for j in range(tp)), [])
+    # the incomplete last step: every sample is seen (DDP repeats some to even out its ranks; one data-parallel
+    # group need not)
+    assert {i for group in ours for batch in group for i in batch} == set(data)
+
+
+def test_peeking_the_first_batch_moves_no_random_state():
+    from hf_colossal_auto.integrations.accelerator import peek_batch
+
+    samples = [{"input_ids": torch.full((4,), i)} for i in range(10)]
+    gen = torch.Generator().manual_seed(3)
+    loader = DataLoader(samples, batch_size=4, shuffle=True, generator=gen)
+    state, global_state = gen.get_state(), torch.get_rng_state()
+    batch = peek_batch(loader)
+    assert batch["input_ids"].shape == (4, 4)
+    assert torch.equal(gen.get_state(), state) and torch.equal(torch.get_rng_state(), global_state)
+
+
+# ------------------------------------------------------------------------------------------- runner
+def test_run_swaps_the_accelerator_for_an_unmodified_script(monkeypatch, tmp_path):
+    import accelerate
+    import accelerate.accelerator
+
+    from hf_colossal_auto import run
+
+    monkeypatch.setattr(accelerate, "Accelerator", accelerate.Accelerator)
+    monkeypatch.setattr(accelerate.accelerator, "Accelerator", accelerate.accelerator.Accelerator)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    script = tmp_path / "train.py"
+    out = tmp_path / "seen.json"
+    script.write_text(
+        "import json, sys\nfrom accelerate import Accelerator\n"
+        f"json.dump([Accelerator.__name__, sys.argv], open({str(out)!r}, 'w'))\n"
+    )
+    assert run.main([str(script), "--lr", "1"]) == 0
+    assert json.loads(out.read_text()) == ["AutoParallelAccelerator", [str(script), "--lr", "1"]]
+    assert run.main([str(tmp_path / "missing.py")]) == 2
+
+
+def test_run_sets_cpu_for_multi_process_jobs_without_gpus():
+    from hf_colossal_auto.run import use_cpu_without_gpus
+
+    env = {"WORLD_SIZE": "2"}
+    assert use_cpu_without_gpus(env) == (not torch.cuda.is_available())
+    assert use_cpu_without_gpus({"WORLD_SIZE": "1"}) is False
+
+
+# ------------------------------------------------------------------------------------------- 2 processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path):
+    """``accelerate launch`` (the documented CPU command) of an unmodified accelerate script through
+    ``hf_colossal_auto.run`` on a 1x2 (tensor-parallel) plan: the losses of one process on the same global
+    batch, save_state/load_state repeats them, and save_model loads with from_pretrained in one process."""
+    script = str(ROOT / "tests" / "multiproc" / "check_accelerate.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {
+        k: v for k, v in env.items() if not k.startswith("HF_COLOSSAL_AUTO_") or k.endswith("NO_CALIBRATE")
+    }
+    ref = subprocess.run(
+        [sys.executable, script, "--out", str(tmp_path / "ref")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    env.update(
+        ACCELERATE_USE_CPU="1",
+        HF_COLOSSAL_AUTO_MESH_SHAPE="1x2",
+        HF_COLOSSAL_AUTO_SAVE_PLAN_PATH=str(tmp_path / "plan.json"),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "recipes/auto_cpu.yaml"),
+    ]
+    cmd += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
+    cmd += ["-m", "hf_colossal_auto.run", script, "--out", str(tmp_path / "par")]
+    par = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert par.returncode == 0, par.stderr[-3000:]
+    assert "Plan for GPT2LMHeadModel on 2 x cpu: mesh dp=1 x tp=2" in par.stdout  # summary printed once
+    assert par.stdout.count("Plan for GPT2LMHeadModel") == 1
+    one = json.loads((tmp_path / "ref" / "result.json").read_text())
+    two = json.loads((tmp_path / "par" / "result.json").read_text())
+    assert one["processes"] == 1 and two["processes"] == 2
+    assert two["mesh"] == [1, 2] and two["sharded_params"] > 0
+    assert two["model_class"] == "GPT2LMHeadModel"  # not wrapped in DDP
+    assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    assert two["losses"][-1] != two["losses"][0]
+    assert two["resumed_losses"] == pytest.approx(two["losses"][3:], abs=1e-6)
+    assert two["learning_rate"] == pytest.approx(one["learning_rate"])
+    assert (tmp_path / "plan.json").is_file()
+
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "par" / "export").eval()
+    samples = torch.randint(
+        0, loaded.config.vocab_size, (8 * 5, 16), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        eval_loss = float(loaded(input_ids=samples[:8], labels=samples[:8]).loss)
+    assert eval_loss == pytest.approx(two["eval_loss"], abs=1e-5)
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-5)
