@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from .._torch_compat import allow_implicit_replication, tree_map
 from ..plan import Plan
 from .dtensor_rules import register_runtime_rules
+from .enforce import enforce_plan
 
 logger = logging.getLogger(__name__)
 
@@ -309,6 +310,7 @@ def apply_plan(
         remap_optimizer(optimizer, replaced)
     wrap_forward(model, mesh)
     register_embedding_reduction(model)
+    enforce_plan(model, plan)
     if fsdp:
         _fully_shard(model, mesh)
     register_gradient_sync(model, mesh, average_over_dp=not fsdp)

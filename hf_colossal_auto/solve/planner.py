@@ -366,25 +366,7 @@ def _make_plan(
     for fqn in graph.param_names:
         canon = tied.canonical_param(fqn)
         param_placements[fqn] = [dp_place, tp_place.get(canon, "R")]
-    # activation placements at module boundaries: the output of the last forward node of each module
-    last_node: dict[str, int] = {}
-    for i in sorted(tied.canonical):
-        n = graph.nodes[i]
-        if n.outputs and not n.module.startswith(tuple(f"{c}." for c in _copies_not_rep(graph))):
-            last_node[n.module] = i
-    activation_placements: dict[str, list[str]] = {}
-    for module, i in sorted(last_node.items()):
-        name = _node_name(tied.canonical[i])
-        if name not in built.strategies:
-            continue
-        strat = built.strategies[name][solution.choice[name]]
-        if strat.output_placements:
-            for real in _real_modules(graph, module):
-                activation_placements[real] = (
-                    ["S0", strat.output_placements[0][0]]
-                    if mesh[0] > 1
-                    else ["R", strat.output_placements[0][0]]
-                )
+    activation_placements = _module_output_placements(built, solution, graph, tied, mesh)
     # per-block table
     blocks: list[BlockCost] = []
     per_unit_params: dict[str, dict[str, str]] = defaultdict(dict)
@@ -435,6 +417,7 @@ def _make_plan(
         activation_memory_bytes=int(act_mem),
         blocks=blocks,
         collectives=collectives,
+        param_use_placements=_param_use_placements(built, solution, graph, tied, planner.model),
         solver={
             "status": solution.status,
             "gap": solution.gap if solution.gap is not None else 0.0,
@@ -491,6 +474,103 @@ def _activation_per_unit(built, solution, graph, tied, unit_of, tp) -> dict[str,
         reals = _real_modules(graph, module)
         for real in reals:
             out[unit_of(real)] += per_copy  # terms are per real block already
+    return out
+
+
+def _ancestors(module: str) -> list[str]:
+    """``a.b.c`` -> ``["a.b.c", "a.b", "a"]`` (the root ``""`` excluded: its output is the model's output)."""
+    parts = module.split(".") if module else []
+    return [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
+
+
+def _module_output_placements(built, solution, graph, tied, mesh) -> dict[str, list[str]]:
+    """Module FQN -> placement per mesh axis of the module's forward output: the output of the *last* forward
+    op run inside the module or any of its children (what the module returns; a module ending in a child's
+    op returns that child's output). The runtime redistributes module outputs to these placements, so that
+    redistributions happen where autograd sees them, as the planner's edges price them."""
+    copies = tuple(f"{c}." for c in _copies_not_rep(graph))
+    last: dict[str, int] = {}
+    for i in sorted(tied.canonical):
+        n = graph.nodes[i]
+        if not n.outputs:
+            continue
+        for module in _ancestors(n.module):
+            if (module + ".").startswith(copies):
+                continue  # inside a traced copy: the representative decides for it
+            last[module] = i
+    dp_place = "S0" if mesh[0] > 1 else "R"
+    out: dict[str, list[str]] = {}
+    for module, i in sorted(last.items()):
+        name = _node_name(tied.canonical[i])
+        if name not in built.strategies:
+            continue
+        strat = built.strategies[name][solution.choice[name]]
+        if strat.output_placements:
+            for real in _real_modules(graph, module):
+                out[real] = [dp_place, strat.output_placements[0][0]]
+    return out
+
+
+def _param_use_placements(built, solution, graph, tied, model: nn.Module) -> dict[str, list[str]]:
+    """``<module FQN>.<attr>`` -> the placement (per mesh axis) the plan's strategy needs a parameter in where
+    that module uses it, for the uses that differ from the parameter's storage placement (the solver chose to
+    gather a sharded weight, or to slice a replicated one). Keyed by the using module so that tied parameters
+    (an embedding and a head) can be used differently. Conflicting uses inside one module are left out (the
+    runtime then lets DTensor choose)."""
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    uses: dict[str, set[str]] = defaultdict(set)
+    storage: dict[str, str] = {}
+    copies = tuple(f"{c}." for c in _copies_not_rep(graph))
+    readers: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for i in tied.canonical:
+        for k, vid in enumerate(graph.nodes[i].inputs):
+            readers[vid].append((i, k))
+
+    def strategy(i: int):
+        name = _node_name(tied.canonical[i])
+        return built.strategies[name][solution.choice[name]]
+
+    def use_placement(i: int, k: int) -> str | None:
+        """Where input ``k`` of node ``i`` is needed; through a view (``t`` of a weight) the placement its
+        readers need: a gathered view is a gathered parameter."""
+        strat = strategy(i)
+        if k >= len(strat.input_placements) or strat.input_placements[k] is None:
+            return None
+        own = strat.input_placements[k][0]
+        node = graph.nodes[i]
+        if node.is_view and len(node.outputs) == 1 and readers.get(node.outputs[0]):
+            after = {use_placement(j, kk) for j, kk in readers[node.outputs[0]]}
+            if after == {"R"}:
+                return "R"
+        return own
+
+    for i in sorted(tied.canonical):
+        node = graph.nodes[i]
+        if (node.module + ".").startswith(copies):
+            continue
+        for k, vid in enumerate(node.inputs):
+            value = graph.values[vid]
+            if value.kind.value != "param" or value.name is None:
+                continue
+            pname = _param_node_name(tied.canonical_param(value.name))
+            use = use_placement(i, k)
+            if pname not in built.param_options or use is None:
+                continue
+            stored = built.param_options[pname][solution.choice[pname]]
+            attr = value.name.rsplit(".", 1)[-1]
+            for real in _real_modules(graph, node.module):
+                key = f"{real}.{attr}" if real else attr
+                if key in aliases:
+                    uses[key].add(use)
+                    storage[key] = stored
+    out: dict[str, list[str]] = {}
+    for key, placements in sorted(uses.items()):
+        if len(placements) > 1:
+            logger.debug("parameter %s is used in %s by one module; left to DTensor", key, sorted(placements))
+            continue
+        (use,) = placements
+        if use != storage[key] and use != "P":
+            out[key] = ["R", use]
     return out
 
 
