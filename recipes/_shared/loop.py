@@ -91,7 +91,13 @@ def _micro_batches(loader: DataLoader, accelerator: Accelerator, consumed: int) 
         source = accelerator.skip_first_batches(loader, skip) if skip else loader
         if skip:
             source.set_epoch(epoch)
-        yield from source
+        iterator = iter(source)
+        # Starting a pass draws a seed from the global RNG (torch's DataLoader base seed). Keep that draw off
+        # the stream dropout uses, so a resumed run (which starts a pass mid-epoch) repeats the same steps.
+        with torch.random.fork_rng(devices=[]):
+            first = next(iterator)
+        yield first
+        yield from iterator
         epoch, skip = epoch + 1, 0
 
 
@@ -102,9 +108,10 @@ def evaluate(model: torch.nn.Module, loader: DataLoader | None, accelerator: Acc
         return None
     model.eval()
     total, count = torch.zeros((), device=accelerator.device), 0
-    for batch in loader:
-        total += model(**batch).loss.detach().float()
-        count += 1
+    with torch.random.fork_rng(devices=[]):  # evaluating must not change the training run's random stream
+        for batch in loader:
+            total += model(**batch).loss.detach().float()
+            count += 1
     model.train()
     mean = total / max(count, 1)
     return accelerator.reduce(mean, "mean").item()

@@ -1,0 +1,268 @@
+"""The pretraining recipes: their objectives (BERT masking, T5 span corruption), packing, and short runs —
+in this process for each recipe, and through ``accelerate launch`` on 2 CPU processes under a plan."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+sys.path.insert(0, str(RECIPES))
+
+from _shared.data import BlockDataset, pack  # noqa: E402
+from _shared.metrics import read_metrics  # noqa: E402
+from _shared.objectives import (  # noqa: E402
+    mask_tokens,
+    noise_span_count,
+    random_spans_noise_mask,
+    span_corrupt,
+    t5_lengths,
+)
+from _shared.tokenizer import padded_vocab_size, sentinel_ids, train_tokenizer  # noqa: E402
+
+
+def quick(steps: int = 8) -> list[str]:
+    """Few, short steps on a small corpus: enough for the loss of every tiny model to fall, fast on 2 cores."""
+    return [
+        "--model", "tiny", "--max_steps", str(steps), "--per_device_batch_size", "4", "--seq_len", "64",
+        "--synthetic_documents", "300", "--warmup_steps", "1", "--lr", "3e-3", "--eval_steps", "4",
+        "--max_eval_batches", "2",
+    ]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------- T5 span corruption
+def test_t5_lengths_are_the_t5_papers():
+    # The figures of the T5 code / HF's run_t5_mlm_flax.py for 512 input tokens at density 0.15, mean span 3.
+    assert t5_lengths(512) == (568, 114)
+    assert t5_lengths(512, noise_density=0.5, mean_span_length=3.0)[0] > 512
+
+
+@pytest.mark.parametrize("inputs_length", [16, 64, 128, 512])
+def test_span_corruption_lengths_sentinels_and_round_trip(inputs_length):
+    raw_length, target_length = t5_lengths(inputs_length)
+    n_spans = noise_span_count(raw_length)
+    sentinels = list(range(1000, 1000 - n_spans, -1))  # <extra_id_0> highest, as in T5's vocabulary
+    eos = 1
+    for seed in range(5):
+        ids = np.arange(10, 10 + raw_length)
+        inputs, labels = span_corrupt(ids, np.random.default_rng(seed), sentinel_ids=sentinels, eos_id=eos)
+        assert (len(inputs), len(labels)) == (inputs_length, target_length)
+        assert inputs[-1] == eos and labels[-1] == eos
+        # sentinels appear once each, in order <extra_id_0>, <extra_id_1>, ... in both, and labels lead with one
+        assert [t for t in inputs if t >= 1000 - n_spans] == sentinels
+        assert [t for t in labels if t >= 1000 - n_spans] == sentinels
+        assert labels[0] == sentinels[0]
+        # filling each sentinel of the input with its span from the labels gives the original block back
+        spans, current = {}, None
+        for t in labels[:-1]:
+            current = t if t in sentinels else current
+            if t not in sentinels:
+                spans.setdefault(current, []).append(t)
+        rebuilt = [x for t in inputs[:-1] for x in (spans[t] if t in sentinels else [t])]
+        assert rebuilt == ids.tolist()
+        assert len(ids) - (len(inputs) - 1 - n_spans) == round(0.15 * raw_length)
+
+
+def test_noise_mask_starts_with_kept_tokens_and_has_mean_span_three():
+    lengths = []
+    for seed in range(20):
+        mask = random_spans_noise_mask(568, np.random.default_rng(seed))
+        assert not mask[0] and mask[-1]
+        assert mask.sum() == round(568 * 0.15)
+        starts = np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]]))
+        assert len(starts) == round(round(568 * 0.15) / 3)
+        lengths.append(mask.sum() / len(starts))
+    assert abs(np.mean(lengths) - 3.0) < 0.1
+
+
+def test_too_few_sentinels_is_an_error_that_says_what_to_do():
+    with pytest.raises(ValueError, match="sentinel"):
+        span_corrupt(np.arange(200), np.random.default_rng(0), sentinel_ids=[900, 899], eos_id=1)
+
+
+# ----------------------------------------------------------------------------------------- BERT masking
+def test_bert_masking_is_15_percent_with_80_10_10():
+    rng = np.random.default_rng(0)
+    special = [0, 1, 2, 3, 4]
+    ids = rng.integers(5, 1000, size=200_000)
+    ids[::50] = 3  # separators inside the packed block are never chosen
+    inputs, labels = mask_tokens(ids, rng, mask_id=4, vocab_size=1000, special_ids=special)
+    chosen = labels != -100
+    ordinary = ~np.isin(ids, special)
+    assert not chosen[~ordinary].any()
+    assert abs(chosen.sum() / ordinary.sum() - 0.15) < 0.005
+    assert (labels[chosen] == ids[chosen]).all()
+    assert (inputs[~chosen] == ids[~chosen]).all()
+    masked = (inputs[chosen] == 4).mean()
+    kept = (inputs[chosen] == ids[chosen]).mean()
+    assert abs(masked - 0.8) < 0.01 and abs(kept - 0.1) < 0.01
+    assert abs(1 - masked - kept - 0.1) < 0.01  # the rest became random tokens
+
+
+def test_bert_masking_always_predicts_something():
+    for seed in range(50):
+        _, labels = mask_tokens(
+            np.array([2, 7, 8, 3]),
+            np.random.default_rng(seed),
+            mask_id=4,
+            vocab_size=10,
+            special_ids=[2, 3, 4],
+        )
+        assert (labels != -100).sum() >= 1 and labels[0] == labels[-1] == -100
+
+
+# ----------------------------------------------------------------------------------------- data and tokenizers
+def test_pack_concatenates_with_separators_and_drops_the_tail():
+    blocks = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], 4, separator_id=0)
+    assert blocks.tolist() == [[1, 2, 3, 0], [4, 5, 0, 6], [7, 8, 9, 0]]
+    with pytest.raises(ValueError, match="fewer than one block"):
+        pack([[1, 2]], 8, separator_id=0)
+
+
+def test_examples_depend_on_seed_epoch_and_index_only():
+    def make(block, rng):
+        return {"input_ids": block + rng.integers(0, 1000, size=block.shape)}
+
+    blocks = np.zeros((4, 8), dtype=np.int64)
+    a, b = BlockDataset(blocks, make, seed=1), BlockDataset(blocks, make, seed=1)
+    assert torch.equal(a[2]["input_ids"], b[2]["input_ids"])  # two processes draw the same example
+    assert not torch.equal(a[2]["input_ids"], a[3]["input_ids"])
+    b.set_epoch(1)
+    assert not torch.equal(a[2]["input_ids"], b[2]["input_ids"])  # fresh masks next epoch
+
+
+def test_t5_tokenizer_has_ordered_sentinels_and_padded_vocab():
+    from _shared.corpus import synthetic_corpus
+
+    tokenizer = train_tokenizer("unigram", synthetic_corpus(200), vocab_size=600, num_sentinels=100)
+    ids = sentinel_ids(tokenizer, 100)
+    assert ids[0] == len(tokenizer) - 1 and ids == sorted(ids, reverse=True)
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
+    # a word the corpus only ever writes between spaces is one piece, not spelled out in characters
+    assert len(tokenizer("After three", add_special_tokens=False)["input_ids"]) == 2
+    assert padded_vocab_size(tokenizer) % 64 == 0 and padded_vocab_size(tokenizer) >= len(tokenizer)
+    with pytest.raises(ValueError, match="extra_id_100"):
+        sentinel_ids(tokenizer, 101)
+
+
+# ----------------------------------------------------------------------------------------- runs
+@pytest.fixture
+def fresh_accelerate_state():
+    """Each in-process run starts from no accelerate singletons, as a fresh script would."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _run_in_process(script: str, argv: list[str]) -> None:
+    module = importlib.import_module(script)
+    recipe = next(v for v in vars(module).values() if type(v).__name__ == "Recipe")
+    module.run(recipe, argv)
+
+
+def _check_metrics(path: Path, steps: int) -> list[dict]:
+    records = read_metrics(path)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        assert {"step", "loss", "lr", "tokens"} <= r.keys()
+        assert math.isfinite(r["loss"]) and r["lr"] >= 0
+    assert all(b["tokens"] > a["tokens"] for a, b in zip(records, records[1:], strict=False))
+    losses = [r["loss"] for r in records]
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.1, losses
+    assert "eval_loss" in records[-1] and math.isfinite(records[-1]["eval_loss"])
+    return records
+
+
+def _check_export(final: Path, task_class: str) -> None:
+    import transformers
+
+    model = getattr(transformers, task_class).from_pretrained(final)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(final)
+    assert model.config.vocab_size % 64 == 0 and model.config.vocab_size >= len(tokenizer)
+    batch = tokenizer(["the river was quiet."], return_tensors="pt")
+    assert batch["input_ids"].max() < model.config.vocab_size
+
+
+@pytest.mark.parametrize(
+    "script, task_class",
+    [
+        ("pretrain_gpt", "AutoModelForCausalLM"),
+        ("pretrain_bert", "AutoModelForMaskedLM"),
+        ("pretrain_t5", "AutoModelForSeq2SeqLM"),
+    ],
+)
+def test_recipe_trains_and_exports(script, task_class, tmp_path, fresh_accelerate_state):
+    out = tmp_path / script
+    _run_in_process(script, [*quick(), "--output_dir", str(out)])
+    _check_metrics(out / "metrics.jsonl", 8)
+    _check_export(out / "final", task_class)
+    assert (out / "tokenizer" / "tokenizer.json").is_file()  # cached for the next run
+
+
+def test_gpt_resume_continues_with_the_same_losses(tmp_path, fresh_accelerate_state):
+    from _shared.checkpoints import latest_checkpoint
+    from accelerate.state import AcceleratorState, GradientState
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    _run_in_process("pretrain_gpt", [*quick(6), "--output_dir", str(first), "--save_steps", "3"])
+    straight = read_metrics(first / "metrics.jsonl")
+    assert latest_checkpoint(first) == first / "checkpoints" / "step_6"
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    checkpoint = first / "checkpoints" / "step_3"
+    _run_in_process(
+        "pretrain_gpt", [*quick(6), "--output_dir", str(second), "--resume_from_checkpoint", str(checkpoint)]
+    )
+    resumed = read_metrics(second / "metrics.jsonl")
+    # steps 4..6 ran again from step 3's checkpoint (model, optimizer, scheduler, RNG, data position)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    for a, b in zip(straight[3:], resumed, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["lr"] == pytest.approx(b["lr"]) and a["tokens"] == b["tokens"]
+
+
+def test_unknown_model_preset_is_refused(tmp_path, fresh_accelerate_state):
+    with pytest.raises(SystemExit, match="unknown preset for the gpt recipe"):
+        _run_in_process("pretrain_gpt", ["--model", "bert-base", "--output_dir", str(tmp_path)])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_gpt_recipe_on_two_processes_under_a_plan(tmp_path):
+    """The README's 2-CPU-process command, tensor parallel (mesh forced to 1x2 so that TP is what runs)."""
+    out = tmp_path / "gpt"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(RECIPES / "auto_cpu.yaml"),
+        "--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port()),
+        str(RECIPES / "pretrain_gpt.py"), *quick(), "--mesh_shape", "1x2", "--output_dir", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "mesh dp=1 x tp=2" in proc.stdout + proc.stderr
+    records = _check_metrics(out / "metrics.jsonl", 8)
+    assert (
+        records[0]["tokens"] == 4 * 2 * 64
+    )  # global batch: per-device batch x processes, TP ranks sharing it
+    _check_export(out / "final", "AutoModelForCausalLM")
+    assert json.loads((out / "final" / "config.json").read_text())["model_type"] == "gpt2"
