@@ -286,8 +286,9 @@ def test_trainer_tracks_single_process_resumes_and_exports(tmp_path):
 @pytest.mark.slow
 def test_seq2seq_trainer_plans_from_the_dataset(tmp_path):
     """Seq2SeqTrainer with tiny T5: rank 0 plans from a batch of the training set (mesh 1 x 2 asked), the plan
-    is broadcast and applied, and three steps' losses and the eval loss equal the single-process Trainer's."""
-    common = ["--model", "tiny-t5", "--seq2seq", "--steps", "3"]
+    is broadcast and applied, and three steps of two accumulated micro-batches give the single-process
+    Trainer's losses and eval loss."""
+    common = ["--model", "tiny-t5", "--seq2seq", "--steps", "3", "--grad-accum", "2"]
     run, ref = tmp_path / "run", tmp_path / "ref"
     _run(
         *common,

@@ -161,12 +161,11 @@ def _to_dtensor(value: Any, mesh: DeviceMesh, placements: list[Placement]) -> An
 def _from_dtensor(value: Any) -> Any:
     if not isinstance(value, DTensor):
         return value
-    if all(isinstance(p, Replicate) for p in value.placements):
-        local = value.to_local()
-        # A scalar (the loss) is copied: callers scale it in place (the Trainer's ``loss *= ...``), which autograd
-        # forbids on the view ``to_local`` returns. Larger outputs (logits) stay views, to cost no memory.
-        return local.clone() if local.dim() == 0 else local
-    return value.full_tensor()
+    replicated = all(isinstance(p, Replicate) for p in value.placements)
+    local = value.to_local() if replicated else value.full_tensor()
+    # A scalar (the loss) is copied: callers scale it in place (the Trainer's ``loss *= ...``), which autograd
+    # forbids on the view DTensor's conversions return. Larger outputs (logits) stay views, to cost no memory.
+    return local.clone() if local.dim() == 0 else local
 
 
 _original_sdpa = torch.nn.functional.scaled_dot_product_attention

@@ -163,10 +163,15 @@ class AutoParallelCallback(TrainerCallback):
             self._trainer = trainer
             return
         _turn_off_trainer_recompute(trainer.args)
-        with _preserved_rng():
-            self.plan = self._make_plan(trainer)
-            optimizers = [_unwrap_optimizer(trainer.optimizer)] if trainer.optimizer is not None else []
-            apply_plan(trainer.model, self.plan, optimizers=optimizers)
+        applied = getattr(trainer.model, "_hf_colossal_auto_plan", None)
+        if applied is not None:  # the model was given to the Trainer already parallelised (autoparallelize)
+            logger.info("AutoParallelCallback: the model already runs a plan; keeping it")
+            self.plan = applied
+        else:
+            with _preserved_rng():
+                self.plan = self._make_plan(trainer)
+                optimizers = [_unwrap_optimizer(trainer.optimizer)] if trainer.optimizer is not None else []
+                apply_plan(trainer.model, self.plan, optimizers=optimizers)
         if self.save_plan_path is not None and dist.get_rank() == 0:
             self.save_plan_path.parent.mkdir(parents=True, exist_ok=True)
             self.plan.save(self.save_plan_path)

@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--per-device", type=int, default=2)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
     parser.add_argument("--mesh", default=None, help="dp x tp, e.g. 1x2; default: the planner searches")
     parser.add_argument("--plan", default=None, help="a saved plan to apply")
@@ -86,6 +87,7 @@ def main() -> None:
         per_device_train_batch_size=args.per_device,
         per_device_eval_batch_size=2,
         max_steps=args.steps,
+        gradient_accumulation_steps=args.grad_accum,
         learning_rate=1e-3,
         warmup_steps=2,
         logging_steps=1,
