@@ -308,3 +308,4 @@ def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path):
         eval_loss = float(loaded(input_ids=samples[:8], labels=samples[:8]).loss)
     assert eval_loss == pytest.approx(two["eval_loss"], abs=1e-5)
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-5)
+    assert two["eval_first_tokens"] == one["eval_first_tokens"] == samples[:11, 0].tolist()

@@ -44,7 +44,7 @@ from accelerate.checkpointing import (
 )
 from accelerate.data_loader import prepare_data_loader
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, recursively_apply
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
@@ -307,8 +307,9 @@ class AutoParallelAccelerator(Accelerator):
 
                 batch = self._example_inputs(loaders)
                 device = next(model.parameters()).device
-                processes = 1 if self.split_batches and not self.auto_parallel_plugin.example_inputs else None
-                global_batch = _global_batch(batch, processes or self.num_processes, device)
+                # a loader batch is one process's, except with split_batches (then it is the global one)
+                per_process = self.auto_parallel_plugin.example_inputs is not None or not self.split_batches
+                global_batch = _global_batch(batch, self.num_processes if per_process else 1, device)
                 kwargs: dict[str, Any] = {
                     "num_devices": self.num_processes,
                     "device": self._device_kind(),
@@ -425,6 +426,36 @@ class AutoParallelAccelerator(Accelerator):
         )
         self._dataloaders.append(prepared)
         return prepared
+
+    # ----------------------------------------------------------------------------------- metrics
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Accelerate's, counting each data-parallel group once: the ranks of a tensor-parallel group hold the
+        same samples, so their copies are dropped before the last batch's padding is cut."""
+        plan = self.auto_plan
+        if not self._parallel or plan is None or plan.tp_size == 1:
+            return super().gather_for_metrics(input_data, use_gather_object)
+        tp, world = plan.tp_size, self.num_processes
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            all_tensors = True
+        except TypeError:
+            all_tensors = False
+        if use_gather_object or not all_tensors:
+            per_rank: list[Any] = [None] * world
+            dist.all_gather_object(per_rank, input_data)
+            data = [x for rank in range(0, world, tp) for x in per_rank[rank]]
+        else:
+
+            def one_copy(tensor: torch.Tensor) -> torch.Tensor:
+                return torch.cat(tensor.chunk(world)[::tp])
+
+            data = recursively_apply(one_copy, self.gather(input_data))
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            if isinstance(data, list):
+                return data[: state.remainder]
+            return recursively_apply(lambda t: t[: state.remainder], data)
+        return data
 
     # ----------------------------------------------------------------------------------- models out
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):

@@ -60,6 +60,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / (2 * args.steps))
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    eval_loader = accelerator.prepare(DataLoader(samples[: args.global_batch + 3], batch_size=per_device))
 
     def train_step(batch: dict) -> float:
         loss = model(**batch).loss
@@ -82,6 +83,9 @@ def main() -> None:
     eval_batch = {k: torch.stack([s[k] for s in samples[: args.global_batch]]) for k in samples[0]}
     with torch.no_grad():
         eval_loss = float(model(**eval_batch).loss)
+    seen = []  # what an evaluation loop collects: every sample once
+    for batch in eval_loader:
+        seen += accelerator.gather_for_metrics(batch["input_ids"][:, 0]).tolist()
     accelerator.save_model(model, os.path.join(args.out, "export"))
     unwrapped = accelerator.unwrap_model(model)
     plan = getattr(unwrapped, "_hf_colossal_auto_plan", None)
@@ -91,6 +95,7 @@ def main() -> None:
             "losses": losses,
             "resumed_losses": resumed,
             "eval_loss": eval_loss,
+            "eval_first_tokens": seen,
             "model_class": type(model).__name__,
             "mesh": list(plan.mesh_shape) if plan is not None else None,
             "sharded_params": sum(1 for p in plan.param_placements.values() if p[-1] != "R") if plan else 0,
