@@ -275,6 +275,8 @@ def test_trainer_tracks_single_process_resumes_and_exports(tmp_path):
     for step, loss in want["losses"].items():
         assert got["losses"][step] == pytest.approx(loss, abs=1e-5), step
     assert want["losses"]["6"] < want["losses"]["1"]
+    assert got["tokens_seen"] == want["tokens_seen"] == 6 * 4 * 16  # counted once per tensor-parallel group
+    assert got["total_flos"] == pytest.approx(want["total_flos"])
     assert (run / "checkpoint-3" / "hf_colossal_auto_state").is_dir()
     continued = _result(tmp_path / "resumed.json")["losses"]
     for step in ("4", "5", "6"):

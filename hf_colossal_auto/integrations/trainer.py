@@ -48,7 +48,9 @@ Usage (launch with ``torchrun --nproc_per_node N train.py`` or ``accelerate laun
      shards; a job with the same plan resumes from them), next to a consolidated ``from_pretrained``-loadable
      copy of the weights, the scheduler, RNG and trainer state. ``load_best_model_at_end`` and resuming from a
      ``save_only_model`` checkpoint load the sharded state, else the consolidated weights;
-   * ``save_model``: every rank joins the gather of the full tensors, the main process writes.
+   * ``save_model`` (call it on every rank, as any Trainer under torchrun): every rank joins the gather of
+     the full tensors, the main process writes;
+   * tokens seen and FLOs are counted once per tensor-parallel group.
 
 What is left out: ``predict_with_generate`` runs ``generate`` on the sharded model untested; gradient
 accumulation under an FSDP plan reduces gradients after every micro-batch (correct, not deferred);
@@ -386,6 +388,7 @@ def _patch_trainer(trainer: Trainer, plan: Plan) -> None:
     _shard_data_over_dp(trainer, dp_size, dp_rank)
     if tp_size > 1:
         trainer.gather_function = _gather_one_copy_per_tp_group(trainer, tp_size)
+        _count_batches_once_per_tp_group(trainer, tp_size)
 
     trainer._save = _consolidated_save(trainer, trainer._save)
     trainer._save_optimizer_and_scheduler = functools.partial(_save_sharded_state, trainer)
@@ -481,6 +484,29 @@ def _gather_one_copy_per_tp_group(trainer: Trainer, tp_size: int):
         return data
 
     return functools.partial(gather, use_gather_object=trainer.args.eval_use_gather_object)
+
+
+def _count_batches_once_per_tp_group(trainer: Trainer, tp_size: int) -> None:
+    """Tokens seen and FLOs are summed over all processes by the Trainer; the ranks of a tensor-parallel group
+    share one batch, so each group's count is taken once (the sum divided by ``tp``)."""
+
+    def once(method, attribute: str):
+        @functools.wraps(method)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            before = getattr(trainer.state, attribute)
+            result = method(*args, **kwargs)
+            added = getattr(trainer.state, attribute) - before
+            setattr(
+                trainer.state,
+                attribute,
+                before + (added // tp_size if isinstance(added, int) else added / tp_size),
+            )
+            return result
+
+        return counted
+
+    trainer._track_num_input_tokens = once(trainer._track_num_input_tokens, "num_input_tokens_seen")
+    trainer.store_flos = once(trainer.store_flos, "total_flos")
 
 
 def _consolidated_save(trainer: Trainer, original_save):

@@ -10,7 +10,7 @@
 A seeded tiny model without dropout, a generated token dataset, fp32 on CPU (gloo), ``logging_steps=1``. Under
 torchrun the Trainer gets ``callbacks=[AutoParallelCallback(...)]``; without it (one process) it is the plain
 Trainer, whose per-device batch should then be the distributed run's global batch. Rank 0 writes to ``--out``:
-the loss of every step, the eval loss after training, the plan's mesh; ``--eval-export`` adds the eval loss of
+the loss of every step, the eval loss after training, tokens seen and FLOs, the plan's mesh; ``--eval-export`` adds the eval loss of
 that directory loaded with ``from_pretrained`` in this process.
 """
 
@@ -99,6 +99,7 @@ def main() -> None:
         ddp_timeout=120,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        include_num_input_tokens_seen="all",
     )
     callbacks = []
     if distributed:
@@ -113,6 +114,8 @@ def main() -> None:
     result = {
         "losses": {str(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e},
         "eval_loss": trainer.evaluate()["eval_loss"],
+        "tokens_seen": trainer.state.num_input_tokens_seen,
+        "total_flos": trainer.state.total_flos,
     }
     if distributed:
         plan = model._hf_colossal_auto_plan
