@@ -107,6 +107,14 @@ def test_conflicting_trainer_settings_are_refused(tiny_model, tmp_path, setting,
     assert "remove the callback" in str(info.value)
 
 
+def test_a_model_parallelised_before_the_trainer_is_refused(tiny_model, tmp_path):
+    model = tiny_model("tiny-llama")
+    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=_token_rows(model, 4))
+    model._hf_colossal_auto_plan = object()  # what apply_plan leaves on the model
+    with pytest.raises(ValueError, match="plan_path"):
+        check_trainer_compatible(trainer)
+
+
 def test_callback_in_the_trainer_constructor_checks_the_trainer(tiny_model, tmp_path):
     """The one-line usage reaches the Trainer from the callback's on_init_end: model_init is refused there."""
     model = tiny_model("tiny-llama")

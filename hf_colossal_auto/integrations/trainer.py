@@ -20,7 +20,8 @@ Usage (launch with ``torchrun --nproc_per_node N train.py`` or ``accelerate laun
 
 1. **Conflicts are refused** before anything runs: ``TrainingArguments(fsdp=...)``, ``deepspeed=...``,
    ``parallelism_config=...`` (accelerate's own tensor/context parallelism, ``tp_size``), an accelerate launch
-   config enabling DeepSpeed or FSDP, a model already sharded by transformers (``tp_plan``/``tp_size``),
+   config enabling DeepSpeed or FSDP, a model already sharded (by transformers' ``tp_plan``, or by our
+   ``autoparallelize``: pass the plain model and ``plan_path=``),
    ``model_init`` (the model would be rebuilt unparallelised) and ``auto_find_batch_size``.
    ``gradient_checkpointing``/``activation_checkpointing=True`` is *not* an error, but **the plan wins**: it
    decides which modules recompute their activations, so the Trainer's own checkpointing is turned off with a
@@ -165,15 +166,10 @@ class AutoParallelCallback(TrainerCallback):
             self._trainer = trainer
             return
         _turn_off_trainer_recompute(trainer.args)
-        applied = getattr(trainer.model, "_hf_colossal_auto_plan", None)
-        if applied is not None:  # the model was given to the Trainer already parallelised (autoparallelize)
-            logger.info("AutoParallelCallback: the model already runs a plan; keeping it")
-            self.plan = applied
-        else:
-            with _preserved_rng():
-                self.plan = self._make_plan(trainer)
-                optimizers = [_unwrap_optimizer(trainer.optimizer)] if trainer.optimizer is not None else []
-                apply_plan(trainer.model, self.plan, optimizers=optimizers)
+        with _preserved_rng():
+            self.plan = self._make_plan(trainer)
+            optimizers = [_unwrap_optimizer(trainer.optimizer)] if trainer.optimizer is not None else []
+            apply_plan(trainer.model, self.plan, optimizers=optimizers)
         if self.save_plan_path is not None and dist.get_rank() == 0:
             self.save_plan_path.parent.mkdir(parents=True, exist_ok=True)
             self.plan.save(self.save_plan_path)
@@ -256,8 +252,12 @@ def check_trainer_compatible(trainer: Trainer) -> None:
         )
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
         problems.append("the accelerate launch config enables FSDP or DeepSpeed")
-    model_tp = getattr(trainer.model, "tp_size", None) or 1
-    if model_tp > 1 or getattr(trainer, "is_distributed_loading_by_transformers", False):
+    if hasattr(trainer.model, "_hf_colossal_auto_plan"):
+        problems.append(
+            "a model already parallelised by autoparallelize/apply_plan: give the Trainer the plain model, and "
+            "a saved plan as AutoParallelCallback(plan_path=...)"
+        )
+    elif (getattr(trainer.model, "tp_size", None) or 1) > 1 or trainer.is_distributed_loading_by_transformers:
         problems.append("the model was already sharded by transformers (from_pretrained(tp_plan=...))")
     if trainer.model_init is not None:
         problems.append("Trainer(model_init=...): the model would be rebuilt without the plan at train()")
