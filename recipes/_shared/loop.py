@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, get_scheduler
 
 from hf_colossal_auto.models import build_model
+from hf_colossal_auto.run import use_cpu_without_gpus
 
 from . import checkpoints
 from .cli import build_parser, finalize_args, resolve_model_config
@@ -46,6 +47,8 @@ def make_accelerator(args: Namespace) -> Accelerator:
         "dataloader_config": DataLoaderConfiguration(use_seedable_sampler=True),
         "mixed_precision": args.mixed_precision,
     }
+    # accelerate starts CPU processes with torchrun but gives them gloo only with ACCELERATE_USE_CPU set
+    use_cpu_without_gpus()
     if args.no_auto_parallel:
         return Accelerator(**kwargs)
     from hf_colossal_auto.integrations import AutoParallelAccelerator, AutoParallelPlugin
@@ -56,15 +59,26 @@ def make_accelerator(args: Namespace) -> Accelerator:
     return AutoParallelAccelerator(auto_parallel_plugin=plugin, **kwargs)
 
 
-def _documents(args: Namespace, output_dir: Path) -> tuple[list[str], list[str]]:
+def _documents(args: Namespace, output_dir: Path) -> tuple[list[str], list[str], str]:
+    """Training and evaluation documents, and a description of where they came from (for the tokenizer
+    cache). A bad file is a one-line error, not a traceback."""
     cache = output_dir / "datasets_cache"
-    if args.train_file:
-        documents = load_text_file(args.train_file, args.text_column, cache)
-    else:
-        documents = synthetic_corpus(args.synthetic_documents, seed=args.seed)
-    if args.eval_file:
-        return documents, load_text_file(args.eval_file, args.text_column, cache)
-    return split_documents(documents, args.validation_split_percentage)
+    try:
+        if args.train_file:
+            documents = load_text_file(args.train_file, args.text_column, cache)
+            stat = Path(args.train_file).stat()
+            source = (
+                f"{Path(args.train_file).resolve()}:{stat.st_size}:{int(stat.st_mtime)}:{args.text_column}"
+            )
+        else:
+            documents = synthetic_corpus(args.synthetic_documents, seed=args.seed)
+            source = f"synthetic:{args.synthetic_documents}:{args.seed}"
+        if args.eval_file:
+            return documents, load_text_file(args.eval_file, args.text_column, cache), source
+    except (OSError, ValueError) as exc:
+        raise SystemExit(str(exc)) from exc
+    train, held_out = split_documents(documents, args.validation_split_percentage)
+    return train, held_out, f"{source}:split{args.validation_split_percentage}"
 
 
 def _optimizer(model: torch.nn.Module, args: Namespace) -> torch.optim.Optimizer:
@@ -155,7 +169,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
 
-    train_docs, eval_docs = _documents(args, output_dir)
+    train_docs, eval_docs, source = _documents(args, output_dir)
     with accelerator.main_process_first():
         tokenizer = load_or_train_tokenizer(
             recipe.tokenizer_kind,
@@ -164,6 +178,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
             args.vocab_size,
             recipe.num_sentinels,
             args.tokenizer,
+            source,
         )
     config.vocab_size = padded_vocab_size(tokenizer)
     recipe.configure(config, tokenizer)

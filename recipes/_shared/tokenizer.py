@@ -8,6 +8,7 @@ model and loads with ``AutoTokenizer.from_pretrained``.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -19,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 logger = logging.getLogger(__name__)
 
 KINDS = ("bpe", "wordpiece", "unigram")
+_SETTINGS_FILE = "trained_with.json"
 
 
 def sentinel_token(i: int) -> str:
@@ -126,18 +128,32 @@ def load_or_train_tokenizer(
     vocab_size: int,
     num_sentinels: int = 0,
     path: str | None = None,
+    source: str = "",
 ) -> PreTrainedTokenizerBase:
     """``path`` if given (any saved transformers tokenizer); else the tokenizer cached in ``cache_dir``; else
     train one on ``texts`` and cache it there. Call under ``accelerator.main_process_first()`` so one process
-    trains and the others load its result."""
+    trains and the others load its result.
+
+    The cache records what it was trained from (``kind``, sizes, and ``source``, a description of the text);
+    reusing an output directory with other settings is refused rather than silently retraining, because the
+    checkpoints there were made with the cached tokenizer's ids."""
     if path:
         return AutoTokenizer.from_pretrained(path)
+    settings = {"kind": kind, "vocab_size": vocab_size, "num_sentinels": num_sentinels, "source": source}
+    record = cache_dir / _SETTINGS_FILE
     if (cache_dir / "tokenizer.json").is_file():
+        cached = json.loads(record.read_text()) if record.is_file() else None
+        if cached != settings:
+            raise SystemExit(
+                f"the tokenizer cached in {cache_dir} was trained with {cached}, this run asks for {settings}; "
+                "use another --output_dir, delete that tokenizer folder, or pass --tokenizer to reuse it as is"
+            )
         logger.info("loading the cached tokenizer from %s", cache_dir)
         return AutoTokenizer.from_pretrained(str(cache_dir))
     logger.info("training a %s tokenizer (vocab <= %d) on %d documents", kind, vocab_size, len(texts))
     tokenizer = train_tokenizer(kind, texts, vocab_size, num_sentinels)
     tokenizer.save_pretrained(str(cache_dir))
+    record.write_text(json.dumps(settings))
     return tokenizer
 
 
