@@ -156,6 +156,18 @@ def test_t5_tokenizer_has_ordered_sentinels_and_padded_vocab():
         sentinel_ids(tokenizer, 101)
 
 
+def test_cached_tokenizer_is_reused_only_for_the_same_settings(tmp_path):
+    from _shared.corpus import synthetic_corpus
+    from _shared.tokenizer import load_or_train_tokenizer
+
+    docs = synthetic_corpus(50)
+    first = load_or_train_tokenizer("bpe", docs, tmp_path, 400, source="synthetic:50")
+    again = load_or_train_tokenizer("bpe", [], tmp_path, 400, source="synthetic:50")  # no text needed: cached
+    assert again.get_vocab() == first.get_vocab()
+    with pytest.raises(SystemExit, match="another --output_dir"):
+        load_or_train_tokenizer("bpe", docs, tmp_path, 400, source="corpus.txt")
+
+
 # ----------------------------------------------------------------------------------------- runs
 @pytest.fixture
 def fresh_accelerate_state():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from transformers import PretrainedConfig
+
 from hf_colossal_auto.models import load_config, max_positions
 
 from .recipe import Recipe
@@ -13,6 +15,8 @@ SCHEDULERS = ("cosine", "linear", "constant_with_warmup")
 TINY_VOCAB = 1024
 FULL_VOCAB = 32000
 TINY_SEQ_LEN = 128
+# A tiny model (2 layers, width 64) learns fast at a rate that would diverge for a full-size one.
+TINY_LR = 1e-3
 
 
 def build_parser(recipe: Recipe) -> argparse.ArgumentParser:
@@ -55,7 +59,11 @@ def build_parser(recipe: Recipe) -> argparse.ArgumentParser:
     train.add_argument("--max_steps", type=int, default=1000, help="optimizer steps")
     train.add_argument("--per_device_batch_size", type=int, default=8)
     train.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    train.add_argument("--lr", type=float, default=recipe.learning_rate, help="peak learning rate (AdamW)")
+    train.add_argument(
+        "--lr",
+        type=float,
+        help=f"peak learning rate of AdamW (default {recipe.learning_rate:g}; {TINY_LR:g} for tiny models)",
+    )
     train.add_argument("--weight_decay", type=float, default=0.01)
     train.add_argument("--lr_scheduler", choices=SCHEDULERS, default="cosine")
     train.add_argument("--warmup_steps", type=int, help="default: 5%% of --max_steps")
@@ -90,7 +98,7 @@ def build_parser(recipe: Recipe) -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_model_config(recipe: Recipe, model: str):
+def resolve_model_config(recipe: Recipe, model: str) -> PretrainedConfig:
     """The model config for ``--model``: a recipe preset, or a config.json path."""
     preset = recipe.presets.get(model)
     if preset is None and not Path(model).exists():
@@ -101,7 +109,7 @@ def resolve_model_config(recipe: Recipe, model: str):
     return load_config(preset or model)
 
 
-def finalize_args(args: argparse.Namespace, config) -> argparse.Namespace:
+def finalize_args(args: argparse.Namespace, config: PretrainedConfig, recipe: Recipe) -> argparse.Namespace:
     """Fill the defaults that depend on the model, and reject settings that cannot work, before any work."""
     limit = max_positions(config)
     if args.seq_len is None:
@@ -110,6 +118,8 @@ def finalize_args(args: argparse.Namespace, config) -> argparse.Namespace:
         raise SystemExit(f"--seq_len {args.seq_len} exceeds the {args.model} model's {limit} positions")
     if args.vocab_size is None:
         args.vocab_size = TINY_VOCAB if args.model == "tiny" else FULL_VOCAB
+    if args.lr is None:
+        args.lr = TINY_LR if args.model == "tiny" else recipe.learning_rate
     if args.warmup_steps is None:
         args.warmup_steps = args.max_steps // 20
     for name in (

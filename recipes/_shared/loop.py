@@ -71,8 +71,9 @@ def _documents(args: Namespace, output_dir: Path) -> tuple[list[str], list[str],
                 f"{Path(args.train_file).resolve()}:{stat.st_size}:{int(stat.st_mtime)}:{args.text_column}"
             )
         else:
-            documents = synthetic_corpus(args.synthetic_documents, seed=args.seed)
-            source = f"synthetic:{args.synthetic_documents}:{args.seed}"
+            # One fixed corpus (not --seed's): runs with other seeds share data and the cached tokenizer.
+            documents = synthetic_corpus(args.synthetic_documents, seed=0)
+            source = f"synthetic:{args.synthetic_documents}"
         if args.eval_file:
             return documents, load_text_file(args.eval_file, args.text_column, cache), source
     except (OSError, ValueError) as exc:
@@ -161,7 +162,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     """Parse the command line and pretrain ``recipe``'s model; see ``--help``."""
     args = build_parser(recipe).parse_args(argv)
     config = resolve_model_config(recipe, args.model)
-    args = finalize_args(args, config)
+    args = finalize_args(args, config, recipe)
     accelerator = make_accelerator(args)
     _setup_logging(accelerator)
     set_seed(args.seed)
