@@ -7,6 +7,7 @@ private symbol is fixed in one file. Each import says which public behaviour we 
 from __future__ import annotations
 
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # fake tensors: shapes, no memory
+from torch.distributed._tools.mem_tracker import MemTracker  # measured peaks (incl. DTensor local shards)
 from torch.distributed._tools.mod_tracker import ModTracker  # module FQN tracking through fwd and bwd
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -31,6 +32,7 @@ __all__ = [
     "dtensor_sharding_propagator",
     "FakeTensor",
     "FakeTensorMode",
+    "MemTracker",
     "ModTracker",
     "TorchDispatchMode",
     "WeakIdKeyDictionary",

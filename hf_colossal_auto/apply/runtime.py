@@ -42,6 +42,7 @@ from .._torch_compat import allow_implicit_replication, tree_map
 from ..plan import Plan
 from .dtensor_rules import register_runtime_rules
 from .enforce import enforce_plan
+from .recompute import apply_recompute
 
 logger = logging.getLogger(__name__)
 
@@ -310,6 +311,7 @@ def apply_plan(
     wrap_forward(model, mesh)
     register_embedding_reduction(model)
     enforce_plan(model, plan)
+    apply_recompute(model, plan)  # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP
     if fsdp:
         _fully_shard(model, mesh)
     register_gradient_sync(model, mesh, average_over_dp=not fsdp)

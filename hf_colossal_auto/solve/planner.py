@@ -18,6 +18,7 @@ Baselines are the same ILP with parameter placements pinned, priced by the same 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import math
@@ -37,6 +38,7 @@ from ..hardware.catalog import memory_budget_default
 from ..plan import BlockCost, Plan
 from ..profile.profiler import _module_list_children, block_units
 from ..strategies import enumerate_strategies
+from ..strategies.placements import is_shard
 from ..units import format_bytes, parse_bytes
 from .builder import (
     BuiltProblem,
@@ -44,16 +46,23 @@ from .builder import (
     _node_name,
     _param_node_name,
     build_problem,
-    edge_reshardings,
-    value_readers,
 )
-from .cost_model import AxisComm
+from .cost_model import (
+    AxisComm,
+    gradient_at_consumer,
+    gradient_at_producer,
+    redistribute,
+    splits_work,
+)
 from .ilp import solve
-from .problem import InfeasibleError, Solution, evaluate
+from .problem import InfeasibleError, Solution, evaluate, memory_usage
 
 logger = logging.getLogger(__name__)
 
 BASELINES = ("ddp", "fsdp", "megatron")
+RECOMPUTE_MODES = ("auto", "none", "full", "two-stage")
+"""``auto``: recompute per block chosen jointly with sharding; ``none``/``full``: fixed for every block;
+``two-stage``: shard first ignoring memory, then choose recompute (the baseline the joint ILP beats)."""
 
 
 @dataclass
@@ -103,7 +112,11 @@ class _Planner:
         mixed_precision: str | None,
         optimizer: str | None,
         time_limit_s: float,
+        recompute: str = "auto",
     ) -> None:
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        self.recompute = recompute
         self.model = model
         self.inputs = example_inputs
         self.cluster = cluster
@@ -128,12 +141,15 @@ class _Planner:
         mixed_precision: str | None,
         optimizer: str | None,
         time_limit_s: float,
+        recompute: str = "auto",
     ) -> _Planner:
         """A planner for the public entry points' arguments (device name, budget string)."""
         spec = get_device(device)
         cluster = ClusterSpec(spec, num_devices, devices_per_node)
         budget = _resolve_budget(memory_budget, spec)
-        return cls(model, example_inputs, cluster, budget, mixed_precision, optimizer, time_limit_s)
+        return cls(
+            model, example_inputs, cluster, budget, mixed_precision, optimizer, time_limit_s, recompute
+        )
 
     def graph(self, dp: int) -> StepGraph:
         if dp not in self._graphs:
@@ -158,7 +174,12 @@ class _Planner:
         dp_mode: str,
         fixed_params: dict[str, str] | None = None,
         pin_unlisted: bool = False,
+        recompute_pin: str | Mapping[str, str] | None = None,
     ) -> BuiltProblem:
+        """The ILP of one mesh; recompute is a decision unless ``recompute_pin`` (or the planner's mode "none" /
+        "full") fixes it."""
+        if recompute_pin is None and self.recompute in ("none", "full"):
+            recompute_pin = self.recompute
         dp, tp = mesh
         graph = self.graph(dp)
         tp_comm = AxisComm(tp, self.cluster.axis_link(mesh, 1), self.spec.kind, self.spec.kernel_overhead_s)
@@ -174,14 +195,43 @@ class _Planner:
             budget=self.budget,
             fixed_params=fixed_params,
             pin_unlisted=pin_unlisted,
+            recompute_layers=self.layers,
+            recompute_pin=recompute_pin,
         )
+
+    @property
+    def layers(self) -> list[str]:
+        """The blocks recompute can be decided for: the model's ``ModuleList`` children."""
+        return _module_list_children(self.model)
 
     def solve_mesh(
         self, mesh: tuple[int, int], dp_mode: str, fixed_params: dict[str, str] | None = None
     ) -> tuple[BuiltProblem, Solution]:
+        if self.recompute == "two-stage":
+            return self._two_stage(mesh, dp_mode, fixed_params)
         built = self.build(mesh, dp_mode, fixed_params)
         solution = solve(built.problem, time_limit_s=self.time_limit_s)
         return built, solution
+
+    def _two_stage(
+        self, mesh: tuple[int, int], dp_mode: str, fixed_params: dict[str, str] | None
+    ) -> tuple[BuiltProblem, Solution]:
+        """The baseline the joint ILP is measured against: shard for speed ignoring memory (no recompute),
+        then choose recompute per block for that sharding under the budget."""
+        budget = self.budget
+        self.budget = 1 << 62
+        try:
+            first = self.build(mesh, dp_mode, fixed_params, recompute_pin="none")
+        finally:
+            self.budget = budget
+        sharding = solve(first.problem, time_limit_s=self.time_limit_s).choice
+        built = self.build(mesh, dp_mode, fixed_params)
+        fixed = dict(built.problem.fixed)
+        for node in built.problem.nodes:
+            if node.name in sharding and node.name not in built.recompute_options:
+                fixed[node.name] = sharding[node.name]
+        built.problem = dataclasses.replace(built.problem, fixed=fixed)
+        return built, solve(built.problem, time_limit_s=self.time_limit_s)
 
     def to_plan(self, mesh: tuple[int, int], dp_mode: str, built: BuiltProblem, solution: Solution) -> Plan:
         return _make_plan(self, mesh, dp_mode, built, solution)
@@ -239,6 +289,7 @@ def plan_model(
     optimizer: str | None = "adamw",
     time_limit_s: float = 60.0,
     dp_modes: tuple[str, ...] = ("ddp", "fsdp"),
+    recompute: str = "auto",
 ) -> Plan:
     """Plan data + tensor parallelism for ``model`` on ``num_devices`` devices of kind ``device``.
 
@@ -246,7 +297,9 @@ def plan_model(
     step consumes across all data-parallel ranks). ``memory_budget`` is per device, in bytes or a string like
     ``"40GiB"``; None means the device's memory minus the margin of
     :func:`hf_colossal_auto.hardware.memory_budget_default`. ``dp_modes`` are the data-parallel modes tried on
-    meshes with a data-parallel axis ("ddp", "fsdp").
+    meshes with a data-parallel axis ("ddp", "fsdp"). ``recompute``: "auto" chooses activation recompute per
+    block jointly with the sharding (one ILP); "none" and "full" fix it for every block; "two-stage" shards
+    first and then chooses recompute (a baseline).
     """
     unknown = sorted(set(dp_modes) - {"ddp", "fsdp"})
     if unknown or not dp_modes:
@@ -263,6 +316,7 @@ def plan_model(
         mixed_precision,
         optimizer,
         time_limit_s,
+        recompute,
     )
     spec, budget = planner.spec, planner.budget
     t0 = time.perf_counter()
@@ -299,8 +353,13 @@ def plan_model(
     if best is None:
         raise InfeasibleError(
             f"No plan for {type(model).__name__} on {num_devices} x {spec.name} fits {format_bytes(budget)} per "
-            f"device: the smallest per-device memory any plan needs is {format_bytes(min_required)}. Use more "
-            "devices, a smaller batch, or (when available) activation recompute.",
+            f"device: the smallest per-device memory any plan needs is {format_bytes(min_required)}"
+            + (
+                " (with full activation recompute where it helps)"
+                if recompute != "none"
+                else f" without activation recompute (recompute={recompute!r})"
+            )
+            + ". Use more devices, a smaller batch or sequence, or a larger budget.",
             min_required=min_required,
             exact=False,
             choice=None,
@@ -355,8 +414,18 @@ def _make_plan(
             spread(block_compute, module, cost)
     for edge in problem.edges:
         c = edge.cost[solution.choice[edge.src]][solution.choice[edge.dst]] * edge.multiplicity
-        comm += c
-        spread(block_comm, built.block_of.get(edge.dst, ""), c)
+        if edge.src in built.recompute_options:  # the forward a recomputed node runs again
+            compute += c
+            spread(block_compute, built.block_of.get(edge.dst, ""), c)
+        else:
+            comm += c
+            spread(block_comm, built.block_of.get(edge.dst, ""), c)
+    for cond in problem.conditional_costs:  # collectives feeding a recomputed node, run again
+        if solution.choice[cond.when_node] in cond.when:
+            c = cond.cost[solution.choice[cond.src]][solution.choice[cond.dst]]
+            comm += c
+            spread(block_comm, built.block_of.get(cond.dst, ""), c)
+    recompute = _recompute_choice(built, solution)
     # placements
     tp_place: dict[str, str] = {}
     for pname, fqn in built.param_of_node.items():
@@ -383,20 +452,23 @@ def _make_plan(
                 communication_s=block_comm.get(unit, 0.0),
                 memory_bytes=int(act_per_unit.get(unit, 0)),
                 placements=per_unit_params.get(unit, {}),
+                recompute=recompute.get(unit, "none"),
             )
         )
     collectives = _collectives(built, solution, graph, tied, mesh, planner, dp_mode)
+    for kind, count in _recompute_collectives(built, solution, graph, tied, mesh, planner).items():
+        collectives[kind] = round(collectives.get(kind, 0.0) + count, 6)
     param_mem = 0.0
+    at_peak_params = 0.0
     for pname in built.param_options:
         node = problem.node(pname)
         terms = problem.memory_constraints[1].terms.get(pname)
         if terms:
             param_mem += terms[solution.choice[pname]] * node.multiplicity
-    act_mem = 0.0
-    for name, terms in problem.memory_constraints[0].terms.items():
-        if name in built.strategies:
-            act_mem += terms[solution.choice[name]] * problem.node(name).multiplicity
-    act_mem += built.act_constant
+        peak_terms = problem.memory_constraints[0].terms.get(pname)
+        if peak_terms:
+            at_peak_params += peak_terms[solution.choice[pname]] * node.multiplicity
+    act_mem = memory_usage(problem, solution.choice)["activation-peak"] - at_peak_params
     return Plan(
         model_class=graph.model_class,
         num_devices=planner.cluster.num_devices,
@@ -417,7 +489,9 @@ def _make_plan(
         activation_memory_bytes=int(act_mem),
         blocks=blocks,
         collectives=collectives,
+        recompute=recompute,
         param_use_placements=_param_use_placements(built, solution, graph, tied, planner.model),
+        collective_bytes=_collective_bytes(built, solution, graph, tied, mesh, planner, dp_mode),
         solver={
             "status": solution.status,
             "gap": solution.gap if solution.gap is not None else 0.0,
@@ -462,19 +536,84 @@ def _unit_order(model: nn.Module, unit_of) -> list[str]:
 
 
 def _activation_per_unit(built, solution, graph, tied, unit_of, tp) -> dict[str, float]:
+    """Activation bytes at the peak per depth unit (the recompute choice applied)."""
     out: dict[str, float] = defaultdict(float)
-    terms = built.problem.memory_constraints[0].terms
-    for name in built.strategies:
-        t = terms.get(name)
-        if not t:
-            continue
-        i = built.node_of_name[name]
-        per_copy = t[solution.choice[name]]
-        module = graph.nodes[i].module
+    constraint = built.problem.memory_constraints[0]
+
+    def add(name: str, per_copy: float) -> None:
+        module = graph.nodes[built.node_of_name[name]].module
         reals = _real_modules(graph, module)
         for real in reals:
-            out[unit_of(real)] += per_copy  # terms are per real block already
+            out[unit_of(real)] += per_copy / len(reals)
+
+    for name in built.strategies:
+        t = constraint.terms.get(name)
+        if t:
+            # terms are per real block; the constraint multiplies them by the node's multiplicity
+            add(name, t[solution.choice[name]] * built.problem.node(name).multiplicity)
+    for (src, dst), matrix in constraint.edge_terms.items():
+        if src in built.recompute_options:
+            add(dst, matrix[solution.choice[src]][solution.choice[dst]])
     return out
+
+
+def _recompute_choice(built: BuiltProblem, solution: Solution) -> dict[str, str]:
+    """Block FQN -> the recompute option chosen for it."""
+    out: dict[str, str] = {}
+    for rc, unit in built.recompute_units.items():
+        option = built.recompute_options[rc][solution.choice[rc]].name
+        for block in unit.blocks:
+            out[block] = option
+    return out
+
+
+def _recompute_collectives(built, solution, graph, tied, mesh, planner) -> dict[str, float]:
+    """Forward collectives run again because the node they feed is recomputed in backward."""
+    counts: dict[str, float] = defaultdict(float)
+    tp_comm = AxisComm(
+        mesh[1], planner.cluster.axis_link(mesh, 1), planner.spec.kind, planner.spec.kernel_overhead_s
+    )
+    rerun = {
+        built.node_of_name[name]
+        for rc, unit in built.recompute_units.items()
+        for name in (_node_name(c) for c in unit.nodes)
+        if built.recompute_options[rc][solution.choice[rc]].recomputes(graph.nodes[built.node_of_name[name]])
+    }
+    if not rerun:
+        return {}
+    producer = {
+        vid: (n.index, pos)
+        for n in graph.nodes
+        if n.phase is Phase.FORWARD
+        for pos, vid in enumerate(n.outputs)
+    }
+    for v_idx in sorted(tied.canonical):
+        v_c = tied.canonical[v_idx]
+        if v_c not in rerun:
+            continue
+        v_name = _node_name(v_c)
+        strat = built.strategies[v_name][solution.choice[v_name]]
+        for k, vid in enumerate(graph.nodes[v_idx].inputs):
+            value = graph.values[vid]
+            if value.name is not None and value.kind.value == "param":
+                pname = _param_node_name(tied.canonical_param(value.name))
+                if pname not in built.param_options:
+                    continue
+                src = built.param_options[pname][solution.choice[pname]]
+            elif vid in producer and producer[vid][0] in tied.canonical:
+                u_idx, pos = producer[vid]
+                u_name = _node_name(tied.canonical[u_idx])
+                if u_name == v_name:
+                    continue
+                src = built.strategies[u_name][solution.choice[u_name]].output_placements[pos][0]
+            else:
+                continue
+            spec = strat.input_placements[k] if k < len(strat.input_placements) else None
+            dst = spec[0] if spec is not None else src
+            _, kind = redistribute(src, dst, value.nbytes, tp_comm)
+            if kind:
+                counts[kind] += tied.weight[v_idx]
+    return dict(counts)
 
 
 def _ancestors(module: str) -> list[str]:
@@ -575,45 +714,106 @@ def _param_use_placements(built, solution, graph, tied, model: nn.Module) -> dic
 
 
 def _collectives(built, solution, graph, tied, mesh, planner, dp_mode) -> dict[str, float]:
-    """Predicted collectives per step by kind: tensor-parallel resharding of every edge the solution prices
-    (fractions where consumers share one gradient reduction) and data-parallel gradient synchronisation."""
+    """Predicted collectives per step by kind (see :func:`_collective_prediction`)."""
+    return _collective_prediction(built, solution, graph, tied, mesh, planner, dp_mode)[0]
+
+
+def _collective_bytes(built, solution, graph, tied, mesh, planner, dp_mode) -> dict[str, float]:
+    """Predicted bytes per step by collective kind (see :func:`_collective_prediction`)."""
+    return _collective_prediction(built, solution, graph, tied, mesh, planner, dp_mode)[1]
+
+
+def _given_bytes(kind: str, size: float, tp: int) -> float:
+    """Bytes of the tensor one rank hands a collective over a value of ``size`` logical bytes: its shard for an
+    all-gather, the whole value for an all-reduce or a reduce-scatter (what CommDebugMode-style counting sees)."""
+    return size / tp if kind in ("all_gather", "all_to_all") else size
+
+
+def _collective_prediction(
+    built, solution, graph, tied, mesh, planner, dp_mode
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Predicted collectives per step, by kind: how many, and the bytes each rank hands them (:func:`_given_bytes`).
+
+    Tensor-parallel: the forward resharding of every edge of the solution, and the backward resharding of its
+    gradient. A *partial* gradient is not reduced where it is made: it passes back through views (a linear's
+    flattening of its input) and sums with the other contributions to the value they view, and is reduced
+    once there (what the runtime's boundary hooks and autograd's accumulation do): q, k and v projections of
+    one normed input cost one all-reduce. Data-parallel: one gradient synchronisation per parameter (counted,
+    its bytes not: they depend on the tensor-parallel shard each replica holds).
+    """
     counts: dict[str, float] = defaultdict(float)
+    nbytes: dict[str, float] = defaultdict(float)
     dp, tp = mesh
     producer = {}
     for n in graph.nodes:
         if n.phase is Phase.FORWARD:
             for pos, vid in enumerate(n.outputs):
                 producer[vid] = (n.index, pos)
-    readers = value_readers(graph, tied)
     tp_comm = AxisComm(
         tp, planner.cluster.axis_link(mesh, 1), planner.spec.kind, planner.spec.kernel_overhead_s
     )
+
+    def source(vid: int) -> tuple[str, bool] | None:
+        """Placement a value is made in (a parameter's storage, or its producer's output), and if a param."""
+        value = graph.values[vid]
+        if value.name is not None and value.kind.value == "param":
+            pname = _param_node_name(tied.canonical_param(value.name))
+            if pname not in built.param_options:
+                return None
+            return built.param_options[pname][solution.choice[pname]], True
+        if vid in producer and producer[vid][0] in tied.canonical:
+            u_idx, pos = producer[vid]
+            u_name = _node_name(tied.canonical[u_idx])
+            return built.strategies[u_name][solution.choice[u_name]].output_placements[pos][0], False
+        return None
+
+    def viewed(vid: int) -> int:
+        """The value a chain of views of activations starts from."""
+        while vid in producer and producer[vid][0] in tied.canonical:
+            node = graph.nodes[producer[vid][0]]
+            ins = [v for v in node.inputs if graph.values[v].kind.value != "param"]
+            if not node.is_view or len(ins) != 1 or source(ins[0]) is None:
+                break
+            vid = ins[0]
+        return vid
+
+    partial_roots: dict[int, int] = {}
     for v_idx in sorted(tied.canonical):
         w = tied.weight[v_idx]
         v_name = _node_name(tied.canonical[v_idx])
         strat = built.strategies[v_name][solution.choice[v_name]]
         for k, vid in enumerate(graph.nodes[v_idx].inputs):
-            value = graph.values[vid]
-            if value.name is not None and value.kind.value == "param":
-                pname = _param_node_name(tied.canonical_param(value.name))
-                if pname not in built.param_options:
-                    continue
-                src, is_param = built.param_options[pname][solution.choice[pname]], True
-            elif vid in producer and producer[vid][0] in tied.canonical:
-                u_idx, pos = producer[vid]
-                u_name = _node_name(tied.canonical[u_idx])
-                if u_name == v_name:
-                    continue
-                src, is_param = (
-                    built.strategies[u_name][solution.choice[u_name]].output_placements[pos][0],
-                    False,
-                )
-            else:
+            made = source(vid)
+            if made is None:
                 continue
-            for _, kind, count in edge_reshardings(
-                src, strat, k, value.nbytes, 0, tp_comm, param=is_param, consumers=readers[vid]
-            ):
-                counts[kind] += w * count
+            src, is_param = made
+            if not is_param and _node_name(tied.canonical[producer[vid][0]]) == v_name:
+                continue
+            size = graph.values[vid].nbytes
+            spec = strat.input_placements[k] if k < len(strat.input_placements) else None
+            dst = spec[0] if spec is not None else src
+            _, kind = redistribute(src, dst, size, tp_comm)
+            if kind:
+                counts[kind] += w
+                nbytes[kind] += w * _given_bytes(kind, size, tp)
+            ins = tuple(p[0] if p is not None else None for p in strat.input_placements)
+            outs = tuple(p[0] for p in strat.output_placements)
+            grad_from = gradient_at_consumer(dst, splits_work(ins, outs))
+            if grad_from == "P" and not is_param:
+                partial_roots[viewed(vid)] = w  # reduced once where the viewed value was made
+                continue
+            grad_to = src if is_param and is_shard(src) else gradient_at_producer(src)
+            _, kind = redistribute(grad_from, grad_to, size, tp_comm)
+            if kind:
+                counts[kind] += w
+                nbytes[kind] += w * _given_bytes(kind, size, tp)
+    for vid, w in partial_roots.items():
+        src, is_param = source(vid)
+        grad_to = src if is_param and is_shard(src) else gradient_at_producer(src)
+        _, kind = redistribute("P", grad_to, graph.values[vid].nbytes, tp_comm)
+        if kind:
+            counts[kind] += w
+            nbytes[kind] += w * _given_bytes(kind, graph.values[vid].nbytes, tp)
     if dp > 1:
         n_params = len(graph.param_names)
         if dp_mode == "fsdp":
@@ -621,7 +821,10 @@ def _collectives(built, solution, graph, tied, mesh, planner, dp_mode) -> dict[s
             counts["dp_reduce_scatter"] += n_params
         else:
             counts["dp_all_reduce"] += n_params
-    return {k: round(v, 6) for k, v in sorted(counts.items())}
+    return (
+        {k: round(v, 6) for k, v in sorted(counts.items())},
+        {k: round(v, 6) for k, v in sorted(nbytes.items())},
+    )
 
 
 # ---------------------------------------------------------------------------------------------- baselines
