@@ -14,7 +14,9 @@ one's backward is the reverse redistribution of the gradient the planner's edges
   parameter redistributed to the plan's placement for that use, and the post-hook puts the parameter back;
   the gradient flows through the redistribution to the parameter;
 * module outputs (``Plan.activation_placements``): a forward hook redistributes the output tensor (or the
-  first tensor of a tuple / ModelOutput) to the plan's placement. A partial target is left to DTensor.
+  first tensor of a tuple / ModelOutput) to the plan's placement (a partial target is left to DTensor),
+  and in backward reduces a partial gradient arriving there to the placement the planner prices for it
+  (the gradient of a value made replicated is replicated; of a shard, that shard).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
@@ -53,16 +56,44 @@ def _redistributed(value: Any, placement: Placement) -> Any:
     return value.redistribute(value.device_mesh, [placement])
 
 
+class _ReducePartialGradient(torch.autograd.Function):
+    """Identity in forward; in backward a *partial* gradient is reduced to the placement the planner prices
+    for the gradient of this output (replicated, or the output's shard). Without it a partial gradient flows
+    on through every backward op that is linear in it (a Llama RMSNorm's muls) and is reduced late and
+    piecemeal (once per parameter gradient it reaches) instead of once where the module's output was made."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, target: Placement) -> DTensor:
+        ctx.target = target
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        if isinstance(grad, DTensor) and grad.device_mesh.ndim == 1 and grad.placements[0].is_partial():
+            grad = grad.redistribute(grad.device_mesh, [ctx.target])
+        return grad, None
+
+
+def _enforced(value: Any, placement: Placement) -> Any:
+    if not isinstance(value, DTensor) or value.device_mesh.ndim != 1:
+        return value
+    value = _redistributed(value, placement)
+    if value.requires_grad:
+        target = value.placements[0] if isinstance(value.placements[0], Shard) else Replicate()
+        value = _ReducePartialGradient.apply(value, target)
+    return value
+
+
 def _output_hook(placement: Placement):
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         if isinstance(output, DTensor):
-            return _redistributed(output, placement)
+            return _enforced(output, placement)
         if isinstance(output, tuple) and output and isinstance(output[0], DTensor):
-            return (_redistributed(output[0], placement), *output[1:])
+            return (_enforced(output[0], placement), *output[1:])
         if isinstance(output, Mapping) and output:
             key = next(iter(output.keys()))
             if isinstance(output[key], DTensor):
-                output[key] = _redistributed(output[key], placement)
+                output[key] = _enforced(output[key], placement)
         return output
 
     return hook

@@ -1,0 +1,85 @@
+"""Fidelity: the collectives a plan predicts are the ones the runtime issues (runtime issue, item 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
+from hf_colossal_auto.apply import apply_plan, build_mesh
+from hf_colossal_auto.models import build_model, make_example_inputs
+from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
+
+
+def _tiny(preset: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = build_model(preset, device="cpu")
+    model.eval()  # dropout would make the runtime's masks differ from the trace's decisions
+    return model
+
+
+def _real_run_comm(model: nn.Module, plan, batch) -> tuple[dict[str, int], dict[str, int]]:
+    """One forward + backward of ``plan`` on 2 simulated ranks with real values (LocalTensorMode): collectives
+    counted by kind, with the bytes each rank hands them, by CommDebugMode's technique (a dispatch mode that
+    lets DTensor desugar first). CommDebugMode itself loses its module stack on T5's nested calls."""
+    from hf_colossal_auto.apply.simulate import _CollectiveRecorder
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    fake_process_group(2)
+    recorder = _CollectiveRecorder()
+    try:
+        with local_tensor_mode(2):
+            apply_plan(model, plan, build_mesh(plan, "cpu"))
+            with recorder:
+                model(**batch).loss.backward()
+    finally:
+        dist.destroy_process_group()
+    return dict(recorder.counts), dict(recorder.bytes)
+
+
+_CASES = [
+    (preset, kind)
+    for preset in ("tiny-gpt2", "tiny-bert", "tiny-t5", "tiny-llama")
+    for kind in ("megatron", "auto")
+]
+
+
+@pytest.mark.parametrize(
+    ("preset", "kind"),
+    [
+        pytest.param(
+            p,
+            k,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="Llama's solver plan shards the embedding, head and final norm: DTensor's vocab-parallel "
+                "loss and the norm's partial gradients run collectives the planner's edge model does not price",
+            ),
+        )
+        if (p, k) == ("tiny-llama", "auto")
+        else (p, k)
+        for p, k in _CASES
+    ],
+)
+def test_predicted_collectives_and_bytes_equal_what_the_runtime_runs(preset, kind):
+    """1 x 2 tensor-parallel mesh, batch 4 x 16, Megatron placements and the solver's own plan.
+
+    Compared exactly: the number of tensor-parallel collectives of each kind in one forward + backward
+    (``Plan.collectives``, without the ``dp_*`` entries), and the bytes each rank hands the collectives of
+    each kind (``Plan.collective_bytes``), against a run on real values (LocalTensorMode; the symbolic runtime
+    ``simulate_collectives`` is tested equal to such a run in test_runtime.py). Not compared: times, and the data-parallel gradient synchronisation
+    (absent on this mesh).
+    """
+    model = _tiny(preset)
+    batch = make_example_inputs(model, 4, 16)
+    if kind == "megatron":
+        plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+    else:
+        plan = plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(1, 2))
+    predicted = {k: int(v) for k, v in plan.collectives.items() if not k.startswith("dp_") and v}
+    predicted_bytes = {k: int(v) for k, v in plan.collective_bytes.items() if not k.startswith("dp_") and v}
+    assert all(float(v).is_integer() for v in plan.collectives.values())
+    assert _real_run_comm(model, plan, batch) == (predicted, predicted_bytes)
