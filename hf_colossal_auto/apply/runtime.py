@@ -19,9 +19,10 @@ with hard-coded head counts — runs unchanged on sharded tensors. What this mod
 Non-DTensor tensors the model makes itself (masks, position ids, RoPE tables) are the same on every rank, so
 DTensor is told to treat them as replicated (``implicit replication``) for the whole process.
 
-Not yet here (see the runtime issue): enforcing the plan's per-op strategies (DTensor's propagation picks
-its own for ops between parameters, so collectives can differ from the plan's prediction), meta-device
-materialisation.
+The plan's choices are enforced where DTensor's propagation would choose differently (:mod:`.enforce`):
+parameter uses and module outputs are redistributed as planned, above autograd, and partial gradients are
+reduced at module outputs; tests/test_fidelity.py holds the collectives to the plan's prediction. Not yet
+here: meta-device materialisation.
 """
 
 from __future__ import annotations
