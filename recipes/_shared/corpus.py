@@ -14,85 +14,17 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_NAMES = [
-    "Ada",
-    "Basil",
-    "Clara",
-    "Dmitri",
-    "Elena",
-    "Farid",
-    "Greta",
-    "Hugo",
-    "Ines",
-    "Jonas",
-    "Keiko",
-    "Liam",
-    "Mira",
-    "Nils",
-    "Olga",
-    "Pavel",
-    "Rosa",
-    "Tariq",
-]
-_NOUNS = [
-    "river",
-    "garden",
-    "engine",
-    "letter",
-    "window",
-    "market",
-    "forest",
-    "bridge",
-    "lantern",
-    "harbor",
-    "valley",
-    "kitchen",
-    "library",
-    "tower",
-    "village",
-    "machine",
-    "orchard",
-    "meadow",
-    "castle",
-    "station",
-    "teacher",
-    "farmer",
-    "sailor",
-    "doctor",
-    "painter",
-    "baker",
-]
-_PLACES = [
-    "north",
-    "coast",
-    "old",
-    "town",
-    "hills",
-    "island",
-    "station",
-    "square",
-    "mill",
-    "lighthouse",
-    "quarry",
-    "monastery",
-]
-_ADJECTIVES = [
-    "quiet",
-    "bright",
-    "old",
-    "narrow",
-    "heavy",
-    "gentle",
-    "broken",
-    "golden",
-    "distant",
-    "careful",
-    "warm",
-    "cold",
-    "hidden",
-    "busy",
-]
-_ADVERBS = ["slowly", "quickly", "carefully", "quietly", "suddenly", "happily", "rarely", "often", "gladly"]
+_NAMES = ["Ada", "Basil", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Keiko",
+    "Liam", "Mira", "Nils", "Olga", "Pavel", "Rosa", "Tariq"]  # fmt: skip
+_NOUNS = ["river", "garden", "engine", "letter", "window", "market", "forest", "bridge", "lantern",
+    "harbor", "valley", "kitchen", "library", "tower", "village", "machine", "orchard", "meadow", "castle",
+    "station", "teacher", "farmer", "sailor", "doctor", "painter", "baker"]  # fmt: skip
+_PLACES = ["north", "coast", "old", "town", "hills", "island", "station", "square", "mill", "lighthouse",
+    "quarry", "monastery"]  # fmt: skip
+_ADJECTIVES = ["quiet", "bright", "old", "narrow", "heavy", "gentle", "broken", "golden", "distant",
+    "careful", "warm", "cold", "hidden", "busy"]  # fmt: skip
+_ADVERBS = ["slowly", "quickly", "carefully", "quietly", "suddenly", "happily", "rarely", "often",
+    "gladly"]  # fmt: skip
 # (present third person, past) so that sentences agree with their tense.
 _VERBS = [
     ("finds", "found"),
@@ -108,7 +40,7 @@ _VERBS = [
     ("describes", "described"),
     ("cleans", "cleaned"),
 ]
-_NUMBERS = ["two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "twelve"]
+_NUMBERS = ["two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "twelve"]  # fmt: skip
 
 _TEMPLATES = (
     "{name} {past} the {adj} {noun} near the {place}.",
