@@ -99,9 +99,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         optimizer=optimizer,
         time_limit_s=args.time_limit,
     )
+    if args.plot and not args.frontier:
+        raise ValueError("--plot draws the frontier: add --frontier (or drop --plot)")
+    if args.frontier and args.memory_budget is not None:
+        raise ValueError("--frontier sweeps the memory budget itself: drop --memory-budget")
     with _Stage(f"building {args.model} on meta", args.quiet):
         model = build_model(args.model, device="meta")
         batch = make_example_inputs(model, args.batch_size, args.seq_len, device="meta")
+    if args.frontier:
+        return _print_frontier(args, model, batch, mesh, common)
     with _Stage(f"planning for {args.devices} x {spec.name} (capture, strategies, ILP per mesh)", args.quiet):
         plan = plan_model(model, batch, mesh_shape=mesh, **common)
     print(plan.summary())
@@ -134,6 +140,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         plan.save(args.out)
         print(f"\nwrote {args.out}")
+    return 0
+
+
+def _print_frontier(args: argparse.Namespace, model, batch, mesh, common: dict) -> int:
+    """``plan --frontier``: step time vs budget for auto and the baselines, as a table (and a PNG)."""
+    from .solve.frontier import DEFAULT_APPROACHES, PlotUnavailableError, frontier
+
+    kwargs = {k: v for k, v in common.items() if k != "memory_budget"}
+    title = f"{args.model}, batch {args.batch_size}x{args.seq_len}, {args.devices} x {common['device'].name}"
+    approaches = ("auto",) if args.no_baselines else DEFAULT_APPROACHES
+    front = frontier(
+        model,
+        batch,
+        points=args.frontier_points,
+        approaches=approaches,
+        mesh_shape=mesh,
+        progress=False if args.quiet else None,
+        title=title,
+        **kwargs,
+    )
+    print(front.table())
+    if args.plot:
+        try:
+            print(f"\nwrote {front.plot(args.plot)}")
+        except PlotUnavailableError as exc:
+            logger.warning("no plot written: %s", exc)
+            print(f"warning: no plot written: {exc}", file=sys.stderr)
     return 0
 
 
@@ -225,6 +258,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh, seconds")
     p.add_argument("--no-baselines", action="store_true", help="skip pricing ddp/fsdp/megatron")
     p.add_argument("--out", metavar="PATH", help="write the plan JSON here")
+    p.add_argument(
+        "--frontier",
+        action="store_true",
+        help="print predicted step time vs per-device budget for auto and the baselines instead of one plan",
+    )
+    p.add_argument("--frontier-points", type=int, default=8, help="budgets in the --frontier sweep")
+    p.add_argument(
+        "--plot", metavar="PATH", help="with --frontier: also write the frontier as a PNG (matplotlib)"
+    )
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("devices", help="list the hardware presets")
