@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # fake tensors: shapes, no memory
 from torch.distributed._tools.mem_tracker import MemTracker  # measured peaks (incl. DTensor local shards)
 from torch.distributed._tools.mod_tracker import ModTracker  # module FQN tracking through fwd and bwd
+from torch.nn.utils.stateless import _reparametrize_module  # functional_call's own swap, held open
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry as _torch_flop_registry
@@ -33,6 +34,7 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "MemTracker",
+    "swapped_parameters",
     "ModTracker",
     "TorchDispatchMode",
     "WeakIdKeyDictionary",
@@ -142,3 +144,9 @@ def default_dtensor_dispatch(op, args, kwargs):
         return op(*args, **(kwargs or {}))
     finally:
         handlers[op] = handler
+
+
+def swapped_parameters(module, tensors):
+    """``torch.func.functional_call``'s parameter swap as a context manager, so that it can stay open through
+    backward too (activation recompute reruns forward code inside backward, on the same swapped tensors)."""
+    return _reparametrize_module(module, tensors, tie_weights=True, strict=False)

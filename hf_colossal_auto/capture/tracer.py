@@ -24,6 +24,7 @@ from .._torch_compat import (
     ModTracker,
     TorchDispatchMode,
     WeakIdKeyDictionary,
+    swapped_parameters,
     tracked_module_name,
     tree_flatten,
     tree_map,
@@ -369,16 +370,15 @@ def _trace_once(
                     if autocast_dtype is not None
                     else torch.autocast("cpu", enabled=False)
                 )
-                with ctx, target_attention_kernels(device_kind), eager_mask_decisions(inputs):
-                    output = torch.func.functional_call(
-                        model, {**params, **buffers}, args=(), kwargs=fake_inputs
-                    )
-                loss = _extract_loss(output, model, inputs)
-                del output
-                rec.phase = Phase.BACKWARD
-                rec.module_stack.clear()
-                loss.backward()
-                del loss
+                with swapped_parameters(model, {**params, **buffers}):
+                    with ctx, target_attention_kernels(device_kind), eager_mask_decisions(inputs):
+                        output = model(**fake_inputs)
+                    loss = _extract_loss(output, model, inputs)
+                    del output
+                    rec.phase = Phase.BACKWARD
+                    rec.module_stack.clear()
+                    loss.backward()  # inside the swap: a checkpointed block reruns its forward here
+                    del loss
                 rec.module_stack.clear()
                 _classify_grads(rec, params)
                 if opt is not None and trainable:

@@ -271,6 +271,9 @@ def build_problem(
     opt_temp_terms: dict[str, list[float]] = {}
     fixed: dict[str, int] = {}
     opt_temp_ratio = _optimizer_temp_ratio(graph)
+    gathered_terms: dict[str, list[float]] = {}
+    """FSDP: bytes a parameter adds while gathered (unsharded parameter and gradient) at the activation peak."""
+    fsdp_layers = [u.name for u in units] if dp_mode == "fsdp" and dp > 1 else []
     for fqn in sorted(param_uses):
         shape = graph.param_shapes.get(fqn)
         if shape is None:
@@ -306,6 +309,15 @@ def build_problem(
         grad_terms[name] = gterms
         opt_temp_terms[name] = tterms
         block_of[name] = fqn.rsplit(".", 1)[0]
+        if fsdp_layers:
+            # FSDP2 (one unit per block, the root for the rest) holds the root's parameters and gradients
+            # unsharded through backward, and one block's at a time while that block runs: the sharded
+            # terms above count 1/dp of them, the rest is this
+            in_block = [b for b in fsdp_layers if fqn.startswith(b + ".")]
+            share = 1.0 / real_count[fqn] if in_block else 1.0
+            if in_block and in_block[0] != fsdp_layers[0]:
+                share = 0.0  # one block gathered at a time: priced on the first block's parameters
+            gathered_terms[name] = [2 * (1 - 1 / dp) * pbytes / shard_factor(o, tp) * share for o in options]
 
     # ---------------------------------------------------------------- edges
     readers = value_readers(graph, tied)
@@ -391,7 +403,7 @@ def build_problem(
 
     # ---------------------------------------------------------------- recompute decisions
     step = unroll(graph)
-    moments = [_backward_start(graph, step, unit) for unit in units]
+    moments = [_backward_peak(graph, step, unit) for unit in units]
     peak_snapshot, unit_snapshots = _liveness(graph, step, moments)
     weighted_saved = _weighted(tied, peak_snapshot.by_node)
     out_bytes = {c: float(sum(graph.values[v].nbytes for v in graph.nodes[c].outputs)) for c in canon_nodes}
@@ -439,27 +451,32 @@ def build_problem(
         return shard_factor(st.output_placements[0][axis] if st.output_placements else None, tp)
 
     def kept(option: RecomputeOption, c: int, alive: float) -> float:
-        """Bytes of node ``c`` (all the real blocks it stands for) kept for backward under ``option``."""
+        """Bytes one real block's node ``c`` keeps for backward under ``option`` (``alive``: what it keeps
+        without recompute)."""
         if option.is_none:
             return alive
         escaping = c in units[unit_index_of[c]].escaping
-        cached = out_bytes[c] * tied.multiplicity[c] if option.caches(graph.nodes[c]) else 0.0
+        cached = out_bytes[c] if option.caches(graph.nodes[c]) else 0.0
         return max(cached, alive) if escaping else cached
 
-    def rematerialised(option: RecomputeOption, c: int, alive: float) -> float:
-        """Bytes node ``c`` holds again for one block while that block's backward recomputes it."""
-        node = graph.nodes[c]
-        if option.is_none or c in units[unit_index_of[c]].escaping or not option.recomputes(node):
-            return 0.0
-        return alive / tied.multiplicity[c]
+    def held(option: RecomputeOption, c: int, alive: float, at_peak: float, inside: bool) -> float:
+        """Bytes node ``c`` holds over all the real blocks it stands for. ``inside``: the moment is inside the
+        backward of the unit's first block to go backward; that block holds what it holds without recompute
+        (recomputed or kept, the same tensors), the others only what they keep."""
+        mult = tied.multiplicity[c]
+        if not inside:
+            return mult * kept(option, c, alive / mult)
+        others = at_peak * (mult - 1) / mult
+        return (mult - 1) * kept(option, c, at_peak / mult) + max(0.0, alive - others)
 
     param_total = sum(graph.param_bytes.values())
     constant_other = peak_snapshot.by_kind.get("input", 0) + peak_snapshot.by_kind.get("buffer", 0)
 
     def constraint_at(name: str, snapshot: _Snapshot, current: int | None) -> tuple[MemoryConstraint, float]:
         """Per-device bytes at one moment of the step: what forward nodes still hold (kept per the recompute
-        choice; at the start of unit ``current``'s backward, also its recomputed block), parameters, gradients
-        alive then, and the moment's other transients."""
+        choice; inside unit ``current``'s backward, at its highest point, also its recomputed block),
+        parameters, gradients alive then, and the moment's other transients (priced unsharded: an upper bound,
+        since some of the gradients in flight are sharded)."""
         saved = _weighted(tied, snapshot.by_node)
         transient = max(0.0, snapshot.by_kind.get("activation", 0) - sum(saved.values()))
         terms: dict[str, list[float]] = {}
@@ -473,11 +490,10 @@ def build_problem(
                 if alive:
                     terms[name_c] = [alive / tied.multiplicity[c] / out_shard(st) for st in strats]
                 continue
-            if current is not None and u > current:
-                continue  # that unit's backward is over: nothing of it is held any more
+            over = current is not None and u > current  # that unit's backward is over: it holds nothing
             matrix = [
                 [
-                    (kept(o, c, alive) + (rematerialised(o, c, alive) if u == current else 0.0))
+                    (0.0 if over else held(o, c, alive, weighted_saved.get(c, 0.0), u == current))
                     / out_shard(st)
                     for st in strats
                 ]
@@ -488,6 +504,8 @@ def build_problem(
         grad_frac = snapshot.by_kind.get("grad", 0) / param_total if param_total else 0.0
         for pname, mterms in param_mem_terms.items():
             terms[pname] = [m + grad_frac * g for m, g in zip(mterms, grad_terms[pname], strict=True)]
+            if pname in gathered_terms:
+                terms[pname] = [t + x for t, x in zip(terms[pname], gathered_terms[pname], strict=True)]
         constant = constant_other + transient
         return MemoryConstraint(name, budget, constant, terms, edge_terms, apply_multiplicity=True), constant
 
@@ -634,19 +652,29 @@ def _weighted(tied: TiedGraph, by_node: dict[int, int]) -> dict[int, float]:
     return out
 
 
-def _backward_start(graph: StepGraph, step: UnrolledStep, unit: RecomputeUnit) -> int:
-    """Position (in ``step.order``) of the first backward op of the unit's block that goes backward first."""
+def _backward_peak(graph: StepGraph, step: UnrolledStep, unit: RecomputeUnit) -> int:
+    """The moment (a position in ``step.order``, its events applied) of the highest live bytes inside the
+    backward of the unit's block that goes backward first: where that block's recomputed activations meet
+    the gradients its backward allocates, while the other blocks hold only what they keep."""
     block = unit.last_block
+    total = step.initial_bytes
+    after: dict[int, int] = {}
+    for pos, delta, _ in step.events:
+        total += delta
+        after[pos] = total
+    best, best_pos, current = -1, len(step.order), step.initial_bytes
     for pos, i in enumerate(step.order):
+        current = after.get(pos, current)
         node = graph.nodes[i]
         if node.phase is not Phase.BACKWARD:
             continue
         label = step.block_of[pos]
-        if label == block or (
+        inside = label == block or (
             label is None and (node.module == block or node.module.startswith(block + "."))
-        ):
-            return pos
-    return len(step.order)
+        )
+        if inside and current > best:
+            best, best_pos = current, pos + 1  # a snapshot at pos + 1 is taken after pos's events
+    return best_pos
 
 
 def _optimizer_time(graph: StepGraph, spec: DeviceSpec) -> float:

@@ -947,8 +947,16 @@ def evaluate_plan(
     mixed_precision: str | None = None,
     optimizer: str | None = "adamw",
     time_limit_s: float = 60.0,
+    recompute: str | None = None,
 ) -> Estimate:
-    """Price a Plan, a HF-style tp_plan dict or a named baseline ("ddp", "fsdp", "megatron") under our model."""
+    """Price a Plan, a HF-style tp_plan dict or a named baseline ("ddp", "fsdp", "megatron") under our model.
+
+    ``recompute``: "none" or "full" for every block, or "auto" (recompute chosen per block to fit the budget
+    with the baseline's placements: the baseline's best case). Default: a Plan's own choice, "none" for the
+    others.
+    """
+    if recompute not in (None, "none", "full", "auto"):
+        raise ValueError(f"recompute must be None, 'none', 'full' or 'auto', got {recompute!r}")
     planner = _Planner.for_devices(
         model,
         example_inputs,
@@ -1000,10 +1008,25 @@ def evaluate_plan(
     # Every parameter the baseline does not name stays replicated, as the baseline means; activations are
     # left to the solver (what a runtime's sharding propagation would do best). The budget is lifted so that a
     # baseline that does not fit is still priced, and reported as not fitting.
-    planner.budget = 1 << 62
-    built = planner.build(mesh, dp_mode, canonical_fixed, pin_unlisted=True)
-    planner.budget = budget
-    solution = solve(built.problem, time_limit_s=time_limit_s)
+    if recompute is None:
+        recompute = "none" if not isinstance(plan_or_baseline, Plan) else None
+    pin: str | dict[str, str] | None = recompute if recompute in ("none", "full") else None
+    if recompute is None:  # a Plan's own per-block choice
+        pin = dict(plan_or_baseline.recompute) or "none"
+    built = solution = None
+    if recompute == "auto":
+        built = planner.build(mesh, dp_mode, canonical_fixed, pin_unlisted=True)
+        try:
+            solution = solve(built.problem, time_limit_s=time_limit_s)
+        except InfeasibleError:
+            pin = "full"  # priced (and reported as not fitting) with the most recompute there is
+    if solution is None:
+        planner.budget = 1 << 62
+        try:
+            built = planner.build(mesh, dp_mode, canonical_fixed, pin_unlisted=True, recompute_pin=pin)
+        finally:
+            planner.budget = budget
+        solution = solve(built.problem, time_limit_s=time_limit_s)
     plan = planner.to_plan(mesh, dp_mode, built, solution)
     plan.memory_budget_bytes = budget
     return Estimate(name, plan.step_time_s, plan.peak_memory_bytes, budget, tuple(mesh), dp_mode, plan)

@@ -101,8 +101,11 @@ def find_units(graph: StepGraph, canonical: dict[int, int], layers: Iterable[str
     runs = {run.representative: run for run in graph.block_runs}
     in_run = {b for run in graph.block_runs for b in run.all_blocks}
     units: list[RecomputeUnit] = []
+    layers = list(layers)
+    outer = [x for x in layers if not any(_inside(x, y) and x != y for y in [*layers, *in_run])]
+    # one decision per transformer block: a ModuleList inside a block (T5's sub-layers) is decided with it
     candidates = [(rep, run.all_blocks) for rep, run in runs.items()]
-    candidates += [(layer, [layer]) for layer in layers if layer not in in_run]
+    candidates += [(layer, [layer]) for layer in outer if layer not in in_run]
     for name, blocks in candidates:
         traced = runs[name].traced if name in runs else blocks
         members = {n.index for n in fwd if any(_inside(n.module, b) for b in traced)}
