@@ -194,15 +194,14 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job for a fresh checkout: profile GPT-2 XL, plan it for 8 x A100 next to the baselines, and
-    show what a tight budget does."""
+    """The main job for a fresh checkout: what 8 x A100 would need for GPT-2 XL (the plan next to the
+    baselines, then under a budget that forces activation recompute), then the tiny GPT pretraining recipe on
+    2 CPU processes through ``accelerate launch`` with the plan applied."""
     parser = build_parser()
     runs = [
-        "profile --model gpt2-xl --batch-size 8 --seq-len 1024 --device a100-80gb --mixed-precision bf16"
-        " --max-blocks 12",
         "plan --model gpt2-xl --batch-size 8 --seq-len 1024 --devices 8 --device a100-80gb --mixed-precision bf16",
         "plan --model gpt2-xl --batch-size 8 --seq-len 1024 --devices 8 --device a100-80gb --mixed-precision bf16"
-        " --memory-budget 12GiB --no-baselines",
+        " --memory-budget 8GiB --no-baselines",
     ]
     for line in runs:
         print(f"\n$ hf-colossal-auto {line}", flush=True)
@@ -215,17 +214,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _demo_training() -> int:
-    """Train a tiny Llama on 2 gloo processes with a plan applied by the runtime (scripts/demo_train.py)."""
+    """Pretrain the tiny GPT for a few dozen steps on 2 gloo processes: recipes/pretrain_gpt.py through
+    ``accelerate launch`` with recipes/auto_cpu.yaml, exactly as recipes/README.md documents it."""
     import subprocess
+    import tempfile
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "demo_train.py"
-    if not script.exists():  # an installed package without the repository's scripts
+    root = Path(__file__).resolve().parents[1]
+    recipe, config = root / "recipes" / "pretrain_gpt.py", root / "recipes" / "auto_cpu.yaml"
+    if not recipe.exists() or not config.exists():  # an installed package without the repository's recipes
         return 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    print(f"\n$ torchrun --standalone --nproc_per_node 2 {script.relative_to(script.parents[1])}", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, env=env, check=False).returncode
+    out = Path(tempfile.mkdtemp(prefix="hf_colossal_auto_demo_"))
+    launch = [str(Path(sys.executable).with_name("accelerate")), "launch"]
+    if not Path(launch[0]).exists():
+        launch = [sys.executable, "-m", "accelerate.commands.launch"]
+    cmd = [
+        *launch,
+        "--config_file",
+        str(config),
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        str(recipe),
+        "--model",
+        "tiny",
+        "--max_steps",
+        "40",
+        "--output_dir",
+        str(out),
+    ]
+    print(
+        "\n$ ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/auto_cpu.yaml --multi_gpu "
+        f"--num_processes 2 recipes/pretrain_gpt.py --model tiny --max_steps 40 --output_dir {out}",
+        flush=True,
+    )
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, cwd=root, check=False).returncode
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -173,7 +173,7 @@ def test_hf_gradient_checkpointing_yields_to_the_plan(caplog):
     with caplog.at_level(logging.WARNING):
         apply_recompute(model, plan)
         model.gradient_checkpointing_enable()
-    assert not model.is_gradient_checkpointing
+    assert not model.is_activation_checkpointing
     assert "gradient_checkpointing_enable() ignored" in caplog.text
     model(**batch).loss.backward()  # still trains, with the plan's recompute
 

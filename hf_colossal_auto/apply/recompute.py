@@ -91,21 +91,29 @@ def apply_recompute(model: nn.Module, plan: Plan) -> dict[str, str]:
 
 
 def _plan_wins_over_hf_checkpointing(model: nn.Module) -> None:
-    if getattr(model, "is_gradient_checkpointing", False) and hasattr(
-        model, "gradient_checkpointing_disable"
-    ):
+    # transformers 5 renamed the switch (activation_checkpointing_*); the old names warn
+    new_names = hasattr(model, "is_activation_checkpointing")
+    enabled = getattr(
+        model, "is_activation_checkpointing" if new_names else "is_gradient_checkpointing", False
+    )
+    disable = getattr(
+        model, "activation_checkpointing_disable" if new_names else "gradient_checkpointing_disable", None
+    )
+    if enabled and disable is not None:
         logger.warning(
             "%s had HF gradient checkpointing enabled; the plan decides activation recompute per block, so it "
             "is turned off (it would recompute every layer again on top of the plan)",
             type(model).__name__,
         )
-        model.gradient_checkpointing_disable()
-    if hasattr(model, "gradient_checkpointing_enable"):
+        disable()
+    for switch in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
+        if hasattr(model, switch):
 
-        def refuse(*args: Any, **kwargs: Any) -> None:
-            logger.warning(
-                "gradient_checkpointing_enable() ignored: this model runs a plan that decides activation "
-                "recompute per block (hf_colossal_auto); re-plan with recompute='full' to checkpoint every block"
-            )
+            def refuse(*args: Any, _switch: str = switch, **kwargs: Any) -> None:
+                logger.warning(
+                    "%s() ignored: this model runs a plan that decides activation recompute per block "
+                    "(hf_colossal_auto); re-plan with recompute='full' to checkpoint every block",
+                    _switch,
+                )
 
-        model.gradient_checkpointing_enable = refuse
+            setattr(model, switch, refuse)
