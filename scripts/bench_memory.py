@@ -107,6 +107,7 @@ def run_frontier(case: Case, points: int, approaches: tuple[str, ...], plot_dir:
         points=points,
         approaches=approaches,
         mixed_precision=MIXED,
+        progress=None if sys.stderr.isatty() else False,
         title=f"{case.label}, {NUM_DEVICES} x {DEVICE}, {MIXED}",
     )
     elapsed = time.perf_counter() - t0

@@ -173,8 +173,19 @@ class Frontier:
             ys = [p.step_time_s * 1e3 for p in points if p.fits]
             if not xs:
                 continue
-            style = "-o" if name in PLANNED else "--s"
-            ax.plot(xs, ys, style, label=name, drawstyle="steps-post" if name in PLANNED else "default")
+            if name in PLANNED:  # auto thick underneath: where two-stage's thin line matches it, both show
+                ax.plot(
+                    xs,
+                    ys,
+                    "-o",
+                    label=name,
+                    drawstyle="steps-post",
+                    linewidth=4 if name == "auto" else 1.5,
+                    markersize=7 if name == "auto" else 4,
+                    zorder=2 if name == "auto" else 3,
+                )
+            else:
+                ax.plot(xs, ys, "--s", label=name, zorder=1)
         if self.min_feasible_bytes is not None:
             ax.axvline(
                 self.min_feasible_bytes / gib, color="gray", linestyle=":", label="min memory (any plan)"
