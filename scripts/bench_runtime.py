@@ -77,6 +77,33 @@ def _model_config(args):
     return cfg
 
 
+def _profile_step(args, rank: int, step, model, opt, local) -> None:
+    """One more step under ``torch.profiler`` (CPU ops, self time) and one under ``MemTracker`` (live bytes by
+    module and kind); both written to ``--profile`` as ``<variant>_rank<r>.txt``."""
+    import torch
+    import torch.distributed as dist
+
+    from hf_colossal_auto._torch_compat import MemTracker
+
+    os.makedirs(args.profile, exist_ok=True)
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(model, opt, local)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=60)
+    dist.barrier()
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        step(model, opt, local)
+    peaks = tracker.get_tracker_snapshot("peak")
+    lines = []
+    for dev, by_kind in peaks.items():
+        lines.append(f"{dev}: " + ", ".join(f"{k}={v / 2**20:.1f} MiB" for k, v in by_kind.items() if v))
+    with open(os.path.join(args.profile, f"{args.worker}_rank{rank}.txt"), "w") as f:
+        f.write(table + "\n\nMemTracker peak:\n" + "\n".join(lines) + "\n")
+    dist.barrier()
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -143,23 +170,28 @@ def worker(args) -> None:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for i in range(args.warmup + args.steps):
         dist.barrier()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         losses.append(step(model, opt, local))
+        c = time.process_time() - c  # this rank's own work (all its threads), not its waits
         dist.barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
+            cpu_times.append(c)
     # memory: one more step with the RSS high-water reset just before it
     dist.barrier()
     reset = _reset_hwm()
     step(model, opt, local)
     peak_mib = (_status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
+    if args.profile:
+        _profile_step(args, rank, step, model, opt, local)
     rec = {
         "rank": rank,
         "median_step_s": statistics.median(times),
         "step_times_s": times,
+        "median_cpu_s": statistics.median(cpu_times),
         "peak_rss_mib": peak_mib,
         "rss_before_model_mib": rss_base_mib,
         "peak_method": "VmHWM reset per step" if reset else "ru_maxrss (process lifetime)",
@@ -195,6 +227,8 @@ def _launch(variant: str, args, out: str) -> dict:
         "threads",
     ):
         cmd += [f"--{k}", str(getattr(args, k))]
+    if args.profile:
+        cmd += ["--profile", os.path.abspath(args.profile)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0 or not os.path.exists(out):
@@ -206,6 +240,7 @@ def _launch(variant: str, args, out: str) -> dict:
     return {
         "variant": variant,
         "median_step_s": max(r["median_step_s"] for r in ranks),
+        "median_cpu_s": max(r["median_cpu_s"] for r in ranks),
         "peak_rss_mib": [round(r["peak_rss_mib"], 1) for r in ranks],
         "peak_over_base_mib": [round(r["peak_rss_mib"] - r["rss_before_model_mib"], 1) for r in ranks],
         "peak_method": ranks[0]["peak_method"],
@@ -215,6 +250,21 @@ def _launch(variant: str, args, out: str) -> dict:
         "n_params": ranks[0]["n_params"],
         "ranks": ranks,
     }
+
+
+def _aggregate(variant: str, runs: list[dict]) -> dict:
+    """One row per variant: the median over its runs of each figure (per rank for memory)."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[-1]
+    row = dict(ok[-1])
+    for key in ("median_step_s", "median_cpu_s"):
+        row[key] = statistics.median(r[key] for r in ok)
+        row[key.replace("median_", "runs_")] = [r[key] for r in ok]
+    for key in ("peak_rss_mib", "peak_over_base_mib"):
+        row[key] = [round(statistics.median(r[key][i] for r in ok), 1) for i in range(len(ok[0][key]))]
+    row["runs"], row["failed_runs"] = len(ok), len(runs) - len(ok)
+    return row
 
 
 def main() -> None:
@@ -231,41 +281,52 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--repeat", type=int, default=1, help="runs of every variant, interleaved; medians reported"
+    )
     p.add_argument("--timeout", type=int, default=900, help="seconds per variant")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--profile", help="directory: per variant and rank, a profiled step (CPU ops, MemTracker)")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
-    results = []
+    variants = args.variants.split(",")
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
-        for v in args.variants.split(","):
-            r = _launch(v, args, os.path.join(tmp, f"{v}.json"))
-            results.append(r)
-            print(f"done {v}: {r.get('error') or round(r['median_step_s'], 3)}", file=sys.stderr, flush=True)
+        for rep in range(args.repeat):  # interleaved, so that a busy spell on the machine hits every variant
+            for v in variants:
+                r = _launch(v, args, os.path.join(tmp, f"{v}-{rep}.json"))
+                runs[v].append(r)
+                said = r.get("error") or round(r["median_step_s"], 3)
+                print(f"done {v} (run {rep + 1}/{args.repeat}): {said}", file=sys.stderr, flush=True)
+    results = [_aggregate(v, runs[v]) for v in variants]
     ref = next((r for r in results if r["variant"] == "hf-tp" and "error" not in r), None)
     print(
         f"Llama h{args.hidden} i{args.intermediate} heads{args.heads} L{args.layers} V{args.vocab}, global batch "
         f"{args.batch}x{args.seq}, {args.nproc} gloo ranks x {args.threads} thread(s), median of {args.steps} steps"
+        f", median of {args.repeat} run(s)"
     )
     print(
-        f"{'variant':<10} {'step s':>8} {'vs hf-tp':>9} {'peak RSS MiB/rank':>20} {'peak-base MiB/rank':>20} "
-        f"{'mem vs hf':>9}  sharded"
+        f"{'variant':<10} {'step s':>8} {'vs hf-tp':>9} {'cpu s':>7} {'vs hf':>6} {'peak RSS MiB/rank':>20} "
+        f"{'peak-base MiB/rank':>20} {'mem vs hf':>9}  sharded"
     )
     for r in results:
         if "error" in r:
             print(f"{r['variant']:<10} FAILED: {r['error']}")
             continue
-        t_ratio = m_ratio = ""
+        t_ratio = c_ratio = m_ratio = ""
         if ref:
             t_ratio = f"{r['median_step_s'] / ref['median_step_s']:.3f}"
+            c_ratio = f"{r['median_cpu_s'] / ref['median_cpu_s']:.3f}"
             m_ratio = f"{max(r['peak_rss_mib']) / max(ref['peak_rss_mib']):.3f}"
-            r["time_vs_hf_tp"], r["mem_vs_hf_tp"] = float(t_ratio), float(m_ratio)
+            r["time_vs_hf_tp"], r["cpu_vs_hf_tp"] = float(t_ratio), float(c_ratio)
+            r["mem_vs_hf_tp"] = float(m_ratio)
         print(
-            f"{r['variant']:<10} {r['median_step_s']:>8.3f} {t_ratio:>9} {str(r['peak_rss_mib']):>20} "
-            f"{str(r['peak_over_base_mib']):>20} {m_ratio:>9}  {r['sharded_params']}"
+            f"{r['variant']:<10} {r['median_step_s']:>8.3f} {t_ratio:>9} {r['median_cpu_s']:>7.3f} {c_ratio:>6} "
+            f"{str(r['peak_rss_mib']):>20} {str(r['peak_over_base_mib']):>20} {m_ratio:>9}  {r['sharded_params']}"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -16,7 +16,14 @@ one's backward is the reverse redistribution of the gradient the planner's edges
 * module outputs (``Plan.activation_placements``): a forward hook redistributes the output tensor (or the
   first tensor of a tuple / ModelOutput) to the plan's placement (a partial target is left to DTensor),
   and in backward reduces a partial gradient arriving there to the placement the planner prices for it
-  (the gradient of a value made replicated is replicated; of a shard, that shard).
+  (the gradient of a value made replicated is replicated; of a shard, that shard);
+* inputs of column- and row-parallel projections (``nn.Linear``, GPT-2's ``Conv1D``): a weight used sharded
+  on its output features admits one matmul strategy only, with the input replicated; sharded on its input
+  features, with the input sharded on its last dim (and a partial output). The plan's strategy is therefore
+  known from the weight's use placement, and a forward pre-hook redistributes the input to it. Left to
+  DTensor, the op may instead gather the weight (equal bytes at some shapes) and reshard the output
+  afterwards, which is not what the plan priced. The input's gradient is left partial when it is partial:
+  the plan reduces it once where the input was made (q, k and v of one normed input: one reduction).
 """
 
 from __future__ import annotations
@@ -84,6 +91,74 @@ def _enforced(value: Any, placement: Placement) -> Any:
     return value
 
 
+class _RedistributeInput(torch.autograd.Function):
+    """Redistribute a module input to ``placement``; in backward the gradient goes back to the input's own
+    placement, except that a partial gradient stays partial (to be summed with the value's other uses and
+    reduced once where the value was made, as the plan prices it)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, placement: Placement) -> DTensor:
+        ctx.source = value.placements
+        return value.redistribute(value.device_mesh, [placement])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        if (
+            isinstance(grad, DTensor)
+            and not grad.placements[0].is_partial()
+            and grad.placements != ctx.source
+        ):
+            grad = grad.redistribute(grad.device_mesh, ctx.source)
+        return grad, None
+
+
+def _projection_input_placement(weight: DTensor, input_dim: int, rows_are_outputs: bool) -> Placement | None:
+    """The input placement the one local matmul strategy of a sharded projection weight needs, or None
+    (a replicated weight has several; DTensor and the plan's output placement decide)."""
+    used = weight.placements[0]
+    if not isinstance(used, Shard):
+        return None
+    out_dim = 0 if rows_are_outputs else 1
+    return Replicate() if used.dim == out_dim else Shard(input_dim - 1)
+
+
+def _projection_input_hook(rows_are_outputs: bool):
+    def hook(module: nn.Module, args: Any) -> Any:
+        weight = module._parameters.get("weight")
+        if not args or not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1:
+            return None
+        x = args[0]
+        if not isinstance(x, DTensor) or x.device_mesh.ndim != 1:
+            return None
+        placement = _projection_input_placement(weight, x.dim(), rows_are_outputs)
+        if placement is None or x.placements[0] == placement:
+            return None
+        return (_RedistributeInput.apply(x, placement), *args[1:])
+
+    return hook
+
+
+def _projection_layout(module: nn.Module) -> bool | None:
+    """True for an ``nn.Linear`` (weight ``[out, in]``), False for a ``Conv1D`` (``[in, out]``), else None."""
+    if isinstance(module, nn.Linear):
+        return True
+    if type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor):
+        return False
+    return None
+
+
+def enforce_projection_inputs(model: nn.Module) -> int:
+    """Pre-hook every ``nn.Linear`` / ``Conv1D`` of ``model`` whose weight is a DTensor so that its input is
+    redistributed to what the weight's (use) placement needs. Returns the number of modules hooked."""
+    count = 0
+    for module in model.modules():
+        layout = _projection_layout(module)
+        if layout is not None and isinstance(module._parameters.get("weight"), DTensor):
+            module.register_forward_pre_hook(_projection_input_hook(layout))
+            count += 1
+    return count
+
+
 def _output_hook(placement: Placement):
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         if isinstance(output, DTensor):
@@ -136,6 +211,7 @@ def enforce_plan(model: nn.Module, plan: Plan) -> int:
         modules[module_name].register_forward_pre_hook(pre)
         modules[module_name].register_forward_hook(post, always_call=True)
         count += 1
+    count += enforce_projection_inputs(model)  # after the parameter-use pre-hooks: it sees weights as used
     for module_name, placements in plan.activation_placements.items():
         placement = _tp_placement(plan, placements)
         if not module_name or placement is None or module_name not in modules:

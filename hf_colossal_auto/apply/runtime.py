@@ -27,7 +27,10 @@ here: meta-device materialisation.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
+import gc
 import logging
 import math
 from collections.abc import Mapping
@@ -316,12 +319,26 @@ def apply_plan(
     if fsdp:
         _fully_shard(model, mesh)
     register_gradient_sync(model, mesh, average_over_dp=not fsdp)
+    release_freed_memory()
     model._hf_colossal_auto_plan = plan
     model._hf_colossal_auto_mesh = mesh
     tp = plan.tp_size
     model._tp_size = tp  # transformers' Trainer reads it for batch-size arithmetic
     logger.info("applied plan: mesh %s, %s on the data-parallel axis", tuple(plan.mesh_shape), plan.dp_mode)
     return model
+
+
+def release_freed_memory() -> None:
+    """Hand the pages of freed tensors back to the operating system (glibc's ``malloc_trim``).
+
+    Why: the full-size parameters were just replaced by their shards, and rank 0 may have traced and solved a
+    plan; glibc keeps such freed memory in the process's heap, where on CPU it counts in the resident memory
+    of every following step (measured: ~100-200 MiB per rank of the 66 M-parameter benchmark Llama). No-op
+    where the C library has no ``malloc_trim``; device memory is not affected.
+    """
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def broadcast_plan(plan: Plan | None, src: int = 0) -> Plan:
