@@ -983,7 +983,7 @@ def evaluate_plan(
         elif name == "fsdp":
             mesh, dp_mode, fixed = (n, 1), "fsdp", {}
         elif name == "megatron":
-            t = mesh_shape[-1] if mesh_shape else _largest_tp(n, cluster.device.devices_per_node, model)
+            t = mesh_shape[-1] if mesh_shape else _largest_tp(n, cluster.devices_per_node, model)
             mesh, dp_mode = (n // t, t), "ddp"
             fixed = megatron_placements(model) if t > 1 else {}
             if t == 1:
@@ -996,7 +996,7 @@ def evaluate_plan(
             raise ValueError(f"Unknown baseline {name!r}; use one of {BASELINES}, a Plan, or a tp_plan dict.")
     else:
         name = "tp_plan"
-        t = mesh_shape[-1] if mesh_shape else _largest_tp(n, cluster.device.devices_per_node, model)
+        t = mesh_shape[-1] if mesh_shape else _largest_tp(n, cluster.devices_per_node, model)
         mesh, dp_mode = (n // t, t), "ddp"
         fixed = tp_plan_placements(model, plan_or_baseline)
     if planner.batch % mesh[0]:
