@@ -162,6 +162,20 @@ def shard_data_loader(
     )
 
 
+def loader_options(accelerator: Accelerator, device_placement: bool | None = None) -> dict[str, Any]:
+    """The accelerator's own data-loader settings, as ``prepare_data_loader`` takes them (what accelerate's
+    ``Accelerator.prepare_data_loader`` passes), for loaders we shard over data-parallel groups ourselves."""
+    return dict(
+        put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+        rng_types=accelerator.rng_types.copy(),
+        even_batches=accelerator.even_batches,
+        use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking,
+        use_stateful_dataloader=accelerator.use_stateful_dataloader,
+    )
+
+
 # ----------------------------------------------------------------------------------------- planning input
 @contextlib.contextmanager
 def _rng_preserved(*objects: Any) -> Iterator[None]:
@@ -416,13 +430,7 @@ class AutoParallelAccelerator(Accelerator):
             tp_size=self.auto_plan.tp_size,
             split_batches=self.split_batches,
             device=self.device,
-            put_on_device=self.device_placement if device_placement is None else device_placement,
-            rng_types=self.rng_types.copy(),
-            even_batches=self.even_batches,
-            use_seedable_sampler=self.use_seedable_sampler,
-            data_seed=self.dataloader_config.data_seed,
-            non_blocking=self.non_blocking,
-            use_stateful_dataloader=self.use_stateful_dataloader,
+            **loader_options(self, device_placement),
         )
         self._dataloaders.append(prepared)
         return prepared

@@ -81,6 +81,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from ..apply import apply_plan, broadcast_plan, consolidated_state_dict, load_checkpoint, save_checkpoint
 from ..plan import Plan
+from .accelerator import loader_options
 
 logger = logging.getLogger(__name__)
 
@@ -436,15 +437,9 @@ def _shard_data_over_dp(trainer: Trainer, dp_size: int, dp_rank: int) -> None:
             num_processes=dp_size,
             process_index=dp_rank,
             split_batches=accelerator.split_batches,
-            put_on_device=accelerator.device_placement if device_placement is None else device_placement,
-            rng_types=accelerator.rng_types.copy(),
             dispatch_batches=accelerator.dispatch_batches,
-            even_batches=accelerator.even_batches,
             slice_fn_for_dispatch=slice_fn_for_dispatch,
-            use_seedable_sampler=accelerator.use_seedable_sampler,
-            data_seed=accelerator.dataloader_config.data_seed,
-            non_blocking=accelerator.non_blocking,
-            use_stateful_dataloader=accelerator.use_stateful_dataloader,
+            **loader_options(accelerator, device_placement),
         )
         accelerator._dataloaders.append(prepared)
         return prepared
