@@ -15,15 +15,20 @@ Each variant runs in its own ``torch.distributed.run`` job (so one variant's mem
 another's); ``main()`` launches them and collects the results.
 
 Time: median wall time of ``--steps`` timed steps after ``--warmup`` warm-up steps, each step ended by a
-barrier, the max over ranks. Memory: resident-set high-water (Linux ``VmHWM``) of each rank, reset through
-``/proc/self/clear_refs`` just before one extra measured step, so it is the peak RSS *during a step* (weights,
-gradients, optimizer state, activations, plus the process's Python/torch baseline, ~300-400 MB); also the RSS
-before the model was built, to subtract. Falls back to the process lifetime high-water
-(``resource.getrusage``) where clear_refs is not writable, and says so in the output.
+barrier, the max over ranks; also the median *CPU* time of a step (``time.process_time``: the rank's own work
+in all its threads, not its waits), less sensitive to other jobs on a shared machine. ``--repeat N`` runs
+every variant N times, interleaved, and reports the medians over the runs. Memory: resident-set high-water
+(Linux ``VmHWM``) of each rank, reset through ``/proc/self/clear_refs`` just before one extra measured step,
+so it is the peak RSS *during a step* (weights, gradients, optimizer state, activations, freed memory glibc
+still holds, plus the process's Python/torch baseline, ~300-400 MB); also the RSS before the model was built,
+to subtract. Falls back to the process lifetime high-water (``resource.getrusage``) where clear_refs is not
+writable, and says so in the output. RSS depends on glibc's heap policy (run with
+``MALLOC_MMAP_THRESHOLD_=65536`` to make it track live bytes); ``--profile DIR`` adds, per variant and rank, a
+step under ``torch.profiler`` (CPU self time per op) and one under ``MemTracker`` (live bytes by kind).
 
 Usage::
 
-    python scripts/bench_runtime.py [--variants megatron,auto,hf-tp,ddp] [--json runtime.json]
+    python scripts/bench_runtime.py [--variants megatron,auto,hf-tp,ddp] [--repeat 3] [--json runtime.json]
     # one variant by hand:
     python -m torch.distributed.run --standalone --nproc_per_node 2 scripts/bench_runtime.py --worker megatron \
         --worker-out /tmp/megatron.json
