@@ -132,7 +132,8 @@ def test_gloo_dp_x_tp_training_tracks_single_process(preset, tmp_path):
 @pytest.mark.slow
 def test_gloo_fsdp_x_tp_training_tracks_single_process(tmp_path):
     """4 gloo processes, mesh 2 x 2 with FSDP2 on the data-parallel axis over Megatron tensor parallelism
-    (parameters become 2-D DTensors): gradients and ten AdamW steps match one process."""
+    (parameters become 2-D DTensors): gradients and ten AdamW steps match one process — with the AdamW made
+    before parallelizing, so it must follow the parameters through both replacements (DTensor, then FSDP)."""
     result = _torchrun(
         4,
         "--model",
@@ -145,6 +146,7 @@ def test_gloo_fsdp_x_tp_training_tracks_single_process(tmp_path):
         "fsdp",
         "--steps",
         "10",
+        "--optimizer-before",
         tmp_path=tmp_path,
     )
     assert result["dp_mode"] == "fsdp"

@@ -309,9 +309,8 @@ def apply_plan(
     allow_implicit_replication(True)
     if mesh is None:
         mesh = build_mesh(plan)
-    replaced = distribute_parameters(model, plan, mesh)
-    for optimizer in optimizers:
-        remap_optimizer(optimizer, replaced)
+    originals = list(model.named_parameters(remove_duplicate=False))
+    distribute_parameters(model, plan, mesh)
     wrap_forward(model, mesh)
     register_embedding_reduction(model)
     enforce_plan(model, plan)
@@ -319,6 +318,11 @@ def apply_plan(
     if fsdp:
         _fully_shard(model, mesh)
     register_gradient_sync(model, mesh, average_over_dp=not fsdp)
+    if optimizers:  # by name, after every replacement (FSDP replaces the DTensor parameters once more)
+        final = dict(model.named_parameters(remove_duplicate=False))
+        replaced = {id(p): final[fqn] for fqn, p in originals if fqn in final}
+        for optimizer in optimizers:
+            remap_optimizer(optimizer, replaced)
     release_freed_memory()
     model._hf_colossal_auto_plan = plan
     model._hf_colossal_auto_mesh = mesh

@@ -30,6 +30,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--plan", choices=["auto", "megatron"], default="auto", help="plan to apply")
     parser.add_argument("--dp-mode", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument(
+        "--optimizer-before", action="store_true", help="make the optimizer before parallelizing (remapped)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
@@ -49,6 +52,7 @@ def main() -> None:
     per_replica = args.batch // dp
     replica = rank // tp
     local = {k: v[replica * per_replica : (replica + 1) * per_replica] for k, v in batch.items()}
+    early = [torch.optim.AdamW(model.parameters(), lr=1e-3)] if args.optimizer_before else []
     if args.plan == "megatron":
         made = None
         if rank == 0:
@@ -56,10 +60,10 @@ def main() -> None:
                 model, batch, "megatron", num_devices=world, device="cpu", mesh_shape=(dp, tp)
             ).plan
             made.dp_mode = args.dp_mode  # the same placements, the data-parallel axis as asked
-        autoparallelize(model, plan=broadcast_plan(made))
+        autoparallelize(model, plan=broadcast_plan(made), optimizers=early)
     else:
-        autoparallelize(model, batch, mesh_shape=(dp, tp), device="cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        autoparallelize(model, batch, mesh_shape=(dp, tp), device="cpu", optimizers=early)
+    opt = early[0] if early else torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, ref_losses, worst = [], [], 0.0
     for step in range(args.steps):
         # reference: DDP's loss is the mean of the replicas' mean losses
