@@ -403,8 +403,16 @@ def build_problem(
 
     # ---------------------------------------------------------------- recompute decisions
     step = unroll(graph)
-    moments = [_backward_peak(graph, step, unit) for unit in units]
-    peak_snapshot, unit_snapshots = _liveness(graph, step, moments)
+    moments = [_block_moment(graph, step, unit, Phase.BACKWARD, "peak") for unit in units]
+    moments += [_block_moment(graph, step, unit, Phase.BACKWARD, "start") for unit in units]
+    moments += [_block_moment(graph, step, unit, Phase.FORWARD, "peak") for unit in units]
+    peak_snapshot, snapshots = _liveness(graph, step, moments)
+    k = len(units)
+    unit_snapshots, start_snapshots, forward_snapshots = (
+        snapshots[:k],
+        snapshots[k : 2 * k],
+        snapshots[2 * k :],
+    )
     weighted_saved = _weighted(tied, peak_snapshot.by_node)
     out_bytes = {c: float(sum(graph.values[v].nbytes for v in graph.nodes[c].outputs)) for c in canon_nodes}
     unit_options_of: list[list[RecomputeOption]] = []
@@ -472,12 +480,19 @@ def build_problem(
     param_total = sum(graph.param_bytes.values())
     constant_other = peak_snapshot.by_kind.get("input", 0) + peak_snapshot.by_kind.get("buffer", 0)
 
-    def constraint_at(name: str, snapshot: _Snapshot, current: int | None) -> tuple[MemoryConstraint, float]:
+    def constraint_at(
+        name: str, snapshot: _Snapshot, current: int | None, rerun: _Snapshot | None = None
+    ) -> tuple[MemoryConstraint, float]:
         """Per-device bytes at one moment of the step: what forward nodes still hold (kept per the recompute
         choice; inside unit ``current``'s backward, at its highest point, also its recomputed block),
         parameters, gradients alive then, and the moment's other transients (priced unsharded: an upper bound,
-        since some of the gradients in flight are sharded)."""
+        since some of the gradients in flight are sharded).
+
+        ``rerun``: the moment is the recompute of unit ``current``'s block, just as its backward starts; a
+        block that reruns holds what it held at its own forward's highest point (``rerun``'s bytes of its
+        nodes: saved outputs and forward temporaries) on top of the gradients arriving from above."""
         saved = _weighted(tied, snapshot.by_node)
+        rerun_alive = _weighted(tied, rerun.by_node) if rerun is not None else {}
         transient = max(0.0, snapshot.by_kind.get("activation", 0) - sum(saved.values()))
         terms: dict[str, list[float]] = {}
         edge_terms: dict[tuple[str, str], list[list[float]]] = {}
@@ -493,7 +508,19 @@ def build_problem(
             over = current is not None and u > current  # that unit's backward is over: it holds nothing
             matrix = [
                 [
-                    (0.0 if over else held(o, c, alive, weighted_saved.get(c, 0.0), u == current))
+                    (
+                        0.0
+                        if over
+                        else held(
+                            o,
+                            c,
+                            rerun_alive.get(c, 0.0)
+                            if rerun is not None and u == current and not o.is_none
+                            else alive,
+                            weighted_saved.get(c, 0.0),
+                            u == current,
+                        )
+                    )
                     / out_shard(st)
                     for st in strats
                 ]
@@ -521,6 +548,8 @@ def build_problem(
     )
     for u, (unit, snapshot) in enumerate(zip(units, unit_snapshots, strict=True)):
         constraints.append(constraint_at(f"recompute:{unit.name}", snapshot, u)[0])
+        rerun = constraint_at(f"rerun:{unit.name}", start_snapshots[u], u, forward_snapshots[u])[0]
+        constraints.append(rerun)
 
     problem = Problem(
         nodes=nodes,
@@ -613,9 +642,16 @@ class _Snapshot:
     by_node: dict[int, int]
 
 
-def _liveness(graph: StepGraph, step: UnrolledStep, moments: list[int]) -> tuple[_Snapshot, list[_Snapshot]]:
-    """The highest point of forward + backward (the optimizer step is priced apart) and the state just before
-    each position in ``moments`` (positions in ``step.order``)."""
+Moment = tuple[int, str]
+"""A position in ``UnrolledStep.order`` and ``"before"`` (the state before its events) or ``"max"`` (the state at
+the highest point its events reach: an op's outputs and temporaries exist together before its frees)."""
+
+
+def _liveness(
+    graph: StepGraph, step: UnrolledStep, moments: list[Moment]
+) -> tuple[_Snapshot, list[_Snapshot]]:
+    """The highest point of forward + backward (the optimizer step is priced apart) and the state at each of
+    ``moments``."""
     alloc_node = {e.storage_id: e.slot for e in graph.memory_events if e.delta > 0}
     live: dict[ValueKind, int] = defaultdict(int, step.initial_by_kind)
     by_node: dict[int, int] = defaultdict(int)
@@ -623,13 +659,15 @@ def _liveness(graph: StepGraph, step: UnrolledStep, moments: list[int]) -> tuple
     def snap() -> _Snapshot:
         return _Snapshot({k.value: v for k, v in live.items()}, {n: b for n, b in by_node.items() if b > 0})
 
-    wanted = sorted(set(moments))
-    taken: dict[int, _Snapshot] = {}
+    before = sorted({pos for pos, kind in moments if kind == "before"})
+    at_max = {pos for pos, kind in moments if kind == "max"}
+    taken: dict[Moment, _Snapshot] = {}
+    best_at: dict[int, int] = {}
     best_total, best = sum(live.values()), snap()
     total = best_total
     for (pos, delta, kind), sid in zip(step.events, step.event_storages, strict=True):
-        while wanted and pos >= wanted[0]:
-            taken[wanted.pop(0)] = snap()
+        while before and pos >= before[0]:
+            taken[(before.pop(0), "before")] = snap()
         if pos >= 0 and graph.nodes[step.order[pos]].phase is Phase.OPTIMIZER:
             break
         total += delta
@@ -639,9 +677,12 @@ def _liveness(graph: StepGraph, step: UnrolledStep, moments: list[int]) -> tuple
             by_node[node] += delta
         if total > best_total:
             best_total, best = total, snap()
-    for moment in wanted:
-        taken[moment] = snap()
-    return best, [taken[m] for m in moments]
+        if pos in at_max and total > best_at.get(pos, -1):
+            best_at[pos] = total
+            taken[(pos, "max")] = snap()
+    for pos in before:
+        taken[(pos, "before")] = snap()
+    return best, [taken.get(m) or snap() for m in moments]
 
 
 def _weighted(tied: TiedGraph, by_node: dict[int, int]) -> dict[int, float]:
@@ -652,29 +693,35 @@ def _weighted(tied: TiedGraph, by_node: dict[int, int]) -> dict[int, float]:
     return out
 
 
-def _backward_peak(graph: StepGraph, step: UnrolledStep, unit: RecomputeUnit) -> int:
-    """The moment (a position in ``step.order``, its events applied) of the highest live bytes inside the
-    backward of the unit's block that goes backward first: where that block's recomputed activations meet
-    the gradients its backward allocates, while the other blocks hold only what they keep."""
+def _block_moment(
+    graph: StepGraph, step: UnrolledStep, unit: RecomputeUnit, phase: Phase, which: str
+) -> Moment:
+    """A moment in ``phase`` of the unit's block that goes backward first (its last block): ``"start"``, before
+    its first op; ``"peak"``, inside the op at which the live bytes reach their highest."""
     block = unit.last_block
-    total = step.initial_bytes
-    after: dict[int, int] = {}
+    inside_positions = [
+        pos
+        for pos, i in enumerate(step.order)
+        if graph.nodes[i].phase is phase
+        and (
+            step.block_of[pos] == block
+            or (
+                step.block_of[pos] is None
+                and (graph.nodes[i].module == block or graph.nodes[i].module.startswith(block + "."))
+            )
+        )
+    ]
+    if not inside_positions:
+        return (len(step.order), "before")
+    if which == "start":
+        return (inside_positions[0], "before")
+    wanted = set(inside_positions)
+    total, best, best_pos = step.initial_bytes, -1, inside_positions[0]
     for pos, delta, _ in step.events:
         total += delta
-        after[pos] = total
-    best, best_pos, current = -1, len(step.order), step.initial_bytes
-    for pos, i in enumerate(step.order):
-        current = after.get(pos, current)
-        node = graph.nodes[i]
-        if node.phase is not Phase.BACKWARD:
-            continue
-        label = step.block_of[pos]
-        inside = label == block or (
-            label is None and (node.module == block or node.module.startswith(block + "."))
-        )
-        if inside and current > best:
-            best, best_pos = current, pos + 1  # a snapshot at pos + 1 is taken after pos's events
-    return best_pos
+        if pos in wanted and total > best:
+            best, best_pos = total, pos
+    return (best_pos, "max")
 
 
 def _optimizer_time(graph: StepGraph, spec: DeviceSpec) -> float:
