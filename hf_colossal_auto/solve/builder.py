@@ -116,8 +116,6 @@ class BuiltProblem:
     """ILP node name -> canonical graph node index."""
     block_of: dict[str, str] = field(default_factory=dict)
     """ILP node name -> module FQN it belongs to (for per-block costs)."""
-    act_constant: float = 0.0
-    """Bytes of the activation-peak constraint that no choice changes (transient, batch, buffers)."""
     recompute_units: dict[str, RecomputeUnit] = field(default_factory=dict)
     """ILP node name of a recompute decision (``rc:<unit>``) -> the blocks it decides for."""
     recompute_options: dict[str, list[RecomputeOption]] = field(default_factory=dict)
@@ -482,7 +480,7 @@ def build_problem(
 
     def constraint_at(
         name: str, snapshot: _Snapshot, current: int | None, rerun: _Snapshot | None = None
-    ) -> tuple[MemoryConstraint, float]:
+    ) -> MemoryConstraint:
         """Per-device bytes at one moment of the step: what forward nodes still hold (kept per the recompute
         choice; inside unit ``current``'s backward, at its highest point, also its recomputed block),
         parameters, gradients alive then, and the moment's other transients (priced unsharded: an upper bound,
@@ -533,12 +531,12 @@ def build_problem(
             terms[pname] = [m + grad_frac * g for m, g in zip(mterms, grad_terms[pname], strict=True)]
             if pname in gathered_terms:
                 terms[pname] = [t + x for t, x in zip(terms[pname], gathered_terms[pname], strict=True)]
-        constant = constant_other + transient
-        return MemoryConstraint(name, budget, constant, terms, edge_terms, apply_multiplicity=True), constant
+        return MemoryConstraint(
+            name, budget, constant_other + transient, terms, edge_terms, apply_multiplicity=True
+        )
 
     constraints: list[MemoryConstraint] = []
-    peak_constraint, act_constant = constraint_at("activation-peak", peak_snapshot, None)
-    constraints.append(peak_constraint)
+    constraints.append(constraint_at("activation-peak", peak_snapshot, None))
     opt_terms = {
         p: [m + g + t for m, g, t in zip(param_mem_terms[p], grad_terms[p], opt_temp_terms[p], strict=True)]
         for p in param_mem_terms
@@ -547,9 +545,8 @@ def build_problem(
         MemoryConstraint("optimizer-step", budget, constant_other, opt_terms, apply_multiplicity=True)
     )
     for u, (unit, snapshot) in enumerate(zip(units, unit_snapshots, strict=True)):
-        constraints.append(constraint_at(f"recompute:{unit.name}", snapshot, u)[0])
-        rerun = constraint_at(f"rerun:{unit.name}", start_snapshots[u], u, forward_snapshots[u])[0]
-        constraints.append(rerun)
+        constraints.append(constraint_at(f"recompute:{unit.name}", snapshot, u))
+        constraints.append(constraint_at(f"rerun:{unit.name}", start_snapshots[u], u, forward_snapshots[u]))
 
     problem = Problem(
         nodes=nodes,
@@ -566,7 +563,6 @@ def build_problem(
         param_of_node=param_of_node,
         node_of_name=node_of_name,
         block_of=block_of,
-        act_constant=act_constant,
         recompute_units={rc: unit for rc, unit in zip(rc_names, units, strict=True)},
         recompute_options={rc: opts for rc, opts in zip(rc_names, unit_options_of, strict=True)},
     )
