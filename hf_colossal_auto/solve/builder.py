@@ -134,6 +134,16 @@ def _recompute_node_name(unit: str) -> str:
     return f"rc:{unit}"
 
 
+def forward_producers(graph: StepGraph) -> dict[int, tuple[int, int]]:
+    """Value id -> (forward node, output position) that made it."""
+    return {
+        vid: (n.index, pos)
+        for n in graph.nodes
+        if n.phase is Phase.FORWARD
+        for pos, vid in enumerate(n.outputs)
+    }
+
+
 def value_readers(graph: StepGraph, tied: TiedGraph) -> dict[int, int]:
     """Value id -> number of forward nodes that read it (the gradient contributions autograd sums)."""
     readers: dict[int, int] = defaultdict(int)
@@ -224,11 +234,7 @@ def build_problem(
             for j, v in enumerate(row):
                 a[j] += v
 
-    producer: dict[int, tuple[int, int]] = {}
-    for n in graph.nodes:
-        if n.phase is Phase.FORWARD:
-            for pos, vid in enumerate(n.outputs):
-                producer[vid] = (n.index, pos)
+    producer = forward_producers(graph)
 
     nodes: list[DecisionNode] = []
     strat_of: dict[str, list[Strategy]] = {}

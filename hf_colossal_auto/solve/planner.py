@@ -46,6 +46,7 @@ from .builder import (
     _node_name,
     _param_node_name,
     build_problem,
+    forward_producers,
 )
 from .cost_model import (
     AxisComm,
@@ -567,6 +568,22 @@ def _recompute_choice(built: BuiltProblem, solution: Solution) -> dict[str, str]
     return out
 
 
+def _value_source(built, solution, graph, tied, producer, vid: int) -> tuple[str, bool] | None:
+    """Tensor-parallel placement a value is made in under ``solution`` (a parameter's storage, or its
+    producer's output), and whether it is a parameter; None for values the ILP does not place (inputs)."""
+    value = graph.values[vid]
+    if value.name is not None and value.kind.value == "param":
+        pname = _param_node_name(tied.canonical_param(value.name))
+        if pname not in built.param_options:
+            return None
+        return built.param_options[pname][solution.choice[pname]], True
+    if vid in producer and producer[vid][0] in tied.canonical:
+        u_idx, pos = producer[vid]
+        u_name = _node_name(tied.canonical[u_idx])
+        return built.strategies[u_name][solution.choice[u_name]].output_placements[pos][0], False
+    return None
+
+
 def _recompute_collectives(built, solution, graph, tied, mesh, planner) -> dict[str, float]:
     """Forward collectives run again because the node they feed is recomputed in backward."""
     counts: dict[str, float] = defaultdict(float)
@@ -581,12 +598,7 @@ def _recompute_collectives(built, solution, graph, tied, mesh, planner) -> dict[
     }
     if not rerun:
         return {}
-    producer = {
-        vid: (n.index, pos)
-        for n in graph.nodes
-        if n.phase is Phase.FORWARD
-        for pos, vid in enumerate(n.outputs)
-    }
+    producer = forward_producers(graph)
     for v_idx in sorted(tied.canonical):
         v_c = tied.canonical[v_idx]
         if v_c not in rerun:
@@ -594,23 +606,15 @@ def _recompute_collectives(built, solution, graph, tied, mesh, planner) -> dict[
         v_name = _node_name(v_c)
         strat = built.strategies[v_name][solution.choice[v_name]]
         for k, vid in enumerate(graph.nodes[v_idx].inputs):
-            value = graph.values[vid]
-            if value.name is not None and value.kind.value == "param":
-                pname = _param_node_name(tied.canonical_param(value.name))
-                if pname not in built.param_options:
-                    continue
-                src = built.param_options[pname][solution.choice[pname]]
-            elif vid in producer and producer[vid][0] in tied.canonical:
-                u_idx, pos = producer[vid]
-                u_name = _node_name(tied.canonical[u_idx])
-                if u_name == v_name:
-                    continue
-                src = built.strategies[u_name][solution.choice[u_name]].output_placements[pos][0]
-            else:
+            made = _value_source(built, solution, graph, tied, producer, vid)
+            if made is None:
+                continue
+            src, is_param = made
+            if not is_param and _node_name(tied.canonical[producer[vid][0]]) == v_name:
                 continue
             spec = strat.input_placements[k] if k < len(strat.input_placements) else None
             dst = spec[0] if spec is not None else src
-            _, kind = redistribute(src, dst, value.nbytes, tp_comm)
+            _, kind = redistribute(src, dst, graph.values[vid].nbytes, tp_comm)
             if kind:
                 counts[kind] += tied.weight[v_idx]
     return dict(counts)
@@ -744,28 +748,13 @@ def _collective_prediction(
     counts: dict[str, float] = defaultdict(float)
     nbytes: dict[str, float] = defaultdict(float)
     dp, tp = mesh
-    producer = {}
-    for n in graph.nodes:
-        if n.phase is Phase.FORWARD:
-            for pos, vid in enumerate(n.outputs):
-                producer[vid] = (n.index, pos)
+    producer = forward_producers(graph)
     tp_comm = AxisComm(
         tp, planner.cluster.axis_link(mesh, 1), planner.spec.kind, planner.spec.kernel_overhead_s
     )
 
     def source(vid: int) -> tuple[str, bool] | None:
-        """Placement a value is made in (a parameter's storage, or its producer's output), and if a param."""
-        value = graph.values[vid]
-        if value.name is not None and value.kind.value == "param":
-            pname = _param_node_name(tied.canonical_param(value.name))
-            if pname not in built.param_options:
-                return None
-            return built.param_options[pname][solution.choice[pname]], True
-        if vid in producer and producer[vid][0] in tied.canonical:
-            u_idx, pos = producer[vid]
-            u_name = _node_name(tied.canonical[u_idx])
-            return built.strategies[u_name][solution.choice[u_name]].output_placements[pos][0], False
-        return None
+        return _value_source(built, solution, graph, tied, producer, vid)
 
     def viewed(vid: int) -> int:
         """The value a chain of views of activations starts from."""
