@@ -148,7 +148,11 @@ class Plan:
         rows = _collapse_repeats(rows)
         if max_rows is not None and len(rows) > max_rows:
             keep = max_rows // 2
-            rows = [*rows[:keep], (f"... {len(rows) - max_rows} more rows", "", "", "", "", ""), *rows[-keep:]]
+            rows = [
+                *rows[:keep],
+                (f"... {len(rows) - max_rows} more rows", "", "", "", "", ""),
+                *rows[-keep:],
+            ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         aligns = ["<", "<", "<", *[">"] * (len(widths) - 3)]
         fmt = "  ".join(f"{{:{a}{w}}}" for a, w in zip(aligns, widths, strict=True))
