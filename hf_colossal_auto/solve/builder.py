@@ -423,6 +423,10 @@ def build_problem(
     conditional: list[ConditionalCost] = []
     rc_names: list[str] = []
     for unit in units:
+        # what the block's own backward needs (a block output is kept by its readers, not recomputed for them)
+        unit.last_saved = max(
+            (c for c in unit.nodes if weighted_saved.get(c) and c not in unit.escaping), default=None
+        )
         forward_s = {
             c: _local_node_time(graph, graph.nodes[c], _replicated(graph.nodes[c]), axis, 1, spec)
             for c in unit.nodes
@@ -438,7 +442,7 @@ def build_problem(
             node = graph.nodes[c]
             local = [_local_node_time(graph, node, st, axis, tp, spec) for st in strat_of[name]]
             matrix = [
-                [t * tied.multiplicity[c] if o.recomputes(node) else 0.0 for t in local] for o in options
+                [t * tied.multiplicity[c] if unit.reruns(o, node) else 0.0 for t in local] for o in options
             ]
             edge_cost[(rc, name)] = matrix
         if recompute_pin is not None:
@@ -452,7 +456,7 @@ def build_problem(
     for (src, dst), matrix in sorted(fwd_into.items()):
         c = node_of_name[dst]
         u = unit_index_of[c]
-        when = tuple(k for k, o in enumerate(unit_options_of[u]) if o.recomputes(graph.nodes[c]))
+        when = tuple(k for k, o in enumerate(unit_options_of[u]) if units[u].reruns(o, graph.nodes[c]))
         if when and any(any(row) for row in matrix):
             conditional.append(ConditionalCost(src, dst, rc_names[u], when, matrix))
 

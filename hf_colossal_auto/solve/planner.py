@@ -594,7 +594,9 @@ def _recompute_collectives(built, solution, graph, tied, mesh, planner) -> dict[
         built.node_of_name[name]
         for rc, unit in built.recompute_units.items()
         for name in (_node_name(c) for c in unit.nodes)
-        if built.recompute_options[rc][solution.choice[rc]].recomputes(graph.nodes[built.node_of_name[name]])
+        if unit.reruns(
+            built.recompute_options[rc][solution.choice[rc]], graph.nodes[built.node_of_name[name]]
+        )
     }
     if not rerun:
         return {}

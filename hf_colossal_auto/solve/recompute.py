@@ -70,7 +70,9 @@ def parse_option(text: str) -> RecomputeOption:
         classes = [c for c in text.split(":", 1)[1].split("+") if c]
         unknown = sorted(set(classes) - set(CLASSES))
         if not classes or unknown:
-            raise ValueError(f"recompute option {text!r}: unknown op classes {unknown}; known: {list(CLASSES)}")
+            raise ValueError(
+                f"recompute option {text!r}: unknown op classes {unknown}; known: {list(CLASSES)}"
+            )
         return selective(classes)
     raise ValueError(f"unknown recompute option {text!r}; use 'none', 'full' or 'selective:<classes>'")
 
@@ -88,6 +90,13 @@ class RecomputeUnit:
     """Nodes whose outputs are read after the unit (by the next block, the head): kept under any option."""
     last_block: str
     """The block whose backward comes first: the moment its recompute adds to everything still saved."""
+    last_saved: int | None = None
+    """The last node (in forward order) whose output the block's own backward needs. Recomputation stops there
+    (non-reentrant checkpoint stops early once every saved tensor is back), so the ops after it do not rerun."""
+
+    def reruns(self, option: RecomputeOption, node: OpNode) -> bool:
+        """Does backward run this forward op of the unit again under ``option``?"""
+        return self.last_saved is not None and node.index <= self.last_saved and option.recomputes(node)
 
 
 def _inside(module: str, block: str) -> bool:
