@@ -49,20 +49,7 @@ _CASES = [
 
 @pytest.mark.parametrize(
     ("preset", "kind"),
-    [
-        pytest.param(
-            p,
-            k,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="Llama's solver plan shards the embedding, head and final norm: DTensor's vocab-parallel "
-                "loss and the norm's partial gradients run collectives the planner's edge model does not price",
-            ),
-        )
-        if (p, k) == ("tiny-llama", "auto")
-        else (p, k)
-        for p, k in _CASES
-    ],
+    _CASES,
 )
 def test_predicted_collectives_and_bytes_equal_what_the_runtime_runs(preset, kind):
     """1 x 2 tensor-parallel mesh, batch 4 x 16, Megatron placements and the solver's own plan.

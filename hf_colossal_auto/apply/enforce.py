@@ -76,7 +76,7 @@ class _ReducePartialGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
-        if isinstance(grad, DTensor) and grad.device_mesh.ndim == 1 and grad.placements[0].is_partial():
+        if isinstance(grad, DTensor) and grad.device_mesh.ndim == 1 and grad.placements[0] != ctx.target:
             grad = grad.redistribute(grad.device_mesh, [ctx.target])
         return grad, None
 

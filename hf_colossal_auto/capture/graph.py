@@ -186,6 +186,9 @@ class StepGraph:
     """For each traced block FQN, its forward and backward node ranges."""
     mixed_precision: str | None = None
     optimizer: str | None = None
+    output_values: list[int] = field(default_factory=list)
+    """Value ids of the tensors the model's forward returns (loss, logits, ...): the runtime hands them to the
+    caller as ordinary tensors, so a sharded one is gathered there."""
 
     # ------------------------------------------------------------------ queries
     def phase_range(self, phase: Phase) -> Segment:

@@ -96,6 +96,7 @@ class _Recorder(TorchDispatchMode):
         self._next_storage = 0
         self._next_value = 0
         self._finalizers: list[weakref.finalize] = []
+        self.output_values: list[int] = []
 
     # ------------------------------------------------------------ identities
     def _storage(
@@ -150,6 +151,20 @@ class _Recorder(TorchDispatchMode):
         )
         self._value_by_view[self._view_key(t, sid)] = vid
         return vid
+
+    def known_values(self, output: Any) -> list[int]:
+        """Ids of the recorded values among the tensors of ``output`` (a ModelOutput, tuple or tensor)."""
+        if isinstance(output, Mapping):
+            output = list(output.values())
+        ids = []
+        for t in tree_flatten(output)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            sid = self._storage_ids.get(t.untyped_storage())
+            vid = self._value_by_view.get(self._view_key(t, sid)) if sid is not None else None
+            if vid is not None and vid not in ids:
+                ids.append(vid)
+        return ids
 
     def value_of(self, t: torch.Tensor) -> int:
         st = t.untyped_storage()
@@ -373,6 +388,7 @@ def _trace_once(
                 with swapped_parameters(model, {**params, **buffers}):
                     with ctx, target_attention_kernels(device_kind), eager_mask_decisions(inputs):
                         output = model(**fake_inputs)
+                    rec.output_values = rec.known_values(output)
                     loss = _extract_loss(output, model, inputs)
                     del output
                     rec.phase = Phase.BACKWARD
@@ -549,4 +565,5 @@ def _assemble(
         block_segments=segments,
         mixed_precision=mixed_precision,
         optimizer=optimizer,
+        output_values=list(rec.output_values),
     )

@@ -188,6 +188,38 @@ def _local_node_time(
     return op_time(flops, nbytes, node_dtype(graph, node), spec)
 
 
+_MEAN_REDUCTION = 1  # torch's Reduction.MEAN
+
+
+def boundary_reshardings(
+    graph: StepGraph, node: OpNode, strat: Strategy, axis: int, comm: AxisComm
+) -> list[tuple[float, str, float]]:
+    """Collectives an op's strategy costs outside the edges between ops: ``(seconds, kind, bytes)`` each.
+
+    * An output the model returns (its loss, its logits) is handed to the caller as an ordinary tensor, so a
+      sharded or partial one is gathered or reduced in forward (the runtime's ``wrap_forward``).
+    * ``nll_loss`` with mean reduction: DTensor's backward kernel needs the total weight replicated, so a
+      partial total weight (a batch- or class-sharded loss) is all-reduced in backward.
+    """
+    out: list[tuple[float, str, float]] = []
+    returned = set(graph.output_values)
+    for pos, vid in enumerate(node.outputs):
+        if vid in returned and pos < len(strat.output_placements):
+            nbytes = float(graph.values[vid].nbytes)
+            seconds, kind = redistribute(strat.output_placements[pos][axis], "R", nbytes, comm)
+            if kind:
+                out.append((seconds, kind, nbytes))
+    if node.op.startswith("aten.nll_loss") and "forward" in node.op and len(strat.output_placements) > 1:
+        args = node.args[0] if isinstance(node.args, tuple) and node.args else ()
+        reduction = args[3] if len(args) > 3 else _MEAN_REDUCTION
+        if reduction == _MEAN_REDUCTION:
+            nbytes = float(graph.values[node.outputs[1]].nbytes)
+            seconds, kind = redistribute(strat.output_placements[1][axis], "R", nbytes, comm)
+            if kind:
+                out.append((seconds, kind, nbytes))
+    return out
+
+
 def param_storage_options(shape: tuple[int, ...], tp: int) -> list[str]:
     """Replicated, or sharded along any dim the tensor-parallel axis divides."""
     options = ["R"]
@@ -246,7 +278,11 @@ def build_problem(
         strats = strategies.get(c) or [_replicated(node)]
         name = _node_name(c)
         ratio = ratios.get(node.module, DEFAULT_BACKWARD_RATIO)
-        costs = [_local_node_time(graph, node, s, axis, tp, spec) * (1.0 + ratio) for s in strats]
+        costs = [
+            _local_node_time(graph, node, s, axis, tp, spec) * (1.0 + ratio)
+            + sum(t for t, _, _ in boundary_reshardings(graph, node, s, axis, tp_comm))
+            for s in strats
+        ]
         nodes.append(
             DecisionNode(name, costs, [_label(s, axis) for s in strats], multiplicity=tied.multiplicity[c])
         )

@@ -45,6 +45,7 @@ from .builder import (
     TiedGraph,
     _node_name,
     _param_node_name,
+    boundary_reshardings,
     build_problem,
     forward_producers,
 )
@@ -798,6 +799,9 @@ def _collective_prediction(
             if kind:
                 counts[kind] += w
                 nbytes[kind] += w * _given_bytes(kind, size, tp)
+        for _seconds, kind, size in boundary_reshardings(graph, graph.nodes[v_idx], strat, 0, tp_comm):
+            counts[kind] += w
+            nbytes[kind] += w * _given_bytes(kind, size, tp)
     for vid, w in partial_roots.items():
         src, is_param = source(vid)
         grad_to = src if is_param and is_shard(src) else gradient_at_producer(src)
