@@ -34,6 +34,7 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "MemTracker",
+    "storage_key",
     "swapped_parameters",
     "ModTracker",
     "TorchDispatchMode",
@@ -144,6 +145,12 @@ def default_dtensor_dispatch(op, args, kwargs):
         return op(*args, **(kwargs or {}))
     finally:
         handlers[op] = handler
+
+
+def storage_key(tensor) -> int:
+    """An id of ``tensor``'s storage, equal for its views and ``.data`` aliases, also on ``meta`` (where
+    ``data_ptr()`` is 0 for every tensor): the address of the StorageImpl (``UntypedStorage._cdata``)."""
+    return tensor.untyped_storage()._cdata
 
 
 def swapped_parameters(module, tensors):

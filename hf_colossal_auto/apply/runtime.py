@@ -8,7 +8,8 @@ with hard-coded head counts — runs unchanged on sharded tensors. What this mod
 1. checks the plan against the model (names, shapes) and the job (world size);
 2. builds the mesh (NCCL on GPUs, gloo on CPU, whatever the default group is);
 3. turns every parameter into a DTensor with the plan's placements, tied parameters once, scattered from
-   rank 0's values so every rank starts from the same weights;
+   rank 0's values so every rank starts from the same weights — or, for a model built on ``meta``, allocates
+   only each rank's shards and fills them with the model's own init (:mod:`.materialize`);
 4. wraps ``model.forward``: tensor inputs are each rank's *local* batch, made DTensors sharded over the
    data-parallel axis and replicated over the tensor-parallel one; DTensor outputs come back as ordinary
    tensors (replicated ones locally, sharded ones gathered);
@@ -21,8 +22,7 @@ DTensor is told to treat them as replicated (``implicit replication``) for the w
 
 The plan's choices are enforced where DTensor's propagation would choose differently (:mod:`.enforce`):
 parameter uses and module outputs are redistributed as planned, above autograd, and partial gradients are
-reduced at module outputs; tests/test_fidelity.py holds the collectives to the plan's prediction. Not yet
-here: meta-device materialisation.
+reduced at module outputs; tests/test_fidelity.py holds the collectives to the plan's prediction.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from .._torch_compat import allow_implicit_replication, tree_map
 from ..plan import Plan
 from .dtensor_rules import register_runtime_rules
 from .enforce import enforce_plan
+from .materialize import is_meta_model, materialize_meta_model
 from .recompute import apply_recompute
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,9 @@ def distribute_parameters(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> dic
             if placements is None:  # an alias of a tied parameter listed under its first name
                 placements = next(plan.param_placements[n] for n, p in names.items() if p is param)
             local = param.detach()
-            dt = distribute_tensor(local, tp_mesh, [to_placement(placements[tp_axis])], src_data_rank=0)
+            # a meta parameter stays on meta (no values to scatter): materialize_meta_model allocates its shards
+            source = None if local.is_meta else 0
+            dt = distribute_tensor(local, tp_mesh, [to_placement(placements[tp_axis])], src_data_rank=source)
             done[id(param)] = nn.Parameter(dt, requires_grad=param.requires_grad)
         setattr(module, attr, done[id(param)])
     return done
@@ -310,6 +313,7 @@ def apply_plan(
     if mesh is None:
         mesh = build_mesh(plan)
     originals = list(model.named_parameters(remove_duplicate=False))
+    on_meta = is_meta_model(model)
     distribute_parameters(model, plan, mesh)
     wrap_forward(model, mesh)
     register_embedding_reduction(model)
@@ -317,6 +321,8 @@ def apply_plan(
     apply_recompute(model, plan)  # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP
     if fsdp:
         _fully_shard(model, mesh)
+    if on_meta:  # after FSDP, so that each rank allocates only its data- and tensor-parallel shards
+        materialize_meta_model(model)
     register_gradient_sync(model, mesh, average_over_dp=not fsdp)
     if optimizers:  # by name, after every replacement (FSDP replaces the DTensor parameters once more)
         final = dict(model.named_parameters(remove_duplicate=False))
