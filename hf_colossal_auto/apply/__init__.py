@@ -2,6 +2,7 @@
 
 from .checkpoint import consolidated_state_dict, load_checkpoint, save_checkpoint, save_pretrained
 from .dtensor_rules import register_runtime_rules
+from .materialize import MaterializeReport, MetaInitError, is_meta_model, materialize_meta_model
 from .runtime import (
     PlanMismatchError,
     apply_plan,
@@ -15,6 +16,8 @@ from .runtime import (
 from .simulate import SimulatedComm, simulate_collectives
 
 __all__ = [
+    "MaterializeReport",
+    "MetaInitError",
     "PlanMismatchError",
     "apply_plan",
     "autoparallelize",
@@ -25,6 +28,8 @@ __all__ = [
     "save_checkpoint",
     "save_pretrained",
     "distribute_parameters",
+    "is_meta_model",
+    "materialize_meta_model",
     "register_runtime_rules",
     "remap_optimizer",
     "SimulatedComm",

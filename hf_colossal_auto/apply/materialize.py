@@ -140,13 +140,21 @@ def _standin(slot: _Slot, device: torch.device) -> torch.Tensor:
     return nn.Parameter(full, requires_grad=slot.requires_grad) if slot.is_param else full
 
 
-def _skipped_placeholder(slot: _Slot) -> torch.Tensor:
-    """What a tie target holds during init: a meta tensor transformers' guarded init functions skip."""
+def _placeholder(slot: _Slot, *, skipped: bool) -> torch.Tensor:
+    """A meta tensor a holder keeps while its values are not needed. ``skipped``: flagged so that transformers'
+    guarded init functions leave it alone (tie targets). Others are not flagged, as the dry run's stand-ins
+    are not: transformers skips a module whose tensors are all flagged, which would change the visits."""
     placeholder = torch.empty(slot.shape, dtype=slot.dtype, device="meta")
     if slot.is_param:
         placeholder = nn.Parameter(placeholder, requires_grad=slot.requires_grad)
-    setattr(placeholder, _FLAG, True)
+    if skipped:
+        setattr(placeholder, _FLAG, True)
     return placeholder
+
+
+def _skipped_placeholder(slot: _Slot) -> torch.Tensor:
+    """What a tie target holds during init: a meta tensor transformers' guarded init functions skip."""
+    return _placeholder(slot, skipped=True)
 
 
 class _TouchRecorder(TorchDispatchMode):
@@ -214,9 +222,27 @@ def _run_hf_init(model: nn.Module) -> None:
         module.__dict__.pop(_FLAG, None)
     owners = _pretrained_models(model)
     inner = {id(m) for owner in owners for m in owner.modules() if m is not owner}
-    for owner in owners:  # the outermost ones: each recurses into its sub-models itself
-        if id(owner) not in inner:
-            owner.initialize_weights()
+    try:
+        for owner in owners:
+            # FSDP2 swaps in a class made outside transformers, which transformers would take for remote code
+            # and init differently (it skips modules without parameters of their own, GPT-2's scaled c_proj)
+            owner.is_custom_code = _unwrapped_class(owner).is_custom_code
+        for owner in owners:  # the outermost ones: each recurses into its sub-models itself
+            if id(owner) not in inner:
+                owner.initialize_weights()
+    finally:
+        for owner in owners:
+            owner.__dict__.pop("is_custom_code", None)
+
+
+def _unwrapped_class(module: nn.Module) -> type:
+    """The model's own class under the one ``fully_shard`` substitutes (``FSDP<Class>``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+    return cls
 
 
 @contextlib.contextmanager
@@ -300,12 +326,13 @@ def _finalise(slot: _Slot) -> int:
             )
             local = slot.final.to_local()
             local.copy_(piece.to_local())
-        slot.set_on(slot.final)
         kept = local.numel() * local.element_size()
     else:  # not distributed: the stand-in is the tensor
         slot.final = full
-        slot.set_on(full)
         kept = full.numel() * full.element_size()
+    # tie targets keep a skipped placeholder until the init is over: a later visit of the target's module must
+    # not draw into the source's values (the ties are restored at the end)
+    slot.set_on(slot.final, targets=_skipped_placeholder(slot) if slot.tie_targets else None)
     slot.standin = None
     return kept
 
@@ -416,7 +443,7 @@ def materialize_meta_model(
         release(by_last.get(index, []))
 
     with _shared_rng(device, seed), torch.no_grad():
-        with _protected(real), _installed(slots, [_skipped_placeholder(s) for s in slots]):
+        with _protected(real), _installed(slots, [_placeholder(s, skipped=False) for s in slots]):
             with _visits(model, real_before, real_after):
                 _run_hf_init(model)
             if real_visits != dry_visits:
