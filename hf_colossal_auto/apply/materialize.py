@@ -76,6 +76,10 @@ class _Slot:
     tie_targets: set[str] = field(default_factory=set)  # holder fqns that transformers ties to the source
     standin: torch.Tensor | None = None
 
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
     def set_on(self, value: torch.Tensor, *, targets: torch.Tensor | None = None) -> None:
         for module, attr, fqn in self.holders:
             v = targets if targets is not None and fqn in self.tie_targets else value
@@ -337,6 +341,102 @@ def _finalise(slot: _Slot) -> int:
     return kept
 
 
+@dataclass
+class _Schedule:
+    """What the dry run found: the module visits in order, and per slot its first and last visit."""
+
+    visits: list[int]  # id() of the module of each visit
+    first: dict[int, list[int]]  # visit -> slots it touches first
+    last: dict[int, list[int]]  # visit -> slots it touches last
+    untouched: list[int]  # slots no visit touches
+
+
+def _dry_run(model: nn.Module, slots: list[_Slot], real: list[torch.Tensor]) -> _Schedule:
+    """Run transformers' init on ``meta`` stand-ins (no memory, no RNG) and record which slots each module's
+    init touches."""
+    for slot in slots:
+        slot.standin = _standin(slot, torch.device("meta"))
+    recorder = _TouchRecorder({storage_key(s.standin): i for i, s in enumerate(slots)})
+    visits: list[int] = []
+
+    def before(index: int, module: nn.Module) -> None:
+        recorder.visit = index
+        visits.append(id(module))
+
+    def after(index: int) -> None:
+        recorder.visit = None
+
+    with (
+        _protected(real),
+        _installed(slots, [s.standin for s in slots]),
+        _visits(model, before, after),
+        recorder,
+    ):
+        _run_hf_init(model)
+    for slot in slots:
+        slot.standin = None
+    if recorder.outside:
+        raise MetaInitError(
+            f"transformers' init of {type(model).__name__} touched "
+            f"{[slots[i].name for i in sorted(recorder.outside)][:3]} outside any module's _init_weights; it "
+            "cannot be replayed shard by shard. Build the model on a real device instead."
+        )
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for visit in sorted(recorder.touched):
+        for i in recorder.touched[visit]:
+            first.setdefault(i, visit)
+            last[i] = visit
+    schedule = _Schedule(visits, {}, {}, [i for i in range(len(slots)) if i not in first])
+    for i, v in first.items():
+        schedule.first.setdefault(v, []).append(i)
+    for i, v in last.items():
+        schedule.last.setdefault(v, []).append(i)
+    return schedule
+
+
+class _RealRun:
+    """Full-size stand-ins allocated just before the first visit that touches them and finalised (this rank's
+    part kept, the rest freed) just after the last one; the report is kept up to date."""
+
+    def __init__(self, slots: list[_Slot], device: torch.device, report: MaterializeReport):
+        self.slots, self.device, self.report = slots, device, report
+        self.live = 0
+        self.visits: list[int] = []
+
+    def allocate(self, indices: list[int]) -> None:
+        for i in indices:
+            slot = self.slots[i]
+            slot.standin = _standin(slot, self.device)
+            slot.set_on(slot.standin, targets=_skipped_placeholder(slot) if slot.tie_targets else None)
+            self.live += slot.nbytes
+        self.report.peak_temporary_bytes = max(self.report.peak_temporary_bytes, self.live)
+
+    def release(self, indices: list[int]) -> None:
+        for i in indices:
+            slot = self.slots[i]
+            kept = _finalise(slot)
+            self.live -= slot.nbytes
+            if slot.is_param:
+                self.report.parameters += 1
+                self.report.local_bytes += kept
+                self.report.full_bytes += slot.nbytes
+            else:
+                self.report.buffers += 1
+
+
+def _allocate_shards(model: nn.Module, slots: list[_Slot], device: torch.device) -> None:
+    """``to_empty``: this rank's shards only (FSDP re-pads its sharded parameters); real buffers keep their
+    values, and the slots follow the tensors ``to_empty`` may have replaced."""
+    kept = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+    model.to_empty(device=device)
+    for module, name, buffer in kept:
+        module._buffers[name] = buffer
+    for slot in slots:
+        module, attr, _ = slot.holders[0]
+        slot.final = (module._parameters if slot.is_param else module._buffers)[attr]
+
+
 def materialize_meta_model(
     model: nn.Module, device: torch.device | str | None = None, *, seed: int | None = None
 ) -> MaterializeReport:
@@ -354,112 +454,35 @@ def materialize_meta_model(
     slots = _collect_slots(model)
     device = torch.device(device) if device is not None else _default_device(slots)
     real = [b for b in model.buffers() if not b.is_meta]
+    schedule = _dry_run(model, slots, real)  # before allocating anything: refusals cost nothing
+    fallback = _reset_parameter_fallback(slots, schedule.untouched, model)
     if any(isinstance(s.final, DTensor) for s in slots):
-        kept = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
-        model.to_empty(device=device)  # this rank's shards only; FSDP re-pads its sharded parameters
-        for module, name, buffer in kept:  # to_empty replaced every buffer: real ones keep their values
-            module._buffers[name] = buffer
-        for slot in slots:
-            module, attr, _ = slot.holders[0]
-            slot.final = (module._parameters if slot.is_param else module._buffers)[attr]
+        _allocate_shards(model, slots, device)
 
-    # 1. dry run on meta stand-ins: which slots each init visit touches.
-    for slot in slots:
-        slot.standin = _standin(slot, torch.device("meta"))
-    keys = {storage_key(s.standin): i for i, s in enumerate(slots)}
-    recorder = _TouchRecorder(keys)
-    dry_visits: list[int] = []
+    run = _RealRun(slots, device, report)
 
-    def dry_before(index: int, module: nn.Module) -> None:
-        recorder.visit = index
-        dry_visits.append(id(module))
+    def before(index: int, module: nn.Module) -> None:
+        run.visits.append(id(module))
+        run.allocate(schedule.first.get(index, []))
 
-    def dry_after(index: int) -> None:
-        recorder.visit = None
+    def after(index: int) -> None:
+        run.release(schedule.last.get(index, []))
 
-    with (
-        _protected(real),
-        _installed(slots, [s.standin for s in slots]),
-        _visits(model, dry_before, dry_after),
-        recorder,
-    ):
-        _run_hf_init(model)
-    touched = recorder.touched
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for visit in sorted(touched):
-        for i in touched[visit]:
-            first.setdefault(i, visit)
-            last[i] = visit
-    untouched = [i for i in range(len(slots)) if i not in first and i not in recorder.outside]
-    fallback = _reset_parameter_fallback(slots, untouched, model)
-    if recorder.outside:
-        raise MetaInitError(
-            f"transformers' init of {type(model).__name__} touched {[slots[i].name for i in recorder.outside][:3]} "
-            "outside any module's _init_weights; it cannot be replayed shard by shard. Build the model on a real "
-            "device instead."
-        )
-
-    # 2. the real run: full stand-ins only from the first to the last visit touching them.
-    live = 0
-    by_first: dict[int, list[int]] = {}
-    by_last: dict[int, list[int]] = {}
-    for i, v in first.items():
-        by_first.setdefault(v, []).append(i)
-    for i, v in last.items():
-        by_last.setdefault(v, []).append(i)
-    real_visits: list[int] = []
-
-    def nbytes(slot: _Slot) -> int:
-        return slot.shape.numel() * slot.dtype.itemsize
-
-    def allocate(indices: list[int]) -> None:
-        nonlocal live
-        for i in indices:
-            slot = slots[i]
-            slot.standin = _standin(slot, device)
-            slot.set_on(slot.standin, targets=_skipped_placeholder(slot) if slot.tie_targets else None)
-            live += nbytes(slot)
-        report.peak_temporary_bytes = max(report.peak_temporary_bytes, live)
-
-    def release(indices: list[int]) -> None:
-        nonlocal live
-        for i in indices:
-            slot = slots[i]
-            kept = _finalise(slot)
-            live -= nbytes(slot)
-            if slot.is_param:
-                report.parameters += 1
-                report.local_bytes += kept
-                report.full_bytes += nbytes(slot)
-            else:
-                report.buffers += 1
-
-    def real_before(index: int, module: nn.Module) -> None:
-        real_visits.append(id(module))
-        allocate(by_first.get(index, []))
-
-    def real_after(index: int) -> None:
-        release(by_last.get(index, []))
-
-    with _shared_rng(device, seed), torch.no_grad():
-        with _protected(real), _installed(slots, [_placeholder(s, skipped=False) for s in slots]):
-            with _visits(model, real_before, real_after):
-                _run_hf_init(model)
-            if real_visits != dry_visits:
-                raise MetaInitError(
-                    f"transformers' init of {type(model).__name__} visited modules in a different order on the "
-                    "second run; its init depends on values and cannot be replayed shard by shard. Build the "
-                    "model on a real device instead."
-                )
-            for indices in fallback.values():
-                module = slots[indices[0]].holders[0][0]
-                allocate(indices)
-                module.reset_parameters()
-                release(indices)
-                report.reset_parameters_modules.append(slots[indices[0]].name.rpartition(".")[0])
-        for slot in slots:  # the model's own tensors back on every holder, ties included
-            slot.set_on(slot.final)
+    placeholders = [_placeholder(s, skipped=False) for s in slots]
+    with _shared_rng(device, seed), torch.no_grad(), _protected(real), _installed(slots, placeholders):
+        with _visits(model, before, after):
+            _run_hf_init(model)
+        if run.visits != schedule.visits:
+            raise MetaInitError(
+                f"transformers' init of {type(model).__name__} visited other modules on the second run than "
+                "on the first; its init depends on values and cannot be replayed shard by shard. Build the "
+                "model on a real device instead."
+            )
+        for indices in fallback.values():
+            run.allocate(indices)
+            slots[indices[0]].holders[0][0].reset_parameters()
+            run.release(indices)
+            report.reset_parameters_modules.append(slots[indices[0]].name.rpartition(".")[0])
     logger.info(
         "materialised %d parameters and %d buffers from meta: %.1f MiB of shards on this rank (full model "
         "%.1f MiB), at most %.1f MiB of full-size temporaries",
