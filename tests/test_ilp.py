@@ -15,6 +15,7 @@ from hf_colossal_auto.solve import (
     InfeasibleError,
     MemoryConstraint,
     Problem,
+    SharedCost,
     available_solvers,
     brute_force,
     evaluate,
@@ -116,6 +117,17 @@ def random_problem(seed: int, binding: bool = True) -> Problem:
         when = tuple(rng.sample(range(len(gate.costs)), rng.randint(1, len(gate.costs))))
         matrix = _matrix(rng, len(a.costs), len(b.costs), integral, seconds)
         conditional.append(ConditionalCost(a.name, b.name, gate.name, when, matrix))
+    shared = []
+    for _ in range(rng.randint(0, 3)):
+        src = rng.choice(nodes)
+        members = []
+        for dst in rng.sample(nodes, rng.randint(1, min(3, count))):
+            members.append(
+                (dst.name, tuple(rng.sample(range(len(dst.costs)), rng.randint(1, len(dst.costs)))))
+            )
+        shared.append(
+            SharedCost(src.name, tuple(members), [_value(rng, integral, seconds) for _ in src.costs])
+        )
     problem = Problem(
         nodes,
         edges,
@@ -124,6 +136,7 @@ def random_problem(seed: int, binding: bool = True) -> Problem:
         fixed=fixed,
         equal_strategy=equal,
         conditional_costs=conditional,
+        shared_costs=shared,
     )
     if binding:
         usages = [memory_usage(problem, _random_choice(rng, problem)) for _ in range(3)]

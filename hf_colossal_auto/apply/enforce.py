@@ -24,6 +24,10 @@ one's backward is the reverse redistribution of the gradient the planner's edges
   DTensor, the op may instead gather the weight (equal bytes at some shapes) and reshard the output
   afterwards, which is not what the plan priced. The input's gradient is left partial when it is partial:
   the plan reduces it once where the input was made (q, k and v of one normed input: one reduction).
+  Sibling projections reading one input in one placement share one redistributed copy (one gather for q, k
+  and v), as the planner's ``SharedCost`` prices it;
+* inputs of ``nn.LayerNorm`` sharded on a normalised dim are gathered above autograd (DTensor would gather
+  inside the op and again in its backward, from the sharded input the op saved).
 """
 
 from __future__ import annotations
@@ -122,7 +126,27 @@ def _projection_input_placement(weight: DTensor, input_dim: int, rows_are_output
     return Replicate() if used.dim == out_dim else Shard(input_dim - 1)
 
 
-def _projection_input_hook(rows_are_outputs: bool):
+class _SharedCopies:
+    """The projections of one parent module that read one value in one placement share one redistributed copy
+    (q, k and v of one normed input: one gather), as the planner prices it (``SharedCost`` over sibling
+    projections). The copies are dropped when the parent's forward ends: autograd keeps what backward needs,
+    and a recomputed parent (activation checkpointing) makes its own copies again."""
+
+    def __init__(self) -> None:
+        self.by_input: dict[int, tuple[DTensor, dict[tuple[Placement, bool], DTensor]]] = {}
+
+    def get(self, x: DTensor, placement: Placement) -> DTensor:
+        _, made = self.by_input.setdefault(id(x), (x, {}))
+        key = (placement, torch.is_grad_enabled())  # a no-grad copy is not reused by a forward that records
+        if key not in made:
+            made[key] = _RedistributeInput.apply(x, placement)
+        return made[key]
+
+    def clear(self, *_: Any) -> None:
+        self.by_input.clear()
+
+
+def _projection_input_hook(rows_are_outputs: bool, copies: _SharedCopies):
     def hook(module: nn.Module, args: Any) -> Any:
         weight = module._parameters.get("weight")
         if not args or not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1:
@@ -133,7 +157,7 @@ def _projection_input_hook(rows_are_outputs: bool):
         placement = _projection_input_placement(weight, x.dim(), rows_are_outputs)
         if placement is None or x.placements[0] == placement:
             return None
-        return (_RedistributeInput.apply(x, placement), *args[1:])
+        return (copies.get(x, placement), *args[1:])
 
     return hook
 
@@ -151,10 +175,38 @@ def enforce_projection_inputs(model: nn.Module) -> int:
     """Pre-hook every ``nn.Linear`` / ``Conv1D`` of ``model`` whose weight is a DTensor so that its input is
     redistributed to what the weight's (use) placement needs. Returns the number of modules hooked."""
     count = 0
-    for module in model.modules():
+    copies_of: dict[str, _SharedCopies] = {}
+    for name, module in model.named_modules():
         layout = _projection_layout(module)
         if layout is not None and isinstance(module._parameters.get("weight"), DTensor):
-            module.register_forward_pre_hook(_projection_input_hook(layout))
+            parent = name.rpartition(".")[0]
+            if parent not in copies_of:
+                copies_of[parent] = _SharedCopies()
+                model.get_submodule(parent).register_forward_hook(copies_of[parent].clear, always_call=True)
+            module.register_forward_pre_hook(_projection_input_hook(layout, copies_of[parent]))
+            count += 1
+    return count
+
+
+def _layer_norm_input_hook(module: nn.LayerNorm, args: Any) -> Any:
+    """An ``nn.LayerNorm`` input sharded on a normalised dim is gathered by DTensor *inside* the op, which
+    autograd does not see: the op saves the sharded input and its backward gathers it a second time. Gather it
+    here, above autograd, as the plan prices it (one forward gather; the replicated gradient is sliced back)."""
+    x = args[0] if args else None
+    if not isinstance(x, DTensor) or x.device_mesh.ndim != 1:
+        return None
+    current = x.placements[0]
+    if not isinstance(current, Shard) or current.dim < x.dim() - len(module.normalized_shape):
+        return None
+    return (_RedistributeInput.apply(x, Replicate()), *args[1:])
+
+
+def enforce_layer_norm_inputs(model: nn.Module) -> int:
+    """Pre-hook every ``nn.LayerNorm`` of ``model`` with :func:`_layer_norm_input_hook`."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.LayerNorm):
+            module.register_forward_pre_hook(_layer_norm_input_hook)
             count += 1
     return count
 
@@ -212,6 +264,7 @@ def enforce_plan(model: nn.Module, plan: Plan) -> int:
         modules[module_name].register_forward_hook(post, always_call=True)
         count += 1
     count += enforce_projection_inputs(model)  # after the parameter-use pre-hooks: it sees weights as used
+    count += enforce_layer_norm_inputs(model)
     for module_name, placements in plan.activation_placements.items():
         placement = _tp_placement(plan, placements)
         if not module_name or placement is None or module_name not in modules:

@@ -202,6 +202,15 @@ def _sdpa_with_placed_mask(query, key, value, attn_mask=None, *args, **kwargs):
     return _original_sdpa(query, key, value, attn_mask, *args, **kwargs)
 
 
+def install_sdpa_mask_placement() -> None:
+    """Route ``F.scaled_dot_product_attention`` through :func:`_sdpa_with_placed_mask` for the whole process.
+
+    Process-wide rather than around the model's forward: a recomputed block (activation checkpointing) runs
+    its attention again *during backward*, outside any forward. The wrapper only acts on DTensor queries;
+    every other call goes straight to torch's function."""
+    torch.nn.functional.scaled_dot_product_attention = _sdpa_with_placed_mask
+
+
 def wrap_forward(model: nn.Module, mesh: DeviceMesh) -> None:
     """Make ``model(**local_batch)`` run on DTensors and return ordinary tensors (same signature).
 
@@ -213,16 +222,13 @@ def wrap_forward(model: nn.Module, mesh: DeviceMesh) -> None:
     mesh = tensor_parallel_mesh(mesh)
     placements = [Replicate()]
     original = model.forward
+    install_sdpa_mask_placement()
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
         args = tree_map(lambda v: _to_dtensor(v, mesh, placements), args)
         kwargs = tree_map(lambda v: _to_dtensor(v, mesh, placements), kwargs)
-        torch.nn.functional.scaled_dot_product_attention = _sdpa_with_placed_mask
-        try:
-            output = original(*args, **kwargs)
-        finally:
-            torch.nn.functional.scaled_dot_product_attention = _original_sdpa
+        output = original(*args, **kwargs)
         if isinstance(output, Mapping):  # HF ModelOutput is an OrderedDict subclass: keep its class
             for key in list(output.keys()):
                 output[key] = tree_map(_from_dtensor, output[key])

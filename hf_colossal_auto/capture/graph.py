@@ -186,6 +186,8 @@ class StepGraph:
     """For each traced block FQN, its forward and backward node ranges."""
     mixed_precision: str | None = None
     optimizer: str | None = None
+    module_types: dict[str, str] = field(default_factory=dict)
+    """Module FQN -> class name (``Linear``, ``Conv1D``, ...): which ops run inside a projection."""
     output_values: list[int] = field(default_factory=list)
     """Value ids of the tensors the model's forward returns (loss, logits, ...): the runtime hands them to the
     caller as ordinary tensors, so a sharded one is gathered there."""

@@ -566,4 +566,5 @@ def _assemble(
         mixed_precision=mixed_precision,
         optimizer=optimizer,
         output_values=list(rec.output_values),
+        module_types={name: type(module).__name__ for name, module in model.named_modules()},
     )

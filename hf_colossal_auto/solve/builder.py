@@ -47,7 +47,7 @@ from .cost_model import (
     shard_factor,
     splits_work,
 )
-from .problem import ConditionalCost, DecisionEdge, DecisionNode, MemoryConstraint, Problem
+from .problem import ConditionalCost, DecisionEdge, DecisionNode, MemoryConstraint, Problem, SharedCost
 from .recompute import RecomputeOption, RecomputeUnit, find_units, unit_options
 
 logger = logging.getLogger(__name__)
@@ -142,6 +142,76 @@ def forward_producers(graph: StepGraph) -> dict[int, tuple[int, int]]:
         if n.phase is Phase.FORWARD
         for pos, vid in enumerate(n.outputs)
     }
+
+
+PROJECTION_TYPES = ("Linear", "Conv1D")
+"""Module classes whose input the runtime redistributes in a pre-hook and shares between them
+(:func:`hf_colossal_auto.apply.enforce.enforce_projection_inputs`)."""
+
+
+def shared_projection_inputs(graph: StepGraph, tied: TiedGraph) -> dict[tuple[int, int], str]:
+    """(forward node, input position) of the uses whose forward resharding is shared: a value read as the
+    module input of two or more sibling projections (q, k and v of one normed input, under one attention
+    module) is redistributed once per target placement, by the runtime's projection hooks, and every sibling
+    wanting that placement reads the copy. Maps each such use to the parent module its copy belongs to."""
+    uses: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
+    for i in tied.canonical:
+        node = graph.nodes[i]
+        module = node.module
+        if graph.module_types.get(module) not in PROJECTION_TYPES:
+            continue
+        for k, vid in enumerate(node.inputs):
+            value = graph.values[vid]
+            if value.kind is ValueKind.PARAM or value.producer is None:
+                continue
+            made_in = graph.nodes[value.producer].module
+            if made_in == module or made_in.startswith(module + "."):
+                continue  # made inside the projection: not its module input
+            uses[(vid, module.rpartition(".")[0])].append((i, k))
+    shared: dict[tuple[int, int], str] = {}
+    for (_, parent), found in uses.items():
+        if len({graph.nodes[i].module for i, _ in found}) > 1:
+            shared.update(dict.fromkeys(found, parent))
+    return shared
+
+
+def view_root(graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, int]], vid: int) -> int:
+    """The activation a chain of views starts from: a partial gradient passes back through views (a linear's
+    flattening of its input) and is reduced once there, summed with the value's other uses."""
+    while vid in producer and producer[vid][0] in tied.canonical:
+        node = graph.nodes[producer[vid][0]]
+        ins = [v for v in node.inputs if graph.values[v].kind is not ValueKind.PARAM]
+        if not node.is_view or len(ins) != 1 or ins[0] not in producer:
+            break
+        if producer[ins[0]][0] not in tied.canonical:
+            break
+        vid = ins[0]
+    return vid
+
+
+def _view_partial_to(view: Strategy, axis: int) -> str | None:
+    """Where a partial gradient arriving at a view's output is reduced to: its input's gradient placement."""
+    if not view.input_placements or view.input_placements[0] is None:
+        return None
+    return gradient_at_producer(view.input_placements[0][axis])
+
+
+_FLOATING = ("float", "bfloat", "half", "complex")
+
+
+def differentiable_values(graph: StepGraph) -> set[int]:
+    """Values a gradient flows back to: parameters, and floating-point outputs of forward ops that read one.
+
+    (The tracer records below autograd, where no tensor has ``requires_grad`` yet, so it is derived here.)
+    RoPE's cos/sin tables, masks and position ids come out of this empty: no gradient is reduced for them."""
+    needs = {v.id for v in graph.values.values() if v.kind is ValueKind.PARAM}
+    for node in graph.nodes:
+        if node.phase is not Phase.FORWARD or not any(v in needs for v in node.inputs):
+            continue
+        for vid in node.outputs:
+            if graph.values[vid].dtype.startswith(_FLOATING):
+                needs.add(vid)
+    return needs
 
 
 def value_readers(graph: StepGraph, tied: TiedGraph) -> dict[int, int]:
@@ -376,6 +446,12 @@ def build_problem(
         else:
             edge_cost[(src, dst)] = [list(r) for r in matrix]
 
+    shared_uses = shared_projection_inputs(graph, tied)
+    grads = differentiable_values(graph)
+    shared_members: dict[tuple[int, str, str, int, str], list[tuple[str, tuple[int, ...]]]] = {}
+    shared_price: dict[tuple[int, str, str, int, str], list[float]] = {}
+    """(value, parent module, target placement, copy weight, producer node) -> members / price per producer
+    strategy"""
     for v_idx in sorted(tied.canonical):
         v_node = graph.nodes[v_idx]
         w = tied.weight[v_idx]
@@ -391,7 +467,17 @@ def build_problem(
                 matrix = [
                     [
                         w
-                        * _edge_time(o, s, k, value.nbytes, axis, tp_comm, param=True, consumers=readers[vid])
+                        * _edge_time(
+                            o,
+                            s,
+                            k,
+                            value.nbytes,
+                            axis,
+                            tp_comm,
+                            param=True,
+                            consumers=readers[vid],
+                            needs_grad=vid in grads,
+                        )
                         for s in v_strats
                     ]
                     for o in param_options[pname]
@@ -412,6 +498,10 @@ def build_problem(
                 continue
             u_c = tied.canonical[u_idx]
             u_strats = strat_by_canon[u_c]
+            is_shared = (v_idx, k) in shared_uses
+            root = view_root(graph, tied, producer, vid)
+            through_view = root != vid and graph.nodes[u_idx].is_view
+
             matrix = [
                 [
                     w
@@ -422,12 +512,30 @@ def build_problem(
                         value.nbytes,
                         axis,
                         tp_comm,
-                        consumers=readers[vid],
+                        consumers=readers[root] if through_view else readers[vid],
+                        forward=not is_shared,
+                        partial_to=_view_partial_to(us, axis) if through_view else None,
+                        needs_grad=vid in grads,
                     )
                     for s in v_strats
                 ]
                 for us in u_strats
             ]
+            if is_shared:
+                wanted_in = [
+                    s.input_placements[k][axis]
+                    if k < len(s.input_placements) and s.input_placements[k] is not None
+                    else None
+                    for s in v_strats
+                ]
+                for place in sorted({p for p in wanted_in if p is not None}):
+                    key = (vid, shared_uses[(v_idx, k)], place, w, _node_name(u_c))
+                    wanted = tuple(j for j, p in enumerate(wanted_in) if p == place)
+                    shared_members.setdefault(key, []).append((_node_name(v_c), wanted))
+                    shared_price[key] = [
+                        w * redistribute(us.output_placements[pos][axis], place, value.nbytes, tp_comm)[0]
+                        for us in u_strats
+                    ]
             if u_c == v_c:
                 continue
             add_edge(_node_name(u_c), _node_name(v_c), matrix)
@@ -601,6 +709,11 @@ def build_problem(
         name=f"mesh{mesh_shape}-{dp_mode}",
         fixed=fixed,
         conditional_costs=conditional,
+        shared_costs=[
+            SharedCost(key[4], tuple(members), shared_price[key])
+            for key, members in sorted(shared_members.items())
+            if any(shared_price[key])
+        ],
     )
     return BuiltProblem(
         problem=problem,
@@ -624,6 +737,9 @@ def edge_reshardings(
     *,
     param: bool = False,
     consumers: int = 1,
+    forward: bool = True,
+    partial_to: str | None = None,
+    needs_grad: bool = True,
 ) -> list[tuple[float, str, float]]:
     """(seconds, collective, how many of it) of one producer->consumer use: the forward resharding of the value and the
     backward resharding of its gradient.
@@ -632,17 +748,25 @@ def edge_reshardings(
     before a single reduction (what autograd's accumulation does with partial DTensors), so each of the
     ``consumers`` readers carries ``1/consumers`` of that reduction; exact when the readers agree (q, k and v
     projections of one normed input), an undercount when only some of them produce partial gradients.
+    ``forward=False`` leaves the forward resharding out (a use in :func:`shared_projection_inputs`: priced
+    once for all its readers by a :class:`SharedCost`). ``partial_to``: a partial gradient of a view passes
+    through it and is reduced where the viewed value was made, to this placement (``consumers`` then counts
+    that value's readers). A value that needs no gradient (RoPE's cos/sin, masks) has no backward part.
     """
     spec = consumer.input_placements[k] if k < len(consumer.input_placements) else None
     dst = spec[axis] if spec is not None else src_place
     out: list[tuple[float, str, float]] = []
     t, kind = redistribute(src_place, dst, nbytes, comm)
-    if kind:
+    if kind and forward:
         out.append((t, kind, 1.0))
+    if not needs_grad:
+        return out
     ins = tuple(p[axis] if p is not None else None for p in consumer.input_placements)
     outs = tuple(p[axis] for p in consumer.output_placements)
     grad_from = gradient_at_consumer(dst, splits_work(ins, outs))
     grad_to = src_place if param and is_shard(src_place) else gradient_at_producer(src_place)
+    if grad_from == "P" and partial_to is not None:
+        grad_to = partial_to
     t, kind = redistribute(grad_from, grad_to, nbytes, comm)
     if kind:
         share = 1.0 / consumers if grad_from == "P" else 1.0

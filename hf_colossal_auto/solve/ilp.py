@@ -355,6 +355,55 @@ class _Model:
             out.append((z, 1.0))
         return out
 
+    def _member_terms(
+        self, src: int, dst: int, strategies: tuple[int, ...], cost: list[float], scale: float
+    ) -> tuple[list[tuple[pulp.LpVariable, float]], float]:
+        """``sum_i cost_i [choice(src) = i and choice(dst) in strategies]`` as linear terms plus a constant."""
+        pin_g, pin_h = self.groups.pin[src], self.groups.pin[dst]
+        wanted = set(strategies)
+        if pin_g is not None and pin_h is not None:
+            return [], (cost[pin_g] / scale if pin_h in wanted else 0.0)
+        if pin_g is not None:
+            return [(self.x[dst][j], cost[pin_g] / scale) for j in strategies if cost[pin_g]], 0.0
+        if pin_h is not None:
+            if pin_h not in wanted:
+                return [], 0.0
+            return [(self.x[src][i], v / scale) for i, v in enumerate(cost) if v], 0.0
+        if src == dst:  # one group: both take the same strategy
+            return [(self.x[src][i], cost[i] / scale) for i in strategies if cost[i]], 0.0
+        g, h = min(src, dst), max(src, dst)
+        e = self.joint(g, h)
+        terms = []
+        for i, v in enumerate(cost):
+            if not v:
+                continue
+            for j in strategies:
+                terms.append((e[i][j] if src < dst else e[j][i], v / scale))
+        return terms, 0.0
+
+    def shared_terms(self, shared: list, scale: float) -> list[tuple[pulp.LpVariable, float]]:
+        """Objective terms of shared costs, one variable each: ``z >= member's cost`` for every member,
+        ``z >= 0``; exact at integer points (at most one ``cost_i`` is selected per member, and z is minimised).
+        A member selected whatever the solver does makes the cost a constant (left to :func:`evaluate`)."""
+        out = []
+        for index, cost in enumerate(shared):
+            src = self.groups.of[cost.src]
+            members = [
+                self._member_terms(src, self.groups.of[dst], strategies, cost.cost, scale)
+                for dst, strategies in cost.members
+            ]
+            if any(constant > 0 for _, constant in members):
+                continue  # paid in every solution (its src is pinned): a constant
+            members = [terms for terms, _ in members if terms]
+            if not members:
+                continue
+            z = pulp.LpVariable(f"zs_{index:05d}", lowBound=0)
+            for k, terms in enumerate(members):
+                row = [(z, 1.0)] + [(var, -v) for var, v in terms]
+                self.prob += pulp.LpAffineExpression(row) >= 0, f"zs_{index:05d}_{k:03d}"
+            out.append((z, 1.0))
+        return out
+
     def cut(self, free_choice: dict[int, int], support: list[int]) -> None:
         terms = [(self.x[g][free_choice[g]], 1.0) for g in support]
         self.prob += pulp.LpAffineExpression(terms) <= len(support) - 1, f"cut_{self.cuts:05d}"
@@ -549,10 +598,15 @@ def solve(
         return _solution(problem, choice, "optimal", 0.0, start, "none", (0, 0))
 
     objective, triples = _objective_form(problem, groups)
-    magnitude = max([objective.magnitude()] + [max(max(row) for row in t.cost) for t in triples])
+    magnitude = max(
+        [objective.magnitude()]
+        + [max(max(row) for row in t.cost) for t in triples]
+        + [max(c.cost) for c in problem.shared_costs]
+    )
     unit = _pow2(magnitude) / OBJECTIVE_MAGNITUDE
     model = _Model(groups)
     terms = model.terms(objective, unit) + model.triple_terms(triples, unit)
+    terms += model.shared_terms(problem.shared_costs, unit)
     model.prob.setObjective(pulp.LpAffineExpression(terms))
     binding = _tightest([r for r in rows if (r.form.lin or r.form.pairs) and r.form.top() > r.slack])
     for index, row in enumerate(binding):

@@ -47,7 +47,10 @@ from .builder import (
     _param_node_name,
     boundary_reshardings,
     build_problem,
+    differentiable_values,
     forward_producers,
+    shared_projection_inputs,
+    view_root,
 )
 from .cost_model import (
     AxisComm,
@@ -390,6 +393,9 @@ def _make_plan(
     tied = TiedGraph.build(graph)
     problem = built.problem
     objective, peak, _ = evaluate(problem, solution.choice)
+    tp_comm = AxisComm(
+        mesh[1], planner.cluster.axis_link(mesh, 1), planner.spec.kind, planner.spec.kernel_overhead_s
+    )
     # split the objective into compute and communication
     compute = 0.0
     comm = 0.0
@@ -412,8 +418,19 @@ def _make_plan(
             comm += cost
             spread(block_comm, module, cost)
         else:
-            compute += cost
-            spread(block_compute, module, cost)
+            strat = built.strategies[node.name][i] if built.strategies.get(node.name) else None
+            boundary = node.multiplicity * sum(
+                t
+                for t, _, _ in (
+                    boundary_reshardings(graph, graph.nodes[built.node_of_name[node.name]], strat, 0, tp_comm)
+                    if strat is not None
+                    else ()
+                )
+            )
+            compute += cost - boundary
+            spread(block_compute, module, cost - boundary)
+            comm += boundary
+            spread(block_comm, module, boundary)
     for edge in problem.edges:
         c = edge.cost[solution.choice[edge.src]][solution.choice[edge.dst]] * edge.multiplicity
         if edge.src in built.recompute_options:  # the forward a recomputed node runs again
@@ -427,6 +444,11 @@ def _make_plan(
             c = cond.cost[solution.choice[cond.src]][solution.choice[cond.dst]]
             comm += c
             spread(block_comm, built.block_of.get(cond.dst, ""), c)
+    for shared in problem.shared_costs:  # a value resharded once for all the projections reading it
+        if shared.applies(solution.choice):
+            c = shared.cost[solution.choice[shared.src]]
+            comm += c
+            spread(block_comm, built.block_of.get(shared.members[0][0], ""), c)
     recompute = _recompute_choice(built, solution)
     # placements
     tp_place: dict[str, str] = {}
@@ -759,17 +781,10 @@ def _collective_prediction(
     def source(vid: int) -> tuple[str, bool] | None:
         return _value_source(built, solution, graph, tied, producer, vid)
 
-    def viewed(vid: int) -> int:
-        """The value a chain of views of activations starts from."""
-        while vid in producer and producer[vid][0] in tied.canonical:
-            node = graph.nodes[producer[vid][0]]
-            ins = [v for v in node.inputs if graph.values[v].kind.value != "param"]
-            if not node.is_view or len(ins) != 1 or source(ins[0]) is None:
-                break
-            vid = ins[0]
-        return vid
-
     partial_roots: dict[int, int] = {}
+    shared_uses = shared_projection_inputs(graph, tied)
+    grads = differentiable_values(graph)
+    shared_copies: dict[tuple[int, str, str, str], int] = {}
     for v_idx in sorted(tied.canonical):
         w = tied.weight[v_idx]
         v_name = _node_name(tied.canonical[v_idx])
@@ -784,15 +799,23 @@ def _collective_prediction(
             size = graph.values[vid].nbytes
             spec = strat.input_placements[k] if k < len(strat.input_placements) else None
             dst = spec[0] if spec is not None else src
-            _, kind = redistribute(src, dst, size, tp_comm)
-            if kind:
-                counts[kind] += w
-                nbytes[kind] += w * _given_bytes(kind, size, tp)
+            if (v_idx, k) in shared_uses:
+                # one copy per parent module and target placement, for all the sibling projections reading it
+                shared_copies[(vid, shared_uses[(v_idx, k)], src, dst)] = w
+            else:
+                _, kind = redistribute(src, dst, size, tp_comm)
+                if kind:
+                    counts[kind] += w
+                    nbytes[kind] += w * _given_bytes(kind, size, tp)
+            if vid not in grads:
+                continue  # no gradient flows back to it
             ins = tuple(p[0] if p is not None else None for p in strat.input_placements)
             outs = tuple(p[0] for p in strat.output_placements)
             grad_from = gradient_at_consumer(dst, splits_work(ins, outs))
             if grad_from == "P" and not is_param:
-                partial_roots[viewed(vid)] = w  # reduced once where the viewed value was made
+                partial_roots[view_root(graph, tied, producer, vid)] = (
+                    w  # reduced once where the viewed value was made
+                )
                 continue
             grad_to = src if is_param and is_shard(src) else gradient_at_producer(src)
             _, kind = redistribute(grad_from, grad_to, size, tp_comm)
@@ -802,6 +825,11 @@ def _collective_prediction(
         for _seconds, kind, size in boundary_reshardings(graph, graph.nodes[v_idx], strat, 0, tp_comm):
             counts[kind] += w
             nbytes[kind] += w * _given_bytes(kind, size, tp)
+    for (vid, _parent, src, dst), w in shared_copies.items():
+        _, kind = redistribute(src, dst, graph.values[vid].nbytes, tp_comm)
+        if kind:
+            counts[kind] += w
+            nbytes[kind] += w * _given_bytes(kind, graph.values[vid].nbytes, tp)
     for vid, w in partial_roots.items():
         src, is_param = source(vid)
         grad_to = src if is_param and is_shard(src) else gradient_at_producer(src)

@@ -148,6 +148,40 @@ class ConditionalCost:
 
 
 @dataclass
+class SharedCost:
+    """A cost ``cost[choice[src]]`` paid once when at least one member ``(dst, strategies)`` has
+    ``choice[dst]`` in ``strategies``.
+
+    Why: a value several ops read in the same placement is redistributed once and the copy shared (the
+    runtime's projection-input hooks keep the copy they made): the q, k and v projections of one normed input
+    gather it once, not three times. A pairwise edge cost cannot say "once for all of them". Costs must be
+    >= 0 (the solver prices them through a variable bounded from below only).
+    """
+
+    src: str
+    members: tuple[tuple[str, tuple[int, ...]], ...]
+    cost: list[float]
+
+    def __post_init__(self) -> None:
+        what = f"shared cost of {self.src!r}"
+        self.cost = _vector(self.cost, f"{what} cost")
+        if any(v < 0 for v in self.cost):
+            raise ValueError(f"{what}: costs must be >= 0")
+        members = []
+        for member in self.members:
+            if not isinstance(member, (tuple, list)) or len(member) != 2 or not isinstance(member[0], str):
+                raise ValueError(f"{what}: members must be (node, strategies) pairs, got {member!r}")
+            strategies = [_index(w) for w in member[1]]
+            if any(w is None for w in strategies):
+                raise ValueError(f"{what}: strategies must be integers, got {member[1]!r}")
+            members.append((member[0], tuple(sorted(set(strategies)))))
+        self.members = tuple(members)  # type: ignore[assignment]
+
+    def applies(self, choice: dict[str, int]) -> bool:
+        return any(choice[dst] in strategies for dst, strategies in self.members)
+
+
+@dataclass
 class Problem:
     nodes: list[DecisionNode]
     edges: list[DecisionEdge] = field(default_factory=list)
@@ -156,11 +190,13 @@ class Problem:
     fixed: dict[str, int] = field(default_factory=dict)
     equal_strategy: list[tuple[str, str]] = field(default_factory=list)
     conditional_costs: list[ConditionalCost] = field(default_factory=list)
+    shared_costs: list[SharedCost] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.nodes = list(self.nodes)
         self.edges = list(self.edges)
         self.conditional_costs = list(self.conditional_costs)
+        self.shared_costs = list(self.shared_costs)
         self.memory_constraints = list(self.memory_constraints)
         self.fixed = dict(self.fixed)
         self.equal_strategy = [tuple(pair) for pair in self.equal_strategy]
@@ -203,6 +239,17 @@ class Problem:
                 )
             if any(not 0 <= w < len(gate.costs) for w in cond.when):
                 raise ValueError(f"{what}: strategies {cond.when} out of range for node {gate.name!r}")
+        for shared in self.shared_costs:
+            if not isinstance(shared, SharedCost):
+                raise ValueError(f"shared_costs must be SharedCost instances, got {shared!r}")
+            what = f"shared cost of {shared.src!r}"
+            src = self._node(shared.src, what)
+            if len(shared.cost) != len(src.costs):
+                raise ValueError(f"{what} has {len(shared.cost)} costs, expected {len(src.costs)}")
+            for dst, strategies in shared.members:
+                node = self._node(dst, what)
+                if any(not 0 <= w < len(node.costs) for w in strategies):
+                    raise ValueError(f"{what}: strategies {strategies} out of range for node {dst!r}")
         for pair in self.equal_strategy:
             if len(pair) != 2:
                 raise ValueError(f"equal_strategy entries must be (node, node) pairs, got {pair!r}")
@@ -356,6 +403,7 @@ def _objective(problem: Problem, choice: dict[str, int]) -> float:
         for c in problem.conditional_costs
         if choice[c.when_node] in c.when
     ]
+    parts += [c.cost[choice[c.src]] for c in problem.shared_costs if c.applies(choice)]
     return math.fsum(parts)
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .._torch_compat import detached_device_mesh, fake_process_group
-from ..capture.graph import OpNode, Phase, StepGraph, TensorRef
+from ..capture.graph import OpNode, Phase, StepGraph, TensorRef, ValueKind
 from .custom_rules import custom_strategies
 from .dtensor_rules import dtensor_rule_kind, dtensor_strategies, resolve_op
 from .placements import Strategy, evenly_sharded, replicate_strategy
@@ -177,6 +177,20 @@ def node_strategies(
 
 
 # ---------------------------------------------------------------------------------------------- graph
+def runtime_plain_nodes(graph: StepGraph) -> set[int]:
+    """Forward ops that run on ordinary tensors when the plan runs: those reading only buffers and what other
+    such ops made (RoPE's cos/sin from ``inv_freq``, masks and position ids from constants). The runtime turns
+    parameters and the model's inputs into DTensors and nothing else, so these ops compute the same replicated
+    result on every rank, whatever a strategy would say."""
+    plain_values = {v.id for v in graph.values.values() if v.kind is ValueKind.BUFFER}
+    plain: set[int] = set()
+    for node in graph.nodes:
+        if node.phase is Phase.FORWARD and all(v in plain_values for v in node.inputs):
+            plain.add(node.index)
+            plain_values.update(node.outputs)
+    return plain
+
+
 def enumerate_strategies(
     graph: StepGraph,
     mesh_shape: Sequence[int] | int,
@@ -201,8 +215,14 @@ def enumerate_strategies(
     mesh = device_mesh(shape)
     result: dict[int, list[Strategy]] = {}
     fell_back: dict[str, int] = {}
+    plain = runtime_plain_nodes(graph)
     for node in graph.nodes:
         if node.phase not in wanted:
+            continue
+        if node.index in plain:
+            result[node.index] = [
+                replicate_strategy(len(node.inputs), len(node.outputs), len(shape), "plain-tensor")
+            ]
             continue
         key = _signature(node, graph, shape, allow_partial_inputs)
         hit = _cache.get(key)

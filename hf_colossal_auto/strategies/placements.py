@@ -29,11 +29,13 @@ Placement = str
 """``"R"``, ``"P"`` (``"P(avg)"`` ...) or ``"S{d}"``."""
 PlacementSpec = tuple[Placement, ...]
 """One placement per mesh dim for one tensor."""
-StrategySource = Literal["dtensor", "custom", "replicate-fallback"]
+StrategySource = Literal["dtensor", "custom", "replicate-fallback", "plain-tensor"]
 
 REPLICATE: Placement = "R"
 PARTIAL: Placement = "P"
-SOURCES: tuple[str, ...] = ("dtensor", "custom", "replicate-fallback")
+SOURCES: tuple[str, ...] = ("dtensor", "custom", "replicate-fallback", "plain-tensor")
+"""``plain-tensor``: the op reads no parameter and no model input (RoPE tables from buffers, masks from
+constants), so at run time it computes on ordinary tensors, the same on every rank: replicated, nothing else."""
 
 _SHARD_RE = re.compile(r"^S(\d+)$")
 _PARTIAL_RE = re.compile(r"^P(?:\((sum|avg|max|min|product)\))?$")
