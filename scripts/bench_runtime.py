@@ -17,7 +17,9 @@ another's); ``main()`` launches them and collects the results.
 Time: median wall time of ``--steps`` timed steps after ``--warmup`` warm-up steps, each step ended by a
 barrier, the max over ranks; also the median *CPU* time of a step (``time.process_time``: the rank's own work
 in all its threads, not its waits), less sensitive to other jobs on a shared machine. ``--repeat N`` runs
-every variant N times, interleaved, and reports the medians over the runs. Memory: resident-set high-water
+every variant N times, interleaved and rotated (round r starts with the r-th variant), and reports the medians
+over the runs, plus *paired* ratios: the median over rounds of a variant's run divided by hf-tp's run of the
+same round (the two met the same machine load). Memory: resident-set high-water
 (Linux ``VmHWM``) of each rank, reset through ``/proc/self/clear_refs`` just before one extra measured step,
 so it is the peak RSS *during a step* (weights, gradients, optimizer state, activations, freed memory glibc
 still holds, plus the process's Python/torch baseline, ~300-400 MB); also the RSS before the model was built,
@@ -29,6 +31,9 @@ step under ``torch.profiler`` (CPU self time per op) and one under ``MemTracker`
 Usage::
 
     python scripts/bench_runtime.py [--variants megatron,auto,hf-tp,ddp] [--repeat 3] [--json runtime.json]
+    # time against hf-tp in one job (both models in the same 2 processes, steps alternating): the comparison
+    # that other jobs on a shared machine disturb least
+    python scripts/bench_runtime.py --ab auto --steps 10
     # one variant by hand:
     python -m torch.distributed.run --standalone --nproc_per_node 2 scripts/bench_runtime.py --worker megatron \
         --worker-out /tmp/megatron.json
@@ -109,30 +114,23 @@ def _profile_step(args, rank: int, step, model, opt, local) -> None:
     dist.barrier()
 
 
-def worker(args) -> None:
+def _setup(args, variant: str, rank: int, world: int):
+    """The seeded model prepared as ``variant``: (model, batch, this rank's batch, sharded parameters, seconds)."""
     import torch
-    import torch.distributed as dist
-    import transformers
 
-    transformers.logging.set_verbosity_error()
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    rank, world = dist.get_rank(), dist.get_world_size()
     from hf_colossal_auto.models import build_model, make_example_inputs
 
-    rss_base_mib = _status_kib("VmRSS") / 1024
     torch.manual_seed(0)
     model = build_model(_model_config(args), device="cpu")
     model.train()
     batch = make_example_inputs(model, args.batch, args.seq, seed=0)
-    n_params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
-    if args.worker in ("megatron", "auto"):
+    if variant in ("megatron", "auto"):
         from hf_colossal_auto.apply import apply_plan, broadcast_plan
 
         made = None
         if rank == 0:
-            if args.worker == "megatron":
+            if variant == "megatron":
                 from hf_colossal_auto.solve.planner import evaluate_plan
 
                 made = evaluate_plan(
@@ -148,7 +146,7 @@ def worker(args) -> None:
         apply_plan(model, plan)
         sharded = sum(1 for v in plan.param_placements.values() if any(p != "R" for p in v))
         local = batch
-    elif args.worker == "hf-tp":
+    elif variant == "hf-tp":
         from torch.distributed.device_mesh import init_device_mesh
         from transformers.distributed import DistributedConfig
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
@@ -157,14 +155,28 @@ def worker(args) -> None:
         apply_tensor_parallelism(model, init_device_mesh("cpu", (world,)), tp_plan)
         sharded = sum(1 for k in tp_plan if k in dict(model.named_parameters()))
         local = batch
-    elif args.worker == "ddp":
+    elif variant == "ddp":
         per = args.batch // world
         local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
         model = torch.nn.parallel.DistributedDataParallel(model)
         sharded = 0
     else:
-        raise ValueError(args.worker)
-    setup_s = time.perf_counter() - t0
+        raise ValueError(variant)
+    return model, batch, local, sharded, time.perf_counter() - t0
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rss_base_mib = _status_kib("VmRSS") / 1024
+    model, batch, local, sharded, setup_s = _setup(args, args.worker, rank, world)
+    n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(model, opt, local) -> float:
@@ -175,16 +187,21 @@ def worker(args) -> None:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    times, cpu_times, losses = [], [], []
+    times, cpu_times, sys_times, faults, losses = [], [], [], [], []
     for i in range(args.warmup + args.steps):
         dist.barrier()
-        t, c = time.perf_counter(), time.process_time()
+        t, c, k = time.perf_counter(), time.process_time(), os.times().system
+        f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         losses.append(step(model, opt, local))
         c = time.process_time() - c  # this rank's own work (all its threads), not its waits
+        k = os.times().system - k  # of which in the kernel (page faults of fresh allocations, mostly)
+        f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f
         dist.barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
             cpu_times.append(c)
+            sys_times.append(k)
+            faults.append(f)
     # memory: one more step with the RSS high-water reset just before it
     dist.barrier()
     reset = _reset_hwm()
@@ -197,6 +214,8 @@ def worker(args) -> None:
         "median_step_s": statistics.median(times),
         "step_times_s": times,
         "median_cpu_s": statistics.median(cpu_times),
+        "median_sys_s": statistics.median(sys_times),
+        "median_page_faults": statistics.median(faults),
         "peak_rss_mib": peak_mib,
         "rss_before_model_mib": rss_base_mib,
         "peak_method": "VmHWM reset per step" if reset else "ru_maxrss (process lifetime)",
@@ -211,6 +230,61 @@ def worker(args) -> None:
         with open(args.worker_out, "w") as f:
             json.dump(gathered, f)
     del model, opt
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _timed_step(model, opt, local) -> tuple[float, float]:
+    """One training step between barriers: (wall seconds, this rank's CPU seconds)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t, c = time.perf_counter(), time.process_time()
+    out = model(**local)
+    (out.loss if hasattr(out, "loss") else out["loss"]).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    c = time.process_time() - c
+    dist.barrier()
+    return time.perf_counter() - t, c
+
+
+def ab_worker(args) -> None:
+    """``--ab VARIANT``: VARIANT and hf-tp built in the *same* processes, their steps alternating (each goes
+    first in every other round), so that whatever else the machine runs meets both alike. Time only: the two
+    models share the processes' memory, so peaks are not comparable here."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = (args.worker_ab, "hf-tp")
+    prepared = {}
+    for name in names:
+        model, _, local, _, _ = _setup(args, name, rank, world)
+        prepared[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), local)
+    walls: dict[str, list[float]] = {n: [] for n in names}
+    cpus: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(args.warmup + args.steps):
+        for name in names if i % 2 == 0 else names[::-1]:
+            wall, cpu = _timed_step(*prepared[name])
+            if i >= args.warmup:
+                walls[name].append(wall)
+                cpus[name].append(cpu)
+    rec = {
+        n: {"median_step_s": statistics.median(walls[n]), "median_cpu_s": statistics.median(cpus[n])}
+        for n in names
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rec)
+    if rank == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump(gathered, f)
+    del prepared
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
@@ -246,6 +320,8 @@ def _launch(variant: str, args, out: str) -> dict:
         "variant": variant,
         "median_step_s": max(r["median_step_s"] for r in ranks),
         "median_cpu_s": max(r["median_cpu_s"] for r in ranks),
+        "median_sys_s": max(r["median_sys_s"] for r in ranks),
+        "median_page_faults": max(r["median_page_faults"] for r in ranks),
         "peak_rss_mib": [round(r["peak_rss_mib"], 1) for r in ranks],
         "peak_over_base_mib": [round(r["peak_rss_mib"] - r["rss_before_model_mib"], 1) for r in ranks],
         "peak_method": ranks[0]["peak_method"],
@@ -255,6 +331,53 @@ def _launch(variant: str, args, out: str) -> dict:
         "n_params": ranks[0]["n_params"],
         "ranks": ranks,
     }
+
+
+def _run_ab(args) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ab.json")
+        cmd += [os.path.abspath(__file__), "--worker-ab", args.ab, "--worker-out", out]
+        for k in (
+            "hidden",
+            "intermediate",
+            "heads",
+            "layers",
+            "vocab",
+            "batch",
+            "seq",
+            "warmup",
+            "steps",
+            "threads",
+        ):
+            cmd += [f"--{k}", str(getattr(args, k))]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise SystemExit(f"A/B run failed: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}")
+        with open(out) as f:
+            ranks = json.load(f)
+    print(
+        f"A/B in one job: {args.ab} vs hf-tp, Llama h{args.hidden} L{args.layers}, global batch {args.batch}x"
+        f"{args.seq}, median of {args.steps} alternating steps per variant"
+    )
+    for r, rec in enumerate(ranks):
+        mine, ref = rec[args.ab], rec["hf-tp"]
+        print(
+            f"rank {r}: {args.ab} {mine['median_step_s']:.3f} s (cpu {mine['median_cpu_s']:.3f}), hf-tp "
+            f"{ref['median_step_s']:.3f} s (cpu {ref['median_cpu_s']:.3f}): wall x"
+            f"{mine['median_step_s'] / ref['median_step_s']:.3f}, cpu x{mine['median_cpu_s'] / ref['median_cpu_s']:.3f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "config": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
+                    "ranks": ranks,
+                },
+                f,
+                indent=1,
+            )
 
 
 def _aggregate(variant: str, runs: list[dict]) -> dict:
@@ -292,23 +415,48 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=900, help="seconds per variant")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--profile", help="directory: per variant and rank, a profiled step (CPU ops, MemTracker)")
+    p.add_argument(
+        "--ab",
+        choices=("megatron", "auto", "ddp"),
+        help="time this variant against hf-tp in the same processes, steps alternating (see ab_worker)",
+    )
+    p.add_argument("--worker-ab", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.worker_ab:
+        ab_worker(args)
+        return
     if args.worker:
         worker(args)
+        return
+    if args.ab:
+        _run_ab(args)
         return
     variants = args.variants.split(",")
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeat):  # interleaved, so that a busy spell on the machine hits every variant
-            for v in variants:
+            shift = rep % len(
+                variants
+            )  # and rotated, so that no variant always runs first or last in a round
+            for v in variants[shift:] + variants[:shift]:
                 r = _launch(v, args, os.path.join(tmp, f"{v}-{rep}.json"))
                 runs[v].append(r)
                 said = r.get("error") or round(r["median_step_s"], 3)
                 print(f"done {v} (run {rep + 1}/{args.repeat}): {said}", file=sys.stderr, flush=True)
     results = [_aggregate(v, runs[v]) for v in variants]
     ref = next((r for r in results if r["variant"] == "hf-tp" and "error" not in r), None)
+    if ref:  # paired: each run against hf-tp's run of the same round, which met the same machine load
+        for r in results:
+            pairs = [
+                (a["median_step_s"] / b["median_step_s"], a["median_cpu_s"] / b["median_cpu_s"])
+                for a, b in zip(runs[r["variant"]], runs["hf-tp"], strict=True)
+                if "error" not in a and "error" not in b
+            ]
+            if pairs:
+                r["paired_time_vs_hf_tp"] = round(statistics.median(p[0] for p in pairs), 3)
+                r["paired_cpu_vs_hf_tp"] = round(statistics.median(p[1] for p in pairs), 3)
     print(
         f"Llama h{args.hidden} i{args.intermediate} heads{args.heads} L{args.layers} V{args.vocab}, global batch "
         f"{args.batch}x{args.seq}, {args.nproc} gloo ranks x {args.threads} thread(s), median of {args.steps} steps"
@@ -316,7 +464,7 @@ def main() -> None:
     )
     print(
         f"{'variant':<10} {'step s':>8} {'vs hf-tp':>9} {'cpu s':>7} {'vs hf':>6} {'peak RSS MiB/rank':>20} "
-        f"{'peak-base MiB/rank':>20} {'mem vs hf':>9}  sharded"
+        f"{'peak-base MiB/rank':>20} {'mem vs hf':>9} {'paired t':>8} {'paired cpu':>10}  sharded"
     )
     for r in results:
         if "error" in r:
@@ -331,7 +479,8 @@ def main() -> None:
             r["mem_vs_hf_tp"] = float(m_ratio)
         print(
             f"{r['variant']:<10} {r['median_step_s']:>8.3f} {t_ratio:>9} {r['median_cpu_s']:>7.3f} {c_ratio:>6} "
-            f"{str(r['peak_rss_mib']):>20} {str(r['peak_over_base_mib']):>20} {m_ratio:>9}  {r['sharded_params']}"
+            f"{str(r['peak_rss_mib']):>20} {str(r['peak_over_base_mib']):>20} {m_ratio:>9} "
+            f"{r.get('paired_time_vs_hf_tp', ''):>8} {r.get('paired_cpu_vs_hf_tp', ''):>10}  {r['sharded_params']}"
         )
     if args.json:
         with open(args.json, "w") as f:
