@@ -51,6 +51,11 @@ __all__ = [
 flop_registry = _torch_flop_registry
 
 
+def dtensor_is_view(t) -> bool:
+    """True when a DTensor's local tensor is a view of another tensor (what a view op returns)."""
+    return t._local_tensor._is_view()
+
+
 def fake_process_group(world_size: int, rank: int = 0) -> None:
     """Initialise torch.distributed with the in-process fake backend (no communication, any world size).
 

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from .._torch_compat import allow_implicit_replication, tree_map
 from ..plan import Plan
 from .dtensor_rules import register_runtime_rules
-from .enforce import enforce_plan
+from .enforce import ReducePartialGradientsAtProducers, enforce_plan
 from .materialize import is_meta_model, materialize_meta_model
 from .recompute import apply_recompute
 
@@ -228,7 +228,8 @@ def wrap_forward(model: nn.Module, mesh: DeviceMesh) -> None:
     def forward(*args, **kwargs):
         args = tree_map(lambda v: _to_dtensor(v, mesh, placements), args)
         kwargs = tree_map(lambda v: _to_dtensor(v, mesh, placements), kwargs)
-        output = original(*args, **kwargs)
+        with ReducePartialGradientsAtProducers():
+            output = original(*args, **kwargs)
         if isinstance(output, Mapping):  # HF ModelOutput is an OrderedDict subclass: keep its class
             for key in list(output.keys()):
                 output[key] = tree_map(_from_dtensor, output[key])
