@@ -12,6 +12,7 @@ from hf_colossal_auto.solve import (
     ConditionalCost,
     DecisionEdge,
     DecisionNode,
+    FollowsInputs,
     InfeasibleError,
     MemoryConstraint,
     Problem,
@@ -128,6 +129,20 @@ def random_problem(seed: int, binding: bool = True) -> Problem:
         shared.append(
             SharedCost(src.name, tuple(members), [_value(rng, integral, seconds) for _ in src.costs])
         )
+    follows = []
+    pinned = {n for pair in equal for n in pair if any(m in fixed for m in pair)} | set(fixed)
+    for _ in range(rng.randint(0, 2)):
+        dst = rng.choice(nodes)
+        tied = any(dst.name in pair for pair in equal)
+        if dst.name in pinned or tied or any(rule.dst == dst.name for rule in follows):
+            continue  # keep a strategy outside `sharding` reachable, so that some choice is runnable
+        sharding = tuple(rng.sample(range(len(dst.costs)), rng.randint(1, len(dst.costs) - 1)))
+        inputs = []
+        for src in rng.sample([n for n in nodes if n is not dst], rng.randint(1, 2)):
+            inputs.append((src.name, tuple(rng.sample(range(len(src.costs)), rng.randint(1, len(src.costs))))))
+        if rng.random() < 0.3:
+            inputs.append((None, ()))
+        follows.append(FollowsInputs(dst.name, sharding, tuple(inputs)))
     problem = Problem(
         nodes,
         edges,
@@ -137,6 +152,7 @@ def random_problem(seed: int, binding: bool = True) -> Problem:
         equal_strategy=equal,
         conditional_costs=conditional,
         shared_costs=shared,
+        follows_inputs=follows,
     )
     if binding:
         usages = [memory_usage(problem, _random_choice(rng, problem)) for _ in range(3)]

@@ -32,6 +32,8 @@ def brute_force(problem: Problem, limit: int = 200_000) -> Solution:
         for (members, _), strategy in zip(free, combination, strict=True):
             for name in members:
                 choice[name] = strategy
+        if any(rule.violated(choice) for rule in problem.follows_inputs):
+            continue  # not a choice the runtime can run, whatever its memory
         objective, _, feasible = evaluate(problem, choice)
         if feasible:
             if best is None or objective < best[0]:

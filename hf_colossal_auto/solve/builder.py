@@ -47,7 +47,15 @@ from .cost_model import (
     shard_factor,
     splits_work,
 )
-from .problem import ConditionalCost, DecisionEdge, DecisionNode, MemoryConstraint, Problem, SharedCost
+from .problem import (
+    ConditionalCost,
+    DecisionEdge,
+    DecisionNode,
+    FollowsInputs,
+    MemoryConstraint,
+    Problem,
+    SharedCost,
+)
 from .recompute import RecomputeOption, RecomputeUnit, find_units, unit_options
 
 logger = logging.getLogger(__name__)
@@ -187,6 +195,56 @@ def view_root(graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, 
             break
         vid = ins[0]
     return vid
+
+
+def unenforced_split_rules(
+    graph: StepGraph,
+    tied: TiedGraph,
+    strategies: dict[str, list[Strategy]],
+    node_of_name: dict[str, int],
+    axis: int,
+) -> list[FollowsInputs]:
+    """Ops of the model's own top-level code (its loss) run as DTensor decides: the runtime enforces the plan
+    at module outputs and projection inputs only, and DTensor never splits an op whose inputs are all
+    replicated. One :class:`FollowsInputs` rule per such op: its splitting strategies need a non-replicated
+    input."""
+    producer = forward_producers(graph)
+    rules = []
+    for name, strats in sorted(strategies.items()):
+        node = graph.nodes[node_of_name[name]]
+        if node.module or not strats:
+            continue
+        acts = [k for k, vid in enumerate(node.inputs) if graph.values[vid].kind is not ValueKind.PARAM]
+        if len(acts) != len(node.inputs) or not acts:
+            continue  # reads a parameter (its use placement is enforced) or nothing
+        sharding = tuple(
+            j
+            for j, st in enumerate(strats)
+            if any(
+                k < len(st.input_placements)
+                and st.input_placements[k] is not None
+                and st.input_placements[k][axis] != "R"
+                for k in acts
+            )
+        )
+        if not sharding:
+            continue
+        inputs: list[tuple[str | None, tuple[int, ...]]] = []
+        for k in acts:
+            made = producer.get(node.inputs[k])
+            if made is None or made[0] not in tied.canonical:
+                inputs.append((None, ()))  # a model input or buffer: replicated at run time
+                continue
+            src = _node_name(tied.canonical[made[0]])
+            src_strats = strategies.get(src, [])
+            inputs.append(
+                (
+                    src,
+                    tuple(i for i, st in enumerate(src_strats) if st.output_placements[made[1]][axis] == "R"),
+                )
+            )
+        rules.append(FollowsInputs(name, sharding, tuple(inputs)))
+    return rules
 
 
 def _view_partial_to(view: Strategy, axis: int) -> str | None:
@@ -709,6 +767,7 @@ def build_problem(
         name=f"mesh{mesh_shape}-{dp_mode}",
         fixed=fixed,
         conditional_costs=conditional,
+        follows_inputs=unenforced_split_rules(graph, tied, strat_of, node_of_name, axis),
         shared_costs=[
             SharedCost(key[4], tuple(members), shared_price[key])
             for key, members in sorted(shared_members.items())

@@ -404,6 +404,37 @@ class _Model:
             out.append((z, 1.0))
         return out
 
+    def add_follows(self, rules: list) -> None:
+        """:class:`FollowsInputs` rules as ``x[dst][j] + sum_k [input k replicated] <= #inputs`` per sharding
+        strategy ``j``: with every input replicated, ``j`` cannot be taken. Pinned nodes are constants."""
+        for index, rule in enumerate(rules):
+            g = self.groups.of[rule.dst]
+            for j in rule.sharding:
+                terms: list[tuple[pulp.LpVariable, float]] = []
+                rhs = 0.0
+                pin = self.groups.pin[g]
+                if pin is not None:
+                    if pin != j:
+                        continue
+                    rhs -= 1.0
+                else:
+                    terms.append((self.x[g][j], 1.0))
+                for src, ids in rule.inputs:
+                    if src is None:
+                        continue  # always replicated: 1 on both sides
+                    rhs += 1.0
+                    h = self.groups.of[src]
+                    if self.groups.pin[h] is not None:
+                        rhs -= 1.0 if self.groups.pin[h] in ids else 0.0
+                    else:
+                        terms += [(self.x[h][i], 1.0) for i in ids]
+                merged: dict[str, list] = {}  # one variable may appear twice (tied nodes): add, not overwrite
+                for var, coefficient in terms:
+                    merged.setdefault(var.name, [var, 0.0])[1] += coefficient
+                if merged:  # all pinned: nothing to decide (evaluate() reports a violation)
+                    row = [(var, c) for var, c in merged.values()]
+                    self.prob += pulp.LpAffineExpression(row) <= rhs, f"follow_{index:05d}_{j:03d}"
+
     def cut(self, free_choice: dict[int, int], support: list[int]) -> None:
         terms = [(self.x[g][free_choice[g]], 1.0) for g in support]
         self.prob += pulp.LpAffineExpression(terms) <= len(support) - 1, f"cut_{self.cuts:05d}"
@@ -546,6 +577,7 @@ def _least_memory(
             exact = True
         elif remaining > 0:
             model = _Model(groups)
+            model.add_follows(problem.follows_inputs)
             unit = _pow2(max([abs(lower)] + [r.form.magnitude() for r in relevant]))
             excess = pulp.LpVariable("t", lowBound=lower / unit)
             model.prob.setObjective(pulp.LpAffineExpression([(excess, 1.0)]))
@@ -607,6 +639,7 @@ def solve(
     model = _Model(groups)
     terms = model.terms(objective, unit) + model.triple_terms(triples, unit)
     terms += model.shared_terms(problem.shared_costs, unit)
+    model.add_follows(problem.follows_inputs)
     model.prob.setObjective(pulp.LpAffineExpression(terms))
     binding = _tightest([r for r in rows if (r.form.lin or r.form.pairs) and r.form.top() > r.slack])
     for index, row in enumerate(binding):

@@ -182,6 +182,31 @@ class SharedCost:
 
 
 @dataclass
+class FollowsInputs:
+    """Node ``dst`` may take one of the strategies in ``sharding`` only if at least one of its inputs is not
+    replicated: an input ``(producer, replicated)`` is replicated when the producer takes a strategy in
+    ``replicated`` (``None`` for an input that is always replicated, e.g. a model input).
+
+    Why: the runtime enforces the plan at module boundaries and projections; an op it does not enforce (the loss
+    the model's own ``forward`` computes) runs as DTensor's propagation decides, and DTensor never splits an op
+    whose inputs are all replicated. Pricing such a split would predict work and collectives that do not run.
+    """
+
+    dst: str
+    sharding: tuple[int, ...]
+    inputs: tuple[tuple[str | None, tuple[int, ...]], ...]
+
+    def __post_init__(self) -> None:
+        self.sharding = tuple(sorted({int(j) for j in self.sharding}))
+        self.inputs = tuple((src, tuple(sorted({int(i) for i in ids}))) for src, ids in self.inputs)
+
+    def violated(self, choice: dict[str, int]) -> bool:
+        if choice[self.dst] not in self.sharding:
+            return False
+        return all(src is None or choice[src] in ids for src, ids in self.inputs)
+
+
+@dataclass
 class Problem:
     nodes: list[DecisionNode]
     edges: list[DecisionEdge] = field(default_factory=list)
@@ -191,12 +216,14 @@ class Problem:
     equal_strategy: list[tuple[str, str]] = field(default_factory=list)
     conditional_costs: list[ConditionalCost] = field(default_factory=list)
     shared_costs: list[SharedCost] = field(default_factory=list)
+    follows_inputs: list[FollowsInputs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.nodes = list(self.nodes)
         self.edges = list(self.edges)
         self.conditional_costs = list(self.conditional_costs)
         self.shared_costs = list(self.shared_costs)
+        self.follows_inputs = list(self.follows_inputs)
         self.memory_constraints = list(self.memory_constraints)
         self.fixed = dict(self.fixed)
         self.equal_strategy = [tuple(pair) for pair in self.equal_strategy]
@@ -250,6 +277,16 @@ class Problem:
                 node = self._node(dst, what)
                 if any(not 0 <= w < len(node.costs) for w in strategies):
                     raise ValueError(f"{what}: strategies {strategies} out of range for node {dst!r}")
+        for rule in self.follows_inputs:
+            if not isinstance(rule, FollowsInputs):
+                raise ValueError(f"follows_inputs must be FollowsInputs instances, got {rule!r}")
+            what = f"follows-inputs rule of {rule.dst!r}"
+            dst = self._node(rule.dst, what)
+            if any(not 0 <= j < len(dst.costs) for j in rule.sharding):
+                raise ValueError(f"{what}: strategies {rule.sharding} out of range")
+            for src, ids in rule.inputs:
+                if src is not None and any(not 0 <= i < len(self._node(src, what).costs) for i in ids):
+                    raise ValueError(f"{what}: strategies {ids} out of range for node {src!r}")
         for pair in self.equal_strategy:
             if len(pair) != 2:
                 raise ValueError(f"equal_strategy entries must be (node, node) pairs, got {pair!r}")
@@ -437,4 +474,5 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> tuple[float, float, bo
     feasible = all(value <= budget for value, budget in usage)
     feasible = feasible and all(choice[name] == strategy for name, strategy in problem.fixed.items())
     feasible = feasible and all(choice[a] == choice[b] for a, b in problem.equal_strategy)
+    feasible = feasible and not any(rule.violated(choice) for rule in problem.follows_inputs)
     return _objective(problem, choice), peak, feasible
