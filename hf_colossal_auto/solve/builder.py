@@ -212,7 +212,10 @@ def unenforced_split_rules(
     rules = []
     for name, strats in sorted(strategies.items()):
         node = graph.nodes[node_of_name[name]]
-        if node.module or not strats:
+        if node.module and strats:
+            rules += _keeps_valid_input(graph, tied, strategies, producer, name, node, axis)
+            continue
+        if not strats:
             continue
         acts = [k for k, vid in enumerate(node.inputs) if graph.values[vid].kind is not ValueKind.PARAM]
         if len(acts) != len(node.inputs) or not acts:
@@ -244,6 +247,45 @@ def unenforced_split_rules(
                 )
             )
         rules.append(FollowsInputs(name, sharding, tuple(inputs)))
+    return rules
+
+
+def _enforced_input(graph: StepGraph, node: OpNode, vid: int) -> bool:
+    """True when the runtime redistributes this input above autograd before the op sees it: the module input of
+    a projection (``enforce_projection_inputs``) or of an ``nn.LayerNorm``."""
+    if graph.module_types.get(node.module) not in (*PROJECTION_TYPES, "LayerNorm"):
+        return False
+    made = graph.values[vid].producer
+    made_in = graph.nodes[made].module if made is not None else ""
+    return not (made_in == node.module or made_in.startswith(node.module + "."))
+
+
+def _keeps_valid_input(graph, tied, strategies, producer, name, node, axis) -> list[FollowsInputs]:
+    """An op inside a module whose one input arrives in a placement some strategy of the op accepts as it is:
+    DTensor runs that strategy (no redistribution is cheapest), so the others are barred for that placement."""
+    if len(node.inputs) != 1 or graph.values[node.inputs[0]].kind is ValueKind.PARAM:
+        return []
+    vid = node.inputs[0]
+    made = producer.get(vid)
+    if made is None or made[0] not in tied.canonical or _enforced_input(graph, node, vid):
+        return []
+    src = _node_name(tied.canonical[made[0]])
+    if src == name:
+        return []
+    src_strats = strategies.get(src, [])
+    strats = strategies[name]
+    takes = [
+        st.input_placements[0][axis] if st.input_placements and st.input_placements[0] else None
+        for st in strats
+    ]
+    rules = []
+    for place in sorted({st.output_placements[made[1]][axis] for st in src_strats}):
+        if place not in takes:
+            continue  # DTensor must redistribute: it picks by its own cost, left to the solver
+        barred = tuple(j for j, t in enumerate(takes) if t != place)
+        gives = tuple(i for i, st in enumerate(src_strats) if st.output_placements[made[1]][axis] == place)
+        if barred and gives:
+            rules.append(FollowsInputs(name, barred, ((src, gives),)))
     return rules
 
 
