@@ -125,9 +125,7 @@ def _wider(preset: str) -> nn.Module:
     return model
 
 
-_GAP = (
-    "the solver splits an op inside a module whose input DTensor keeps as it arrives (no enforcement there)"
-)
+_GAP = "ops with several inputs inside modules run as DTensor chooses, which the planner does not model yet"
 
 
 @pytest.mark.parametrize(
