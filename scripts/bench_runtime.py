@@ -290,26 +290,43 @@ def ab_worker(args) -> None:
     os._exit(0)
 
 
-def _launch(variant: str, args, out: str) -> dict:
+_SHAPE_ARGS = (
+    "hidden",
+    "intermediate",
+    "heads",
+    "layers",
+    "vocab",
+    "batch",
+    "seq",
+    "warmup",
+    "steps",
+    "threads",
+)
+
+
+def _worker_run(args, flag: str, variant: str, out: str) -> subprocess.CompletedProcess:
+    """Run this script's ``flag`` worker (``--worker`` / ``--worker-ab``) for ``variant`` under torch.distributed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
-    cmd += [os.path.abspath(__file__), "--worker", variant, "--worker-out", out]
-    for k in (
-        "hidden",
-        "intermediate",
-        "heads",
-        "layers",
-        "vocab",
-        "batch",
-        "seq",
-        "warmup",
-        "steps",
-        "threads",
-    ):
+    cmd += [os.path.abspath(__file__), flag, variant, "--worker-out", out]
+    for k in _SHAPE_ARGS:
         cmd += [f"--{k}", str(getattr(args, k))]
-    if args.profile:
+    if args.profile and flag == "--worker":
         cmd += ["--profile", os.path.abspath(args.profile)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+
+
+def _write_json(args, key: str, value) -> None:
+    with open(args.json, "w") as f:
+        json.dump(
+            {"config": {k: v for k, v in vars(args).items() if not k.startswith("worker")}, key: value},
+            f,
+            indent=1,
+        )
+
+
+def _launch(variant: str, args, out: str) -> dict:
+    proc = _worker_run(args, "--worker", variant, out)
     if proc.returncode != 0 or not os.path.exists(out):
         tail = (proc.stdout + proc.stderr).strip().splitlines()
         errs = [ln for ln in tail if "Error" in ln or "error" in ln] or tail
@@ -334,25 +351,9 @@ def _launch(variant: str, args, out: str) -> dict:
 
 
 def _run_ab(args) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ab.json")
-        cmd += [os.path.abspath(__file__), "--worker-ab", args.ab, "--worker-out", out]
-        for k in (
-            "hidden",
-            "intermediate",
-            "heads",
-            "layers",
-            "vocab",
-            "batch",
-            "seq",
-            "warmup",
-            "steps",
-            "threads",
-        ):
-            cmd += [f"--{k}", str(getattr(args, k))]
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        proc = _worker_run(args, "--worker-ab", args.ab, out)
         if proc.returncode != 0 or not os.path.exists(out):
             raise SystemExit(f"A/B run failed: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}")
         with open(out) as f:
@@ -369,15 +370,7 @@ def _run_ab(args) -> None:
             f"{mine['median_step_s'] / ref['median_step_s']:.3f}, cpu x{mine['median_cpu_s'] / ref['median_cpu_s']:.3f}"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "config": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
-                    "ranks": ranks,
-                },
-                f,
-                indent=1,
-            )
+        _write_json(args, "ranks", ranks)
 
 
 def _aggregate(variant: str, runs: list[dict]) -> dict:
@@ -483,15 +476,7 @@ def main() -> None:
             f"{r.get('paired_time_vs_hf_tp', ''):>8} {r.get('paired_cpu_vs_hf_tp', ''):>10}  {r['sharded_params']}"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "config": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
-                    "results": results,
-                },
-                f,
-                indent=1,
-            )
+        _write_json(args, "results", results)
 
 
 if __name__ == "__main__":
