@@ -40,6 +40,18 @@ def _real_run_comm(model: nn.Module, plan, batch) -> tuple[dict[str, int], dict[
     return dict(recorder.counts), dict(recorder.bytes)
 
 
+def _plan_and_prediction(model: nn.Module, batch, kind: str):
+    """A 1 x 2 tensor-parallel plan (Megatron placements or the solver's) and its predicted tensor-parallel
+    collectives: counts and bytes by kind, without the ``dp_*`` entries."""
+    if kind == "megatron":
+        plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+    else:
+        plan = plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(1, 2))
+    predicted = {k: int(v) for k, v in plan.collectives.items() if not k.startswith("dp_") and v}
+    predicted_bytes = {k: int(v) for k, v in plan.collective_bytes.items() if not k.startswith("dp_") and v}
+    return plan, predicted, predicted_bytes
+
+
 _CASES = [
     (preset, kind)
     for preset in ("tiny-gpt2", "tiny-bert", "tiny-t5", "tiny-llama")
@@ -62,12 +74,7 @@ def test_predicted_collectives_and_bytes_equal_what_the_runtime_runs(preset, kin
     """
     model = _tiny(preset)
     batch = make_example_inputs(model, 4, 16)
-    if kind == "megatron":
-        plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
-    else:
-        plan = plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(1, 2))
-    predicted = {k: int(v) for k, v in plan.collectives.items() if not k.startswith("dp_") and v}
-    predicted_bytes = {k: int(v) for k, v in plan.collective_bytes.items() if not k.startswith("dp_") and v}
+    plan, predicted, predicted_bytes = _plan_and_prediction(model, batch, kind)
     assert all(float(v).is_integer() for v in plan.collectives.values())
     assert _real_run_comm(model, plan, batch) == (predicted, predicted_bytes)
 
@@ -146,12 +153,7 @@ def test_predicted_collectives_equal_the_runtime_at_wider_shapes(preset, kind):
 
     model = _wider(preset)
     batch = make_example_inputs(model, 4, 64, seed=0)
-    if kind == "megatron":
-        plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
-    else:
-        plan = plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(1, 2))
-    predicted = {k: int(v) for k, v in plan.collectives.items() if not k.startswith("dp_") and v}
-    predicted_bytes = {k: int(v) for k, v in plan.collective_bytes.items() if not k.startswith("dp_") and v}
+    plan, predicted, predicted_bytes = _plan_and_prediction(model, batch, kind)
     if dist.is_initialized():
         dist.destroy_process_group()
     ran = simulate_collectives(model, plan, batch)

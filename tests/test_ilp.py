@@ -139,7 +139,9 @@ def random_problem(seed: int, binding: bool = True) -> Problem:
         sharding = tuple(rng.sample(range(len(dst.costs)), rng.randint(1, len(dst.costs) - 1)))
         inputs = []
         for src in rng.sample([n for n in nodes if n is not dst], rng.randint(1, 2)):
-            inputs.append((src.name, tuple(rng.sample(range(len(src.costs)), rng.randint(1, len(src.costs))))))
+            inputs.append(
+                (src.name, tuple(rng.sample(range(len(src.costs)), rng.randint(1, len(src.costs)))))
+            )
         if rng.random() < 0.3:
             inputs.append((None, ()))
         follows.append(FollowsInputs(dst.name, sharding, tuple(inputs)))

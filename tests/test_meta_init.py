@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torchrun_launch import run_torchrun
 
 from hf_colossal_auto._torch_compat import fake_process_group
 from hf_colossal_auto.apply import (
@@ -156,19 +154,7 @@ def test_gloo_meta_models_are_sharded_and_initialised_per_rank(tmp_path):
     build's statistics, buffers equal the CPU build's, ties hold, and three AdamW steps lower the loss
     (identically on the ranks of a tensor-parallel group)."""
     out = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_COLOSSAL_AUTO_NO_CALIBRATE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(ROOT / "tests" / "multiproc" / "check_meta_init.py"),
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_torchrun(str(ROOT / "tests" / "multiproc" / "check_meta_init.py"), "--out", str(out))
     results = json.loads(out.read_text())
     assert len(results) == 4
     for r in results:

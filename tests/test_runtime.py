@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrun_launch import run_torchrun
 
 from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
 from hf_colossal_auto.apply import PlanMismatchError, apply_plan, build_mesh, validate_plan
@@ -97,20 +95,9 @@ def test_tensor_parallel_matches_single_process(preset, plan_kind):
 
 def _torchrun(nproc: int, *args: str, tmp_path: Path) -> dict:
     out = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_COLOSSAL_AUTO_NO_CALIBRATE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--standalone",
-        str(ROOT / "tests" / "multiproc" / "check_numerics.py"),
-        *args,
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_torchrun(
+        str(ROOT / "tests" / "multiproc" / "check_numerics.py"), *args, "--out", str(out), nproc=nproc
+    )
     return json.loads(out.read_text())
 
 
@@ -168,21 +155,6 @@ def test_autoparallelize_plans_on_rank0_and_broadcasts(tmp_path):
         assert got == pytest.approx(want, abs=1e-5)
 
 
-def _torchrun_script(nproc: int, script: str, *args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_COLOSSAL_AUTO_NO_CALIBRATE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        script,
-        *args,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
 @pytest.mark.slow
 def test_checkpoint_resume_and_consolidated_export(tmp_path):
     """Sharded state saved with torch.distributed.checkpoint resumes in fresh processes with the same next-step
@@ -190,8 +162,8 @@ def test_checkpoint_resume_and_consolidated_export(tmp_path):
     from transformers import AutoModelForCausalLM
 
     script = str(ROOT / "tests" / "multiproc" / "check_checkpoint.py")
-    _torchrun_script(2, script, "--phase", "save", "--dir", str(tmp_path))
-    _torchrun_script(2, script, "--phase", "resume", "--dir", str(tmp_path))
+    run_torchrun(script, "--phase", "save", "--dir", str(tmp_path))
+    run_torchrun(script, "--phase", "resume", "--dir", str(tmp_path))
     expected = json.loads((tmp_path / "expected.json").read_text())["loss"]
     resumed = json.loads((tmp_path / "resumed.json").read_text())["loss"]
     assert resumed == pytest.approx(expected, abs=1e-6)
