@@ -30,6 +30,7 @@ __all__ = [
     "TensorMeta",
     "TupleStrategy",
     "detached_device_mesh",
+    "dtensor_decomposition_strategy",
     "dtensor_sharding_propagator",
     "FakeTensor",
     "FakeTensorMode",
@@ -94,11 +95,44 @@ from torch.distributed.tensor.placement_types import (  # noqa: E402
 def dtensor_sharding_propagator():
     """DTensor's process-wide ShardingPropagator: the registries of per-op strategy functions
     (``op_strategy_funcs``, ``op_single_dim_strategy_funcs``, ``op_to_schema_info``) and the
-    decomposition-tracing fallback (``decomp_strategy``). Importing DTensor's ``_ops`` fills them."""
+    decomposition-tracing fallback (``decomp_strategy`` on torch 2.13; use :func:`dtensor_decomposition_strategy`,
+    which also covers torch 2.11). Importing DTensor's ``_ops`` fills them."""
     import torch.distributed.tensor._ops  # noqa: F401  (registers every rule)
     from torch.distributed.tensor import DTensor
 
     return DTensor._op_dispatcher.sharding_propagator
+
+
+class _PropagatorBoundDecompStrategy:
+    """torch 2.11's ``DecompShardingStrategy`` (static methods that take the propagator) with the
+    interface of the per-propagator instance that torch 2.13 keeps as ``ShardingPropagator.decomp_strategy``."""
+
+    def __init__(self, sharding_prop) -> None:
+        from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+        self._cls = DecompShardingStrategy
+        self._sp = sharding_prop
+
+    def has_decomp(self, op) -> bool:
+        return self._cls.has_decomp(op)
+
+    def ensure_schema_info(self, op) -> None:
+        self._cls.ensure_schema_info(op, self._sp)
+
+    def propagate_strategy(self, op_schema):
+        return self._cls.propagate_strategy(op_schema, self._sp)
+
+
+def dtensor_decomposition_strategy(sharding_prop=None):
+    """DTensor's decomposition-tracing rule source for ``sharding_prop`` (default: DTensor's own propagator):
+    an object with ``has_decomp(op)``, ``ensure_schema_info(op)`` and ``propagate_strategy(op_schema)``.
+
+    torch 2.13 keeps one per propagator (``sharding_prop.decomp_strategy``); before that (torch 2.11)
+    ``DecompShardingStrategy`` is a class of static methods that take the propagator as an argument.
+    """
+    sp = sharding_prop if sharding_prop is not None else dtensor_sharding_propagator()
+    decomp = getattr(sp, "decomp_strategy", None)
+    return decomp if decomp is not None else _PropagatorBoundDecompStrategy(sp)
 
 
 def detached_device_mesh(mesh_shape: tuple[int, ...], device_type: str = "cpu"):

@@ -23,7 +23,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--batch-size", type=int, default=8, help="global batch size (sequences per optimizer step)"
     )
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
-    p.add_argument("--device", default="a100-80gb", help="hardware preset (see `hf-colossal-auto devices`)")
+    p.add_argument(
+        "--device",
+        default="a100-80gb",
+        help="hardware preset (see `hf-colossal-auto devices`) or a JSON from `hf-colossal-auto calibrate`",
+    )
     p.add_argument(
         "--mixed-precision",
         choices=["no", "bf16", "fp16"],
@@ -186,6 +190,64 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure this machine (under torchrun/accelerate launch: its collectives too) into a device JSON."""
+    import torch
+    import torch.distributed as dist
+
+    from .calibration import calibrate, measure_overheads
+    from .hardware.catalog import save_device_spec
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    kind = args.kind or ("cuda" if torch.cuda.is_available() else "cpu")
+    overheads = None
+    if not args.no_overheads:
+        # measured on a one-process group of our own, before the job's group exists
+        with _Stage("per-op overheads (tiny models, eager and planned)", args.quiet):
+            overheads = measure_overheads(kind)
+    if launched:
+        if kind == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+    try:
+        with _Stage(f"{kind} kernels" + (" and collectives" if launched else ""), args.quiet):
+            spec = calibrate(kind, budget_s=args.budget, overheads=False)
+        if overheads is not None:
+            payload = [overheads]
+            if launched:
+                dist.broadcast_object_list(payload, src=0)
+            spec = spec.with_overrides(host_overhead_s=payload[0][0], dtensor_overhead_s=payload[0][1])
+        rank = dist.get_rank() if launched else 0
+        if rank == 0:
+            _print_spec(spec)
+            if args.out:
+                save_device_spec(spec, args.out)
+                print(f"wrote {args.out} (use it as --device {args.out} or device='{args.out}')")
+    finally:
+        if launched:
+            dist.barrier()
+            dist.destroy_process_group()
+    return 0
+
+
+def _print_spec(spec) -> None:
+    from .units import format_flops
+
+    rows = [("matmul " + k, format_flops(v, per_second=True)) for k, v in spec.peak_flops.items()]
+    rows += [("attention " + k, format_flops(v, per_second=True)) for k, v in spec.attention_flops.items()]
+    rows += [
+        ("elementwise bandwidth", f"{spec.memory_bandwidth / 1e9:.2f} GB/s"),
+        ("host overhead / op", f"{spec.host_overhead_s * 1e6:.1f} us"),
+        ("DTensor overhead / op", f"{spec.dtensor_overhead_s * 1e6:.1f} us"),
+    ]
+    for kind, (bandwidth, latency) in spec.intra_node_link.collectives.items():
+        rows.append((f"{kind} (intra-node)", f"{latency * 1e6:.1f} us/step + {bandwidth / 1e9:.2f} GB/s"))
+    width = max(len(r[0]) for r in rows)
+    print(f"{spec.name}: calibrated")
+    for name, value in rows:
+        print(f"  {name:{width}s}  {value}")
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from .models import list_presets
 
@@ -292,6 +354,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="PATH", help="with --frontier: also write the frontier as a PNG (matplotlib)"
     )
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
+        "calibrate",
+        help="measure this machine (GEMMs, bandwidth, attention, per-op overheads; collectives under torchrun)",
+    )
+    p.add_argument("--out", metavar="PATH", help="write the device spec JSON here (use it as --device PATH)")
+    p.add_argument("--kind", choices=["cpu", "cuda"], default=None, help="default: the GPU if there is one")
+    p.add_argument("--budget", type=float, default=1.0, help="seconds per kernel benchmark")
+    p.add_argument("--no-overheads", action="store_true", help="keep the default per-op overheads")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("devices", help="list the hardware presets")
     p.set_defaults(func=cmd_devices)

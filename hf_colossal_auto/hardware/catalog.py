@@ -16,7 +16,9 @@ The ``cpu`` entry is special: it describes the machine we are running on, so
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,6 +35,8 @@ __all__ = [
     "list_devices",
     "device_aliases",
     "device_from_dict",
+    "load_device_spec",
+    "save_device_spec",
     "device_from_cuda_name",
     "detect_device",
     "memory_budget_default",
@@ -49,6 +53,16 @@ DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
 # GPU (CUDA launch latency is 2-4 us; ATen dispatch adds a few us more); on CPU
 # there is no launch, only ATen dispatch + OpenMP fork/join, ~2 us.
 _DEFAULT_KERNEL_OVERHEAD_S: dict[str, float] = {"cuda": 5e-6, "cpu": 2e-6}
+
+# Default host (CPU-side) seconds per op of a training step: Python, autograd bookkeeping, ATen dispatch,
+# module hooks, averaged over every aten op of a step (views included). On a GPU the host runs ahead of the
+# device, so an op costs max(device time, host time); on a CPU the two add up. Measured by
+# ``hf-colossal-auto calibrate`` (a tiny model's training step over its op count); these defaults are such
+# measurements (docs/hardware.md, "Per-op overheads"), used for what-if planning on hardware not at hand.
+_DEFAULT_HOST_OVERHEAD_S: dict[str, float] = {"cuda": 12e-6, "cpu": 12e-6}
+# Extra host seconds per op when the step runs on DTensors (sharding propagation, redistribution bookkeeping,
+# the runtime's hooks): every op of a planned model does, so this is what our runtime adds to an eager step.
+_DEFAULT_DTENSOR_OVERHEAD_S: dict[str, float] = {"cuda": 60e-6, "cpu": 60e-6}
 
 # Canonical dtype names are torch's names (``str(torch.bfloat16)`` minus the
 # ``torch.`` prefix), plus ``tf32`` which is not a storage dtype but the
@@ -90,8 +104,8 @@ def canonical_dtype(dtype: object) -> str:
     return _DTYPE_ALIASES.get(text, text)
 
 
-class _FrozenFlops(dict):  # type: ignore[type-arg]
-    """An immutable, hashable ``dict[str, float]`` for :attr:`DeviceSpec.peak_flops`.
+class _FrozenTable(dict):  # type: ignore[type-arg]
+    """An immutable, hashable ``dict`` for the tables of :class:`DeviceSpec` and :class:`LinkSpec`.
 
     A plain dict would let one caller mutate a shared preset for everyone;
     ``MappingProxyType`` would break pickling and ``copy.deepcopy`` (specs are
@@ -100,7 +114,7 @@ class _FrozenFlops(dict):  # type: ignore[type-arg]
     """
 
     def _readonly(self, *args: object, **kwargs: object) -> None:
-        raise TypeError("DeviceSpec.peak_flops is read-only; use DeviceSpec.with_overrides(peak_flops=...)")
+        raise TypeError("DeviceSpec/LinkSpec tables are read-only; use DeviceSpec.with_overrides(...)")
 
     __setitem__ = _readonly  # type: ignore[assignment]
     __delitem__ = _readonly  # type: ignore[assignment]
@@ -137,10 +151,15 @@ class LinkSpec:
             sharing it.
         latency: seconds of fixed cost per communication step (alpha in the
             alpha-beta model).
+        collectives: measured ``(bandwidth, latency)`` per collective kind
+            (``"all_gather"``...), fitted by calibration for kinds whose
+            implementation differs from the ring model (gloo's all-gather is
+            not a ring); kinds not listed use ``bandwidth`` and ``latency``.
     """
 
     bandwidth: float
     latency: float
+    collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_positive("LinkSpec.bandwidth", self.bandwidth)
@@ -153,20 +172,40 @@ class LinkSpec:
             raise ValueError(f"LinkSpec.latency must be a finite number >= 0, got {self.latency!r}")
         object.__setattr__(self, "bandwidth", float(self.bandwidth))
         object.__setattr__(self, "latency", float(self.latency))
+        per_kind: dict[str, tuple[float, float]] = {}
+        for kind, value in dict(self.collectives).items():
+            bandwidth, latency = (float(v) for v in value)
+            _check_positive(f"LinkSpec.collectives[{kind!r}] bandwidth", bandwidth)
+            if not math.isfinite(latency) or latency < 0:
+                raise ValueError(f"LinkSpec.collectives[{kind!r}] latency must be >= 0, got {latency!r}")
+            per_kind[str(kind)] = (bandwidth, latency)
+        object.__setattr__(self, "collectives", _FrozenTable(per_kind))
 
-    def to_dict(self) -> dict[str, float]:
-        """JSON-ready representation."""
-        return {"bandwidth": self.bandwidth, "latency": self.latency}
+    def for_collective(self, kind: str) -> tuple[float, float]:
+        """``(bandwidth, latency)`` of one collective kind on this link (measured where calibrated)."""
+        return self.collectives.get(kind, (self.bandwidth, self.latency))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready representation (``collectives`` only when calibrated)."""
+        out: dict[str, Any] = {"bandwidth": self.bandwidth, "latency": self.latency}
+        if self.collectives:
+            out["collectives"] = {k: {"bandwidth": b, "latency": a} for k, (b, a) in self.collectives.items()}
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LinkSpec:
         """Inverse of :meth:`to_dict`; rejects missing or unknown keys to catch typos."""
         keys = set(data)
-        if keys != {"bandwidth", "latency"}:
+        if not {"bandwidth", "latency"} <= keys <= {"bandwidth", "latency", "collectives"}:
             raise ValueError(
-                f"LinkSpec dict must have exactly the keys 'bandwidth' and 'latency', got {sorted(keys)}"
+                "LinkSpec dict must have the keys 'bandwidth' and 'latency' (and optionally 'collectives'), "
+                f"got {sorted(keys)}"
             )
-        return cls(bandwidth=float(data["bandwidth"]), latency=float(data["latency"]))
+        per_kind = {
+            str(k): (float(v["bandwidth"]), float(v["latency"]))
+            for k, v in data.get("collectives", {}).items()
+        }
+        return cls(bandwidth=float(data["bandwidth"]), latency=float(data["latency"]), collectives=per_kind)
 
 
 @dataclass(frozen=True)
@@ -190,6 +229,16 @@ class DeviceSpec:
         kernel_overhead_s: fixed seconds added to every kernel by the
             roofline (launch + dispatch).  ``None`` selects the default for
             ``kind`` (5 us on cuda, 2 us on cpu).
+        host_overhead_s: host seconds per op of an eager training step
+            (Python, autograd, dispatch), averaged over a step's aten ops.
+            ``None``: the default for ``kind``. See :func:`hardware.roofline.step_op_time`.
+        dtensor_overhead_s: extra host seconds per op when the step runs on
+            DTensors, as every op of a planned model does. ``None``: the default.
+        attention_flops: achieved FLOP/s of the fused attention kernels per
+            dtype (they reach far less than a matmul on some devices);
+            empty: ``peak_flops``.
+        calibration: provenance of measured figures (host, date, torch
+            version, the command): empty for datasheet presets.
     """
 
     name: str
@@ -201,6 +250,10 @@ class DeviceSpec:
     devices_per_node: int
     kind: str
     kernel_overhead_s: float = field(default=None)  # type: ignore[assignment]
+    host_overhead_s: float = field(default=None)  # type: ignore[assignment]
+    dtensor_overhead_s: float = field(default=None)  # type: ignore[assignment]
+    attention_flops: Mapping[str, float] = field(default_factory=dict)
+    calibration: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -221,7 +274,7 @@ class DeviceSpec:
                 "DeviceSpec.peak_flops must contain a 'float32' entry (the fallback for unlisted dtypes); "
                 f"got keys {sorted(flops)}"
             )
-        object.__setattr__(self, "peak_flops", _FrozenFlops(flops))
+        object.__setattr__(self, "peak_flops", _FrozenTable(flops))
         _check_positive("DeviceSpec.memory_bandwidth", self.memory_bandwidth)
         object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))
         if (
@@ -258,6 +311,22 @@ class DeviceSpec:
             )
         else:
             object.__setattr__(self, "kernel_overhead_s", float(self.kernel_overhead_s))
+        for name, defaults in (
+            ("host_overhead_s", _DEFAULT_HOST_OVERHEAD_S),
+            ("dtensor_overhead_s", _DEFAULT_DTENSOR_OVERHEAD_S),
+        ):
+            value = getattr(self, name)
+            if value is None:
+                value = defaults[self.kind]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"DeviceSpec.{name} must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        attention: dict[str, float] = {}
+        for key, value in dict(self.attention_flops).items():
+            _check_positive(f"DeviceSpec.attention_flops[{key!r}]", value)
+            attention[canonical_dtype(key)] = float(value)
+        object.__setattr__(self, "attention_flops", _FrozenTable(attention))
+        object.__setattr__(self, "calibration", _FrozenTable(dict(self.calibration)))
 
     def with_overrides(self, **overrides: Any) -> DeviceSpec:
         """Return a copy with some fields replaced, e.g. ``spec.with_overrides(memory_bytes="40GiB")``.
@@ -285,6 +354,10 @@ class DeviceSpec:
             "devices_per_node": self.devices_per_node,
             "kind": self.kind,
             "kernel_overhead_s": self.kernel_overhead_s,
+            "host_overhead_s": self.host_overhead_s,
+            "dtensor_overhead_s": self.dtensor_overhead_s,
+            "attention_flops": dict(self.attention_flops),
+            "calibration": dict(self.calibration),
         }
 
 
@@ -299,14 +372,51 @@ def _coerce_fields(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def load_device_spec(path: str | os.PathLike[str]) -> DeviceSpec:
+    """A :class:`DeviceSpec` from a JSON file (``hf-colossal-auto calibrate --out`` or hand-written).
+
+    Raises:
+        ValueError: naming the file, when it is missing, not JSON or not a device spec.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError as exc:
+        raise ValueError(
+            f"Device spec file {os.fspath(path)!r} does not exist; write one with `hf-colossal-auto calibrate "
+            "--out FILE` or pass a preset name (`hf-colossal-auto devices`)"
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"Device spec file {os.fspath(path)!r} is not readable JSON: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise ValueError(f"Device spec file {os.fspath(path)!r} holds {type(data).__name__}, not an object")
+    try:
+        return device_from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"Device spec file {os.fspath(path)!r}: {exc}") from exc
+
+
+def save_device_spec(spec: DeviceSpec, path: str | os.PathLike[str]) -> None:
+    """Write ``spec`` as JSON (what :func:`load_device_spec` and every ``device=`` argument read)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(spec.to_dict(), f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
 def device_from_dict(data: Mapping[str, Any]) -> DeviceSpec:
     """Build a :class:`DeviceSpec` from :meth:`DeviceSpec.to_dict` output (or hand-written JSON).
 
-    ``kernel_overhead_s`` is optional; ``memory_bytes`` may be a size string
-    such as ``"80GiB"``.  Missing or unknown keys raise ``ValueError`` naming them.
+    The overheads, ``attention_flops`` and ``calibration`` are optional; ``memory_bytes`` may be a size
+    string such as ``"80GiB"``.  Missing or unknown keys raise ``ValueError`` naming them.
     """
     valid = {f.name for f in dataclasses.fields(DeviceSpec)}
-    required = valid - {"kernel_overhead_s"}
+    required = valid - {
+        "kernel_overhead_s",
+        "host_overhead_s",
+        "dtensor_overhead_s",
+        "attention_flops",
+        "calibration",
+    }
     missing = sorted(required - set(data))
     unknown = sorted(set(data) - valid)
     if missing or unknown:
@@ -514,7 +624,8 @@ def device_aliases() -> dict[str, str]:
 
 
 def get_device(name: str | DeviceSpec) -> DeviceSpec:
-    """Look up a device by name (case-insensitive; ``_``/spaces count as ``-``; aliases allowed).
+    """Look up a device by name (case-insensitive; ``_``/spaces count as ``-``; aliases allowed), or load a
+    calibrated spec from a ``.json`` file written by ``hf-colossal-auto calibrate``.
 
     ``"cpu"`` returns the calibrated spec of this host (see
     :func:`hf_colossal_auto.hardware.calibrate.cpu_device_spec`).  A
@@ -525,6 +636,8 @@ def get_device(name: str | DeviceSpec) -> DeviceSpec:
     """
     if isinstance(name, DeviceSpec):
         return name
+    if isinstance(name, os.PathLike) or (isinstance(name, str) and name.lower().endswith(".json")):
+        return load_device_spec(name)
     if not isinstance(name, str):
         raise ValueError(f"Device name must be a string or DeviceSpec, got {name!r}")
     key = _normalize_name(name)

@@ -120,7 +120,8 @@ def collective_time(kind: str, nbytes: int | float, group_size: int, link: LinkS
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
     if steps == 0.0 or nbytes == 0:
         return 0.0
-    return steps * link.latency + factor * nbytes / link.bandwidth
+    bandwidth, latency = link.for_collective(canonical_collective(kind))
+    return steps * latency + factor * nbytes / bandwidth
 
 
 def fit_alpha_beta(kind: str, sizes: Sequence[float], times: Sequence[float], group_size: int) -> LinkSpec:

@@ -19,6 +19,10 @@ from hf_colossal_auto.hardware.catalog import DeviceSpec, canonical_dtype
 
 __all__ = [
     "peak_flops_for",
+    "attention_flops_for",
+    "kernel_time",
+    "host_time",
+    "step_op_time",
     "compute_time",
     "memory_time",
     "op_time",
@@ -73,6 +77,59 @@ def op_time(flops: float, bytes_moved: float, dtype: object, spec: DeviceSpec) -
     compute = flops / peak_flops_for(dtype, spec)
     memory = bytes_moved / spec.memory_bandwidth
     return (compute if compute > memory else memory) + spec.kernel_overhead_s
+
+
+def attention_flops_for(dtype: object, spec: DeviceSpec) -> float:
+    """Achieved FLOP/s of the fused attention kernels (calibrated), else the dtype's peak."""
+    table = spec.attention_flops
+    if table:
+        rate = table.get(_canonical(dtype)) or table.get("float32")
+        if rate is not None:
+            return rate
+    return peak_flops_for(dtype, spec)
+
+
+def kernel_time(
+    flops: float, bytes_moved: float, dtype: object, spec: DeviceSpec, *, attention: bool = False
+) -> float:
+    """Device seconds of one kernel: the roofline on the (calibrated) rates plus ``kernel_overhead_s``; an
+    attention kernel runs at :func:`attention_flops_for`. 0 for an op with no work (a view)."""
+    if flops == 0 and bytes_moved == 0:
+        return 0.0
+    rate = attention_flops_for(dtype, spec) if attention else peak_flops_for(dtype, spec)
+    compute = flops / rate
+    memory = bytes_moved / spec.memory_bandwidth
+    return (compute if compute > memory else memory) + spec.kernel_overhead_s
+
+
+def host_time(spec: DeviceSpec, *, dtensor: bool = False) -> float:
+    """Host seconds one op of a training step costs: eager overhead, plus DTensor's under a plan."""
+    return spec.host_overhead_s + (spec.dtensor_overhead_s if dtensor else 0.0)
+
+
+def step_op_time(
+    flops: float,
+    bytes_moved: float,
+    dtype: object,
+    spec: DeviceSpec,
+    *,
+    view: bool = False,
+    attention: bool = False,
+    dtensor: bool = False,
+) -> float:
+    """Seconds one op adds to a training step, host and device together.
+
+    A CPU runs the host code and the kernel one after the other: they add. A GPU's host enqueues kernels
+    ahead of the device, so an op costs whichever is longer (a step of tiny ops is host-bound, a step of big
+    ones device-bound); views launch nothing and hide behind the device there.
+    """
+    device = 0.0 if view else kernel_time(flops, bytes_moved, dtype, spec, attention=attention)
+    host = host_time(spec, dtensor=dtensor)
+    if spec.kind == "cpu":
+        return device + host
+    if view:
+        return 0.0
+    return device if device > host else host
 
 
 def ridge_intensity(dtype: object, spec: DeviceSpec) -> float:

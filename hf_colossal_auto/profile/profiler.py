@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from ..capture.graph import OpNode, Phase, StepGraph
+from ..capture.op_classes import op_base_name
 from ..capture.tracer import trace_training_step
 from ..hardware import DeviceSpec, get_device
-from ..hardware.roofline import op_time
+from ..hardware.roofline import step_op_time
 from .memory import _optimizer_copies, memory_profile, unroll
 from .report import BlockProfile, ModuleProfile, NodeProfile, ProfileReport
 
@@ -30,9 +31,19 @@ def node_dtype(graph: StepGraph, node: OpNode) -> str:
     return "float32"
 
 
-def node_times(graph: StepGraph, spec: DeviceSpec) -> list[float]:
-    """Roofline seconds of every traced node on ``spec``. An optimizer op over a representative block's
-    parameters also moves the bytes of their twins in the folded blocks (one foreach kernel for all)."""
+_ATTENTION_KERNEL_PREFIXES = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
+
+
+def is_attention_kernel(op: str) -> bool:
+    """A fused attention kernel (forward or backward), priced at the device's attention rate."""
+    return op_base_name(op).startswith(_ATTENTION_KERNEL_PREFIXES)
+
+
+def node_times(graph: StepGraph, spec: DeviceSpec, *, dtensor: bool = False) -> list[float]:
+    """Seconds every traced node adds to a step on ``spec`` (:func:`~hardware.roofline.step_op_time`: the
+    kernel and the host's per-op overhead, DTensor's too with ``dtensor``). An optimizer op over a
+    representative block's parameters also moves the bytes of their twins in the folded blocks (one foreach
+    kernel for all)."""
     copies = _optimizer_copies(graph)
     opt_start = graph.phase_range(Phase.OPTIMIZER).start
 
@@ -40,15 +51,16 @@ def node_times(graph: StepGraph, spec: DeviceSpec) -> list[float]:
         return sum(graph.values[v].nbytes * copies.get(graph.values[v].storage_id, 1) for v in vids)
 
     return [
-        0.0
-        if n.is_view
-        else op_time(
+        step_op_time(
             n.flops,
             moved(dict.fromkeys(n.inputs)) + moved(n.outputs)
             if copies and n.index >= opt_start
             else n.bytes_read + n.bytes_written,
             node_dtype(graph, n),
             spec,
+            view=n.is_view,
+            attention=is_attention_kernel(n.op),
+            dtensor=dtensor,
         )
         for n in graph.nodes
     ]

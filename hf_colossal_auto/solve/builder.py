@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 from ..capture.graph import OpNode, Phase, StepGraph, ValueKind
 from ..hardware.catalog import DeviceSpec
-from ..hardware.roofline import op_time
+from ..hardware.roofline import host_time, kernel_time
 from ..profile.memory import UnrolledStep, unroll
-from ..profile.profiler import node_dtype, node_times
+from ..profile.profiler import is_attention_kernel, node_dtype, node_times
 from ..strategies.placements import Strategy, is_shard
 from .cost_model import (
     AxisComm,
@@ -323,23 +323,51 @@ def value_readers(graph: StepGraph, tied: TiedGraph) -> dict[int, int]:
     return readers
 
 
-def _backward_ratios(graph: StepGraph, spec: DeviceSpec) -> dict[str, float]:
+@dataclass(frozen=True)
+class BackwardRatios:
+    """Per module, what its backward costs for one unit of its forward: device time (a matmul's backward is
+    two matmuls) and op count (each op costs the host its per-op overhead)."""
+
+    device: dict[str, float]
+    ops: dict[str, float]
+
+    def of(self, module: str) -> tuple[float, float]:
+        return self.device.get(module, DEFAULT_BACKWARD_RATIO), self.ops.get(module, DEFAULT_BACKWARD_RATIO)
+
+
+def _backward_ratios(graph: StepGraph, spec: DeviceSpec) -> BackwardRatios:
     fwd: dict[str, float] = defaultdict(float)
     bwd: dict[str, float] = defaultdict(float)
+    fwd_ops: dict[str, int] = defaultdict(int)
+    bwd_ops: dict[str, int] = defaultdict(int)
     for n in graph.nodes:
+        if n.phase is Phase.FORWARD:
+            fwd_ops[n.module] += 1
+        elif n.phase is Phase.BACKWARD:
+            bwd_ops[n.module] += 1
         if n.is_view:
             continue
-        t = op_time(n.flops, n.bytes_read + n.bytes_written, node_dtype(graph, n), spec)
+        t = kernel_time(
+            n.flops,
+            n.bytes_read + n.bytes_written,
+            node_dtype(graph, n),
+            spec,
+            attention=is_attention_kernel(n.op),
+        )
         if n.phase is Phase.FORWARD:
             fwd[n.module] += t
         elif n.phase is Phase.BACKWARD:
             bwd[n.module] += t
-    return {m: bwd.get(m, 0.0) / t for m, t in fwd.items() if t > 0}
+    return BackwardRatios(
+        device={m: bwd.get(m, 0.0) / t for m, t in fwd.items() if t > 0},
+        ops={m: bwd_ops.get(m, 0) / k for m, k in fwd_ops.items() if k},
+    )
 
 
-def _local_node_time(
+def _local_device_time(
     graph: StepGraph, node: OpNode, strat: Strategy, axis: int, size: int, spec: DeviceSpec
 ) -> float:
+    """Device seconds of one forward op under ``strat`` on local shapes (no host overhead)."""
     if node.is_view:
         return 0.0
     ins = tuple(p[axis] if p is not None else None for p in strat.input_placements)
@@ -355,7 +383,40 @@ def _local_node_time(
         nbytes += graph.values[vid].nbytes / shard_factor(p, size)
     for vid, p in zip(node.outputs, outs, strict=False):
         nbytes += graph.values[vid].nbytes / shard_factor(p, size)
-    return op_time(flops, nbytes, node_dtype(graph, node), spec)
+    return kernel_time(flops, nbytes, node_dtype(graph, node), spec, attention=is_attention_kernel(node.op))
+
+
+def _local_node_time(
+    graph: StepGraph, node: OpNode, strat: Strategy, axis: int, size: int, spec: DeviceSpec
+) -> float:
+    """Seconds of one forward op under ``strat``, host included (what recomputing it costs)."""
+    return _with_host(_local_device_time(graph, node, strat, axis, size, spec), node, 1.0, spec)
+
+
+def _with_host(device: float, node: OpNode, ops: float, spec: DeviceSpec) -> float:
+    """Device seconds joined with the host's for ``ops`` ops run on DTensors (every op of a planned model is):
+    added on a CPU, the longer of the two on a GPU (the host runs ahead; views hide behind the device)."""
+    host = host_time(spec, dtensor=True) * ops
+    if spec.kind == "cpu":
+        return device + host
+    if node.is_view:
+        return device
+    return max(device, host)
+
+
+def _node_step_time(
+    graph: StepGraph,
+    node: OpNode,
+    strat: Strategy,
+    axis: int,
+    size: int,
+    spec: DeviceSpec,
+    ratios: BackwardRatios,
+) -> float:
+    """Seconds one forward op and its share of backward add to a step under ``strat``."""
+    device_ratio, ops_ratio = ratios.of(node.module)
+    device = _local_device_time(graph, node, strat, axis, size, spec) * (1.0 + device_ratio)
+    return _with_host(device, node, 1.0 + ops_ratio, spec)
 
 
 _MEAN_REDUCTION = 1  # torch's Reduction.MEAN
@@ -447,9 +508,8 @@ def build_problem(
         node = graph.nodes[c]
         strats = strategies.get(c) or [_replicated(node)]
         name = _node_name(c)
-        ratio = ratios.get(node.module, DEFAULT_BACKWARD_RATIO)
         costs = [
-            _local_node_time(graph, node, s, axis, tp, spec) * (1.0 + ratio)
+            _node_step_time(graph, node, s, axis, tp, spec, ratios)
             + sum(t for t, _, _ in boundary_reshardings(graph, node, s, axis, tp_comm))
             for s in strats
         ]
@@ -994,7 +1054,7 @@ def _block_moment(
 def _optimizer_time(graph: StepGraph, spec: DeviceSpec) -> float:
     """Roofline seconds of the whole optimizer step on one device, unsharded (folded blocks included: the
     profiler's node times count each foreach kernel's bytes for every twin parameter)."""
-    times = node_times(graph, spec)
+    times = node_times(graph, spec, dtensor=True)
     return sum(times[n.index] for n in graph.nodes if n.phase is Phase.OPTIMIZER)
 
 

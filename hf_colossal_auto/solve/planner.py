@@ -35,6 +35,7 @@ from ..capture.graph import Phase, StepGraph
 from ..capture.tracer import trace_training_step
 from ..hardware import ClusterSpec, DeviceSpec, get_device
 from ..hardware.catalog import memory_budget_default
+from ..hardware.roofline import host_time
 from ..plan import BlockCost, Plan
 from ..profile.profiler import _module_list_children, block_units
 from ..strategies import enumerate_strategies
@@ -169,6 +170,10 @@ class _Planner:
 
     def strategies(self, dp: int, tp: int) -> dict:
         key = (dp, tp)
+        if tp == 1:
+            # On a one-device axis every placement is the whole tensor: replicated. DTensor's rules would still
+            # offer Shard strategies there, which its view ops then refuse to reshape at run time.
+            return {}
         if key not in self._strategies:
             self._strategies[key] = enumerate_strategies(self.graph(dp), (tp,), phases=(Phase.FORWARD,))
         return self._strategies[key]
@@ -187,8 +192,8 @@ class _Planner:
             recompute_pin = self.recompute
         dp, tp = mesh
         graph = self.graph(dp)
-        tp_comm = AxisComm(tp, self.cluster.axis_link(mesh, 1), self.spec.kind, self.spec.kernel_overhead_s)
-        dp_comm = AxisComm(dp, self.cluster.axis_link(mesh, 0), self.spec.kind, self.spec.kernel_overhead_s)
+        tp_comm = self.axis_comm(mesh, 1)
+        dp_comm = self.axis_comm(mesh, 0)
         return build_problem(
             graph,
             self.strategies(dp, tp),
@@ -203,6 +208,13 @@ class _Planner:
             recompute_layers=self.layers,
             recompute_pin=recompute_pin,
         )
+
+    def axis_comm(self, mesh: tuple[int, int], axis: int) -> AxisComm:
+        """Collective pricing on one mesh axis. A tensor-parallel resharding is a DTensor redistribution (the
+        host pays a DTensor op and the device a launch on top of the alpha-beta time); a data-parallel
+        gradient synchronisation is a plain collective (an eager op and a launch)."""
+        overhead = self.spec.kernel_overhead_s + host_time(self.spec, dtensor=axis == 1)
+        return AxisComm(mesh[axis], self.cluster.axis_link(mesh, axis), self.spec.kind, overhead)
 
     @property
     def layers(self) -> list[str]:
@@ -393,9 +405,7 @@ def _make_plan(
     tied = TiedGraph.build(graph)
     problem = built.problem
     objective, peak, _ = evaluate(problem, solution.choice)
-    tp_comm = AxisComm(
-        mesh[1], planner.cluster.axis_link(mesh, 1), planner.spec.kind, planner.spec.kernel_overhead_s
-    )
+    tp_comm = planner.axis_comm(mesh, 1)
     # split the objective into compute and communication
     compute = 0.0
     comm = 0.0
@@ -610,9 +620,7 @@ def _value_source(built, solution, graph, tied, producer, vid: int) -> tuple[str
 def _recompute_collectives(built, solution, graph, tied, mesh, planner) -> dict[str, float]:
     """Forward collectives run again because the node they feed is recomputed in backward."""
     counts: dict[str, float] = defaultdict(float)
-    tp_comm = AxisComm(
-        mesh[1], planner.cluster.axis_link(mesh, 1), planner.spec.kind, planner.spec.kernel_overhead_s
-    )
+    tp_comm = planner.axis_comm(mesh, 1)
     rerun = {
         built.node_of_name[name]
         for rc, unit in built.recompute_units.items()
@@ -774,9 +782,7 @@ def _collective_prediction(
     nbytes: dict[str, float] = defaultdict(float)
     dp, tp = mesh
     producer = forward_producers(graph)
-    tp_comm = AxisComm(
-        tp, planner.cluster.axis_link(mesh, 1), planner.spec.kind, planner.spec.kernel_overhead_s
-    )
+    tp_comm = planner.axis_comm(mesh, 1)
 
     def source(vid: int) -> tuple[str, bool] | None:
         return _value_source(built, solution, graph, tied, producer, vid)

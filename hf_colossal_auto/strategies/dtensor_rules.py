@@ -44,6 +44,7 @@ from .._torch_compat import (
     ShardingPlaceholder,
     TensorMeta,
     TupleStrategy,
+    dtensor_decomposition_strategy,
     dtensor_sharding_propagator,
 )
 from ..capture.graph import OpNode, StepGraph, TensorRef
@@ -92,7 +93,7 @@ def dtensor_rule_kind(op: torch._ops.OpOverload) -> RuleKind | None:
     if op in sp.op_strategy_funcs:
         return "op-strategy"
     try:
-        if type(sp.decomp_strategy).has_decomp(op):
+        if dtensor_decomposition_strategy(sp).has_decomp(op):
             return "decomposition"
     except RuntimeError:  # overloads registered in Python but absent from the dispatcher
         return None
@@ -372,7 +373,7 @@ def _decomposition(call: _Call, sp: Any, mesh: Any, allow_partial: bool) -> list
         return DTensorSpec(mesh, tuple(placements), tensor_meta=call.in_metas[i])
 
     args, kwargs = call.map_args(leaf, list)
-    decomp = sp.decomp_strategy
+    decomp = dtensor_decomposition_strategy(sp)
     decomp.ensure_schema_info(op)
     result = decomp.propagate_strategy(OpSchema(op, args, kwargs, schema_info=sp.op_to_schema_info.get(op)))
     if not isinstance(result, OpStrategy):

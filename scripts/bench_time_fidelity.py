@@ -1,0 +1,270 @@
+"""Predicted vs measured step time of candidate plans, on 2 gloo CPU ranks: does the cost model rank plans the way
+the machine runs them?
+
+For each family (Llama, GPT-2, BERT by default, each at a size where one step takes well over 0.3 s on one
+thread per rank) rank 0 makes the candidates, each with its predicted step time under the device spec:
+
+* ``ddp`` / ``fsdp`` (2x1) and ``megatron`` (1x2): the baselines, ``evaluate_plan``;
+* ``auto``: ``plan_model`` free to choose; ``auto-1x2``: forced to 1-D tensor parallelism;
+* ``auto-full-rc``: with full recompute of every block; ``two-stage``: shard first, then recompute.
+
+Every rank builds each candidate from the same seed and applies its plan (our runtime), then the timed steps
+interleave the candidates (round r starts with the r-th), each step between barriers, the max over ranks;
+the median of ``--steps`` per candidate is its measurement. Machine noise thus meets all candidates alike.
+
+The device spec comes from ``hf-colossal-auto calibrate`` run first on the same 2 ranks (``--device FILE``
+to reuse one, ``--device cpu`` for the uncalibrated preset). Targets (issue "step-time fidelity"): every plan
+within +-20 % of its measurement; among pairs whose measurements differ by > 10 %, >= 85 % ordered alike; the
+solver's choice within 5 % of the fastest candidate.
+
+Usage::
+
+    python scripts/bench_time_fidelity.py [--families llama,gpt2,bert] [--steps 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CANDIDATES = ("ddp", "fsdp", "megatron", "auto", "auto-1x2", "auto-full-rc", "two-stage")
+
+
+def _config(family: str, args):
+    from hf_colossal_auto.models import load_config
+
+    if family == "llama":
+        cfg = load_config("tiny-llama")
+        cfg.hidden_size, cfg.intermediate_size = args.hidden, args.hidden * 11 // 4
+        cfg.num_attention_heads = cfg.num_key_value_heads = 8
+        cfg.head_dim = args.hidden // 8
+        cfg.num_hidden_layers, cfg.max_position_embeddings = args.layers, max(args.seq, 512)
+    elif family == "gpt2":
+        cfg = load_config("tiny-gpt2")
+        cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.n_positions = args.hidden, 8, args.layers, max(args.seq, 512)
+    elif family == "bert":
+        cfg = load_config("tiny-bert")
+        cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads = args.hidden, 4 * args.hidden, 8
+        cfg.num_hidden_layers, cfg.max_position_embeddings = args.layers, max(args.seq, 512)
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    cfg.vocab_size = args.vocab
+    return cfg
+
+
+def _candidates(model, batch, spec, world: int) -> dict[str, tuple[object, float]]:
+    """name -> (plan, predicted seconds), made on one rank."""
+    from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
+
+    out: dict[str, tuple[object, float]] = {}
+    for name in ("ddp", "fsdp"):
+        est = evaluate_plan(model, batch, name, num_devices=world, device=spec, mesh_shape=(world, 1))
+        out[name] = (est.plan, est.step_time_s)
+    est = evaluate_plan(model, batch, "megatron", num_devices=world, device=spec, mesh_shape=(1, world))
+    out["megatron"] = (est.plan, est.step_time_s)
+    kwargs = {"num_devices": world, "device": spec}
+    for name, extra in (
+        ("auto", {}),
+        ("auto-1x2", {"mesh_shape": (1, world)}),
+        ("auto-full-rc", {"recompute": "full"}),
+        ("two-stage", {"recompute": "two-stage"}),
+    ):
+        plan = plan_model(model, batch, **kwargs, **extra)
+        out[name] = (plan, plan.step_time_s)
+    return out
+
+
+def _local_batch(batch: dict, plan, rank: int) -> dict:
+    """This rank's batch under ``plan``: its data-parallel slice (the ranks of a tensor-parallel group share)."""
+    dp, tp = plan.dp_size, plan.tp_size
+    if dp == 1:
+        return batch
+    per = next(iter(batch.values())).shape[0] // dp
+    i = rank // tp
+    return {k: v[i * per : (i + 1) * per] for k, v in batch.items()}
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from hf_colossal_auto.apply import apply_plan
+    from hf_colossal_auto.hardware import get_device
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.plan import Plan
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1200))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = get_device(args.device)
+    cfg = _config(args.worker, args)
+    torch.manual_seed(0)
+    reference = build_model(cfg, device="cpu")
+    batch = make_example_inputs(reference, args.batch, args.seq, seed=0)
+    payload = [None]
+    if rank == 0:
+        t0 = time.perf_counter()
+        made = _candidates(reference, batch, spec, world)
+        payload = [{k: (p.to_json(), t) for k, (p, t) in made.items()}]
+        print(
+            f"[{args.worker}] planned {len(made)} candidates in {time.perf_counter() - t0:.1f} s", flush=True
+        )
+    dist.broadcast_object_list(payload, src=0)
+    del reference
+    prepared = {}
+    for name, (plan_json, predicted) in payload[0].items():
+        plan = Plan.from_dict(json.loads(plan_json))
+        torch.manual_seed(0)
+        model = build_model(cfg, device="cpu")
+        model.train()
+        apply_plan(model, plan)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        prepared[name] = (model, opt, _local_batch(batch, plan, rank), predicted, plan)
+
+    def timed(name: str) -> float:
+        model, opt, local, _, _ = prepared[name]
+        dist.barrier()
+        t = time.perf_counter()
+        model(**local).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        return time.perf_counter() - t
+
+    names = list(prepared)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.warmup + args.steps):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            seconds = timed(name)
+            if r >= args.warmup:
+                times[name].append(seconds)
+    mine = torch.tensor([statistics.median(times[n]) for n in names], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        rows = []
+        for n, measured in zip(names, mine.tolist(), strict=True):
+            plan = prepared[n][4]
+            rc = sorted(set(plan.recompute.values())) if getattr(plan, "recompute", None) else ["none"]
+            rows.append(
+                {
+                    "family": args.worker,
+                    "candidate": n,
+                    "mesh": list(plan.mesh_shape),
+                    "dp_mode": plan.dp_mode,
+                    "recompute": rc,
+                    "predicted_s": prepared[n][3],
+                    "measured_s": measured,
+                }
+            )
+        with open(args.worker_out, "w") as f:
+            json.dump(rows, f)
+    del prepared
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _metrics(rows: list[dict]) -> dict:
+    errors = [r["predicted_s"] / r["measured_s"] - 1 for r in rows]
+    pairs = ordered = 0
+    by_family: dict[str, list[dict]] = {}
+    for r in rows:
+        by_family.setdefault(r["family"], []).append(r)
+    choice_gap = {}
+    for fam, rs in by_family.items():
+        for a, b in itertools.combinations(rs, 2):
+            if max(a["measured_s"], b["measured_s"]) / min(a["measured_s"], b["measured_s"]) <= 1.10:
+                continue
+            pairs += 1
+            ordered += (a["measured_s"] < b["measured_s"]) == (a["predicted_s"] < b["predicted_s"])
+        auto = next(r for r in rs if r["candidate"] == "auto")
+        choice_gap[fam] = auto["measured_s"] / min(r["measured_s"] for r in rs) - 1
+    return {
+        "max_abs_error": max(abs(e) for e in errors),
+        "within_20pct": sum(abs(e) <= 0.20 for e in errors),
+        "plans": len(rows),
+        "pairs_over_10pct": pairs,
+        "pairs_ordered": ordered,
+        "choice_vs_fastest": choice_gap,
+    }
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [
+        "| family | candidate | mesh | dp | recompute | predicted ms | measured ms | error |",
+        "|---|---|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        err = r["predicted_s"] / r["measured_s"] - 1
+        lines.append(
+            f"| {r['family']} | {r['candidate']} | {'x'.join(map(str, r['mesh']))} | {r['dp_mode']} | "
+            f"{','.join(r['recompute'])} | {r['predicted_s'] * 1e3:.0f} | {r['measured_s'] * 1e3:.0f} | {err:+.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def _torchrun(extra: list[str], env: dict) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *extra]
+    subprocess.run(cmd, env=env, check=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--families", default="llama,gpt2,bert")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--device", default=None, help="device spec (preset or JSON); default: calibrate first")
+    p.add_argument("--json", help="write rows and metrics here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    tmp = tempfile.mkdtemp(prefix="time_fidelity_")
+    device = args.device
+    if device is None:
+        device = os.path.join(tmp, "cluster.json")
+        t0 = time.perf_counter()
+        _torchrun(["-m", "hf_colossal_auto.cli", "calibrate", "--out", device], env)
+        print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows: list[dict] = []
+    shape = ["--hidden", args.hidden, "--layers", args.layers, "--vocab", args.vocab, "--batch", args.batch]
+    shape += ["--seq", args.seq, "--warmup", args.warmup, "--steps", args.steps, "--device", device]
+    for family in args.families.split(","):
+        out = os.path.join(tmp, f"{family}.json")
+        _torchrun([os.path.abspath(__file__), "--worker", family, "--worker-out", out, *map(str, shape)], env)
+        with open(out) as f:
+            rows += json.load(f)
+        print(_table([r for r in rows if r["family"] == family]), flush=True)
+    metrics = _metrics(rows)
+    print(
+        f"\nmachine: {os.cpu_count()} cores, 2 gloo ranks x 1 thread; global batch {args.batch}x{args.seq}, "
+        f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; device spec {args.device or 'calibrated'}"
+    )
+    print(_table(rows))
+    print(json.dumps(metrics, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "metrics": metrics, "args": vars(args)}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
