@@ -169,7 +169,7 @@ def worker(args) -> None:
             )
         with open(args.worker_out, "w") as f:
             json.dump(rows, f)
-    del prepared
+    prepared.clear()
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)

@@ -178,6 +178,11 @@ def _check_model(name: str, batch_size: int, seq_len: int, spec, args, row: dict
         row["profile_s"] = time.perf_counter() - t0
         row["predicted_peak_bytes"] = report.peak_memory_bytes
         row["predicted_step_s"] = report.estimated_step_time_s
+        if args.device != "cpu":  # the datasheet preset's prediction, to show what calibration changed
+            from hf_colossal_auto.hardware import detect_device
+
+            preset = profile_model(model, batch, device=detect_device(), mixed_precision="bf16")
+            row["predicted_step_s_preset"] = preset.estimated_step_time_s
         print(f"[{name}] profiled in {row['profile_s']:.1f}s", flush=True)
 
     def plain() -> None:

@@ -40,9 +40,19 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.
 "$PY" -c 'import pulp, highspy; print(f"pulp {pulp.__version__} from {pulp.__file__}; highspy from {highspy.__file__}")' ||
     echo "WARNING: pulp/highspy not importable: planning will fail"
 
-cmd=("$PY" scripts/gpu_check.py --models gpt2-large:8x1024 llama-1b:4x2048 --steps 5)
+# calibrate this device first (GEMMs, bandwidth, attention, per-op overheads): the check then compares the
+# calibrated predictions (and the datasheet preset's) with the measurements
+SPEC="${OUT:-/tmp}/device_calibration.json"
+[[ -n "${OUT:-}" ]] && mkdir -p "$OUT"
+spec_args=()
+if "$PY" -m hf_colossal_auto.cli calibrate --out "$SPEC" "${CALIBRATE_ARGS[@]+"${CALIBRATE_ARGS[@]}"}"; then
+    spec_args=(--device-spec "$SPEC")
+else
+    echo "WARNING: calibration failed; predicting with the preset"
+fi
+
+cmd=("$PY" scripts/gpu_check.py --models gpt2-large:8x1024 llama-1b:4x2048 --steps 5 "${spec_args[@]+"${spec_args[@]}"}")
 if [[ -n "${OUT:-}" ]]; then
-    mkdir -p "$OUT"
     cmd+=(--json "$OUT/gpu_check.json")
 fi
 cmd+=("$@")
