@@ -6,6 +6,7 @@ private symbol is fixed in one file. Each import says which public behaviour we 
 
 from __future__ import annotations
 
+import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # fake tensors: shapes, no memory
 from torch.distributed._tools.mem_tracker import MemTracker  # measured peaks (incl. DTensor local shards)
 from torch.distributed._tools.mod_tracker import ModTracker  # module FQN tracking through fwd and bwd
@@ -16,6 +17,7 @@ from torch.utils.flop_counter import flop_registry as _torch_flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "queue_backward_callback",
     "default_dtensor_dispatch",
     "register_dtensor_op_handler",
     "allow_implicit_replication",
@@ -196,3 +198,10 @@ def swapped_parameters(module, tensors):
     """``torch.func.functional_call``'s parameter swap as a context manager, so that it can stay open through
     backward too (activation recompute reruns forward code inside backward, on the same swapped tensors)."""
     return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
+
+
+def queue_backward_callback(callback) -> None:
+    """Run ``callback`` once the running backward pass ends (autograd's execution engine; call it from a hook
+    that runs during backward). What DDP and FSDP1 use to finish gradient reductions they started
+    asynchronously."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

@@ -9,8 +9,9 @@ in a few seconds each:
 2. the per-op host overheads: one training step of tiny models (whose kernels cost next to nothing) divided by
    its op count, eager (``host_overhead_s``) and again with our runtime applied for one device, which runs
    every op on DTensors with the plan's hooks (``dtensor_overhead_s``: the difference per op);
-3. every collective on the running process group, per kind (``intra_node_link.collectives``), when the job
-   has more than one process; all ranks must call it then, and all get the same spec.
+3. every collective on the running process group, per kind (``intra_node_link.collectives``), and how much
+   of a collective hides behind concurrent GEMMs (``overlap_efficiency``), when the job has more than one
+   process; all ranks must call it then, and all get the same spec.
 
 The result is written as JSON (``hf-colossal-auto calibrate --out cluster.json``) that every ``device=``
 argument and ``--device`` flag accepts. It carries its provenance (host, date, torch, command).
@@ -34,7 +35,14 @@ import torch.distributed as dist
 from .hardware import DeviceSpec, LinkSpec, get_device
 from .hardware.calibrate import cpu_model_name, host_memory_bytes
 from .hardware.catalog import STATIC_CPU_SPEC, device_from_cuda_name
-from .hardware.microbench import attention_rate, collective_fits, elementwise_bandwidth, matmul_rate
+from .hardware.microbench import (
+    attention_rate,
+    collective_fits,
+    dtensor_collective_fits,
+    elementwise_bandwidth,
+    matmul_rate,
+    overlap_efficiency,
+)
 
 __all__ = ["calibrate", "measure_overheads", "OVERHEAD_MODELS"]
 
@@ -180,16 +188,18 @@ def _node_links(base: DeviceSpec, device: torch.device) -> dict[str, Any]:
             dist.get_world_size() // max(local, 1),
         )
     fits = collective_fits(None, device)
+    fits.update(dtensor_collective_fits(device))
+    efficiency = overlap_efficiency(None, device)
     if not fits:
-        return {}
-    base_fit = fits.get("all_reduce") or next(iter(fits.values()))
+        return {"overlap_efficiency": efficiency}
+    base_fit = fits.get("all_reduce") or fits["dtensor:all_reduce"]
     link = LinkSpec(
         bandwidth=base_fit.bandwidth,
         latency=base_fit.latency,
         collectives={k: (f.bandwidth, f.latency) for k, f in fits.items()},
     )
     key = "intra_node_link" if local == dist.get_world_size() else "inter_node_link"
-    out: dict[str, Any] = {key: link}
+    out: dict[str, Any] = {key: link, "overlap_efficiency": efficiency}
     if key == "intra_node_link" and base.kind == "cpu":
         out["devices_per_node"] = dist.get_world_size()
         out["inter_node_link"] = link

@@ -239,9 +239,10 @@ def _print_spec(spec) -> None:
         ("elementwise bandwidth", f"{spec.memory_bandwidth / 1e9:.2f} GB/s"),
         ("host overhead / op", f"{spec.host_overhead_s * 1e6:.1f} us"),
         ("DTensor overhead / op", f"{spec.dtensor_overhead_s * 1e6:.1f} us"),
+        ("collective hidden behind compute", f"{spec.overlap_efficiency:.0%}"),
     ]
     for kind, (bandwidth, latency) in spec.intra_node_link.collectives.items():
-        rows.append((f"{kind} (intra-node)", f"{latency * 1e6:.1f} us/step + {bandwidth / 1e9:.2f} GB/s"))
+        rows.append((f"{kind} (intra-node)", f"{latency * 1e6:.1f} us/step, {bandwidth / 1e9:.2f} GB/s"))
     width = max(len(r[0]) for r in rows)
     print(f"{spec.name}: calibrated")
     for name, value in rows:

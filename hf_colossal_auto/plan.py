@@ -79,6 +79,9 @@ class Plan:
     collective_bytes: dict[str, float] = field(default_factory=dict)
     """Predicted bytes per step by collective kind (the tensor each collective is given), for the fidelity
     check; same keys as ``collectives``."""
+    overlapped_communication_s: float = 0.0
+    """Data-parallel communication predicted to run hidden behind computation (not in ``step_time_s``;
+    ``communication_time_s`` is what the step waits for)."""
     format_version: int = PLAN_FORMAT_VERSION
 
     # ------------------------------------------------------------------ serialisation
@@ -165,7 +168,12 @@ class Plan:
             *(fmt.format(*r) for r in rows),
             "",
             f"predicted step time   {format_seconds(self.step_time_s)} (compute {format_seconds(self.compute_time_s)}, "
-            f"communication {format_seconds(self.communication_time_s)})",
+            f"communication {format_seconds(self.communication_time_s)}"
+            + (
+                f"; {format_seconds(self.overlapped_communication_s)} more hidden behind compute)"
+                if self.overlapped_communication_s > 0
+                else ")"
+            ),
             f"predicted peak memory {format_bytes(self.peak_memory_bytes)} per device of a "
             f"{format_bytes(self.memory_budget_bytes)} budget (parameters+grads+optimizer "
             f"{format_bytes(self.param_memory_bytes)}, activations {format_bytes(self.activation_memory_bytes)})",

@@ -118,6 +118,64 @@ def _measure(model, batch, device: str, steps: int) -> tuple[float, int, list[fl
         opt.state.clear()
 
 
+def _op_breakdown(model, batch, device: str, report) -> list[dict]:
+    """One more step under torch.profiler: device seconds per aten op (kernels attributed to the op that launched
+    them; CPU: its self time) next to the profiler's predicted seconds for the same op (all its nodes), the 20
+    largest. Says where a step-time gap comes from."""
+    from collections import defaultdict
+
+    from hf_colossal_auto.capture.op_classes import op_base_name
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+
+    def step() -> None:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:
+        step()
+        _sync(device)
+        with torch.profiler.profile(activities=activities) as prof:
+            step()
+            _sync(device)
+    finally:
+        opt.zero_grad(set_to_none=True)
+        opt.state.clear()
+    measured: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for event in prof.key_averages():
+        if not event.key.startswith("aten::"):
+            continue
+        seconds = (event.self_device_time_total if device == "cuda" else event.self_cpu_time_total) / 1e6
+        measured[event.key[len("aten::") :]] += seconds
+        calls[event.key[len("aten::") :]] += event.count
+    predicted: dict[str, float] = defaultdict(float)
+    nodes: dict[str, int] = defaultdict(int)
+    for node in report.nodes:
+        base = op_base_name(node.op)
+        predicted[base] += node.time_s * node.count
+        nodes[base] += node.count
+    names = sorted(
+        set(measured) | set(predicted), key=lambda k: -max(measured.get(k, 0), predicted.get(k, 0))
+    )
+    return [
+        {
+            "op": k,
+            "measured_s": measured.get(k, 0.0),
+            "calls": calls.get(k, 0),
+            "predicted_s": predicted.get(k, 0.0),
+            "nodes": nodes.get(k, 0),
+        }
+        for k in names[:20]
+    ]
+
+
 def _device_spec(args):
     """(spec, how it was chosen)."""
     from hf_colossal_auto.hardware import detect_device, device_from_dict, get_device
@@ -172,9 +230,12 @@ def _check_model(name: str, batch_size: int, seq_len: int, spec, args, row: dict
     row["params"] = sum(p.numel() for p in model.parameters())
     row["build_s"] = time.perf_counter() - t0
 
+    report_box: list = []
+
     def profile() -> None:
         t0 = time.perf_counter()
         report = profile_model(model, batch, device=spec, mixed_precision="bf16")
+        report_box.append(report)
         row["profile_s"] = time.perf_counter() - t0
         row["predicted_peak_bytes"] = report.peak_memory_bytes
         row["predicted_step_s"] = report.estimated_step_time_s
@@ -189,6 +250,14 @@ def _check_model(name: str, batch_size: int, seq_len: int, spec, args, row: dict
         step_s, peak, times = _measure(model, batch, device, args.steps)
         row.update(measured_step_s=step_s, measured_peak_bytes=peak, measured_steps_s=times)
         print(f"[{name}] plain step {step_s * 1e3:.1f} ms, peak {peak / 2**30:.2f} GiB", flush=True)
+        if report_box:
+            row["ops"] = _op_breakdown(model, batch, device, report_box[0])
+            for op in row["ops"]:
+                print(
+                    f"[{name}]   {op['op']:42s} measured {op['measured_s'] * 1e3:8.2f} ms ({op['calls']:5d})"
+                    f"  predicted {op['predicted_s'] * 1e3:8.2f} ms ({op['nodes']:5d})",
+                    flush=True,
+                )
 
     def runtime() -> None:  # the same model through the runtime, on a one-device job
         _init_process_group(device)

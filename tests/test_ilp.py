@@ -15,6 +15,7 @@ from hf_colossal_auto.solve import (
     FollowsInputs,
     InfeasibleError,
     MemoryConstraint,
+    Overlap,
     Problem,
     SharedCost,
     available_solvers,
@@ -145,6 +146,12 @@ def random_problem(seed: int, binding: bool = True) -> Problem:
         if rng.random() < 0.3:
             inputs.append((None, ()))
         follows.append(FollowsInputs(dst.name, sharding, tuple(inputs)))
+    overlaps = []
+    for index in range(rng.randint(0, 2)):
+        comm = {n.name: [_value(rng, integral, seconds) for _ in n.costs] for n in rng.sample(nodes, 2)}
+        compute = {n.name: [_value(rng, integral, seconds) for _ in n.costs] for n in rng.sample(nodes, 2)}
+        efficiency = rng.choice([0.0, 0.5, 1.0, rng.random()])
+        overlaps.append(Overlap(f"o{index}", comm, compute, efficiency))
     problem = Problem(
         nodes,
         edges,
@@ -155,6 +162,7 @@ def random_problem(seed: int, binding: bool = True) -> Problem:
         conditional_costs=conditional,
         shared_costs=shared,
         follows_inputs=follows,
+        overlaps=overlaps,
     )
     if binding:
         usages = [memory_usage(problem, _random_choice(rng, problem)) for _ in range(3)]
@@ -567,3 +575,27 @@ def test_conditional_cost_is_paid_only_under_its_gate(backend: str) -> None:
     assert found.objective_s == pytest.approx(brute_force(problem).objective_s)
     ungated = Problem([a, b, gate], [], [], conditional_costs=conditional)
     assert solve(ungated, solver=backend).objective_s == 0.0
+
+
+def test_overlap_exposes_what_compute_cannot_hide() -> None:
+    """The exposed communication of an overlap: all of it without overlap, max(C, K) - K with a perfect one,
+    never below (1 - efficiency) C."""
+    nodes = [_node("a", [0.0, 0.0]), _node("b", [0.0, 0.0])]
+    for efficiency, compute, expected in ((0.0, 5.0, 3.0), (1.0, 5.0, 0.0), (1.0, 1.0, 2.0), (0.5, 5.0, 1.5)):
+        overlap = Overlap("dp", {"a": [3.0, 0.0]}, {"b": [compute, 0.0]}, efficiency)
+        problem = Problem(nodes, overlaps=[overlap])
+        assert evaluate(problem, {"a": 0, "b": 0})[0] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="efficiency"):
+        Overlap("dp", {"a": [1.0, 1.0]}, {}, 1.5)
+    with pytest.raises(ValueError, match="2 values|expected 2"):
+        Problem(nodes, overlaps=[Overlap("dp", {"a": [1.0]}, {}, 1.0)])
+
+
+@pytest.mark.parametrize("backend", SOLVERS)
+def test_overlap_steers_the_choice(backend: str) -> None:
+    """Serial, strategy 0 of ``a`` (compute 4, comm 4) loses to strategy 1 (compute 5, comm 0); hidden behind
+    the compute, its communication is free and strategy 0 wins."""
+    a = _node("a", [4.0, 5.0])
+    for efficiency, expected in ((0.0, 1), (1.0, 0)):
+        problem = Problem([a], overlaps=[Overlap("dp", {"a": [4.0, 0.0]}, {"a": [4.0, 5.0]}, efficiency)])
+        assert solve(problem, solver=backend).choice["a"] == expected

@@ -62,7 +62,7 @@ NO_CALIBRATE_ENV = "HF_COLOSSAL_AUTO_NO_CALIBRATE"
 CPU_CACHE_FILENAME = "cpu_calibration.json"
 # Bump when the benchmark changes in a way that changes its numbers, so stale
 # cache entries are ignored instead of mixed with new ones.
-CPU_BENCHMARK_VERSION = 1
+CPU_BENCHMARK_VERSION = 2
 _CACHE_FORMAT = 1
 
 _FALSE_STRINGS = frozenset({"", "0", "false", "no", "off"})
@@ -150,6 +150,7 @@ class CpuBenchmarkResult:
     peak_flops: dict[str, float]
     memory_bandwidth: float
     seconds: float = field(default=0.0)
+    attention_flops: dict[str, float] = field(default_factory=dict)
 
 
 def _best_seconds(fn: Callable[[], object], target_s: float, min_reps: int = 3, max_reps: int = 20) -> float:
@@ -205,50 +206,44 @@ def _matmul_peak(dtype: Any, budget_s: float, generator: Any) -> float:
     return max(rate, 2.0 * 256**3 / probe_s)
 
 
-def _copy_bandwidth(budget_s: float) -> float:
-    """Best bytes/s of a large tensor copy (bytes read + bytes written).
-
-    128 MiB per buffer is far beyond any CPU's last-level cache, so the copy
-    measures DRAM; on hosts with little memory the buffer is shrunk.
-    """
-    import torch
-
-    nbytes = int(min(128 * MiB, max(8 * MiB, host_memory_bytes() // 64)))
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    seconds = _best_seconds(lambda: dst.copy_(src), target_s=budget_s, min_reps=3)
-    return 2.0 * src.numel() * src.element_size() / seconds
-
-
 def run_cpu_benchmark(time_budget_s: float = 1.2) -> CpuBenchmarkResult:
-    """Measure this host's matmul FLOP/s per dtype and memory bandwidth.
+    """Measure this host's matmul FLOP/s per dtype, elementwise bandwidth and attention FLOP/s.
 
-    Uses ``torch.get_num_threads()`` threads (whatever torch is configured
-    with), a private RNG so the caller's seeded global RNG is untouched, and
-    roughly ``time_budget_s`` seconds (a slow dtype can overshoot by one matmul).
+    float32: the median rate of projection-shaped GEMMs (:func:`~.microbench.matmul_rate`, what a model's
+    matmuls reach: an in-cache square matmul runs ~1.5x faster on a CPU). A reduced-precision dtype is probed
+    with one 256x256 matmul first: an emulated one (100x slower than float32 on a CPU without it) keeps the
+    probe's rate rather than blowing the time budget. Uses ``torch.get_num_threads()`` threads and a private
+    RNG so the caller's seeded global RNG is untouched.
     """
     import torch
+
+    from .microbench import attention_rate, elementwise_bandwidth, matmul_rate
 
     t0 = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    per_part = time_budget_s / (len(dtypes) + 1)
+    device = torch.device("cpu")
+    part = time_budget_s / 4
     peak_flops: dict[str, float] = {}
+    attention: dict[str, float] = {}
     with torch.no_grad():
-        for name, dtype in dtypes.items():
+        peak_flops["float32"] = matmul_rate(device, torch.float32, budget_s=part)
+        for name, dtype in {"bfloat16": torch.bfloat16, "float16": torch.float16}.items():
             try:
-                rate = _matmul_peak(dtype, per_part, generator)
+                probe = _matmul_peak(dtype, part / 4, generator)
+                fast = probe >= 0.2 * peak_flops["float32"]
+                peak_flops[name] = matmul_rate(device, dtype, budget_s=part) if fast else probe
             except RuntimeError as exc:  # dtype without a CPU matmul kernel in this build
-                if name == "float32":
-                    raise
                 logger.warning(
                     "cpu calibration: %s matmul failed (%s); it will fall back to float32", name, exc
                 )
-                continue
-            peak_flops[name] = rate
-        bandwidth = _copy_bandwidth(per_part)
+        nbytes = int(min(64 * MiB, max(8 * MiB, host_memory_bytes() // 64)))
+        bandwidth = elementwise_bandwidth(device, nbytes=nbytes, budget_s=part / 2)
+    attention["float32"] = attention_rate(device, torch.float32, budget_s=part)
     return CpuBenchmarkResult(
-        peak_flops=peak_flops, memory_bandwidth=bandwidth, seconds=time.perf_counter() - t0
+        peak_flops=peak_flops,
+        memory_bandwidth=bandwidth,
+        seconds=time.perf_counter() - t0,
+        attention_flops=attention,
     )
 
 
@@ -281,8 +276,15 @@ def _entry_to_result(entry: Any) -> CpuBenchmarkResult | None:
     values = [*flops.values(), bandwidth]
     if "float32" not in flops or not all(math.isfinite(v) and v > 0 for v in values):
         return None
+    try:
+        attention = {str(k): float(v) for k, v in entry.get("attention_flops", {}).items()}
+    except (TypeError, ValueError, AttributeError):
+        return None
     return CpuBenchmarkResult(
-        peak_flops=flops, memory_bandwidth=bandwidth, seconds=float(entry.get("seconds", 0.0))
+        peak_flops=flops,
+        memory_bandwidth=bandwidth,
+        seconds=float(entry.get("seconds", 0.0)),
+        attention_flops=attention,
     )
 
 
@@ -317,6 +319,7 @@ def _store_cache(path: Path, key: str, result: CpuBenchmarkResult) -> None:
         entries = _load_cache(path)
         entries[key] = {
             "peak_flops": result.peak_flops,
+            "attention_flops": result.attention_flops,
             "memory_bandwidth": result.memory_bandwidth,
             "seconds": result.seconds,
             # Recorded for diagnosis: a calibration taken on a busy host is slow.
@@ -368,6 +371,7 @@ def cpu_device_spec(force: bool = False) -> DeviceSpec:
         _store_cache(path, key, result)
     spec = STATIC_CPU_SPEC.with_overrides(
         peak_flops=result.peak_flops,
+        attention_flops=result.attention_flops,
         memory_bandwidth=result.memory_bandwidth,
         memory_bytes=host_memory_bytes(),
     )

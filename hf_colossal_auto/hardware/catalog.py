@@ -58,11 +58,17 @@ _DEFAULT_KERNEL_OVERHEAD_S: dict[str, float] = {"cuda": 5e-6, "cpu": 2e-6}
 # module hooks, averaged over every aten op of a step (views included). On a GPU the host runs ahead of the
 # device, so an op costs max(device time, host time); on a CPU the two add up. Measured by
 # ``hf-colossal-auto calibrate`` (a tiny model's training step over its op count); these defaults are such
-# measurements (docs/hardware.md, "Per-op overheads"), used for what-if planning on hardware not at hand.
-_DEFAULT_HOST_OVERHEAD_S: dict[str, float] = {"cuda": 12e-6, "cpu": 12e-6}
+# measurements (docs/hardware.md, "Per-op overheads"), used for what-if planning on hardware not at hand:
+# cuda on the host of an H200 (torch 2.11, docs/measurements/h200_calibration.json), cpu on the 2-core dev
+# machine with one thread per rank (torchrun, 2 gloo ranks).
+_DEFAULT_HOST_OVERHEAD_S: dict[str, float] = {"cuda": 16e-6, "cpu": 17e-6}
 # Extra host seconds per op when the step runs on DTensors (sharding propagation, redistribution bookkeeping,
 # the runtime's hooks): every op of a planned model does, so this is what our runtime adds to an eager step.
-_DEFAULT_DTENSOR_OVERHEAD_S: dict[str, float] = {"cuda": 60e-6, "cpu": 60e-6}
+_DEFAULT_DTENSOR_OVERHEAD_S: dict[str, float] = {"cuda": 80e-6, "cpu": 87e-6}
+# Share of a collective that runs hidden behind concurrent compute (0: none, 1: all of it). NCCL runs on its own
+# stream and SMs: the presets assume the ideal, as their peaks do. gloo's collective thread competes with the
+# compute thread for the cores: measured by ``hf-colossal-auto calibrate`` under torchrun (docs/hardware.md).
+_DEFAULT_OVERLAP_EFFICIENCY: dict[str, float] = {"cuda": 1.0, "cpu": 0.53}
 
 # Canonical dtype names are torch's names (``str(torch.bfloat16)`` minus the
 # ``torch.`` prefix), plus ``tf32`` which is not a storage dtype but the
@@ -154,7 +160,9 @@ class LinkSpec:
         collectives: measured ``(bandwidth, latency)`` per collective kind
             (``"all_gather"``...), fitted by calibration for kinds whose
             implementation differs from the ring model (gloo's all-gather is
-            not a ring); kinds not listed use ``bandwidth`` and ``latency``.
+            not a ring), and per kind as a DTensor redistribution issues it
+            (``"dtensor:all_gather"``: with its copies and Python); kinds not
+            listed use ``bandwidth`` and ``latency``.
     """
 
     bandwidth: float
@@ -181,8 +189,12 @@ class LinkSpec:
             per_kind[str(kind)] = (bandwidth, latency)
         object.__setattr__(self, "collectives", _FrozenTable(per_kind))
 
-    def for_collective(self, kind: str) -> tuple[float, float]:
-        """``(bandwidth, latency)`` of one collective kind on this link (measured where calibrated)."""
+    def for_collective(self, kind: str, via: str | None = None) -> tuple[float, float]:
+        """``(bandwidth, latency)`` of one collective kind on this link (measured where calibrated). ``via``:
+        the layer that issues it (``"dtensor"``: a DTensor redistribution, whose fit ``"dtensor:<kind>"``
+        includes its copies and bookkeeping), when that was measured."""
+        if via is not None and f"{via}:{kind}" in self.collectives:
+            return self.collectives[f"{via}:{kind}"]
         return self.collectives.get(kind, (self.bandwidth, self.latency))
 
     def to_dict(self) -> dict[str, Any]:
@@ -234,6 +246,8 @@ class DeviceSpec:
             ``None``: the default for ``kind``. See :func:`hardware.roofline.step_op_time`.
         dtensor_overhead_s: extra host seconds per op when the step runs on
             DTensors, as every op of a planned model does. ``None``: the default.
+        overlap_efficiency: share of data-parallel communication that runs
+            hidden behind concurrent computation, in ``[0, 1]``. ``None``: the default.
         attention_flops: achieved FLOP/s of the fused attention kernels per
             dtype (they reach far less than a matmul on some devices);
             empty: ``peak_flops``.
@@ -252,6 +266,7 @@ class DeviceSpec:
     kernel_overhead_s: float = field(default=None)  # type: ignore[assignment]
     host_overhead_s: float = field(default=None)  # type: ignore[assignment]
     dtensor_overhead_s: float = field(default=None)  # type: ignore[assignment]
+    overlap_efficiency: float = field(default=None)  # type: ignore[assignment]
     attention_flops: Mapping[str, float] = field(default_factory=dict)
     calibration: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
@@ -321,6 +336,12 @@ class DeviceSpec:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"DeviceSpec.{name} must be a finite number >= 0, got {value!r}")
             object.__setattr__(self, name, float(value))
+        overlap = self.overlap_efficiency
+        if overlap is None:
+            overlap = _DEFAULT_OVERLAP_EFFICIENCY[self.kind]
+        if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0.0 <= overlap <= 1.0:
+            raise ValueError(f"DeviceSpec.overlap_efficiency must be in [0, 1], got {overlap!r}")
+        object.__setattr__(self, "overlap_efficiency", float(overlap))
         attention: dict[str, float] = {}
         for key, value in dict(self.attention_flops).items():
             _check_positive(f"DeviceSpec.attention_flops[{key!r}]", value)
@@ -356,6 +377,7 @@ class DeviceSpec:
             "kernel_overhead_s": self.kernel_overhead_s,
             "host_overhead_s": self.host_overhead_s,
             "dtensor_overhead_s": self.dtensor_overhead_s,
+            "overlap_efficiency": self.overlap_efficiency,
             "attention_flops": dict(self.attention_flops),
             "calibration": dict(self.calibration),
         }
@@ -414,6 +436,7 @@ def device_from_dict(data: Mapping[str, Any]) -> DeviceSpec:
         "kernel_overhead_s",
         "host_overhead_s",
         "dtensor_overhead_s",
+        "overlap_efficiency",
         "attention_flops",
         "calibration",
     }

@@ -109,7 +109,9 @@ def collective_coefficients(kind: str, group_size: int) -> tuple[float, float]:
     return float(p - 1), (p - 1) / p
 
 
-def collective_time(kind: str, nbytes: int | float, group_size: int, link: LinkSpec) -> float:
+def collective_time(
+    kind: str, nbytes: int | float, group_size: int, link: LinkSpec, via: str | None = None
+) -> float:
     """Seconds for one collective under the ring alpha-beta model (see module docstring for ``n``).
 
     Raises:
@@ -120,7 +122,7 @@ def collective_time(kind: str, nbytes: int | float, group_size: int, link: LinkS
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
     if steps == 0.0 or nbytes == 0:
         return 0.0
-    bandwidth, latency = link.for_collective(canonical_collective(kind))
+    bandwidth, latency = link.for_collective(canonical_collective(kind), via)
     return steps * latency + factor * nbytes / bandwidth
 
 

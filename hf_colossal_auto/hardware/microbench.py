@@ -220,3 +220,113 @@ def collective_fits(
         if not all(math.isfinite(x) for x in (fits[kind].bandwidth, fits[kind].latency)):
             del fits[kind]
     return fits
+
+
+def overlap_efficiency(group: Any, device: Any, *, nbytes: int = 8 * 2**20, repeats: int = 5) -> float:
+    """Share of a collective hidden behind concurrent compute, in ``[0, 1]`` (a collective call).
+
+    Times an all-reduce of ``nbytes`` alone (started asynchronously, waited for), a block of projection GEMMs
+    sized to last about as long alone, and both together (the all-reduce started, the GEMMs run, then waited
+    for): ``(comm + compute - both) / min(comm, compute)``. 1: the collective costs nothing behind compute
+    (separate engines); 0: the two serialise (one core, or a collective thread that takes the compute's).
+    Medians over ``repeats`` rounds; every rank returns the slowest rank's figure.
+    """
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(max(1, nbytes // 4), device=device)
+    t, h, f = MATMUL_SHAPES[getattr(device, "type", str(device))]
+    a = torch.randn(t, h, device=device)
+    b = torch.randn(h, f, device=device)
+
+    def comm() -> None:
+        dist.all_reduce(buf, group=group, async_op=True).wait()
+
+    def timed(fn: Callable[[], object]) -> float:
+        dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    comm()
+    t_comm = statistics.median(timed(comm) for _ in range(repeats))
+    t_mm = max(timed(lambda: torch.mm(a, b)), 1e-9)
+    reps = max(1, round(t_comm / t_mm))
+
+    def compute() -> None:
+        for _ in range(reps):
+            torch.mm(a, b)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    t_compute = statistics.median(timed(compute) for _ in range(repeats))
+    t_both = statistics.median(timed(both) for _ in range(repeats))
+    hidden = (t_comm + t_compute - t_both) / max(min(t_comm, t_compute), 1e-9)
+    agreed = torch.tensor([min(1.0, max(0.0, hidden))], dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return float(agreed.item())
+
+
+def _redistribution(kind: str, mesh: Any, world: int, nbytes: int, device: Any) -> Callable[[], object]:
+    """A closure running the DTensor redistribution that issues ``kind`` on a ``[rows, 1024]`` float32 tensor
+    whose model size (:mod:`.comm`) is ``nbytes``: sharded on its last dim, as tensor parallelism shards
+    activations (so an all-gather also pays DTensor's re-layout of the gathered chunks)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    cols = 1024
+    rows = max(world, (nbytes // 4 // cols) // world * world)
+    if kind == "all_reduce":
+        src, dst, shape = [Partial()], [Replicate()], (rows, cols)
+    elif kind == "all_gather":
+        src, dst, shape = [Shard(1)], [Replicate()], (rows, cols // world)
+    elif kind == "reduce_scatter":
+        src, dst, shape = [Partial()], [Shard(1)], (rows, cols)
+    elif kind == "all_to_all":  # n is one rank's buffer
+        src, dst, shape = [Shard(0)], [Shard(1)], (rows, cols)
+    else:
+        raise ValueError(f"no DTensor redistribution issues {kind!r}")
+    local = torch.zeros(*shape, device=device)
+    tensor = DTensor.from_local(local, mesh, src, run_check=False)
+    return lambda: tensor.redistribute(mesh, dst).to_local()
+
+
+def dtensor_collective_fits(
+    device: Any,
+    kinds: Sequence[str] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
+    sizes: Sequence[int] = COLLECTIVE_SIZES,
+    iters: int = 5,
+) -> dict[str, LinkSpec]:
+    """Alpha-beta fits per collective kind *as a DTensor redistribution issues it* on the whole job (a
+    collective call): the collective, its copies and re-layouts, and DTensor's bookkeeping; what a
+    tensor-parallel resharding costs at run time. Keys are ``"dtensor:<kind>"``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(getattr(device, "type", str(device)), (world,))
+    fits: dict[str, LinkSpec] = {}
+    for kind in kinds:
+        times: list[float] = []
+        for nbytes in sizes:
+            call = _redistribution(kind, mesh, world, nbytes, device)
+            for _ in range(2):
+                call()
+            _sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                call()
+            _sync(device)
+            times.append((time.perf_counter() - t0) / iters)
+        agreed = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        measured = [max(float(t), 1e-9) for t in agreed.tolist()]
+        fits[f"dtensor:{kind}"] = fit_alpha_beta(kind, list(sizes), measured, world)
+    return fits

@@ -53,6 +53,7 @@ from .problem import (
     DecisionNode,
     FollowsInputs,
     MemoryConstraint,
+    Overlap,
     Problem,
     SharedCost,
 )
@@ -541,6 +542,9 @@ def build_problem(
     opt_temp_terms: dict[str, list[float]] = {}
     fixed: dict[str, int] = {}
     opt_temp_ratio = _optimizer_temp_ratio(graph)
+    sync_terms: dict[str, list[float]] = {}
+    """Parameter node -> seconds of its data-parallel gradient synchronisation per storage option (priced by
+    the :class:`Overlap` below, not in the node's cost)."""
     gathered_terms: dict[str, list[float]] = {}
     """FSDP: bytes a parameter adds while gathered (unsharded parameter and gradient) at the activation peak."""
     fsdp_layers = [u.name for u in units] if dp_mode == "fsdp" and dp > 1 else []
@@ -561,19 +565,18 @@ def build_problem(
         pbytes = float(graph.param_bytes[fqn])
         sbytes = float(graph.optimizer_state_bytes.get(fqn, 0))
         dp_shard = dp if dp_mode == "fsdp" else 1
-        costs, mterms, gterms, tterms = [], [], [], []
+        costs, mterms, gterms, tterms, syncs = [], [], [], [], []
         for opt in options:
             local = pbytes / shard_factor(opt, tp)
-            if dp_mode == "fsdp":
-                sync = 2 * dp_comm.time("all_gather", local) + dp_comm.time("reduce_scatter", local)
-            else:
-                sync = dp_comm.time("all_reduce", local)
-            costs.append(sync + opt_time * (pbytes / total_param_bytes) / shard_factor(opt, tp) / dp_shard)
+            syncs.append(data_parallel_sync_time(dp_mode, local, dp_comm))
+            costs.append(opt_time * (pbytes / total_param_bytes) / shard_factor(opt, tp) / dp_shard)
             mterms.append((local + sbytes / shard_factor(opt, tp)) / dp_shard)
             gterms.append(local / dp_shard)
             tterms.append(local / dp_shard * opt_temp_ratio)
         nodes.append(DecisionNode(name, costs, options, multiplicity=real_count[fqn]))
         param_options[name] = options
+        if any(syncs):
+            sync_terms[name] = syncs
         param_of_node[name] = fqn
         param_mem_terms[name] = mterms
         grad_terms[name] = gterms
@@ -866,6 +869,7 @@ def build_problem(
         nodes=nodes,
         edges=edges,
         memory_constraints=constraints,
+        overlaps=data_parallel_overlap(nodes, sync_terms, dp_mode, ratios, block_of, spec),
         name=f"mesh{mesh_shape}-{dp_mode}",
         fixed=fixed,
         conditional_costs=conditional,
@@ -886,6 +890,42 @@ def build_problem(
         recompute_units={rc: unit for rc, unit in zip(rc_names, units, strict=True)},
         recompute_options={rc: opts for rc, opts in zip(rc_names, unit_options_of, strict=True)},
     )
+
+
+def data_parallel_sync_time(dp_mode: str, local_bytes: float, dp_comm: AxisComm) -> float:
+    """Seconds of one parameter's data-parallel synchronisation per step: DDP all-reduces its gradient; FSDP
+    all-gathers it for forward and again for backward and reduce-scatters its gradient."""
+    if dp_mode == "fsdp":
+        return 2 * dp_comm.time("all_gather", local_bytes) + dp_comm.time("reduce_scatter", local_bytes)
+    return dp_comm.time("all_reduce", local_bytes)
+
+
+def data_parallel_overlap(
+    nodes: list[DecisionNode],
+    sync_terms: dict[str, list[float]],
+    dp_mode: str,
+    ratios: BackwardRatios,
+    block_of: dict[str, str],
+    spec: DeviceSpec,
+) -> list[Overlap]:
+    """The data-parallel synchronisation as communication behind computation, as the runtime runs it: DDP's
+    gradient all-reduces are started as gradients are accumulated and run behind the rest of backward
+    (``runtime._make_sync_hook``); FSDP2 prefetches the next block's all-gather in forward and backward and
+    reduce-scatters behind the next block's backward, so all of the step's compute can hide it. The ops' own
+    costs (forward + backward) are the computation; for DDP only their backward share."""
+    if not sync_terms:
+        return []
+    compute: dict[str, list[float]] = {}
+    for node in nodes:
+        if node.name in sync_terms or not node.name.startswith("n"):
+            continue
+        share = 1.0
+        if dp_mode != "fsdp":
+            device_ratio, _ = ratios.of(block_of.get(node.name, ""))
+            share = device_ratio / (1.0 + device_ratio)
+        if any(node.costs):
+            compute[node.name] = [c * share for c in node.costs]
+    return [Overlap("data-parallel", dict(sync_terms), compute, spec.overlap_efficiency)]
 
 
 def edge_reshardings(

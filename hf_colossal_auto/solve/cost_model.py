@@ -47,10 +47,17 @@ class AxisComm:
     """Fixed cost of issuing one collective (a kernel launch), on top of the alpha-beta time: two collectives
     that move what one does are not free to split."""
 
+    via: str | None = None
+    """The layer that issues this axis's collectives ("dtensor" for tensor-parallel redistributions): where
+    the link has a fit measured through it, that fit prices the whole call (copies and bookkeeping included,
+    so no separate call overhead)."""
+
     def time(self, kind: str, nbytes: float) -> float:
         if self.size == 1 or nbytes == 0:
             return 0.0
-        return collective_time(kind, nbytes, self.size, self.link) + self.call_overhead_s
+        measured = self.via is not None and f"{self.via}:{kind}" in self.link.collectives
+        overhead = 0.0 if measured else self.call_overhead_s
+        return collective_time(kind, nbytes, self.size, self.link, self.via) + overhead
 
 
 def redistribute(src: str, dst: str, nbytes: float, axis: AxisComm) -> tuple[float, str | None]:

@@ -404,6 +404,41 @@ class _Model:
             out.append((z, 1.0))
         return out
 
+    def overlap_terms(self, problem: Problem, scale: float) -> list[tuple[pulp.LpVariable, float]]:
+        """Objective terms of :class:`Overlap` s, one variable each: ``z >= C - f K``, ``z >= (1 - f) C``,
+        ``z >= 0``, with ``C`` and ``K`` linear in the choice. Exact at integer points (z is minimised)."""
+        out = []
+        for index, overlap in enumerate(problem.overlaps):
+            comm, compute = _Affine(self.groups), _Affine(self.groups)
+            for name, values in overlap.comm.items():
+                comm.add_node(name, [problem.node(name).multiplicity * v for v in values])
+            for name, values in overlap.compute.items():
+                compute.add_node(name, [problem.node(name).multiplicity * v for v in values])
+            if not comm.lin and comm.constant == 0:
+                continue
+            z = pulp.LpVariable(f"zo_{index:05d}", lowBound=0)
+            f = overlap.efficiency
+            for k, (weights, constant) in enumerate(((1.0, -f), (1.0 - f, 0.0))):
+                row = [(z, 1.0)]
+                row += [
+                    (self.x[g][s], -weights * v / scale)
+                    for g, vs in comm.lin.items()
+                    for s, v in enumerate(vs)
+                ]
+                row += [
+                    (self.x[g][s], -constant * v / scale)
+                    for g, vs in compute.lin.items()
+                    for s, v in enumerate(vs)
+                ]
+                rhs = (weights * comm.constant + constant * compute.constant) / scale
+                merged: dict[str, list] = {}
+                for var, coefficient in row:
+                    merged.setdefault(var.name, [var, 0.0])[1] += coefficient
+                terms = [(var, c) for var, c in merged.values() if c]
+                self.prob += pulp.LpAffineExpression(terms) >= rhs, f"zo_{index:05d}_{k}"
+            out.append((z, 1.0))
+        return out
+
     def add_follows(self, rules: list) -> None:
         """:class:`FollowsInputs` rules as ``x[dst][j] + sum_k [input k replicated] <= #inputs`` per sharding
         strategy ``j``: with every input replicated, ``j`` cannot be taken. Pinned nodes are constants."""
@@ -634,11 +669,13 @@ def solve(
         [objective.magnitude()]
         + [max(max(row) for row in t.cost) for t in triples]
         + [max(c.cost) for c in problem.shared_costs]
+        + [max((max(v) for v in o.comm.values()), default=0.0) for o in problem.overlaps]
     )
     unit = _pow2(magnitude) / OBJECTIVE_MAGNITUDE
     model = _Model(groups)
     terms = model.terms(objective, unit) + model.triple_terms(triples, unit)
     terms += model.shared_terms(problem.shared_costs, unit)
+    terms += model.overlap_terms(problem, unit)
     model.add_follows(problem.follows_inputs)
     model.prob.setObjective(pulp.LpAffineExpression(terms))
     binding = _tightest([r for r in rows if (r.form.lin or r.form.pairs) and r.form.top() > r.slack])

@@ -214,7 +214,8 @@ class _Planner:
         host pays a DTensor op and the device a launch on top of the alpha-beta time); a data-parallel
         gradient synchronisation is a plain collective (an eager op and a launch)."""
         overhead = self.spec.kernel_overhead_s + host_time(self.spec, dtensor=axis == 1)
-        return AxisComm(mesh[axis], self.cluster.axis_link(mesh, axis), self.spec.kind, overhead)
+        via = "dtensor" if axis == 1 else None
+        return AxisComm(mesh[axis], self.cluster.axis_link(mesh, axis), self.spec.kind, overhead, via)
 
     @property
     def layers(self) -> list[str]:
@@ -424,9 +425,9 @@ def _make_plan(
         i = solution.choice[node.name]
         cost = node.costs[i] * node.multiplicity
         module = built.block_of.get(node.name, "")
-        if node.name in built.param_options:
-            comm += cost
-            spread(block_comm, module, cost)
+        if node.name in built.param_options:  # its share of the optimizer step
+            compute += cost
+            spread(block_compute, module, cost)
         else:
             strat = built.strategies[node.name][i] if built.strategies.get(node.name) else None
             boundary = node.multiplicity * sum(
@@ -459,6 +460,16 @@ def _make_plan(
             c = shared.cost[solution.choice[shared.src]]
             comm += c
             spread(block_comm, built.block_of.get(shared.members[0][0], ""), c)
+    hidden = 0.0
+    for overlap in problem.overlaps:  # data-parallel synchronisation: what compute does not hide
+        exposed = overlap.exposed(problem, solution.choice)
+        total = sum(problem.node(k).multiplicity * v[solution.choice[k]] for k, v in overlap.comm.items())
+        hidden += total - exposed
+        comm += exposed
+        for k, values in overlap.comm.items():
+            if total > 0:
+                share = problem.node(k).multiplicity * values[solution.choice[k]] / total
+                spread(block_comm, built.block_of.get(k, ""), exposed * share)
     recompute = _recompute_choice(built, solution)
     # placements
     tp_place: dict[str, str] = {}
@@ -517,6 +528,7 @@ def _make_plan(
         step_time_s=objective,
         compute_time_s=compute,
         communication_time_s=comm,
+        overlapped_communication_s=hidden,
         peak_memory_bytes=int(peak),
         memory_budget_bytes=planner.budget,
         param_memory_bytes=int(param_mem),

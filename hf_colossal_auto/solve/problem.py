@@ -207,6 +207,44 @@ class FollowsInputs:
 
 
 @dataclass
+class Overlap:
+    """Communication that runs in the background of computation: the step pays only what is not hidden.
+
+    ``C = sum comm[n][choice[n]]`` (times each node's multiplicity) is the communication, ``K`` likewise the
+    computation it can run behind, and ``efficiency`` in ``[0, 1]`` how much of the overlapped span the device
+    and its collectives really share (measured by calibration: 1 where they use separate engines, lower where
+    the collective's thread competes with the compute for the same cores). The exposed part is
+    ``C - efficiency * min(C, K) = max(C - efficiency * K, (1 - efficiency) * C)``: never less than
+    ``(1 - efficiency) * C``, never more than ``C``, and ``max(C, K)`` when the overlap is perfect.
+
+    Why: DDP's gradient all-reduce runs while backward computes the next gradients, FSDP's all-gathers and
+    reduce-scatters while a neighbouring block computes; pricing them as if serial overstates exactly the plans
+    that synchronise most. Those costs must not also be in the nodes' own costs.
+    """
+
+    name: str
+    comm: dict[str, list[float]]
+    compute: dict[str, list[float]]
+    efficiency: float
+
+    def __post_init__(self) -> None:
+        what = f"overlap {self.name!r}"
+        self.comm = {k: _vector(v, f"{what} comm of {k!r}") for k, v in self.comm.items()}
+        self.compute = {k: _vector(v, f"{what} compute of {k!r}") for k, v in self.compute.items()}
+        if any(x < 0 for values in (*self.comm.values(), *self.compute.values()) for x in values):
+            raise ValueError(f"{what}: seconds must be >= 0")
+        self.efficiency = _number(self.efficiency, f"{what} efficiency")
+        if not 0.0 <= self.efficiency <= 1.0:
+            raise ValueError(f"{what}: efficiency must be in [0, 1], got {self.efficiency}")
+
+    def exposed(self, problem: Problem, choice: dict[str, int]) -> float:
+        """Seconds of communication the step waits for under ``choice``."""
+        comm = math.fsum(problem._by_name[k].multiplicity * v[choice[k]] for k, v in self.comm.items())
+        compute = math.fsum(problem._by_name[k].multiplicity * v[choice[k]] for k, v in self.compute.items())
+        return comm - self.efficiency * min(comm, compute)
+
+
+@dataclass
 class Problem:
     nodes: list[DecisionNode]
     edges: list[DecisionEdge] = field(default_factory=list)
@@ -217,6 +255,7 @@ class Problem:
     conditional_costs: list[ConditionalCost] = field(default_factory=list)
     shared_costs: list[SharedCost] = field(default_factory=list)
     follows_inputs: list[FollowsInputs] = field(default_factory=list)
+    overlaps: list[Overlap] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.nodes = list(self.nodes)
@@ -287,6 +326,16 @@ class Problem:
             for src, ids in rule.inputs:
                 if src is not None and any(not 0 <= i < len(self._node(src, what).costs) for i in ids):
                     raise ValueError(f"{what}: strategies {ids} out of range for node {src!r}")
+        self.overlaps = list(self.overlaps)
+        for overlap in self.overlaps:
+            if not isinstance(overlap, Overlap):
+                raise ValueError(f"overlaps must be Overlap instances, got {overlap!r}")
+            for k, values in (*overlap.comm.items(), *overlap.compute.items()):
+                node = self._node(k, f"overlap {overlap.name!r}")
+                if len(values) != len(node.costs):
+                    raise ValueError(
+                        f"overlap {overlap.name!r}: {len(values)} values for node {k!r}, expected {len(node.costs)}"
+                    )
         for pair in self.equal_strategy:
             if len(pair) != 2:
                 raise ValueError(f"equal_strategy entries must be (node, node) pairs, got {pair!r}")
@@ -441,6 +490,7 @@ def _objective(problem: Problem, choice: dict[str, int]) -> float:
         if choice[c.when_node] in c.when
     ]
     parts += [c.cost[choice[c.src]] for c in problem.shared_costs if c.applies(choice)]
+    parts += [overlap.exposed(problem, choice) for overlap in problem.overlaps]
     return math.fsum(parts)
 
 

@@ -1,0 +1,142 @@
+"""Calibration: the device JSON's schema and round trip, per-kind collective fits, and the per-op host model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hf_colossal_auto.hardware import LinkSpec, collective_time, get_device
+from hf_colossal_auto.hardware.catalog import (
+    STATIC_CPU_SPEC,
+    device_from_dict,
+    load_device_spec,
+    save_device_spec,
+)
+from hf_colossal_auto.hardware.roofline import kernel_time, step_op_time
+
+
+def test_link_collectives_round_trip_and_pricing():
+    link = LinkSpec(2e9, 50e-6, collectives={"all_gather": (0.5e9, 1e-3)})
+    assert LinkSpec.from_dict(json.loads(json.dumps(link.to_dict()))) == link
+    # the measured kind uses its own fit, the others the link's
+    assert collective_time("all_gather", 1e6, 2, link) == pytest.approx(1e-3 + 0.5 * 1e6 / 0.5e9)
+    assert collective_time("all_reduce", 1e6, 2, link) == pytest.approx(2 * 50e-6 + 1e6 / 2e9)
+    assert collective_time("allgather", 1e6, 2, link) == collective_time("all_gather", 1e6, 2, link)
+    with pytest.raises(ValueError):
+        LinkSpec(2e9, 50e-6, collectives={"all_gather": (0.0, 1e-3)})
+    with pytest.raises(ValueError):
+        LinkSpec.from_dict({"bandwidth": 1, "latency": 0, "typo": 1})
+
+
+def test_device_spec_json_round_trip(tmp_path):
+    spec = STATIC_CPU_SPEC.with_overrides(
+        host_overhead_s=20e-6,
+        dtensor_overhead_s=90e-6,
+        attention_flops={"float32": 40e9},
+        intra_node_link=LinkSpec(1e9, 1e-3, collectives={"reduce_scatter": (0.3e9, 1e-3)}),
+        calibration={"host": "test", "command": "pytest"},
+    )
+    path = tmp_path / "cluster.json"
+    save_device_spec(spec, path)
+    loaded = get_device(str(path))
+    assert loaded == spec
+    assert loaded.calibration["command"] == "pytest"
+    assert loaded.intra_node_link.for_collective("reduce_scatter") == (0.3e9, 1e-3)
+    # older files without the new keys still load, with the defaults
+    data = json.loads(path.read_text())
+    for key in ("host_overhead_s", "dtensor_overhead_s", "attention_flops", "calibration"):
+        del data[key]
+    assert device_from_dict(data).host_overhead_s == STATIC_CPU_SPEC.host_overhead_s
+
+
+def test_device_spec_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ValueError, match="calibrate"):
+        get_device(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="bad.json"):
+        load_device_spec(bad)
+    bad.write_text(json.dumps({"name": "x"}))
+    with pytest.raises(ValueError, match="missing keys"):
+        load_device_spec(bad)
+    with pytest.raises(ValueError, match="dtensor_overhead_s"):
+        STATIC_CPU_SPEC.with_overrides(dtensor_overhead_s=-1.0)
+
+
+def test_step_op_time_adds_host_on_cpu_and_takes_the_longer_on_gpu():
+    cpu = STATIC_CPU_SPEC.with_overrides(host_overhead_s=10e-6, dtensor_overhead_s=50e-6)
+    device = kernel_time(1e6, 1e6, "float32", cpu)
+    assert step_op_time(1e6, 1e6, "float32", cpu) == pytest.approx(device + 10e-6)
+    assert step_op_time(1e6, 1e6, "float32", cpu, dtensor=True) == pytest.approx(device + 60e-6)
+    assert step_op_time(0, 0, "float32", cpu, view=True) == pytest.approx(10e-6)  # a view costs the host
+
+    gpu = get_device("h100").with_overrides(host_overhead_s=10e-6, dtensor_overhead_s=50e-6)
+    big = kernel_time(1e12, 1e9, "bfloat16", gpu)
+    assert step_op_time(1e12, 1e9, "bfloat16", gpu, dtensor=True) == pytest.approx(big)  # device-bound
+    assert step_op_time(10, 10, "bfloat16", gpu) == pytest.approx(10e-6)  # host-bound
+    assert step_op_time(10, 10, "bfloat16", gpu, dtensor=True) == pytest.approx(60e-6)
+    assert step_op_time(0, 0, "bfloat16", gpu, view=True) == 0.0  # hides behind the device
+
+
+def test_attention_kernels_run_at_the_calibrated_rate():
+    spec = STATIC_CPU_SPEC.with_overrides(
+        attention_flops={"float32": STATIC_CPU_SPEC.peak_flops["float32"] / 4}
+    )
+    flops = 1e10
+    assert kernel_time(flops, 0, "float32", spec, attention=True) == pytest.approx(
+        4 * kernel_time(flops, 0, "float32", spec) - 3 * spec.kernel_overhead_s
+    )
+
+
+@pytest.mark.slow
+def test_calibrate_cli_writes_a_spec_every_entry_point_reads(tmp_path):
+    """One process: kernels and per-op overheads measured (no collectives: one rank), written, read back."""
+    out = tmp_path / "cpu.json"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hf_colossal_auto.cli",
+            "calibrate",
+            "--kind",
+            "cpu",
+            "--budget",
+            "0.1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        timeout=300,
+    )
+    spec = get_device(str(out))
+    assert spec.kind == "cpu" and spec.name == "cpu"
+    assert spec.peak_flops["float32"] > 1e9 and spec.memory_bandwidth > 1e8
+    assert spec.attention_flops["float32"] > 1e8
+    # a planned (DTensor) step costs the host more per op than an eager one, and both cost something
+    assert 0 < spec.host_overhead_s < spec.dtensor_overhead_s < 1e-2
+    assert spec.calibration["threads"] == 1 and spec.calibration["world_size"] == 1
+    assert "calibrate" in spec.calibration["command"]
+
+
+def test_planned_step_time_carries_the_per_op_overheads():
+    """A one-device plan's predicted time grows by the DTensor overhead once per op of the step, and full
+    recompute (which reruns the forward) is predicted slower than none."""
+    from hf_colossal_auto.capture.tracer import trace_training_step
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.solve.planner import plan_model
+
+    model = build_model("tiny-llama", device="meta")
+    batch = make_example_inputs(model, 2, 16, device="meta")
+    ops = sum(trace_training_step(model, batch).repeat_of_node())
+    base = STATIC_CPU_SPEC.with_overrides(dtensor_overhead_s=50e-6)
+    more = base.with_overrides(dtensor_overhead_s=150e-6)
+    t_base = plan_model(model, batch, num_devices=1, device=base).step_time_s
+    t_more = plan_model(model, batch, num_devices=1, device=more).step_time_s
+    assert t_more - t_base == pytest.approx(100e-6 * ops, rel=0.05)
+    full = plan_model(model, batch, num_devices=1, device=base, recompute="full").step_time_s
+    assert full > t_base
