@@ -4,8 +4,9 @@ The presets hold datasheet peaks, which a real step never reaches; the planner m
 so what it is told a kernel, an op and a collective cost must be what they cost here. ``calibrate`` measures,
 in a few seconds each:
 
-1. the device (:mod:`.hardware.microbench`): projection-shaped GEMM FLOP/s per dtype (written as
-   ``peak_flops``: the rate the roofline prices matmuls at), elementwise bandwidth, fused attention FLOP/s;
+1. the device (:mod:`.hardware.microbench`): projection-shaped GEMM FLOP/s per dtype (``peak_flops``) and
+   by GEMM size (``matmul_flops``: the curve the roofline prices each matmul on, so that a tensor-parallel
+   shard's smaller GEMM runs slower), elementwise bandwidth, fused attention FLOP/s;
 2. the per-op host overheads: one training step of tiny models (whose kernels cost next to nothing) divided by
    its op count, eager (``host_overhead_s``) and again with our runtime applied for one device, which runs
    every op on DTensors with the plan's hooks (``dtensor_overhead_s``: the difference per op);
@@ -40,6 +41,7 @@ from .hardware.microbench import (
     collective_fits,
     dtensor_collective_fits,
     elementwise_bandwidth,
+    matmul_curve,
     matmul_rate,
     overlap_efficiency,
 )
@@ -82,11 +84,14 @@ def measure_device(kind: str, budget_s: float = 1.0) -> dict[str, Any]:
     """GEMM FLOP/s per dtype, elementwise bandwidth and attention FLOP/s per dtype of this device."""
     device = _device(kind)
     flops: dict[str, float] = {}
+    curves: dict[str, tuple[tuple[float, float], ...]] = {}
     attention: dict[str, float] = {}
     with torch.no_grad():
         for name, dtype in _dtypes(kind).items():
             try:
                 flops[name] = matmul_rate(device, dtype, budget_s=budget_s)
+                if flops[name] >= 0.2 * flops.get("float32", flops[name]):  # not an emulated dtype
+                    curves[name] = matmul_curve(device, dtype, budget_s=budget_s)
             except RuntimeError as exc:
                 if name == "float32":
                     raise
@@ -102,7 +107,12 @@ def measure_device(kind: str, budget_s: float = 1.0) -> dict[str, Any]:
             attention[name] = attention_rate(device, dtype, budget_s=budget_s)
         except RuntimeError as exc:
             logger.warning("calibration: %s attention failed on %s (%s)", name, kind, exc)
-    return {"peak_flops": flops, "memory_bandwidth": bandwidth, "attention_flops": attention}
+    return {
+        "peak_flops": flops,
+        "matmul_flops": curves,
+        "memory_bandwidth": bandwidth,
+        "attention_flops": attention,
+    }
 
 
 def _step_seconds(model: torch.nn.Module, batch: dict[str, Any], device: torch.device, steps: int) -> float:

@@ -35,6 +35,12 @@ def _cuda_sdpa(
         return _original_sdpa(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )
+    # autocast casts scaled_dot_product_attention's inputs to its dtype (it is on autocast's lower-precision
+    # list); the kernels called directly below are not, so cast as it would: fp32 q/k from RoPE's fp32 tables
+    # would otherwise pick the fp32 memory-efficient kernel where the GPU runs a half-precision one
+    autocast = _autocast_dtype()
+    if autocast is not None:
+        query, key, value = (t.to(autocast) if t.is_floating_point() else t for t in (query, key, value))
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         groups = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(groups, dim=-3)
@@ -56,6 +62,14 @@ def _cuda_sdpa(
     return aten._scaled_dot_product_efficient_attention(
         query, key, value, bias, True, dropout_p, is_causal and bias is None, scale=scale
     )[0]
+
+
+def _autocast_dtype() -> torch.dtype | None:
+    """The dtype autocast would cast ``scaled_dot_product_attention``'s inputs to, if autocast is on."""
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    return None
 
 
 @contextlib.contextmanager

@@ -248,6 +248,10 @@ class DeviceSpec:
             DTensors, as every op of a planned model does. ``None``: the default.
         overlap_efficiency: share of data-parallel communication that runs
             hidden behind concurrent computation, in ``[0, 1]``. ``None``: the default.
+        matmul_flops: achieved FLOP/s of GEMMs by size, per dtype: points
+            ``(FLOPs of one GEMM, FLOP/s)`` smallest first, interpolated in
+            log-FLOPs (small GEMMs, e.g. tensor-parallel shards, run slower);
+            a dtype not listed uses ``peak_flops``.
         attention_flops: achieved FLOP/s of the fused attention kernels per
             dtype (they reach far less than a matmul on some devices);
             empty: ``peak_flops``.
@@ -267,6 +271,7 @@ class DeviceSpec:
     host_overhead_s: float = field(default=None)  # type: ignore[assignment]
     dtensor_overhead_s: float = field(default=None)  # type: ignore[assignment]
     overlap_efficiency: float = field(default=None)  # type: ignore[assignment]
+    matmul_flops: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     attention_flops: Mapping[str, float] = field(default_factory=dict)
     calibration: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
@@ -347,6 +352,15 @@ class DeviceSpec:
             _check_positive(f"DeviceSpec.attention_flops[{key!r}]", value)
             attention[canonical_dtype(key)] = float(value)
         object.__setattr__(self, "attention_flops", _FrozenTable(attention))
+        curves: dict[str, tuple[tuple[float, float], ...]] = {}
+        for key, points in dict(self.matmul_flops).items():
+            curve = tuple(sorted((float(f), float(r)) for f, r in points))
+            if not curve or any(not (f > 0 and r > 0 and math.isfinite(f * r)) for f, r in curve):
+                raise ValueError(
+                    f"DeviceSpec.matmul_flops[{key!r}] must be (flops, rate) pairs > 0, got {points!r}"
+                )
+            curves[canonical_dtype(key)] = curve
+        object.__setattr__(self, "matmul_flops", _FrozenTable(curves))
         object.__setattr__(self, "calibration", _FrozenTable(dict(self.calibration)))
 
     def with_overrides(self, **overrides: Any) -> DeviceSpec:
@@ -378,6 +392,7 @@ class DeviceSpec:
             "host_overhead_s": self.host_overhead_s,
             "dtensor_overhead_s": self.dtensor_overhead_s,
             "overlap_efficiency": self.overlap_efficiency,
+            "matmul_flops": {k: [list(p) for p in v] for k, v in self.matmul_flops.items()},
             "attention_flops": dict(self.attention_flops),
             "calibration": dict(self.calibration),
         }
@@ -437,6 +452,7 @@ def device_from_dict(data: Mapping[str, Any]) -> DeviceSpec:
         "host_overhead_s",
         "dtensor_overhead_s",
         "overlap_efficiency",
+        "matmul_flops",
         "attention_flops",
         "calibration",
     }

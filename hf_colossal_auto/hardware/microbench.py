@@ -18,6 +18,7 @@ before reading the clock, and stay within a budget of seconds per benchmark.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import statistics
@@ -31,6 +32,7 @@ from .comm import fit_alpha_beta
 __all__ = [
     "time_call",
     "matmul_rate",
+    "matmul_curve",
     "elementwise_bandwidth",
     "attention_rate",
     "collective_fits",
@@ -42,6 +44,9 @@ logger = logging.getLogger(__name__)
 # (tokens, hidden, ffn) of the GEMMs a calibration times, per device kind: a 1-thread CPU must finish them in
 # well under a second each, a GPU needs them big enough to fill its SMs.
 MATMUL_SHAPES: dict[str, tuple[int, int, int]] = {"cpu": (1024, 512, 1408), "cuda": (8192, 4096, 11008)}
+# Bytes of GEMM operands cycled through so that each call finds its operands out of cache: a few times a
+# server CPU's L3 (32-256 MiB) and a GPU's L2 (50-60 MiB on H100/H200).
+COLD_CACHE_BYTES: dict[str, int] = {"cpu": 256 * 2**20, "cuda": 512 * 2**20}
 
 
 def _sync(device: Any) -> None:
@@ -66,32 +71,64 @@ def time_call(fn: Callable[[], object], device: Any, *, budget_s: float = 0.5, m
     return max(statistics.median(times), 1e-9)
 
 
-def _gemm_shapes(kind: str) -> list[tuple[int, int, int]]:
+def _gemm_shapes(kind: str, scale: float = 1.0) -> list[tuple[int, int, int]]:
     """``(m, k, n)`` of a block's projections, forward and backward: up (t x h -> 4h), down (t x 4h -> h), the
-    attention projection (t x h -> h) and the weight gradients (h x t -> 4h)."""
+    attention projection (t x h -> h) and the weight gradients (h x t -> 4h); ``scale`` shrinks the hidden
+    sizes (a smaller model, or a tensor-parallel shard of this one)."""
     t, h, f = MATMUL_SHAPES[kind]
+    h, f = max(16, int(h * scale)), max(16, int(f * scale))
     return [(t, h, f), (t, f, h), (t, h, h), (h, t, f)]
 
 
-def matmul_rate(device: Any, dtype: Any, *, budget_s: float = 1.0) -> float:
-    """Median achieved FLOP/s of projection-shaped GEMMs of ``dtype`` on ``device``."""
+def matmul_rate(device: Any, dtype: Any, *, budget_s: float = 1.0, scale: float = 1.0) -> float:
+    """Median achieved FLOP/s of projection-shaped GEMMs of ``dtype`` on ``device`` (hidden sizes times
+    ``scale``)."""
     import torch
 
-    shapes = _gemm_shapes(getattr(device, "type", str(device)))
+    shapes = _gemm_shapes(getattr(device, "type", str(device)), scale)
     generator = torch.Generator(device="cpu").manual_seed(0)
     rates = []
     start = time.perf_counter()
     for m, k, n in shapes:
-        a = torch.randn(m, k, generator=generator).to(device=device, dtype=dtype)
-        b = torch.randn(k, n, generator=generator).to(device=device, dtype=dtype)
-        seconds = time_call(
-            lambda a=a, b=b: torch.mm(a, b), device, budget_s=budget_s / len(shapes), min_reps=2
-        )
+        # several operand sets, together beyond the last-level cache, used in turn: in a training step a
+        # GEMM's operands come from memory, not from the cache the previous repetition left them in
+        size = torch.tensor([], dtype=dtype).element_size() * (m * k + k * n + m * n)
+        sets = max(1, min(16, -(-COLD_CACHE_BYTES[getattr(device, "type", str(device))] // size)))
+        operands = [
+            (
+                torch.randn(m, k, generator=generator).to(device=device, dtype=dtype),
+                torch.randn(k, n, generator=generator).to(device=device, dtype=dtype),
+            )
+            for _ in range(sets)
+        ]
+        turn = itertools.cycle(operands)
+
+        def call(turn=turn) -> object:
+            a, b = next(turn)
+            return torch.mm(a, b)
+
+        seconds = time_call(call, device, budget_s=budget_s / len(shapes), min_reps=2)
         rates.append(2.0 * m * n * k / seconds)
-        del a, b
+        del operands, turn
         if time.perf_counter() - start > 2 * budget_s:
             break  # an emulated dtype (bf16 on a CPU without it): one shape says enough, and fast
     return statistics.median(rates)
+
+
+# Hidden-size scales of the GEMM curve: the calibration shape, and smaller models or tensor-parallel shards.
+CURVE_SCALES: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)
+
+
+def matmul_curve(device: Any, dtype: Any, *, budget_s: float = 1.0) -> tuple[tuple[float, float], ...]:
+    """``(FLOPs of one GEMM, achieved FLOP/s)`` at each of :data:`CURVE_SCALES`, smallest first: small GEMMs
+    (a narrow model, a tensor-parallel shard) reach a lower rate than big ones on every device."""
+    kind = getattr(device, "type", str(device))
+    points = []
+    for scale in CURVE_SCALES:
+        m, k, n = _gemm_shapes(kind, scale)[0]
+        rate = matmul_rate(device, dtype, budget_s=budget_s / len(CURVE_SCALES), scale=scale)
+        points.append((2.0 * m * k * n, rate))
+    return tuple(points)
 
 
 def elementwise_bandwidth(device: Any, *, nbytes: int, budget_s: float = 0.5) -> float:

@@ -13,6 +13,7 @@ cached dtype-name lookup and no allocation.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from hf_colossal_auto.hardware.catalog import DeviceSpec, canonical_dtype
@@ -21,6 +22,7 @@ __all__ = [
     "peak_flops_for",
     "attention_flops_for",
     "kernel_time",
+    "matmul_flops_for",
     "host_time",
     "step_op_time",
     "compute_time",
@@ -89,14 +91,44 @@ def attention_flops_for(dtype: object, spec: DeviceSpec) -> float:
     return peak_flops_for(dtype, spec)
 
 
+def matmul_flops_for(flops: float, dtype: object, spec: DeviceSpec) -> float:
+    """Achieved FLOP/s of one GEMM of ``flops`` FLOPs: the calibrated curve, interpolated in log-FLOPs and held
+    flat beyond its ends, else the dtype's peak."""
+    curve = spec.matmul_flops.get(_canonical(dtype)) if spec.matmul_flops else None
+    if not curve:
+        return peak_flops_for(dtype, spec)
+    if flops <= curve[0][0]:
+        return curve[0][1]
+    if flops >= curve[-1][0]:
+        return curve[-1][1]
+    x = math.log(flops)
+    for (f0, r0), (f1, r1) in zip(curve, curve[1:], strict=False):
+        if flops <= f1:
+            w = (x - math.log(f0)) / (math.log(f1) - math.log(f0))
+            return r0 + w * (r1 - r0)
+    return curve[-1][1]
+
+
 def kernel_time(
-    flops: float, bytes_moved: float, dtype: object, spec: DeviceSpec, *, attention: bool = False
+    flops: float,
+    bytes_moved: float,
+    dtype: object,
+    spec: DeviceSpec,
+    *,
+    attention: bool = False,
+    matmul: bool = False,
 ) -> float:
     """Device seconds of one kernel: the roofline on the (calibrated) rates plus ``kernel_overhead_s``; an
-    attention kernel runs at :func:`attention_flops_for`. 0 for an op with no work (a view)."""
+    attention kernel runs at :func:`attention_flops_for`, a GEMM at :func:`matmul_flops_for` of its size. 0 for
+    an op with no work (a view)."""
     if flops == 0 and bytes_moved == 0:
         return 0.0
-    rate = attention_flops_for(dtype, spec) if attention else peak_flops_for(dtype, spec)
+    if attention:
+        rate = attention_flops_for(dtype, spec)
+    elif matmul:
+        rate = matmul_flops_for(flops, dtype, spec)
+    else:
+        rate = peak_flops_for(dtype, spec)
     compute = flops / rate
     memory = bytes_moved / spec.memory_bandwidth
     return (compute if compute > memory else memory) + spec.kernel_overhead_s
@@ -115,6 +147,7 @@ def step_op_time(
     *,
     view: bool = False,
     attention: bool = False,
+    matmul: bool = False,
     dtensor: bool = False,
 ) -> float:
     """Seconds one op adds to a training step, host and device together.
@@ -123,7 +156,7 @@ def step_op_time(
     ahead of the device, so an op costs whichever is longer (a step of tiny ops is host-bound, a step of big
     ones device-bound); views launch nothing and hide behind the device there.
     """
-    device = 0.0 if view else kernel_time(flops, bytes_moved, dtype, spec, attention=attention)
+    device = 0.0 if view else kernel_time(flops, bytes_moved, dtype, spec, attention=attention, matmul=matmul)
     host = host_time(spec, dtensor=dtensor)
     if spec.kind == "cpu":
         return device + host

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..capture.graph import OpNode, Phase, StepGraph
-from ..capture.op_classes import op_base_name
+from ..capture.op_classes import MATMUL, op_base_name, op_class
 from ..capture.tracer import trace_training_step
 from ..hardware import DeviceSpec, get_device
 from ..hardware.roofline import step_op_time
@@ -60,6 +60,7 @@ def node_times(graph: StepGraph, spec: DeviceSpec, *, dtensor: bool = False) -> 
             spec,
             view=n.is_view,
             attention=is_attention_kernel(n.op),
+            matmul=op_class(n.op) == MATMUL,
             dtensor=dtensor,
         )
         for n in graph.nodes

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..capture.graph import OpNode, Phase, StepGraph, ValueKind
+from ..capture.op_classes import MATMUL, op_class
 from ..hardware.catalog import DeviceSpec
 from ..hardware.roofline import host_time, kernel_time
 from ..profile.memory import UnrolledStep, unroll
@@ -354,6 +355,7 @@ def _backward_ratios(graph: StepGraph, spec: DeviceSpec) -> BackwardRatios:
             node_dtype(graph, n),
             spec,
             attention=is_attention_kernel(n.op),
+            matmul=op_class(n.op) == MATMUL,
         )
         if n.phase is Phase.FORWARD:
             fwd[n.module] += t
@@ -384,7 +386,14 @@ def _local_device_time(
         nbytes += graph.values[vid].nbytes / shard_factor(p, size)
     for vid, p in zip(node.outputs, outs, strict=False):
         nbytes += graph.values[vid].nbytes / shard_factor(p, size)
-    return kernel_time(flops, nbytes, node_dtype(graph, node), spec, attention=is_attention_kernel(node.op))
+    return kernel_time(
+        flops,
+        nbytes,
+        node_dtype(graph, node),
+        spec,
+        attention=is_attention_kernel(node.op),
+        matmul=op_class(node.op) == MATMUL,
+    )
 
 
 def _local_node_time(
