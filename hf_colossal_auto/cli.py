@@ -103,8 +103,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         optimizer=optimizer,
         time_limit_s=args.time_limit,
     )
-    if args.plot and not args.frontier:
-        raise ValueError("--plot draws the frontier: add --frontier (or drop --plot)")
     if args.frontier and args.memory_budget is not None:
         raise ValueError("--frontier sweeps the memory budget itself: drop --memory-budget")
     with _Stage(f"building {args.model} on meta", args.quiet):
@@ -144,6 +142,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         plan.save(args.out)
         print(f"\nwrote {args.out}")
+    if args.plot:
+        from .plot import plot_plan
+        from .solve.frontier import PlotUnavailableError
+
+        try:
+            print(f"wrote {plot_plan(plan, args.plot)}")
+        except PlotUnavailableError as exc:
+            print(f"warning: no plot written: {exc}", file=sys.stderr)
     return 0
 
 
@@ -352,7 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--frontier-points", type=int, default=8, help="budgets in the --frontier sweep")
     p.add_argument(
-        "--plot", metavar="PATH", help="with --frontier: also write the frontier as a PNG (matplotlib)"
+        "--plot",
+        metavar="PATH",
+        help="write a PNG (matplotlib): the plan's memory over the step and time per block; with --frontier, the frontier",
     )
     p.set_defaults(func=cmd_plan)
 

@@ -34,6 +34,8 @@ class BlockCost:
     """Parameter FQN (inside the unit) -> tensor-parallel placement, for the summary."""
     recompute: str = "none"
     """The unit's activation-recompute option ("none", "full", "selective:<op classes>")."""
+    recompute_s: float = 0.0
+    """Seconds its recomputed forward costs in backward (not in ``compute_s``)."""
 
 
 @dataclass
@@ -79,6 +81,11 @@ class Plan:
     collective_bytes: dict[str, float] = field(default_factory=dict)
     """Predicted bytes per step by collective kind (the tensor each collective is given), for the fidelity
     check; same keys as ``collectives``."""
+    recompute_time_s: float = 0.0
+    """Seconds of forward rerun by activation recompute (in ``step_time_s``, not in ``compute_time_s``)."""
+    memory_moments: list[list[Any]] = field(default_factory=list)
+    """``[moment, bytes]`` per device at each moment of the step the planner constrains, in step order: the
+    activation peak, the start and the highest point of each recomputed block's backward, the optimizer step."""
     overlapped_communication_s: float = 0.0
     """Data-parallel communication predicted to run hidden behind computation (not in ``step_time_s``;
     ``communication_time_s`` is what the step waits for)."""
@@ -168,7 +175,8 @@ class Plan:
             *(fmt.format(*r) for r in rows),
             "",
             f"predicted step time   {format_seconds(self.step_time_s)} (compute {format_seconds(self.compute_time_s)}, "
-            f"communication {format_seconds(self.communication_time_s)}"
+            + (f"recompute {format_seconds(self.recompute_time_s)}, " if self.recompute_time_s else "")
+            + f"communication {format_seconds(self.communication_time_s)}"
             + (
                 f"; {format_seconds(self.overlapped_communication_s)} more hidden behind compute)"
                 if self.overlapped_communication_s > 0
