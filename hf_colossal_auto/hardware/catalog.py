@@ -60,14 +60,16 @@ _DEFAULT_KERNEL_OVERHEAD_S: dict[str, float] = {"cuda": 5e-6, "cpu": 2e-6}
 # ``hf-colossal-auto calibrate`` (a tiny model's training step over its op count); these defaults are such
 # measurements (docs/hardware.md, "Per-op overheads"), used for what-if planning on hardware not at hand:
 # cuda on the host of an H200 (torch 2.11, docs/measurements/h200_calibration.json), cpu on the 2-core dev
-# machine with one thread per rank (torchrun, 2 gloo ranks).
-_DEFAULT_HOST_OVERHEAD_S: dict[str, float] = {"cuda": 16e-6, "cpu": 17e-6}
+# machine with one thread per rank (torchrun, 2 gloo ranks; the median of four calibrations, 11-17 us and
+# 67-114 us: the machine is shared).
+_DEFAULT_HOST_OVERHEAD_S: dict[str, float] = {"cuda": 14e-6, "cpu": 16e-6}
 # Extra host seconds per op when the step runs on DTensors (sharding propagation, redistribution bookkeeping,
 # the runtime's hooks): every op of a planned model does, so this is what our runtime adds to an eager step.
-_DEFAULT_DTENSOR_OVERHEAD_S: dict[str, float] = {"cuda": 80e-6, "cpu": 87e-6}
+_DEFAULT_DTENSOR_OVERHEAD_S: dict[str, float] = {"cuda": 60e-6, "cpu": 79e-6}
 # Share of a collective that runs hidden behind concurrent compute (0: none, 1: all of it). NCCL runs on its own
 # stream and SMs: the presets assume the ideal, as their peaks do. gloo's collective thread competes with the
-# compute thread for the cores: measured by ``hf-colossal-auto calibrate`` under torchrun (docs/hardware.md).
+# compute thread for the cores: measured by ``hf-colossal-auto calibrate`` under torchrun (docs/hardware.md;
+# the median of three calibrations on the 2-core dev machine, 5-61 %).
 _DEFAULT_OVERLAP_EFFICIENCY: dict[str, float] = {"cuda": 1.0, "cpu": 0.53}
 
 # Canonical dtype names are torch's names (``str(torch.bfloat16)`` minus the
