@@ -17,7 +17,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def recomputed_plan():
     model = build_model("tiny-llama", device="meta")
     batch = make_example_inputs(model, 4, 32, device="meta")
-    return plan_model(model, batch, num_devices=2, device=STATIC_CPU_SPEC, mesh_shape=(1, 2), recompute="full")
+    return plan_model(
+        model, batch, num_devices=2, device=STATIC_CPU_SPEC, mesh_shape=(1, 2), recompute="full"
+    )
 
 
 def test_plan_carries_what_the_plot_draws(recomputed_plan):
