@@ -4,26 +4,36 @@ One ILP per (mesh, data-parallel mode). The tensor-parallel axis is decided per 
 splits the batch of every activation (the graph is traced at the per-replica batch) and is priced per
 parameter (DDP all-reduce, or FSDP all-gather + reduce-scatter).
 
-Decision variables:
+:func:`build_problem` is the entry point; :class:`_ProblemBuilder` prices one part of the ILP per method
+(``_add_op_nodes``, ``_add_param_nodes``, ``_add_edges``, ``_add_recompute_decisions``,
+``_memory_constraints``) and ``build`` assembles them. Decision variables:
 
 * one node per forward op, with the strategies DTensor's rules allow (:mod:`hf_colossal_auto.strategies`);
-  cost = roofline time of forward + backward on local shapes;
+  cost = roofline time of forward + backward on local shapes (host overhead included), plus the collectives
+  the strategy needs outside the edges (returned outputs gathered, a partial loss weight reduced);
 * one node per parameter (``p:<fqn>``) whose strategies are its storage placements (replicated, or sharded
-  along a dim the axis divides); cost = gradient synchronisation over the data-parallel axis and the
-  optimizer update on the local shard; memory = parameter + gradient + optimizer state on the device;
+  along a dim the axis divides); cost = the optimizer update on the local shard; its gradient
+  synchronisation over the data-parallel axis is priced as communication behind the step's compute
+  (an :class:`~hf_colossal_auto.solve.problem.Overlap`); memory = parameter + gradient + optimizer state on
+  the device (and, under FSDP, what a gathered block adds);
 * edges producer -> consumer with the forward resharding of the value and the backward resharding of its
-  gradient (:mod:`hf_colossal_auto.solve.cost_model`).
+  gradient (:mod:`hf_colossal_auto.solve.cost_model`); a module input shared by sibling projections is
+  redistributed once for all of them (a :class:`~hf_colossal_auto.solve.problem.SharedCost`);
+* with recompute layers, one node per recompute unit (``rc:<unit>``) whose strategies are its recompute
+  options (:mod:`hf_colossal_auto.solve.recompute`): edges to the unit's ops price rerunning them, and
+  conditional costs the forward reshardings a rerun repeats.
 
 Identical blocks are tied: every traced copy of a folded run maps onto the representative's nodes, so the
 ILP has one set of variables per distinct block and its size grows with distinct blocks, not depth. Each
 traced copy's edges and costs are weighted by how many real blocks it stands for (first: 1, second: 1,
 representative: N - 3, last: 1).
 
-Memory (per device) is constrained at two moments of the liveness timeline, as in Alpa's per-time-step
+Memory (per device) is constrained at moments of the liveness timeline, as in Alpa's per-time-step
 constraint rather than a sum over all nodes: the activation peak (saved activations of every block, sharded
-by the producing node's output placement, plus parameters, optimizer state, the gradients alive then and the
-transient of that moment) and the optimizer step (parameters, gradients, optimizer state and the
-optimizer's temporaries, all by parameter placement).
+by the producing node's output placement and kept per the recompute choice, plus parameters, optimizer
+state, the gradients alive then and the transient of that moment); the optimizer step (parameters,
+gradients, optimizer state and the optimizer's temporaries, all by parameter placement); and, per recompute
+unit, the highest point of its backward and its rerun as its backward starts.
 """
 
 from __future__ import annotations
@@ -491,321 +501,551 @@ def build_problem(
     ``recompute_layers`` (the model's ``ModuleList`` children) makes activation recompute a decision per
     block (:mod:`hf_colossal_auto.solve.recompute`); None leaves it out. ``recompute_pin`` fixes it: one
     option name for every unit ("none", "full"), or unit name -> option name.
+
+    The parts of the ILP are priced by the methods of :class:`_ProblemBuilder`.
     """
-    dp, tp = mesh_shape
-    axis = 0  # strategies are enumerated on the 1-D tensor-parallel mesh
-    tied = TiedGraph.build(graph)
-    ratios = _backward_ratios(graph, spec)
-    units = find_units(graph, tied.canonical, recompute_layers) if recompute_layers is not None else []
-    unit_index_of = {c: u for u, unit in enumerate(units) for c in unit.nodes}
-    fwd_into: dict[tuple[str, str], list[list[float]]] = {}
-    """(source node, recomputable consumer) -> the forward resharding a recompute of the consumer repeats."""
+    return _ProblemBuilder(
+        graph,
+        strategies,
+        spec=spec,
+        mesh_shape=mesh_shape,
+        tp_comm=tp_comm,
+        dp_comm=dp_comm,
+        dp_mode=dp_mode,
+        budget=budget,
+        fixed_params=fixed_params,
+        pin_unlisted=pin_unlisted,
+        recompute_layers=recompute_layers,
+        recompute_pin=recompute_pin,
+    ).build()
 
-    def add_forward(src: str, dst: str, matrix: list[list[float]]) -> None:
-        acc = fwd_into.setdefault((src, dst), [[0.0] * len(matrix[0]) for _ in matrix])
-        for a, row in zip(acc, matrix, strict=True):
-            for j, v in enumerate(row):
-                a[j] += v
 
-    producer = forward_producers(graph)
+class _ProblemBuilder:
+    """Builds the ILP of :func:`build_problem` for one mesh and data-parallel mode, one part per method.
 
-    nodes: list[DecisionNode] = []
-    strat_of: dict[str, list[Strategy]] = {}
-    node_of_name: dict[str, int] = {}
-    block_of: dict[str, str] = {}
-    canon_nodes = sorted({tied.canonical[i] for i in tied.canonical})
-    for c in canon_nodes:
-        node = graph.nodes[c]
-        strats = strategies.get(c) or [_replicated(node)]
-        name = _node_name(c)
-        costs = [
-            _node_step_time(graph, node, s, axis, tp, spec, ratios)
-            + sum(t for t, _, _ in boundary_reshardings(graph, node, s, axis, tp_comm))
-            for s in strats
-        ]
-        nodes.append(
-            DecisionNode(name, costs, [_label(s, axis) for s in strats], multiplicity=tied.multiplicity[c])
+    ``__init__`` holds what every part reads (the graph and its tied copies, the strategies, device and
+    communication models, backward ratios, recompute units and the liveness snapshots); :meth:`build` runs the
+    parts in order, each adding to the decision nodes, edges and the state the later parts read:
+
+    1. :meth:`_add_op_nodes`: one node per canonical forward op (its compute time);
+    2. :meth:`_add_param_nodes`: one node per parameter (optimizer update, data-parallel sync, memory);
+    3. :meth:`_add_edges`: producer -> consumer reshardings of every use (forward and gradient);
+    4. :meth:`_add_recompute_decisions`: one node per recompute unit and the rerun costs it implies;
+    5. :meth:`_memory_constraints`: per-device memory at the activation peak, the optimizer step and each
+       unit's recompute and rerun moments.
+    """
+
+    def __init__(
+        self,
+        graph: StepGraph,
+        strategies: dict[int, list[Strategy]],
+        *,
+        spec: DeviceSpec,
+        mesh_shape: tuple[int, int],
+        tp_comm: AxisComm,
+        dp_comm: AxisComm,
+        dp_mode: str,
+        budget: float,
+        fixed_params: dict[str, str] | None,
+        pin_unlisted: bool,
+        recompute_layers: Sequence[str] | None,
+        recompute_pin: str | Mapping[str, str] | None,
+    ) -> None:
+        # ------------------------------------------------------------ inputs
+        self.graph = graph
+        self.strategies = strategies
+        """Graph node index -> its strategies (a node without any runs replicated)."""
+        self.spec = spec
+        self.mesh_shape = mesh_shape
+        self.dp, self.tp = mesh_shape
+        self.axis = 0  # strategies are enumerated on the 1-D tensor-parallel mesh
+        self.tp_comm = tp_comm
+        self.dp_comm = dp_comm
+        self.dp_mode = dp_mode
+        self.budget = budget
+        self.fixed_params = fixed_params
+        self.pin_unlisted = pin_unlisted
+        self.recompute_pin = recompute_pin
+
+        # ------------------------------------------------------------ derived from the graph
+        self.tied = TiedGraph.build(graph)
+        self.ratios = _backward_ratios(graph, spec)
+        self.producer = forward_producers(graph)
+        self.canon_nodes = sorted({self.tied.canonical[i] for i in self.tied.canonical})
+        self.readers = value_readers(graph, self.tied)
+        self.grads = differentiable_values(graph)
+        self.shared_uses = shared_projection_inputs(graph, self.tied)
+        self.units = (
+            find_units(graph, self.tied.canonical, recompute_layers) if recompute_layers is not None else []
         )
-        strat_of[name] = strats
-        node_of_name[name] = c
-        block_of[name] = node.module
+        self.unit_index_of = {c: u for u, unit in enumerate(self.units) for c in unit.nodes}
+        """Canonical node -> index of the recompute unit it belongs to."""
+        self.peak_snapshot, self.unit_snapshots, self.start_snapshots, self.forward_snapshots = (
+            self._snapshots()
+        )
+        self.weighted_saved = _weighted(self.tied, self.peak_snapshot.by_node)
+        """Canonical node -> bytes it holds at the activation peak, over every copy it stands for."""
 
-    # ---------------------------------------------------------------- parameters
-    param_uses: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    """canonical param FQN -> (forward node, input position) of every use, over all copies."""
-    for i in tied.canonical:
-        node = graph.nodes[i]
-        for k, vid in enumerate(node.inputs):
-            v = graph.values[vid]
-            if v.kind is ValueKind.PARAM and v.name is not None:
-                param_uses[tied.canonical_param(v.name)].append((i, k))
-    total_param_bytes = float(sum(graph.param_bytes.values())) or 1.0
-    opt_time = _optimizer_time(graph, spec)
-    real_count: dict[str, int] = defaultdict(int)
-    for fqn in graph.param_names:
-        real_count[tied.canonical_param(fqn)] += 1
-    param_options: dict[str, list[str]] = {}
-    param_of_node: dict[str, str] = {}
-    param_mem_terms: dict[str, list[float]] = {}
-    grad_terms: dict[str, list[float]] = {}
-    opt_temp_terms: dict[str, list[float]] = {}
-    fixed: dict[str, int] = {}
-    opt_temp_ratio = _optimizer_temp_ratio(graph)
-    sync_terms: dict[str, list[float]] = {}
-    """Parameter node -> seconds of its data-parallel gradient synchronisation per storage option (priced by
-    the :class:`Overlap` below, not in the node's cost)."""
-    gathered_terms: dict[str, list[float]] = {}
-    """FSDP: bytes a parameter adds while gathered (unsharded parameter and gradient) at the activation peak."""
-    fsdp_layers = [u.name for u in units] if dp_mode == "fsdp" and dp > 1 else []
-    for fqn in sorted(param_uses):
-        shape = graph.param_shapes.get(fqn)
-        if shape is None:
-            continue
-        name = _param_node_name(fqn)
-        options = param_storage_options(shape, tp)
-        if fixed_params is not None and (fqn in fixed_params or pin_unlisted):
+        # ------------------------------------------------------------ the problem, filled in by the parts
+        self.nodes: list[DecisionNode] = []
+        self.fixed: dict[str, int] = {}
+        self.block_of: dict[str, str] = {}
+        self.edge_cost: dict[tuple[str, str], list[list[float]]] = {}
+        """(source node, destination node) -> cost matrix, summed over every use between them."""
+        self.fwd_into: dict[tuple[str, str], list[list[float]]] = {}
+        """(source node, recomputable consumer) -> the forward resharding a recompute of the consumer repeats."""
+        # op nodes
+        self.strat_of: dict[str, list[Strategy]] = {}
+        self.node_of_name: dict[str, int] = {}
+        # parameter nodes
+        self.param_options: dict[str, list[str]] = {}
+        self.param_of_node: dict[str, str] = {}
+        self.param_mem_terms: dict[str, list[float]] = {}
+        """Parameter node -> bytes of parameter + optimizer state on the device, per storage option."""
+        self.grad_terms: dict[str, list[float]] = {}
+        """Parameter node -> bytes of its gradient on the device, per storage option."""
+        self.opt_temp_terms: dict[str, list[float]] = {}
+        """Parameter node -> the optimizer step's temporary bytes for it, per storage option."""
+        self.sync_terms: dict[str, list[float]] = {}
+        """Parameter node -> seconds of its data-parallel gradient synchronisation per storage option (priced by
+        the :class:`Overlap` of :meth:`build`, not in the node's cost)."""
+        self.gathered_terms: dict[str, list[float]] = {}
+        """FSDP: bytes a parameter adds while gathered (unsharded parameter and gradient) at the activation peak."""
+        # shared projection copies
+        self.shared_members: dict[tuple[int, str, str, int, str], list[tuple[str, tuple[int, ...]]]] = {}
+        self.shared_price: dict[tuple[int, str, str, int, str], list[float]] = {}
+        """(value, parent module, target placement, copy weight, producer node) -> members / price per producer
+        strategy"""
+        # recompute decisions
+        self.unit_options_of: list[list[RecomputeOption]] = []
+        self.rc_names: list[str] = []
+        self.conditional: list[ConditionalCost] = []
+
+    # ---------------------------------------------------------------- the whole problem
+    def build(self) -> BuiltProblem:
+        """Runs every part and assembles the :class:`Problem`, with the data-parallel synchronisation as an
+        :class:`Overlap`, DTensor's own choices as :class:`FollowsInputs` rules and the shared projection copies
+        as :class:`SharedCost` terms."""
+        self._add_op_nodes()
+        self._add_param_nodes()
+        self._add_edges()
+        self._add_recompute_decisions()
+        edges = [DecisionEdge(s, d, m) for (s, d), m in sorted(self.edge_cost.items())]
+        constraints = self._memory_constraints()
+        problem = Problem(
+            nodes=self.nodes,
+            edges=edges,
+            memory_constraints=constraints,
+            overlaps=data_parallel_overlap(
+                self.nodes, self.sync_terms, self.dp_mode, self.ratios, self.block_of, self.spec
+            ),
+            name=f"mesh{self.mesh_shape}-{self.dp_mode}",
+            fixed=self.fixed,
+            conditional_costs=self.conditional,
+            follows_inputs=unenforced_split_rules(
+                self.graph, self.tied, self.strat_of, self.node_of_name, self.axis
+            ),
+            shared_costs=[
+                SharedCost(key[4], tuple(members), self.shared_price[key])
+                for key, members in sorted(self.shared_members.items())
+                if any(self.shared_price[key])
+            ],
+        )
+        return BuiltProblem(
+            problem=problem,
+            strategies=self.strat_of,
+            param_options=self.param_options,
+            param_of_node=self.param_of_node,
+            node_of_name=self.node_of_name,
+            block_of=self.block_of,
+            recompute_units={rc: unit for rc, unit in zip(self.rc_names, self.units, strict=True)},
+            recompute_options={
+                rc: opts for rc, opts in zip(self.rc_names, self.unit_options_of, strict=True)
+            },
+        )
+
+    # ---------------------------------------------------------------- op nodes
+    def _add_op_nodes(self) -> None:
+        """One node per canonical forward op, its strategies the ones DTensor's rules allow (replicated when
+        none). Cost per strategy: the op's forward and its share of backward on local shapes, host overhead
+        included (:func:`_node_step_time`), plus the collectives the strategy costs outside the edges (a
+        returned output gathered, a partial loss weight reduced: :func:`boundary_reshardings`). A copy of a
+        folded block counts through the node's multiplicity."""
+        graph, axis, tp = self.graph, self.axis, self.tp
+        for c in self.canon_nodes:
+            node = graph.nodes[c]
+            strats = self.strategies.get(c) or [_replicated(node)]
+            name = _node_name(c)
+            costs = [
+                _node_step_time(graph, node, s, axis, tp, self.spec, self.ratios)
+                + sum(t for t, _, _ in boundary_reshardings(graph, node, s, axis, self.tp_comm))
+                for s in strats
+            ]
+            self.nodes.append(
+                DecisionNode(
+                    name, costs, [_label(s, axis) for s in strats], multiplicity=self.tied.multiplicity[c]
+                )
+            )
+            self.strat_of[name] = strats
+            self.node_of_name[name] = c
+            self.block_of[name] = node.module
+
+    # ---------------------------------------------------------------- parameter nodes
+    def _add_param_nodes(self) -> None:
+        """One node per canonical parameter that a forward op reads, its strategies its storage placements on
+        the tensor-parallel axis (:func:`param_storage_options`; pinned by ``fixed_params``). Cost per option:
+        its share of the optimizer step on the local shard. Alongside, per option, what later parts price: the
+        data-parallel synchronisation (``sync_terms``, hidden behind compute by an :class:`Overlap`), the bytes
+        of parameter + optimizer state, gradient and optimizer temporaries (sharded by the data-parallel axis
+        too under FSDP), and under FSDP the bytes a gathered block adds (``gathered_terms``)."""
+        graph, tied, tp, dp = self.graph, self.tied, self.tp, self.dp
+        param_uses: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        """canonical param FQN -> (forward node, input position) of every use, over all copies."""
+        for i in tied.canonical:
+            node = graph.nodes[i]
+            for k, vid in enumerate(node.inputs):
+                v = graph.values[vid]
+                if v.kind is ValueKind.PARAM and v.name is not None:
+                    param_uses[tied.canonical_param(v.name)].append((i, k))
+        total_param_bytes = float(sum(graph.param_bytes.values())) or 1.0
+        opt_time = _optimizer_time(graph, self.spec)
+        real_count: dict[str, int] = defaultdict(int)
+        for fqn in graph.param_names:
+            real_count[tied.canonical_param(fqn)] += 1
+        opt_temp_ratio = _optimizer_temp_ratio(graph)
+        fsdp_layers = [u.name for u in self.units] if self.dp_mode == "fsdp" and dp > 1 else []
+        for fqn in sorted(param_uses):
+            shape = graph.param_shapes.get(fqn)
+            if shape is None:
+                continue
+            name = _param_node_name(fqn)
+            options = param_storage_options(shape, tp)
+            self._pin_param(fqn, name, shape, options)
+            pbytes = float(graph.param_bytes[fqn])
+            sbytes = float(graph.optimizer_state_bytes.get(fqn, 0))
+            dp_shard = dp if self.dp_mode == "fsdp" else 1
+            costs, mterms, gterms, tterms, syncs = [], [], [], [], []
+            for opt in options:
+                local = pbytes / shard_factor(opt, tp)
+                syncs.append(data_parallel_sync_time(self.dp_mode, local, self.dp_comm))
+                costs.append(opt_time * (pbytes / total_param_bytes) / shard_factor(opt, tp) / dp_shard)
+                mterms.append((local + sbytes / shard_factor(opt, tp)) / dp_shard)
+                gterms.append(local / dp_shard)
+                tterms.append(local / dp_shard * opt_temp_ratio)
+            self.nodes.append(DecisionNode(name, costs, options, multiplicity=real_count[fqn]))
+            self.param_options[name] = options
+            if any(syncs):
+                self.sync_terms[name] = syncs
+            self.param_of_node[name] = fqn
+            self.param_mem_terms[name] = mterms
+            self.grad_terms[name] = gterms
+            self.opt_temp_terms[name] = tterms
+            self.block_of[name] = fqn.rsplit(".", 1)[0]
+            if fsdp_layers:
+                self.gathered_terms[name] = self._fsdp_gathered_bytes(
+                    fqn, pbytes, options, fsdp_layers, real_count[fqn]
+                )
+
+    def _pin_param(self, fqn: str, name: str, shape: tuple[int, ...], options: list[str]) -> None:
+        """Fixes a parameter's storage option when ``fixed_params`` names it (or, with ``pin_unlisted``, to
+        replicated when it does not)."""
+        fixed_params = self.fixed_params
+        if fixed_params is not None and (fqn in fixed_params or self.pin_unlisted):
             want = fixed_params.get(fqn, "R")
             if want not in options:
                 raise ValueError(
                     f"placement {want!r} for parameter {fqn} (shape {tuple(shape)}) is not possible on a "
-                    f"tensor-parallel axis of {tp}; possible: {options}"
+                    f"tensor-parallel axis of {self.tp}; possible: {options}"
                 )
-            fixed[name] = options.index(want)
-        pbytes = float(graph.param_bytes[fqn])
-        sbytes = float(graph.optimizer_state_bytes.get(fqn, 0))
-        dp_shard = dp if dp_mode == "fsdp" else 1
-        costs, mterms, gterms, tterms, syncs = [], [], [], [], []
-        for opt in options:
-            local = pbytes / shard_factor(opt, tp)
-            syncs.append(data_parallel_sync_time(dp_mode, local, dp_comm))
-            costs.append(opt_time * (pbytes / total_param_bytes) / shard_factor(opt, tp) / dp_shard)
-            mterms.append((local + sbytes / shard_factor(opt, tp)) / dp_shard)
-            gterms.append(local / dp_shard)
-            tterms.append(local / dp_shard * opt_temp_ratio)
-        nodes.append(DecisionNode(name, costs, options, multiplicity=real_count[fqn]))
-        param_options[name] = options
-        if any(syncs):
-            sync_terms[name] = syncs
-        param_of_node[name] = fqn
-        param_mem_terms[name] = mterms
-        grad_terms[name] = gterms
-        opt_temp_terms[name] = tterms
-        block_of[name] = fqn.rsplit(".", 1)[0]
-        if fsdp_layers:
-            # FSDP2 (one unit per block, the root for the rest) holds the root's parameters and gradients
-            # unsharded through backward, and one block's at a time while that block runs: the sharded
-            # terms above count 1/dp of them, the rest is this
-            in_block = [b for b in fsdp_layers if fqn.startswith(b + ".")]
-            share = 1.0 / real_count[fqn] if in_block else 1.0
-            if in_block and in_block[0] != fsdp_layers[0]:
-                share = 0.0  # one block gathered at a time: priced on the first block's parameters
-            gathered_terms[name] = [2 * (1 - 1 / dp) * pbytes / shard_factor(o, tp) * share for o in options]
+            self.fixed[name] = options.index(want)
+
+    def _fsdp_gathered_bytes(
+        self, fqn: str, pbytes: float, options: list[str], fsdp_layers: list[str], real_count: int
+    ) -> list[float]:
+        """Bytes per storage option a parameter adds at the activation peak while FSDP has it gathered.
+
+        FSDP2 (one unit per block, the root for the rest) holds the root's parameters and gradients unsharded
+        through backward, and one block's at a time while that block runs: the sharded memory terms count 1/dp
+        of them, the rest is this."""
+        dp = self.dp
+        in_block = [b for b in fsdp_layers if fqn.startswith(b + ".")]
+        share = 1.0 / real_count if in_block else 1.0
+        if in_block and in_block[0] != fsdp_layers[0]:
+            share = 0.0  # one block gathered at a time: priced on the first block's parameters
+        return [2 * (1 - 1 / dp) * pbytes / shard_factor(o, self.tp) * share for o in options]
 
     # ---------------------------------------------------------------- edges
-    readers = value_readers(graph, tied)
-    edge_cost: dict[tuple[str, str], list[list[float]]] = {}
-    strat_by_canon = {node_of_name[n]: s for n, s in strat_of.items()}
+    def _add_edges(self) -> None:
+        """Every use of a value by a forward op (over all traced copies, weighted by the real blocks each
+        stands for) becomes an edge producer -> consumer: the forward resharding of the value and the backward
+        resharding of its gradient (:func:`edge_reshardings`). Producers are parameter nodes
+        (:meth:`_add_param_use`) or forward ops (:meth:`_add_activation_use`)."""
+        graph, tied = self.graph, self.tied
+        for v_idx in sorted(tied.canonical):
+            v_node = graph.nodes[v_idx]
+            for k, vid in enumerate(v_node.inputs):
+                value = graph.values[vid]
+                if value.kind is ValueKind.PARAM and value.name is not None:
+                    self._add_param_use(v_idx, k, vid)
+                else:
+                    self._add_activation_use(v_idx, k, vid)
 
-    def add_edge(src: str, dst: str, matrix: list[list[float]]) -> None:
-        if src == dst:
-            # A value flowing between two copies of one tied node (same strategy on both ends): diagonal only.
-            return
-        if (src, dst) in edge_cost:
-            acc = edge_cost[(src, dst)]
-            for a, row in zip(acc, matrix, strict=True):
-                for j, v in enumerate(row):
-                    a[j] += v
-        else:
-            edge_cost[(src, dst)] = [list(r) for r in matrix]
-
-    shared_uses = shared_projection_inputs(graph, tied)
-    grads = differentiable_values(graph)
-    shared_members: dict[tuple[int, str, str, int, str], list[tuple[str, tuple[int, ...]]]] = {}
-    shared_price: dict[tuple[int, str, str, int, str], list[float]] = {}
-    """(value, parent module, target placement, copy weight, producer node) -> members / price per producer
-    strategy"""
-    for v_idx in sorted(tied.canonical):
-        v_node = graph.nodes[v_idx]
+    def _add_param_use(self, v_idx: int, k: int, vid: int) -> None:
+        """Parameter node -> consumer: the parameter redistributed from its storage placement to the one the
+        consumer's strategy reads, and its gradient back to the storage placement. When the consumer can be
+        recomputed, the forward part is also noted for the rerun (:meth:`_add_conditional_costs`)."""
+        graph, tied, axis, tp_comm = self.graph, self.tied, self.axis, self.tp_comm
+        value = graph.values[vid]
         w = tied.weight[v_idx]
         v_c = tied.canonical[v_idx]
-        v_strats = strat_by_canon[v_c]
-        for k, vid in enumerate(v_node.inputs):
-            value = graph.values[vid]
-            if value.kind is ValueKind.PARAM and value.name is not None:
-                fqn = tied.canonical_param(value.name)
-                pname = _param_node_name(fqn)
-                if pname not in param_options:
-                    continue
-                matrix = [
-                    [
-                        w
-                        * _edge_time(
-                            o,
-                            s,
-                            k,
-                            value.nbytes,
-                            axis,
-                            tp_comm,
-                            param=True,
-                            consumers=readers[vid],
-                            needs_grad=vid in grads,
-                        )
-                        for s in v_strats
-                    ]
-                    for o in param_options[pname]
-                ]
-                add_edge(pname, _node_name(v_c), matrix)
-                if v_c in unit_index_of:
-                    forward = [
-                        [w * _forward_time(o, s, k, value.nbytes, axis, tp_comm) for s in v_strats]
-                        for o in param_options[pname]
-                    ]
-                    add_forward(pname, _node_name(v_c), forward)
-                continue
-            src = producer.get(vid)
-            if src is None:
-                continue
-            u_idx, pos = src
-            if u_idx not in tied.canonical:
-                continue
-            u_c = tied.canonical[u_idx]
-            u_strats = strat_by_canon[u_c]
-            is_shared = (v_idx, k) in shared_uses
-            root = view_root(graph, tied, producer, vid)
-            through_view = root != vid and graph.nodes[u_idx].is_view
+        v_strats = self.strat_of[_node_name(v_c)]
+        fqn = tied.canonical_param(value.name)
+        pname = _param_node_name(fqn)
+        if pname not in self.param_options:
+            return
+        matrix = [
+            [
+                w
+                * _edge_time(
+                    o,
+                    s,
+                    k,
+                    value.nbytes,
+                    axis,
+                    tp_comm,
+                    param=True,
+                    consumers=self.readers[vid],
+                    needs_grad=vid in self.grads,
+                )
+                for s in v_strats
+            ]
+            for o in self.param_options[pname]
+        ]
+        self._add_edge(pname, _node_name(v_c), matrix)
+        if v_c in self.unit_index_of:
+            forward = [
+                [w * _forward_time(o, s, k, value.nbytes, axis, tp_comm) for s in v_strats]
+                for o in self.param_options[pname]
+            ]
+            self._add_forward(pname, _node_name(v_c), forward)
 
-            matrix = [
+    def _add_activation_use(self, v_idx: int, k: int, vid: int) -> None:
+        """Forward op -> consumer: the value redistributed from the producer's output placement to the one the
+        consumer reads, and its gradient back (a partial gradient passing back through a view is reduced where
+        the viewed value was made, shared among that value's readers). A module input shared by sibling
+        projections is redistributed once for all of them: its forward part is priced by
+        :meth:`_add_shared_copy` instead. When the consumer can be recomputed, the forward part is also noted
+        for the rerun. A value between two copies of one tied node costs nothing."""
+        graph, tied, axis, tp_comm = self.graph, self.tied, self.axis, self.tp_comm
+        value = graph.values[vid]
+        src = self.producer.get(vid)
+        if src is None:
+            return
+        u_idx, pos = src
+        if u_idx not in tied.canonical:
+            return
+        w = tied.weight[v_idx]
+        v_c = tied.canonical[v_idx]
+        v_strats = self.strat_of[_node_name(v_c)]
+        u_c = tied.canonical[u_idx]
+        u_strats = self.strat_of[_node_name(u_c)]
+        is_shared = (v_idx, k) in self.shared_uses
+        root = view_root(graph, tied, self.producer, vid)
+        through_view = root != vid and graph.nodes[u_idx].is_view
+
+        matrix = [
+            [
+                w
+                * _edge_time(
+                    us.output_placements[pos][axis],
+                    s,
+                    k,
+                    value.nbytes,
+                    axis,
+                    tp_comm,
+                    consumers=self.readers[root] if through_view else self.readers[vid],
+                    forward=not is_shared,
+                    partial_to=_view_partial_to(us, axis) if through_view else None,
+                    needs_grad=vid in self.grads,
+                )
+                for s in v_strats
+            ]
+            for us in u_strats
+        ]
+        if is_shared:
+            self._add_shared_copy(v_idx, k, vid, u_c, pos)
+        if u_c == v_c:
+            return
+        self._add_edge(_node_name(u_c), _node_name(v_c), matrix)
+        if v_c in self.unit_index_of:
+            forward = [
                 [
-                    w
-                    * _edge_time(
-                        us.output_placements[pos][axis],
-                        s,
-                        k,
-                        value.nbytes,
-                        axis,
-                        tp_comm,
-                        consumers=readers[root] if through_view else readers[vid],
-                        forward=not is_shared,
-                        partial_to=_view_partial_to(us, axis) if through_view else None,
-                        needs_grad=vid in grads,
-                    )
+                    w * _forward_time(us.output_placements[pos][axis], s, k, value.nbytes, axis, tp_comm)
                     for s in v_strats
                 ]
                 for us in u_strats
             ]
-            if is_shared:
-                wanted_in = [
-                    s.input_placements[k][axis]
-                    if k < len(s.input_placements) and s.input_placements[k] is not None
-                    else None
-                    for s in v_strats
-                ]
-                for place in sorted({p for p in wanted_in if p is not None}):
-                    key = (vid, shared_uses[(v_idx, k)], place, w, _node_name(u_c))
-                    wanted = tuple(j for j, p in enumerate(wanted_in) if p == place)
-                    shared_members.setdefault(key, []).append((_node_name(v_c), wanted))
-                    shared_price[key] = [
-                        w * redistribute(us.output_placements[pos][axis], place, value.nbytes, tp_comm)[0]
-                        for us in u_strats
-                    ]
-            if u_c == v_c:
-                continue
-            add_edge(_node_name(u_c), _node_name(v_c), matrix)
-            if v_c in unit_index_of:
-                forward = [
-                    [
-                        w * _forward_time(us.output_placements[pos][axis], s, k, value.nbytes, axis, tp_comm)
-                        for s in v_strats
-                    ]
-                    for us in u_strats
-                ]
-                add_forward(_node_name(u_c), _node_name(v_c), forward)
+            self._add_forward(_node_name(u_c), _node_name(v_c), forward)
+
+    def _add_shared_copy(self, v_idx: int, k: int, vid: int, u_c: int, pos: int) -> None:
+        """A use in :func:`shared_projection_inputs`: the runtime's projection hooks redistribute the value once
+        per target placement and every sibling projection wanting that placement reads the copy. Registers the
+        consumer's strategies that read each placement as members of one :class:`SharedCost`, priced once
+        per producer strategy."""
+        tied, axis = self.tied, self.axis
+        value = self.graph.values[vid]
+        w = tied.weight[v_idx]
+        v_c = tied.canonical[v_idx]
+        v_strats = self.strat_of[_node_name(v_c)]
+        u_strats = self.strat_of[_node_name(u_c)]
+        wanted_in = [
+            s.input_placements[k][axis]
+            if k < len(s.input_placements) and s.input_placements[k] is not None
+            else None
+            for s in v_strats
+        ]
+        for place in sorted({p for p in wanted_in if p is not None}):
+            key = (vid, self.shared_uses[(v_idx, k)], place, w, _node_name(u_c))
+            wanted = tuple(j for j, p in enumerate(wanted_in) if p == place)
+            self.shared_members.setdefault(key, []).append((_node_name(v_c), wanted))
+            self.shared_price[key] = [
+                w * redistribute(us.output_placements[pos][axis], place, value.nbytes, self.tp_comm)[0]
+                for us in u_strats
+            ]
+
+    def _add_edge(self, src: str, dst: str, matrix: list[list[float]]) -> None:
+        """Adds ``matrix`` to the edge ``src -> dst`` (uses between the same two nodes sum)."""
+        if src == dst:
+            # A value flowing between two copies of one tied node (same strategy on both ends): diagonal only.
+            return
+        if (src, dst) in self.edge_cost:
+            acc = self.edge_cost[(src, dst)]
+            for a, row in zip(acc, matrix, strict=True):
+                for j, v in enumerate(row):
+                    a[j] += v
+        else:
+            self.edge_cost[(src, dst)] = [list(r) for r in matrix]
+
+    def _add_forward(self, src: str, dst: str, matrix: list[list[float]]) -> None:
+        """Adds ``matrix`` to the forward resharding ``src -> dst`` a rerun of ``dst`` repeats."""
+        acc = self.fwd_into.setdefault((src, dst), [[0.0] * len(matrix[0]) for _ in matrix])
+        for a, row in zip(acc, matrix, strict=True):
+            for j, v in enumerate(row):
+                a[j] += v
 
     # ---------------------------------------------------------------- recompute decisions
-    step = unroll(graph)
-    moments = [_block_moment(graph, step, unit, Phase.BACKWARD, "peak") for unit in units]
-    moments += [_block_moment(graph, step, unit, Phase.BACKWARD, "start") for unit in units]
-    moments += [_block_moment(graph, step, unit, Phase.FORWARD, "peak") for unit in units]
-    peak_snapshot, snapshots = _liveness(graph, step, moments)
-    k = len(units)
-    unit_snapshots, start_snapshots, forward_snapshots = (
-        snapshots[:k],
-        snapshots[k : 2 * k],
-        snapshots[2 * k :],
-    )
-    weighted_saved = _weighted(tied, peak_snapshot.by_node)
-    out_bytes = {c: float(sum(graph.values[v].nbytes for v in graph.nodes[c].outputs)) for c in canon_nodes}
-    unit_options_of: list[list[RecomputeOption]] = []
-    conditional: list[ConditionalCost] = []
-    rc_names: list[str] = []
-    for unit in units:
-        # what the block's own backward needs (a block output is kept by its readers, not recomputed for them)
-        unit.last_saved = max(
-            (c for c in unit.nodes if weighted_saved.get(c) and c not in unit.escaping), default=None
-        )
-        forward_s = {
-            c: _local_node_time(graph, graph.nodes[c], _replicated(graph.nodes[c]), axis, 1, spec)
-            for c in unit.nodes
-        }
-        options = unit_options(graph, unit, weighted_saved, forward_s)
-        unit_options_of.append(options)
-        rc = _recompute_node_name(unit.name)
-        rc_names.append(rc)
-        nodes.append(DecisionNode(rc, [0.0] * len(options), [o.name for o in options], multiplicity=1))
-        block_of[rc] = unit.name
-        for c in unit.nodes:
-            name = _node_name(c)
-            node = graph.nodes[c]
-            local = [_local_node_time(graph, node, st, axis, tp, spec) for st in strat_of[name]]
-            matrix = [
-                [t * tied.multiplicity[c] if unit.reruns(o, node) else 0.0 for t in local] for o in options
-            ]
-            edge_cost[(rc, name)] = matrix
-        if recompute_pin is not None:
-            want = recompute_pin if isinstance(recompute_pin, str) else recompute_pin.get(unit.name, "none")
-            names = [o.name for o in options]
-            if want not in names:
-                raise ValueError(
-                    f"recompute option {want!r} for {unit.name} is not one of its options {names}"
-                )
-            fixed[rc] = names.index(want)
-    for (src, dst), matrix in sorted(fwd_into.items()):
-        c = node_of_name[dst]
-        u = unit_index_of[c]
-        when = tuple(k for k, o in enumerate(unit_options_of[u]) if units[u].reruns(o, graph.nodes[c]))
-        if when and any(any(row) for row in matrix):
-            conditional.append(ConditionalCost(src, dst, rc_names[u], when, matrix))
+    def _add_recompute_decisions(self) -> None:
+        """One node ``rc:<unit>`` per recompute unit, its strategies the unit's options
+        (:func:`~hf_colossal_auto.solve.recompute.unit_options`; pinned by ``recompute_pin``). The node costs
+        nothing itself: an edge ``rc -> op`` prices rerunning each op the option recomputes on its local shapes
+        under the op's strategy, and :meth:`_add_conditional_costs` the forward reshardings a rerun repeats.
+        What the option saves is priced by :meth:`_memory_constraints`."""
+        graph, axis, tp, spec = self.graph, self.axis, self.tp, self.spec
+        for unit in self.units:
+            # what the block's own backward needs (a block output is kept by its readers, not recomputed for them)
+            unit.last_saved = max(
+                (c for c in unit.nodes if self.weighted_saved.get(c) and c not in unit.escaping), default=None
+            )
+            forward_s = {
+                c: _local_node_time(graph, graph.nodes[c], _replicated(graph.nodes[c]), axis, 1, spec)
+                for c in unit.nodes
+            }
+            options = unit_options(graph, unit, self.weighted_saved, forward_s)
+            self.unit_options_of.append(options)
+            rc = _recompute_node_name(unit.name)
+            self.rc_names.append(rc)
+            self.nodes.append(
+                DecisionNode(rc, [0.0] * len(options), [o.name for o in options], multiplicity=1)
+            )
+            self.block_of[rc] = unit.name
+            for c in unit.nodes:
+                name = _node_name(c)
+                node = graph.nodes[c]
+                local = [_local_node_time(graph, node, st, axis, tp, spec) for st in self.strat_of[name]]
+                matrix = [
+                    [t * self.tied.multiplicity[c] if unit.reruns(o, node) else 0.0 for t in local]
+                    for o in options
+                ]
+                self.edge_cost[(rc, name)] = matrix
+            self._pin_recompute(unit, rc, options)
+        self._add_conditional_costs()
 
-    edges = [DecisionEdge(s, d, m) for (s, d), m in sorted(edge_cost.items())]
+    def _pin_recompute(self, unit: RecomputeUnit, rc: str, options: list[RecomputeOption]) -> None:
+        """Fixes a unit's recompute option when ``recompute_pin`` names one (for every unit, or per unit:
+        "none" for the units it leaves out)."""
+        recompute_pin = self.recompute_pin
+        if recompute_pin is None:
+            return
+        want = recompute_pin if isinstance(recompute_pin, str) else recompute_pin.get(unit.name, "none")
+        names = [o.name for o in options]
+        if want not in names:
+            raise ValueError(f"recompute option {want!r} for {unit.name} is not one of its options {names}")
+        self.fixed[rc] = names.index(want)
+
+    def _add_conditional_costs(self) -> None:
+        """The forward resharding into a recomputable op is paid again when its unit's option reruns the op: a
+        :class:`ConditionalCost` on the edge, active for those options."""
+        units, graph = self.units, self.graph
+        for (src, dst), matrix in sorted(self.fwd_into.items()):
+            c = self.node_of_name[dst]
+            u = self.unit_index_of[c]
+            when = tuple(
+                k for k, o in enumerate(self.unit_options_of[u]) if units[u].reruns(o, graph.nodes[c])
+            )
+            if when and any(any(row) for row in matrix):
+                self.conditional.append(ConditionalCost(src, dst, self.rc_names[u], when, matrix))
 
     # ---------------------------------------------------------------- memory
-    def out_shard(st: Strategy) -> float:
-        return shard_factor(st.output_placements[0][axis] if st.output_placements else None, tp)
+    def _snapshots(self) -> tuple[_Snapshot, list[_Snapshot], list[_Snapshot], list[_Snapshot]]:
+        """Live bytes at the moments the memory constraints are written at: the highest point of forward +
+        backward, and per recompute unit inside its backward at the highest point, at the start of its backward
+        (where a rerun happens) and at the highest point of its forward (what a rerun rebuilds)."""
+        graph, units = self.graph, self.units
+        step = unroll(graph)
+        moments = [_block_moment(graph, step, unit, Phase.BACKWARD, "peak") for unit in units]
+        moments += [_block_moment(graph, step, unit, Phase.BACKWARD, "start") for unit in units]
+        moments += [_block_moment(graph, step, unit, Phase.FORWARD, "peak") for unit in units]
+        peak_snapshot, snapshots = _liveness(graph, step, moments)
+        k = len(units)
+        return peak_snapshot, snapshots[:k], snapshots[k : 2 * k], snapshots[2 * k :]
 
-    def kept(option: RecomputeOption, c: int, alive: float) -> float:
-        """Bytes one real block's node ``c`` keeps for backward under ``option`` (``alive``: what it keeps
-        without recompute)."""
-        if option.is_none:
-            return alive
-        escaping = c in units[unit_index_of[c]].escaping
-        cached = out_bytes[c] if option.caches(graph.nodes[c]) else 0.0
-        return max(cached, alive) if escaping else cached
+    def _memory_constraints(self) -> list[MemoryConstraint]:
+        """Per-device memory under the budget at each constrained moment: the activation peak; the optimizer
+        step (parameters, gradients, optimizer state and its temporaries, by parameter placement); and per
+        recompute unit, the highest point of its backward (``recompute:<unit>``) and its rerun as its backward
+        starts (``rerun:<unit>``). See :meth:`_constraint_at`."""
+        constant_other = self._constant_bytes()
+        constraints: list[MemoryConstraint] = []
+        constraints.append(self._constraint_at("activation-peak", self.peak_snapshot, None))
+        opt_terms = {
+            p: [
+                m + g + t
+                for m, g, t in zip(
+                    self.param_mem_terms[p], self.grad_terms[p], self.opt_temp_terms[p], strict=True
+                )
+            ]
+            for p in self.param_mem_terms
+        }
+        constraints.append(
+            MemoryConstraint(
+                "optimizer-step", self.budget, constant_other, opt_terms, apply_multiplicity=True
+            )
+        )
+        for u, (unit, snapshot) in enumerate(zip(self.units, self.unit_snapshots, strict=True)):
+            constraints.append(self._constraint_at(f"recompute:{unit.name}", snapshot, u))
+            constraints.append(
+                self._constraint_at(
+                    f"rerun:{unit.name}", self.start_snapshots[u], u, self.forward_snapshots[u]
+                )
+            )
+        return constraints
 
-    def held(option: RecomputeOption, c: int, alive: float, at_peak: float, inside: bool) -> float:
-        """Bytes node ``c`` holds over all the real blocks it stands for. ``inside``: the moment is inside the
-        backward of the unit's first block to go backward; that block holds what it holds without recompute
-        (recomputed or kept, the same tensors), the others only what they keep."""
-        mult = tied.multiplicity[c]
-        if not inside:
-            return mult * kept(option, c, alive / mult)
-        others = at_peak * (mult - 1) / mult
-        return (mult - 1) * kept(option, c, at_peak / mult) + max(0.0, alive - others)
+    def _constant_bytes(self) -> float:
+        """Bytes no decision changes: the model's inputs and buffers (at the activation peak)."""
+        return self.peak_snapshot.by_kind.get("input", 0) + self.peak_snapshot.by_kind.get("buffer", 0)
 
-    param_total = sum(graph.param_bytes.values())
-    constant_other = peak_snapshot.by_kind.get("input", 0) + peak_snapshot.by_kind.get("buffer", 0)
-
-    def constraint_at(
-        name: str, snapshot: _Snapshot, current: int | None, rerun: _Snapshot | None = None
+    def _constraint_at(
+        self, name: str, snapshot: _Snapshot, current: int | None, rerun: _Snapshot | None = None
     ) -> MemoryConstraint:
         """Per-device bytes at one moment of the step: what forward nodes still hold (kept per the recompute
         choice; inside unit ``current``'s backward, at its highest point, also its recomputed block),
@@ -815,19 +1055,20 @@ def build_problem(
         ``rerun``: the moment is the recompute of unit ``current``'s block, just as its backward starts; a
         block that reruns holds what it held at its own forward's highest point (``rerun``'s bytes of its
         nodes: saved outputs and forward temporaries) on top of the gradients arriving from above."""
+        tied = self.tied
         saved = _weighted(tied, snapshot.by_node)
         rerun_alive = _weighted(tied, rerun.by_node) if rerun is not None else {}
         transient = max(0.0, snapshot.by_kind.get("activation", 0) - sum(saved.values()))
         terms: dict[str, list[float]] = {}
         edge_terms: dict[tuple[str, str], list[list[float]]] = {}
-        for c in canon_nodes:
+        for c in self.canon_nodes:
             name_c = _node_name(c)
-            strats = strat_of[name_c]
+            strats = self.strat_of[name_c]
             alive = saved.get(c, 0.0)
-            u = unit_index_of.get(c)
+            u = self.unit_index_of.get(c)
             if u is None:
                 if alive:
-                    terms[name_c] = [alive / tied.multiplicity[c] / out_shard(st) for st in strats]
+                    terms[name_c] = [alive / tied.multiplicity[c] / self._out_shard(st) for st in strats]
                 continue
             over = current is not None and u > current  # that unit's backward is over: it holds nothing
             matrix = [
@@ -835,70 +1076,56 @@ def build_problem(
                     (
                         0.0
                         if over
-                        else held(
+                        else self._held(
                             o,
                             c,
                             rerun_alive.get(c, 0.0)
                             if rerun is not None and u == current and not o.is_none
                             else alive,
-                            weighted_saved.get(c, 0.0),
+                            self.weighted_saved.get(c, 0.0),
                             u == current,
                         )
                     )
-                    / out_shard(st)
+                    / self._out_shard(st)
                     for st in strats
                 ]
-                for o in unit_options_of[u]
+                for o in self.unit_options_of[u]
             ]
             if any(any(row) for row in matrix):
-                edge_terms[(rc_names[u], name_c)] = matrix
+                edge_terms[(self.rc_names[u], name_c)] = matrix
+        param_total = sum(self.graph.param_bytes.values())
         grad_frac = snapshot.by_kind.get("grad", 0) / param_total if param_total else 0.0
-        for pname, mterms in param_mem_terms.items():
-            terms[pname] = [m + grad_frac * g for m, g in zip(mterms, grad_terms[pname], strict=True)]
-            if pname in gathered_terms:
-                terms[pname] = [t + x for t, x in zip(terms[pname], gathered_terms[pname], strict=True)]
+        for pname, mterms in self.param_mem_terms.items():
+            terms[pname] = [m + grad_frac * g for m, g in zip(mterms, self.grad_terms[pname], strict=True)]
+            if pname in self.gathered_terms:
+                terms[pname] = [t + x for t, x in zip(terms[pname], self.gathered_terms[pname], strict=True)]
         return MemoryConstraint(
-            name, budget, constant_other + transient, terms, edge_terms, apply_multiplicity=True
+            name, self.budget, self._constant_bytes() + transient, terms, edge_terms, apply_multiplicity=True
         )
 
-    constraints: list[MemoryConstraint] = []
-    constraints.append(constraint_at("activation-peak", peak_snapshot, None))
-    opt_terms = {
-        p: [m + g + t for m, g, t in zip(param_mem_terms[p], grad_terms[p], opt_temp_terms[p], strict=True)]
-        for p in param_mem_terms
-    }
-    constraints.append(
-        MemoryConstraint("optimizer-step", budget, constant_other, opt_terms, apply_multiplicity=True)
-    )
-    for u, (unit, snapshot) in enumerate(zip(units, unit_snapshots, strict=True)):
-        constraints.append(constraint_at(f"recompute:{unit.name}", snapshot, u))
-        constraints.append(constraint_at(f"rerun:{unit.name}", start_snapshots[u], u, forward_snapshots[u]))
+    def _out_shard(self, st: Strategy) -> float:
+        """How many ways a strategy splits its (first) output: what a node's held bytes are divided by."""
+        return shard_factor(st.output_placements[0][self.axis] if st.output_placements else None, self.tp)
 
-    problem = Problem(
-        nodes=nodes,
-        edges=edges,
-        memory_constraints=constraints,
-        overlaps=data_parallel_overlap(nodes, sync_terms, dp_mode, ratios, block_of, spec),
-        name=f"mesh{mesh_shape}-{dp_mode}",
-        fixed=fixed,
-        conditional_costs=conditional,
-        follows_inputs=unenforced_split_rules(graph, tied, strat_of, node_of_name, axis),
-        shared_costs=[
-            SharedCost(key[4], tuple(members), shared_price[key])
-            for key, members in sorted(shared_members.items())
-            if any(shared_price[key])
-        ],
-    )
-    return BuiltProblem(
-        problem=problem,
-        strategies=strat_of,
-        param_options=param_options,
-        param_of_node=param_of_node,
-        node_of_name=node_of_name,
-        block_of=block_of,
-        recompute_units={rc: unit for rc, unit in zip(rc_names, units, strict=True)},
-        recompute_options={rc: opts for rc, opts in zip(rc_names, unit_options_of, strict=True)},
-    )
+    def _kept(self, option: RecomputeOption, c: int, alive: float) -> float:
+        """Bytes one real block's node ``c`` keeps for backward under ``option`` (``alive``: what it keeps
+        without recompute)."""
+        if option.is_none:
+            return alive
+        escaping = c in self.units[self.unit_index_of[c]].escaping
+        node = self.graph.nodes[c]
+        cached = float(sum(self.graph.values[v].nbytes for v in node.outputs)) if option.caches(node) else 0.0
+        return max(cached, alive) if escaping else cached
+
+    def _held(self, option: RecomputeOption, c: int, alive: float, at_peak: float, inside: bool) -> float:
+        """Bytes node ``c`` holds over all the real blocks it stands for. ``inside``: the moment is inside the
+        backward of the unit's first block to go backward; that block holds what it holds without recompute
+        (recomputed or kept, the same tensors), the others only what they keep."""
+        mult = self.tied.multiplicity[c]
+        if not inside:
+            return mult * self._kept(option, c, alive / mult)
+        others = at_peak * (mult - 1) / mult
+        return (mult - 1) * self._kept(option, c, at_peak / mult) + max(0.0, alive - others)
 
 
 def data_parallel_sync_time(dp_mode: str, local_bytes: float, dp_comm: AxisComm) -> float:
