@@ -6,7 +6,8 @@ in a few seconds each:
 
 1. the device (:mod:`.hardware.microbench`): projection-shaped GEMM FLOP/s per dtype (``peak_flops``) and
    by GEMM size (``matmul_flops``: the curve the roofline prices each matmul on, so that a tensor-parallel
-   shard's smaller GEMM runs slower), elementwise bandwidth, fused attention FLOP/s;
+   shard's smaller GEMM runs slower), elementwise bandwidth, elementwise math (exp, tanh, softmax: on a CPU
+   bound by arithmetic, not bandwidth), fused attention FLOP/s;
 2. the per-op host overheads: one training step of tiny models (whose kernels cost next to nothing) divided by
    its op count, eager (``host_overhead_s``) and again with our runtime applied for one device, which runs
    every op on DTensors with the plan's hooks (``dtensor_overhead_s``: the difference per op);
@@ -44,6 +45,7 @@ from .hardware.microbench import (
     matmul_curve,
     matmul_rate,
     overlap_efficiency,
+    transcendental_rate,
 )
 
 __all__ = ["calibrate", "measure_overheads", "OVERHEAD_MODELS"]
@@ -100,6 +102,8 @@ def measure_device(kind: str, budget_s: float = 1.0) -> dict[str, Any]:
                 )
     nbytes = 256 * 2**20 if kind == "cuda" else min(64 * 2**20, max(8 * 2**20, host_memory_bytes() // 64))
     bandwidth = elementwise_bandwidth(device, nbytes=nbytes, budget_s=budget_s / 2)
+    with torch.no_grad():
+        elementwise_math = transcendental_rate(device, budget_s=budget_s / 2)
     for name, dtype in _dtypes(kind).items():
         if name == "float16" and kind == "cpu":
             continue
@@ -111,6 +115,8 @@ def measure_device(kind: str, budget_s: float = 1.0) -> dict[str, Any]:
         "peak_flops": flops,
         "matmul_flops": curves,
         "memory_bandwidth": bandwidth,
+        # a GPU's elementwise math is memory-bound: no separate limit there
+        "transcendental_rate": elementwise_math if kind == "cpu" else None,
         "attention_flops": attention,
     }
 

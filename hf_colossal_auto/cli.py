@@ -243,6 +243,11 @@ def _print_spec(spec) -> None:
     rows += [("attention " + k, format_flops(v, per_second=True)) for k, v in spec.attention_flops.items()]
     rows += [
         ("elementwise bandwidth", f"{spec.memory_bandwidth / 1e9:.2f} GB/s"),
+        *(
+            [("elementwise math (exp, tanh...)", f"{spec.transcendental_rate / 1e9:.2f} G elements/s")]
+            if spec.transcendental_rate
+            else []
+        ),
         ("host overhead / op", f"{spec.host_overhead_s * 1e6:.1f} us"),
         ("DTensor overhead / op", f"{spec.dtensor_overhead_s * 1e6:.1f} us"),
         ("collective hidden behind compute", f"{spec.overlap_efficiency:.0%}"),

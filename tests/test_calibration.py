@@ -140,3 +140,22 @@ def test_planned_step_time_carries_the_per_op_overheads():
     assert t_more - t_base == pytest.approx(100e-6 * ops, rel=0.05)
     full = plan_model(model, batch, num_devices=1, device=base, recompute="full").step_time_s
     assert full > t_base
+
+
+def test_elementwise_math_is_bound_by_its_rate_not_bandwidth():
+    """exp/tanh/softmax-class ops: FlopCounterMode counts no FLOPs for them, but a CPU core evaluates only so
+    many a second; an add of the same size stays bandwidth-bound."""
+    from hf_colossal_auto.capture.op_classes import is_transcendental
+
+    spec = STATIC_CPU_SPEC.with_overrides(transcendental_rate=1e9, memory_bandwidth=100e9)
+    elements, nbytes = 1e7, 8e7
+    assert kernel_time(0, nbytes, "float32", spec, transcendental_elements=elements) == pytest.approx(
+        elements / 1e9 + spec.kernel_overhead_s
+    )
+    assert kernel_time(0, nbytes, "float32", spec) == pytest.approx(nbytes / 100e9 + spec.kernel_overhead_s)
+    assert is_transcendental("aten._log_softmax_backward_data.default") and is_transcendental("aten.silu.default")
+    assert not is_transcendental("aten.add.Tensor") and not is_transcendental("aten.mm.default")
+    unbounded = spec.with_overrides(transcendental_rate=None)
+    assert kernel_time(0, nbytes, "float32", unbounded, transcendental_elements=elements) == pytest.approx(
+        nbytes / 100e9 + spec.kernel_overhead_s
+    )

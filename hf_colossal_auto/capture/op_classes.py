@@ -52,3 +52,34 @@ def op_class(op: str) -> str:
     if base in _ATTENTION_OPS:
         return ATTENTION
     return POINTWISE
+
+
+_TRANSCENDENTAL_OPS = frozenset(
+    {
+        "exp",
+        "log",
+        "tanh",
+        "sigmoid",
+        "silu",
+        "gelu",
+        "erf",
+        "sin",
+        "cos",
+        "sqrt",
+        "rsqrt",
+        "_softmax",
+        "_log_softmax",
+        "_softmax_backward_data",
+        "_log_softmax_backward_data",
+        "tanh_backward",
+        "sigmoid_backward",
+        "silu_backward",
+        "gelu_backward",
+    }
+)
+
+
+def is_transcendental(op: str) -> bool:
+    """An elementwise op that evaluates a transcendental function per element (exp, tanh, softmax...): on a CPU
+    it is bound by that arithmetic, not by memory bandwidth (FlopCounterMode counts it as 0 FLOPs)."""
+    return op_base_name(op) in _TRANSCENDENTAL_OPS

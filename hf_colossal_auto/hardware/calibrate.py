@@ -62,7 +62,7 @@ NO_CALIBRATE_ENV = "HF_COLOSSAL_AUTO_NO_CALIBRATE"
 CPU_CACHE_FILENAME = "cpu_calibration.json"
 # Bump when the benchmark changes in a way that changes its numbers, so stale
 # cache entries are ignored instead of mixed with new ones.
-CPU_BENCHMARK_VERSION = 2
+CPU_BENCHMARK_VERSION = 3
 _CACHE_FORMAT = 1
 
 _FALSE_STRINGS = frozenset({"", "0", "false", "no", "off"})
@@ -151,6 +151,7 @@ class CpuBenchmarkResult:
     memory_bandwidth: float
     seconds: float = field(default=0.0)
     attention_flops: dict[str, float] = field(default_factory=dict)
+    transcendental_rate: float | None = None
 
 
 def _best_seconds(fn: Callable[[], object], target_s: float, min_reps: int = 3, max_reps: int = 20) -> float:
@@ -217,7 +218,7 @@ def run_cpu_benchmark(time_budget_s: float = 1.2) -> CpuBenchmarkResult:
     """
     import torch
 
-    from .microbench import attention_rate, elementwise_bandwidth, matmul_rate
+    from .microbench import attention_rate, elementwise_bandwidth, matmul_rate, transcendental_rate
 
     t0 = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
@@ -239,7 +240,10 @@ def run_cpu_benchmark(time_budget_s: float = 1.2) -> CpuBenchmarkResult:
         nbytes = int(min(64 * MiB, max(8 * MiB, host_memory_bytes() // 64)))
         bandwidth = elementwise_bandwidth(device, nbytes=nbytes, budget_s=part / 2)
     attention["float32"] = attention_rate(device, torch.float32, budget_s=part)
+    with torch.no_grad():
+        elementwise_math = transcendental_rate(device, budget_s=part / 2)
     return CpuBenchmarkResult(
+        transcendental_rate=elementwise_math,
         peak_flops=peak_flops,
         memory_bandwidth=bandwidth,
         seconds=time.perf_counter() - t0,
@@ -278,13 +282,18 @@ def _entry_to_result(entry: Any) -> CpuBenchmarkResult | None:
         return None
     try:
         attention = {str(k): float(v) for k, v in entry.get("attention_flops", {}).items()}
+        math_rate = entry.get("transcendental_rate")
+        math_rate = float(math_rate) if math_rate is not None else None
     except (TypeError, ValueError, AttributeError):
+        return None
+    if math_rate is not None and not (math.isfinite(math_rate) and math_rate > 0):
         return None
     return CpuBenchmarkResult(
         peak_flops=flops,
         memory_bandwidth=bandwidth,
         seconds=float(entry.get("seconds", 0.0)),
         attention_flops=attention,
+        transcendental_rate=math_rate,
     )
 
 
@@ -320,6 +329,7 @@ def _store_cache(path: Path, key: str, result: CpuBenchmarkResult) -> None:
         entries[key] = {
             "peak_flops": result.peak_flops,
             "attention_flops": result.attention_flops,
+            "transcendental_rate": result.transcendental_rate,
             "memory_bandwidth": result.memory_bandwidth,
             "seconds": result.seconds,
             # Recorded for diagnosis: a calibration taken on a busy host is slow.
@@ -372,6 +382,7 @@ def cpu_device_spec(force: bool = False) -> DeviceSpec:
     spec = STATIC_CPU_SPEC.with_overrides(
         peak_flops=result.peak_flops,
         attention_flops=result.attention_flops,
+        **({"transcendental_rate": result.transcendental_rate} if result.transcendental_rate else {}),
         memory_bandwidth=result.memory_bandwidth,
         memory_bytes=host_memory_bytes(),
     )

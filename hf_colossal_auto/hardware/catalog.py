@@ -250,6 +250,9 @@ class DeviceSpec:
             DTensors, as every op of a planned model does. ``None``: the default.
         overlap_efficiency: share of data-parallel communication that runs
             hidden behind concurrent computation, in ``[0, 1]``. ``None``: the default.
+        transcendental_rate: elements/s of elementwise math (exp, tanh, softmax,
+            ...), whose FLOPs nobody counts: on a CPU it, not bandwidth, bounds
+            those ops. ``None``: unbounded (GPUs: memory-bound anyway).
         matmul_flops: achieved FLOP/s of GEMMs by size, per dtype: points
             ``(FLOPs of one GEMM, FLOP/s)`` smallest first, interpolated in
             log-FLOPs (small GEMMs, e.g. tensor-parallel shards, run slower);
@@ -274,6 +277,7 @@ class DeviceSpec:
     dtensor_overhead_s: float = field(default=None)  # type: ignore[assignment]
     overlap_efficiency: float = field(default=None)  # type: ignore[assignment]
     matmul_flops: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    transcendental_rate: float | None = None
     attention_flops: Mapping[str, float] = field(default_factory=dict)
     calibration: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
@@ -354,6 +358,9 @@ class DeviceSpec:
             _check_positive(f"DeviceSpec.attention_flops[{key!r}]", value)
             attention[canonical_dtype(key)] = float(value)
         object.__setattr__(self, "attention_flops", _FrozenTable(attention))
+        if self.transcendental_rate is not None:
+            _check_positive("DeviceSpec.transcendental_rate", self.transcendental_rate)
+            object.__setattr__(self, "transcendental_rate", float(self.transcendental_rate))
         curves: dict[str, tuple[tuple[float, float], ...]] = {}
         for key, points in dict(self.matmul_flops).items():
             curve = tuple(sorted((float(f), float(r)) for f, r in points))
@@ -395,6 +402,7 @@ class DeviceSpec:
             "dtensor_overhead_s": self.dtensor_overhead_s,
             "overlap_efficiency": self.overlap_efficiency,
             "matmul_flops": {k: [list(p) for p in v] for k, v in self.matmul_flops.items()},
+            "transcendental_rate": self.transcendental_rate,
             "attention_flops": dict(self.attention_flops),
             "calibration": dict(self.calibration),
         }
@@ -455,6 +463,7 @@ def device_from_dict(data: Mapping[str, Any]) -> DeviceSpec:
         "dtensor_overhead_s",
         "overlap_efficiency",
         "matmul_flops",
+        "transcendental_rate",
         "attention_flops",
         "calibration",
     }
@@ -611,6 +620,9 @@ STATIC_CPU_SPEC = DeviceSpec(
     },
     memory_bandwidth=10 * GB,
     memory_bytes=16 * GiB,
+    # median elements/s of exp, tanh, silu, gelu, sigmoid, softmax, log_softmax on one thread of the 2-core
+    # dev VM (0.18-0.91 G/s; `calibrate` measures it)
+    transcendental_rate=0.6e9,
     intra_node_link=LinkSpec(bandwidth=2 * GB, latency=50e-6),
     inter_node_link=LinkSpec(bandwidth=2 * GB, latency=50e-6),
     devices_per_node=1,

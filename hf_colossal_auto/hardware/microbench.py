@@ -273,8 +273,9 @@ def overlap_efficiency(group: Any, device: Any, *, nbytes: int = 8 * 2**20, repe
 
     buf = torch.zeros(max(1, nbytes // 4), device=device)
     t, h, f = MATMUL_SHAPES[getattr(device, "type", str(device))]
-    a = torch.randn(t, h, device=device)
-    b = torch.randn(h, f, device=device)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(t, h, generator=generator).to(device)
+    b = torch.randn(h, f, generator=generator).to(device)
 
     def comm() -> None:
         dist.all_reduce(buf, group=group, async_op=True).wait()
@@ -367,3 +368,26 @@ def dtensor_collective_fits(
         measured = [max(float(t), 1e-9) for t in agreed.tolist()]
         fits[f"dtensor:{kind}"] = fit_alpha_beta(kind, list(sizes), measured, world)
     return fits
+
+
+def transcendental_rate(device: Any, *, budget_s: float = 0.5) -> float:
+    """Elements/s of elementwise math, the median over exp, tanh, sigmoid, silu, gelu, softmax and log_softmax
+    on a float32 tensor beyond the caches: what bounds those ops where arithmetic, not bandwidth, is the limit
+    (a CPU core evaluates 0.2-0.9 G of them a second against ~2 G elements/s of an add)."""
+    import torch
+    import torch.nn.functional as F
+
+    kind = getattr(device, "type", str(device))
+    generator = torch.Generator(device="cpu").manual_seed(0)  # the caller's seeded RNG stays untouched
+    x = torch.randn(1024, 8192 if kind == "cpu" else 65536, generator=generator).to(device)
+    ops: list[Callable[[], object]] = [
+        lambda: torch.exp(x),
+        lambda: torch.tanh(x),
+        lambda: torch.sigmoid(x),
+        lambda: F.silu(x),
+        lambda: F.gelu(x),
+        lambda: torch.softmax(x, -1),
+        lambda: torch.log_softmax(x, -1),
+    ]
+    rates = [x.numel() / time_call(op, device, budget_s=budget_s / len(ops)) for op in ops]
+    return statistics.median(rates)

@@ -117,10 +117,12 @@ def kernel_time(
     *,
     attention: bool = False,
     matmul: bool = False,
+    transcendental_elements: float = 0.0,
 ) -> float:
     """Device seconds of one kernel: the roofline on the (calibrated) rates plus ``kernel_overhead_s``; an
-    attention kernel runs at :func:`attention_flops_for`, a GEMM at :func:`matmul_flops_for` of its size. 0 for
-    an op with no work (a view)."""
+    attention kernel runs at :func:`attention_flops_for`, a GEMM at :func:`matmul_flops_for` of its size, an
+    elementwise math op over ``transcendental_elements`` elements no faster than ``spec.transcendental_rate``.
+    0 for an op with no work (a view)."""
     if flops == 0 and bytes_moved == 0:
         return 0.0
     if attention:
@@ -130,6 +132,8 @@ def kernel_time(
     else:
         rate = peak_flops_for(dtype, spec)
     compute = flops / rate
+    if transcendental_elements and spec.transcendental_rate:
+        compute = max(compute, transcendental_elements / spec.transcendental_rate)
     memory = bytes_moved / spec.memory_bandwidth
     return (compute if compute > memory else memory) + spec.kernel_overhead_s
 
@@ -148,6 +152,7 @@ def step_op_time(
     view: bool = False,
     attention: bool = False,
     matmul: bool = False,
+    transcendental_elements: float = 0.0,
     dtensor: bool = False,
 ) -> float:
     """Seconds one op adds to a training step, host and device together.
@@ -156,7 +161,19 @@ def step_op_time(
     ahead of the device, so an op costs whichever is longer (a step of tiny ops is host-bound, a step of big
     ones device-bound); views launch nothing and hide behind the device there.
     """
-    device = 0.0 if view else kernel_time(flops, bytes_moved, dtype, spec, attention=attention, matmul=matmul)
+    device = (
+        0.0
+        if view
+        else kernel_time(
+            flops,
+            bytes_moved,
+            dtype,
+            spec,
+            attention=attention,
+            matmul=matmul,
+            transcendental_elements=transcendental_elements,
+        )
+    )
     host = host_time(spec, dtensor=dtensor)
     if spec.kind == "cpu":
         return device + host

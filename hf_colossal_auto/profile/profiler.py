@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from ..capture.graph import OpNode, Phase, StepGraph
-from ..capture.op_classes import MATMUL, op_base_name, op_class
+from ..capture.op_classes import MATMUL, is_transcendental, op_base_name, op_class
 from ..capture.tracer import trace_training_step
 from ..hardware import DeviceSpec, get_device
 from ..hardware.roofline import step_op_time
@@ -39,6 +40,13 @@ def is_attention_kernel(op: str) -> bool:
     return op_base_name(op).startswith(_ATTENTION_KERNEL_PREFIXES)
 
 
+def transcendental_elements(graph: StepGraph, node: OpNode) -> float:
+    """Elements an elementwise math op (exp, tanh, softmax...) evaluates: its output's; 0 for other ops."""
+    if not node.outputs or not is_transcendental(node.op):
+        return 0.0
+    return float(math.prod(graph.values[node.outputs[0]].shape))
+
+
 def node_times(graph: StepGraph, spec: DeviceSpec, *, dtensor: bool = False) -> list[float]:
     """Seconds every traced node adds to a step on ``spec`` (:func:`~hardware.roofline.step_op_time`: the
     kernel and the host's per-op overhead, DTensor's too with ``dtensor``). An optimizer op over a
@@ -61,6 +69,7 @@ def node_times(graph: StepGraph, spec: DeviceSpec, *, dtensor: bool = False) -> 
             view=n.is_view,
             attention=is_attention_kernel(n.op),
             matmul=op_class(n.op) == MATMUL,
+            transcendental_elements=transcendental_elements(graph, n),
             dtensor=dtensor,
         )
         for n in graph.nodes

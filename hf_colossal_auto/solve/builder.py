@@ -48,7 +48,7 @@ from ..capture.op_classes import MATMUL, op_class
 from ..hardware.catalog import DeviceSpec
 from ..hardware.roofline import host_time, kernel_time
 from ..profile.memory import UnrolledStep, unroll
-from ..profile.profiler import is_attention_kernel, node_dtype, node_times
+from ..profile.profiler import is_attention_kernel, node_dtype, node_times, transcendental_elements
 from ..strategies.placements import Strategy, is_shard
 from .cost_model import (
     AxisComm,
@@ -366,6 +366,7 @@ def _backward_ratios(graph: StepGraph, spec: DeviceSpec) -> BackwardRatios:
             spec,
             attention=is_attention_kernel(n.op),
             matmul=op_class(n.op) == MATMUL,
+            transcendental_elements=transcendental_elements(graph, n),
         )
         if n.phase is Phase.FORWARD:
             fwd[n.module] += t
@@ -403,6 +404,7 @@ def _local_device_time(
         spec,
         attention=is_attention_kernel(node.op),
         matmul=op_class(node.op) == MATMUL,
+        transcendental_elements=transcendental_elements(graph, node) / (size if split else 1),
     )
 
 
