@@ -153,7 +153,9 @@ def test_elementwise_math_is_bound_by_its_rate_not_bandwidth():
         elements / 1e9 + spec.kernel_overhead_s
     )
     assert kernel_time(0, nbytes, "float32", spec) == pytest.approx(nbytes / 100e9 + spec.kernel_overhead_s)
-    assert is_transcendental("aten._log_softmax_backward_data.default") and is_transcendental("aten.silu.default")
+    assert is_transcendental("aten._log_softmax_backward_data.default") and is_transcendental(
+        "aten.silu.default"
+    )
     assert not is_transcendental("aten.add.Tensor") and not is_transcendental("aten.mm.default")
     unbounded = spec.with_overrides(transcendental_rate=None)
     assert kernel_time(0, nbytes, "float32", unbounded, transcendental_elements=elements) == pytest.approx(
