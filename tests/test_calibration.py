@@ -161,3 +161,31 @@ def test_elementwise_math_is_bound_by_its_rate_not_bandwidth():
     assert kernel_time(0, nbytes, "float32", unbounded, transcendental_elements=elements) == pytest.approx(
         nbytes / 100e9 + spec.kernel_overhead_s
     )
+
+
+def test_data_parallel_sync_hides_behind_backward_as_the_device_allows():
+    """A DDP plan priced with no overlap pays its all-reduces in full; with a perfect one it is never cheaper
+    than its compute alone nor than its communication alone (``max(compute, comm)``); a partial overlap lands
+    in between."""
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.solve.planner import evaluate_plan
+
+    model = build_model("tiny-llama", device="meta")
+    batch = make_example_inputs(model, 4, 32, device="meta")
+    slow_link = LinkSpec(5e7, 1e-3)  # make the gradient all-reduce comparable to the step's compute
+    steps = {}
+    for efficiency in (0.0, 0.5, 1.0):
+        spec = STATIC_CPU_SPEC.with_overrides(
+            overlap_efficiency=efficiency, intra_node_link=slow_link, inter_node_link=slow_link
+        )
+        plan = evaluate_plan(model, batch, "ddp", num_devices=2, device=spec).plan
+        steps[efficiency] = plan
+        exposed, hidden = plan.communication_time_s, plan.overlapped_communication_s
+        assert exposed >= 0 and hidden >= 0
+        if efficiency == 0.0:
+            assert hidden == pytest.approx(0.0, abs=1e-12)
+    serial, half, perfect = steps[0.0], steps[0.5], steps[1.0]
+    total_comm = serial.communication_time_s
+    assert perfect.step_time_s < half.step_time_s < serial.step_time_s
+    assert perfect.step_time_s >= max(perfect.compute_time_s, total_comm) * (1 - 1e-9)
+    assert half.communication_time_s >= 0.5 * total_comm * (1 - 1e-9)
