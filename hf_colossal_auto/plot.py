@@ -3,7 +3,8 @@
 Two panels: the per-device memory at each moment of the step the planner constrains, against the budget (the
 activation peak, each recomputed block's backward, the optimizer step), and the predicted step time per block
 split into compute, exposed communication and recompute. matplotlib is optional (``pip install
-'hf-colossal-auto[plot]'``); without it :class:`~hf_colossal_auto.solve.frontier.PlotUnavailableError` says so.
+'hf-colossal-auto[plot]'``); without it :class:`~hf_colossal_auto.solve.frontier.PlotUnavailableError`
+says so.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .plan import Plan
-from .solve.frontier import PlotUnavailableError
+from .solve.frontier import new_figure
 
 __all__ = ["plot_plan"]
 
@@ -24,17 +25,8 @@ def _moment_label(name: str) -> str:
 
 def plot_plan(plan: Plan, path: str | Path, title: str | None = None) -> Path:
     """Write ``plan``'s predicted memory over the step and time per block as a PNG at ``path``."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise PlotUnavailableError(
-            "Plotting a plan needs matplotlib, which is not installed: `pip install 'hf-colossal-auto[plot]'` "
-            "(or `pip install matplotlib`). The summary needs nothing."
-        ) from exc
+    fig = new_figure("a plan", (11, 5), 110)
     gib = float(1 << 30)
-    fig = Figure(figsize=(11, 5), dpi=110)
-    FigureCanvasAgg(fig)
     mem_ax, time_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
 
     moments = plan.memory_moments or [["activation peak", plan.peak_memory_bytes]]

@@ -84,9 +84,8 @@ def _free(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _measure(model, batch, device: str, steps: int) -> tuple[float, int, list[float]]:
-    """Median step seconds, peak bytes of a steady-state step (optimizer state already allocated), and every
-    timed step's seconds."""
+def _training_step(model, batch, device: str):
+    """``(optimizer, step)``: AdamW (foreach) and one bf16-autocast training step of ``model`` on ``batch``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
 
     def step() -> None:
@@ -95,6 +94,14 @@ def _measure(model, batch, device: str, steps: int) -> tuple[float, int, list[fl
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    return opt, step
+
+
+def _measure(model, batch, device: str, steps: int) -> tuple[float, int, list[float]]:
+    """Median step seconds, peak bytes of a steady-state step (optimizer state already allocated), and every
+    timed step's seconds."""
+    opt, step = _training_step(model, batch, device)
 
     try:
         for _ in range(2):
@@ -126,15 +133,7 @@ def _op_breakdown(model, batch, device: str, report) -> list[dict]:
 
     from hf_colossal_auto.capture.op_classes import op_base_name
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-
-    def step() -> None:
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    opt, step = _training_step(model, batch, device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -56,7 +56,23 @@ _UNBOUNDED = 1 << 50
 
 
 class PlotUnavailableError(ImportError):
-    """matplotlib is not installed: the frontier can still be printed, not drawn."""
+    """matplotlib is not installed: the frontier (or a plan) can still be printed, not drawn."""
+
+
+def new_figure(what: str, figsize: tuple[float, float], dpi: int):
+    """A matplotlib ``Figure`` on the Agg canvas (no display needed), or :class:`PlotUnavailableError` saying how
+    to install matplotlib; ``what`` names what was to be drawn."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise PlotUnavailableError(
+            f"Plotting {what} needs matplotlib, which is not installed: `pip install 'hf-colossal-auto[plot]'` "
+            "(or `pip install matplotlib`). The table needs nothing."
+        ) from exc
+    fig = Figure(figsize=figsize, dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
 
 
 @dataclass(frozen=True)
@@ -156,17 +172,8 @@ class Frontier:
     def plot(self, path: str | Path) -> Path:
         """Write the frontier as a PNG (step time vs budget, one line per approach). Needs matplotlib; raises
         :class:`PlotUnavailableError` saying how to install it otherwise."""
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-        except ImportError as exc:
-            raise PlotUnavailableError(
-                "Plotting the frontier needs matplotlib, which is not installed: "
-                "`pip install 'hf-colossal-auto[plot]'` (or `pip install matplotlib`). The table needs nothing."
-            ) from exc
+        fig = new_figure("the frontier", (8, 5), 120)
         gib = float(1 << 30)
-        fig = Figure(figsize=(8, 5), dpi=120)
-        FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
         for name, points in self.curves.items():
             xs = [p.budget_bytes / gib for p in points if p.fits]
