@@ -10,7 +10,13 @@ from .profile import ProfileReport, profile_model
 
 __version__ = "0.1.0"
 
-_LAZY = {"AutoParallelPlugin", "AutoParallelAccelerator", "AutoParallelCallback", "autoparallelize"}
+_LAZY = {
+    "AutoParallelPlugin",
+    "AutoParallelAccelerator",
+    "AutoParallelCallback",
+    "autoparallelize",
+    "calibrate",
+}
 
 
 def __getattr__(name: str):
@@ -19,6 +25,10 @@ def __getattr__(name: str):
         from .apply import autoparallelize
 
         return autoparallelize
+    if name == "calibrate":
+        from .calibration import calibrate
+
+        return calibrate
     if name in _LAZY:
         from . import integrations
 
@@ -31,6 +41,7 @@ __all__ = [
     "AutoParallelCallback",
     "AutoParallelPlugin",
     "autoparallelize",
+    "calibrate",
     "CaptureError",
     "DeviceSpec",
     "ProfileReport",
