@@ -93,6 +93,46 @@ def _local_batch(batch: dict, plan, rank: int) -> dict:
     return {k: v[i * per : (i + 1) * per] for k, v in batch.items()}
 
 
+def _kernel_sample() -> dict:
+    """This device's kernel rates now (float32: GEMMs by size, elementwise bandwidth and math, attention)."""
+    import torch
+
+    from hf_colossal_auto.hardware.microbench import (
+        attention_rate,
+        elementwise_bandwidth,
+        matmul_curve,
+        transcendental_rate,
+    )
+
+    device = torch.device("cpu")
+    with torch.no_grad():
+        curve = matmul_curve(device, torch.float32, budget_s=0.4)
+        bandwidth = elementwise_bandwidth(device, nbytes=64 * 2**20, budget_s=0.1)
+        math_rate = transcendental_rate(device, budget_s=0.2)
+    return {
+        "curve": curve,
+        "bandwidth": bandwidth,
+        "math": math_rate,
+        "attention": attention_rate(device, torch.float32, budget_s=0.2),
+    }
+
+
+def _median_sample(samples: list[dict]) -> dict:
+    """DeviceSpec overrides from the median of the in-job kernel samples."""
+    med = statistics.median
+    curve = tuple(
+        (samples[0]["curve"][i][0], med(s["curve"][i][1] for s in samples))
+        for i in range(len(samples[0]["curve"]))
+    )
+    return {
+        "matmul_flops": {"float32": curve},
+        "peak_flops": {"float32": curve[-1][1]},
+        "memory_bandwidth": med(s["bandwidth"] for s in samples),
+        "transcendental_rate": med(s["math"] for s in samples),
+        "attention_flops": {"float32": med(s["attention"] for s in samples)},
+    }
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -102,6 +142,7 @@ def worker(args) -> None:
     from hf_colossal_auto.hardware import get_device
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.plan import Plan
+    from hf_colossal_auto.solve.planner import evaluate_plan
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
@@ -144,14 +185,28 @@ def worker(args) -> None:
 
     names = list(prepared)
     times: dict[str, list[float]] = {n: [] for n in names}
+    samples: list[dict] = []
     for r in range(args.warmup + args.steps):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             seconds = timed(name)
             if r >= args.warmup:
                 times[name].append(seconds)
+        if r >= args.warmup and args.in_job_kernels:
+            dist.barrier()  # both ranks at once, as in a step and in `calibrate`
+            samples.append(_kernel_sample())
     mine = torch.tensor([statistics.median(times[n]) for n in names], dtype=torch.float64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    in_job: dict[str, float] = {}
+    if rank == 0 and samples:
+        # the same plans re-priced with the kernel rates measured between the timed rounds: the machine's drift
+        # between `calibrate` and the steps no longer counts as the model's error
+        drifted = spec.with_overrides(**_median_sample(samples))
+        meta = build_model(cfg, device="meta")
+        meta_batch = make_example_inputs(meta, args.batch, args.seq, device="meta")
+        for n in names:
+            est = evaluate_plan(meta, meta_batch, prepared[n][4], num_devices=world, device=drifted)
+            in_job[n] = est.step_time_s
     if rank == 0:
         rows = []
         for n, measured in zip(names, mine.tolist(), strict=True):
@@ -172,6 +227,7 @@ def worker(args) -> None:
                     "dp_mode": plan.dp_mode,
                     "recompute": rc,
                     "predicted_s": prepared[n][3],
+                    "predicted_in_job_s": in_job.get(n),
                     "measured_s": measured,
                 }
             )
@@ -183,8 +239,11 @@ def worker(args) -> None:
     os._exit(0)
 
 
-def _metrics(rows: list[dict]) -> dict:
-    errors = [r["predicted_s"] / r["measured_s"] - 1 for r in rows]
+def _metrics(rows: list[dict], key: str = "predicted_s") -> dict:
+    rows = [r for r in rows if r.get(key) is not None]
+    if not rows:
+        return {}
+    errors = [r[key] / r["measured_s"] - 1 for r in rows]
     pairs = ordered = 0
     by_family: dict[str, list[dict]] = {}
     for r in rows:
@@ -196,7 +255,7 @@ def _metrics(rows: list[dict]) -> dict:
             if max(a["measured_s"], b["measured_s"]) / min(a["measured_s"], b["measured_s"]) <= 1.10:
                 continue
             pairs += 1
-            ordered += (a["measured_s"] < b["measured_s"]) == (a["predicted_s"] < b["predicted_s"])
+            ordered += (a["measured_s"] < b["measured_s"]) == (a[key] < b[key])
         auto = next(r for r in rs if r["candidate"] == "auto")
         fastest = min(rs, key=lambda r: r["measured_s"])
         choice_gap[fam] = auto["measured_s"] / fastest["measured_s"] - 1
@@ -215,14 +274,17 @@ def _metrics(rows: list[dict]) -> dict:
 
 def _table(rows: list[dict]) -> str:
     lines = [
-        "| family | candidate | mesh | dp | recompute | predicted ms | measured ms | error |",
-        "|---|---|---|---|---|---:|---:|---:|",
+        "| family | candidate | mesh | dp | recompute | predicted ms | measured ms | error | re-priced in job ms | error |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         err = r["predicted_s"] / r["measured_s"] - 1
+        again = r.get("predicted_in_job_s")
+        in_job = f"{again * 1e3:.0f} | {again / r['measured_s'] - 1:+.1%}" if again else "- | -"
         lines.append(
             f"| {r['family']} | {r['candidate']} | {'x'.join(map(str, r['mesh']))} | {r['dp_mode']} | "
-            f"{','.join(r['recompute'])} | {r['predicted_s'] * 1e3:.0f} | {r['measured_s'] * 1e3:.0f} | {err:+.1%} |"
+            f"{','.join(r['recompute'])} | {r['predicted_s'] * 1e3:.0f} | {r['measured_s'] * 1e3:.0f} | {err:+.1%} | "
+            f"{in_job} |"
         )
     return "\n".join(lines)
 
@@ -244,6 +306,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default=None, help="device spec (preset or JSON); default: calibrate first")
     p.add_argument("--json", help="write rows and metrics here")
+    p.add_argument(
+        "--no-in-job-kernels",
+        dest="in_job_kernels",
+        action="store_false",
+        help="skip sampling kernel rates between the timed rounds (and the re-priced column)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -261,13 +329,15 @@ def main() -> None:
     rows: list[dict] = []
     shape = ["--hidden", args.hidden, "--layers", args.layers, "--vocab", args.vocab, "--batch", args.batch]
     shape += ["--seq", args.seq, "--warmup", args.warmup, "--steps", args.steps, "--device", device]
+    if not args.in_job_kernels:
+        shape.append("--no-in-job-kernels")
     for family in args.families.split(","):
         out = os.path.join(tmp, f"{family}.json")
         _torchrun([os.path.abspath(__file__), "--worker", family, "--worker-out", out, *map(str, shape)], env)
         with open(out) as f:
             rows += json.load(f)
         print(_table([r for r in rows if r["family"] == family]), flush=True)
-    metrics = _metrics(rows)
+    metrics = {"calibrated": _metrics(rows), "re-priced in job": _metrics(rows, "predicted_in_job_s")}
     print(
         f"\nmachine: {os.cpu_count()} cores, 2 gloo ranks x 1 thread; global batch {args.batch}x{args.seq}, "
         f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; device spec {args.device or 'calibrated'}"
