@@ -195,9 +195,13 @@ class LinkSpec:
         """``(bandwidth, latency)`` of one collective kind on this link (measured where calibrated). ``via``:
         the layer that issues it (``"dtensor"``: a DTensor redistribution, whose fit ``"dtensor:<kind>"``
         includes its copies and bookkeeping), when that was measured."""
-        if via is not None and f"{via}:{kind}" in self.collectives:
+        if self.measured_through(via, kind):
             return self.collectives[f"{via}:{kind}"]
         return self.collectives.get(kind, (self.bandwidth, self.latency))
+
+    def measured_through(self, via: str | None, kind: str) -> bool:
+        """Whether calibration fitted ``kind`` as issued through ``via`` (e.g. DTensor's redistribute)."""
+        return via is not None and f"{via}:{kind}" in self.collectives
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready representation (``collectives`` only when calibrated)."""

@@ -24,6 +24,7 @@ __all__ = [
     "kernel_time",
     "matmul_flops_for",
     "host_time",
+    "join_host",
     "step_op_time",
     "compute_time",
     "memory_time",
@@ -74,11 +75,7 @@ def op_time(flops: float, bytes_moved: float, dtype: object, spec: DeviceSpec) -
     """
     if flops < 0 or bytes_moved < 0:
         raise ValueError(f"op_time needs non-negative work, got flops={flops!r}, bytes_moved={bytes_moved!r}")
-    if flops == 0 and bytes_moved == 0:
-        return 0.0
-    compute = flops / peak_flops_for(dtype, spec)
-    memory = bytes_moved / spec.memory_bandwidth
-    return (compute if compute > memory else memory) + spec.kernel_overhead_s
+    return kernel_time(flops, bytes_moved, dtype, spec)
 
 
 def attention_flops_for(dtype: object, spec: DeviceSpec) -> float:
@@ -174,12 +171,18 @@ def step_op_time(
             transcendental_elements=transcendental_elements,
         )
     )
-    host = host_time(spec, dtensor=dtensor)
+    return join_host(device, host_time(spec, dtensor=dtensor), spec, view=view)
+
+
+def join_host(device_s: float, host_s: float, spec: DeviceSpec, *, view: bool = False) -> float:
+    """Seconds of work that costs the device ``device_s`` and the host ``host_s``: the sum on a CPU (one
+    runs after the other), the longer of the two on a GPU (the host enqueues ahead of the device), where a
+    view, which launches nothing, hides behind the device entirely."""
     if spec.kind == "cpu":
-        return device + host
+        return device_s + host_s
     if view:
-        return 0.0
-    return device if device > host else host
+        return device_s
+    return device_s if device_s > host_s else host_s
 
 
 def ridge_intensity(dtype: object, spec: DeviceSpec) -> float:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from ..capture.graph import OpNode, Phase, StepGraph, ValueKind
 from ..capture.op_classes import MATMUL, op_class
 from ..hardware.catalog import DeviceSpec
-from ..hardware.roofline import host_time, kernel_time
+from ..hardware.roofline import host_time, join_host, kernel_time
 from ..profile.memory import UnrolledStep, unroll
 from ..profile.profiler import is_attention_kernel, node_dtype, node_times, transcendental_elements
 from ..strategies.placements import Strategy, is_shard
@@ -416,14 +416,8 @@ def _local_node_time(
 
 
 def _with_host(device: float, node: OpNode, ops: float, spec: DeviceSpec) -> float:
-    """Device seconds joined with the host's for ``ops`` ops run on DTensors (every op of a planned model is):
-    added on a CPU, the longer of the two on a GPU (the host runs ahead; views hide behind the device)."""
-    host = host_time(spec, dtensor=True) * ops
-    if spec.kind == "cpu":
-        return device + host
-    if node.is_view:
-        return device
-    return max(device, host)
+    """Device seconds joined with the host's for ``ops`` ops run on DTensors (every op of a planned model is)."""
+    return join_host(device, host_time(spec, dtensor=True) * ops, spec, view=node.is_view)
 
 
 def _node_step_time(

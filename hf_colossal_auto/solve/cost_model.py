@@ -55,8 +55,7 @@ class AxisComm:
     def time(self, kind: str, nbytes: float) -> float:
         if self.size == 1 or nbytes == 0:
             return 0.0
-        measured = self.via is not None and f"{self.via}:{kind}" in self.link.collectives
-        overhead = 0.0 if measured else self.call_overhead_s
+        overhead = 0.0 if self.link.measured_through(self.via, kind) else self.call_overhead_s
         return collective_time(kind, nbytes, self.size, self.link, self.via) + overhead
 
 
