@@ -10,29 +10,34 @@ from .profile import ProfileReport, profile_model
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it; loaded on first use (the solver imports pulp, the runtime
+# torch.distributed, the integrations accelerate and transformers' Trainer)
 _LAZY = {
-    "AutoParallelPlugin",
-    "AutoParallelAccelerator",
-    "AutoParallelCallback",
-    "autoparallelize",
-    "calibrate",
+    "Plan": ".plan",
+    "plan_model": ".solve.planner",
+    "evaluate_plan": ".solve.planner",
+    "Estimate": ".solve.planner",
+    "InfeasibleError": ".solve.problem",
+    "autoparallelize": ".apply",
+    "apply_plan": ".apply",
+    "PlanMismatchError": ".apply",
+    "data_parallel_info": ".apply.data",
+    "DataParallelInfo": ".apply.data",
+    "shard_batch": ".apply.data",
+    "data_parallel_loader": ".integrations.data",
+    "calibrate": ".calibration",
+    "AutoParallelPlugin": ".integrations",
+    "AutoParallelAccelerator": ".integrations",
+    "AutoParallelCallback": ".integrations",
 }
 
 
 def __getattr__(name: str):
-    """Integrations and the runtime load on first use (they import accelerate / torch.distributed)."""
-    if name == "autoparallelize":
-        from .apply import autoparallelize
-
-        return autoparallelize
-    if name == "calibrate":
-        from .calibration import calibrate
-
-        return calibrate
+    """The planner, the runtime and the integrations load on first use."""
     if name in _LAZY:
-        from . import integrations
+        import importlib
 
-        return getattr(integrations, name)
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -40,8 +45,19 @@ __all__ = [
     "AutoParallelAccelerator",
     "AutoParallelCallback",
     "AutoParallelPlugin",
+    "DataParallelInfo",
+    "Estimate",
+    "InfeasibleError",
+    "Plan",
+    "PlanMismatchError",
+    "apply_plan",
     "autoparallelize",
     "calibrate",
+    "data_parallel_info",
+    "data_parallel_loader",
+    "evaluate_plan",
+    "plan_model",
+    "shard_batch",
     "CaptureError",
     "DeviceSpec",
     "ProfileReport",

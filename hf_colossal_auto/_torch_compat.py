@@ -18,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "queue_backward_callback",
+    "set_group_timeout",
     "default_dtensor_dispatch",
     "register_dtensor_op_handler",
     "allow_implicit_replication",
@@ -205,3 +206,13 @@ def queue_backward_callback(callback) -> None:
     that runs during backward). What DDP and FSDP1 use to finish gradient reductions they started
     asynchronously."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def set_group_timeout(timeout, group=None) -> None:
+    """A process group's collective timeout after its creation (``_set_pg_timeout``: gloo and NCCL backends).
+
+    Why: the group is created by the launcher's ``init_process_group`` (accelerate, the Trainer, the user) with
+    torch's 30-minute default; the plan's runtime shortens it so a lost peer ends the job in minutes."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)

@@ -31,9 +31,11 @@ import contextlib
 import ctypes
 import functools
 import gc
+import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -44,6 +46,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from .._torch_compat import allow_implicit_replication, queue_backward_callback, tree_map
 from ..plan import Plan
+from .agree import DEFAULT_TIMEOUT_S, raise_if_any_rank_failed, run_on_one_rank, set_timeout
+from .data import global_batch
 from .dtensor_rules import register_runtime_rules
 from .enforce import ReducePartialGradientsAtProducers, enforce_plan
 from .materialize import is_meta_model, materialize_meta_model
@@ -78,6 +82,16 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int | None = None) -
         )
     if plan.model_class != type(model).__name__:
         raise PlanMismatchError(f"plan made for {plan.model_class}, applied to {type(model).__name__}")
+    wrong = [
+        f"{fqn} {tuple(params[fqn].shape)} (plan: {tuple(shape)})"
+        for fqn, shape in plan.param_shapes.items()
+        if fqn in params and tuple(params[fqn].shape) != tuple(shape)
+    ]
+    if wrong:
+        raise PlanMismatchError(
+            f"This plan was made for another configuration of {plan.model_class}: {len(wrong)} parameters have "
+            f"other shapes, e.g. {'; '.join(wrong[:3])}. Re-plan for this model."
+        )
     mesh_size = math.prod(plan.mesh_shape)
     if world_size is not None and mesh_size != world_size:
         raise PlanMismatchError(
@@ -95,6 +109,20 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int | None = None) -
                         f"plan shards {fqn} (shape {shape}) on dim {d} over {size} devices, which does not divide "
                         "it; the plan was made for another configuration"
                     )
+
+
+def _validate_on_every_rank(model: nn.Module, plan: Plan, world_size: int | None) -> None:
+    """:func:`validate_plan`, agreed: if the plan does not fit on any rank (a plan file only one rank could
+    read, a model built differently on one rank), every rank raises, before any rank enters a collective."""
+    error: PlanMismatchError | None = None
+    try:
+        validate_plan(model, plan, world_size)
+    except PlanMismatchError as exc:
+        error = exc
+    if world_size is not None and world_size > 1:
+        raise_if_any_rank_failed(error, what="checking the plan against the model")
+    elif error is not None:
+        raise error
 
 
 def build_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
@@ -326,14 +354,18 @@ def apply_plan(
     plan: Plan,
     mesh: DeviceMesh | None = None,
     optimizers: tuple[torch.optim.Optimizer, ...] | list[torch.optim.Optimizer] = (),
+    *,
+    timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
 ) -> nn.Module:
     """Shard ``model`` in place per ``plan`` on ``mesh`` (built from the running job when None).
 
     Optimizers are best created afterwards, from ``model.parameters()``; one created before must be passed in
-    ``optimizers`` so that it is pointed at the new parameters.
+    ``optimizers`` so that it is pointed at the new parameters. A plan that does not fit the model or the job
+    raises :class:`PlanMismatchError` on every rank. ``timeout`` (seconds; None keeps the process group's)
+    becomes the collective timeout of the groups the plan runs on.
     """
     world = dist.get_world_size() if dist.is_initialized() else None
-    validate_plan(model, plan, world)
+    _validate_on_every_rank(model, plan, world)
     fsdp = plan.dp_mode == "fsdp" and plan.dp_size > 1
     register_runtime_rules()
     allow_implicit_replication(True)
@@ -361,6 +393,8 @@ def apply_plan(
     model._hf_colossal_auto_mesh = mesh
     tp = plan.tp_size
     model._tp_size = tp  # transformers' Trainer reads it for batch-size arithmetic
+    if timeout is not None and dist.is_initialized():
+        set_timeout(timeout, (mesh.get_group(axis) for axis in range(mesh.ndim)))
     logger.info("applied plan: mesh %s, %s on the data-parallel axis", tuple(plan.mesh_shape), plan.dp_mode)
     return model
 
@@ -384,9 +418,14 @@ def broadcast_plan(plan: Plan | None, src: int = 0) -> Plan:
     dist.broadcast_object_list(payload, src=src)
     if payload[0] is None:
         raise RuntimeError(f"rank {src} had no plan to broadcast")
-    import json
-
     return Plan.from_dict(json.loads(payload[0]))
+
+
+def plan_on_one_rank(make_plan: Callable[[], Plan], src: int = 0) -> Plan:
+    """``make_plan()`` on rank ``src``, its plan on every rank — or, when it raises, the same error (type and
+    message) on every rank within seconds, instead of the others waiting out the process-group timeout."""
+    text = run_on_one_rank(lambda: make_plan().to_json(), src=src, what="planning")
+    return Plan.from_dict(json.loads(text))
 
 
 def autoparallelize(
@@ -396,37 +435,43 @@ def autoparallelize(
     plan: Plan | None = None,
     device_mesh: DeviceMesh | None = None,
     optimizers: tuple[torch.optim.Optimizer, ...] | list[torch.optim.Optimizer] = (),
+    timeout: float | timedelta = DEFAULT_TIMEOUT_S,
     **plan_model_kwargs: Any,
 ) -> nn.Module:
     """Plan (on rank 0, broadcast to all) and apply it, inside a running ``torch.distributed`` job.
 
-    ``example_inputs`` is one rank's *local* batch; the planner is given the global batch (local batch x the
-    data-parallel size is not known before planning, so the local batch is planned as the global batch of a
-    pure tensor-parallel job when ``plan_model_kwargs`` has no ``mesh_shape``; pass ``plan=`` or
-    ``mesh_shape=`` for data parallelism). ``num_devices`` defaults to the world size and ``device`` to the
-    running device kind ("cpu" under gloo). Optimizers created before this call go in ``optimizers``.
+    ``example_inputs`` is *this process's batch as plain DDP would feed it* (the batch rule of every entry
+    point): the planner plans a step of ``example_inputs x world size`` samples. After this call,
+    ``hf_colossal_auto.data_parallel_info(model)`` says which rows of each global batch this process's
+    data-parallel group reads (``data_parallel_loader`` / ``shard_batch`` cut them). ``num_devices``
+    defaults to the world size and ``device`` to the running device kind ("cpu" under gloo); other keyword
+    arguments go to :func:`~hf_colossal_auto.solve.planner.plan_model`. Optimizers created before this call go
+    in ``optimizers``. If planning fails (an impossible budget, a model that cannot be captured), every rank
+    raises the same error. ``timeout`` (seconds) bounds how long a rank waits for a peer that stopped answering.
     """
     if not dist.is_initialized():
         raise RuntimeError(
             "autoparallelize needs a running torch.distributed job (torchrun / accelerate launch); for planning "
-            "without processes use hf_colossal_auto.solve.planner.plan_model"
+            "without processes use hf_colossal_auto.plan_model"
         )
     if plan is None:
         if example_inputs is None:
-            raise ValueError("autoparallelize needs example_inputs (one batch) or a plan")
-        made = None
-        if dist.get_rank() == 0:
+            raise ValueError("autoparallelize needs example_inputs (one process's batch) or a plan")
+        world = dist.get_world_size()
+
+        def make() -> Plan:
             from ..solve.planner import plan_model
 
             kwargs = dict(plan_model_kwargs)
-            kwargs.setdefault("num_devices", dist.get_world_size())
+            kwargs.setdefault("num_devices", world)
             kwargs.setdefault("device", "cpu" if dist.get_backend() != "nccl" else _cuda_kind())
-            made = plan_model(model, example_inputs, **kwargs)
-        plan = broadcast_plan(made)
-    return apply_plan(model, plan, device_mesh, optimizers)
+            return plan_model(model, global_batch(example_inputs, world), **kwargs)
+
+        plan = plan_on_one_rank(make)
+    return apply_plan(model, plan, device_mesh, optimizers, timeout=timeout)
 
 
-def _cuda_kind() -> str:
+def _cuda_kind() -> Any:
     from ..hardware import detect_device
 
     return detect_device()

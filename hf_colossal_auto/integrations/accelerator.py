@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import math
 import os
@@ -49,6 +48,9 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..apply import PlanMismatchError, apply_plan, build_mesh, consolidated_state_dict, remap_optimizer
+from ..apply.agree import DEFAULT_TIMEOUT_S
+from ..apply.data import global_batch
+from ..apply.runtime import plan_on_one_rank
 from ..plan import Plan
 from .plugin import AutoParallelPlugin
 
@@ -206,18 +208,6 @@ def peek_batch(loader: DataLoader) -> Any:
         return loader.collate_fn([dataset[i] for i in indices])
 
 
-def _global_batch(batch: Mapping[str, Any], processes: int, device: torch.device) -> dict[str, Any]:
-    """What one optimizer step consumes over all processes, from one per-process batch (shapes matter, not
-    values: the planner traces on fake tensors)."""
-
-    def grow(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value.to(device).repeat((processes,) + (1,) * (value.dim() - 1))
-        return value
-
-    return {k: grow(v) for k, v in batch.items()}
-
-
 def _optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str | None:
     """The planner's optimizer-state model for the optimizer the user made (None: keep the planner's default)."""
     for opt in optimizers:
@@ -313,37 +303,30 @@ class AutoParallelAccelerator(Accelerator):
         return batch
 
     def _make_plan(self, model: nn.Module, loaders: list[DataLoader], optimizers: list) -> Plan:
-        """Rank 0 plans for this job (its processes, its device), every rank receives the same plan."""
-        made, error = None, None
-        if self.process_index == 0:
-            try:
-                from ..solve.planner import plan_model
+        """Rank 0 plans for this job (its processes, its device), every rank receives the same plan — or, if
+        planning fails, raises the same error."""
 
-                batch = self._example_inputs(loaders)
-                device = next(model.parameters()).device
-                # a loader batch is one process's, except with split_batches (then it is the global one)
-                per_process = self.auto_parallel_plugin.example_inputs is not None or not self.split_batches
-                global_batch = _global_batch(batch, self.num_processes if per_process else 1, device)
-                kwargs: dict[str, Any] = {
-                    "num_devices": self.num_processes,
-                    "device": self._device_kind(),
-                    "devices_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes)),
-                    "mixed_precision": None if self.mixed_precision == "no" else self.mixed_precision,
-                }
-                kind = _optimizer_kind([_raw_optimizer(o) for o in optimizers])
-                if kind is not None:
-                    kwargs["optimizer"] = kind
-                kwargs.update(self.auto_parallel_plugin.planner_kwargs())
-                made = plan_model(model, global_batch, **kwargs).to_json()
-            except Exception as exc:  # every rank must leave the broadcast: send the error instead of a plan
-                error = exc
-        payload = [made, None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(payload, src=0)
-        if error is not None:
-            raise error
-        if payload[1] is not None:
-            raise RuntimeError(f"planning failed on the main process: {payload[1]}")
-        return Plan.from_dict(json.loads(payload[0]))
+        def make() -> Plan:
+            from ..solve.planner import plan_model
+
+            batch = self._example_inputs(loaders)
+            device = next(model.parameters()).device
+            # a loader batch is one process's, except with split_batches (then it is the global one)
+            per_process = self.auto_parallel_plugin.example_inputs is not None or not self.split_batches
+            batch = global_batch(batch, self.num_processes if per_process else 1, device)
+            kwargs: dict[str, Any] = {
+                "num_devices": self.num_processes,
+                "device": self._device_kind(),
+                "devices_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes)),
+                "mixed_precision": None if self.mixed_precision == "no" else self.mixed_precision,
+            }
+            kind = _optimizer_kind([_raw_optimizer(o) for o in optimizers])
+            if kind is not None:
+                kwargs["optimizer"] = kind
+            kwargs.update(self.auto_parallel_plugin.planner_kwargs())
+            return plan_model(model, batch, **kwargs)
+
+        return plan_on_one_rank(make)
 
     def _device_kind(self) -> str:
         if self.device.type == "cuda":
@@ -363,7 +346,8 @@ class AutoParallelAccelerator(Accelerator):
             model.to(self.device)
         names = {id(p): n for n, p in model.named_parameters()}
         mesh = build_mesh(plan, self.device.type)
-        apply_plan(model, plan, mesh)
+        timeout = self.auto_parallel_plugin.timeout
+        apply_plan(model, plan, mesh, timeout=DEFAULT_TIMEOUT_S if timeout is None else timeout)
         # point optimizers made before prepare() at the new parameters, by name (FSDP replaces them twice)
         new = dict(model.named_parameters())
         for opt in optimizers:

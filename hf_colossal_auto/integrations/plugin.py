@@ -125,6 +125,7 @@ _PARSERS = {
     "plan_path": _parse_str,
     "save_plan_path": _parse_str,
     "time_limit_s": _parse_float,
+    "timeout": _parse_float,
     "plan_kwargs": _parse_mapping,
 }
 
@@ -166,6 +167,13 @@ class AutoParallelPlugin:
         metadata={"help": "one per-process batch to plan from (default: the first batch of the data loader)"},
     )
     time_limit_s: float | None = field(default=None, metadata={"help": "ILP time limit per mesh, seconds"})
+    timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "seconds a rank waits in a collective for a peer that stopped answering before the job "
+            "fails (default 300; torch's own default is 1800)"
+        },
+    )
     plan_kwargs: dict[str, Any] | None = field(
         default=None,
         metadata={

@@ -79,7 +79,9 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..apply import apply_plan, broadcast_plan, consolidated_state_dict, load_checkpoint, save_checkpoint
+from ..apply import apply_plan, consolidated_state_dict, load_checkpoint, save_checkpoint
+from ..apply.agree import DEFAULT_TIMEOUT_S, as_timedelta
+from ..apply.runtime import plan_on_one_rank
 from ..plan import Plan
 from .accelerator import loader_options
 
@@ -103,6 +105,8 @@ class AutoParallelCallback(TrainerCallback):
         plan_path: a saved :class:`~hf_colossal_auto.plan.Plan` to apply instead of planning.
         save_plan_path: where the main process writes the plan it applied (JSON).
         time_limit_s: the ILP solver's time limit per mesh.
+        timeout: seconds a rank waits in a collective for a peer that stopped answering before it fails
+            (replaces the process group's timeout, ``TrainingArguments.ddp_timeout``, once the plan is applied).
         **plan_kwargs: further :func:`~hf_colossal_auto.solve.planner.plan_model` arguments
             (``mixed_precision``, ``dp_modes``, ``devices_per_node``, ``optimizer``).
     """
@@ -115,15 +119,18 @@ class AutoParallelCallback(TrainerCallback):
         plan_path: str | os.PathLike | None = None,
         save_plan_path: str | os.PathLike | None = None,
         time_limit_s: float = 60.0,
+        timeout: float = DEFAULT_TIMEOUT_S,
         **plan_kwargs: Any,
     ) -> None:
         _check_settings(memory_budget, device, mesh_shape, plan_path, time_limit_s, plan_kwargs)
+        as_timedelta(timeout)  # a bad value fails here, not after planning
         self.memory_budget = memory_budget
         self.device = device
         self.mesh_shape = tuple(mesh_shape) if mesh_shape is not None else None
         self.plan_path = Path(plan_path) if plan_path is not None else None
         self.save_plan_path = Path(save_plan_path) if save_plan_path is not None else None
         self.time_limit_s = time_limit_s
+        self.timeout = timeout
         self.plan_kwargs = plan_kwargs
         self.plan: Plan | None = None
         self._trainer: Trainer | None = None
@@ -170,7 +177,7 @@ class AutoParallelCallback(TrainerCallback):
         with _preserved_rng():
             self.plan = self._make_plan(trainer)
             optimizers = [_unwrap_optimizer(trainer.optimizer)] if trainer.optimizer is not None else []
-            apply_plan(trainer.model, self.plan, optimizers=optimizers)
+            apply_plan(trainer.model, self.plan, optimizers=optimizers, timeout=self.timeout)
         if self.save_plan_path is not None and dist.get_rank() == 0:
             self.save_plan_path.parent.mkdir(parents=True, exist_ok=True)
             self.plan.save(self.save_plan_path)
@@ -178,10 +185,12 @@ class AutoParallelCallback(TrainerCallback):
         self._trainer = trainer
 
     def _make_plan(self, trainer: Trainer) -> Plan:
+        """Rank 0 plans for the Trainer's global batch (per-device batch x processes, the batch rule of every
+        entry point); every rank gets the plan, or the same error when planning fails."""
         if self.plan_path is not None:
             return Plan.load(self.plan_path)
-        made = None
-        if dist.get_rank() == 0:
+
+        def make() -> Plan:
             from ..solve.planner import plan_model
 
             world = dist.get_world_size()
@@ -199,7 +208,9 @@ class AutoParallelCallback(TrainerCallback):
                 **kwargs,
             )
             logger.info("AutoParallelCallback plan:\n%s", made.summary())
-        return broadcast_plan(made)
+            return made
+
+        return plan_on_one_rank(make)
 
 
 # --- settings and conflicts ------------------------------------------------------------------------------

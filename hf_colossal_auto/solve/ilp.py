@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pulp
@@ -33,6 +37,8 @@ SOLVERS = ("highs", "cbc")
 MAX_REPAIRS = 100
 ADDITIVE_RTOL = 1e-12
 ROUNDING_RTOL = 1e-12
+logger = logging.getLogger(__name__)
+
 OBJECTIVE_MAGNITUDE = 2.0**10
 
 
@@ -506,11 +512,32 @@ def _cbc_bound(log_path: str) -> float | None:
         return None
 
 
+@contextlib.contextmanager
+def _native_stdout_to_debug_log(name: str) -> Iterator[None]:
+    """Send what native code writes to file descriptor 1 (HiGHS prints its banner when pulp creates its
+    solver object, whatever ``msg`` says) to this module's debug log instead of every rank's stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 1)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace").strip()
+            if text:
+                logger.debug("%s output:\n%s", name, text)
+
+
 def _run(model: _Model, backend: str, time_limit: float, mip_gap: float, msg: bool) -> _Outcome:
     gap_abs = 0.0 if mip_gap == 0 else None
     if backend == "highs":
         solver = pulp.HiGHS(msg=msg, timeLimit=time_limit, gapRel=mip_gap, gapAbs=gap_abs)
-        model.prob.solve(solver)
+        with contextlib.nullcontext() if msg else _native_stdout_to_debug_log("HiGHS"):
+            model.prob.solve(solver)
         highs = model.prob.solverModel
         raw = highs.getModelStatus()
         timed_out = raw in (

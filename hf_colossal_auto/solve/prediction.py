@@ -170,6 +170,11 @@ def _make_plan(
         mesh_axis_names=("dp", "tp"),
         dp_mode=dp_mode,
         param_placements=param_placements,
+        param_shapes={
+            fqn: list(p.shape)
+            for fqn, p in planner.model.named_parameters(remove_duplicate=False)
+            if fqn in param_placements
+        },
         activation_placements=activation_placements,
         global_batch_size=planner.batch,
         input_shapes={k: list(v.shape) for k, v in planner.inputs.items() if isinstance(v, torch.Tensor)},

@@ -38,6 +38,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
+    from hf_colossal_auto import data_parallel_info, shard_batch
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.solve.planner import evaluate_plan
@@ -61,8 +62,13 @@ def main() -> None:
             ).plan
             made.dp_mode = args.dp_mode  # the same placements, the data-parallel axis as asked
         autoparallelize(model, plan=broadcast_plan(made), optimizers=early)
-    else:
-        autoparallelize(model, batch, mesh_shape=(dp, tp), device="cpu", optimizers=early)
+    else:  # the batch rule: each process passes its own share of the global batch, as DDP would feed it
+        per_process = {k: v[: args.batch // world] for k, v in batch.items()}
+        autoparallelize(model, per_process, mesh_shape=(dp, tp), device="cpu", optimizers=early)
+    # the group's rows of the global batch, as the documented helpers cut them
+    info = data_parallel_info(model)
+    assert (info.rank, info.size, info.tp_size) == (replica, dp, tp), info
+    assert all(torch.equal(shard_batch(batch, model)[k], local[k]) for k in batch)
     opt = early[0] if early else torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, ref_losses, worst = [], [], 0.0
     for step in range(args.steps):

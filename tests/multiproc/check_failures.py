@@ -1,0 +1,154 @@
+"""Faults and bad input under torchrun: every rank must fail the same way, fast (issue 15, item 2).
+
+    torchrun --nproc_per_node 2 tests/multiproc/check_failures.py --out D --scenario planning
+    torchrun --nproc_per_node 2 tests/multiproc/check_failures.py --out D --scenario stuck-peer
+
+``planning``: an impossible memory budget through ``autoparallelize``, the ``AutoParallelAccelerator`` and the
+``AutoParallelCallback`` in turn, then a plan that only rank 1's model does not fit. Each rank writes
+``D/rank<r>.json``: per case, the error type and message it caught and the seconds it took.
+
+``stuck-peer``: a 1 x 2 plan applied with ``timeout=3``; at the third step rank 1 stops answering (sleeps, its
+sockets open), rank 0 writes how long its collective waited and what it raised, then exits with status 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT_S = 3.0
+IMPOSSIBLE_BUDGET = 64 * 1024  # bytes: below any model's parameters
+
+
+def _model(vocab: int | None = None) -> torch.nn.Module:
+    from hf_colossal_auto.models import build_model, load_config
+
+    config = load_config("tiny-llama")
+    if vocab is not None:
+        config.vocab_size = vocab
+    torch.manual_seed(0)
+    return build_model(config, device="cpu")
+
+
+def _caught(fn) -> dict:
+    start = time.perf_counter()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        return {"type": type(exc).__name__, "message": str(exc), "seconds": time.perf_counter() - start}
+    return {"type": None, "message": "", "seconds": time.perf_counter() - start}
+
+
+def _autoparallelize_case() -> None:
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.models import make_example_inputs
+
+    model = _model()
+    autoparallelize(model, make_example_inputs(model, 2, 16), memory_budget=IMPOSSIBLE_BUDGET)
+
+
+def _accelerator_case() -> None:
+    from torch.utils.data import DataLoader
+
+    from hf_colossal_auto import AutoParallelAccelerator, AutoParallelPlugin
+    from hf_colossal_auto.models import make_example_inputs
+
+    model = _model()
+    batch = make_example_inputs(model, 4, 16)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(4)]
+    accelerator = AutoParallelAccelerator(
+        auto_parallel_plugin=AutoParallelPlugin(memory_budget=IMPOSSIBLE_BUDGET, device="cpu")
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    accelerator.prepare(model, optimizer, DataLoader(rows, batch_size=2))
+
+
+def _callback_case(out: Path) -> None:
+    import transformers
+
+    from hf_colossal_auto import AutoParallelCallback
+    from hf_colossal_auto.models import make_example_inputs
+
+    model = _model()
+    batch = make_example_inputs(model, 4, 16)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(4)]
+    args = transformers.TrainingArguments(
+        output_dir=str(out / "trainer"),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+    )
+    callback = AutoParallelCallback(memory_budget=IMPOSSIBLE_BUDGET, device="cpu")
+    transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
+
+
+def _foreign_plan_case() -> None:
+    """Rank 0 plans for its model; rank 1's model has another vocabulary, so the plan fits rank 0 only."""
+    from hf_colossal_auto import apply_plan, plan_model
+    from hf_colossal_auto.apply.runtime import plan_on_one_rank
+    from hf_colossal_auto.models import make_example_inputs
+
+    model = _model(vocab=None if dist.get_rank() == 0 else 1000)
+    plan = plan_on_one_rank(
+        lambda: plan_model(model, make_example_inputs(model, 4, 16), num_devices=2, device="cpu")
+    )
+    apply_plan(model, plan)
+
+
+def planning(out: Path) -> None:
+    cases = {
+        "autoparallelize": _autoparallelize_case,
+        "accelerator": _accelerator_case,
+        "callback": lambda: _callback_case(out),
+        "foreign_plan": _foreign_plan_case,
+    }
+    results = {}
+    for name, case in cases.items():
+        results[name] = _caught(case)
+        dist.barrier()  # the next case starts together on both ranks: each case's time is its own
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+
+
+def stuck_peer(out: Path) -> None:
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.models import make_example_inputs
+
+    model = _model()
+    batch = make_example_inputs(model, 2, 16)
+    autoparallelize(model, batch, mesh_shape=(1, 2), device="cpu", timeout=TIMEOUT_S)
+    for step in range(3):
+        if step == 2 and dist.get_rank() == 1:
+            time.sleep(120)  # alive, sockets open, not answering
+        result = _caught(lambda: model(**batch).loss.backward())
+        if result["type"] is not None:
+            (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"step": step, **result}))
+            sys.stdout.flush()
+            os._exit(3)  # a broken group cannot be torn down cleanly; torchrun stops the other rank
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--scenario", choices=("planning", "stuck-peer"), required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo")
+    if args.scenario == "planning":
+        planning(out)
+    else:
+        stuck_peer(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
