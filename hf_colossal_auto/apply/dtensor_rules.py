@@ -18,10 +18,20 @@ local shard contiguous first. DTensor wrappers never share storage with their in
 affected; what is lost is only the aliasing of an in-place write through that view, which transformer
 forwards do not do.
 
+And one for ``aten.cat`` with *legacy empty* inputs: plain ``torch.cat`` skips 1-D tensors of shape ``(0,)``
+whatever the other inputs' rank, and transformers' KV cache relies on it (``DynamicLayer`` starts from
+``torch.tensor([])`` and concatenates each step's keys onto it). DTensor instead treats the empty plain tensor
+as replicated (implicit replication) and redistributes it to the keys' placement, which fails for a
+head-sharded key ("IndexError: Dimension out of range") — any forward with ``use_cache=True`` under a
+tensor-parallel plan: ``generate()``, an eval step, a training step of a config with ``use_cache`` on. The
+handler drops such plain inputs before DTensor's dispatch, as torch's own kernel would.
+
 Registration is process-wide and idempotent.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -93,6 +103,19 @@ def _view_of_contiguous_shard(op, args, kwargs):
     return default_dtensor_dispatch(op, args, kwargs)
 
 
+def _is_legacy_empty(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == (0,)
+
+
+def _cat_skipping_legacy_empty(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    """``aten.cat`` on DTensors with plain ``(0,)``-shaped inputs skipped, as torch's kernel skips them."""
+    tensors = args[0]
+    kept = [t for t in tensors if not _is_legacy_empty(t)]
+    if len(kept) < len(tensors) and any(isinstance(t, DTensor) for t in kept):
+        args = (kept, *args[1:])
+    return default_dtensor_dispatch(op, args, kwargs)
+
+
 def register_runtime_rules() -> None:
     """Register the rules above into DTensor's sharding propagator (once per process)."""
     global _registered
@@ -102,4 +125,5 @@ def register_runtime_rules() -> None:
     register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(_flash_cpu_backward)
     register_sharding([aten.fill_.Tensor, aten.fill.Tensor])(_fill_tensor)
     register_dtensor_op_handler(aten.view.default, _view_of_contiguous_shard)
+    register_dtensor_op_handler(aten.cat.default, _cat_skipping_legacy_empty)
     _registered = True

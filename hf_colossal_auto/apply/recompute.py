@@ -7,6 +7,12 @@ with :func:`hf_colossal_auto.capture.op_classes.op_class`, the same function the
 with. Both work on DTensor-sharded blocks (the policy sees DTensor-level aten ops, as the planner's trace
 did) and under FSDP2 (its pre-backward hook unshards the parameters before the block is recomputed).
 
+A block that is checkpointed is given no KV cache while it records for backward (``use_cache=False``, the
+cache arguments None), as HF's own ``GradientCheckpointingLayer`` does: its rerun in backward would write the
+cache a second time (a training forward of a config with ``use_cache`` on returns a cache twice as long once
+backward has run, and a cache passed in would be read with the block's own keys appended). Without gradients
+(``generate()``, evaluation) nothing is checkpointed and the cache is used as usual.
+
 HF's own switch (``model.gradient_checkpointing_enable()``, the Trainer's ``gradient_checkpointing=True``)
 would checkpoint every layer a second time, on top of the plan, at the price the planner avoided. The plan
 wins: a plan that decides recompute turns HF's switch off and makes later calls to it warn and do nothing.
@@ -41,6 +47,33 @@ def selective_policy(option: RecomputeOption):
     return policy
 
 
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""Keyword names transformers' blocks take their KV cache by (``cache`` since transformers 5.x)."""
+_warned_cache_dropped: set[str] = set()  # block classes already warned about (once each, not once per layer)
+
+
+def _without_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the KV cache left out, for a block that is recomputed in backward (see the module doc)."""
+    dropped = [k for k in _CACHE_ARGUMENTS if kwargs.get(k) is not None]
+    if kwargs.get("use_cache"):
+        dropped.append("use_cache")
+    if not dropped:
+        return kwargs
+    if type(module).__name__ not in _warned_cache_dropped:
+        _warned_cache_dropped.add(type(module).__name__)
+        logger.warning(
+            "%s is recomputed in backward (the plan's activation recompute), so it does not use the KV cache "
+            "while training (%s dropped), as HF's gradient checkpointing does; generate() and no-grad "
+            "evaluation use it as usual",
+            type(module).__name__,
+            ", ".join(dropped),
+        )
+    kwargs = {k: (None if k in _CACHE_ARGUMENTS else v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
 def checkpoint_module(module: nn.Module, option: RecomputeOption) -> None:
     """Make ``module``'s forward recompute per ``option`` in backward (in place; idempotent per module)."""
     if option.is_none or getattr(module, "_hf_colossal_auto_recompute", None) is not None:
@@ -59,7 +92,7 @@ def checkpoint_module(module: nn.Module, option: RecomputeOption) -> None:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         extra = {"context_fn": context_fn} if context_fn is not None else {}
-        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **_without_cache(module, kwargs))
 
     module.forward = forward
     module._hf_colossal_auto_recompute = option.name
