@@ -124,8 +124,15 @@ def find_units(graph: StepGraph, canonical: dict[int, int], layers: Iterable[str
         escaping: set[int] = set()
         for block in traced:  # each block is checkpointed alone: what the next block reads is kept
             own = {n.index for n in fwd if _inside(n.module, block)}
-            read_after = {vid for n in fwd if n.index not in own for vid in n.inputs}
-            escaping.update(canonical[i] for i in own if read_after.intersection(graph.nodes[i].outputs))
+            # By storage, not by value: a block may return a view of what it made (OPT's layers end in
+            # ``(residual + h).view(shape)``); the view allocates nothing, and the storage it keeps alive is
+            # the one its base's producer allocated, so that producer's output is what the block keeps.
+            read_after = {graph.values[v].storage_id for n in fwd if n.index not in own for v in n.inputs}
+            escaping.update(
+                canonical[i]
+                for i in own
+                if any(graph.values[v].storage_id in read_after for v in graph.nodes[i].outputs)
+            )
         units.append(RecomputeUnit(name, list(blocks), nodes, frozenset(escaping), blocks[-1]))
     units.sort(key=lambda u: min(u.nodes))
     return units
