@@ -20,7 +20,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--model", required=True, help="preset name (see `hf-colossal-auto presets`) or a config.json path"
     )
     p.add_argument(
-        "--batch-size", type=int, default=8, help="global batch size (sequences per optimizer step)"
+        "--batch-size",
+        type=int,
+        default=8,
+        help="global batch size: sequences per optimizer step over all devices (a training script's per-process batch x processes)",
     )
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     p.add_argument(

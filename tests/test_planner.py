@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -122,14 +124,25 @@ def test_tied_graph_weights_count_every_real_block():
 
 
 def test_plan_json_round_trip(gpt2, tmp_path):
+    """A plan with every kind of content: parameters sharded over tp, a dp > 1 mesh, recompute choices."""
     model, batch = gpt2
-    plan = plan_model(model, batch, num_devices=4, device=DEVICE)
+    free = plan_model(model, batch, num_devices=4, device=DEVICE, mesh_shape=(2, 2))
+    plan = plan_model(
+        model,
+        batch,
+        num_devices=4,
+        device=DEVICE,
+        mesh_shape=(2, 2),
+        memory_budget=int(free.peak_memory_bytes * 0.7),
+    )
+    assert plan.dp_size == 2 and any(p[1] != "R" for p in plan.param_placements.values())
+    assert set(plan.recompute.values()) - {"none"}
     path = tmp_path / "plan.json"
     plan.save(path)
     again = Plan.load(path)
     assert again == plan
     assert set(again.param_placements) == {n for n, _ in model.named_parameters()}
-    assert again.mesh_shape[0] * again.mesh_shape[1] == 4
+    assert again.param_shapes == {n: list(p.shape) for n, p in model.named_parameters()}
     assert "Plan for GPT2LMHeadModel" in again.summary()
 
 
@@ -157,11 +170,40 @@ def test_tighter_budget_never_gives_a_faster_plan(gpt2):
     assert times == sorted(times)
 
 
-def test_infeasible_budget_states_the_minimum(gpt2):
+def test_infeasible_budget_states_the_minimum_and_it_is_tight(gpt2):
+    """The minimum an InfeasibleError states is the least memory any plan needs: a budget of exactly that is
+    feasible, one byte less is not."""
     model, batch = gpt2
     with pytest.raises(InfeasibleError, match="smallest per-device memory any plan needs") as info:
-        plan_model(model, batch, num_devices=2, device=DEVICE, memory_budget=1024)
-    assert info.value.min_required > 1024
+        plan_model(model, batch, num_devices=4, device=DEVICE, memory_budget=1024)
+    minimum = math.ceil(info.value.min_required)
+    assert minimum > 1024
+    plan = plan_model(model, batch, num_devices=4, device=DEVICE, memory_budget=minimum)
+    assert plan.peak_memory_bytes <= minimum
+    with pytest.raises(InfeasibleError):
+        plan_model(model, batch, num_devices=4, device=DEVICE, memory_budget=minimum - 1)
+
+
+def test_a_budget_sweep_trades_recompute_for_memory(gpt2):
+    """Tighter budgets on one mesh: the peak goes down, the time spent recomputing goes up, and the sweep
+    reaches from no recompute to some."""
+    model, batch = gpt2
+    free = plan_model(model, batch, num_devices=4, device=DEVICE, mesh_shape=(4, 1))
+    plans = [free] + [
+        plan_model(
+            model,
+            batch,
+            num_devices=4,
+            device=DEVICE,
+            mesh_shape=(4, 1),
+            memory_budget=int(free.peak_memory_bytes * f),
+        )
+        for f in (0.85, 0.7)
+    ]
+    peaks = [p.peak_memory_bytes for p in plans]
+    reruns = [p.recompute_time_s for p in plans]
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]
+    assert reruns == sorted(reruns) and reruns[0] == 0.0 < reruns[-1]
 
 
 def test_batch_that_no_mesh_can_split_is_explained(gpt2):
@@ -180,12 +222,20 @@ def test_auto_is_never_slower_than_a_feasible_baseline(gpt2):
             assert plan.step_time_s <= est.step_time_s * (1 + 1e-9), baseline
 
 
-def test_evaluating_a_plan_reproduces_its_prediction(gpt2):
+@pytest.mark.parametrize("fraction", [None, 0.7])
+def test_evaluating_a_plan_reproduces_its_prediction(gpt2, fraction):
+    """Pricing a solved plan gives back its own prediction, time and memory — with and without a budget that
+    binds (where recompute and activation placements trade memory for time)."""
     model, batch = gpt2
-    plan = plan_model(model, batch, num_devices=4, device=DEVICE)
+    budget = None
+    if fraction is not None:
+        budget = int(plan_model(model, batch, num_devices=4, device=DEVICE).peak_memory_bytes * fraction)
+    plan = plan_model(model, batch, num_devices=4, device=DEVICE, memory_budget=budget)
     est = evaluate_plan(model, batch, plan, num_devices=4, device=DEVICE)
-    assert est.step_time_s <= plan.step_time_s * (1 + 1e-9)
-    assert est.mesh_shape == plan.mesh_shape
+    assert est.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
+    assert est.peak_memory_bytes == plan.peak_memory_bytes
+    assert (est.mesh_shape, est.dp_mode) == (plan.mesh_shape, plan.dp_mode)
+    assert est.plan.recompute == plan.recompute
 
 
 def test_megatron_and_tp_plan_placements():

@@ -410,10 +410,13 @@ def evaluate_plan(
 
     ``recompute``: "none" or "full" for every block, or "auto" (recompute chosen per block to fit the budget
     with the baseline's placements: the baseline's best case). Default: a Plan's own choice, "none" for the
-    others.
+    others. A Plan is priced under the budget it was made for unless ``memory_budget`` says otherwise, so that
+    pricing a solved plan reproduces its own prediction (time and memory).
     """
     if recompute not in (None, "none", "full", "auto"):
         raise ValueError(f"recompute must be None, 'none', 'full' or 'auto', got {recompute!r}")
+    if isinstance(plan_or_baseline, Plan) and memory_budget is None:
+        memory_budget = plan_or_baseline.memory_budget_bytes  # the budget the plan was made for
     planner = _Planner.for_devices(
         model,
         example_inputs,
@@ -477,6 +480,15 @@ def evaluate_plan(
             solution = solve(built.problem, time_limit_s=time_limit_s)
         except InfeasibleError:
             pin = "full"  # priced (and reported as not fitting) with the most recompute there is
+    if solution is None and isinstance(plan_or_baseline, Plan):
+        # A plan is priced as it was made: under its budget, which its pinned choices fit. With the budget lifted,
+        # the activation placements a plan leaves to the solver could trade memory for time, and the estimate
+        # would undercut the plan's own prediction.
+        try:
+            built = planner.build(mesh, dp_mode, canonical_fixed, pin_unlisted=True, recompute_pin=pin)
+            solution = solve(built.problem, time_limit_s=time_limit_s)
+        except InfeasibleError:
+            solution = None  # another device or budget than the plan's: priced below with the budget lifted
     if solution is None:
         planner.budget = 1 << 62
         try:

@@ -38,7 +38,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    from hf_colossal_auto import data_parallel_info, shard_batch
+    from hf_colossal_auto import data_parallel_info, data_parallel_loader, shard_batch
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.solve.planner import evaluate_plan
@@ -69,6 +69,9 @@ def main() -> None:
     info = data_parallel_info(model)
     assert (info.rank, info.size, info.tp_size) == (replica, dp, tp), info
     assert all(torch.equal(shard_batch(batch, model)[k], local[k]) for k in batch)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(args.batch)]
+    loader = data_parallel_loader(torch.utils.data.DataLoader(rows, batch_size=args.batch // world), model)
+    assert all(torch.equal(next(iter(loader))[k], local[k]) for k in batch)
     opt = early[0] if early else torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, ref_losses, worst = [], [], 0.0
     for step in range(args.steps):
