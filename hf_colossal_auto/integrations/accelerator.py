@@ -7,7 +7,9 @@ What it changes, and why; everything else is accelerate's (mixed precision, grad
   loader passed to the same ``prepare`` call, or ``plugin.example_inputs``) or every rank loads
   ``plugin.plan_path``; the plan is applied with :func:`hf_colossal_auto.apply.apply_plan` and optimizers from
   the same call are pointed at the new parameters. The model is **not** wrapped in DDP: the runtime averages
-  gradients over the data-parallel axis itself.
+  gradients over the data-parallel axis itself. When the loader's batches are not keyword arguments (tuples of
+  a ``TensorDataset``), the plan is made from the model's first training call instead (:mod:`.first_call`):
+  its arguments are what the step needs; loaders then keep accelerate's per-process layout.
 * **the data** (``prepare_data_loader``): the ``tp`` ranks of one data-parallel group compute on the same batch,
   so each group gets ``per-device batch x tp`` samples per step and the groups get disjoint shards — the
   samples of one step are exactly those plain DDP would spread over the same processes, and the global batch
@@ -254,6 +256,9 @@ class AutoParallelAccelerator(Accelerator):
         self.auto_plan: Plan | None = None
         self._auto_model: nn.Module | None = None
         self._auto_dp_rank = 0
+        # planned from the model's first call (integrations/first_call.py): loaders keep accelerate's per-process
+        # layout and the model gathers each tensor-parallel group's batch itself
+        self._auto_per_process_batches = False
         if plugin.num_devices is not None and plugin.num_devices != self.num_processes:
             raise ValueError(
                 f"AutoParallelPlugin.num_devices={plugin.num_devices} but this job has {self.num_processes} "
@@ -378,8 +383,43 @@ class AutoParallelAccelerator(Accelerator):
                 )
             loaders = [a for a in args if isinstance(a, DataLoader)]
             optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
-            self._parallelize(models[0], loaders, optimizers)
+            if self._batches_are_not_keyword_arguments(loaders):
+                self._parallelize_on_first_call(models[0], optimizers)
+            else:
+                self._parallelize(models[0], loaders, optimizers)
         return super().prepare(*args, device_placement=device_placement)
+
+    def _batches_are_not_keyword_arguments(self, loaders: list[DataLoader]) -> bool:
+        """Whether the plan must come from the model's first call: it is still to be made, from a loader whose
+        batch is not a mapping of ``model.forward`` keyword arguments (tuples of a ``TensorDataset``)."""
+        if self.auto_plan is not None or self.auto_parallel_plugin.example_inputs is not None or not loaders:
+            return False
+        return not isinstance(peek_batch(loaders[0]), Mapping)
+
+    def _parallelize_on_first_call(self, model: nn.Module, optimizers: list) -> None:
+        """Wrap ``model`` so that its first training call plans from that call's arguments (one process's batch,
+        the same rule as a loader's dict batch) on rank 0, and every rank applies the plan and remaps the
+        optimizers prepared by then — or raises rank 0's planning error."""
+        if self._auto_model is not None and model is not self._auto_model:
+            self._parallelize(model, [], [])  # refuses a second model with the usual message
+        from .first_call import plan_on_first_call
+
+        if self.device.type != "cpu" and next(model.parameters()).device != self.device:
+            model.to(self.device)  # calls before planning run the whole model, where the batches are
+        plugin = self.auto_parallel_plugin
+
+        def parallelize(module: nn.Module, batch: dict[str, Any]) -> None:
+            # the optimizers of this prepare() call and any prepared since, once each
+            every = {id(_raw_optimizer(o)): o for o in [*optimizers, *self._optimizers]}
+            plugin.example_inputs = batch  # what _make_plan plans from: one process's batch
+            try:
+                self._parallelize(module, [], list(every.values()))
+            finally:
+                plugin.example_inputs = None
+
+        plan_on_first_call(model, parallelize)
+        self._auto_per_process_batches = True
+        self._auto_model = model
 
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
@@ -390,7 +430,9 @@ class AutoParallelAccelerator(Accelerator):
             return super().prepare_model(
                 model, device_placement=device_placement, evaluation_mode=evaluation_mode
             )
-        if not hasattr(model, "_hf_colossal_auto_plan"):
+        if not hasattr(model, "_hf_colossal_auto_plan") and not hasattr(
+            model, "_hf_colossal_auto_plans_on_first_call"
+        ):
             self._parallelize(model, [], [])
         return super().prepare_model(model, device_placement=False, evaluation_mode=True)
 
@@ -398,7 +440,11 @@ class AutoParallelAccelerator(Accelerator):
         self, data_loader: DataLoader, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
     ) -> DataLoader:
         """Shard batches over the data-parallel groups; the ranks of one tensor-parallel group share theirs."""
-        if getattr(data_loader, "_is_accelerate_prepared", False) or not self._parallel:
+        if (
+            getattr(data_loader, "_is_accelerate_prepared", False)
+            or not self._parallel
+            or self._auto_per_process_batches  # the model gathers its tensor-parallel group's batch
+        ):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         if self.auto_plan is None:
             raise ValueError(
@@ -424,7 +470,7 @@ class AutoParallelAccelerator(Accelerator):
         """Accelerate's, counting each data-parallel group once: the ranks of a tensor-parallel group hold the
         same samples, so their copies are dropped before the last batch's padding is cut."""
         plan = self.auto_plan
-        if not self._parallel or plan is None or plan.tp_size == 1:
+        if not self._parallel or plan is None or plan.tp_size == 1 or self._auto_per_process_batches:
             return super().gather_for_metrics(input_data, use_gather_object)
         tp, world = plan.tp_size, self.num_processes
         try:

@@ -1,0 +1,157 @@
+"""Plan from the model's first training call, for training loops whose batches are not keyword arguments.
+
+Why: the planner traces ``model(**batch)``, so it needs the step's keyword arguments. A loader that yields
+tuples (``TensorDataset``) does not say which tensor is which argument, but the training loop does when it
+calls ``model(input_ids=x, labels=x)``: the arguments of that call are exactly what the step needs. So the
+model is wrapped to plan on its first call that records gradients (every rank: rank 0 plans from that call's
+arguments, the plan is broadcast and applied), and then runs the call on the planned model. Calls without
+gradients before it (an evaluation first) run on the unplanned model, which every rank holds whole.
+
+The data layout cannot wait for the plan: the loader was prepared before the plan existed, as accelerate
+prepares it for DDP (each process its own per-process batch). A tensor-parallel group must compute on one
+batch, so each planned call gathers the per-process batches of its ``tp`` ranks along dim 0 (in rank order:
+the rows plain DDP gives ranks ``d·tp … d·tp+tp−1``, exactly the group batch of the prepare-time layout) and
+hands each rank back its own rows of every per-sample output. The loss is the group's mean, and gradients and
+losses over the job equal DDP's (and one process's on the global batch).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._torch_compat import tree_map
+from ..apply.runtime import tensor_parallel_mesh
+
+NOT_PER_SAMPLE = frozenset({"cache_position"})
+"""Arguments whose dim 0 is not the batch even when its length happens to equal the batch's."""
+
+
+def named_arguments(
+    forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The call ``forward(*args, **kwargs)`` as keyword arguments only (what the planner's ``model(**batch)``
+    takes): positional arguments get their parameter names, ``**kwargs`` entries are spread out."""
+    signature = inspect.signature(forward)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(
+            f"cannot read the model call's arguments as {forward.__qualname__} takes them: {exc}"
+        ) from exc
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise TypeError(
+                    f"{forward.__qualname__} got {len(value)} extra positional arguments (*{name}), which have no "
+                    "names to plan with; pass them as keyword arguments"
+                )
+        else:
+            named[name] = value
+    return named
+
+
+class TensorParallelBatch:
+    """Gathers a tensor-parallel group's per-process batches into the group's batch, and cuts outputs back.
+
+    Per-sample tensors are those with the batch's row count on dim 0 (the rows of the first tensor argument:
+    ``input_ids`` for transformers models); other arguments must already be the same on every rank (they are
+    passed on as they are)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        mesh = tensor_parallel_mesh(model._hf_colossal_auto_mesh)
+        self.group = mesh.get_group()
+        self.size = mesh.size()
+        self.rank = mesh.get_local_rank()
+
+    def gather(self, named: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """``named`` with every per-sample tensor replaced by the group's rows; returns it and this rank's rows."""
+        tensors = [(k, v) for k, v in named.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        rows = tensors[0][1].shape[0] if tensors else 0
+        per_sample = [(k, v) for k, v in tensors if v.shape[0] == rows and k not in NOT_PER_SAMPLE]
+        layout = [(k, tuple(v.shape), str(v.dtype)) for k, v in per_sample]
+        layouts: list[Any] = [None] * self.size
+        dist.all_gather_object(layouts, layout, group=self.group)
+        if any(other != layout for other in layouts):
+            raise ValueError(
+                "the processes of one tensor-parallel group called the model with batches of different shapes "
+                f"({layouts}); with a plan made from the model's first call their batches are computed together, "
+                "so they must have the same shapes: pad every batch to one length (e.g. the collator's "
+                "padding='max_length'), or make the DataLoader yield dicts so that the plan is made at prepare()"
+            )
+        out = dict(named)
+        for key, value in per_sample:
+            if value.requires_grad:
+                from torch.distributed.nn.functional import all_gather as differentiable_all_gather
+
+                parts = differentiable_all_gather(value.contiguous(), group=self.group)
+            else:
+                parts = [torch.empty_like(value) for _ in range(self.size)]
+                dist.all_gather(parts, value.contiguous(), group=self.group)
+            out[key] = torch.cat(parts)
+        return out, rows
+
+    def own_rows(self, output: Any, rows: int) -> Any:
+        """This rank's rows of every per-sample output tensor (dim 0 of the group's row count)."""
+        total = rows * self.size
+
+        def cut(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == total and rows:
+                return value[self.rank * rows : (self.rank + 1) * rows]
+            return value
+
+        if isinstance(output, Mapping):  # HF ModelOutput: keep its class
+            for key in list(output.keys()):
+                output[key] = tree_map(cut, output[key])
+            return output
+        return tree_map(cut, output)
+
+
+def plan_on_first_call(model: nn.Module, parallelize: Callable[[nn.Module, dict[str, Any]], None]) -> None:
+    """Wrap ``model.forward`` so that its first call with gradients enabled runs ``parallelize(model, batch)``
+    (``batch``: that call's keyword arguments; it must apply a plan with ``apply_plan``) and then the call on the
+    planned model; with a tensor-parallel plan every later call gathers its group's batch (module doc).
+
+    The wrapper stays ``model.forward`` (accelerate's autocast wraps it, ``unwrap_model`` finds it), and the
+    runtime's own forward wrapper is installed around the original forward behind it."""
+    inner = model.forward
+    state: dict[str, Any] = {"planned": None, "batch": None}
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        planned = state["planned"]
+        if planned is None:
+            if not torch.is_grad_enabled():  # evaluation before training: the whole model, on every rank
+                return inner(*args, **kwargs)
+            named = named_arguments(inner, args, kwargs)
+            outer = model.__dict__["forward"]  # this wrapper, or accelerate's autocast around it
+            model.forward = inner  # the runtime wraps the model's own forward
+            try:
+                # traced as the model is (the planner models mixed precision itself), not under the caller's autocast
+                with torch.autocast(next(model.parameters()).device.type, enabled=False):
+                    parallelize(model, named)
+                state["planned"] = model.forward
+                plan = model._hf_colossal_auto_plan
+                state["batch"] = TensorParallelBatch(model) if plan.tp_size > 1 else None
+            finally:
+                model.forward = outer
+            # again through the module's __call__: the hooks the plan registered on the root (FSDP's) must run
+            return model(*args, **kwargs)
+        batch: TensorParallelBatch | None = state["batch"]
+        if batch is None:
+            return planned(*args, **kwargs)
+        gathered, rows = batch.gather(named_arguments(inner, args, kwargs))
+        return batch.own_rows(planned(**gathered), rows)
+
+    model.forward = forward
+    model._hf_colossal_auto_plans_on_first_call = True
