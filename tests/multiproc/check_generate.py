@@ -68,7 +68,7 @@ def _scenario(mesh: tuple[int, int], plan_kind: str) -> dict:
             made.recompute = {f"model.layers.{i}": "full" for i in range(len(model.model.layers))}
         autoparallelize(model, plan=broadcast_plan(made))
     else:
-        autoparallelize(model, first, mesh_shape=mesh, device="cpu")
+        autoparallelize(model, local(first), mesh_shape=mesh, device="cpu")  # one process's batch
     plan = model._hf_colossal_auto_plan
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
