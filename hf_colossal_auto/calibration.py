@@ -22,6 +22,7 @@ argument and ``--device`` flag accepts. It carries its provenance (host, date, t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import logging
 import os
@@ -37,16 +38,7 @@ import torch.distributed as dist
 from .hardware import DeviceSpec, LinkSpec, get_device
 from .hardware.calibrate import cpu_model_name, host_memory_bytes
 from .hardware.catalog import STATIC_CPU_SPEC, device_from_cuda_name
-from .hardware.microbench import (
-    attention_rate,
-    collective_fits,
-    dtensor_collective_fits,
-    elementwise_bandwidth,
-    matmul_curve,
-    matmul_rate,
-    overlap_efficiency,
-    transcendental_rate,
-)
+from .hardware.microbench import collective_fits, dtensor_collective_fits, measure_kernels, overlap_efficiency
 
 __all__ = ["calibrate", "measure_overheads", "OVERHEAD_MODELS"]
 
@@ -83,42 +75,13 @@ def _dtypes(kind: str) -> dict[str, torch.dtype]:
 
 
 def measure_device(kind: str, budget_s: float = 1.0) -> dict[str, Any]:
-    """GEMM FLOP/s per dtype, elementwise bandwidth and attention FLOP/s per dtype of this device."""
-    device = _device(kind)
-    flops: dict[str, float] = {}
-    curves: dict[str, tuple[tuple[float, float], ...]] = {}
-    attention: dict[str, float] = {}
-    with torch.no_grad():
-        for name, dtype in _dtypes(kind).items():
-            try:
-                flops[name] = matmul_rate(device, dtype, budget_s=budget_s)
-                if flops[name] >= 0.2 * flops.get("float32", flops[name]):  # not an emulated dtype
-                    curves[name] = matmul_curve(device, dtype, budget_s=budget_s)
-            except RuntimeError as exc:
-                if name == "float32":
-                    raise
-                logger.warning(
-                    "calibration: %s matmul failed on %s (%s); it falls back to float32", name, kind, exc
-                )
+    """GEMM FLOP/s per dtype (and by size), elementwise bandwidth and math, attention FLOP/s of this device, as
+    :class:`DeviceSpec` fields (:func:`~hf_colossal_auto.hardware.microbench.measure_kernels`)."""
     nbytes = 256 * 2**20 if kind == "cuda" else min(64 * 2**20, max(8 * 2**20, host_memory_bytes() // 64))
-    bandwidth = elementwise_bandwidth(device, nbytes=nbytes, budget_s=budget_s / 2)
-    with torch.no_grad():
-        elementwise_math = transcendental_rate(device, budget_s=budget_s / 2)
-    for name, dtype in _dtypes(kind).items():
-        if name == "float16" and kind == "cpu":
-            continue
-        try:
-            attention[name] = attention_rate(device, dtype, budget_s=budget_s)
-        except RuntimeError as exc:
-            logger.warning("calibration: %s attention failed on %s (%s)", name, kind, exc)
-    return {
-        "peak_flops": flops,
-        "matmul_flops": curves,
-        "memory_bandwidth": bandwidth,
-        # a GPU's elementwise math is memory-bound: no separate limit there
-        "transcendental_rate": elementwise_math if kind == "cpu" else None,
-        "attention_flops": attention,
-    }
+    rates = measure_kernels(
+        _device(kind), _dtypes(kind), budget_s=budget_s, nbytes=nbytes, elementwise_math=kind == "cpu"
+    )
+    return dataclasses.asdict(rates)
 
 
 def _step_seconds(model: torch.nn.Module, batch: dict[str, Any], device: torch.device, steps: int) -> float:

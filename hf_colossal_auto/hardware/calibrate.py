@@ -29,7 +29,6 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -152,102 +151,42 @@ class CpuBenchmarkResult:
     seconds: float = field(default=0.0)
     attention_flops: dict[str, float] = field(default_factory=dict)
     transcendental_rate: float | None = None
-
-
-def _best_seconds(fn: Callable[[], object], target_s: float, min_reps: int = 3, max_reps: int = 20) -> float:
-    """Fastest of several timed calls after one warm-up.
-
-    The minimum (not the mean) is taken because we want the device's peak;
-    slower repetitions are interference from the OS and other processes.
-    """
-    fn()  # warm-up: oneDNN primitive creation, page faults, thread-pool spin-up
-    best = math.inf
-    start = time.perf_counter()
-    reps = 0
-    while reps < max_reps and (reps < min_reps or time.perf_counter() - start < target_s):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        reps += 1
-    return max(best, 1e-9)
-
-
-def _matmul_peak(dtype: Any, budget_s: float, generator: Any) -> float:
-    """Best FLOP/s of square matmuls of this dtype within about ``budget_s`` seconds.
-
-    A single 256x256 probe decides whether a 512x512 matmul (large enough to
-    reach near-peak on CPUs) fits in the budget: an emulated dtype (fp16 on a
-    CPU without native support) can be 100x slower than fp32 and must not blow
-    the calibration time.  The probe is deliberately not used to *predict*
-    the larger size's rate: small matmuls can take a slow non-blocked path
-    (seen with bf16 in oneDNN) that says nothing about the peak.
-    """
-    import torch
-
-    def operands(n: int) -> tuple[Any, Any]:
-        return (
-            torch.randn(n, n, generator=generator).to(dtype),
-            torch.randn(n, n, generator=generator).to(dtype),
-        )
-
-    start = time.perf_counter()
-    a, b = operands(256)
-    probe = time.perf_counter()
-    torch.mm(a, b)
-    probe_s = time.perf_counter() - probe
-    # Upper bound on one 512 matmul if the 256 rate held: 8x the work.
-    n = 512 if 8 * probe_s <= budget_s / 2 else 256
-    if n == 512:
-        a, b = operands(512)
-    remaining = max(budget_s - (time.perf_counter() - start), 0.0)
-    seconds = _best_seconds(lambda: torch.mm(a, b), target_s=remaining / 2, min_reps=1)
-    rate = 2.0 * n**3 / seconds
-    if n == 512:
-        return rate
-    return max(rate, 2.0 * 256**3 / probe_s)
+    matmul_flops: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """``(FLOPs of one GEMM, FLOP/s)`` by GEMM size per dtype, as ``DeviceSpec.matmul_flops``."""
 
 
 def run_cpu_benchmark(time_budget_s: float = 1.2) -> CpuBenchmarkResult:
-    """Measure this host's matmul FLOP/s per dtype, elementwise bandwidth and attention FLOP/s.
+    """This host's kernel rates for the ``cpu`` preset, in about ``time_budget_s`` seconds: the benchmarks of
+    ``hf-colossal-auto calibrate`` (:func:`~.microbench.measure_kernels`: projection GEMMs per dtype, an
+    emulated reduced-precision dtype caught by a small probe, elementwise bandwidth and math, attention), each
+    with a share of the budget. Uses ``torch.get_num_threads()`` threads.
 
-    float32: the median rate of projection-shaped GEMMs (:func:`~.microbench.matmul_rate`, what a model's
-    matmuls reach: an in-cache square matmul runs ~1.5x faster on a CPU). A reduced-precision dtype is probed
-    with one 256x256 matmul first: an emulated one (100x slower than float32 on a CPU without it) keeps the
-    probe's rate rather than blowing the time budget. Uses ``torch.get_num_threads()`` threads and a private
-    RNG so the caller's seeded global RNG is untouched.
-    """
+    Without the GEMM-size curve: four more GEMM sizes with cold operands take seconds, not a share of one, and
+    at a few repetitions each they are noise on a shared host. ``device="cpu"`` then prices every GEMM at the
+    projection rate; a file from ``hf-colossal-auto calibrate`` carries the curve."""
     import torch
 
-    from .microbench import attention_rate, elementwise_bandwidth, matmul_rate, transcendental_rate
+    from .microbench import measure_kernels
 
     t0 = time.perf_counter()
-    generator = torch.Generator().manual_seed(0)
-    device = torch.device("cpu")
-    part = time_budget_s / 4
-    peak_flops: dict[str, float] = {}
-    attention: dict[str, float] = {}
-    with torch.no_grad():
-        peak_flops["float32"] = matmul_rate(device, torch.float32, budget_s=part)
-        for name, dtype in {"bfloat16": torch.bfloat16, "float16": torch.float16}.items():
-            try:
-                probe = _matmul_peak(dtype, part / 4, generator)
-                fast = probe >= 0.2 * peak_flops["float32"]
-                peak_flops[name] = matmul_rate(device, dtype, budget_s=part) if fast else probe
-            except RuntimeError as exc:  # dtype without a CPU matmul kernel in this build
-                logger.warning(
-                    "cpu calibration: %s matmul failed (%s); it will fall back to float32", name, exc
-                )
-        nbytes = int(min(64 * MiB, max(8 * MiB, host_memory_bytes() // 64)))
-        bandwidth = elementwise_bandwidth(device, nbytes=nbytes, budget_s=part / 2)
-    attention["float32"] = attention_rate(device, torch.float32, budget_s=part)
-    with torch.no_grad():
-        elementwise_math = transcendental_rate(device, budget_s=part / 2)
+    nbytes = int(min(64 * MiB, max(8 * MiB, host_memory_bytes() // 64)))
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    # a quarter each: float32's GEMMs, a native reduced dtype's, bandwidth + math, attention
+    rates = measure_kernels(
+        torch.device("cpu"),
+        dtypes,
+        budget_s=time_budget_s / 4,
+        nbytes=nbytes,
+        elementwise_math=True,
+        curves=False,
+    )
     return CpuBenchmarkResult(
-        transcendental_rate=elementwise_math,
-        peak_flops=peak_flops,
-        memory_bandwidth=bandwidth,
+        peak_flops=rates.peak_flops,
+        memory_bandwidth=rates.memory_bandwidth,
         seconds=time.perf_counter() - t0,
-        attention_flops=attention,
+        attention_flops=rates.attention_flops,
+        transcendental_rate=rates.transcendental_rate,
+        matmul_flops=rates.matmul_flops,
     )
 
 
@@ -288,7 +227,17 @@ def _entry_to_result(entry: Any) -> CpuBenchmarkResult | None:
         return None
     if math_rate is not None and not (math.isfinite(math_rate) and math_rate > 0):
         return None
+    try:
+        curves = {
+            str(k): tuple((float(f), float(r)) for f, r in points)
+            for k, points in entry.get("matmul_flops", {}).items()
+        }
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if not all(math.isfinite(x) and x > 0 for points in curves.values() for point in points for x in point):
+        return None
     return CpuBenchmarkResult(
+        matmul_flops=curves,
         peak_flops=flops,
         memory_bandwidth=bandwidth,
         seconds=float(entry.get("seconds", 0.0)),
@@ -330,6 +279,7 @@ def _store_cache(path: Path, key: str, result: CpuBenchmarkResult) -> None:
             "peak_flops": result.peak_flops,
             "attention_flops": result.attention_flops,
             "transcendental_rate": result.transcendental_rate,
+            "matmul_flops": {k: [list(p) for p in v] for k, v in result.matmul_flops.items()},
             "memory_bandwidth": result.memory_bandwidth,
             "seconds": result.seconds,
             # Recorded for diagnosis: a calibration taken on a busy host is slow.
@@ -381,6 +331,7 @@ def cpu_device_spec(force: bool = False) -> DeviceSpec:
         _store_cache(path, key, result)
     spec = STATIC_CPU_SPEC.with_overrides(
         peak_flops=result.peak_flops,
+        matmul_flops=result.matmul_flops,
         attention_flops=result.attention_flops,
         **({"transcendental_rate": result.transcendental_rate} if result.transcendental_rate else {}),
         memory_bandwidth=result.memory_bandwidth,
