@@ -123,18 +123,19 @@ def test_tied_graph_weights_count_every_real_block():
     assert tied.multiplicity[rep_seg.start] == 9
 
 
+def _least_memory(model, batch, **kwargs) -> int:
+    """The smallest per-device budget any plan fits (what an impossible budget's error states)."""
+    with pytest.raises(InfeasibleError) as info:
+        plan_model(model, batch, num_devices=4, device=DEVICE, memory_budget=1024, **kwargs)
+    return math.ceil(info.value.min_required)
+
+
 def test_plan_json_round_trip(gpt2, tmp_path):
-    """A plan with every kind of content: parameters sharded over tp, a dp > 1 mesh, recompute choices."""
+    """A plan with every kind of content: parameters sharded over tp, a dp > 1 mesh, recompute choices (at the
+    least memory any plan on that mesh needs, recompute is certain)."""
     model, batch = gpt2
-    free = plan_model(model, batch, num_devices=4, device=DEVICE, mesh_shape=(2, 2))
-    plan = plan_model(
-        model,
-        batch,
-        num_devices=4,
-        device=DEVICE,
-        mesh_shape=(2, 2),
-        memory_budget=int(free.peak_memory_bytes * 0.7),
-    )
+    budget = _least_memory(model, batch, mesh_shape=(2, 2))
+    plan = plan_model(model, batch, num_devices=4, device=DEVICE, mesh_shape=(2, 2), memory_budget=budget)
     assert plan.dp_size == 2 and any(p[1] != "R" for p in plan.param_placements.values())
     assert set(plan.recompute.values()) - {"none"}
     path = tmp_path / "plan.json"
@@ -185,20 +186,14 @@ def test_infeasible_budget_states_the_minimum_and_it_is_tight(gpt2):
 
 
 def test_a_budget_sweep_trades_recompute_for_memory(gpt2):
-    """Tighter budgets on one mesh: the peak goes down, the time spent recomputing goes up, and the sweep
-    reaches from no recompute to some."""
+    """Budgets from the unconstrained peak down to the least any plan needs, on one mesh: the peak goes down,
+    the time spent recomputing goes up, and the sweep reaches from no recompute to some."""
     model, batch = gpt2
     free = plan_model(model, batch, num_devices=4, device=DEVICE, mesh_shape=(4, 1))
+    least = _least_memory(model, batch, mesh_shape=(4, 1))
     plans = [free] + [
-        plan_model(
-            model,
-            batch,
-            num_devices=4,
-            device=DEVICE,
-            mesh_shape=(4, 1),
-            memory_budget=int(free.peak_memory_bytes * f),
-        )
-        for f in (0.85, 0.7)
+        plan_model(model, batch, num_devices=4, device=DEVICE, mesh_shape=(4, 1), memory_budget=budget)
+        for budget in ((free.peak_memory_bytes + least) // 2, least)
     ]
     peaks = [p.peak_memory_bytes for p in plans]
     reruns = [p.recompute_time_s for p in plans]
