@@ -119,10 +119,16 @@ def _validate_on_every_rank(model: nn.Module, plan: Plan, world_size: int | None
         validate_plan(model, plan, world_size)
     except PlanMismatchError as exc:
         error = exc
-    if world_size is not None and world_size > 1:
+    if world_size is not None and world_size > 1 and _processes_are_real():
         raise_if_any_rank_failed(error, what="checking the plan against the model")
     elif error is not None:
         raise error
+
+
+def _processes_are_real() -> bool:
+    """A job of real processes, not the one-process fake group the planner and the symbolic runtime simulate
+    ranks with (agreeing with peers, or a timeout, means nothing there)."""
+    return dist.is_initialized() and dist.get_backend() != "fake"
 
 
 def build_mesh(plan: Plan, device_type: str | None = None) -> DeviceMesh:
@@ -393,7 +399,7 @@ def apply_plan(
     model._hf_colossal_auto_mesh = mesh
     tp = plan.tp_size
     model._tp_size = tp  # transformers' Trainer reads it for batch-size arithmetic
-    if timeout is not None and dist.is_initialized():
+    if timeout is not None and _processes_are_real():
         set_timeout(timeout, (mesh.get_group(axis) for axis in range(mesh.ndim)))
     logger.info("applied plan: mesh %s, %s on the data-parallel axis", tuple(plan.mesh_shape), plan.dp_mode)
     return model
