@@ -191,6 +191,9 @@ class StepGraph:
     output_values: list[int] = field(default_factory=list)
     """Value ids of the tensors the model's forward returns (loss, logits, ...): the runtime hands them to the
     caller as ordinary tensors, so a sharded one is gathered there."""
+    block_args: dict[str, list[int]] = field(default_factory=dict)
+    """Traced ``ModuleList`` child FQN -> storages of the tensors its forward was called with (positional and
+    keyword, used or not): what a checkpoint of that block holds until the block's backward."""
 
     # ------------------------------------------------------------------ queries
     def phase_range(self, phase: Phase) -> Segment:

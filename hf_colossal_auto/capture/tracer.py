@@ -11,6 +11,7 @@ memory timeline is what autograd really keeps alive, not a guess from graph live
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Mapping
@@ -97,6 +98,7 @@ class _Recorder(TorchDispatchMode):
         self._next_value = 0
         self._finalizers: list[weakref.finalize] = []
         self.output_values: list[int] = []
+        self.block_args: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------ identities
     def _storage(
@@ -308,9 +310,11 @@ def _trace_once(
     autocast_dtype: torch.dtype | None,
     optimizer: str | None,
     device_kind: str = "cpu",
+    held_inputs: Mapping[str, Any] | None = None,
 ) -> tuple[_Recorder, dict[str, int]]:
     """Trace one steady-state step of ``model`` (as it is now, maybe folded). Returns the recorder and the
-    optimizer-state bytes per parameter FQN."""
+    optimizer-state bytes per parameter FQN. ``held_inputs``: tensors of the batch the model is not given
+    (masks that mask nothing) but that the caller's batch still holds through the step: memory, no ops."""
     rec = _Recorder()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     root_name = type(model).__name__
@@ -318,6 +322,7 @@ def _trace_once(
         params = {n: _fake_like(p).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
         buffers = {n: _fake_like(b) for n, b in model.named_buffers()}
         fake_inputs = {k: (_fake_like(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        fake_held = {k: _fake_like(v) for k, v in (held_inputs or {}).items() if isinstance(v, torch.Tensor)}
         trainable = [p for p in params.values() if p.requires_grad]
         opt = _make_optimizer(optimizer, trainable)
         state_bytes: dict[str, int] = {}
@@ -346,7 +351,7 @@ def _trace_once(
             param_fqn[id(p)] = n
         for n, b in buffers.items():
             rec.register(b, ValueKind.BUFFER, n, initial=True)
-        for k, v in fake_inputs.items():
+        for k, v in [*fake_inputs.items(), *fake_held.items()]:
             if isinstance(v, torch.Tensor):
                 rec.register(v, ValueKind.INPUT, k, initial=True)
         if opt is not None:
@@ -377,6 +382,15 @@ def _trace_once(
                     break
 
         tracker.register_user_hooks(_push, _pop, _push, _pop)
+        # what each block is called with (keyword arguments included, which ModTracker's hooks do not see)
+        arg_hooks = [
+            child.register_forward_pre_hook(
+                functools.partial(_record_block_args, rec, f"{name}.{key}"), with_kwargs=True
+            )
+            for name, mod in model.named_modules()
+            if isinstance(mod, nn.ModuleList)
+            for key, child in mod.named_children()
+        ]
         try:
             with tracker, rec:
                 rec.phase = Phase.FORWARD
@@ -404,7 +418,23 @@ def _trace_once(
         finally:
             rec.recording = False
             tracker.clear_user_hooks()
+            for handle in arg_hooks:
+                handle.remove()
     return rec, state_bytes
+
+
+def _record_block_args(rec: _Recorder, fqn: str, module: nn.Module, args: Any, kwargs: Any) -> None:
+    """Forward pre-hook of a ``ModuleList`` child: the storages of its tensor arguments, on its first call in
+    forward (a recomputed block is called again in backward)."""
+    if rec.phase is not Phase.FORWARD or fqn in rec.block_args:
+        return
+    found = []
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor):
+            sid = rec._storage_ids.get(t.untyped_storage())
+            if sid is not None and sid not in found:
+                found.append(sid)
+    rec.block_args[fqn] = found
 
 
 def _classify_grads(rec: _Recorder, params: dict[str, torch.Tensor]) -> None:
@@ -484,13 +514,18 @@ def trace_training_step(
         raise ValueError(f"Unknown optimizer {optimizer!r}; use one of 'adamw', 'adam', 'sgd' or None.")
     autocast_dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     validate_inputs(model, example_inputs)
+    all_inputs = example_inputs
     example_inputs = drop_all_ones_masks(example_inputs)
+    # A dropped mask changes what the model runs, not what exists: the caller's batch holds it all step long.
+    held = {k: v for k, v in all_inputs.items() if k not in example_inputs}
     runs = find_block_runs(model) if fold_blocks else []
     segments: dict[str, dict[Phase, Segment]] = {}
     rec: _Recorder | None = None
     if runs:
         with folded(model, runs):
-            rec, state_bytes = _run_capture(model, example_inputs, autocast_dtype, optimizer, device_kind)
+            rec, state_bytes = _run_capture(
+                model, example_inputs, autocast_dtype, optimizer, device_kind, held
+            )
         verified = _verify_folding(rec, runs)
         if verified is None:
             logger.info(
@@ -501,15 +536,20 @@ def trace_training_step(
         else:
             segments = verified
     if rec is None:
-        rec, state_bytes = _run_capture(model, example_inputs, autocast_dtype, optimizer, device_kind)
+        rec, state_bytes = _run_capture(model, example_inputs, autocast_dtype, optimizer, device_kind, held)
 
-    return _assemble(model, rec, state_bytes, runs, segments, mixed_precision, optimizer, example_inputs)
+    return _assemble(model, rec, state_bytes, runs, segments, mixed_precision, optimizer, all_inputs)
 
 
-def _run_capture(model, inputs, autocast_dtype, optimizer, device_kind="cpu"):
+def _run_capture(model, inputs, autocast_dtype, optimizer, device_kind="cpu", held=None):
     try:
         return _trace_once(
-            model, inputs, autocast_dtype=autocast_dtype, optimizer=optimizer, device_kind=device_kind
+            model,
+            inputs,
+            autocast_dtype=autocast_dtype,
+            optimizer=optimizer,
+            device_kind=device_kind,
+            held_inputs=held,
         )
     except CaptureError:
         raise
@@ -566,5 +606,6 @@ def _assemble(
         mixed_precision=mixed_precision,
         optimizer=optimizer,
         output_values=list(rec.output_values),
+        block_args=dict(rec.block_args),
         module_types={name: type(module).__name__ for name, module in model.named_modules()},
     )

@@ -140,6 +140,8 @@ class BuiltProblem:
     """ILP node name of a recompute decision (``rc:<unit>``) -> the blocks it decides for."""
     recompute_options: dict[str, list[RecomputeOption]] = field(default_factory=dict)
     """ILP node name of a recompute decision -> its options, in the node's strategy order."""
+    hold_nodes: frozenset[str] = frozenset()
+    """ILP nodes whose choice follows the recompute decisions (a storage a checkpoint holds or not)."""
 
 
 def _node_name(i: int) -> str:
@@ -576,6 +578,11 @@ class _ProblemBuilder:
         )
         self.unit_index_of = {c: u for u, unit in enumerate(self.units) for c in unit.nodes}
         """Canonical node -> index of the recompute unit it belongs to."""
+        self.checkpoint_args = _checkpoint_args(graph, self.tied, self.units, self.unit_index_of)
+        """Storage made outside every unit -> units whose blocks get it as an argument (a recomputed block's
+        checkpoint holds it)."""
+        self.hold_nodes: dict[tuple[int, tuple[int, ...]], str] = {}
+        self.hold_rules: list[FollowsInputs] = []
         self.peak_snapshot, self.unit_snapshots, self.start_snapshots, self.forward_snapshots = (
             self._snapshots()
         )
@@ -640,7 +647,8 @@ class _ProblemBuilder:
             conditional_costs=self.conditional,
             follows_inputs=unenforced_split_rules(
                 self.graph, self.tied, self.strat_of, self.node_of_name, self.axis
-            ),
+            )
+            + self.hold_rules,
             shared_costs=[
                 SharedCost(key[4], tuple(members), self.shared_price[key])
                 for key, members in sorted(self.shared_members.items())
@@ -658,6 +666,7 @@ class _ProblemBuilder:
             recompute_options={
                 rc: opts for rc, opts in zip(self.rc_names, self.unit_options_of, strict=True)
             },
+            hold_nodes=frozenset(self.hold_nodes.values()),
         )
 
     # ---------------------------------------------------------------- op nodes
@@ -1001,7 +1010,7 @@ class _ProblemBuilder:
         moments = [_block_moment(graph, step, unit, Phase.BACKWARD, "peak") for unit in units]
         moments += [_block_moment(graph, step, unit, Phase.BACKWARD, "start") for unit in units]
         moments += [_block_moment(graph, step, unit, Phase.FORWARD, "peak") for unit in units]
-        peak_snapshot, snapshots = _liveness(graph, step, moments)
+        peak_snapshot, snapshots = _liveness(graph, step, moments, set(self.checkpoint_args))
         k = len(units)
         return peak_snapshot, snapshots[:k], snapshots[k : 2 * k], snapshots[2 * k :]
 
@@ -1095,9 +1104,35 @@ class _ProblemBuilder:
             terms[pname] = [m + grad_frac * g for m, g in zip(mterms, self.grad_terms[pname], strict=True)]
             if pname in self.gathered_terms:
                 terms[pname] = [t + x for t, x in zip(terms[pname], self.gathered_terms[pname], strict=True)]
+        for sid, readers in sorted(self.checkpoint_args.items()):
+            holding = tuple(u for u in sorted(readers) if current is None or u <= current)
+            if holding and sid not in snapshot.watched_alive:
+                terms[self._hold_node(sid, holding)] = [0.0, float(self.graph.storages[sid].nbytes)]
         return MemoryConstraint(
             name, self.budget, self._constant_bytes() + transient, terms, edge_terms, apply_multiplicity=True
         )
+
+    def _hold_node(self, sid: int, units: tuple[int, ...]) -> str:
+        """A node that is ``held`` exactly when one of ``units`` recomputes: then a checkpoint still holds storage
+        ``sid`` (non-reentrant checkpoint keeps a block's arguments until the block's backward), which nothing
+        else may hold at that moment (OPT's and Llama's position ids). It holds it once however many blocks
+        recompute, so the term is an OR of the units' choices: two :class:`FollowsInputs` rules make the node's
+        choice that OR (a recomputing option needs ``held``; ``held`` needs a recomputing unit)."""
+        key = (sid, units)
+        if key in self.hold_nodes:
+            return self.hold_nodes[key]
+        name = f"hold:{sid}:" + ",".join(self.units[u].name for u in units)
+        self.hold_nodes[key] = name
+        self.nodes.append(DecisionNode(name, [0.0, 0.0], ["released", "held"], multiplicity=1))
+        for u in units:
+            recomputing = tuple(k for k, o in enumerate(self.unit_options_of[u]) if not o.is_none)
+            self.hold_rules.append(FollowsInputs(self.rc_names[u], recomputing, ((name, (0,)),)))
+        none_of = [
+            (self.rc_names[u], tuple(k for k, o in enumerate(self.unit_options_of[u]) if o.is_none))
+            for u in units
+        ]
+        self.hold_rules.append(FollowsInputs(name, (1,), tuple(none_of)))
+        return name
 
     def _out_shard(self, st: Strategy) -> float:
         """How many ways a strategy splits its (first) output: what a node's held bytes are divided by."""
@@ -1239,6 +1274,8 @@ class _Snapshot:
 
     by_kind: dict[str, int]
     by_node: dict[int, int]
+    watched_alive: frozenset[int] = frozenset()
+    """The watched storages (see :func:`_liveness`) alive at that moment."""
 
 
 Moment = tuple[int, str]
@@ -1247,16 +1284,22 @@ the highest point its events reach: an op's outputs and temporaries exist togeth
 
 
 def _liveness(
-    graph: StepGraph, step: UnrolledStep, moments: list[Moment]
+    graph: StepGraph, step: UnrolledStep, moments: list[Moment], watched: set[int] | None = None
 ) -> tuple[_Snapshot, list[_Snapshot]]:
     """The highest point of forward + backward (the optimizer step is priced apart) and the state at each of
-    ``moments``."""
+    ``moments``; each snapshot says which of the ``watched`` storages are alive then."""
     alloc_node = {e.storage_id: e.slot for e in graph.memory_events if e.delta > 0}
     live: dict[ValueKind, int] = defaultdict(int, step.initial_by_kind)
     by_node: dict[int, int] = defaultdict(int)
+    watched = watched or set()
+    copies: dict[int, int] = defaultdict(int)  # watched storage -> live copies
 
     def snap() -> _Snapshot:
-        return _Snapshot({k.value: v for k, v in live.items()}, {n: b for n, b in by_node.items() if b > 0})
+        return _Snapshot(
+            {k.value: v for k, v in live.items()},
+            {n: b for n, b in by_node.items() if b > 0},
+            frozenset(s for s, c in copies.items() if c > 0),
+        )
 
     before = sorted({pos for pos, kind in moments if kind == "before"})
     at_max = {pos for pos, kind in moments if kind == "max"}
@@ -1274,6 +1317,8 @@ def _liveness(
         node = alloc_node.get(sid)
         if node is not None and graph.nodes[node].phase is Phase.FORWARD:
             by_node[node] += delta
+        if sid in watched:
+            copies[sid] += 1 if delta > 0 else -1
         if total > best_total:
             best_total, best = total, snap()
         if pos in at_max and total > best_at.get(pos, -1):
@@ -1282,6 +1327,27 @@ def _liveness(
     for pos in before:
         taken[(pos, "before")] = snap()
     return best, [taken.get(m) or snap() for m in moments]
+
+
+def _checkpoint_args(
+    graph: StepGraph, tied: TiedGraph, units: list[RecomputeUnit], unit_index_of: dict[int, int]
+) -> dict[int, set[int]]:
+    """Storages a forward op outside every unit made and the model passes to a unit's blocks (position ids,
+    masks, rotary tables; used by the block or not), with the units whose blocks get them. A recomputed block's
+    checkpoint keeps its arguments until its backward, whether or not anything else still needs them."""
+    alloc = {e.storage_id: e.slot for e in graph.memory_events if e.delta > 0}
+    runs = {run.representative: run.traced for run in graph.block_runs}
+    readers: dict[int, set[int]] = defaultdict(set)
+    for u, unit in enumerate(units):
+        for block in runs.get(unit.name, unit.blocks):
+            for sid in graph.block_args.get(block, ()):
+                made = alloc.get(sid)
+                if made is None or graph.nodes[made].phase is not Phase.FORWARD:
+                    continue  # parameters, buffers and the batch exist all step anyway
+                if tied.canonical.get(made, made) in unit_index_of:
+                    continue  # made inside a unit (a block's output): priced with that unit's kept bytes
+                readers[sid].add(u)
+    return dict(readers)
 
 
 def _weighted(tied: TiedGraph, by_node: dict[int, int]) -> dict[int, float]:

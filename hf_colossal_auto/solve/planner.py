@@ -239,7 +239,8 @@ class _Planner:
         built = self.build(mesh, dp_mode, fixed_params)
         fixed = dict(built.problem.fixed)
         for node in built.problem.nodes:
-            if node.name in sharding and node.name not in built.recompute_options:
+            decided_by_recompute = node.name in built.recompute_options or node.name in built.hold_nodes
+            if node.name in sharding and not decided_by_recompute:
                 fixed[node.name] = sharding[node.name]
         built.problem = dataclasses.replace(built.problem, fixed=fixed)
         return built, solve(built.problem, time_limit_s=self.time_limit_s)

@@ -1,0 +1,164 @@
+"""Run under torchrun: for several model families and meshes, a plan under a budget below the no-recompute
+peak, applied and measured on a real step.
+
+    torchrun --nproc_per_node 2 tests/multiproc/check_budget.py --out budget.json [--cases opt:2x1,opt:1x2]
+
+For each family and mesh, rank 0 prices the model without recompute on that mesh, sets the budget to
+``--fraction`` of that peak and plans jointly (sharding + recompute) under it; every rank applies the
+broadcast plan to the same model and feeds it what the planner priced: the planner takes the *global* batch, so
+on a ``dp x tp`` mesh data-parallel replica ``d`` runs rows ``d*B/dp .. (d+1)*B/dp`` and the ``tp`` ranks of a
+replica run the same rows. One warm-up step makes the optimizer state exist (the steady state the planner
+prices), then one step runs under ``MemTracker``. Rank 0 writes every rank's measured peak next to the plan's
+prediction and budget. One launch covers every case: a process group costs seconds on a shared CPU box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import transformers
+from transformers import PretrainedConfig
+
+# Small configs of families the planner has no preset for, each with a block shape of its own: OPT (learned
+# positions with an offset, blocks ending in a view), Qwen2 (grouped-query attention with q/k/v biases),
+# GPT-NeoX (fused qkv, parallel residual, partial rotary), BART (encoder-decoder, learned positions).
+# Dropout off: DTensor's random ops refuse CPU generators, and a tensor-parallel run could not drop the same
+# units on both ranks.
+FAMILIES = ("opt", "qwen2", "gpt_neox", "bart")
+# Every family data-parallel; OPT (the family the issue saw over its budget) also tensor-parallel. A
+# tensor-parallel plan takes ~40 s to solve on a shared 2-core box, so the others are left to ``--cases``.
+CASES = (*(f"{family}:2x1" for family in FAMILIES), "opt:1x2")
+SEQ = {"bart": 256}  # BART's targets are a quarter of the source: a longer source makes recompute pay off
+
+
+def family_config(family: str) -> PretrainedConfig:
+    """A 4-block model of ``family`` (2 encoder + 2 decoder blocks for BART), width 64, vocabulary 512."""
+    common = dict(vocab_size=512, max_position_embeddings=256)
+    if family == "opt":
+        return transformers.OPTConfig(
+            hidden_size=64,
+            num_hidden_layers=4,
+            ffn_dim=256,
+            num_attention_heads=4,
+            word_embed_proj_dim=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            **common,
+        )
+    if family == "qwen2":
+        return transformers.Qwen2Config(
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **common,
+        )
+    if family == "gpt_neox":
+        return transformers.GPTNeoXConfig(
+            hidden_size=64, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4, **common
+        )
+    if family == "bart":
+        return transformers.BartConfig(
+            d_model=64,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=256,
+            decoder_ffn_dim=256,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            **common,
+        )
+    raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+
+
+def run_case(family: str, mesh: str, batch_size: int, seq: int, fraction: float) -> dict:
+    """Plan ``family`` on ``mesh`` at ``fraction`` of its no-recompute peak, run one measured step; this
+    rank's figures."""
+    from hf_colossal_auto._torch_compat import MemTracker
+    from hf_colossal_auto.apply import apply_plan, broadcast_plan
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.solve.planner import plan_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp, tp = (int(x) for x in mesh.split("x"))
+    torch.manual_seed(0)
+    model = build_model(family_config(family), device="cpu")
+    batch = make_example_inputs(model, batch_size, SEQ.get(family, seq), seed=0)
+    made = None
+    if rank == 0:
+        common = dict(num_devices=world, device="cpu", mesh_shape=(dp, tp), dp_modes=("ddp",))
+        free = plan_model(model, batch, memory_budget=1 << 40, recompute="none", **common)
+        budget = int(free.peak_memory_bytes * fraction)
+        made = plan_model(model, batch, memory_budget=budget, recompute="auto", **common)
+    plan = broadcast_plan(made)
+    per_replica = batch_size // dp
+    replica = rank // tp
+    # This rank's rows in storages of their own, as a loader would hand them over: a slice would keep (and
+    # MemTracker would count, once the runtime views it) the whole global batch's storage.
+    local = {k: v[replica * per_replica : (replica + 1) * per_replica].clone() for k, v in batch.items()}
+    del batch
+    apply_plan(model, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+    model(**local).loss.backward()  # warm-up step: the optimizer state comes to exist
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        loss = model(**local).loss
+        loss.backward()
+        del loss
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return {
+        "family": family,
+        "mesh": mesh,
+        "rank": rank,
+        "rows": [replica * per_replica, (replica + 1) * per_replica],
+        "measured_peak": peak,
+        "predicted_peak": plan.peak_memory_bytes,
+        "budget": plan.memory_budget_bytes,
+        "recompute": plan.recompute,
+        "plan_mesh": list(plan.mesh_shape),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(CASES), help="family:dpxtp, comma-separated")
+    parser.add_argument("--batch", type=int, default=16, help="global batch")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--fraction", type=float, default=0.6, help="budget / peak without recompute")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    results = []
+    for case in args.cases.split(","):
+        family, mesh = case.split(":")
+        results.append(run_case(family, mesh, args.batch, args.seq, args.fraction))
+    gathered: list[list[dict] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump([r for per_rank in gathered for r in per_rank], f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
