@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from torchrun_launch import run_torchrun
 
 from hf_colossal_auto.apply.agree import as_timedelta, describe_error, rebuild_error
 from hf_colossal_auto.solve.problem import InfeasibleError
@@ -176,3 +177,19 @@ def test_a_killed_rank_ends_the_job_and_the_recipe_resumes_with_the_same_losses(
     )  # fmt: skip
     assert resumed_run.returncode == 0, resumed_run.stdout[-2000:] + resumed_run.stderr[-4000:]
     assert _metrics(second) == {3: straight[3]}
+
+
+@pytest.mark.slow
+def test_a_batch_that_does_not_split_like_the_plans_still_trains_exactly(tmp_path):
+    """The plan splits GPT-2's residual stream and loss over the batch on the tensor-parallel axis (made for 8
+    rows); 3 rows do not split in two. Before: DTensor refused to flatten the uneven shard (the recipes' last
+    eval batch crashed). Now the batch is kept whole there, and loss and gradients equal one process's."""
+    out = tmp_path / "result.json"
+    run_torchrun(str(ROOT / "tests" / "multiproc" / "check_batch_shapes.py"), "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["batch_split_modules"], (
+        "the plan must split the batch over tp for this test to mean anything"
+    )
+    assert result["eval_losses"][1] == pytest.approx(result["eval_losses"][0], abs=1e-5)
+    assert result["train_losses"][1] == pytest.approx(result["train_losses"][0], abs=1e-5)
+    assert result["max_grad_diff"] < 1e-5

@@ -97,6 +97,12 @@ def _redistributed(value: Any, placement: Placement) -> Any:
         return value
     if isinstance(placement, Shard) and placement.dim >= value.dim():
         return value
+    if isinstance(placement, Shard) and value.shape[placement.dim] % value.device_mesh.size(0):
+        # a batch of another shape than the plan's (the last, smaller batch of an epoch): a dim the plan splits
+        # evenly does not split here, and DTensor refuses to flatten an uneven shard; keep it whole
+        placement = Replicate()
+        if current == placement:
+            return value
     return value.redistribute(value.device_mesh, [placement])
 
 
