@@ -287,10 +287,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             ns.func(ns)
         except ValueError as exc:  # an impossible budget is a result worth showing, not a crash
             print(f"error: {exc}")
-    return _demo_training()
+    return _demo_training(args.max_steps) if args.max_steps > 0 else 0
 
 
-def _demo_training() -> int:
+def _demo_training(max_steps: int) -> int:
     """Pretrain the tiny GPT for a few dozen steps on 2 gloo processes: recipes/pretrain_gpt.py through
     ``accelerate launch`` with recipes/auto_cpu.yaml, exactly as recipes/README.md documents it."""
     import subprocess
@@ -316,13 +316,13 @@ def _demo_training() -> int:
         "--model",
         "tiny",
         "--max_steps",
-        "40",
+        str(max_steps),
         "--output_dir",
         str(out),
     ]
     print(
         "\n$ ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/auto_cpu.yaml --multi_gpu "
-        f"--num_processes 2 recipes/pretrain_gpt.py --model tiny --max_steps 40 --output_dir {out}",
+        f"--num_processes 2 recipes/pretrain_gpt.py --model tiny --max_steps {max_steps} --output_dir {out}",
         flush=True,
     )
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
@@ -390,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_launch_parser(sub)
     p = sub.add_parser("demo", help="the `make demo` job")
+    p.add_argument(
+        "--max-steps", type=int, default=40, help="steps of the 2-process training run (0: only the plans)"
+    )
     p.set_defaults(func=cmd_demo)
     return parser
 

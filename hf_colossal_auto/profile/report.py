@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,17 @@ class BlockProfile:
     """For a folded block: the traced block whose figures it reuses."""
 
 
+def _plain(value: Any) -> Any:
+    """``dataclasses.asdict`` for one field's value (dataclasses, lists and dicts of them)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 @dataclass
 class ProfileReport:
     """What one training step costs, from a symbolic (fake-tensor) run.
@@ -111,10 +122,10 @@ class ProfileReport:
 
     # ------------------------------------------------------------------ output
     def to_dict(self, include_nodes: bool = False) -> dict[str, Any]:
-        data = asdict(self)
-        data.pop("graph", None)
-        if not include_nodes:
-            data.pop("nodes", None)
+        """The report's figures as JSON-ready data. The captured ``graph`` is left out — and never copied:
+        ``asdict`` deep-copies every field, and the graph holds profiler objects that cannot be copied."""
+        skip = {"graph"} if include_nodes else {"graph", "nodes"}
+        data = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in skip}
         data["estimated_step_time_s"] = self.estimated_step_time_s
         return data
 
