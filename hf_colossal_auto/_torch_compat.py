@@ -56,8 +56,10 @@ flop_registry = _torch_flop_registry
 
 
 def dtensor_is_view(t) -> bool:
-    """True when a DTensor's local tensor is a view of another tensor (what a view op returns)."""
-    return t._local_tensor._is_view()
+    """True when a DTensor is a view of another DTensor (what a view op returns), as autograd tracks it on the
+    wrapper: DTensor's dispatch does not keep its local tensors' view relation (a view's local tensor reads
+    False), so the wrapper is asked."""
+    return t._is_view()
 
 
 def fake_process_group(world_size: int, rank: int = 0) -> None:

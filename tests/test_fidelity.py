@@ -132,38 +132,9 @@ def _wider(preset: str) -> nn.Module:
     return model
 
 
-_GAP = "ops with several inputs inside modules run as DTensor chooses, which the planner does not model yet"
-
-
 @pytest.mark.parametrize(
     ("preset", "kind"),
-    [
-        ("tiny-bert", "auto"),
-        pytest.param(
-            "tiny-llama",
-            "megatron",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason=_GAP
-                + ": priced with per-op host costs, the solver now splits the loss over the batch on "
-                "the tensor-parallel axis (lm_head output S0); the run gathers the logits (2 all-gathers, 2.0 MB) "
-                "where the plan predicts 1.2 MB of all-gathers and one more all-reduce",
-            ),
-        ),
-        pytest.param(
-            "tiny-llama", "auto", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_GAP)
-        ),
-        pytest.param(
-            "tiny-gpt2", "auto", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_GAP)
-        ),
-        pytest.param(
-            "tiny-gpt2", "megatron", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_GAP)
-        ),
-        pytest.param(
-            "tiny-bert", "megatron", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_GAP)
-        ),
-    ],
+    [(preset, kind) for preset in ("tiny-gpt2", "tiny-bert", "tiny-llama") for kind in ("megatron", "auto")],
 )
 def test_predicted_collectives_equal_the_runtime_at_wider_shapes(preset, kind):
     """Hidden 256, batch 4 x 64, 1 x 2 tensor-parallel mesh: the plan's collectives (counts and bytes) against

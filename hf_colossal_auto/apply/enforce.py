@@ -47,22 +47,30 @@ from ..plan import Plan
 logger = logging.getLogger(__name__)
 
 
-def _reduce_if_partial(grad: Any) -> Any:
-    if isinstance(grad, DTensor) and grad.device_mesh.ndim == 1 and grad.placements[0].is_partial():
+def _gather_at_producer(grad: Any) -> Any:
+    if (
+        isinstance(grad, DTensor)
+        and grad.device_mesh.ndim == 1
+        and not isinstance(grad.placements[0], Replicate)
+    ):
         return grad.redistribute(grad.device_mesh, [Replicate()])
     return grad
 
 
 class ReducePartialGradientsAtProducers(TorchFunctionMode):
-    """While the model's forward runs: every replicated activation (not a view) gets a gradient hook that reduces
-    a *partial* gradient where the activation was made, once its readers' contributions are summed.
+    """While the model's forward runs: every replicated activation (not a view) gets a gradient hook that brings
+    a *partial* or *sharded* gradient to replicated where the activation was made, once its readers'
+    contributions are summed.
 
     Why: that is where the planner prices it (a consumer that splits its work over a replicated input yields a
-    partial gradient, reduced at the producer). Left alone, DTensor carries a partial gradient on through every
-    backward op linear in it and reduces it only where it meets a sharded value — in an RMSNorm over a sharded
-    hidden dim, the gradient of the ``[b, s, 1]`` inverse norm travels back to the ``[b, s, h]`` input and is
-    reduce-scattered there, a thousand times the bytes. Views are skipped: a partial gradient passes back
-    through them and is reduced once at the value they view (q, k and v of one input: one reduction)."""
+    partial gradient, reduced at the producer; one that takes a free slice of it yields a shard, gathered at
+    the producer). Left alone, DTensor carries a partial gradient on through every backward op linear in it
+    and reduces it only where it meets a sharded value — in an RMSNorm over a sharded hidden dim, the gradient
+    of the ``[b, s, 1]`` inverse norm travels back to the ``[b, s, h]`` input and is reduce-scattered there, a
+    thousand times the bytes — and it carries a sharded one back through the producer's backward to every
+    module output hook it reaches (a residual add's two inputs: two gathers where the plan prices one). Views
+    are skipped: a partial gradient passes back through them and is reduced once at the value they view (q,
+    k and v of one input: one reduction)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -74,7 +82,7 @@ class ReducePartialGradientsAtProducers(TorchFunctionMode):
             and isinstance(out.placements[0], Replicate)
             and not dtensor_is_view(out)
         ):
-            out.register_hook(_reduce_if_partial)
+            out.register_hook(_gather_at_producer)
         return out
 
 

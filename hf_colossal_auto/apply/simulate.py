@@ -68,6 +68,21 @@ class _CollectiveRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _fake_state(model: nn.Module, fake: FakeTensorMode) -> None:
+    """Swap ``model``'s parameters and buffers for fake copies (tied ones stay tied: the mode memoises by
+    tensor), so that applying a plan and running the step allocate nothing."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(fake.from_tensor(param), requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = fake.from_tensor(buf)
+
+
 def simulate_collectives(model: nn.Module, plan: Plan, example_inputs: Mapping[str, Any]) -> SimulatedComm:
     """Collectives of one forward + backward of ``plan`` applied to a copy of ``model`` (one rank's view).
 
@@ -90,7 +105,11 @@ def simulate_collectives(model: nn.Module, plan: Plan, example_inputs: Mapping[s
     mesh = build_mesh(plan, "cpu")
     recorder = _CollectiveRecorder()
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        apply_plan(replica, plan, mesh)
+        _fake_state(replica, fake)
+    # Outside the mode: apply_plan's agreement between ranks pickles Python objects through real tensors
+    # (a fake one has no value to read back); the fake parameters still compute under their own mode.
+    apply_plan(replica, plan, mesh)
+    with fake:
         fake_batch = {k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         with recorder, eager_mask_decisions(batch):
             replica(**fake_batch).loss.backward()

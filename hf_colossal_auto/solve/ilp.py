@@ -446,35 +446,36 @@ class _Model:
         return out
 
     def add_follows(self, rules: list) -> None:
-        """:class:`FollowsInputs` rules as ``x[dst][j] + sum_k [input k replicated] <= #inputs`` per sharding
-        strategy ``j``: with every input replicated, ``j`` cannot be taken. Pinned nodes are constants."""
+        """:class:`FollowsInputs` rules as ``sum_{j in sharding} x[dst][j] + sum_k [input k replicated] <=
+        #inputs``: with every input replicated, no strategy of ``sharding`` can be taken. One row per rule (the
+        one-hot ``x[dst]`` takes at most one of them), not one per strategy: DTensor's choices bar most of a
+        node's strategies under each combination of inputs. Pinned nodes are constants."""
         for index, rule in enumerate(rules):
             g = self.groups.of[rule.dst]
-            for j in rule.sharding:
-                terms: list[tuple[pulp.LpVariable, float]] = []
-                rhs = 0.0
-                pin = self.groups.pin[g]
-                if pin is not None:
-                    if pin != j:
-                        continue
-                    rhs -= 1.0
+            terms: list[tuple[pulp.LpVariable, float]] = []
+            rhs = 0.0
+            pin = self.groups.pin[g]
+            if pin is not None:
+                if pin not in rule.sharding:
+                    continue
+                rhs -= 1.0
+            else:
+                terms += [(self.x[g][j], 1.0) for j in rule.sharding]
+            for src, ids in rule.inputs:
+                if src is None:
+                    continue  # always replicated: 1 on both sides
+                rhs += 1.0
+                h = self.groups.of[src]
+                if self.groups.pin[h] is not None:
+                    rhs -= 1.0 if self.groups.pin[h] in ids else 0.0
                 else:
-                    terms.append((self.x[g][j], 1.0))
-                for src, ids in rule.inputs:
-                    if src is None:
-                        continue  # always replicated: 1 on both sides
-                    rhs += 1.0
-                    h = self.groups.of[src]
-                    if self.groups.pin[h] is not None:
-                        rhs -= 1.0 if self.groups.pin[h] in ids else 0.0
-                    else:
-                        terms += [(self.x[h][i], 1.0) for i in ids]
-                merged: dict[str, list] = {}  # one variable may appear twice (tied nodes): add, not overwrite
-                for var, coefficient in terms:
-                    merged.setdefault(var.name, [var, 0.0])[1] += coefficient
-                if merged:  # all pinned: nothing to decide (evaluate() reports a violation)
-                    row = [(var, c) for var, c in merged.values()]
-                    self.prob += pulp.LpAffineExpression(row) <= rhs, f"follow_{index:05d}_{j:03d}"
+                    terms += [(self.x[h][i], 1.0) for i in ids]
+            merged: dict[str, list] = {}  # one variable may appear twice (tied nodes): add, not overwrite
+            for var, coefficient in terms:
+                merged.setdefault(var.name, [var, 0.0])[1] += coefficient
+            if merged:  # all pinned: nothing to decide (evaluate() reports a violation)
+                row = [(var, c) for var, c in merged.values()]
+                self.prob += pulp.LpAffineExpression(row) <= rhs, f"follow_{index:05d}"
 
     def cut(self, free_choice: dict[int, int], support: list[int]) -> None:
         terms = [(self.x[g][free_choice[g]], 1.0) for g in support]

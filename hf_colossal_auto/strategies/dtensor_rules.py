@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -380,3 +381,110 @@ def _decomposition(call: _Call, sp: Any, mesh: Any, allow_partial: bool) -> list
         return None
     out = [s for s in (_convert_spec(call, spec) for spec in result.strategies) if s is not None]
     return [s for s in out if _keep(s, allow_partial)]
+
+
+# ---------------------------------------------------------------------------------------------- DTensor's pick
+def _specs_in_order(obj: Any, out: list[Any]) -> None:
+    """The DTensorSpecs of a (redistribute) schema's arguments, in the order :func:`_walk_refs` finds tensors."""
+    if isinstance(obj, DTensorSpec):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _specs_in_order(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _specs_in_order(o, out)
+
+
+def dtensor_choice(
+    node: OpNode,
+    graph: StepGraph,
+    mesh: Any,
+    placements: Sequence[PlacementSpec],
+    strategies: Sequence[Strategy] | None = None,
+    signature: tuple | None = None,
+) -> Strategy | None:
+    """The strategy DTensor's own dispatch runs ``node`` with when its tensor inputs arrive in ``placements``
+    (one spec per input, in :attr:`OpNode.inputs` order): the input specs it redistributes them to and the
+    output specs it produces.
+
+    Why: ops the runtime does not enforce run as DTensor's sharding propagation picks (the strategy that is
+    cheapest to reach from the arriving placements by DTensor's own cost, ties broken DTensor's way). The
+    planner asks the same propagator the dispatch asks, so that what it predicts for such an op is what runs.
+    None when DTensor cannot answer (no rule, a rule that fails, outputs that do not line up, a placement we
+    cannot spell). Given the node's ``strategies``, inputs that arrive exactly as some of them take them are
+    answered without asking: DTensor runs a strategy that needs no redistribution when one exists (and these
+    agree on their outputs). ``signature``: the node's enumeration signature, when the caller has it (asking
+    about many placements of one node).
+    """
+    from ..apply.dtensor_rules import register_runtime_rules
+    from .enumerate import _signature
+
+    if signature is None:
+        signature = _signature(node, graph, tuple(mesh.shape), False)
+    key = (signature, tuple(placements))
+    if key in _choices:
+        _choices.move_to_end(key)
+        return _choices[key]
+    chosen = _no_redistribution(strategies, placements) if strategies is not None else None
+    if chosen is None:
+        register_runtime_rules()  # the rules the runtime adds (CPU flash attention) before it runs a plan
+        chosen = _dtensor_choice(node, graph, mesh, placements)
+    _choices[key] = chosen
+    if len(_choices) > _CHOICE_CACHE_SIZE:
+        _choices.popitem(last=False)
+    return chosen
+
+
+def _no_redistribution(
+    strategies: Sequence[Strategy], placements: Sequence[PlacementSpec]
+) -> Strategy | None:
+    """The strategy that takes every input exactly as it arrives, when the node has such strategies and they
+    all produce the same outputs (DTensor prefers a strategy that needs no redistribution); else None."""
+    exact = [
+        s
+        for s in strategies
+        if len(s.input_placements) == len(placements)
+        and all(p is None or p == q for p, q in zip(s.input_placements, placements, strict=True))
+    ]
+    if not exact or any(s.output_placements != exact[0].output_placements for s in exact):
+        return None
+    return Strategy(tuple(placements), exact[0].output_placements, exact[0].source)
+
+
+_CHOICE_CACHE_SIZE = 65536
+_choices: OrderedDict[tuple, Strategy | None] = OrderedDict()
+"""(node signature, input placements) -> DTensor's pick: the blocks of a model ask the same questions, and so
+do the meshes and data-parallel modes a search builds problems for."""
+
+
+def _dtensor_choice(
+    node: OpNode, graph: StepGraph, mesh: Any, placements: Sequence[PlacementSpec]
+) -> Strategy | None:
+    """:func:`dtensor_choice`, uncached."""
+    call = _Call(node, graph)
+    if call.op is None or not call.aligned or len(placements) != len(call.refs):
+        return None
+    sp = dtensor_sharding_propagator()
+
+    def leaf(i: int) -> DTensorSpec:
+        return DTensorSpec(mesh, to_dtensor_spec(placements[i]), tensor_meta=call.in_metas[i])
+
+    args, kwargs = call.map_args(leaf, list)
+    schema_info = sp.op_to_schema_info.get(call.op) or sp.op_to_schema_info_for_single_dim_strategy.get(
+        call.op
+    )
+    try:
+        result = sp.propagate_op_sharding(OpSchema(call.op, args, kwargs, schema_info=schema_info))
+    except Exception as exc:  # no rule, or a rule that rejects these placements: DTensor would raise too
+        logger.debug("%s: DTensor's propagation failed for %s: %s", node.op, placements, exc)
+        return None
+    chosen: list[Any] = []
+    if result.redistribute_schema is not None:
+        schema = result.redistribute_schema
+        _specs_in_order((schema.args_schema, schema.kwargs_schema), chosen)
+    else:
+        _specs_in_order((args, kwargs), chosen)
+    if len(chosen) != len(call.refs):
+        return None
+    return _convert_spec(call, OpSpec(result.output_spec, input_specs=chosen))
