@@ -20,6 +20,7 @@ __all__ = [
     "queue_backward_callback",
     "set_group_timeout",
     "default_dtensor_dispatch",
+    "dtensor_op_has_handler",
     "register_dtensor_op_handler",
     "allow_implicit_replication",
     "local_tensor_mode",
@@ -176,6 +177,13 @@ def register_dtensor_op_handler(op, handler) -> None:
     from torch.distributed.tensor import DTensor
 
     DTensor._op_dispatcher._custom_op_handlers[op] = handler
+
+
+def dtensor_op_has_handler(op) -> bool:
+    """Whether DTensor special-cases ``op`` in its private handler table (it then needs no sharding rule)."""
+    from torch.distributed.tensor import DTensor
+
+    return op in DTensor._op_dispatcher._custom_op_handlers
 
 
 def default_dtensor_dispatch(op, args, kwargs):

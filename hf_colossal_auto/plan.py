@@ -89,6 +89,10 @@ class Plan:
     overlapped_communication_s: float = 0.0
     """Data-parallel communication predicted to run hidden behind computation (not in ``step_time_s``;
     ``communication_time_s`` is what the step waits for)."""
+    replicated_ops: list[str] = field(default_factory=list)
+    """Ops of the step DTensor has no sharding rule for (e.g. a model's custom op): the planner warned and priced
+    them replicated; the runtime runs them replicated (inputs gathered, the same result on every rank) unless
+    a rule of ours covers them."""
     param_shapes: dict[str, list[int]] = field(default_factory=dict)
     """Parameter FQN -> the shape the plan was made for: a plan for another configuration of the same class
     (another vocabulary, another width) is refused by name instead of being applied to shapes it never saw.

@@ -3,7 +3,9 @@ killed run resumes from its checkpoint with the uninterrupted run's losses. docs
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import os
 import signal
 import socket
@@ -13,8 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torchrun_launch import run_torchrun
 
+from hf_colossal_auto import apply_plan, build_model, make_example_inputs, plan_model
+from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
+from hf_colossal_auto.apply import build_mesh
 from hf_colossal_auto.apply.agree import as_timedelta, describe_error, rebuild_error
 from hf_colossal_auto.solve.problem import InfeasibleError
 
@@ -193,3 +201,71 @@ def test_a_batch_that_does_not_split_like_the_plans_still_trains_exactly(tmp_pat
     assert result["eval_losses"][1] == pytest.approx(result["eval_losses"][0], abs=1e-5)
     assert result["train_losses"][1] == pytest.approx(result["train_losses"][0], abs=1e-5)
     assert result["max_grad_diff"] < 1e-5
+
+
+# ----------------------------------------------------------------------------------------- unknown ops
+@torch.library.custom_op("hfca_test::mystery_act", mutates_args=())
+def _mystery_act(x: torch.Tensor) -> torch.Tensor:
+    """SiLU as an opaque custom op: DTensor has no sharding rule for it, nor does the planner."""
+    return torch.nn.functional.silu(x)
+
+
+@_mystery_act.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _mystery_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _mystery_backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    (x,) = ctx.saved_tensors
+    s = torch.sigmoid(x)
+    return grad * s * (1 + x * (1 - s))
+
+
+_mystery_act.register_autograd(_mystery_backward, setup_context=_mystery_setup)
+
+
+class _MysteryActivation(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _mystery_act(x)
+
+
+def test_an_unknown_op_in_a_real_model_is_planned_and_run_replicated_with_warnings(caplog):
+    """A Llama whose MLP activation is a custom op no rule covers: the planner warns and prices it replicated,
+    the runtime warns and runs it replicated (it raised "does not have a sharding strategy registered"), and
+    a step on 2 simulated ranks gives one process's loss and gradients."""
+    torch.manual_seed(0)
+    model = build_model("tiny-llama", device="cpu")
+    model.eval()
+    for layer in model.model.layers:
+        layer.mlp.act_fn = _MysteryActivation()
+    batch = make_example_inputs(model, 4, 16)
+    reference = copy.deepcopy(model)
+    want = reference(**batch).loss
+    want.backward()
+    with caplog.at_level(logging.WARNING):
+        plan = plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(1, 2))
+    assert plan.replicated_ops == ["hfca_test.mystery_act.default"]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    fake_process_group(2)
+    try:
+        with caplog.at_level(logging.WARNING), local_tensor_mode(2):
+            apply_plan(model, plan, build_mesh(plan, "cpu"))
+            got = model(**batch).loss
+            got.backward()
+            for name, p in model.named_parameters():
+                grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                for rank_grad in grad._local_tensors.values() if hasattr(grad, "_local_tensors") else [grad]:
+                    torch.testing.assert_close(rank_grad, reference.get_parameter(name).grad, msg=name)
+            losses = got._local_tensors.values() if hasattr(got, "_local_tensors") else [got]
+    finally:
+        dist.destroy_process_group()
+    for loss in losses:
+        assert float(loss.detach()) == pytest.approx(float(want), abs=1e-6)
+    warned = [r.getMessage() for r in caplog.records if "hfca_test.mystery_act.default" in r.getMessage()]
+    assert any("running it replicated" in w for w in warned)  # the planner
+    assert any("the plan runs it replicated" in w for w in warned)  # the runtime

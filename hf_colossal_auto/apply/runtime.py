@@ -48,7 +48,7 @@ from .._torch_compat import allow_implicit_replication, queue_backward_callback,
 from ..plan import Plan
 from .agree import DEFAULT_TIMEOUT_S, raise_if_any_rank_failed, run_on_one_rank, set_timeout
 from .data import global_batch
-from .dtensor_rules import register_runtime_rules
+from .dtensor_rules import register_replicated_fallbacks, register_runtime_rules
 from .enforce import ReducePartialGradientsAtProducers, enforce_plan
 from .materialize import is_meta_model, materialize_meta_model
 from .recompute import apply_recompute
@@ -374,6 +374,7 @@ def apply_plan(
     _validate_on_every_rank(model, plan, world)
     fsdp = plan.dp_mode == "fsdp" and plan.dp_size > 1
     register_runtime_rules()
+    register_replicated_fallbacks(plan.replicated_ops)
     allow_implicit_replication(True)
     if mesh is None:
         mesh = build_mesh(plan)

@@ -18,6 +18,7 @@ from torch import nn
 from ..capture.graph import StepGraph
 from ..plan import BlockCost, Plan
 from ..profile.profiler import _module_list_children, block_units
+from ..strategies import ops_without_dtensor_rule
 from ..strategies.placements import is_shard
 from .builder import (
     BuiltProblem,
@@ -176,6 +177,7 @@ def _make_plan(
             if fqn in param_placements
         },
         activation_placements=activation_placements,
+        replicated_ops=ops_without_dtensor_rule(graph),
         global_batch_size=planner.batch,
         input_shapes={k: list(v.shape) for k, v in planner.inputs.items() if isinstance(v, torch.Tensor)},
         step_time_s=objective,

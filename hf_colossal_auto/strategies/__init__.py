@@ -7,7 +7,14 @@ small JSON-friendly vocabulary (:mod:`.placements`) rather than DTensor objects.
 
 from .custom_rules import CUSTOM_RULES, custom_strategies
 from .dtensor_rules import dtensor_rule_kind, dtensor_strategies, resolve_op
-from .enumerate import clear_cache, device_mesh, enumerate_strategies, fallback_ops, node_strategies
+from .enumerate import (
+    clear_cache,
+    device_mesh,
+    enumerate_strategies,
+    fallback_ops,
+    node_strategies,
+    ops_without_dtensor_rule,
+)
 from .placements import (
     PARTIAL,
     REPLICATE,
@@ -46,6 +53,7 @@ __all__ = [
     "enumerate_strategies",
     "evenly_sharded",
     "fallback_ops",
+    "ops_without_dtensor_rule",
     "from_dtensor",
     "from_dtensor_spec",
     "is_partial",

@@ -257,6 +257,19 @@ def fallback_ops(strategies: dict[int, list[Strategy]], graph: StepGraph) -> lis
     )
 
 
+def ops_without_dtensor_rule(graph: StepGraph) -> list[str]:
+    """Op names of the step (forward and backward) on tensors that DTensor has no sharding rule for, sorted:
+    the planner prices them replicated (or by a rule of ours); the runtime must run them replicated or by that
+    rule (``Plan.replicated_ops``)."""
+    return sorted(
+        {
+            n.op
+            for n in graph.nodes
+            if n.inputs and (op := resolve_op(n.op)) is not None and dtensor_rule_kind(op) is None
+        }
+    )
+
+
 def clear_cache() -> None:
     """Forget cached strategies (e.g. after registering a custom rule)."""
     _cache.clear()
