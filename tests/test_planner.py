@@ -217,6 +217,30 @@ def test_auto_is_never_slower_than_a_feasible_baseline(gpt2):
             assert plan.step_time_s <= est.step_time_s * (1 + 1e-9), baseline
 
 
+def test_evaluating_a_tp_plan_dict_prices_exactly_its_placements():
+    """A HF-style tp_plan (module pattern -> style): the estimate's plan shards exactly the named projections
+    (Linear weights [out, in]: colwise S0, rowwise S1), replicates every other parameter, and is priced on a
+    1 x tp mesh."""
+    llama = build_model("tiny-llama", device="meta")
+    batch = make_example_inputs(llama, 8, 32, device="meta")
+    tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    est = evaluate_plan(llama, batch, tp_plan, num_devices=2, device=DEVICE)
+    assert est.name == "tp_plan" and est.mesh_shape == (1, 2)
+    sharded = {k: v[1] for k, v in est.plan.param_placements.items() if v[1] != "R"}
+    assert set(sharded) == {f"model.{name.replace('*', str(i))}.weight" for name in tp_plan for i in range(2)}
+    assert all(
+        v == ("S1" if k.endswith(("o_proj.weight", "down_proj.weight")) else "S0") for k, v in sharded.items()
+    )
+
+
 @pytest.mark.parametrize("fraction", [None, 0.7])
 def test_evaluating_a_plan_reproduces_its_prediction(gpt2, fraction):
     """Pricing a solved plan gives back its own prediction, time and memory — with and without a budget that
