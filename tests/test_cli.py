@@ -65,3 +65,30 @@ def test_demo_plans_gpt2_xl_for_eight_a100s_with_and_without_a_budget(capsys):
     printed = capsys.readouterr().out
     assert printed.count("Plan for GPT2LMHeadModel") == 2
     assert "--memory-budget 8GiB" in printed
+
+
+def test_launch_dry_run_prints_the_accelerate_command(tmp_path, capsys):
+    config = tmp_path / "combined.yaml"
+    config.write_text("distributed_type: NO\nnum_processes: 1\nauto_parallel:\n  mesh_shape: 1x1\n")
+    assert main(["launch", "--config", str(config), "--dry-run", "train.py", "--lr", "1"]) == 0
+    printed = capsys.readouterr().err  # the command goes to stderr, beside the launched job's own output
+    assert "accelerate" in printed and "hf_colossal_auto.run train.py --lr 1" in printed
+
+
+@pytest.mark.slow
+def test_launch_runs_the_script_with_its_auto_parallel_settings(tmp_path):
+    """``hf-colossal-auto launch --config combined.yaml train.py``: accelerate launches the script (one process
+    here), whose ``Accelerator`` is ours and whose plugin reads the ``auto_parallel:`` section."""
+    config = tmp_path / "combined.yaml"
+    config.write_text("distributed_type: NO\nnum_processes: 1\nauto_parallel:\n  memory_budget: 3GiB\n")
+    out = tmp_path / "seen.json"
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import json, sys\n"
+        "from accelerate import Accelerator\n"
+        "from hf_colossal_auto import AutoParallelPlugin\n"
+        "accelerator = Accelerator()\n"
+        f"json.dump([type(accelerator).__name__, AutoParallelPlugin().memory_budget, sys.argv[1:]], open({str(out)!r}, 'w'))\n"
+    )
+    assert main(["launch", "--config", str(config), str(script), "--lr", "1"]) == 0
+    assert json.loads(out.read_text()) == ["AutoParallelAccelerator", 3 * 2**30, ["--lr", "1"]]
