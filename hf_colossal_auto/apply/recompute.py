@@ -36,11 +36,15 @@ logger = logging.getLogger(__name__)
 
 
 def selective_policy(option: RecomputeOption):
-    """The selective-checkpoint policy of ``option``: keep what the option keeps, recompute the rest."""
+    """The selective-checkpoint policy of ``option``: keep what the option keeps, recompute the rest.
+
+    Views are never kept, as the planner prices it (``RecomputeOption.caches``): a cached view holds its base
+    alive, so keeping the transpose of a recomputed attention output kept that output too (rerunning a view
+    costs nothing)."""
     recomputed = option.recomputed
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op_class(str(func)) in recomputed:
+        if op_class(str(func)) in recomputed or getattr(func, "is_view", False):
             return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE
 
