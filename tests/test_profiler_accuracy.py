@@ -5,7 +5,9 @@ attention kernels are the ones this host runs) and then runs the step for real:
 
 * FLOPs: ``FlopCounterMode`` over a real forward + backward must count exactly ``report.total_flops``;
 * memory: ``MemTracker``'s peak over a real steady-state step (forward, backward, ``AdamW(foreach)`` step, with
-  the optimizer state already allocated) must be within 5 % of ``report.peak_memory_bytes``;
+  the optimizer state already allocated) against ``report.peak_memory_bytes``: never more than 0.01 % under it
+  (a plan priced below what it uses could break its budget), at most 0.05 % over it (0.12 % for the
+  long-sequence case);
 * folding: tracing a few blocks and replaying them must give exactly what tracing every block gives;
 * scale: a meta-device Llama-7B profiles without touching real memory.
 
@@ -25,7 +27,12 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.profile import EXTRA_FLOP_FORMULAS, profile_model
 
-MEMORY_TOLERANCE = 0.05
+# Bounds on predicted / measured - 1, from the ratios these checks measured (torch 2.13, docs/benchmarks.md):
+# every case over-predicts, by +0.0038 % (T5 wide) to +0.025 % (BERT small), +0.108 % for the long-sequence
+# Llama. Under-prediction is the side that breaks budgets, so it gets the smaller margin.
+MEMORY_UNDER = 1e-4
+MEMORY_OVER = 5e-4
+MEMORY_OVER_LONG_SEQUENCE = 1.2e-3
 FAMILIES = ["gpt2", "bert", "t5", "llama"]
 
 
@@ -130,6 +137,14 @@ def measured():
     return get
 
 
+def _assert_peak_close(predicted: int, measured: int, case: str, over: float = MEMORY_OVER) -> None:
+    """``predicted`` within ``[-MEMORY_UNDER, +over]`` of ``measured`` (relative), the ratio in the message."""
+    error = predicted / measured - 1
+    message = f"{case}: predicted {predicted} B, measured {measured} B ({error:+.4%})"
+    assert error >= -MEMORY_UNDER, "under-predicted: " + message
+    assert error <= over, "over-predicted: " + message
+
+
 @pytest.mark.parametrize("family,size", CASES)
 def test_flops_match_flop_counter_exactly(measured, family, size):
     _, _, report, real_flops, _ = measured(family, size)
@@ -146,10 +161,7 @@ def test_peak_memory_within_tolerance(measured, family, size):
     _, _, report, _, real_peak = measured(family, size)
     floor = report.param_bytes + report.optimizer_state_bytes
     assert real_peak > floor  # the measurement saw the step, not just the model
-    error = abs(report.peak_memory_bytes - real_peak) / real_peak
-    assert error <= MEMORY_TOLERANCE, (
-        f"{family}/{size}: predicted {report.peak_memory_bytes} B, measured {real_peak} B ({error:.2%})"
-    )
+    _assert_peak_close(report.peak_memory_bytes, real_peak, f"{family}/{size}")
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -177,7 +189,7 @@ def test_bf16_autocast_flops_and_peak():
     real_flops, real_peak = measure_real_step(model, batch, mixed_precision="bf16")
     assert report.mixed_precision == "bf16"
     assert report.total_flops == real_flops
-    assert abs(report.peak_memory_bytes - real_peak) <= MEMORY_TOLERANCE * real_peak
+    _assert_peak_close(report.peak_memory_bytes, real_peak, "llama/bf16")
     # Autocast keeps fp32 weights (same parameter bytes) and runs the matmuls in bf16.
     assert report.param_bytes == fp32.param_bytes
     assert report.total_flops == fp32.total_flops
@@ -198,7 +210,7 @@ def test_llama_all_ones_mask_peak_matches_eager():
     assert bool(batch["attention_mask"].all())
     report = profile_model(model, batch, device="cpu")
     _, real_peak = measure_real_step(model, batch)
-    assert abs(report.peak_memory_bytes - real_peak) <= MEMORY_TOLERANCE * real_peak
+    _assert_peak_close(report.peak_memory_bytes, real_peak, "llama/long-seq", over=MEMORY_OVER_LONG_SEQUENCE)
 
 
 # ---------------------------------------------------------------------------------------------- folding

@@ -4,7 +4,7 @@ What is held against what:
 
 * the planner's predicted peak against the peak of the *same* recompute traced symbolically (the tracer runs
   the checkpointed model's backward, recompute included; the profiler's peaks are the measured ones within
-  0.02 %, tests/test_profiler_accuracy.py), for the four families on one device;
+  0.11 %, tests/test_profiler_accuracy.py), for the four families on one device;
 * on 2 gloo ranks, the measured per-rank peak (MemTracker, real tensors) against the budget and the plan;
 * the recomputing model's loss and gradients against the model without recompute;
 * the joint plan against the two-stage plan (shard, then recompute) and against full recompute everywhere.
@@ -41,6 +41,14 @@ from hf_colossal_auto.solve.recompute import FULL_RECOMPUTE, NO_RECOMPUTE, find_
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["tiny-gpt2", "tiny-bert", "tiny-t5", "tiny-llama"]
+
+
+# Bounds on the plan's predicted peak / the traced peak of its recompute - 1 (docs/ARCHITECTURE.md: within
+# 1.6 %). Measured (both sides are symbolic, so exact from run to run): GPT-2 -1.570 % (selective:pointwise: the
+# known gap, 128 KiB = one 8 x 64 x 64 fp32 activation unpriced), BERT +0.150 %, T5 and Llama 0. An
+# under-prediction lets a plan break its budget: no more than the known gap is allowed on that side.
+TRACED_UNDER = 0.016
+TRACED_OVER = 0.002
 
 
 def _meta(preset: str):
@@ -142,7 +150,10 @@ def test_predicted_peak_matches_the_traced_recompute(preset):
     recomputing = _meta(preset)
     apply_recompute(recomputing, plan)
     traced = memory_profile(trace_training_step(recomputing, batch, device_kind="cpu")).peak_bytes
-    assert abs(traced - plan.peak_memory_bytes) <= 0.10 * traced, (traced, plan.peak_memory_bytes)
+    error = plan.peak_memory_bytes / traced - 1
+    options = sorted(set(plan.recompute.values()))
+    message = f"{preset} {options}: predicted {plan.peak_memory_bytes} B, traced {traced} B ({error:+.4%})"
+    assert -TRACED_UNDER <= error <= TRACED_OVER, message
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -287,18 +298,27 @@ def _run_ranks(model: str, mesh: str, dp_mode: str, fraction: float, tmp_path: P
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
 
 
+# Bounds on predicted / measured - 1 per rank. Measured (same on both ranks): GPT-2 1 x 2 +5.198 % (a
+# tensor-parallel plan prices the transient of its peak moment unsharded, docs/ARCHITECTURE.md), Llama 2 x 1
+# +1.121 %. Neither under-predicts, and an under-prediction is what would break a budget: 0.1 % allowed there.
+RANKS_UNDER = 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "model,mesh,dp_mode,fraction",
-    [("tiny-gpt2", "1x2", "ddp", 0.6), ("tiny-llama", "2x1", "ddp", 0.7)],
+    "model,mesh,dp_mode,fraction,max_over",
+    [("tiny-gpt2", "1x2", "ddp", 0.6, 0.055), ("tiny-llama", "2x1", "ddp", 0.7, 0.015)],
 )
-def test_measured_peak_on_two_ranks_stays_under_the_budget(model, mesh, dp_mode, fraction, tmp_path):
+def test_measured_peak_on_two_ranks_stays_under_the_budget(
+    model, mesh, dp_mode, fraction, max_over, tmp_path
+):
     """A budget below the no-recompute peak: the plan recomputes, every rank's measured peak (MemTracker, real
-    tensors, steady-state step) stays under the budget and within 10 % of the prediction, and loss and
-    gradients equal the single-process model's."""
+    tensors, steady-state step) stays under the budget, the prediction is at most ``RANKS_UNDER`` under it
+    and ``max_over`` over it, and loss and gradients equal the single-process model's."""
     for r in _run_ranks(model, mesh, dp_mode, fraction, tmp_path):
         assert any(v != "none" for v in r["recompute"].values()), r
         assert r["measured_peak"] <= r["budget"], r
-        assert abs(r["measured_peak"] - r["predicted_peak"]) <= 0.10 * r["predicted_peak"], r
+        error = r["predicted_peak"] / r["measured_peak"] - 1
+        assert -RANKS_UNDER <= error <= max_over, (f"{error:+.4%}", r)
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, r
         assert r["max_grad_err"] <= 1e-5, r
