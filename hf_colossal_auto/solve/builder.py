@@ -211,6 +211,25 @@ def view_root(graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, 
     return vid
 
 
+def viewed_param(
+    graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, int]], root: int
+) -> int | None:
+    """The parameter a view chain's root is a view of (a linear weight's transpose), else None.
+
+    :func:`view_root` stops at such a view, but its partial gradient is not reduced there: the runtime gathers
+    a weight stored sharded for its use (``apply/enforce.py``), the view passes the partial gradient back, and
+    the gather's backward reduces it straight to the weight's stored placement (a reduce-scatter to a shard,
+    an all-reduce to a replica)."""
+    src = producer.get(root)
+    if src is None or src[0] not in tied.canonical:
+        return None
+    node = graph.nodes[src[0]]
+    if not node.is_view:
+        return None
+    params = [v for v in node.inputs if graph.values[v].kind is ValueKind.PARAM and graph.values[v].name]
+    return params[0] if len(params) == len(node.inputs) == 1 else None
+
+
 def unenforced_split_rules(
     graph: StepGraph,
     tied: TiedGraph,

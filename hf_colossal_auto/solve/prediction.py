@@ -30,6 +30,7 @@ from .builder import (
     forward_producers,
     shared_projection_inputs,
     view_root,
+    viewed_param,
 )
 from .cost_model import (
     gradient_at_consumer,
@@ -518,7 +519,10 @@ def _collective_prediction(
             counts[kind] += w
             nbytes[kind] += w * _given_bytes(kind, graph.values[vid].nbytes, tp)
     for vid, w in partial_roots.items():
-        src, is_param = source(vid)
+        # a view of a parameter (a gathered weight's transpose): reduced to the parameter's storage placement
+        pvid = viewed_param(graph, tied, producer, vid)
+        made = source(pvid) if pvid is not None else None
+        src, is_param = made if made is not None else source(vid)
         grad_to = src if is_param and is_shard(src) else gradient_at_producer(src)
         _, kind = redistribute("P", grad_to, graph.values[vid].nbytes, tp_comm)
         if kind:
