@@ -54,8 +54,14 @@ def main() -> None:
         for ids in torch.randint(0, vocab, (args.global_batch * args.steps, args.seq), generator=data_rng)
     ]
     per_device = args.global_batch // accelerator.num_processes
+    # a different shuffling seed per process: the ranks of one tensor-parallel group must still read the same
+    # batches (rank 0's order, which the single-process reference also draws), so the loader's sampler state
+    # has to be broadcast at prepare()
     loader = DataLoader(
-        samples, batch_size=per_device, shuffle=True, generator=torch.Generator().manual_seed(2)
+        samples,
+        batch_size=per_device,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(2 + accelerator.process_index),
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / (2 * args.steps))
