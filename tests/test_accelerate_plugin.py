@@ -297,6 +297,15 @@ def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path):
     assert two["resumed_losses"] == pytest.approx(two["losses"][3:], abs=1e-6)
     assert two["learning_rate"] == pytest.approx(one["learning_rate"])
     assert (tmp_path / "plan.json").is_file()
+    # split_batches: the loader yields global batches, the plan is made for that size, the losses are the same
+    split = subprocess.run(
+        [*cmd[:-2], "--out", str(tmp_path / "split"), "--split-batches"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert split.returncode == 0, split.stderr[-3000:]
+    three = json.loads((tmp_path / "split" / "result.json").read_text())
+    assert three["mesh"] == [1, 2] and three["global_batch_planned"] == 8
+    assert three["losses"] == pytest.approx(one["losses"], abs=1e-5)
 
     from transformers import AutoModelForCausalLM
 

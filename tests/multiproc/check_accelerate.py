@@ -21,7 +21,7 @@ import os
 import torch
 import transformers
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 
 from hf_colossal_auto.models import build_model
@@ -35,6 +35,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--save-at", type=int, default=3)
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--split-batches",
+        action="store_true",
+        help="accelerate's split_batches: the loader yields global batches",
+    )
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     accelerator = Accelerator(
@@ -42,6 +47,7 @@ def main() -> None:
         # per process), so that the single-process run has the same learning rates
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=120))],
+        dataloader_config=DataLoaderConfiguration(split_batches=args.split_batches),
     )
     set_seed(0)
     model = build_model(args.model, device="cpu")
@@ -53,7 +59,7 @@ def main() -> None:
         {"input_ids": ids, "labels": ids.clone()}
         for ids in torch.randint(0, vocab, (args.global_batch * args.steps, args.seq), generator=data_rng)
     ]
-    per_device = args.global_batch // accelerator.num_processes
+    per_device = args.global_batch if args.split_batches else args.global_batch // accelerator.num_processes
     # a different shuffling seed per process: the ranks of one tensor-parallel group must still read the same
     # batches (rank 0's order, which the single-process reference also draws), so the loader's sampler state
     # has to be broadcast at prepare()
@@ -104,6 +110,7 @@ def main() -> None:
             "eval_first_tokens": seen,
             "model_class": type(model).__name__,
             "mesh": list(plan.mesh_shape) if plan is not None else None,
+            "global_batch_planned": plan.global_batch_size if plan is not None else None,
             "sharded_params": sum(1 for p in plan.param_placements.values() if p[-1] != "R") if plan else 0,
             "learning_rate": scheduler.get_last_lr()[0],
         }
