@@ -27,7 +27,10 @@ one's backward is the reverse redistribution of the gradient the planner's edges
   Sibling projections reading one input in one placement share one redistributed copy (one gather for q, k
   and v), as the planner's ``SharedCost`` prices it;
 * inputs of ``nn.LayerNorm`` sharded on a normalised dim are gathered above autograd (DTensor would gather
-  inside the op and again in its backward, from the sharded input the op saved).
+  inside the op and again in its backward, from the sharded input the op saved);
+* an elementwise op (a residual add) reading DTensors sharded on different dims: each sharded input's
+  gradient goes back to its own placement at that use, before autograd sums it with the value's other uses
+  (:func:`_gradients_to_sources`, in :class:`ReducePartialGradientsAtProducers`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,59 @@ def _gather_at_producer(grad: Any) -> Any:
     return grad
 
 
+class _GradientToSource(torch.autograd.Function):
+    """Identity in forward; in backward a sharded or replicated gradient goes back to the input's own
+    placement (a partial one stays partial: reduced where the value was made)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor) -> DTensor:
+        ctx.source = value.placements
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        if (
+            isinstance(grad, DTensor)
+            and not grad.placements[0].is_partial()
+            and grad.placements != ctx.source
+        ):
+            grad = grad.redistribute(grad.device_mesh, ctx.source)
+        return grad
+
+
+_ELEMENTWISE = frozenset(
+    {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+    | {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+    | {torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__}
+)
+"""Out-of-place binary ops whose DTensor inputs, sharded on different dims, DTensor redistributes inside the op."""
+
+
+def _gradients_to_sources(func: Any, args: tuple) -> tuple:
+    """The args of an elementwise op reading DTensors sharded on different dims, each sharded one wrapped so its
+    gradient returns to its own placement at this use (:class:`_GradientToSource`).
+
+    Why: the planner prices each use's gradient back to the producer's placement on its own. Left alone, the
+    op's gradient for the input DTensor redistributed comes back in the op's placement and autograd sums it
+    with the value's other uses first, converting each later contribution to that placement (a residual
+    stream sharded on the hidden dim read batch-sharded by the residual add: its RMSNorm's two uses'
+    gradients are each moved to the batch shard, two collectives the plan does not price)."""
+    if func not in _ELEMENTWISE:
+        return args
+    placed = [a.placements for a in args if isinstance(a, DTensor) and a.device_mesh.ndim == 1]
+    if len(placed) < 2 or len(set(placed)) < 2:
+        return args
+    return tuple(
+        _GradientToSource.apply(a)
+        if isinstance(a, DTensor)
+        and a.device_mesh.ndim == 1
+        and a.requires_grad
+        and isinstance(a.placements[0], Shard)
+        else a
+        for a in args
+    )
+
+
 class ReducePartialGradientsAtProducers(TorchFunctionMode):
     """While the model's forward runs: every replicated activation (not a view) gets a gradient hook that brings
     a *partial* or *sharded* gradient to replicated where the activation was made, once its readers'
@@ -73,7 +129,7 @@ class ReducePartialGradientsAtProducers(TorchFunctionMode):
     k and v of one input: one reduction)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = func(*_gradients_to_sources(func, args), **(kwargs or {}))
         if (
             isinstance(out, DTensor)
             and out.requires_grad

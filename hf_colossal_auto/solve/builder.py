@@ -1085,6 +1085,7 @@ class _ProblemBuilder:
         is_shared = (v_idx, k) in self.shared_uses
         root = view_root(graph, tied, self.producer, vid)
         through_view = root != vid and graph.nodes[u_idx].is_view
+        of_param = self._storage_partial(v_idx, k, vid, root)
 
         matrix = [
             [
@@ -1099,6 +1100,7 @@ class _ProblemBuilder:
                     consumers=self.readers[root] if through_view else self.readers[vid],
                     forward=not is_shared,
                     partial_to=_view_partial_to(us, axis) if through_view else None,
+                    partial_elsewhere=of_param,
                     needs_grad=vid in self.grads,
                 )
                 for s in v_strats
@@ -1119,6 +1121,34 @@ class _ProblemBuilder:
                 for us in u_strats
             ]
             self._add_forward(_node_name(u_c), _node_name(v_c), forward)
+
+    def _storage_partial(self, v_idx: int, k: int, vid: int, root: int) -> bool:
+        """A use whose partial gradient is reduced to a parameter's storage placement (``root`` is a view of
+        the parameter, :func:`viewed_param`): prices that reduction on an edge parameter -> consumer, the two
+        choices it depends on (the consumer's strategy makes the gradient partial, the storage says where it
+        is reduced to), and says so (the view -> consumer edge then leaves it out)."""
+        pvid = viewed_param(self.graph, self.tied, self.producer, root)
+        if pvid is None or vid not in self.grads:
+            return False
+        pname = _param_node_name(self.tied.canonical_param(self.graph.values[pvid].name))
+        if pname not in self.param_options:
+            return False
+        axis, nbytes = self.axis, self.graph.values[vid].nbytes
+        w = self.tied.weight[v_idx]
+        v_name = _node_name(self.tied.canonical[v_idx])
+        share = 1.0 / self.readers[root]
+        partial = [_partial_gradient(s, k, axis) for s in self.strat_of[v_name]]
+        matrix = [
+            [
+                w * share * redistribute("P", o if is_shard(o) else "R", nbytes, self.tp_comm)[0]
+                if p
+                else 0.0
+                for p in partial
+            ]
+            for o in self.param_options[pname]
+        ]
+        self._add_edge(pname, v_name, matrix)
+        return True
 
     def _add_shared_copy(self, v_idx: int, k: int, vid: int, u_c: int, pos: int) -> None:
         """A use in :func:`shared_projection_inputs`: the runtime's projection hooks redistribute the value once
@@ -1435,6 +1465,7 @@ def edge_reshardings(
     consumers: int = 1,
     forward: bool = True,
     partial_to: str | None = None,
+    partial_elsewhere: bool = False,
     needs_grad: bool = True,
 ) -> list[tuple[float, str, float]]:
     """(seconds, collective, how many of it) of one producer->consumer use: the forward resharding of the value and the
@@ -1447,7 +1478,9 @@ def edge_reshardings(
     ``forward=False`` leaves the forward resharding out (a use in :func:`shared_projection_inputs`: priced
     once for all its readers by a :class:`SharedCost`). ``partial_to``: a partial gradient of a view passes
     through it and is reduced where the viewed value was made, to this placement (``consumers`` then counts
-    that value's readers). A value that needs no gradient (RoPE's cos/sin, masks) has no backward part.
+    that value's readers). ``partial_elsewhere``: a partial gradient is reduced to a parameter's storage and
+    priced on the parameter's edge (:meth:`_ProblemBuilder._storage_partial`), not here. A value that needs no
+    gradient (RoPE's cos/sin, masks) has no backward part.
     """
     spec = consumer.input_placements[k] if k < len(consumer.input_placements) else None
     dst = spec[axis] if spec is not None else src_place
@@ -1460,6 +1493,8 @@ def edge_reshardings(
     ins = tuple(p[axis] if p is not None else None for p in consumer.input_placements)
     outs = tuple(p[axis] for p in consumer.output_placements)
     grad_from = gradient_at_consumer(dst, splits_work(ins, outs))
+    if grad_from == "P" and partial_elsewhere and spec is not None:
+        return out
     grad_to = src_place if param and is_shard(src_place) else gradient_at_producer(src_place)
     if grad_from == "P" and partial_to is not None:
         grad_to = partial_to
@@ -1468,6 +1503,16 @@ def edge_reshardings(
         share = 1.0 / consumers if grad_from == "P" else 1.0
         out.append((t * share, kind, share))
     return out
+
+
+def _partial_gradient(consumer: Strategy, k: int, axis: int) -> bool:
+    """Whether ``consumer`` makes a partial gradient for its input ``k`` (read replicated by a split op)."""
+    spec = consumer.input_placements[k] if k < len(consumer.input_placements) else None
+    if spec is None:
+        return False  # reads whatever arrives: priced on the view's edge (see :func:`edge_reshardings`)
+    ins = tuple(p[axis] if p is not None else None for p in consumer.input_placements)
+    outs = tuple(p[axis] for p in consumer.output_placements)
+    return gradient_at_consumer(spec[axis], splits_work(ins, outs)) == "P"
 
 
 def _edge_time(*args, **kwargs) -> float:
