@@ -101,46 +101,66 @@ def _torchrun(nproc: int, *args: str, tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
+FAMILIES = "tiny-gpt2,tiny-bert,tiny-llama,tiny-t5"
+
+
+def _tracks_single_process(results: list[dict], families: str = FAMILIES) -> None:
+    assert [r["model"] for r in results] == families.split(",")
+    for result in results:
+        name = result["model"]
+        assert result["sharded_params"] > 0, name
+        assert result["max_grad_diff"] < 1e-5, name
+        for got, want in zip(result["losses"], result["reference_losses"], strict=True):
+            assert got == pytest.approx(want, abs=1e-5), name
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-t5"])
-def test_gloo_dp_x_tp_training_tracks_single_process(preset, tmp_path):
+def test_gloo_dp_x_tp_training_tracks_single_process(tmp_path):
     """4 gloo processes, mesh 2 x 2 (DDP over tensor-parallel groups), Megatron placements (GPT-2's fused
-    c_attn, T5's shared relative position bias and encoder-decoder, tied embeddings included): the first step's
-    gradients and ten AdamW steps' losses match one process."""
-    result = _torchrun(
-        4, "--model", preset, "--mesh", "2x2", "--plan", "megatron", "--steps", "10", tmp_path=tmp_path
+    c_attn, T5's shared relative position bias and encoder-decoder, tied embeddings included): for each family,
+    one after the other in one launch, the first step's gradients and ten AdamW steps' losses match one process."""
+    results = _torchrun(
+        4, "--model", FAMILIES, "--mesh", "2x2", "--plan", "megatron", "--steps", "10", tmp_path=tmp_path
     )
-    assert result["sharded_params"] > 0
-    assert result["max_grad_diff"] < 1e-5
-    for got, want in zip(result["losses"], result["reference_losses"], strict=True):
-        assert got == pytest.approx(want, abs=1e-5)
+    _tracks_single_process(results)
+
+
+_FSDP_X_TP = (
+    "--mesh",
+    "2x2",
+    "--plan",
+    "megatron",
+    "--dp-mode",
+    "fsdp",
+    "--steps",
+    "10",
+    "--optimizer-before",
+)
 
 
 @pytest.mark.slow
 def test_gloo_fsdp_x_tp_training_tracks_single_process(tmp_path):
     """4 gloo processes, mesh 2 x 2 with FSDP2 on the data-parallel axis over Megatron tensor parallelism
-    (parameters become 2-D DTensors): gradients and ten AdamW steps match one process — with the AdamW made
-    before parallelizing, so it must follow the parameters through both replacements (DTensor, then FSDP)."""
-    result = _torchrun(
-        4,
-        "--model",
-        "tiny-llama",
-        "--mesh",
-        "2x2",
-        "--plan",
-        "megatron",
-        "--dp-mode",
-        "fsdp",
-        "--steps",
-        "10",
-        "--optimizer-before",
-        tmp_path=tmp_path,
-    )
-    assert result["dp_mode"] == "fsdp"
-    assert any("Shard(dim=0), Shard(dim=1)" in p for p in result["param_placements"])  # dp x tp sharded
-    assert result["max_grad_diff"] < 1e-5
-    for got, want in zip(result["losses"], result["reference_losses"], strict=True):
-        assert got == pytest.approx(want, abs=1e-5)
+    (parameters become 2-D DTensors), GPT-2, BERT and Llama in one launch: gradients and ten AdamW steps match
+    one process — with the AdamW made before parallelizing, so it must follow the parameters through both
+    replacements (DTensor, then FSDP)."""
+    families = "tiny-gpt2,tiny-bert,tiny-llama"
+    results = _torchrun(4, *_FSDP_X_TP, "--model", families, tmp_path=tmp_path)
+    _tracks_single_process(results, families)
+    for result in results:
+        assert result["dp_mode"] == "fsdp"
+        assert any("Shard(dim=0), Shard(dim=1)" in p for p in result["param_placements"]), result["model"]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="FSDP2 refuses T5 on a 2 x 2 mesh: fully_shard of a tensor-parallel DTensor parameter raises 'Cannot "
+    "concatenate overlapping meshes' (dp and dp x tp), not yet traced to the parameter",
+)
+def test_gloo_fsdp_x_tp_training_tracks_single_process_t5(tmp_path):
+    _tracks_single_process(_torchrun(4, *_FSDP_X_TP, "--model", "tiny-t5", tmp_path=tmp_path), "tiny-t5")
 
 
 @pytest.mark.slow

@@ -2,6 +2,9 @@
 
     torchrun --nproc_per_node N tests/multiproc/check_numerics.py --model tiny-llama --mesh 2x2 --out result.json
 
+Several models (``--model tiny-gpt2,tiny-llama``) run one after the other in the same processes (one launch):
+the result file then holds a list.
+
 Every rank builds the same seeded model, rank 0 plans and broadcasts, each data-parallel replica gets its own
 slice of one global batch, and rank 0 writes the loss and the largest gradient difference against the model
 trained on the whole batch in one process (the same quantity DDP computes: the mean of the replicas' losses).
@@ -21,22 +24,8 @@ import transformers
 from torch.distributed.tensor import DTensor
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="tiny-llama")
-    parser.add_argument("--mesh", default="1x2")
-    parser.add_argument("--batch", type=int, default=4, help="global batch")
-    parser.add_argument("--seq", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--plan", choices=["auto", "megatron"], default="auto", help="plan to apply")
-    parser.add_argument("--dp-mode", choices=["ddp", "fsdp"], default="ddp")
-    parser.add_argument(
-        "--optimizer-before", action="store_true", help="make the optimizer before parallelizing (remapped)"
-    )
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+def run_model(name: str, args: argparse.Namespace) -> dict:
+    """Plan, apply and train one model under ``args``; the losses and gradient gap against one process."""
     rank, world = dist.get_rank(), dist.get_world_size()
     from hf_colossal_auto import data_parallel_info, data_parallel_loader, shard_batch
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
@@ -45,7 +34,7 @@ def main() -> None:
 
     dp, tp = (int(x) for x in args.mesh.split("x"))
     torch.manual_seed(0)
-    model = build_model(args.model, device="cpu")
+    model = build_model(name, device="cpu")
     model.eval()  # no dropout: the comparison is exact
     batch = make_example_inputs(model, args.batch, args.seq, seed=0)
     reference = copy.deepcopy(model)
@@ -99,23 +88,42 @@ def main() -> None:
         losses.append(sum(all_losses[r * tp] for r in range(dp)) / dp)
         ref_losses.append(float(ref_loss))
     plan = model._hf_colossal_auto_plan
-    if rank == 0:
-        result = {
-            "model": args.model,
-            "mesh": [dp, tp],
-            "losses": losses,
-            "reference_losses": ref_losses,
-            "max_grad_diff": worst,
-            "sharded_params": sum(1 for v in plan.param_placements.values() if v[1] != "R"),
-            "world": world,
-            "param_placements": sorted(
-                {str(p.placements) for p in model.parameters() if isinstance(p, DTensor)}
-            ),
-            "dp_mode": plan.dp_mode,
-        }
-        with open(args.out, "w") as f:
-            json.dump(result, f)
+    result = {
+        "model": name,
+        "mesh": [dp, tp],
+        "losses": losses,
+        "reference_losses": ref_losses,
+        "max_grad_diff": worst,
+        "sharded_params": sum(1 for v in plan.param_placements.values() if v[1] != "R"),
+        "world": world,
+        "param_placements": sorted({str(p.placements) for p in model.parameters() if isinstance(p, DTensor)}),
+        "dp_mode": plan.dp_mode,
+    }
     del model, opt, reference, ref_opt
+    dist.barrier()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny-llama", help="a preset, or several separated by commas")
+    parser.add_argument("--mesh", default="1x2")
+    parser.add_argument("--batch", type=int, default=4, help="global batch")
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--plan", choices=["auto", "megatron"], default="auto", help="plan to apply")
+    parser.add_argument("--dp-mode", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument(
+        "--optimizer-before", action="store_true", help="make the optimizer before parallelizing (remapped)"
+    )
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    results = [run_model(name, args) for name in args.model.split(",")]
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results if len(results) > 1 else results[0], f)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
