@@ -334,9 +334,14 @@ def _fully_shard(model: nn.Module, mesh: DeviceMesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh["dp"]
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
+    sharded: list[str] = []
+    for name, module in model.named_modules():
+        # the outermost lists of blocks only: a list inside a block already sharded (T5's per-block ``layer``
+        # list) belongs to that block's FSDP unit, and FSDP2 refuses to shard its parameters twice
+        inside = any(name.startswith(prefix + ".") for prefix in sharded)
+        if isinstance(module, nn.ModuleList) and not inside:
             blocks = list(module)
+            sharded += [f"{name}.{i}" if name else str(i) for i in range(len(blocks))]
             for block in blocks:
                 fully_shard(block, mesh=dp_mesh)
             # each block's forward starts the next block's all-gather, so that it runs behind this block's
