@@ -425,12 +425,15 @@ def release_freed_memory() -> None:
 
 
 def broadcast_plan(plan: Plan | None, src: int = 0) -> Plan:
-    """Every rank runs the same plan: rank ``src`` sends its plan (as JSON) to all."""
-    payload = [plan.to_json() if plan is not None else None]
-    dist.broadcast_object_list(payload, src=src)
-    if payload[0] is None:
-        raise RuntimeError(f"rank {src} had no plan to broadcast")
-    return Plan.from_dict(json.loads(payload[0]))
+    """Every rank runs the same plan: rank ``src`` sends the plan it already has (the others pass None), by
+    :func:`plan_on_one_rank`."""
+
+    def sent() -> Plan:
+        if plan is None:
+            raise RuntimeError(f"rank {src} had no plan to broadcast")
+        return plan
+
+    return plan_on_one_rank(sent, src)
 
 
 def plan_on_one_rank(make_plan: Callable[[], Plan], src: int = 0) -> Plan:
