@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torchrun_launch import accelerate_launch_command
 
 from hf_colossal_auto.integrations.first_call import named_arguments
 
@@ -45,18 +45,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _launch(out: Path, **extra: str) -> subprocess.CompletedProcess:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "recipes/auto_cpu.yaml"),
-    ]
-    cmd += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(port)]
-    cmd += ["-m", "hf_colossal_auto.run", SCRIPT, "--out", str(out)]
+    cmd = accelerate_launch_command("-m", "hf_colossal_auto.run", SCRIPT, "--out", str(out))
     env = _env(ACCELERATE_USE_CPU="1", **extra)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
 

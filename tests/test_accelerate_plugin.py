@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from torchrun_launch import accelerate_launch_command
 
 from hf_colossal_auto.integrations.plugin import AutoParallelPlugin, PluginConfigError
 
@@ -245,12 +245,6 @@ def test_run_sets_cpu_for_multi_process_jobs_without_gpus():
 
 
 # ------------------------------------------------------------------------------------------- 2 processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path):
     """``accelerate launch`` (the documented CPU command) of an unmodified accelerate script through
@@ -274,15 +268,7 @@ def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path):
         HF_COLOSSAL_AUTO_MESH_SHAPE="1x2",
         HF_COLOSSAL_AUTO_SAVE_PLAN_PATH=str(tmp_path / "plan.json"),
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "recipes/auto_cpu.yaml"),
-    ]
-    cmd += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
-    cmd += ["-m", "hf_colossal_auto.run", script, "--out", str(tmp_path / "par")]
+    cmd = accelerate_launch_command("-m", "hf_colossal_auto.run", script, "--out", str(tmp_path / "par"))
     par = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert par.returncode == 0, par.stderr[-3000:]
     assert "Plan for GPT2LMHeadModel on 2 x cpu: mesh dp=1 x tp=2" in par.stdout  # summary printed once

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc.common import wider_model
 from torch import nn
 
 from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
@@ -112,24 +113,9 @@ def test_collectives_that_recompute_runs_again_are_predicted(preset):
 
 
 def _wider(preset: str) -> nn.Module:
-    """The preset at hidden 256, vocab 2000: wide enough that the solver shards activations differently from
-    the tiny presets (hidden-sharded residual streams, vocab-parallel heads)."""
-    from hf_colossal_auto.models import load_config
-
-    cfg = load_config(preset)
-    for attr in ("hidden_size", "n_embd"):
-        if hasattr(cfg, attr):
-            setattr(cfg, attr, 256)
-    for attr in ("intermediate_size", "n_inner"):
-        if getattr(cfg, attr, None) is not None:
-            setattr(cfg, attr, 1024)
-    if hasattr(cfg, "head_dim"):
-        cfg.head_dim = 256 // cfg.num_attention_heads
-    cfg.vocab_size = 2000
-    torch.manual_seed(0)
-    model = build_model(cfg, device="cpu")
-    model.eval()
-    return model
+    """The preset at hidden 256, vocab 2000 (:func:`multiproc.common.wider_model`, which the real-rank fidelity
+    check runs too)."""
+    return wider_model(preset)
 
 
 @pytest.mark.parametrize(

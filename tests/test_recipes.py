@@ -7,7 +7,6 @@ import importlib
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torchrun_launch import accelerate_launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -253,20 +253,13 @@ def test_unknown_model_preset_is_refused(tmp_path, fresh_accelerate_state):
         _run_in_process("pretrain_gpt", ["--model", "bert-base", "--output_dir", str(tmp_path)])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_gpt_recipe_on_two_processes_under_a_plan(tmp_path):
     """The README's 2-CPU-process command, tensor parallel (mesh forced to 1x2 so that TP is what runs)."""
     out = tmp_path / "gpt"
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     cmd = [
-        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(RECIPES / "auto_cpu.yaml"),
-        "--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port()),
+        *accelerate_launch_command(),
         str(RECIPES / "pretrain_gpt.py"), *quick(), "--mesh_shape", "1x2", "--output_dir", str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420)

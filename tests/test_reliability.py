@@ -8,9 +8,7 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torchrun_launch import run_torchrun
+from torchrun_launch import accelerate_launch_command, run_torchrun
 
 from hf_colossal_auto import apply_plan, build_model, make_example_inputs, plan_model
 from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
@@ -55,24 +53,10 @@ def test_timeout_must_be_positive(bad):
 
 
 # ----------------------------------------------------------------------------------------- under torchrun
-def _torchrun(args: list[str], timeout: int = 240) -> tuple[subprocess.CompletedProcess, float]:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_COLOSSAL_AUTO_NO_CALIBRATE": "1",
-        "ACCELERATE_USE_CPU": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(SCRIPT),
-        *args,
-    ]
+def _failures(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """``check_failures.py`` on 2 ranks, whatever its exit status, and the seconds the whole launch took."""
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_torchrun(str(SCRIPT), *args, check=False, env={"ACCELERATE_USE_CPU": "1"})
     return proc, time.perf_counter() - start
 
 
@@ -80,7 +64,7 @@ def _torchrun(args: list[str], timeout: int = 240) -> tuple[subprocess.Completed
 def test_planning_errors_reach_every_rank_with_the_same_type_and_message(tmp_path):
     """An impossible budget through autoparallelize, the accelerator and the callback; a plan only rank 1's
     model does not fit. Before: rank 1 waited in the plan broadcast for the 30-minute process-group timeout."""
-    proc, _ = _torchrun(["--out", str(tmp_path), "--scenario", "planning"])
+    proc, _ = _failures("--out", str(tmp_path), "--scenario", "planning")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for case in ("autoparallelize", "accelerator", "callback"):
@@ -96,7 +80,7 @@ def test_planning_errors_reach_every_rank_with_the_same_type_and_message(tmp_pat
 
 @pytest.mark.slow
 def test_a_peer_that_stops_answering_ends_the_job_after_the_timeout(tmp_path):
-    proc, seconds = _torchrun(["--out", str(tmp_path), "--scenario", "stuck-peer"])
+    proc, seconds = _failures("--out", str(tmp_path), "--scenario", "stuck-peer")
     assert proc.returncode != 0
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["step"] == 2 and "Timed out waiting 3000ms" in result["message"], result
@@ -104,16 +88,9 @@ def test_a_peer_that_stops_answering_ends_the_job_after_the_timeout(tmp_path):
     assert seconds < 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gpt_recipe(out: Path, *extra: str) -> list[str]:
     return [
-        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(RECIPES / "auto_cpu.yaml"),
-        "--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port()),
+        *accelerate_launch_command(),
         str(RECIPES / "pretrain_gpt.py"), "--model", "tiny", "--per_device_batch_size", "4", "--seq_len", "64",
         "--synthetic_documents", "300", "--warmup_steps", "1", "--lr", "3e-3", "--eval_steps", "0", "--max_eval_batches", "2",
         "--mesh_shape", "1x2", "--output_dir", str(out), *extra,

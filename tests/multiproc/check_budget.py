@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 
@@ -83,23 +84,22 @@ def family_config(family: str) -> PretrainedConfig:
 def run_case(family: str, mesh: str, batch_size: int, seq: int, fraction: float) -> dict:
     """Plan ``family`` on ``mesh`` at ``fraction`` of its no-recompute peak, run one measured step; this
     rank's figures."""
-    from hf_colossal_auto._torch_compat import MemTracker
-    from hf_colossal_auto.apply import apply_plan, broadcast_plan
-    from hf_colossal_auto.models import build_model, make_example_inputs
-    from hf_colossal_auto.solve.planner import plan_model
+    from common import measured_step_peak, plan_at_fraction
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    from hf_colossal_auto.apply import apply_plan
+    from hf_colossal_auto.apply.runtime import plan_on_one_rank
+    from hf_colossal_auto.models import build_model, make_example_inputs
+
+    rank = dist.get_rank()
     dp, tp = (int(x) for x in mesh.split("x"))
     torch.manual_seed(0)
     model = build_model(family_config(family), device="cpu")
     batch = make_example_inputs(model, batch_size, SEQ.get(family, seq), seed=0)
-    made = None
-    if rank == 0:
-        common = dict(num_devices=world, device="cpu", mesh_shape=(dp, tp), dp_modes=("ddp",))
-        free = plan_model(model, batch, memory_budget=1 << 40, recompute="none", **common)
-        budget = int(free.peak_memory_bytes * fraction)
-        made = plan_model(model, batch, memory_budget=budget, recompute="auto", **common)
-    plan = broadcast_plan(made)
+    plan = plan_on_one_rank(
+        functools.partial(
+            plan_at_fraction, model, batch, mesh=(dp, tp), dp_mode="ddp", fraction=fraction, recompute="auto"
+        )
+    )
     per_replica = batch_size // dp
     replica = rank // tp
     # This rank's rows in storages of their own, as a loader would hand them over: a slice would keep (and
@@ -113,15 +113,7 @@ def run_case(family: str, mesh: str, batch_size: int, seq: int, fraction: float)
     opt.step()
     opt.zero_grad(set_to_none=True)
 
-    tracker = MemTracker()
-    tracker.track_external(model, opt)
-    with tracker:
-        loss = model(**local).loss
-        loss.backward()
-        del loss
-        opt.step()
-    opt.zero_grad(set_to_none=True)
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    peak = measured_step_peak(model, opt, local)
     return {
         "family": family,
         "mesh": mesh,

@@ -61,21 +61,14 @@ def count_collectives(prof) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def _model(preset: str, wide: bool) -> torch.nn.Module:
-    from hf_colossal_auto.models import build_model, load_config
+    from common import wider_model
 
-    config = load_config(preset)
-    if wide:  # as tests/test_fidelity.py::_wider
-        for attr in ("hidden_size", "n_embd"):
-            if hasattr(config, attr):
-                setattr(config, attr, 256)
-        for attr in ("intermediate_size", "n_inner"):
-            if getattr(config, attr, None) is not None:
-                setattr(config, attr, 1024)
-        if hasattr(config, "head_dim"):
-            config.head_dim = 256 // config.num_attention_heads
-        config.vocab_size = 2000
+    from hf_colossal_auto.models import build_model
+
+    if wide:
+        return wider_model(preset)
     torch.manual_seed(0)
-    model = build_model(config, device="cpu")
+    model = build_model(preset, device="cpu")
     model.eval()  # no dropout: the trace's decisions and the run's agree
     return model
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import json
 import os
 
@@ -47,10 +48,11 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
-    from hf_colossal_auto._torch_compat import MemTracker
-    from hf_colossal_auto.apply import apply_plan, broadcast_plan
+    from common import measured_step_peak, plan_at_fraction
+
+    from hf_colossal_auto.apply import apply_plan
+    from hf_colossal_auto.apply.runtime import plan_on_one_rank
     from hf_colossal_auto.models import build_model, make_example_inputs
-    from hf_colossal_auto.solve.planner import plan_model
 
     dp, tp = (int(x) for x in args.mesh.split("x"))
     torch.manual_seed(0)
@@ -58,13 +60,17 @@ def main() -> None:
     model.eval()  # no dropout: the comparison with one process is exact
     batch = make_example_inputs(model, args.batch, args.seq, seed=0)
     reference = copy.deepcopy(model)
-    made = None
-    if rank == 0:
-        common = dict(num_devices=world, device="cpu", mesh_shape=(dp, tp), dp_modes=(args.dp_mode,))
-        free = plan_model(model, batch, memory_budget=1 << 40, recompute="none", **common)
-        budget = int(free.peak_memory_bytes * args.fraction)
-        made = plan_model(model, batch, memory_budget=budget, recompute=args.recompute, **common)
-    plan = broadcast_plan(made)
+    plan = plan_on_one_rank(
+        functools.partial(
+            plan_at_fraction,
+            model,
+            batch,
+            mesh=(dp, tp),
+            dp_mode=args.dp_mode,
+            fraction=args.fraction,
+            recompute=args.recompute,
+        )
+    )
     per_replica = args.batch // dp
     replica = rank // tp
     local = {k: v[replica * per_replica : (replica + 1) * per_replica] for k, v in batch.items()}
@@ -86,15 +92,7 @@ def main() -> None:
     opt.step()
     opt.zero_grad(set_to_none=True)
 
-    tracker = MemTracker()
-    tracker.track_external(model, opt)
-    with tracker:
-        loss = model(**local).loss
-        loss.backward()
-        del loss
-        opt.step()
-    opt.zero_grad(set_to_none=True)
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    peak = measured_step_peak(model, opt, local)
     result = {
         "rank": rank,
         "measured_peak": peak,

@@ -1,0 +1,66 @@
+"""Pieces the multi-process checks (and the in-process tests beside them) share. Scripts in this folder import
+it as ``common`` (their folder is on ``sys.path`` under torchrun); tests in ``tests/`` as ``multiproc.common``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def wider_model(preset: str) -> nn.Module:
+    """The preset at hidden 256, vocab 2000, seeded, in eval mode (no dropout): wide enough that the solver
+    shards activations differently from the tiny presets (hidden-sharded residual streams, vocab-parallel
+    heads)."""
+    from hf_colossal_auto.models import build_model, load_config
+
+    config = load_config(preset)
+    for attr in ("hidden_size", "n_embd"):
+        if hasattr(config, attr):
+            setattr(config, attr, 256)
+    for attr in ("intermediate_size", "n_inner"):
+        if getattr(config, attr, None) is not None:
+            setattr(config, attr, 1024)
+    if hasattr(config, "head_dim"):
+        config.head_dim = 256 // config.num_attention_heads
+    config.vocab_size = 2000
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu")
+    model.eval()
+    return model
+
+
+def plan_at_fraction(
+    model: nn.Module,
+    batch: dict[str, Any],
+    *,
+    mesh: tuple[int, int],
+    dp_mode: str,
+    fraction: float,
+    recompute: str,
+):
+    """A plan on ``mesh`` under a budget of ``fraction`` x the peak of the plan made without recompute and
+    without a binding budget (what the memory-budget checks hold a real step to)."""
+    from hf_colossal_auto.solve.planner import plan_model
+
+    common = dict(num_devices=mesh[0] * mesh[1], device="cpu", mesh_shape=mesh, dp_modes=(dp_mode,))
+    free = plan_model(model, batch, memory_budget=1 << 40, recompute="none", **common)
+    budget = int(free.peak_memory_bytes * fraction)
+    return plan_model(model, batch, memory_budget=budget, recompute=recompute, **common)
+
+
+def measured_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> int:
+    """MemTracker's peak (bytes, CPU) of one forward + backward + optimizer step of ``model`` on ``batch``;
+    run after a warm-up step, so that the optimizer state exists as in every later step."""
+    from hf_colossal_auto._torch_compat import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        loss = model(**batch).loss
+        loss.backward()
+        del loss
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
