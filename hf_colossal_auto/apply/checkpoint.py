@@ -1,11 +1,15 @@
 """Checkpoints of a parallelized model: sharded training state, and a consolidated HF export.
 
 * :func:`save_checkpoint` / :func:`load_checkpoint`: model + optimizer state with
-  ``torch.distributed.checkpoint`` — every rank writes its own shards, and a job with the same plan resumes
-  from them (``accelerator.save_state`` cannot: it saves optimizer state from the main process only and fails
-  on DTensor parameters).
-* :func:`save_pretrained`: a directory that ``from_pretrained`` loads in one process — every rank joins the
-  gather of the full tensors, rank 0 writes.
+  ``torch.distributed.checkpoint`` — every rank writes its own shards, and a job resumes from them under the
+  same plan or another one (other placements, FSDP instead of TP, another world size, one process without a
+  plan): DCP stores each shard with its global offsets and reads back whatever slices the loading job's
+  tensors cover (``accelerator.save_state`` cannot: it saves optimizer state from the main process only and
+  fails on DTensor parameters).
+* :func:`save_pretrained`: a directory that ``from_pretrained`` loads in one process, streamed — full tensors
+  are gathered one at a time and rank 0 writes each output file as soon as it is complete
+  (:func:`.pretrained.save_pretrained`); :func:`.pretrained.load_pretrained` reads such a directory (or any HF
+  safetensors checkpoint) back into a planned model, each rank reading its own slices.
 
 All of them are collective: call them on every rank.
 """
@@ -15,11 +19,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+
+from .pretrained import SaveReport
+from .pretrained import save_pretrained as stream_save_pretrained
 
 
 def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
@@ -36,7 +42,8 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
 
 
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
-    """Load what :func:`save_checkpoint` wrote into a model parallelized with the same plan."""
+    """Load what :func:`save_checkpoint` wrote, into a model parallelized with the same plan or another one
+    (or not at all: one process, plain tensors). DCP reshards: each rank reads the slices its tensors cover."""
     state = _training_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
@@ -48,7 +55,9 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
 
 
 def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full, ordinary tensors for every entry of the model's state dict (collective: all ranks gather)."""
+    """Full, ordinary tensors for every entry of the model's state dict (collective: all ranks gather).
+
+    Every rank ends with the whole model: for writing a checkpoint use :func:`save_pretrained`, which streams."""
     out = {}
     for name, value in model.state_dict().items():
         if isinstance(value, DTensor):
@@ -57,10 +66,7 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_pretrained(model: nn.Module, path: str | Path, **kwargs) -> None:
-    """Write a consolidated HF checkpoint: all ranks gather, rank 0 writes ``model.save_pretrained``."""
-    state = consolidated_state_dict(model)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        model.save_pretrained(str(path), state_dict=state, **kwargs)
-    if dist.is_initialized():
-        dist.barrier()
+def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB") -> SaveReport:
+    """Write a consolidated HF checkpoint that ``from_pretrained`` loads in one process, without any rank
+    holding the full model: :func:`.pretrained.save_pretrained` (collective: call on every rank)."""
+    return stream_save_pretrained(model, path, max_shard_size=max_shard_size)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +59,7 @@ class MaterializeReport:
     local_bytes: int = 0  # bytes of this rank's parameter shards
     full_bytes: int = 0  # bytes of the full parameters (what a rank would hold without sharding)
     peak_temporary_bytes: int = 0  # the most full-size stand-in bytes alive at once
+    left_for_loading: int = 0  # distinct tensors allocated but not initialised (a checkpoint fills them)
     reset_parameters_modules: list[str] = field(default_factory=list)  # initialised by reset_parameters()
 
 
@@ -437,8 +438,32 @@ def _allocate_shards(model: nn.Module, slots: list[_Slot], device: torch.device)
         slot.final = (module._parameters if slot.is_param else module._buffers)[attr]
 
 
+def _split_loaded(slots: list[_Slot], loaded: Collection[str]) -> tuple[list[_Slot], list[_Slot]]:
+    """(slots to initialise, slots a checkpoint fills): a tensor is loaded when any of its names (a tie's
+    source or target) is in ``loaded``."""
+    names = set(loaded)
+    kept, skipped = [], []
+    for slot in slots:
+        (skipped if any(fqn in names for _, _, fqn in slot.holders) else kept).append(slot)
+    return kept, skipped
+
+
+def _allocate_plain(slots: list[_Slot], device: torch.device) -> None:
+    """Full, uninitialised tensors for loaded slots that are not DTensors (a model without a plan)."""
+    for slot in slots:
+        if isinstance(slot.final, DTensor):
+            continue
+        tensor = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        slot.final = nn.Parameter(tensor, requires_grad=slot.requires_grad) if slot.is_param else tensor
+        slot.set_on(slot.final)
+
+
 def materialize_meta_model(
-    model: nn.Module, device: torch.device | str | None = None, *, seed: int | None = None
+    model: nn.Module,
+    device: torch.device | str | None = None,
+    *,
+    seed: int | None = None,
+    loaded: Collection[str] = (),
 ) -> MaterializeReport:
     """Allocate and initialise every ``meta`` parameter and buffer of ``model`` in place.
 
@@ -447,16 +472,26 @@ def materialize_meta_model(
     Values come from the model's own init with one RNG state shared by all ranks — rank 0's current one, or
     ``seed`` — so every rank holds parts of the same full tensors. Collective when ``seed`` is None and a
     process group runs (rank 0's RNG state is broadcast): call on every rank.
+
+    ``loaded``: names (state-dict keys) a checkpoint is about to fill (:func:`.pretrained.load_pretrained`).
+    Their tensors are allocated (this rank's shards) but not initialised — transformers' guarded init skips
+    them as ``from_pretrained`` skips loaded weights — so drawing values that would be overwritten costs
+    neither time nor full-size stand-ins.
     """
     report = MaterializeReport()
     if not is_meta_model(model):
         return report
-    slots = _collect_slots(model)
-    device = torch.device(device) if device is not None else _default_device(slots)
-    real = [b for b in model.buffers() if not b.is_meta]
+    slots, skipped = _split_loaded(_collect_slots(model), loaded)
+    device = torch.device(device) if device is not None else _default_device(slots + skipped)
+    if skipped:  # allocated before the dry run, so that it sees them as real, flagged tensors
+        if any(isinstance(s.final, DTensor) for s in slots + skipped):
+            _allocate_shards(model, slots + skipped, device)
+        _allocate_plain(skipped, device)
+        report.left_for_loading = len(skipped)
+    real = [b for b in model.buffers() if not b.is_meta] + [s.final for s in skipped]
     schedule = _dry_run(model, slots, real)  # before allocating anything: refusals cost nothing
     fallback = _reset_parameter_fallback(slots, schedule.untouched, model)
-    if any(isinstance(s.final, DTensor) for s in slots):
+    if any(isinstance(s.final, DTensor) for s in slots) and not skipped:
         _allocate_shards(model, slots, device)
 
     run = _RealRun(slots, device, report)

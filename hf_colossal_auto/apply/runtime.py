@@ -34,6 +34,7 @@ import gc
 import json
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -51,6 +52,7 @@ from .data import global_batch
 from .dtensor_rules import register_replicated_fallbacks, register_runtime_rules
 from .enforce import ReducePartialGradientsAtProducers, enforce_plan
 from .materialize import is_meta_model, materialize_meta_model
+from .pretrained import load_pretrained
 from .recompute import apply_recompute
 
 logger = logging.getLogger(__name__)
@@ -367,13 +369,17 @@ def apply_plan(
     optimizers: tuple[torch.optim.Optimizer, ...] | list[torch.optim.Optimizer] = (),
     *,
     timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
+    pretrained: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place per ``plan`` on ``mesh`` (built from the running job when None).
 
     Optimizers are best created afterwards, from ``model.parameters()``; one created before must be passed in
     ``optimizers`` so that it is pointed at the new parameters. A plan that does not fit the model or the job
     raises :class:`PlanMismatchError` on every rank. ``timeout`` (seconds; None keeps the process group's)
-    becomes the collective timeout of the groups the plan runs on.
+    becomes the collective timeout of the groups the plan runs on. ``pretrained``: a HF safetensors checkpoint
+    (directory, or a repository in the local HF cache) each rank loads its own shards from once the model is
+    sharded (:func:`.pretrained.load_pretrained`, strict) — for a model built on ``meta``, instead of initialising
+    the weights.
     """
     world = dist.get_world_size() if dist.is_initialized() else None
     _validate_on_every_rank(model, plan, world)
@@ -392,7 +398,11 @@ def apply_plan(
     apply_recompute(model, plan)  # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP
     if fsdp:
         _fully_shard(model, mesh)
-    if on_meta:  # after FSDP, so that each rank allocates only its data- and tensor-parallel shards
+    # after FSDP, so that each rank allocates (and reads) only its data- and tensor-parallel shards
+    if pretrained is not None:
+        # what each rank read, kept for logs and tests
+        model._hf_colossal_auto_load_report = load_pretrained(model, pretrained)
+    elif on_meta:
         materialize_meta_model(model)
     register_gradient_sync(model, mesh, average_over_dp=not fsdp)
     if optimizers:  # by name, after every replacement (FSDP replaces the DTensor parameters once more)
@@ -451,6 +461,7 @@ def autoparallelize(
     device_mesh: DeviceMesh | None = None,
     optimizers: tuple[torch.optim.Optimizer, ...] | list[torch.optim.Optimizer] = (),
     timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+    pretrained: str | os.PathLike | None = None,
     **plan_model_kwargs: Any,
 ) -> nn.Module:
     """Plan (on rank 0, broadcast to all) and apply it, inside a running ``torch.distributed`` job.
@@ -463,6 +474,9 @@ def autoparallelize(
     arguments go to :func:`~hf_colossal_auto.solve.planner.plan_model`. Optimizers created before this call go
     in ``optimizers``. If planning fails (an impossible budget, a model that cannot be captured), every rank
     raises the same error. ``timeout`` (seconds) bounds how long a rank waits for a peer that stopped answering.
+    ``pretrained`` (a HF safetensors checkpoint directory) fills the sharded model from it, each rank reading its
+    own slices: build the model on ``meta`` (``with torch.device("meta"): AutoModel...from_config(config)``) to
+    never hold the full model in any process.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -483,7 +497,7 @@ def autoparallelize(
             return plan_model(model, global_batch(example_inputs, world), **kwargs)
 
         plan = plan_on_one_rank(make)
-    return apply_plan(model, plan, device_mesh, optimizers, timeout=timeout)
+    return apply_plan(model, plan, device_mesh, optimizers, timeout=timeout, pretrained=pretrained)
 
 
 def _cuda_kind() -> Any:

@@ -1,0 +1,194 @@
+"""Run under torchrun (2 gloo ranks): HF checkpoints loaded shard by shard, exported streaming, resumed elastically.
+
+    torchrun --standalone --nproc_per_node 2 tests/multiproc/check_pretrained.py --ckpt C --out O
+
+``C/<preset>`` are tiny checkpoints written by ``save_pretrained(max_shard_size=...)`` into several files. For
+each preset (Llama; GPT-2, whose lm_head is tied to wte) and each layout (``tp``: Megatron placements on 1 x 2;
+``fsdp``: 2 x 1, FSDP2), every rank builds the model on ``meta``, applies the plan with ``pretrained=C/<preset>``
+and compares every gathered parameter with ``from_pretrained`` in one process; it records the bytes its
+parameters' storages take (a shard that were a view of a full tensor would count in full), its shards' bytes
+and the bytes it read from the files. The model is then exported with ``save_pretrained`` into several files
+(``O/export-<preset>-<layout>``), which the test loads with ``from_pretrained``.
+
+Elastic resume: the Llama under ``tp`` trains two AdamW steps and writes its sharded state (DCP) to
+``O/elastic``, then records the loss of the next step and of the step after it. A fresh model under ``fsdp``
+loads that state and does the same two steps; the test compares them, and loads the state into one process too.
+Rank 0 writes everything to ``O/result.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.tensor import DTensor
+
+PRESETS = ("tiny-llama", "tiny-gpt2")
+LAYOUTS = {"tp": ((1, 2), "ddp"), "fsdp": ((2, 1), "fsdp")}
+LR = 1e-3
+
+
+def batches(config) -> list[dict]:
+    """The four global batches the elastic check trains on (the same in the test's one-process resume)."""
+    from hf_colossal_auto.models import make_example_inputs
+
+    return [make_example_inputs(config, 4, 16, seed=s) for s in range(4)]
+
+
+def _meta_model(directory: Path) -> torch.nn.Module:
+    """The checkpoint's architecture on ``meta``, in eval mode (no dropout), as a user builds it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return model.eval()
+
+
+def _planned(directory: Path, layout: str) -> torch.nn.Module:
+    """A meta model planned (rank 0, Megatron placements) and applied with its weights from ``directory``."""
+    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto.solve.planner import evaluate_plan
+
+    mesh, dp_mode = LAYOUTS[layout]
+    model = _meta_model(directory)
+    made = None
+    if dist.get_rank() == 0:
+        made = evaluate_plan(
+            model, batches(model.config)[0], "megatron", num_devices=2, device="cpu", mesh_shape=mesh
+        ).plan
+        made.dp_mode = dp_mode
+    return autoparallelize(model, plan=broadcast_plan(made), pretrained=directory)
+
+
+def _storage_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of the distinct storages behind this rank's parameters, bytes of its shards)."""
+    storages: dict[int, int] = {}
+    shards = 0
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        shards += local.numel() * local.element_size()
+    return sum(storages.values()), shards
+
+
+def _differs(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
+    """Names whose gathered values differ from the one-process model's (collective: every rank gathers)."""
+    wanted = dict(reference.named_parameters(remove_duplicate=False))
+    wanted.update(dict(reference.named_buffers()))
+    bad = []
+    for name, live in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+        value = live.full_tensor() if isinstance(live, DTensor) else live
+        if not torch.equal(value.detach(), wanted[name].detach()):
+            bad.append(name)
+    return bad
+
+
+def load_case(ckpt: Path, out: Path, preset: str, layout: str) -> tuple[dict, torch.nn.Module]:
+    """Load ``preset`` under ``layout``, compare with from_pretrained, export; what the test asserts."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_colossal_auto.apply.pretrained import save_pretrained
+
+    directory = ckpt / preset
+    model = _planned(directory, layout)
+    reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+    storage, shards = _storage_bytes(model)
+    report = model._hf_colossal_auto_load_report
+    case = {
+        "differs": _differs(model, reference),
+        "tied": model.lm_head.weight is model.get_input_embeddings().weight,
+        "reference_tied": reference.lm_head.weight is reference.get_input_embeddings().weight,
+        "storage_bytes": storage,
+        "shard_bytes": shards,
+        "full_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
+        "bytes_read": report.bytes_read,
+        "checkpoint_bytes": report.checkpoint_bytes,
+    }
+    saved = save_pretrained(model, out / f"export-{preset}-{layout}", max_shard_size="200KB")
+    case["export"] = {
+        "files": len(saved.files),
+        "peak_held": saved.peak_held_bytes,
+        "total": saved.total_bytes,
+    }
+    case["largest_tensor"] = max(p.numel() * p.element_size() for p in reference.parameters())
+    return case, model
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) -> float:
+    """One AdamW step on this rank's rows; the global batch's loss (the replicas' mean)."""
+    from hf_colossal_auto import shard_batch
+
+    loss = model(**shard_batch(batch, model)).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return _global(loss)
+
+
+def _global(loss: torch.Tensor) -> float:
+    """The mean over ranks: on 2 x 1 each replica's loss is half the batch's (equal token counts), on 1 x 2 the
+    ranks agree."""
+    value = loss.detach().clone()
+    dist.all_reduce(value)
+    return float(value) / dist.get_world_size()
+
+
+def elastic(ckpt: Path, out: Path, trained: torch.nn.Module) -> dict:
+    """Train the ``tp`` Llama two steps, save DCP, go on two steps; resume under ``fsdp`` and do the same."""
+    from hf_colossal_auto import shard_batch
+    from hf_colossal_auto.apply.checkpoint import load_checkpoint, save_checkpoint
+
+    data = batches(trained.config)
+    opt = torch.optim.AdamW(trained.parameters(), lr=LR)
+    for step in range(2):
+        _step(trained, opt, data[step])
+    save_checkpoint(trained, opt, out / "elastic")
+    result = {"tp": {"loss": _step(trained, opt, data[2])}}
+    with torch.no_grad():
+        result["tp"]["next_loss"] = _global(trained(**shard_batch(data[3], trained)).loss)
+
+    resumed = _planned(ckpt / "tiny-llama", "fsdp")
+    opt = torch.optim.AdamW(resumed.parameters(), lr=LR)
+    load_checkpoint(resumed, opt, out / "elastic")
+    result["fsdp"] = {"loss": _step(resumed, opt, data[2])}
+    with torch.no_grad():
+        result["fsdp"]["next_loss"] = _global(resumed(**shard_batch(data[3], resumed)).loss)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    ckpt, out = Path(args.ckpt), Path(args.out)
+    result: dict = {}
+    kept = None
+    for preset in PRESETS:
+        for layout in LAYOUTS:
+            case, model = load_case(ckpt, out, preset, layout)
+            result[f"{preset} {layout} rank{dist.get_rank()}"] = case
+            if preset == "tiny-llama" and layout == "tp":
+                kept = model
+    result["elastic"] = elastic(ckpt, out, kept)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        merged = {k: v for r in gathered for k, v in r.items()}
+        (out / "result.json").write_text(json.dumps(merged, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

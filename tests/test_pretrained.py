@@ -1,0 +1,224 @@
+"""HF safetensors checkpoints: loaded into (sharded) models without a full copy, exported streaming, and DCP
+state resumed under another plan or world size.
+
+One process: a model on ``meta`` loaded from a sharded checkpoint equals ``from_pretrained`` (Llama; GPT-2 with
+tied embeddings), dtypes are converted both ways, transformers' load-time renames apply, keys that do not fit
+are errors naming them, and the streaming export round-trips. Two gloo ranks, one launch
+(``multiproc/check_pretrained.py``): the same under a tensor-parallel and an FSDP plan with each rank's
+parameter bytes measured, the exports, and DCP state saved under 1 x 2 TP resumed under 2 x 1 FSDP and in one
+process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from torchrun_launch import run_torchrun
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hf_colossal_auto.apply.pretrained import PretrainedLoadError, load_pretrained, save_pretrained
+from hf_colossal_auto.models import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "multiproc"))
+PRESETS = ("tiny-llama", "tiny-gpt2")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    """Tiny Llama and GPT-2 checkpoints (random weights, seed 0), each written into several files."""
+    transformers.logging.set_verbosity_error()
+    root = tmp_path_factory.mktemp("checkpoints")
+    for preset in PRESETS:
+        torch.manual_seed(0)
+        build_model(preset, device="cpu").save_pretrained(root / preset, max_shard_size="60KB")
+        assert len(list((root / preset).glob("*.safetensors"))) > 3
+    return root
+
+
+def _on_meta(directory: Path, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    config = AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _assert_same(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """Every parameter and buffer bit-identical (dtype included)."""
+    got = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    want = dict(reference.named_parameters(remove_duplicate=False)) | dict(reference.named_buffers())
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype, name
+        assert torch.equal(got[name].detach(), value.detach()), name
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_meta_model_loads_like_from_pretrained(checkpoints, preset):
+    """Built on meta and loaded: the values, buffers (rotary tables from the model's init) and ties of
+    from_pretrained; every checkpoint byte read once."""
+    model = _on_meta(checkpoints / preset)
+    report = load_pretrained(model, checkpoints / preset)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoints / preset)
+    _assert_same(model, reference)
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    assert tied == (preset == "tiny-gpt2")
+    assert report.bytes_read == report.checkpoint_bytes
+    assert not report.missing and not report.unexpected
+
+
+def test_dtype_converted_both_ways(checkpoints, tmp_path):
+    """A bf16 checkpoint into an fp32 model and an fp32 checkpoint into a bf16 model: from_pretrained's values."""
+    source = checkpoints / "tiny-llama"
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    for directory, dtype in ((tmp_path / "bf16", torch.float32), (source, torch.bfloat16)):
+        model = _on_meta(directory, dtype)
+        load_pretrained(model, directory)
+        reference = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        assert model.model.embed_tokens.weight.dtype == dtype
+        _assert_same(model, reference)
+
+
+def _rewrite(directory: Path, out: Path, edit) -> Path:
+    """A one-file copy of a checkpoint whose state dict ``edit`` changed."""
+    out.mkdir()
+    state = {}
+    for file in directory.glob("*.safetensors"):
+        state.update(load_file(file))
+    save_file(edit(state), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text((directory / "config.json").read_text())
+    return out
+
+
+def test_keys_that_do_not_fit_are_named(checkpoints, tmp_path):
+    """Missing, unexpected and mis-shaped keys raise errors naming them; strict=False loads the rest and reports
+    what was missing (left as the model's init); ignore_mismatched_sizes skips the mis-shaped one."""
+    source = checkpoints / "tiny-llama"
+    gone = "model.layers.1.mlp.down_proj.weight"
+    missing = _rewrite(source, tmp_path / "missing", lambda s: {k: v for k, v in s.items() if k != gone})
+    with pytest.raises(PretrainedLoadError, match=gone.replace(".", r"\.")):
+        load_pretrained(_on_meta(missing), missing)
+    model = _on_meta(missing)
+    report = load_pretrained(model, missing, strict=False)
+    assert report.missing == [gone]
+    assert not model.model.layers[1].mlp.down_proj.weight.is_meta
+
+    extra = _rewrite(source, tmp_path / "extra", lambda s: {**s, "model.surplus.weight": torch.zeros(2)})
+    with pytest.raises(PretrainedLoadError, match=r"model\.surplus\.weight"):
+        load_pretrained(_on_meta(extra), extra)
+
+    key = "model.layers.0.self_attn.o_proj.weight"
+    wrong = _rewrite(source, tmp_path / "wrong", lambda s: {**s, key: torch.zeros(3, 3)})
+    with pytest.raises(PretrainedLoadError, match=r"o_proj\.weight: checkpoint \(3, 3\) vs model \(64, 64\)"):
+        load_pretrained(_on_meta(wrong), wrong)
+    report = load_pretrained(_on_meta(wrong), wrong, ignore_mismatched_sizes=True, strict=False)
+    assert len(report.mismatched) == 1
+
+
+def test_transformers_renames_apply(checkpoints, tmp_path):
+    """Keys are renamed as from_pretrained renames them: a base model's checkpoint (no ``model.`` prefix) loads
+    into the causal-LM head model, and legacy LayerNorm ``gamma`` names into ``weight``."""
+    source = checkpoints / "tiny-llama"
+    bare = _rewrite(source, tmp_path / "bare", lambda s: {k.removeprefix("model."): v for k, v in s.items()})
+    model = _on_meta(bare)
+    report = load_pretrained(model, bare)
+    reference = AutoModelForCausalLM.from_pretrained(source)
+    _assert_same(model, reference)
+    assert report.loaded == len(dict(reference.named_parameters()))
+
+    torch.manual_seed(0)
+    bert = build_model("tiny-bert", device="cpu").eval()
+    state = {k.replace("LayerNorm.weight", "LayerNorm.gamma"): v for k, v in bert.state_dict().items()}
+    assert any("gamma" in k for k in state)
+    (tmp_path / "legacy").mkdir()
+    save_file({k: v.clone() for k, v in state.items()}, tmp_path / "legacy" / "model.safetensors")
+    with torch.device("meta"):
+        model = type(bert)(bert.config).eval()
+    load_pretrained(model, tmp_path / "legacy")
+    _assert_same(model, bert)
+
+
+def test_streaming_export_round_trip(checkpoints, tmp_path):
+    """save_pretrained of a loaded model: several files of at most max_shard_size, an index, no tied duplicate;
+    from_pretrained reads it back bit for bit."""
+    source = checkpoints / "tiny-gpt2"
+    model = _on_meta(source)
+    load_pretrained(model, source)
+    report = save_pretrained(model, tmp_path / "export", max_shard_size="200KB")
+    assert len(report.files) >= 3
+    assert report.peak_held_bytes <= 200_000 < report.total_bytes
+    index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]
+    _assert_same(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "export"),
+        AutoModelForCausalLM.from_pretrained(source),
+    )
+
+
+@pytest.mark.slow
+def test_sharded_load_export_and_elastic_resume(checkpoints, tmp_path):
+    """Two gloo ranks, one launch. Under a 1 x 2 tensor-parallel and a 2 x 1 FSDP plan, Llama and tied GPT-2 built
+    on meta and loaded with ``pretrained=``: every parameter equals from_pretrained's; each rank's parameter
+    storages take exactly its shards' bytes (no full copy behind a view), less than the full model, and it read
+    only those bytes from the files. The exports load with from_pretrained, bit for bit, and the writer held at
+    most one output file of gathered tensors, the other rank one tensor. DCP state saved under 1 x 2 TP resumes
+    under 2 x 1 FSDP and in one process without a plan with the uninterrupted run's next two losses (a fresh
+    AdamW misses the second)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_torchrun(
+        str(ROOT / "tests" / "multiproc" / "check_pretrained.py"),
+        "--ckpt",
+        str(checkpoints),
+        "--out",
+        str(out),
+    )
+    result = json.loads((out / "result.json").read_text())
+    for preset in PRESETS:
+        reference = AutoModelForCausalLM.from_pretrained(checkpoints / preset)
+        for layout in ("tp", "fsdp"):
+            for rank in range(2):
+                case = result[f"{preset} {layout} rank{rank}"]
+                where = f"{preset} {layout} rank {rank}"
+                assert case["differs"] == [], where
+                assert case["tied"] == case["reference_tied"], where
+                assert case["storage_bytes"] == case["shard_bytes"] < 0.75 * case["full_bytes"], where
+                assert case["bytes_read"] == case["shard_bytes"], where  # fp32 into fp32: read = kept
+                held = case["export"]["peak_held"]
+                assert held <= 200_000 if rank == 0 else held == case["largest_tensor"], where
+            assert result[f"{preset} {layout} rank0"]["export"]["files"] >= 3
+            exported = AutoModelForCausalLM.from_pretrained(out / f"export-{preset}-{layout}")
+            _assert_same(exported, reference)
+
+    elastic = result["elastic"]
+    for key in ("loss", "next_loss"):
+        assert elastic["fsdp"][key] == pytest.approx(elastic["tp"][key], abs=2e-6), key
+    _resume_in_one_process(checkpoints / "tiny-llama", out / "elastic", elastic["tp"])
+
+
+def _resume_in_one_process(pretrained: Path, state: Path, expected: dict) -> None:
+    """The 2-rank TP state loaded into a plain model and AdamW in this process: the same next two losses; a
+    fresh AdamW (no moments, step 0) gives another second loss, so the optimizer state was loaded."""
+    from check_pretrained import LR, batches
+
+    from hf_colossal_auto.apply.checkpoint import load_checkpoint
+
+    losses = {}
+    for fresh in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        load_checkpoint(model, None if fresh else opt, state)
+        data = batches(model.config)
+        loss = model(**data[2]).loss
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            losses[fresh] = (float(loss), float(model(**data[3]).loss))
+    assert losses[False][0] == pytest.approx(expected["loss"], abs=2e-6)
+    assert losses[False][1] == pytest.approx(expected["next_loss"], abs=2e-6)
+    assert abs(losses[True][1] - expected["next_loss"]) > 1e-4
