@@ -45,6 +45,7 @@ __all__ = [
     "TorchDispatchMode",
     "WeakIdKeyDictionary",
     "flop_registry",
+    "relax_grouped_mm_meta",
     "fake_process_group",
     "tree_flatten",
     "tracked_module_name",
@@ -226,3 +227,34 @@ def set_group_timeout(timeout, group=None) -> None:
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(timeout, group)
+
+
+_GROUPED_MM_META_LIBRARY: list = []  # the Library object must stay alive for its registration to hold
+
+
+def relax_grouped_mm_meta(output_layout) -> None:
+    """Register ``aten::_grouped_mm``'s Meta kernel without its bfloat16-only check (once per process).
+
+    torch 2.13's meta kernel (``_meta_registrations.meta_grouped_mm``) states the CUDA kernel's contract, bf16
+    only, but the CPU kernel runs fp32 and fp16 too, and transformers' MoE experts call it in the model's
+    dtype. Fake tensors (capture) and DTensor's sharding propagation (runtime) both take output shapes from the
+    Meta kernel, so an fp32 MoE step could be neither traced nor run on DTensors. ``output_layout(mat_a,
+    mat_b, offs, dtype) -> (shape, stride)`` is what the CPU kernel allocates (rows padded to 16 bytes).
+    Overriding an aten Meta kernel goes through ``torch.library.Library(..., "IMPL")``; a torch whose meta
+    kernel accepts fp32 makes this a no-op in effect.
+    """
+    if _GROUPED_MM_META_LIBRARY:
+        return
+
+    def meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        torch._check(
+            mat_a.dtype == mat_b.dtype and mat_a.dtype.is_floating_point,
+            lambda: f"_grouped_mm needs operands of one floating dtype, got {mat_a.dtype} and {mat_b.dtype}",
+        )
+        dtype = out_dtype or mat_a.dtype
+        shape, stride = output_layout(mat_a, mat_b, offs, dtype)
+        return mat_a.new_empty_strided(shape, stride, dtype=dtype)
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_grouped_mm", meta, "Meta", allow_override=True)
+    _GROUPED_MM_META_LIBRARY.append(library)

@@ -3,7 +3,8 @@
 We read FlopCounterMode's own registry, so a matmul costs here what it costs there. FlopCounterMode has no
 formula for the CPU flash-attention kernels that ``scaled_dot_product_attention`` dispatches to on CPU (it
 counts them as 0), which would make attention free in every plan made on a CPU host. We add the same
-formula torch uses for the CUDA flash kernels. :data:`EXTRA_FLOP_FORMULAS` is public so that a
+formula torch uses for the CUDA flash kernels, and one for ``aten._grouped_mm`` (MoE experts; torch counts
+it as 0 too, see :mod:`hf_colossal_auto.capture.moe`). :data:`EXTRA_FLOP_FORMULAS` is public so that a
 measurement can pass it to ``FlopCounterMode(custom_mapping=...)`` and count the same way.
 """
 
@@ -16,6 +17,7 @@ import torch
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 from .._torch_compat import flop_registry
+from .moe import grouped_mm_flop
 
 aten = torch.ops.aten
 
@@ -35,6 +37,7 @@ def _cpu_flash_attention_backward_flop(
 EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flop,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flop,
+    aten._grouped_mm: grouped_mm_flop,
 }
 
 _EXTRA_WRAPPED = {k: shape_wrapper(v) for k, v in EXTRA_FLOP_FORMULAS.items()}

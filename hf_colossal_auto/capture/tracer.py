@@ -47,6 +47,7 @@ from .graph import (
 )
 from .hf_masks import eager_mask_decisions
 from .inputs import CaptureError, drop_all_ones_masks, validate_inputs
+from .moe import enable_grouped_mm_tracing, static_experts_implementation
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -542,15 +543,17 @@ def trace_training_step(
 
 
 def _run_capture(model, inputs, autocast_dtype, optimizer, device_kind="cpu", held=None):
+    enable_grouped_mm_tracing()  # MoE experts: see capture/moe.py
     try:
-        return _trace_once(
-            model,
-            inputs,
-            autocast_dtype=autocast_dtype,
-            optimizer=optimizer,
-            device_kind=device_kind,
-            held_inputs=held,
-        )
+        with static_experts_implementation(model):
+            return _trace_once(
+                model,
+                inputs,
+                autocast_dtype=autocast_dtype,
+                optimizer=optimizer,
+                device_kind=device_kind,
+                held_inputs=held,
+            )
     except CaptureError:
         raise
     except Exception as exc:  # the user's model failed under fake tensors: say where and what to try

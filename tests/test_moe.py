@@ -1,0 +1,128 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE): capture, profile and planning on CPU.
+
+The experts run through transformers' ``grouped_mm`` path (``aten._grouped_mm``). Checked here against a real
+CPU step of the same model: FLOPs exactly as ``FlopCounterMode`` counts them with the project's extra
+formulas (``EXTRA_FLOP_FORMULAS`` now prices ``_grouped_mm``, which torch counts as 0), and the MemTracker
+peak of a steady-state step within the bounds below. The multi-process numerics of MoE plans are in
+``tests/multiproc/check_numerics.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_profiler_accuracy import measure_real_step
+from torch.utils.flop_counter import FlopCounterMode
+
+from hf_colossal_auto.capture.moe import UNIFORM_LOAD, grouped_mm_flop, grouped_mm_output_layout
+from hf_colossal_auto.models import build_model, load_config, make_example_inputs
+from hf_colossal_auto.profile import EXTRA_FLOP_FORMULAS, profile_model
+
+FAMILIES = ["tiny-mixtral", "tiny-qwen3-moe"]
+# Measured (torch 2.13, transformers 5.24): -0.008 % (Mixtral) and -0.012 % (Qwen3-MoE). The real step passes
+# the all-ones attention mask to the load-balancing loss, which then takes its masked path (16 bytes more per
+# routed row, alive for a moment at the end of forward); the capture drops masks that mask nothing (as eager
+# attention does) and traces the unmasked path. Same loss, a few hundred bytes apart.
+MEMORY_UNDER = 3e-4
+MEMORY_OVER = 5e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny real steps: one intra-op thread is faster on a shared 2-core box and changes no count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def moe_model(name: str, *, layers: int = 7, device: str = "cpu"):
+    """The tiny preset with ``layers`` blocks (>= 5 so that block folding applies), seeded."""
+    config = load_config(name)
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    return build_model(config, device=device)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """name -> (model, batch, profile report, real FLOPs, real MemTracker peak)."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            model = moe_model(name)
+            batch = make_example_inputs(model, 2, 16)
+            report = profile_model(model, batch, device="cpu")
+            flops, peak = measure_real_step(model, batch)
+            cache[name] = (model, batch, report, flops, peak)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_moe_flops_equal_flop_counter_on_a_real_step(measured, name):
+    model, _, report, real_flops, _ = measured(name)
+    assert report.folded_blocks > 0
+    assert report.total_flops == real_flops
+    # The experts are a large share of the work, which FlopCounterMode alone would count as nothing.
+    traced = [n for n in report.graph.nodes if n.phase.value != "optimizer"]
+    grouped = sum(n.flops for n in traced if n.op == "aten._grouped_mm.default")
+    assert grouped > 0.3 * sum(n.flops for n in traced)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_moe_peak_memory_within_tolerance_of_memtracker(measured, name):
+    _, _, report, _, real_peak = measured(name)
+    assert real_peak > report.param_bytes + report.optimizer_state_bytes
+    error = report.peak_memory_bytes / real_peak - 1
+    message = f"{name}: predicted {report.peak_memory_bytes} B, measured {real_peak} B ({error:+.4%})"
+    assert -MEMORY_UNDER <= error <= MEMORY_OVER, message
+
+
+def test_eager_experts_are_traced_through_grouped_mm_with_the_same_flops():
+    """The 'eager' experts loop (``nonzero``: routing-dependent shapes) is captured as grouped_mm: the same
+    multiply-adds (every routed row meets one expert), so the count equals the real eager step's, and the
+    model's setting is restored afterwards."""
+    model = moe_model("tiny-mixtral", layers=2)
+    model.set_experts_implementation("eager")
+    batch = make_example_inputs(model, 2, 16)
+    report = profile_model(model, batch, device="cpu")
+    assert model.config._experts_implementation == "eager"
+    assert any(n.op == "aten._grouped_mm.default" for n in report.graph.nodes)
+    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+    with counter:
+        model(**batch).loss.backward()
+    assert report.total_flops == counter.get_total_flops()
+
+
+@pytest.mark.parametrize("n", [8, 5])
+def test_grouped_mm_layout_and_flops_match_the_cpu_kernel(n):
+    """Forward (2d x 3d) and weight-gradient (2d x 2d) calls: the fake output's shape, strides and storage are
+    what the CPU kernel allocates (rows padded to 16 bytes when ``n`` is odd), and the formula counts what
+    ``mm`` per expert would."""
+    offs = torch.tensor([2, 2, 6], dtype=torch.int32)  # the second expert gets no rows
+    x, w = torch.randn(6, 4), torch.randn(3, n, 4).transpose(-2, -1)  # as transformers passes it
+    out = torch._grouped_mm(x, w, offs=offs)
+    shape, stride = grouped_mm_output_layout(x, w, offs, torch.float32)
+    assert (list(out.shape), list(out.stride())) == (shape, stride)
+    per_expert = 2 * 6 * 4 * n  # every row against one expert
+    assert grouped_mm_flop(x.shape, w.shape, offs.shape, out_shape=out.shape) == per_expert
+    grad = torch.randn(6, 8)
+    wgrad = torch._grouped_mm(grad.t(), x, offs=offs)
+    shape, stride = grouped_mm_output_layout(grad.t(), x, offs, torch.float32)
+    assert (list(wgrad.shape), list(wgrad.stride())) == (shape, stride)
+    assert grouped_mm_flop(grad.t().shape, x.shape, offs.shape, out_shape=wgrad.shape) == 2 * 8 * 4 * 6
+    expected = torch.cat([grad[0:2].t() @ x[0:2], torch.zeros(8, 4), grad[2:6].t() @ x[2:6]]).view(3, 8, 4)
+    torch.testing.assert_close(wgrad, expected)
+
+
+def test_moe_capture_on_meta_needs_no_routing_values():
+    """A meta model (no weights, no routing) profiles: every MoE shape is static; the load assumption is
+    uniform (a documented constant, used where a cost depends on which expert gets the rows)."""
+    model = moe_model("tiny-qwen3-moe", layers=2, device="meta")
+    batch = make_example_inputs(model, 2, 16, device="meta")
+    report = profile_model(model, batch, device="h100-80gb", mixed_precision="bf16")
+    assert report.total_flops > 0
+    assert UNIFORM_LOAD == "uniform"
