@@ -226,9 +226,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             if launched:
                 dist.broadcast_object_list(payload, src=0)
             spec = spec.with_overrides(host_overhead_s=payload[0][0], dtensor_overhead_s=payload[0][1])
+        steps = None
+        if args.step_model:
+            spec, steps = _calibrate_in_step(spec, args)
         rank = dist.get_rank() if launched else 0
         if rank == 0:
             _print_spec(spec)
+            if steps is not None:
+                from .step_calibration import format_scales
+
+                print(f"  in-step op times ({', '.join(steps.models)}; forward + backward):")
+                print("\n".join(format_scales(steps)))
             if args.out:
                 save_device_spec(spec, args.out)
                 print(f"wrote {args.out} (use it as --device {args.out} or device='{args.out}')")
@@ -237,6 +245,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             dist.barrier()
             dist.destroy_process_group()
     return 0
+
+
+def _calibrate_in_step(spec, args):
+    """``spec`` with the op scales of real steps of ``--step-model`` (every rank runs them together)."""
+    from .step_calibration import measure_op_time_scales
+
+    with _Stage(f"in-step op times ({', '.join(args.step_model)})", args.quiet):
+        steps = measure_op_time_scales(
+            args.step_model, spec, batch_size=args.step_batch_size, seq_len=args.step_seq_len
+        )
+    provenance = {
+        **spec.calibration,
+        "step_models": list(steps.models),
+        "step_shape": [args.step_batch_size, args.step_seq_len],
+    }
+    return spec.with_overrides(op_time_scale=steps.scales, calibration=provenance), steps
 
 
 def _print_spec(spec) -> None:
@@ -380,6 +404,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=["cpu", "cuda"], default=None, help="default: the GPU if there is one")
     p.add_argument("--budget", type=float, default=1.0, help="seconds per kernel benchmark")
     p.add_argument("--no-overheads", action="store_true", help="keep the default per-op overheads")
+    p.add_argument(
+        "--step-model",
+        action="append",
+        metavar="NAME",
+        help="also time real training steps of this model (preset or config path; repeatable) and scale each "
+        "op kind by measured / predicted (DeviceSpec.op_time_scale)",
+    )
+    p.add_argument(
+        "--step-batch-size", type=int, default=4, help="per-process batch of the --step-model steps"
+    )
+    p.add_argument("--step-seq-len", type=int, default=256, help="sequence length of the --step-model steps")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("devices", help="list the hardware presets")

@@ -84,7 +84,15 @@ class OpNode:
     args: Any = None
     """The op's (args, kwargs) with tensors replaced by :class:`TensorRef`; lets the planner rebuild the call."""
     is_view: bool = False
-    """True when every output aliases an input (no new memory, no compute)."""
+    """True when every output aliases an input (no new memory)."""
+    mutates: bool = False
+    """An in-place op (``bernoulli_``, ``add_``, ``copy_``): its outputs alias its inputs, yet it runs a kernel
+    over them, so it costs time where a view costs none."""
+
+    @property
+    def launches_kernel(self) -> bool:
+        """False only for a pure view (``view``, ``t``, ``detach``): no kernel, no time on the device."""
+        return self.mutates or not self.is_view
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ _TRANSCENDENTAL_OPS = frozenset(
         "sqrt",
         "rsqrt",
         "_softmax",
+        "_safe_softmax",
         "_log_softmax",
         "_softmax_backward_data",
         "_log_softmax_backward_data",

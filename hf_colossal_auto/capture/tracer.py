@@ -75,6 +75,20 @@ _METADATA_OPS = {
 MIXED_PRECISION_DTYPES = {None: None, "no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# In-place ops that change only a tensor's metadata or storage pointer: no kernel runs over the data.
+_METADATA_MUTATIONS = frozenset({"resize_", "resize_as_", "set_", "as_strided_", "_resize_output_"})
+
+
+def mutates_data(func: Any) -> bool:
+    """True for an in-place op that runs a kernel over a tensor it was given (``bernoulli_``, ``add_``, ``copy_``):
+    it aliases its input like a view but costs time like any op (dropout's ``bernoulli_`` is one of a CPU
+    step's larger costs)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return False
+    return schema.name.split("::")[-1] not in _METADATA_MUTATIONS
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -221,8 +235,10 @@ class _Recorder(TorchDispatchMode):
             and new_bytes == 0
             and all(self.values[v].storage_id in in_storages for v in out_ids)
         )
-        bytes_read = 0 if is_view else sum(self.values[v].nbytes for v in dict.fromkeys(in_ids))
-        bytes_written = 0 if is_view else sum(self.values[v].nbytes for v in out_ids)
+        mutates = mutates_data(func)
+        free = is_view and not mutates
+        bytes_read = 0 if free else sum(self.values[v].nbytes for v in dict.fromkeys(in_ids))
+        bytes_written = 0 if free else sum(self.values[v].nbytes for v in out_ids)
         ref_of = {id(t): TensorRef(v) for t, v in zip(in_tensors, in_ids, strict=True)}
         recorded_args = tree_map(
             lambda a: ref_of.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs)
@@ -240,6 +256,7 @@ class _Recorder(TorchDispatchMode):
                 bytes_written=bytes_written,
                 args=recorded_args,
                 is_view=is_view,
+                mutates=mutates,
             )
         )
 

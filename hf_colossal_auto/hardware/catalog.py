@@ -264,6 +264,12 @@ class DeviceSpec:
         attention_flops: achieved FLOP/s of the fused attention kernels per
             dtype (they reach far less than a matmul on some devices);
             empty: ``peak_flops``.
+        op_time_scale: measured over predicted kernel seconds per aten op
+            (base name, e.g. ``"bernoulli_"``), from real training steps on
+            this machine (:mod:`hf_colossal_auto.step_calibration`): what a
+            kernel costs inside a step that the micro-benchmarks miss (random
+            numbers, a bias copied before a GEMM, pages touched the first
+            time). Empty: every op as the roofline prices it.
         calibration: provenance of measured figures (host, date, torch
             version, the command): empty for datasheet presets.
     """
@@ -283,6 +289,7 @@ class DeviceSpec:
     matmul_flops: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     transcendental_rate: float | None = None
     attention_flops: Mapping[str, float] = field(default_factory=dict)
+    op_time_scale: Mapping[str, float] = field(default_factory=dict)
     calibration: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -374,6 +381,11 @@ class DeviceSpec:
                 )
             curves[canonical_dtype(key)] = curve
         object.__setattr__(self, "matmul_flops", _FrozenTable(curves))
+        scales: dict[str, float] = {}
+        for key, value in dict(self.op_time_scale).items():
+            _check_positive(f"DeviceSpec.op_time_scale[{key!r}]", value)
+            scales[str(key)] = float(value)
+        object.__setattr__(self, "op_time_scale", _FrozenTable(scales))
         object.__setattr__(self, "calibration", _FrozenTable(dict(self.calibration)))
 
     def with_overrides(self, **overrides: Any) -> DeviceSpec:
@@ -408,6 +420,7 @@ class DeviceSpec:
             "matmul_flops": {k: [list(p) for p in v] for k, v in self.matmul_flops.items()},
             "transcendental_rate": self.transcendental_rate,
             "attention_flops": dict(self.attention_flops),
+            "op_time_scale": dict(self.op_time_scale),
             "calibration": dict(self.calibration),
         }
 
@@ -469,6 +482,7 @@ def device_from_dict(data: Mapping[str, Any]) -> DeviceSpec:
         "matmul_flops",
         "transcendental_rate",
         "attention_flops",
+        "op_time_scale",
         "calibration",
     }
     missing = sorted(required - set(data))

@@ -31,12 +31,29 @@ __all__ = [
     "op_time",
     "is_compute_bound",
     "ridge_intensity",
+    "op_time_scale",
 ]
 
 
 @lru_cache(maxsize=256)
 def _canonical(dtype: object) -> str:
     return canonical_dtype(dtype)
+
+
+@lru_cache(maxsize=4096)
+def _op_base(op: str) -> str:
+    """``"aten.bernoulli_.float"`` -> ``"bernoulli_"`` (``capture.op_classes.op_base_name``, cached: this module
+    must not import the capture stage)."""
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]
+
+
+def op_time_scale(op: str | None, spec: DeviceSpec) -> float:
+    """Measured over predicted kernel time of ``op`` in real steps on this machine (``spec.op_time_scale``),
+    1.0 for an op the in-step calibration did not see or a spec without one."""
+    if not op or not spec.op_time_scale:
+        return 1.0
+    return spec.op_time_scale.get(_op_base(op), 1.0)
 
 
 def peak_flops_for(dtype: object, spec: DeviceSpec) -> float:
@@ -115,10 +132,12 @@ def kernel_time(
     attention: bool = False,
     matmul: bool = False,
     transcendental_elements: float = 0.0,
+    op: str | None = None,
 ) -> float:
     """Device seconds of one kernel: the roofline on the (calibrated) rates plus ``kernel_overhead_s``; an
     attention kernel runs at :func:`attention_flops_for`, a GEMM at :func:`matmul_flops_for` of its size, an
-    elementwise math op over ``transcendental_elements`` elements no faster than ``spec.transcendental_rate``.
+    elementwise math op over ``transcendental_elements`` elements no faster than ``spec.transcendental_rate``;
+    all of it times :func:`op_time_scale` of ``op`` (the aten overload) where the spec measured one.
     0 for an op with no work (a view)."""
     if flops == 0 and bytes_moved == 0:
         return 0.0
@@ -132,7 +151,8 @@ def kernel_time(
     if transcendental_elements and spec.transcendental_rate:
         compute = max(compute, transcendental_elements / spec.transcendental_rate)
     memory = bytes_moved / spec.memory_bandwidth
-    return (compute if compute > memory else memory) + spec.kernel_overhead_s
+    roofline = compute if compute > memory else memory
+    return (roofline + spec.kernel_overhead_s) * op_time_scale(op, spec)
 
 
 def host_time(spec: DeviceSpec, *, dtensor: bool = False) -> float:
@@ -151,6 +171,7 @@ def step_op_time(
     matmul: bool = False,
     transcendental_elements: float = 0.0,
     dtensor: bool = False,
+    op: str | None = None,
 ) -> float:
     """Seconds one op adds to a training step, host and device together.
 
@@ -169,6 +190,7 @@ def step_op_time(
             attention=attention,
             matmul=matmul,
             transcendental_elements=transcendental_elements,
+            op=op,
         )
     )
     return join_host(device, host_time(spec, dtensor=dtensor), spec, view=view)

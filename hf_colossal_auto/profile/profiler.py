@@ -16,7 +16,7 @@ from ..capture.graph import OpNode, Phase, StepGraph
 from ..capture.op_classes import MATMUL, is_transcendental, op_base_name, op_class
 from ..capture.tracer import trace_training_step
 from ..hardware import DeviceSpec, get_device
-from ..hardware.roofline import step_op_time
+from ..hardware.roofline import kernel_time, step_op_time
 from .memory import _optimizer_copies, memory_profile, unroll
 from .report import BlockProfile, ModuleProfile, NodeProfile, ProfileReport
 
@@ -66,14 +66,31 @@ def node_times(graph: StepGraph, spec: DeviceSpec, *, dtensor: bool = False) -> 
             else n.bytes_read + n.bytes_written,
             node_dtype(graph, n),
             spec,
-            view=n.is_view,
+            view=not n.launches_kernel,
             attention=is_attention_kernel(n.op),
             matmul=op_class(n.op) == MATMUL,
             transcendental_elements=transcendental_elements(graph, n),
             dtensor=dtensor,
+            op=n.op,
         )
         for n in graph.nodes
     ]
+
+
+def node_kernel_time(graph: StepGraph, node: OpNode, spec: DeviceSpec) -> float:
+    """Device seconds of one traced node's kernel on ``spec`` (no host overhead; 0 for a view)."""
+    if not node.launches_kernel:
+        return 0.0
+    return kernel_time(
+        node.flops,
+        node.bytes_read + node.bytes_written,
+        node_dtype(graph, node),
+        spec,
+        attention=is_attention_kernel(node.op),
+        matmul=op_class(node.op) == MATMUL,
+        transcendental_elements=transcendental_elements(graph, node),
+        op=node.op,
+    )
 
 
 def block_units(module_names: list[str], list_children: list[str]) -> dict[str, str]:

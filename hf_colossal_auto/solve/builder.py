@@ -48,7 +48,13 @@ from ..capture.op_classes import MATMUL, op_class
 from ..hardware.catalog import DeviceSpec
 from ..hardware.roofline import host_time, join_host, kernel_time
 from ..profile.memory import UnrolledStep, unroll
-from ..profile.profiler import is_attention_kernel, node_dtype, node_times, transcendental_elements
+from ..profile.profiler import (
+    is_attention_kernel,
+    node_dtype,
+    node_kernel_time,
+    node_times,
+    transcendental_elements,
+)
 from ..strategies.placements import Strategy, is_partial, is_shard
 from .cost_model import (
     AxisComm,
@@ -584,17 +590,9 @@ def _backward_ratios(graph: StepGraph, spec: DeviceSpec) -> BackwardRatios:
             fwd_ops[n.module] += 1
         elif n.phase is Phase.BACKWARD:
             bwd_ops[n.module] += 1
-        if n.is_view:
+        if not n.launches_kernel:
             continue
-        t = kernel_time(
-            n.flops,
-            n.bytes_read + n.bytes_written,
-            node_dtype(graph, n),
-            spec,
-            attention=is_attention_kernel(n.op),
-            matmul=op_class(n.op) == MATMUL,
-            transcendental_elements=transcendental_elements(graph, n),
-        )
+        t = node_kernel_time(graph, n, spec)
         if n.phase is Phase.FORWARD:
             fwd[n.module] += t
         elif n.phase is Phase.BACKWARD:
@@ -609,7 +607,7 @@ def _local_device_time(
     graph: StepGraph, node: OpNode, strat: Strategy, axis: int, size: int, spec: DeviceSpec
 ) -> float:
     """Device seconds of one forward op under ``strat`` on local shapes (no host overhead)."""
-    if node.is_view:
+    if not node.launches_kernel:
         return 0.0
     ins = tuple(p[axis] if p is not None else None for p in strat.input_placements)
     outs = tuple(p[axis] for p in strat.output_placements)
@@ -632,6 +630,7 @@ def _local_device_time(
         attention=is_attention_kernel(node.op),
         matmul=op_class(node.op) == MATMUL,
         transcendental_elements=transcendental_elements(graph, node) / (size if split else 1),
+        op=node.op,
     )
 
 
@@ -644,7 +643,7 @@ def _local_node_time(
 
 def _with_host(device: float, node: OpNode, ops: float, spec: DeviceSpec) -> float:
     """Device seconds joined with the host's for ``ops`` ops run on DTensors (every op of a planned model is)."""
-    return join_host(device, host_time(spec, dtensor=True) * ops, spec, view=node.is_view)
+    return join_host(device, host_time(spec, dtensor=True) * ops, spec, view=not node.launches_kernel)
 
 
 def _node_step_time(
