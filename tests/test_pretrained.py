@@ -12,6 +12,7 @@ process.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -82,6 +83,19 @@ def test_dtype_converted_both_ways(checkpoints, tmp_path):
         reference = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
         assert model.model.embed_tokens.weight.dtype == dtype
         _assert_same(model, reference)
+
+
+def test_plugin_setting(monkeypatch):
+    """``AutoParallelPlugin.pretrained`` from the constructor or ``HF_COLOSSAL_AUTO_PRETRAINED``."""
+    from hf_colossal_auto.integrations import AutoParallelPlugin
+
+    for key in [
+        k for k in os.environ if k.startswith("HF_COLOSSAL_AUTO_") and not k.endswith("NO_CALIBRATE")
+    ]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HF_COLOSSAL_AUTO_PRETRAINED", "/checkpoints/llama")
+    assert AutoParallelPlugin().pretrained == "/checkpoints/llama"
+    assert AutoParallelPlugin(pretrained="here").pretrained == "here"
 
 
 def _rewrite(directory: Path, out: Path, edit) -> Path:
@@ -168,7 +182,8 @@ def test_sharded_load_export_and_elastic_resume(checkpoints, tmp_path):
     only those bytes from the files. The exports load with from_pretrained, bit for bit, and the writer held at
     most one output file of gathered tensors, the other rank one tensor. DCP state saved under 1 x 2 TP resumes
     under 2 x 1 FSDP and in one process without a plan with the uninterrupted run's next two losses (a fresh
-    AdamW misses the second)."""
+    AdamW misses the second). The accelerator with ``AutoParallelPlugin(pretrained=...)`` loads the same way and
+    its ``save_model`` streams an export that loads."""
     out = tmp_path / "out"
     out.mkdir()
     run_torchrun(
@@ -194,6 +209,14 @@ def test_sharded_load_export_and_elastic_resume(checkpoints, tmp_path):
             assert result[f"{preset} {layout} rank0"]["export"]["files"] >= 3
             exported = AutoModelForCausalLM.from_pretrained(out / f"export-{preset}-{layout}")
             _assert_same(exported, reference)
+
+    for rank in range(2):  # AutoParallelPlugin(pretrained=...) and the accelerator's streaming save_model
+        case = result[f"accelerate rank{rank}"]
+        assert case["differs"] == [] and case["sharded"] == result[f"tiny-llama tp rank{rank}"]["shard_bytes"]
+    _assert_same(
+        AutoModelForCausalLM.from_pretrained(out / "export-accelerate"),
+        AutoModelForCausalLM.from_pretrained(checkpoints / "tiny-llama"),
+    )
 
     elastic = result["elastic"]
     for key in ("loss", "next_loss"):

@@ -52,6 +52,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from ..apply import PlanMismatchError, apply_plan, build_mesh, consolidated_state_dict, remap_optimizer
 from ..apply.agree import DEFAULT_TIMEOUT_S
 from ..apply.data import global_batch
+from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
 from ..plan import Plan
 from .plugin import AutoParallelPlugin
@@ -347,12 +348,19 @@ class AutoParallelAccelerator(Accelerator):
                 "models (e.g. a frozen teacher) with a plain accelerate.Accelerator or run them unprepared"
             )
         plan = self.auto_plan if self.auto_plan is not None else self._make_plan(model, loaders, optimizers)
-        if self.device.type != "cpu" and next(model.parameters()).device != self.device:
+        first = next(model.parameters())
+        if self.device.type != "cpu" and not first.is_meta and first.device != self.device:
             model.to(self.device)
         names = {id(p): n for n, p in model.named_parameters()}
         mesh = build_mesh(plan, self.device.type)
         timeout = self.auto_parallel_plugin.timeout
-        apply_plan(model, plan, mesh, timeout=DEFAULT_TIMEOUT_S if timeout is None else timeout)
+        apply_plan(
+            model,
+            plan,
+            mesh,
+            timeout=DEFAULT_TIMEOUT_S if timeout is None else timeout,
+            pretrained=self.auto_parallel_plugin.pretrained,
+        )
         # point optimizers made before prepare() at the new parameters, by name (FSDP replaces them twice)
         new = dict(model.named_parameters())
         for opt in optimizers:
@@ -523,14 +531,12 @@ class AutoParallelAccelerator(Accelerator):
         safe_serialization: bool = True,
     ) -> None:
         """A consolidated checkpoint; for a transformers model with its config, so that ``from_pretrained``
-        loads it in one process (collective: call on all ranks, the main process writes)."""
+        loads it in one process (collective: call on all ranks). Streamed: tensors are gathered one at a time
+        and the main process writes each file when complete (:func:`..apply.pretrained.save_pretrained`)."""
         module = self.unwrap_model(model, keep_torch_compile=False) if self._is_auto(model) else None
         if module is None or not hasattr(module, "save_pretrained"):
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
-        state = consolidated_state_dict(module)
-        if self.is_main_process:
-            module.save_pretrained(str(save_directory), state_dict=state, max_shard_size=max_shard_size)
-        self.wait_for_everyone()
+        save_pretrained(module, save_directory, max_shard_size=max_shard_size)
 
     # ----------------------------------------------------------------------------------- checkpoints
     def _training_state(self) -> tuple[dict[str, Any], list[tuple[nn.Module, list[torch.optim.Optimizer]]]]:

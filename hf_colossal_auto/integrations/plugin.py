@@ -127,6 +127,7 @@ _PARSERS = {
     "time_limit_s": _parse_float,
     "timeout": _parse_float,
     "plan_kwargs": _parse_mapping,
+    "pretrained": _parse_str,
 }
 
 
@@ -178,6 +179,14 @@ class AutoParallelPlugin:
         default=None,
         metadata={
             "help": "further plan_model keyword arguments (e.g. a recompute switch when the planner has one)"
+        },
+    )
+    pretrained: str | None = field(
+        default=None,
+        metadata={
+            "help": "a HF safetensors checkpoint (directory, or a repository in the local HF cache) every rank "
+            "loads its own shards from once the plan is applied; build the model on meta so that no process "
+            "ever holds it whole"
         },
     )
 

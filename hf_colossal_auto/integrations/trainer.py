@@ -49,8 +49,8 @@ Usage (launch with ``torchrun --nproc_per_node N train.py`` or ``accelerate laun
      shards; a job with the same plan resumes from them), next to a consolidated ``from_pretrained``-loadable
      copy of the weights, the scheduler, RNG and trainer state. ``load_best_model_at_end`` and resuming from a
      ``save_only_model`` checkpoint load the sharded state, else the consolidated weights;
-   * ``save_model`` (call it on every rank, as any Trainer under torchrun): every rank joins the gather of
-     the full tensors, the main process writes;
+   * ``save_model`` (call it on every rank, as any Trainer under torchrun): the full tensors are gathered one
+     at a time, the main process writes each safetensors file when complete (no rank holds the whole model);
    * tokens seen and FLOs are counted once per tensor-parallel group.
 
 What is left out: ``predict_with_generate`` runs ``generate`` on the sharded model untested; gradient
@@ -79,8 +79,9 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..apply import apply_plan, consolidated_state_dict, load_checkpoint, save_checkpoint
+from ..apply import apply_plan, load_checkpoint, save_checkpoint
 from ..apply.agree import DEFAULT_TIMEOUT_S, as_timedelta
+from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
 from ..plan import Plan
 from .accelerator import loader_options
@@ -516,14 +517,24 @@ def _count_batches_once_per_tp_group(trainer: Trainer, tp_size: int) -> None:
 
 
 def _consolidated_save(trainer: Trainer, original_save):
-    """``save_model`` (and the weights of every checkpoint): all ranks gather the full tensors, the main
-    process writes them with the Trainer's own ``_save`` (config, tokenizer, training arguments)."""
+    """``save_model`` (and the weights of every checkpoint): the weights streamed by every rank
+    (:func:`~hf_colossal_auto.apply.pretrained.save_pretrained`: one full tensor at a time, the main process
+    writes each file when complete), then the Trainer's own ``_save`` on the main process for the rest
+    (tokenizer, training arguments) with the model's own ``save_pretrained`` silenced, the weights being there."""
 
     @functools.wraps(original_save)
     def save(output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        full = consolidated_state_dict(trainer.model) if state_dict is None else state_dict
-        if trainer.args.should_save:
-            original_save(output_dir, state_dict=full)
+        if state_dict is not None:  # the caller's own tensors: written as the Trainer writes them
+            if trainer.args.should_save:
+                original_save(output_dir, state_dict=state_dict)
+        else:
+            save_pretrained(trainer.model, output_dir if output_dir is not None else trainer.args.output_dir)
+            if trainer.args.should_save:
+                trainer.model.save_pretrained = lambda *args, **kwargs: None  # weights and config written
+                try:
+                    original_save(output_dir)
+                finally:
+                    del trainer.model.save_pretrained
         dist.barrier()
 
     return save

@@ -51,8 +51,9 @@ def _meta_model(directory: Path) -> torch.nn.Module:
     return model.eval()
 
 
-def _planned(directory: Path, layout: str) -> torch.nn.Module:
-    """A meta model planned (rank 0, Megatron placements) and applied with its weights from ``directory``."""
+def _planned(directory: Path, layout: str, save_plan: Path | None = None) -> torch.nn.Module:
+    """A meta model planned (rank 0, Megatron placements; written to ``save_plan``) and applied with its
+    weights from ``directory``."""
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
     from hf_colossal_auto.solve.planner import evaluate_plan
 
@@ -64,6 +65,8 @@ def _planned(directory: Path, layout: str) -> torch.nn.Module:
             model, batches(model.config)[0], "megatron", num_devices=2, device="cpu", mesh_shape=mesh
         ).plan
         made.dp_mode = dp_mode
+        if save_plan is not None:
+            made.save(save_plan)
     return autoparallelize(model, plan=broadcast_plan(made), pretrained=directory)
 
 
@@ -97,7 +100,7 @@ def load_case(ckpt: Path, out: Path, preset: str, layout: str) -> tuple[dict, to
     from hf_colossal_auto.apply.pretrained import save_pretrained
 
     directory = ckpt / preset
-    model = _planned(directory, layout)
+    model = _planned(directory, layout, out / f"plan-{preset}-{layout}.json")
     reference = AutoModelForCausalLM.from_pretrained(directory).eval()
     storage, shards = _storage_bytes(model)
     report = model._hf_colossal_auto_load_report
@@ -119,6 +122,23 @@ def load_case(ckpt: Path, out: Path, preset: str, layout: str) -> tuple[dict, to
     }
     case["largest_tensor"] = max(p.numel() * p.element_size() for p in reference.parameters())
     return case, model
+
+
+def accelerator_case(ckpt: Path, out: Path) -> dict:
+    """``AutoParallelPlugin(pretrained=...)``: the accelerator applies a saved plan to a meta Llama and loads the
+    checkpoint into its shards; ``save_model`` streams the export."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_colossal_auto.integrations import AutoParallelAccelerator, AutoParallelPlugin
+
+    directory = ckpt / "tiny-llama"
+    plugin = AutoParallelPlugin(pretrained=str(directory), plan_path=str(out / "plan-tiny-llama-tp.json"))
+    accelerator = AutoParallelAccelerator(auto_parallel_plugin=plugin, cpu=True)
+    model = accelerator.prepare(_meta_model(directory))
+    reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+    case = {"differs": _differs(model, reference), "sharded": _storage_bytes(model)[0]}
+    accelerator.save_model(model, out / "export-accelerate", max_shard_size="200KB")
+    return case
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) -> float:
@@ -179,6 +199,7 @@ def main() -> None:
             result[f"{preset} {layout} rank{dist.get_rank()}"] = case
             if preset == "tiny-llama" and layout == "tp":
                 kept = model
+    result[f"accelerate rank{dist.get_rank()}"] = accelerator_case(ckpt, out)
     result["elastic"] = elastic(ckpt, out, kept)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
