@@ -17,6 +17,11 @@ to reuse one, ``--device cpu`` for the uncalibrated preset). Targets (issue "ste
 within +-20 % of its measurement; among pairs whose measurements differ by > 10 %, >= 85 % ordered alike; the
 solver's choice within 5 % of the fastest candidate.
 
+The op time scales (``DeviceSpec.op_time_scale``: what each op kind costs inside a real step over what the
+micro-benchmarks predict) are measured held out: each family is predicted with scales from real passes of the
+*other* two families at another shape (hidden 384, 2 layers, vocab 6000, 4x128 per rank by default), so that
+no family is priced from its own measurement (``--step-calibration none``: micro-benchmarks alone).
+
 Usage::
 
     python scripts/bench_time_fidelity.py [--families llama,gpt2,bert] [--steps 5] [--json out.json]
@@ -131,6 +136,39 @@ def _median_sample(samples: list[dict]) -> dict:
         "transcendental_rate": med(s["math"] for s in samples),
         "attention_flops": {"float32": med(s["attention"] for s in samples)},
     }
+
+
+def step_worker(args) -> None:
+    """On every rank: in-step calibration (op time scales) of the spec in ``--device`` from real passes of the
+    ``--step-worker`` families at the calibration shape; rank 0 writes the scaled spec to ``--worker-out``."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from hf_colossal_auto.hardware import get_device
+    from hf_colossal_auto.hardware.catalog import save_device_spec
+    from hf_colossal_auto.step_calibration import format_scales, measure_op_time_scales
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1200))
+    spec = get_device(args.device)
+    shape = argparse.Namespace(
+        hidden=args.step_hidden, layers=args.step_layers, vocab=args.step_vocab, seq=args.step_seq
+    )
+    families = args.step_worker.split(",")
+    result = measure_op_time_scales(
+        [_config(f, shape) for f in families], spec, batch_size=args.step_batch, seq_len=args.step_seq
+    )
+    if dist.get_rank() == 0:
+        provenance = {**spec.calibration, "step_models": families, "step_shape": vars(shape)}
+        save_device_spec(
+            spec.with_overrides(op_time_scale=result.scales, calibration=provenance), args.worker_out
+        )
+        print(f"in-step calibration on {families} ({vars(shape)}, batch {args.step_batch}):", flush=True)
+        print("\n".join(format_scales(result, 12)), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def worker(args) -> None:
@@ -312,11 +350,28 @@ def main() -> None:
         action="store_false",
         help="skip sampling kernel rates between the timed rounds (and the re-priced column)",
     )
+    p.add_argument(
+        "--step-calibration",
+        choices=["held-out", "none"],
+        default="held-out",
+        help="held-out: each family is predicted with op time scales measured in real steps of the *other* "
+        "families at another shape (--step-hidden/--step-layers/--step-vocab/--step-batch/--step-seq); "
+        "none: the kernel micro-benchmarks alone",
+    )
+    p.add_argument("--step-hidden", type=int, default=384)
+    p.add_argument("--step-layers", type=int, default=2)
+    p.add_argument("--step-vocab", type=int, default=6000)
+    p.add_argument("--step-batch", type=int, default=4, help="per-process batch of the calibration steps")
+    p.add_argument("--step-seq", type=int, default=128)
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--step-worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.step_worker:
+        step_worker(args)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     tmp = tempfile.mkdtemp(prefix="time_fidelity_")
@@ -331,9 +386,31 @@ def main() -> None:
     shape += ["--seq", args.seq, "--warmup", args.warmup, "--steps", args.steps, "--device", device]
     if not args.in_job_kernels:
         shape.append("--no-in-job-kernels")
-    for family in args.families.split(","):
+    families = args.families.split(",")
+    for family in families:
         out = os.path.join(tmp, f"{family}.json")
-        _torchrun([os.path.abspath(__file__), "--worker", family, "--worker-out", out, *map(str, shape)], env)
+        family_shape = shape
+        if args.step_calibration == "held-out":
+            others = ",".join(f for f in ("llama", "gpt2", "bert") if f != family)
+            scaled = os.path.join(tmp, f"cluster_without_{family}.json")
+            step = ["--device", device, "--step-hidden", args.step_hidden, "--step-layers", args.step_layers]
+            step += [
+                "--step-vocab",
+                args.step_vocab,
+                "--step-batch",
+                args.step_batch,
+                "--step-seq",
+                args.step_seq,
+            ]
+            _torchrun(
+                [os.path.abspath(__file__), "--step-worker", others, "--worker-out", scaled, *map(str, step)],
+                env,
+            )
+            at = shape.index("--device") + 1
+            family_shape = [*shape[:at], scaled, *shape[at + 1 :]]
+        _torchrun(
+            [os.path.abspath(__file__), "--worker", family, "--worker-out", out, *map(str, family_shape)], env
+        )
         with open(out) as f:
             rows += json.load(f)
         print(_table([r for r in rows if r["family"] == family]), flush=True)
