@@ -89,6 +89,10 @@ class Plan:
     overlapped_communication_s: float = 0.0
     """Data-parallel communication predicted to run hidden behind computation (not in ``step_time_s``;
     ``communication_time_s`` is what the step waits for)."""
+    moe_layers: dict[str, str] = field(default_factory=dict)
+    """Mixture-of-experts layers: experts module FQN -> the plan's choice for its stacked expert weights
+    (``"experts: replicated"``, ``"experts: TP×2"``...; see
+    :mod:`hf_colossal_auto.strategies.moe`). Empty for dense models."""
     replicated_ops: list[str] = field(default_factory=list)
     """Ops of the step DTensor has no sharding rule for (e.g. a model's custom op): the planner warned and priced
     them replicated; the runtime runs them replicated (inputs gathered, the same result on every rank) unless
@@ -194,6 +198,7 @@ class Plan:
             f"{format_bytes(self.memory_budget_bytes)} budget (parameters+grads+optimizer "
             f"{format_bytes(self.param_memory_bytes)}, activations {format_bytes(self.activation_memory_bytes)})",
         ]
+        lines.extend(_moe_lines(self.moe_layers))
         if self.solver:
             lines.append(
                 "solver                "
@@ -202,6 +207,30 @@ class Plan:
                 )
             )
         return "\n".join(lines)
+
+
+def _moe_lines(moe_layers: dict[str, str]) -> list[str]:
+    """One summary line per distinct MoE choice, naming the layers that take it (``model.layers.{0,1}``)."""
+    by_choice: dict[str, list[str]] = {}
+    for fqn, choice in moe_layers.items():
+        by_choice.setdefault(choice, []).append(fqn)
+    lines = []
+    for choice, fqns in by_choice.items():
+        where = _brace_indices(fqns)
+        lines.append(f"MoE layers            {choice} in {len(fqns)} layer{'s' * (len(fqns) > 1)} ({where})")
+    return lines
+
+
+def _brace_indices(fqns: list[str]) -> str:
+    """``model.layers.{0,1,5}.mlp.experts`` for FQNs that differ only in one block index, else the first."""
+    parts = [f.split(".") for f in fqns]
+    if len(fqns) == 1 or len({len(p) for p in parts}) != 1:
+        return fqns[0] + (", ..." if len(fqns) > 1 else "")
+    differing = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1]
+    if len(differing) != 1:
+        return fqns[0] + ", ..."
+    i = differing[0]
+    return ".".join([*parts[0][:i], "{" + ",".join(p[i] for p in parts) + "}", *parts[0][i + 1 :]])
 
 
 def _compact_placements(placements: dict[str, str]) -> str:

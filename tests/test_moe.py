@@ -9,14 +9,18 @@ peak of a steady-state step within the bounds below. The multi-process numerics 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_profiler_accuracy import measure_real_step
 from torch.utils.flop_counter import FlopCounterMode
 
+from hf_colossal_auto import Plan, evaluate_plan, plan_model
 from hf_colossal_auto.capture.moe import UNIFORM_LOAD, grouped_mm_flop, grouped_mm_output_layout
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.profile import EXTRA_FLOP_FORMULAS, profile_model
+from hf_colossal_auto.strategies.moe import experts_choice
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen3-moe"]
 # Measured (torch 2.13, transformers 5.24): -0.008 % (Mixtral) and -0.012 % (Qwen3-MoE). The real step passes
@@ -126,3 +130,61 @@ def test_moe_capture_on_meta_needs_no_routing_values():
     report = profile_model(model, batch, device="h100-80gb", mixed_precision="bf16")
     assert report.total_flops > 0
     assert UNIFORM_LOAD == "uniform"
+
+
+# ---------------------------------------------------------------------------------------------- planning
+@pytest.fixture(scope="module")
+def mixtral_meta():
+    model = moe_model("tiny-mixtral", layers=2, device="meta")
+    return model, make_example_inputs(model, 4, 16, device="meta")
+
+
+def test_plan_names_the_choice_per_moe_layer(mixtral_meta):
+    """The solved plan says what it does with each MoE layer's experts, in the plan and in its summary; the
+    JSON round trip keeps it."""
+    model, batch = mixtral_meta
+    plan = plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(1, 2), recompute="none")
+    assert sorted(plan.moe_layers) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(choice.startswith("experts: ") for choice in plan.moe_layers.values())
+    moe_lines = [line for line in plan.summary().splitlines() if line.startswith("MoE layers")]
+    assert moe_lines and all(any(fqn in line for line in moe_lines) for fqn in plan.moe_layers)
+    assert Plan.from_dict(json.loads(plan.to_json())).moe_layers == plan.moe_layers
+    # the router stays whole: it is a num_experts x hidden matrix every routing decision reads
+    assert all(p == "R" for fqn, ps in plan.param_placements.items() if ".mlp.gate." in fqn for p in ps)
+
+
+@pytest.mark.parametrize(
+    "baseline,choice",
+    [
+        ("ddp", "experts: replicated"),
+        ("megatron", "experts: TP×2"),
+        ("hf-tp-plan", "experts: TP×2"),
+        ("hf-ep-plan", "experts: expert-dim shards×2 (gathered per use)"),
+    ],
+)
+def test_baselines_place_the_experts_as_named(mixtral_meta, baseline, choice):
+    """Megatron and HF's own ``base_model_tp_plan`` split inside every expert (gate/up on the intermediate
+    output dim, down on its input dim); HF's ``base_model_ep_plan`` splits the expert dim."""
+    model, batch = mixtral_meta
+    given = {
+        "hf-tp-plan": model.config.base_model_tp_plan,
+        "hf-ep-plan": model.config.base_model_ep_plan,
+    }.get(baseline, baseline)
+    mesh = (2, 1) if baseline == "ddp" else (1, 2)
+    estimate = evaluate_plan(model, batch, given, num_devices=2, device="cpu", mesh_shape=mesh)
+    assert set(estimate.plan.moe_layers.values()) == {choice}
+    placements = estimate.plan.param_placements
+    if choice == "experts: TP×2":
+        assert placements["model.layers.0.mlp.experts.gate_up_proj"][-1] == "S1"  # (E, 2I, H): intermediate
+        assert placements["model.layers.0.mlp.experts.down_proj"][-1] == "S2"  # (E, H, I): intermediate
+
+
+def test_experts_choice_spells_out_mixed_placements():
+    model = moe_model("tiny-qwen3-moe", layers=2, device="meta")
+    experts = model.model.layers[0].mlp.experts
+    fqn = "model.layers.0.mlp.experts"
+    mixed = {f"{fqn}.gate_up_proj": "S2", f"{fqn}.down_proj": "S2"}
+    assert experts_choice(experts, fqn, mixed, 2) == "TP×2 (gate_up_proj:S2 down_proj:S2)"
+    assert experts_choice(experts, fqn, {}, 2) == "replicated"
+    assert experts_choice(experts, fqn, mixed, 1) == "replicated"
+    assert experts_choice(model.model.layers[0].mlp.gate, "x", mixed, 2) is None

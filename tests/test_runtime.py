@@ -151,16 +151,39 @@ def test_gloo_fsdp_x_tp_training_tracks_single_process(tmp_path):
         assert any("Shard(dim=0), Shard(dim=1)" in p for p in result["param_placements"]), result["model"]
 
 
+# MoE models in the same launch (tests/test_moe.py has their capture): the solver's own choice, and each
+# strategy of an MoE layer the planner prices, named as the plan names it.
+MOE_CASES = {
+    "tiny-mixtral": None,  # auto: whatever the solver chose
+    "tiny-mixtral@experts-tp": "experts: TP×2",
+    "tiny-mixtral@experts-replicated": "experts: replicated",
+    "tiny-qwen3-moe@experts-tp": "experts: TP×2",
+    "tiny-qwen3-moe@experts-replicated": "experts: replicated",
+}
+
+
 @pytest.mark.slow
 def test_autoparallelize_plans_on_rank0_and_broadcasts(tmp_path):
     """2 gloo processes: rank 0 plans inside the job (the planner must not build collective meshes), every
-    rank applies the broadcast plan, and training matches one process."""
-    result = _torchrun(
-        2, "--model", "tiny-llama", "--mesh", "1x2", "--plan", "auto", "--steps", "2", tmp_path=tmp_path
+    rank applies the broadcast plan, and training matches one process. Then, in the same processes, Mixtral
+    and Qwen3-MoE (router, aux loss in the loss) under the auto plan, tensor parallelism inside every expert
+    (HF's own tp_plan) and replicated experts: two AdamW steps' losses and every first-step gradient equal
+    one process's in fp32."""
+    models = ",".join(["tiny-llama", *MOE_CASES])
+    results = _torchrun(
+        2, "--model", models, "--mesh", "1x2", "--plan", "auto", "--steps", "2", tmp_path=tmp_path
     )
-    assert result["max_grad_diff"] < 1e-5
-    for got, want in zip(result["losses"], result["reference_losses"], strict=True):
-        assert got == pytest.approx(want, abs=1e-5)
+    assert [r["model"] for r in results] == [m.split("@")[0] for m in models.split(",")]
+    for result, (spec, choice) in zip(results, [("tiny-llama", None), *MOE_CASES.items()], strict=True):
+        assert result["max_grad_diff"] < 1e-5, spec
+        for got, want in zip(result["losses"], result["reference_losses"], strict=True):
+            assert got == pytest.approx(want, abs=1e-5), spec
+        if spec.startswith("tiny-llama"):
+            assert result["moe_layers"] == {}
+            continue
+        choices = set(result["moe_layers"].values())
+        assert len(result["moe_layers"]) == 2 and len(choices) == 1, (spec, result["moe_layers"])
+        assert choice is None or choices == {choice}, (spec, choices)
 
 
 @pytest.mark.slow

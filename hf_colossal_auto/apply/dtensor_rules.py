@@ -44,6 +44,7 @@ from .._torch_compat import (
     dtensor_op_has_handler,
     register_dtensor_op_handler,
 )
+from ..capture.moe import enable_grouped_mm_tracing
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -162,4 +163,5 @@ def register_runtime_rules() -> None:
     register_sharding([aten.fill_.Tensor, aten.fill.Tensor])(_fill_tensor)
     register_dtensor_op_handler(aten.view.default, _view_of_contiguous_shard)
     register_dtensor_op_handler(aten.cat.default, _cat_skipping_legacy_empty)
+    enable_grouped_mm_tracing()  # MoE experts in fp32: DTensor takes output shapes from the Meta kernel
     _registered = True

@@ -52,6 +52,7 @@ from .data import global_batch
 from .dtensor_rules import register_replicated_fallbacks, register_runtime_rules
 from .enforce import ReducePartialGradientsAtProducers, enforce_plan
 from .materialize import is_meta_model, materialize_meta_model
+from .moe import install_aux_loss_region
 from .pretrained import load_pretrained
 from .recompute import apply_recompute
 
@@ -259,6 +260,7 @@ def wrap_forward(model: nn.Module, mesh: DeviceMesh) -> None:
     placements = [Replicate()]
     original = model.forward
     install_sdpa_mask_placement()
+    install_aux_loss_region(model)  # MoE: the load-balancing loss runs on full local tensors (apply/moe.py)
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
@@ -487,6 +489,11 @@ def autoparallelize(
         if example_inputs is None:
             raise ValueError("autoparallelize needs example_inputs (one process's batch) or a plan")
         world = dist.get_world_size()
+        if isinstance(plan_model_kwargs.get("device"), str):  # "calibrate": every rank measures the job once
+            from ..integrations.calibrated import resolve_device
+
+            kind = "cpu" if dist.get_backend() != "nccl" else "cuda"
+            plan_model_kwargs["device"] = resolve_device(plan_model_kwargs["device"], kind)
 
         def make() -> Plan:
             from ..solve.planner import plan_model

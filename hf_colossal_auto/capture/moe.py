@@ -89,16 +89,30 @@ def enable_grouped_mm_tracing() -> None:
     relax_grouped_mm_meta(grouped_mm_output_layout)
 
 
-def _experts_modules(model: nn.Module) -> Iterator[nn.Module]:
-    """Modules dispatched through transformers' experts interface (``use_experts_implementation``)."""
-    for module in model.modules():
-        if hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts"):
-            yield module
+def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """FQN -> transformers MoE experts module (stacked 3-D expert weights behind a router)."""
+    return {
+        fqn: m
+        for fqn, m in model.named_modules()
+        if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")
+    }
+
+
+def expert_weight_dims(module: nn.Module, param_name: str) -> tuple[int, int] | None:
+    """(output dim, input dim) of one stacked expert weight (``gate_up_proj``, ``up_proj``, ``down_proj``;
+    dim 0 is the expert). transformers stores them ``(E, out, in)``, or ``(E, in, out)`` for families that
+    set ``is_transposed`` (GPT-OSS). None for anything else (biases, norms)."""
+    if param_name not in ("gate_up_proj", "up_proj", "down_proj"):
+        return None
+    param = getattr(module, param_name, None)
+    if not isinstance(param, nn.Parameter) or param.dim() != 3:
+        return None
+    return (2, 1) if getattr(module, "is_transposed", False) else (1, 2)
 
 
 def is_moe_model(model: nn.Module) -> bool:
     """True when ``model`` holds transformers MoE experts (stacked expert weights behind a router)."""
-    return next(_experts_modules(model), None) is not None
+    return bool(experts_modules(model))
 
 
 @contextlib.contextmanager
@@ -109,7 +123,7 @@ def static_experts_implementation(model: nn.Module) -> Iterator[None]:
     trace can follow; ``grouped_mm`` computes the same function of the same parameters with static shapes.
     Other implementations (``batched_mm`` is static too) are left alone.
     """
-    configs = {id(m.config): m.config for m in _experts_modules(model) if getattr(m, "config", None)}
+    configs = {id(m.config): m.config for m in experts_modules(model).values() if getattr(m, "config", None)}
     changed = []
     for config in configs.values():
         if getattr(config, "_experts_implementation", None) in (None, "eager"):

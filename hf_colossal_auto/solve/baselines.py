@@ -10,6 +10,8 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from ..capture.moe import expert_weight_dims, experts_modules
+
 _COLWISE_NAMES = (
     "q_proj",
     "k_proj",
@@ -42,9 +44,26 @@ def _linear_dims(model: nn.Module, module_fqn: str) -> tuple[int, int] | None:
     return None
 
 
-def megatron_placements(model: nn.Module) -> dict[str, str]:
-    """Megatron-style TP of every attention and MLP: column-parallel in, row-parallel out (Linear and Conv1D)."""
+def expert_tp_placements(model: nn.Module) -> dict[str, str]:
+    """Tensor parallelism inside every expert (strategy (b) of an MoE layer), as for a dense MLP: the
+    up/gate projection split on its output (intermediate) dim, the down projection on its input
+    (intermediate) dim. ``gate_up_proj`` packs gate and up along that dim, so a plain split gives one rank
+    the gate half; DTensor then gathers the activation before ``chunk`` (correct, and priced), as it does
+    for GPT-2's fused ``c_attn``."""
     out: dict[str, str] = {}
+    for fqn, module in experts_modules(model).items():
+        for name, _ in module.named_parameters(recurse=False):
+            dims = expert_weight_dims(module, name)
+            if dims is not None:
+                out[f"{fqn}.{name}"] = f"S{dims[0] if name != 'down_proj' else dims[1]}"
+    return out
+
+
+def megatron_placements(model: nn.Module) -> dict[str, str]:
+    """Megatron-style TP of every attention and MLP: column-parallel in, row-parallel out (Linear and Conv1D);
+    MoE experts get tensor parallelism inside every expert (:func:`expert_tp_placements`, what Megatron-LM
+    does with expert-model-parallel size 1). Routers stay replicated."""
+    out: dict[str, str] = expert_tp_placements(model)
     for fqn, module in model.named_modules():
         dims = _linear_dims(model, fqn)
         if dims is None:
@@ -72,6 +91,7 @@ def tp_plan_placements(model: nn.Module, tp_plan: Mapping[str, str]) -> dict[str
     names = dict(model.named_modules())
     prefixes = ["", *(n + "." for n, m in names.items() if m is not model and n and "." not in n)]
     for pattern, style in tp_plan.items():
+        out.update(_expert_tp_plan_placements(model, prefixes, pattern, style))
         for fqn, module in names.items():
             if not any(fnmatch.fnmatchcase(fqn, p + pattern) for p in prefixes):
                 continue
@@ -80,7 +100,7 @@ def tp_plan_placements(model: nn.Module, tp_plan: Mapping[str, str]) -> dict[str
             if isinstance(module, nn.Embedding):
                 out[f"{fqn}.weight"] = "S1" if base in ("colwise", "embedding_colwise") else "S0"
                 continue
-            if dims is None:
+            if dims is None or fqn in experts_modules(model):  # experts: their parameters are named
                 continue
             col, row = dims
             if base in ("colwise", "colwise_rep", "local_colwise"):
@@ -93,6 +113,31 @@ def tp_plan_placements(model: nn.Module, tp_plan: Mapping[str, str]) -> dict[str
                 raise ValueError(
                     f"tp_plan style {style!r} for {pattern!r} is not supported; use colwise or rowwise"
                 )
+    return out
+
+
+# HF styles for stacked expert weights: split inside every expert, or whole experts per rank (expert parallel).
+_EXPERT_STYLES = {"colwise": 0, "packed_colwise": 0, "rowwise": 1, "grouped_gemm": None}
+
+
+def _expert_tp_plan_placements(
+    model: nn.Module, prefixes: list[str], pattern: str, style: str
+) -> dict[str, str]:
+    """Placements a HF ``tp_plan``/``ep_plan`` entry gives stacked expert weights (``...experts.gate_up_proj``
+    are parameters, not modules): colwise splits the output dim, rowwise the input dim, ``grouped_gemm`` (the
+    ``ep_plan`` style) the expert dim. Entries for the experts module itself (``moe_tp_experts``,
+    ``ep_dispatch_experts``: how HF's runtime wraps it) name no parameter and place nothing."""
+    out: dict[str, str] = {}
+    if style not in _EXPERT_STYLES:
+        return out
+    for fqn, module in experts_modules(model).items():
+        for name, _ in module.named_parameters(recurse=False):
+            full = f"{fqn}.{name}"
+            dims = expert_weight_dims(module, name)
+            if dims is None or not any(fnmatch.fnmatchcase(full, p + pattern) for p in prefixes):
+                continue
+            which = _EXPERT_STYLES[style]
+            out[full] = "S0" if which is None else f"S{dims[which]}"
     return out
 
 

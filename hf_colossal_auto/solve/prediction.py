@@ -19,6 +19,7 @@ from ..capture.graph import StepGraph
 from ..plan import BlockCost, Plan
 from ..profile.profiler import _module_list_children, block_units
 from ..strategies import ops_without_dtensor_rule
+from ..strategies.moe import moe_layer_choices
 from ..strategies.placements import is_shard
 from .builder import (
     BuiltProblem,
@@ -178,6 +179,7 @@ def _make_plan(
             if fqn in param_placements
         },
         activation_placements=activation_placements,
+        moe_layers=moe_layer_choices(planner.model, param_placements, mesh[1]),
         replicated_ops=ops_without_dtensor_rule(graph),
         global_batch_size=planner.batch,
         input_shapes={k: list(v.shape) for k, v in planner.inputs.items() if isinstance(v, torch.Tensor)},

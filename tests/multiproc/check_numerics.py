@@ -3,7 +3,9 @@
     torchrun --nproc_per_node N tests/multiproc/check_numerics.py --model tiny-llama --mesh 2x2 --out result.json
 
 Several models (``--model tiny-gpt2,tiny-llama``) run one after the other in the same processes (one launch):
-the result file then holds a list.
+the result file then holds a list. ``name@plan`` overrides ``--plan`` for one model; MoE models also take
+``experts-tp`` (the config's own HF ``base_model_tp_plan``: attention TP and TP inside every expert) and
+``experts-replicated`` (the same without the expert entries).
 
 Every rank builds the same seeded model, rank 0 plans and broadcasts, each data-parallel replica gets its own
 slice of one global batch, and rank 0 writes the loss and the largest gradient difference against the model
@@ -24,8 +26,19 @@ import transformers
 from torch.distributed.tensor import DTensor
 
 
-def run_model(name: str, args: argparse.Namespace) -> dict:
-    """Plan, apply and train one model under ``args``; the losses and gradient gap against one process."""
+def hf_tp_plan(model, with_experts: bool) -> dict[str, str]:
+    """The config's own ``base_model_tp_plan``, with or without the entries of the MoE experts."""
+    plan = dict(model.config.base_model_tp_plan or {})
+    if not plan:
+        raise ValueError(f"{type(model).__name__} has no base_model_tp_plan")
+    return {k: v for k, v in plan.items() if with_experts or ".experts" not in k}
+
+
+def run_model(spec: str, args: argparse.Namespace) -> dict:
+    """Plan, apply and train one model (``name`` or ``name@plan``) under ``args``; the losses and gradient gap
+    against one process."""
+    name, _, plan_kind = spec.partition("@")
+    plan_kind = plan_kind or args.plan
     rank, world = dist.get_rank(), dist.get_world_size()
     from hf_colossal_auto import data_parallel_info, data_parallel_loader, shard_batch
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
@@ -43,11 +56,12 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     replica = rank // tp
     local = {k: v[replica * per_replica : (replica + 1) * per_replica] for k, v in batch.items()}
     early = [torch.optim.AdamW(model.parameters(), lr=1e-3)] if args.optimizer_before else []
-    if args.plan == "megatron":
+    if plan_kind != "auto":
         made = None
         if rank == 0:
+            baseline = "megatron" if plan_kind == "megatron" else hf_tp_plan(model, plan_kind == "experts-tp")
             made = evaluate_plan(
-                model, batch, "megatron", num_devices=world, device="cpu", mesh_shape=(dp, tp)
+                model, batch, baseline, num_devices=world, device="cpu", mesh_shape=(dp, tp)
             ).plan
             made.dp_mode = args.dp_mode  # the same placements, the data-parallel axis as asked
         autoparallelize(model, plan=broadcast_plan(made), optimizers=early)
@@ -90,6 +104,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     plan = model._hf_colossal_auto_plan
     result = {
         "model": name,
+        "plan": plan_kind,
+        "moe_layers": plan.moe_layers,
         "mesh": [dp, tp],
         "losses": losses,
         "reference_losses": ref_losses,
@@ -111,7 +127,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="global batch")
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--plan", choices=["auto", "megatron"], default="auto", help="plan to apply")
+    parser.add_argument(
+        "--plan",
+        choices=["auto", "megatron", "experts-tp", "experts-replicated"],
+        default="auto",
+        help="plan to apply",
+    )
     parser.add_argument("--dp-mode", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument(
         "--optimizer-before", action="store_true", help="make the optimizer before parallelizing (remapped)"
