@@ -55,6 +55,7 @@ from ..apply.data import global_batch
 from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
 from ..plan import Plan
+from .calibrated import resolve_device
 from .plugin import AutoParallelPlugin
 
 logger = logging.getLogger(__name__)
@@ -311,6 +312,8 @@ class AutoParallelAccelerator(Accelerator):
     def _make_plan(self, model: nn.Module, loaders: list[DataLoader], optimizers: list) -> Plan:
         """Rank 0 plans for this job (its processes, its device), every rank receives the same plan — or, if
         planning fails, raises the same error."""
+        # device="calibrate": every rank takes part in measuring the job once (cached for later jobs)
+        device_spec = resolve_device(self.auto_parallel_plugin.device, self.device.type)
 
         def make() -> Plan:
             from ..solve.planner import plan_model
@@ -330,6 +333,8 @@ class AutoParallelAccelerator(Accelerator):
             if kind is not None:
                 kwargs["optimizer"] = kind
             kwargs.update(self.auto_parallel_plugin.planner_kwargs())
+            if device_spec is not None:
+                kwargs["device"] = device_spec
             return plan_model(model, batch, **kwargs)
 
         return plan_on_one_rank(make)

@@ -85,6 +85,7 @@ from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
 from ..plan import Plan
 from .accelerator import loader_options
+from .calibrated import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +191,8 @@ class AutoParallelCallback(TrainerCallback):
         entry point); every rank gets the plan, or the same error when planning fails."""
         if self.plan_path is not None:
             return Plan.load(self.plan_path)
+        # device="calibrate": every rank takes part in measuring the job once (cached for later jobs)
+        device = resolve_device(self.device, "cuda" if dist.get_backend() == "nccl" else "cpu")
 
         def make() -> Plan:
             from ..solve.planner import plan_model
@@ -202,7 +205,7 @@ class AutoParallelCallback(TrainerCallback):
                 trainer.model,
                 batch,
                 num_devices=world,
-                device=self.device or _running_device_kind(),
+                device=device or _running_device_kind(),
                 memory_budget=self.memory_budget,
                 mesh_shape=self.mesh_shape,
                 time_limit_s=self.time_limit_s,
