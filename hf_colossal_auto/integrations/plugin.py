@@ -145,7 +145,11 @@ class AutoParallelPlugin:
         default=None, metadata={"help": "devices to plan for; must equal the job's processes (default: them)"}
     )
     device: str | None = field(
-        default=None, metadata={"help": "device kind, e.g. 'a100-80gb', 'cpu' (default: the running device)"}
+        default=None,
+        metadata={
+            "help": "device kind ('a100-80gb', 'cpu'), a `calibrate` JSON, or 'calibrate' to measure this job's "
+            "machine once and cache it (default: the running device)"
+        },
     )
     memory_budget: int | str | None = field(
         default=None, metadata={"help": "bytes per device or '40GiB' (default: device memory minus a margin)"}
