@@ -297,7 +297,7 @@ def load_pretrained(
     )
     tensors = _model_tensors(model)
     with _OpenFiles(directory) as opened, torch.no_grad():
-        for target in matching.targets:
+        for target in sorted(matching.targets, key=lambda t: t.sources[0][0].file):  # each file opened once
             live = tensors[target.name]
             if target.converter is None:
                 source = target.sources[0][0]
@@ -328,12 +328,15 @@ def load_pretrained(
 
 
 class _OpenFiles:
-    """safetensors files opened once each, for the whole load."""
+    """One safetensors file open at a time. Why: ``safe_open`` maps the whole file, and every page a slice read
+    touches stays resident in this process until the file is closed — keeping all files open would put the
+    pages of everything this rank read (and, for a slice across rows, of whole tensors) in its RSS."""
 
     def __init__(self, directory: Path):
         self.directory = directory
         self.stack = ExitStack()
-        self.handles: dict[str, Any] = {}
+        self.file: str | None = None
+        self.handle: Any = None
 
     def __enter__(self) -> _OpenFiles:
         return self
@@ -344,11 +347,13 @@ class _OpenFiles:
     def slice(self, source: _Source) -> Any:
         from safetensors import safe_open
 
-        handle = self.handles.get(source.file)
-        if handle is None:
-            handle = self.stack.enter_context(safe_open(str(self.directory / source.file), framework="pt"))
-            self.handles[source.file] = handle
-        return handle.get_slice(source.key)
+        if source.file != self.file:
+            self.stack.close()
+            self.handle = self.stack.enter_context(
+                safe_open(str(self.directory / source.file), framework="pt")
+            )
+            self.file = source.file
+        return self.handle.get_slice(source.key)
 
 
 def _local_view(live: torch.Tensor) -> torch.Tensor:
@@ -450,11 +455,12 @@ def save_pretrained(
     """Write ``model`` as a HuggingFace checkpoint (config, safetensors shards of at most ``max_shard_size``,
     the index) that ``from_pretrained`` loads in one process, without any rank holding the full model.
 
-    Full tensors are gathered one at a time; rank ``writer`` keeps them until the output file they belong to is
-    complete and writes it, the others drop each as soon as it is gathered. So the writer holds its own shards
-    plus one output file's tensors, every other rank its shards plus one tensor. Tied weights are written once
-    and transformers' load-time conversions are reverted, as ``PreTrainedModel.save_pretrained`` does.
-    Collective: call on every rank.
+    Full tensors are gathered one at a time. Every output file's names, shapes and dtypes are known from the
+    model before anything is gathered, so rank ``writer`` writes the file's safetensors header first and then
+    each tensor's bytes as soon as it is gathered: every rank holds its own shards plus one full tensor. Files
+    with tensors transformers converts on save (``revert_weight_conversion`` fusing or splitting tensors) are
+    written whole instead: the writer holds that file's tensors. Tied weights are written once and load-time
+    conversions reverted, as ``PreTrainedModel.save_pretrained`` does. Collective: call on every rank.
     """
     import torch.distributed as dist
 
@@ -468,22 +474,14 @@ def save_pretrained(
     tensors = _model_tensors(model)
     weight_map: dict[str, str] = {}
     for filename, names in split.filename_to_tensors.items():
-        shard: dict[str, torch.Tensor] = {}
-        held = 0
-        for name in names:
-            full = _gathered(tensors[name])
-            report.tensors += 1
-            report.total_bytes += full.numel() * full.element_size()
-            if rank == writer:
-                shard[name] = full
-                held += full.numel() * full.element_size()
-            report.peak_held_bytes = max(report.peak_held_bytes, held if rank == writer else full.nbytes)
-            del full
+        layout = _saved_names(model, names, tensors)
+        if layout is not None:
+            written = _stream_file(layout, tensors, directory / filename, rank == writer, report)
+        else:
+            written = _buffer_file(model, names, tensors, directory / filename, rank == writer, report)
         if rank == writer:
-            written = _write_shard(model, shard, directory / filename)
             weight_map.update(dict.fromkeys(written, filename))
             report.files.append(filename)
-        del shard
     if rank == writer:
         _finish_index(model, directory, split, weight_map)
     if dist.is_initialized():
@@ -497,6 +495,106 @@ def save_pretrained(
         report.peak_held_bytes / 2**20,
     )
     return report
+
+
+_SAFETENSORS_DTYPE = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+
+
+def _saved_names(
+    model: nn.Module, names: list[str], tensors: dict[str, torch.Tensor]
+) -> list[tuple[str, str]] | None:
+    """``(model name, name in the file)`` per tensor when each is written as it is (at most renamed by the
+    reverted conversions, found on a meta stand-in per tensor); None when a conversion changes shapes or
+    combines tensors, or a dtype has no safetensors code — the file is then written whole."""
+    layout = []
+    for name in names:
+        live = tensors[name]
+        if live.dtype not in _SAFETENSORS_DTYPE:
+            return None
+        standin = {name: torch.empty(live.shape, dtype=live.dtype, device="meta")}
+        if hasattr(model, "get_parameter_or_buffer"):
+            from transformers.core_model_loading import revert_weight_conversion
+
+            standin = revert_weight_conversion(model, standin)
+        if len(standin) != 1:
+            return None
+        ((saved, value),) = standin.items()
+        value = value[0] if isinstance(value, list) else value
+        if tuple(value.shape) != tuple(live.shape) or value.dtype != live.dtype:
+            return None
+        layout.append((name, saved))
+    return layout
+
+
+def _stream_file(
+    layout: list[tuple[str, str]],
+    tensors: dict[str, torch.Tensor],
+    filename: Path,
+    writes: bool,
+    report: SaveReport,
+) -> list[str]:
+    """One safetensors file written tensor by tensor: the header (names, dtypes, shapes, offsets) from the
+    model's metadata, then each gathered tensor's bytes, dropped right after. The format is safetensors' own
+    (8-byte little-endian header length, JSON header padded to 8 bytes, the tensors' bytes back to back), which
+    its library can only write from a complete dict of tensors."""
+    import struct
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, saved in layout:
+        live = tensors[name]
+        size = live.numel() * live.element_size()
+        header[saved] = {
+            "dtype": _SAFETENSORS_DTYPE[live.dtype],
+            "shape": list(live.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with ExitStack() as stack:
+        out = stack.enter_context(open(filename, "wb")) if writes else None
+        if out is not None:
+            out.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, _ in layout:
+            full = _gathered(tensors[name])
+            nbytes = full.numel() * full.element_size()
+            report.tensors += 1
+            report.total_bytes += nbytes
+            report.peak_held_bytes = max(report.peak_held_bytes, nbytes)
+            if out is not None:
+                out.write(full.reshape(-1).view(torch.uint8).numpy().data)
+            del full
+    return [saved for _, saved in layout]
+
+
+def _buffer_file(
+    model: nn.Module,
+    names: list[str],
+    tensors: dict[str, torch.Tensor],
+    filename: Path,
+    writes: bool,
+    report: SaveReport,
+) -> list[str]:
+    """One output file whose tensors the reverted conversions combine: the writer keeps the file's gathered
+    tensors, then safetensors writes them after the conversion."""
+    shard: dict[str, torch.Tensor] = {}
+    held = 0
+    for name in names:
+        full = _gathered(tensors[name])
+        nbytes = full.numel() * full.element_size()
+        report.tensors += 1
+        report.total_bytes += nbytes
+        if writes:
+            shard[name] = full
+            held += nbytes
+        report.peak_held_bytes = max(report.peak_held_bytes, held if writes else nbytes)
+        del full
+    return _write_shard(model, shard, filename) if writes else []
 
 
 def _save_config(model: nn.Module, directory: Path) -> None:
