@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Mixtral, Qwen3-MoE): capture, profile and planning on CPU.
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE): capture, profile and planning on CPU.
 
 The experts run through transformers' ``grouped_mm`` path (``aten._grouped_mm``). Checked here against a real
 CPU step of the same model: FLOPs exactly as ``FlopCounterMode`` counts them with the project's extra
@@ -22,11 +22,11 @@ from hf_colossal_auto.models import build_model, load_config, make_example_input
 from hf_colossal_auto.profile import EXTRA_FLOP_FORMULAS, profile_model
 from hf_colossal_auto.strategies.moe import experts_choice
 
-FAMILIES = ["tiny-mixtral", "tiny-qwen3-moe"]
-# Measured (torch 2.13, transformers 5.24): -0.008 % (Mixtral) and -0.012 % (Qwen3-MoE). The real step passes
-# the all-ones attention mask to the load-balancing loss, which then takes its masked path (16 bytes more per
-# routed row, alive for a moment at the end of forward); the capture drops masks that mask nothing (as eager
-# attention does) and traces the unmasked path. Same loss, a few hundred bytes apart.
+FAMILIES = ["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"]  # Qwen2-MoE: a shared expert and its gate
+# Measured (torch 2.13, transformers 5.24): -0.008 % (Mixtral), -0.012 % (Qwen3-MoE), -0.010 % (Qwen2-MoE).
+# The real step passes the all-ones attention mask to the load-balancing loss, which then takes its masked
+# path (16 bytes more per routed row, alive for a moment at the end of forward); the capture drops masks that
+# mask nothing (as eager attention does) and traces the unmasked path. Same loss, a few hundred bytes apart.
 MEMORY_UNDER = 3e-4
 MEMORY_OVER = 5e-4
 
@@ -44,6 +44,8 @@ def moe_model(name: str, *, layers: int = 7, device: str = "cpu"):
     """The tiny preset with ``layers`` blocks (>= 5 so that block folding applies), seeded."""
     config = load_config(name)
     config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):  # per-layer attention kinds (Qwen2-MoE), sized at construction
+        config.layer_types = [config.layer_types[0]] * layers
     torch.manual_seed(0)
     return build_model(config, device=device)
 

@@ -159,6 +159,7 @@ MOE_CASES = {
     "tiny-mixtral@experts-replicated": "experts: replicated",
     "tiny-qwen3-moe@experts-tp": "experts: TP×2",
     "tiny-qwen3-moe@experts-replicated": "experts: replicated",
+    "tiny-qwen2-moe@megatron": "experts: TP×2",  # and its shared expert (a dense MLP) Megatron-split
 }
 
 
@@ -167,8 +168,8 @@ def test_autoparallelize_plans_on_rank0_and_broadcasts(tmp_path):
     """2 gloo processes: rank 0 plans inside the job (the planner must not build collective meshes), every
     rank applies the broadcast plan, and training matches one process. Then, in the same processes, Mixtral
     and Qwen3-MoE (router, aux loss in the loss) under the auto plan, tensor parallelism inside every expert
-    (HF's own tp_plan) and replicated experts: two AdamW steps' losses and every first-step gradient equal
-    one process's in fp32."""
+    (HF's own tp_plan) and replicated experts, and Qwen2-MoE's shared expert and its gate under Megatron: two
+    AdamW steps' losses and every first-step gradient equal one process's in fp32."""
     models = ",".join(["tiny-llama", *MOE_CASES])
     results = _torchrun(
         2, "--model", models, "--mesh", "1x2", "--plan", "auto", "--steps", "2", tmp_path=tmp_path
