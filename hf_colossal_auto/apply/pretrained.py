@@ -3,7 +3,8 @@
 Why: ``from_pretrained`` builds the whole model in one process; a job that applies a plan afterwards holds the
 full model in every process first (at 70B, ~140 GB each). Here a model built on ``meta`` (or any model, planned
 or not) is filled from the checkpoint's files by every rank reading only the slices it owns
-(``safe_open(...).get_slice``), so no rank ever holds more than its own shards plus the tensor being read.
+(``pread`` of the slice's bytes, :mod:`.safetensors_io`), so no rank ever holds more than its own shards plus
+the tensor being read.
 
 What is transformers' and what is ours:
 
@@ -41,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .materialize import is_meta_model, materialize_meta_model
+from .safetensors_io import CODES, DTYPES, SafetensorsFile, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +79,7 @@ class _Source:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * _SAFETENSORS_ITEMSIZE.get(self.dtype, 4)
-
-
-_SAFETENSORS_ITEMSIZE = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-    "F8_E4M3": 1, "F8_E5M2": 1,
-}  # fmt: skip
+        return _numel(self.shape) * (DTYPES[self.dtype].itemsize if self.dtype in DTYPES else 4)
 
 
 @dataclass
@@ -135,14 +128,10 @@ def _cached_snapshot(repo_id: str) -> Path:
 
 def _read_headers(directory: Path, files: list[str]) -> dict[str, _Source]:
     """Every tensor's file, shape and dtype, from the files' headers (no tensor data is read)."""
-    from safetensors import safe_open
-
     sources: dict[str, _Source] = {}
     for name in files:
-        with safe_open(str(directory / name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - a safetensors handle is not iterable
-                piece = f.get_slice(key)
-                sources[key] = _Source(key, name, tuple(piece.get_shape()), piece.get_dtype())
+        for key, entry in read_header(directory / name)[1].items():
+            sources[key] = _Source(key, name, tuple(entry["shape"]), entry["dtype"])
     return sources
 
 
@@ -328,30 +317,27 @@ def load_pretrained(
 
 
 class _OpenFiles:
-    """One safetensors file open at a time. Why: ``safe_open`` maps the whole file, and every page a slice read
-    touches stays resident in this process until the file is closed — keeping all files open would put the
-    pages of everything this rank read (and, for a slice across rows, of whole tensors) in its RSS."""
+    """One checkpoint file open at a time (targets are read file by file), read with ``pread``
+    (:class:`.safetensors_io.SafetensorsFile`): a memory map would keep every page a slice read touches — for
+    a column shard, the whole tensor's — resident in this process until the file closes."""
 
     def __init__(self, directory: Path):
         self.directory = directory
-        self.stack = ExitStack()
         self.file: str | None = None
-        self.handle: Any = None
+        self.handle: SafetensorsFile | None = None
 
     def __enter__(self) -> _OpenFiles:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stack.close()
+        if self.handle is not None:
+            self.handle.close()
 
     def slice(self, source: _Source) -> Any:
-        from safetensors import safe_open
-
         if source.file != self.file:
-            self.stack.close()
-            self.handle = self.stack.enter_context(
-                safe_open(str(self.directory / source.file), framework="pt")
-            )
+            if self.handle is not None:
+                self.handle.close()
+            self.handle = SafetensorsFile(self.directory / source.file)
             self.file = source.file
         return self.handle.get_slice(source.key)
 
@@ -476,9 +462,9 @@ def save_pretrained(
     for filename, names in split.filename_to_tensors.items():
         layout = _saved_names(model, names, tensors)
         if layout is not None:
-            written = _stream_file(layout, tensors, directory / filename, rank == writer, report)
+            written = _stream_file(layout, tensors, directory / filename, writer, rank == writer, report)
         else:
-            written = _buffer_file(model, names, tensors, directory / filename, rank == writer, report)
+            written = _buffer_file(model, names, tensors, directory / filename, writer, report)
         if rank == writer:
             weight_map.update(dict.fromkeys(written, filename))
             report.files.append(filename)
@@ -497,13 +483,6 @@ def save_pretrained(
     return report
 
 
-_SAFETENSORS_DTYPE = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
-
-
 def _saved_names(
     model: nn.Module, names: list[str], tensors: dict[str, torch.Tensor]
 ) -> list[tuple[str, str]] | None:
@@ -513,7 +492,7 @@ def _saved_names(
     layout = []
     for name in names:
         live = tensors[name]
-        if live.dtype not in _SAFETENSORS_DTYPE:
+        if live.dtype not in CODES:
             return None
         standin = {name: torch.empty(live.shape, dtype=live.dtype, device="meta")}
         if hasattr(model, "get_parameter_or_buffer"):
@@ -534,6 +513,7 @@ def _stream_file(
     layout: list[tuple[str, str]],
     tensors: dict[str, torch.Tensor],
     filename: Path,
+    writer: int,
     writes: bool,
     report: SaveReport,
 ) -> list[str]:
@@ -549,7 +529,7 @@ def _stream_file(
         live = tensors[name]
         size = live.numel() * live.element_size()
         header[saved] = {
-            "dtype": _SAFETENSORS_DTYPE[live.dtype],
+            "dtype": CODES[live.dtype],
             "shape": list(live.shape),
             "data_offsets": [offset, offset + size],
         }
@@ -561,12 +541,11 @@ def _stream_file(
         if out is not None:
             out.write(struct.pack("<Q", len(encoded)) + encoded)
         for name, _ in layout:
-            full = _gathered(tensors[name])
-            nbytes = full.numel() * full.element_size()
+            full = _gathered(tensors[name], writer)
             report.tensors += 1
-            report.total_bytes += nbytes
-            report.peak_held_bytes = max(report.peak_held_bytes, nbytes)
-            if out is not None:
+            report.total_bytes += tensors[name].numel() * tensors[name].element_size()
+            if full is not None:
+                report.peak_held_bytes = max(report.peak_held_bytes, full.numel() * full.element_size())
                 out.write(full.reshape(-1).view(torch.uint8).numpy().data)
             del full
     return [saved for _, saved in layout]
@@ -577,7 +556,7 @@ def _buffer_file(
     names: list[str],
     tensors: dict[str, torch.Tensor],
     filename: Path,
-    writes: bool,
+    writer: int,
     report: SaveReport,
 ) -> list[str]:
     """One output file whose tensors the reverted conversions combine: the writer keeps the file's gathered
@@ -585,16 +564,15 @@ def _buffer_file(
     shard: dict[str, torch.Tensor] = {}
     held = 0
     for name in names:
-        full = _gathered(tensors[name])
-        nbytes = full.numel() * full.element_size()
+        full = _gathered(tensors[name], writer)
         report.tensors += 1
-        report.total_bytes += nbytes
-        if writes:
+        report.total_bytes += tensors[name].numel() * tensors[name].element_size()
+        if full is not None:
             shard[name] = full
-            held += nbytes
-        report.peak_held_bytes = max(report.peak_held_bytes, held if writes else nbytes)
+            held += full.numel() * full.element_size()
+        report.peak_held_bytes = max(report.peak_held_bytes, held)
         del full
-    return _write_shard(model, shard, filename) if writes else []
+    return _write_shard(model, shard, filename) if shard else []
 
 
 def _save_config(model: nn.Module, directory: Path) -> None:
@@ -634,12 +612,32 @@ def _output_split(model: nn.Module, max_shard_size: int | str) -> Any:
     )
 
 
-def _gathered(live: torch.Tensor) -> torch.Tensor:
-    """The full tensor on CPU (collective for a DTensor: every rank joins the gather)."""
+def _gathered(live: torch.Tensor, writer: int) -> torch.Tensor | None:
+    """The full tensor on CPU on rank ``writer``, None elsewhere (collective over the tensor's mesh).
+
+    The writer alone needs it, so the cheapest collective that brings it there is used: none for a replicated
+    tensor (the writer has it) or on a mesh without the writer (another replica group's copy); a ``gather`` of
+    the shards for an even shard on a 1-D mesh; DTensor's all-gather (``full_tensor``) for any other layout."""
+    import torch.distributed as dist
+
     value = live.detach()
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    return value.cpu().contiguous()
+    rank = dist.get_rank() if dist.is_initialized() else writer
+    if not isinstance(value, DTensor):
+        return value.cpu().contiguous() if rank == writer else None
+    mesh = value.device_mesh
+    if writer not in mesh.mesh.flatten().tolist():
+        return None
+    placements = value.placements
+    if all(p.is_replicate() for p in placements):
+        return value.to_local().cpu().contiguous() if rank == writer else None
+    shard = placements[0]
+    if mesh.ndim == 1 and shard.is_shard() and value.shape[shard.dim] % mesh.size() == 0:
+        local = value.to_local().contiguous()
+        parts = [torch.empty_like(local) for _ in range(mesh.size())] if rank == writer else None
+        dist.gather(local, parts, dst=writer, group=mesh.get_group())
+        return torch.cat(parts, dim=shard.dim).cpu() if rank == writer else None
+    full = value.full_tensor()
+    return full.cpu().contiguous() if rank == writer else None
 
 
 def _write_shard(model: nn.Module, shard: dict[str, torch.Tensor], filename: Path) -> list[str]:
