@@ -32,10 +32,10 @@ from _shared.objectives import (  # noqa: E402
 from _shared.tokenizer import padded_vocab_size, sentinel_ids, train_tokenizer  # noqa: E402
 
 
-def quick(steps: int = 8) -> list[str]:
+def quick(steps: int = 8, batch: int = 4) -> list[str]:
     """Few, short steps on a small corpus: enough for the loss of every tiny model to fall, fast on 2 cores."""
     return [
-        "--model", "tiny", "--max_steps", str(steps), "--per_device_batch_size", "4", "--seq_len", "64",
+        "--model", "tiny", "--max_steps", str(steps), "--per_device_batch_size", str(batch), "--seq_len", "64",
         "--synthetic_documents", "300", "--warmup_steps", "1", "--lr", "3e-3", "--eval_steps", "4",
         "--max_eval_batches", "2",
     ]  # fmt: skip
@@ -271,3 +271,86 @@ def test_gpt_recipe_on_two_processes_under_a_plan(tmp_path):
     )  # global batch: per-device batch x processes, TP ranks sharing it
     _check_export(out / "final", "AutoModelForCausalLM")
     assert json.loads((out / "final" / "config.json").read_text())["model_type"] == "gpt2"
+
+
+def _no_dropout_config(preset: str, path: Path, **sizes: int) -> Path:
+    """``preset`` without dropout (and resized by ``sizes``), as a config.json for the recipes' ``--model``.
+    Why no dropout: the ranks of a tensor-parallel group draw masks for their shards of an activation, not the
+    masks one process draws for the whole of it, so with dropout no run under a plan repeats one process's."""
+    from hf_colossal_auto.models import load_config
+
+    config = load_config(preset)
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout_rate"):
+        if hasattr(config, name):
+            setattr(config, name, 0.0)
+    for name, value in sizes.items():
+        setattr(config, name, value)
+    config.to_json_file(path)
+    return path
+
+
+@pytest.mark.slow
+def test_bert_and_t5_recipes_on_two_processes_match_one_process(tmp_path, fresh_accelerate_state):
+    """BERT and T5 pretraining under a real tensor-parallel plan (``--mesh_shape 1x2``; both recipes in one
+    ``accelerate launch``, which costs one process start instead of two) train as they do in one process.
+
+    Same seed, data, tokenizer and global batch (8 rows: 4 per device x the 2 ranks that share them, against 8
+    in one process), so every logged loss, gradient norm (before clipping: it sees the sharded gradients) and
+    the eval loss must agree to fp32 rounding: measured at most 1e-7 (losses) and 6e-7 (gradient norms)
+    relative, over both recipes and all steps; the bounds are a few times that. A wrong reduction or a
+    misplaced shard moves them by far more (a loss at 6 to 7 changes by ~1e-2 in one step). Four steps are
+    enough for the loss to fall in both processes' runs; the export loads with ``from_pretrained``.
+
+    T5 is widened to d_model 128: at the tiny preset's 64 the planner keeps every T5 weight replicated (tensor
+    parallelism does not pay there), so no plan would apply; the saved plans prove one did."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from hf_colossal_auto.plan import Plan
+
+    recipes = {
+        "pretrain_bert": ("AutoModelForMaskedLM", _no_dropout_config("tiny-bert", tmp_path / "bert.json")),
+        "pretrain_t5": (
+            "AutoModelForSeq2SeqLM",
+            _no_dropout_config("tiny-t5", tmp_path / "t5.json", d_model=128, d_ff=256, d_kv=32),
+        ),
+    }
+    one, two, steps = tmp_path / "one", tmp_path / "two", 4
+
+    def argv(script: str, batch: int, out: Path) -> list[str]:
+        # after quick()'s flags, so these win: a config path is not "tiny", whose vocabulary default is 1024
+        model = ["--model", str(recipes[script][1]), "--vocab_size", "1024"]
+        return [*quick(steps, batch=batch), *model, "--output_dir", str(out / script)]
+
+    for script in recipes:
+        _run_in_process(script, argv(script, 8, one))
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    # The WordPiece and Unigram trainers order tied pieces differently in each process (not seeded): the
+    # two-process runs take the one-process run's tokenizer, so that both see the same token ids.
+    runs = [
+        [
+            script,
+            [*argv(script, 4, two), "--mesh_shape", "1x2", "--tokenizer", str(one / script / "tokenizer")],
+            {"HF_COLOSSAL_AUTO_SAVE_PLAN_PATH": str(tmp_path / f"{script}.plan.json")},
+        ]
+        for script in recipes
+    ]
+    cmd = accelerate_launch_command(str(ROOT / "tests" / "multiproc" / "run_recipes.py"), json.dumps(runs))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for script, (task_class, _) in recipes.items():
+        plan = Plan.load(tmp_path / f"{script}.plan.json")
+        tp = plan.mesh_axis_names.index("tp")
+        assert plan.mesh_shape == (1, 2)
+        assert any(p[tp].startswith("S") for p in plan.param_placements.values()), (
+            f"{script}: nothing sharded"
+        )
+        reference = _check_metrics(one / script / "metrics.jsonl", steps)
+        records = _check_metrics(two / script / "metrics.jsonl", steps)
+        for a, b in zip(reference, records, strict=True):
+            assert (a["tokens"], a["lr"]) == (b["tokens"], b["lr"]), (script, a["step"])
+            assert b["loss"] == pytest.approx(a["loss"], rel=5e-7, abs=0), (script, a["step"])
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-6, abs=0), (script, a["step"])
+        assert records[-1]["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], rel=5e-7, abs=0)
+        _check_export(two / script / "final", task_class)
