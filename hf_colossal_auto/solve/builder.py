@@ -47,7 +47,7 @@ from ..capture.graph import OpNode, Phase, StepGraph, ValueKind
 from ..capture.op_classes import MATMUL, op_class
 from ..hardware.catalog import DeviceSpec
 from ..hardware.roofline import host_time, join_host, kernel_time
-from ..profile.memory import UnrolledStep, unroll
+from ..profile.memory import UnrolledStep, saved_bytes_per_node, unroll
 from ..profile.profiler import (
     is_attention_kernel,
     node_dtype,
@@ -812,6 +812,9 @@ class _ProblemBuilder:
         )
         self.weighted_saved = _weighted(self.tied, self.peak_snapshot.by_node)
         """Canonical node -> bytes it holds at the activation peak, over every copy it stands for."""
+        self.saved_for_backward = _weighted(self.tied, saved_bytes_per_node(graph))
+        """Canonical node -> bytes its outputs keep into backward, wherever the peak falls (a T5 decoder block's
+        activations are all freed by the time of its step's peak, yet its backward needs them)."""
 
         # ------------------------------------------------------------ the problem, filled in by the parts
         self.nodes: list[DecisionNode] = []
@@ -1206,13 +1209,14 @@ class _ProblemBuilder:
         for unit in self.units:
             # what the block's own backward needs (a block output is kept by its readers, not recomputed for them)
             unit.last_saved = max(
-                (c for c in unit.nodes if self.weighted_saved.get(c) and c not in unit.escaping), default=None
+                (c for c in unit.nodes if self.saved_for_backward.get(c) and c not in unit.escaping),
+                default=None,
             )
             forward_s = {
                 c: _local_node_time(graph, graph.nodes[c], _replicated(graph.nodes[c]), axis, 1, spec)
                 for c in unit.nodes
             }
-            options = unit_options(graph, unit, self.weighted_saved, forward_s)
+            options = unit_options(graph, unit, self.saved_for_backward, forward_s)
             self.unit_options_of.append(options)
             rc = _recompute_node_name(unit.name)
             self.rc_names.append(rc)
