@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .materialize import is_meta_model, materialize_meta_model
 from .safetensors_io import CODES, DTYPES, SafetensorsFile, read_header
@@ -290,9 +290,7 @@ def load_pretrained(
             live = tensors[target.name]
             if target.converter is None:
                 source = target.sources[0][0]
-                local, read = _read_local(opened.slice(source), source, live)
-                report.bytes_read += read
-                _store(target.name, live, local)
+                report.bytes_read += _fill(target.name, live, opened.slice(source), source)
             else:
                 for name, local, read in _convert(target, opened, model, tensors):
                     report.bytes_read += read
@@ -340,6 +338,51 @@ class _OpenFiles:
             self.handle = SafetensorsFile(self.directory / source.file)
             self.file = source.file
         return self.handle.get_slice(source.key)
+
+
+def _fill(name: str, live: torch.Tensor, piece: Any, source: _Source) -> int:
+    """Read this rank's part of a checkpoint tensor into the model's tensor; returns the bytes read.
+
+    A tensor that is whole or evenly sharded once per dim (TP's and FSDP's usual layouts) has its block read
+    straight into the local shard when the dtypes agree (no temporary, memory touched once); other layouts go
+    through transformers' shard-on-read (:func:`_read_local`) and a copy."""
+    ranges = _own_ranges(live)
+    if ranges is None:
+        local, read = _read_local(piece, source, live)
+        _store(name, live, local)
+        return read
+    target = _local_view(live)
+    read = _numel(target.shape) * DTYPES[source.dtype].itemsize
+    if target.is_contiguous() and target.device.type == "cpu" and DTYPES[source.dtype] == target.dtype:
+        piece.read(ranges, out=target)
+    else:
+        _store(name, live, piece.read(ranges).to(dtype=target.dtype))
+    return read
+
+
+def _own_ranges(live: torch.Tensor) -> list[tuple[int, int]] | None:
+    """The ``[start, stop)`` per dim of the full tensor that this rank's shard holds, for a plain tensor or a
+    DTensor with replicated and plain, even ``Shard`` placements (at most one per dim); None otherwise."""
+    shape = tuple(live.shape)
+    ranges = [(0, n) for n in shape]
+    if not isinstance(live, DTensor):
+        return ranges
+    mesh = live.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    for axis, placement in enumerate(live.placements):
+        if placement.is_replicate():
+            continue
+        if type(placement) is not Shard or ranges[placement.dim] != (0, shape[placement.dim]):
+            return None
+        size = shape[placement.dim]
+        if size % mesh.size(axis):
+            return None
+        step = size // mesh.size(axis)
+        ranges[placement.dim] = (coordinate[axis] * step, (coordinate[axis] + 1) * step)
+    local = tuple(live.to_local().shape)
+    return ranges if tuple(b - a for a, b in ranges) == local else None
 
 
 def _local_view(live: torch.Tensor) -> torch.Tensor:

@@ -88,31 +88,51 @@ class TensorSlice:
     def __getitem__(self, index: Any) -> torch.Tensor:
         return self.read(_normalise(index, self.shape))
 
-    def read(self, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    def read(self, ranges: list[tuple[int, int]], out: torch.Tensor | None = None) -> torch.Tensor:
         """The block ``[start, stop)`` per dim, read as runs of contiguous bytes (one run per index of the dims
-        before the last partial one; a block of whole rows is one run)."""
-        dtype = DTYPES[self.dtype]
-        out = torch.empty([stop - start for start, stop in ranges], dtype=dtype)
+        before the last partial one; a block of whole rows is one run), into ``out`` when given (contiguous, of
+        the file's dtype and the block's shape: a shard read in place, without a temporary).
+
+        Many small runs (a column shard: one run per row) cost a system call each; then the rows are read
+        whole in one call and the columns copied out — a temporary of the tensor's size instead of thousands
+        of calls."""
+        shape = [stop - start for start, stop in ranges]
+        if out is None:
+            out = torch.empty(shape, dtype=DTYPES[self.dtype])
         if out.numel() == 0:
             return out
         itemsize = out.element_size()
         if not ranges:  # a 0-d tensor: one element
-            _pread_exactly(self.fd, memoryview(out.view(1).view(torch.uint8).numpy()).cast("B"), self.offset)
+            _pread_exactly(self.fd, _bytes_of(out), self.offset)
             return out
         # the dims from ``inner`` on are read whole within each run: every dim after the last partial one,
         # plus that partial one itself
         partial = [d for d, (start, stop) in enumerate(ranges) if (start, stop) != (0, self.shape[d])]
         inner = partial[-1] if partial else 0
-        run_elems = math.prod(stop - start for start, stop in ranges[inner:])
+        runs = math.prod(stop - start for start, stop in ranges[:inner])
+        run_bytes = math.prod(shape[inner:]) * itemsize
+        if runs > _MANY_RUNS and run_bytes < _SMALL_RUN:
+            wide = ranges[:inner] + [(0, n) for n in self.shape[inner:]]
+            block = self.read(wide)
+            out.copy_(block[(slice(None),) * inner + tuple(slice(a, b) for a, b in ranges[inner:])])
+            return out
         strides = [math.prod(self.shape[d + 1 :]) for d in range(len(self.shape))]
-        buffer = memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")
+        buffer = _bytes_of(out)
         position = 0
-        run_bytes = run_elems * itemsize
         for outer in product(*(range(start, stop) for start, stop in ranges[:inner])):
             element = sum(i * strides[d] for d, i in enumerate(outer)) + ranges[inner][0] * strides[inner]
             _pread_exactly(self.fd, buffer[position : position + run_bytes], self.offset + element * itemsize)
             position += run_bytes
         return out
+
+
+_MANY_RUNS = 64
+_SMALL_RUN = 1 << 18  # bytes
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    return memoryview(tensor.detach().view(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _normalise(index: Any, shape: tuple[int, ...]) -> list[tuple[int, int]]:
