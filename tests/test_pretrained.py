@@ -232,6 +232,10 @@ def test_sharded_load_export_and_elastic_resume(checkpoints, tmp_path):
             exported = AutoModelForCausalLM.from_pretrained(out / f"export-{preset}-{layout}")
             _assert_same(exported, reference)
 
+    for key in ("tiny-llama fsdp", "tiny-gpt2 tp"):  # through transformers' shard-on-read
+        for rank in range(2):
+            case = result[f"{key} shard-on-read rank{rank}"]
+            assert case["differs"] == [] and case["storage_bytes"] == case["shard_bytes"] == case["read"], key
     for rank in range(2):  # AutoParallelPlugin(pretrained=...) and the accelerator's streaming save_model
         case = result[f"accelerate rank{rank}"]
         assert case["differs"] == [] and case["sharded"] == result[f"tiny-llama tp rank{rank}"]["shard_bytes"]

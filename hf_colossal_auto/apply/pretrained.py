@@ -589,7 +589,7 @@ def _stream_file(
             report.total_bytes += tensors[name].numel() * tensors[name].element_size()
             if full is not None:
                 report.peak_held_bytes = max(report.peak_held_bytes, full.numel() * full.element_size())
-                out.write(full.reshape(-1).view(torch.uint8).numpy().data)
+                _write_bytes(out, full)
             del full
     return [saved for _, saved in layout]
 
@@ -611,7 +611,7 @@ def _buffer_file(
         report.tensors += 1
         report.total_bytes += tensors[name].numel() * tensors[name].element_size()
         if full is not None:
-            shard[name] = full
+            shard[name] = full.joined() if isinstance(full, _Pieces) else full
             held += full.numel() * full.element_size()
         report.peak_held_bytes = max(report.peak_held_bytes, held)
         del full
@@ -655,7 +655,27 @@ def _output_split(model: nn.Module, max_shard_size: int | str) -> Any:
     )
 
 
-def _gathered(live: torch.Tensor, writer: int) -> torch.Tensor | None:
+class _Pieces(list):
+    """Row blocks of a tensor sharded on dim 0, in order: their bytes back to back are the tensor's, so the
+    streamed writer writes them one after the other without concatenating (a second full-size copy)."""
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self)
+
+    def element_size(self) -> int:
+        return self[0].element_size()
+
+    def joined(self) -> torch.Tensor:
+        return torch.cat(self, dim=0).cpu()
+
+
+def _write_bytes(out: Any, value: torch.Tensor | _Pieces) -> None:
+    """A gathered tensor's bytes (row-major, little-endian as the host) appended to an open file."""
+    for piece in value if isinstance(value, _Pieces) else [value]:
+        out.write(piece.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _gathered(live: torch.Tensor, writer: int) -> torch.Tensor | _Pieces | None:
     """The full tensor on CPU on rank ``writer``, None elsewhere (collective over the tensor's mesh).
 
     The writer alone needs it, so the cheapest collective that brings it there is used: none for a replicated
@@ -678,7 +698,9 @@ def _gathered(live: torch.Tensor, writer: int) -> torch.Tensor | None:
         local = value.to_local().contiguous()
         parts = [torch.empty_like(local) for _ in range(mesh.size())] if rank == writer else None
         dist.gather(local, parts, dst=writer, group=mesh.get_group())
-        return torch.cat(parts, dim=shard.dim).cpu() if rank == writer else None
+        if rank != writer:
+            return None
+        return _Pieces(parts) if shard.dim == 0 else torch.cat(parts, dim=shard.dim).cpu()
     full = value.full_tensor()
     return full.cpu().contiguous() if rank == writer else None
 

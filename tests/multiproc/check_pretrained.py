@@ -8,7 +8,8 @@ each preset (Llama; GPT-2, whose lm_head is tied to wte) and each layout (``tp``
 and compares every gathered parameter with ``from_pretrained`` in one process; it records the bytes its
 parameters' storages take (a shard that were a view of a full tensor would count in full), its shards' bytes
 and the bytes it read from the files. The model is then exported with ``save_pretrained`` into several files
-(``O/export-<preset>-<layout>``), which the test loads with ``from_pretrained``.
+(``O/export-<preset>-<layout>``), which the test loads with ``from_pretrained``. Two of the loads are repeated
+through transformers' shard-on-read, the path of layouts the direct block read does not take.
 
 Elastic resume: the Llama under ``tp`` trains two AdamW steps and writes its sharded state (DCP) to
 ``O/elastic``, then records the loss of the next step and of the step after it. A fresh model under ``fsdp``
@@ -124,6 +125,33 @@ def load_case(ckpt: Path, out: Path, preset: str, layout: str) -> tuple[dict, to
     return case, model
 
 
+def shard_on_read_case(ckpt: Path, out: Path, preset: str, layout: str) -> dict:
+    """The same load through transformers' shard-on-read, the path of layouts the direct block read does not
+    take (FSDP x TP on one dim), forced here by hiding the direct path; the saved plan is reused."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_colossal_auto.apply.pretrained as pretrained
+    from hf_colossal_auto.apply import autoparallelize
+    from hf_colossal_auto.plan import Plan
+
+    direct = pretrained._own_ranges
+    pretrained._own_ranges = lambda live: None if isinstance(live, DTensor) else direct(live)
+    try:
+        plan = Plan.load(out / f"plan-{preset}-{layout}.json")
+        model = autoparallelize(_meta_model(ckpt / preset), plan=plan, pretrained=ckpt / preset)
+    finally:
+        pretrained._own_ranges = direct
+    reference = AutoModelForCausalLM.from_pretrained(ckpt / preset).eval()
+    storage, shards = _storage_bytes(model)
+    read = model._hf_colossal_auto_load_report.bytes_read
+    return {
+        "differs": _differs(model, reference),
+        "storage_bytes": storage,
+        "shard_bytes": shards,
+        "read": read,
+    }
+
+
 def accelerator_case(ckpt: Path, out: Path) -> dict:
     """``AutoParallelPlugin(pretrained=...)``: the accelerator applies a saved plan to a meta Llama and loads the
     checkpoint into its shards; ``save_model`` streams the export."""
@@ -199,6 +227,9 @@ def main() -> None:
             result[f"{preset} {layout} rank{dist.get_rank()}"] = case
             if preset == "tiny-llama" and layout == "tp":
                 kept = model
+    for preset, layout in (("tiny-llama", "fsdp"), ("tiny-gpt2", "tp")):
+        key = f"{preset} {layout} shard-on-read rank{dist.get_rank()}"
+        result[key] = shard_on_read_case(ckpt, out, preset, layout)
     result[f"accelerate rank{dist.get_rank()}"] = accelerator_case(ckpt, out)
     result["elastic"] = elastic(ckpt, out, kept)
     gathered = [None] * dist.get_world_size()
