@@ -17,10 +17,12 @@ from test_profiler_accuracy import measure_real_step
 from torch.utils.flop_counter import FlopCounterMode
 
 from hf_colossal_auto import Plan, evaluate_plan, plan_model
+from hf_colossal_auto.capture import Phase, trace_training_step
 from hf_colossal_auto.capture.moe import UNIFORM_LOAD, grouped_mm_flop, grouped_mm_output_layout
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.profile import EXTRA_FLOP_FORMULAS, profile_model
-from hf_colossal_auto.strategies.moe import experts_choice
+from hf_colossal_auto.strategies import enumerate_strategies
+from hf_colossal_auto.strategies.moe import experts_choice, moe_layer_choices
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"]  # Qwen2-MoE: a shared expert and its gate
 # Measured (torch 2.13, transformers 5.24): -0.008 % (Mixtral), -0.012 % (Qwen3-MoE), -0.010 % (Qwen2-MoE).
@@ -155,18 +157,20 @@ def test_plan_names_the_choice_per_moe_layer(mixtral_meta):
     assert all(p == "R" for fqn, ps in plan.param_placements.items() if ".mlp.gate." in fqn for p in ps)
 
 
+def _stored(label: str) -> str:
+    """The storage part of a ``Plan.moe_layers`` label: ``experts: replicated (stored TP×2)`` -> ``TP×2``."""
+    return label.rsplit("(stored ", 1)[1][:-1] if label.endswith(")") and "(stored " in label else label[9:]
+
+
 @pytest.mark.parametrize(
-    "baseline,choice",
-    [
-        ("ddp", "experts: replicated"),
-        ("megatron", "experts: TP×2"),
-        ("hf-tp-plan", "experts: TP×2"),
-        ("hf-ep-plan", "experts: expert-dim shards×2 (gathered per use)"),
-    ],
+    "baseline,stored",
+    [("ddp", "replicated"), ("megatron", "TP×2"), ("hf-tp-plan", "TP×2"), ("hf-ep-plan", "EP×2")],
 )
-def test_baselines_place_the_experts_as_named(mixtral_meta, baseline, choice):
-    """Megatron and HF's own ``base_model_tp_plan`` split inside every expert (gate/up on the intermediate
-    output dim, down on its input dim); HF's ``base_model_ep_plan`` splits the expert dim."""
+def test_baselines_place_the_experts_as_named(mixtral_meta, baseline, stored):
+    """Megatron and HF's own ``base_model_tp_plan`` store every expert split on its intermediate dim (gate/up
+    on its output dim, down on its input dim); HF's ``base_model_ep_plan`` stores the experts split on the
+    expert dim. How the experts are *used* is the solver's choice (at this tiny width it gathers some), and
+    the label says both."""
     model, batch = mixtral_meta
     given = {
         "hf-tp-plan": model.config.base_model_tp_plan,
@@ -174,9 +178,9 @@ def test_baselines_place_the_experts_as_named(mixtral_meta, baseline, choice):
     }.get(baseline, baseline)
     mesh = (2, 1) if baseline == "ddp" else (1, 2)
     estimate = evaluate_plan(model, batch, given, num_devices=2, device="cpu", mesh_shape=mesh)
-    assert set(estimate.plan.moe_layers.values()) == {choice}
+    assert {_stored(c) for c in estimate.plan.moe_layers.values()} == {stored}
     placements = estimate.plan.param_placements
-    if choice == "experts: TP×2":
+    if stored == "TP×2":
         assert placements["model.layers.0.mlp.experts.gate_up_proj"][-1] == "S1"  # (E, 2I, H): intermediate
         assert placements["model.layers.0.mlp.experts.down_proj"][-1] == "S2"  # (E, H, I): intermediate
 
@@ -190,3 +194,31 @@ def test_experts_choice_spells_out_mixed_placements():
     assert experts_choice(experts, fqn, {}, 2) == "replicated"
     assert experts_choice(experts, fqn, mixed, 1) == "replicated"
     assert experts_choice(model.model.layers[0].mlp.gate, "x", mixed, 2) is None
+
+
+def test_expert_parallel_strategies_are_offered_for_the_grouped_gemms():
+    """Next to DTensor's rule, every grouped GEMM of the step gets the expert-parallel strategy (rows sorted by
+    expert split with the experts: ``(S0, S0, R) -> S0`` forward and input gradient, ``(S1, S0, R) -> S0`` the
+    weight gradient), which DTensor lacks; a plan storing the experts split and using them so is labelled
+    EP."""
+    model = moe_model("tiny-mixtral", layers=2, device="meta")
+    graph = trace_training_step(model, make_example_inputs(model, 4, 16, device="meta"))
+    strategies = enumerate_strategies(graph, (2,), phases=(Phase.FORWARD, Phase.BACKWARD))
+    grouped = [n for n in graph.nodes if n.op == "aten._grouped_mm.default"]
+    assert len(grouped) == 2 * 2 * 3  # two layers x (gate_up, down) x (forward, input grad, weight grad)
+    for node in grouped:
+        ep = {
+            (s.input_placements, s.output_placements)
+            for s in strategies[node.index]
+            if s.output_placements == (("S0",),)
+        }
+        ndims = [len(graph.values[v].shape) for v in node.inputs[:2]]
+        rows = ("S0",) if ndims == [2, 3] else ("S1",)
+        assert ((rows, ("S0",), ("R",)), (("S0",),)) in ep, (node.phase, ndims)
+    experts = model.model.layers[0].mlp.experts
+    fqn = "model.layers.0.mlp.experts"
+    split = {f"{fqn}.gate_up_proj": ["R", "S0"], f"{fqn}.down_proj": ["R", "S0"]}
+    assert moe_layer_choices(model, split, 2)[fqn] == "experts: EP×2"
+    gathered = {f"{fqn}.gate_up_proj": ["R", "R"], f"{fqn}.down_proj": ["R", "R"]}
+    assert moe_layer_choices(model, split, 2, gathered)[fqn] == "experts: replicated (stored EP×2)"
+    assert experts_choice(experts, fqn, {}, 2) == "replicated"

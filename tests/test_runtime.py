@@ -158,8 +158,9 @@ MOE_CASES = {
     "tiny-mixtral@experts-tp": "experts: TP×2",
     "tiny-mixtral@experts-replicated": "experts: replicated",
     "tiny-qwen3-moe@experts-tp": "experts: TP×2",
-    "tiny-qwen3-moe@experts-replicated": "experts: replicated",
     "tiny-qwen2-moe@megatron": "experts: TP×2",  # and its shared expert (a dense MLP) Megatron-split
+    "tiny-mixtral@experts-ep": "experts: EP×2",  # the runtime's expert-parallel region
+    "tiny-qwen3-moe@experts-ep": "experts: EP×2",
 }
 
 
@@ -167,9 +168,10 @@ MOE_CASES = {
 def test_autoparallelize_plans_on_rank0_and_broadcasts(tmp_path):
     """2 gloo processes: rank 0 plans inside the job (the planner must not build collective meshes), every
     rank applies the broadcast plan, and training matches one process. Then, in the same processes, Mixtral
-    and Qwen3-MoE (router, aux loss in the loss) under the auto plan, tensor parallelism inside every expert
-    (HF's own tp_plan) and replicated experts, and Qwen2-MoE's shared expert and its gate under Megatron: two
-    AdamW steps' losses and every first-step gradient equal one process's in fp32."""
+    (router, aux loss in the loss) under the auto plan, replicated experts, tensor parallelism inside every
+    expert (HF's own tp_plan) and expert parallelism (HF's ep_plan: whole experts per rank, the runtime's
+    dispatch region), Qwen3-MoE under the last two, and Qwen2-MoE's shared expert and its gate under Megatron: two AdamW steps'
+    losses and every first-step gradient equal one process's in fp32."""
     models = ",".join(["tiny-llama", *MOE_CASES])
     results = _torchrun(
         2, "--model", models, "--mesh", "1x2", "--plan", "auto", "--steps", "2", tmp_path=tmp_path
@@ -182,9 +184,13 @@ def test_autoparallelize_plans_on_rank0_and_broadcasts(tmp_path):
         if spec.startswith("tiny-llama"):
             assert result["moe_layers"] == {}
             continue
-        choices = set(result["moe_layers"].values())
-        assert len(result["moe_layers"]) == 2 and len(choices) == 1, (spec, result["moe_layers"])
-        assert choice is None or choices == {choice}, (spec, choices)
+        assert len(result["moe_layers"]) == 2, (spec, result["moe_layers"])  # one choice per MoE layer
+        assert choice is None or set(result["moe_layers"].values()) == {choice}, (spec, result["moe_layers"])
+        expert_parallel = spec.endswith("@experts-ep")
+        assert bool(result["expert_parallel_layers"]) == expert_parallel, (
+            spec,
+            result["expert_parallel_layers"],
+        )
 
 
 @pytest.mark.slow

@@ -12,10 +12,21 @@ tensors, which DTensor refuses. It is a few hundred FLOPs on ``num_experts``-lon
 a replicated DTensor, and autograd runs through both conversions, so the router's gradient from the aux loss
 is the one-process gradient. The router logits it reads are replicated in every plan the planner makes for
 them (their dim is ``num_experts``), so entering the region moves no data.
+
+**Expert parallelism.** An experts module whose stacked weights the plan splits on the expert dim runs as
+one region too (:func:`install_expert_parallel_regions`): the ranks of a tensor-parallel group hold the same
+tokens, so *dispatch* is local — rank ``r`` keeps the (token, expert) pairs routed to its ``E/n`` experts
+and marks the others as transformers' own expert-parallel sentinels (skipped by the grouped GEMM, zero
+routing weight) — and *combine* is a reduction of the partial outputs (each token's sum over its experts,
+split over the ranks that own them), left to DTensor as a ``Partial`` output. The gradients of the tokens
+and routing weights leave as partial sums too, reduced where they are made. No all-to-all is needed for
+tokens replicated over the group (gloo has none). The planner prices it with the uniform-load rule of
+``strategies.custom_rules.grouped_mm_expert_parallel_rule``; the real load is whatever the router does.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import sys
@@ -24,9 +35,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .._torch_compat import tree_flatten, tree_map
+from ..capture.moe import expert_weight_dims, experts_modules
+from ..plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +71,11 @@ def local_region(function: Callable[..., Any]) -> Callable[..., Any]:
         result = function(*tree_map(_full, args), **tree_map(_full, kwargs))
         placements = [Replicate()] * mesh.ndim
         return tree_map(
-            lambda t: DTensor.from_local(t, mesh, placements, run_check=False)
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
-            else t,
+            lambda t: (
+                DTensor.from_local(t, mesh, placements, run_check=False)
+                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+                else t
+            ),
             result,
         )
 
@@ -83,3 +98,94 @@ def install_aux_loss_region(model: nn.Module) -> bool:
         setattr(module, AUX_LOSS_FUNCTION, local_region(function))
         logger.debug("%s.%s runs as a local region under plans", module.__name__, AUX_LOSS_FUNCTION)
     return True
+
+
+def _owned_slice(param: torch.Tensor, num_experts: int, rank: int, size: int) -> torch.Tensor:
+    """This rank's experts of a per-expert parameter: the local shard of an expert-dim split, or the rows
+    ``[rank E/n, (rank+1) E/n)`` of a replicated one, whose gradient then leaves as a partial sum (every rank
+    fills only its own experts' rows)."""
+    if not isinstance(param, DTensor):
+        return param
+    if any(isinstance(p, Shard) and p.dim == 0 for p in param.placements):
+        return param.to_local()
+    local = param.to_local(grad_placements=[Partial()] * param.device_mesh.ndim)
+    if local.dim() >= 1 and local.shape[0] == num_experts:
+        per_rank = num_experts // size
+        return local[rank * per_rank : (rank + 1) * per_rank]
+    return local
+
+
+def expert_parallel_forward(module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``module.forward`` (transformers experts: ``(hidden, top_k_index, top_k_weights) -> hidden``) run with
+    this rank's experts only, as described in the module docstring."""
+
+    @functools.wraps(original)
+    def forward(hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+        mesh = (
+            module.gate_up_proj.device_mesh if hasattr(module, "gate_up_proj") else module.up_proj.device_mesh
+        )
+        size, rank = mesh.size(), mesh.get_local_rank()
+        per_rank = module.num_experts // size
+
+        def local_input(t: Any) -> torch.Tensor:
+            if not isinstance(t, DTensor):
+                return t
+            full = (
+                t
+                if all(isinstance(p, Replicate) for p in t.placements)
+                else t.redistribute(mesh, [Replicate()] * mesh.ndim)
+            )
+            return full.to_local(grad_placements=[Partial()] * mesh.ndim)
+
+        hidden, weights = local_input(hidden_states), local_input(top_k_weights)
+        index = top_k_index.to_local() if isinstance(top_k_index, DTensor) else top_k_index
+        local_index = index - rank * per_rank
+        mine = (local_index >= 0) & (local_index < per_rank)
+        local_index = torch.where(mine, local_index, torch.full_like(local_index, per_rank))  # sentinel
+        weights = weights * mine.to(weights.dtype)
+        view = copy.copy(module)  # the same module with this rank's experts as plain tensors
+        view.__dict__["_parameters"] = {}
+        for name, param in module._parameters.items():
+            if param is not None:
+                view.__dict__[name] = _owned_slice(param, module.num_experts, rank, size)
+        view.__dict__["num_experts"] = per_rank
+        view.__dict__["_is_expert_parallel"] = True
+        out = original.__func__(view, hidden, local_index, weights)
+        return DTensor.from_local(out, mesh, [Partial()] * mesh.ndim, run_check=False)
+
+    return forward
+
+
+def _split_on_expert_dim(module: nn.Module, fqn: str, plan: Plan) -> bool:
+    """True when every stacked expert weight of ``module`` is a DTensor split on its expert dim (dim 0) on a
+    one-dimensional (tensor-parallel) mesh, evenly, and the plan uses it that way (a plan may store a weight
+    split and gather it for use: then the experts run op by op, as planned)."""
+    names = [name for name, _ in module.named_parameters(recurse=False) if expert_weight_dims(module, name)]
+    if not names:
+        return False
+    for name in names:
+        weight = getattr(module, name)
+        use = plan.param_use_placements.get(f"{fqn}.{name}") or plan.param_placements.get(f"{fqn}.{name}")
+        if not (
+            isinstance(weight, DTensor)
+            and weight.device_mesh.ndim == 1
+            and weight.placements == (Shard(0),)
+            and module.num_experts % weight.device_mesh.size() == 0
+            and use is not None
+            and use[-1] == "S0"
+        ):
+            return False
+    return True
+
+
+def install_expert_parallel_regions(model: nn.Module, plan: Plan) -> list[str]:
+    """Run every experts module whose weights ``plan`` splits on the expert dim, for storage and use, as an
+    expert-parallel region. Returns their FQNs."""
+    installed = []
+    for fqn, module in experts_modules(model).items():
+        if _split_on_expert_dim(module, fqn, plan) and "forward" not in module.__dict__:
+            module.forward = expert_parallel_forward(module, module.forward)
+            installed.append(fqn)
+    if installed:
+        logger.info("expert parallelism (local dispatch, partial combine) in %d MoE layers", len(installed))
+    return installed

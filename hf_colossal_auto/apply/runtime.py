@@ -52,7 +52,7 @@ from .data import global_batch
 from .dtensor_rules import register_replicated_fallbacks, register_runtime_rules
 from .enforce import ReducePartialGradientsAtProducers, enforce_plan
 from .materialize import is_meta_model, materialize_meta_model
-from .moe import install_aux_loss_region
+from .moe import install_aux_loss_region, install_expert_parallel_regions
 from .pretrained import load_pretrained
 from .recompute import apply_recompute
 
@@ -395,6 +395,7 @@ def apply_plan(
     on_meta = is_meta_model(model)
     distribute_parameters(model, plan, mesh)
     wrap_forward(model, mesh)
+    install_expert_parallel_regions(model, plan)  # experts split on the expert dim (apply/moe.py)
     register_embedding_reduction(model)
     enforce_plan(model, plan)
     apply_recompute(model, plan)  # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP

@@ -179,7 +179,12 @@ def _make_plan(
             if fqn in param_placements
         },
         activation_placements=activation_placements,
-        moe_layers=moe_layer_choices(planner.model, param_placements, mesh[1]),
+        moe_layers=moe_layer_choices(
+            planner.model,
+            param_placements,
+            mesh[1],
+            _param_use_placements(built, solution, graph, tied, planner.model),
+        ),
         replicated_ops=ops_without_dtensor_rule(graph),
         global_batch_size=planner.batch,
         input_shapes={k: list(v.shape) for k, v in planner.inputs.items() if isinstance(v, torch.Tensor)},

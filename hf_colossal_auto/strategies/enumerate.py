@@ -25,7 +25,7 @@ from typing import Any
 
 from .._torch_compat import detached_device_mesh, fake_process_group
 from ..capture.graph import OpNode, Phase, StepGraph, TensorRef, ValueKind
-from .custom_rules import custom_strategies
+from .custom_rules import custom_strategies, extra_strategies
 from .dtensor_rules import dtensor_rule_kind, dtensor_strategies, resolve_op
 from .placements import Strategy, evenly_sharded, replicate_strategy
 
@@ -167,10 +167,11 @@ def node_strategies(
         sources.append(dtensor)
     if kind == "decomposition":
         sources.append(dtensor)
+    extra = extra_strategies(node, graph, mesh_shape)
     for source in sources:
         found = source()
         if found:
-            usable = _usable(found, node, graph, mesh_shape)
+            usable = _usable([*found, *extra], node, graph, mesh_shape)
             if usable:
                 return usable, False
     return [replicate_strategy(len(node.inputs), len(node.outputs), len(mesh_shape))], True

@@ -6,10 +6,11 @@ stacked expert weights (``gate_up_proj``/``up_proj`` and ``down_proj``, dim 0 th
 * ``replicated`` — (a): every rank holds and computes every expert (only data parallelism splits them);
 * ``TP×n`` — (b): tensor parallelism inside every expert, as for a dense MLP: the up/gate projection split
   on its output dim and the down projection on its input dim, both the expert's intermediate dim;
-* ``expert-dim shards×n (gathered per use)`` — the expert dim split in storage, every expert's weight
-  all-gathered where it is used (DTensor's ``_grouped_mm`` rule has no expert-dim split of a 2-D x 3-D
-  product). This is a ZeRO-style storage split, not expert parallelism: (c), whole experts per rank with the
-  tokens dispatched to them by all-to-all, needs a dispatch region the runtime does not have yet;
+* ``EP×n`` — (c): expert parallelism, whole experts per rank (the expert dim split): dispatch is local for
+  the tokens a tensor-parallel group shares, combine a reduction (``apply/moe.py``), priced under the
+  uniform-load assumption (``strategies.custom_rules.grouped_mm_expert_parallel_rule``);
+* a weight stored split but gathered (or sliced) for use is labelled by its use, its storage in brackets
+  (``replicated (stored EP×2)``: a ZeRO-style split of the experts, all-gathered where they are used);
 * anything else is spelled out as ``TP×n (gate_up_proj:S2 down_proj:S2)`` (e.g. a split of the hidden dim,
   which the solver may prefer at small widths).
 
@@ -42,21 +43,30 @@ def experts_choice(module: nn.Module, fqn: str, tp_placements: Mapping[str, str]
     if tp_size == 1 or all(p == "R" for p in placed.values()):
         return "replicated"
     if all(p == "S0" for p in placed.values()):
-        return f"expert-dim shards×{tp_size} (gathered per use)"
+        return f"EP×{tp_size}"
     if all(p == f"S{intermediate[n]}" for n, p in placed.items()):
         return f"TP×{tp_size}"
     return f"TP×{tp_size} (" + " ".join(f"{n}:{p}" for n, p in placed.items()) + ")"
 
 
 def moe_layer_choices(
-    model: nn.Module, param_placements: Mapping[str, list[str]], tp_size: int
+    model: nn.Module,
+    param_placements: Mapping[str, list[str]],
+    tp_size: int,
+    use_placements: Mapping[str, list[str]] | None = None,
 ) -> dict[str, str]:
     """Experts module FQN -> ``"experts: <label>"`` for every MoE layer of ``model`` under a plan's
-    ``param_placements`` (FQN -> per-mesh-axis placements, the tensor-parallel axis last)."""
-    tp = {fqn: placements[-1] for fqn, placements in param_placements.items() if placements}
+    ``param_placements`` (FQN -> per-mesh-axis placements, the tensor-parallel axis last). The label is what
+    the experts compute with: a weight the plan gathers or slices for use (``use_placements``,
+    ``Plan.param_use_placements``) counts at its use placement, and the storage is named after it when it
+    differs (``"experts: replicated (stored EP×2)"``: split on the expert dim, all-gathered per use)."""
+    stored = {fqn: placements[-1] for fqn, placements in param_placements.items() if placements}
+    used = {**stored, **{fqn: p[-1] for fqn, p in (use_placements or {}).items() if p}}
     out: dict[str, str] = {}
     for fqn, module in experts_modules(model).items():
-        label = experts_choice(module, fqn, tp, tp_size)
-        if label is not None:
-            out[fqn] = f"experts: {label}"
+        label = experts_choice(module, fqn, used, tp_size)
+        if label is None:
+            continue
+        storage = experts_choice(module, fqn, stored, tp_size)
+        out[fqn] = f"experts: {label}" + (f" (stored {storage})" if storage != label else "")
     return out

@@ -5,7 +5,9 @@
 Several models (``--model tiny-gpt2,tiny-llama``) run one after the other in the same processes (one launch):
 the result file then holds a list. ``name@plan`` overrides ``--plan`` for one model; MoE models also take
 ``experts-tp`` (the config's own HF ``base_model_tp_plan``: attention TP and TP inside every expert) and
-``experts-replicated`` (the same without the expert entries).
+``experts-replicated`` (the same without the expert entries) and ``experts-ep`` (that, plus the config's
+``base_model_ep_plan``: whole experts per rank). For these and ``megatron``, expert weights are used as
+stored (at these tiny widths the solver would gather them for use), so that the split compute runs.
 
 Every rank builds the same seeded model, rank 0 plans and broadcasts, each data-parallel replica gets its own
 slice of one global batch, and rank 0 writes the loss and the largest gradient difference against the model
@@ -44,6 +46,7 @@ def run_model(spec: str, args: argparse.Namespace) -> dict:
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.solve.planner import evaluate_plan
+    from hf_colossal_auto.strategies.moe import moe_layer_choices
 
     dp, tp = (int(x) for x in args.mesh.split("x"))
     torch.manual_seed(0)
@@ -60,10 +63,21 @@ def run_model(spec: str, args: argparse.Namespace) -> dict:
         made = None
         if rank == 0:
             baseline = "megatron" if plan_kind == "megatron" else hf_tp_plan(model, plan_kind == "experts-tp")
+            if plan_kind == "experts-ep":  # attention TP, whole experts per rank (HF's base_model_ep_plan)
+                baseline = {**baseline, **model.config.base_model_ep_plan}
             made = evaluate_plan(
                 model, batch, baseline, num_devices=world, device="cpu", mesh_shape=(dp, tp)
             ).plan
             made.dp_mode = args.dp_mode  # the same placements, the data-parallel axis as asked
+            if plan_kind in ("experts-ep", "experts-tp", "megatron"):
+                # at these tiny widths the solver gathers stored-split expert weights for use (latency wins);
+                # use them as stored, so that the split compute runs
+                made.param_use_placements = {
+                    k: v for k, v in made.param_use_placements.items() if ".experts." not in k
+                }
+                made.moe_layers = moe_layer_choices(
+                    model, made.param_placements, tp, made.param_use_placements
+                )
         autoparallelize(model, plan=broadcast_plan(made), optimizers=early)
     else:  # the batch rule: each process passes its own share of the global batch, as DDP would feed it
         per_process = {k: v[: args.batch // world] for k, v in batch.items()}
@@ -106,6 +120,9 @@ def run_model(spec: str, args: argparse.Namespace) -> dict:
         "model": name,
         "plan": plan_kind,
         "moe_layers": plan.moe_layers,
+        "expert_parallel_layers": sorted(
+            n for n, m in model.named_modules() if n.endswith(".experts") and "forward" in m.__dict__
+        ),
         "mesh": [dp, tp],
         "losses": losses,
         "reference_losses": ref_losses,
@@ -129,7 +146,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument(
         "--plan",
-        choices=["auto", "megatron", "experts-tp", "experts-replicated"],
+        choices=["auto", "megatron", "experts-tp", "experts-replicated", "experts-ep"],
         default="auto",
         help="plan to apply",
     )
