@@ -1,11 +1,11 @@
 """Plan a Mixtral-8x7B-class model for 64 H100 (8 per node) and price the MoE strategies under one cost model.
 
-The auto plan (``plan_model``) against the same plan with the experts replicated (a) or split inside every
-expert (b) (its mesh and data-parallel mode, recompute re-chosen); and, at a fixed tensor-parallel size with
-DDP (what ``evaluate_plan`` does with a ``tp_plan`` dict), replicated experts (HF's own
+The auto plan (``plan_model``) against the same plan with the experts replicated (a), split inside every
+expert (b) or whole experts per rank (c) (its mesh and data-parallel mode, recompute re-chosen); and, at a
+fixed tensor-parallel size with DDP (what ``evaluate_plan`` does with a ``tp_plan`` dict), replicated experts (HF's own
 ``base_model_tp_plan`` without its expert entries: attention TP only, every rank computes every expert) and
 TP inside every expert (the full ``base_model_tp_plan``: gate/up split on the intermediate dim, down on its
-input), plus DDP and FSDP. The model is built on ``meta`` from a config (nothing downloaded); routing is
+input), HF's ``base_model_ep_plan`` (expert parallel), plus DDP and FSDP. The model is built on ``meta`` from a config (nothing downloaded); routing is
 priced under the uniform-load assumption (``hf_colossal_auto.capture.moe``).
 
     python scripts/bench_moe_planning.py [--json moe.json] [--tp 8]
@@ -83,6 +83,7 @@ def main() -> None:
     for name, expert_placement in [
         ("auto mesh, experts replicated", lambda p: "R"),
         ("auto mesh, TP inside every expert", lambda p: "S1" if p.endswith("gate_up_proj") else "S2"),
+        ("auto mesh, expert parallel", lambda p: "S0"),
     ]:
         variant = copy.deepcopy(auto)
         for fqn in variant.param_placements:
@@ -99,6 +100,7 @@ def main() -> None:
     for name, baseline, shape in [
         ("experts replicated (attention TP)", no_experts, mesh),
         ("TP inside every expert (HF tp_plan)", tp_plan, mesh),
+        ("expert parallel (HF tp_plan + ep_plan)", {**no_experts, **model.config.base_model_ep_plan}, mesh),
         ("ddp", "ddp", None),
         ("fsdp", "fsdp", None),
     ]:
