@@ -119,6 +119,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("\nmeshes tried:")
     for alt in plan.alternatives:
         mesh_txt = "x".join(str(x) for x in alt["mesh"])
+        k = alt.get("micro_batches", 1)
+        mesh_txt += f" k={k}" if k > 1 else ""
         if "step_time_s" in alt:
             print(
                 f"  dp x tp = {mesh_txt:7s} {alt['dp_mode']:5s} {format_seconds(alt['step_time_s']):>9s}"

@@ -101,6 +101,10 @@ class Plan:
     """Parameter FQN -> the shape the plan was made for: a plan for another configuration of the same class
     (another vocabulary, another width) is refused by name instead of being applied to shapes it never saw.
     Empty in plans written before it existed (then only names and divisibility are checked)."""
+    micro_batches: int = 1
+    """Micro-batches each replica's batch (``global_batch_size / dp``) runs in per step, gradients accumulated
+    and synchronised once after the last (:func:`hf_colossal_auto.accumulate`). Plans written before it
+    existed load as 1 (the batch in one piece)."""
     format_version: int = PLAN_FORMAT_VERSION
 
     # ------------------------------------------------------------------ serialisation
@@ -126,6 +130,9 @@ class Plan:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"Plan JSON has unknown fields {unknown}; was it written by another tool?")
+        k = data.get("micro_batches", 1)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"Plan JSON: micro_batches must be a whole number >= 1, got {k!r}")
         return cls(**data)
 
     def to_json(self) -> str:
@@ -181,7 +188,7 @@ class Plan:
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_axis_names, self.mesh_shape, strict=True))
         lines = [
             f"Plan for {self.model_class} on {self.num_devices} x {self.device}: mesh {mesh}, data parallel: "
-            f"{self.dp_mode}",
+            f"{self.dp_mode}{_micro_batch_note(self.global_batch_size, self.dp_size, self.micro_batches)}",
             fmt.format(*header),
             "  ".join("-" * w for w in widths),
             *(fmt.format(*r) for r in rows),
@@ -231,6 +238,13 @@ def _brace_indices(fqns: list[str]) -> str:
         return fqns[0] + ", ..."
     i = differing[0]
     return ".".join([*parts[0][:i], "{" + ",".join(p[i] for p in parts) + "}", *parts[0][i + 1 :]])
+
+
+def _micro_batch_note(global_batch: int, dp: int, k: int) -> str:
+    """``, 4 micro-batches of 2`` for the summary's header (nothing when the batch runs in one piece)."""
+    if k <= 1:
+        return ""
+    return f", {k} micro-batches of {global_batch // max(dp, 1) // k} per replica (gradients synced once)"
 
 
 def _compact_placements(placements: dict[str, str]) -> str:

@@ -387,3 +387,68 @@ def test_tensor_parallel_size_that_divides_nothing_is_explained(caplog):
     assert all(p[1] == "R" for p in plan.param_placements.values())
     assert "no parameter is sharded over the tensor-parallel axis of 3" in caplog.text
     assert "4 attention heads" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def gpt2_large_batch():
+    """GPT-2 (124M) at 64 x 1024 on 2 devices, bf16: activations dominate, so micro-batches pay off."""
+    model = build_model("gpt2", device="meta")
+    return model, make_example_inputs(model, 64, 1024, device="meta")
+
+
+_MB = {
+    "num_devices": 2,
+    "device": DEVICE,
+    "mesh_shape": (2, 1),
+    "mixed_precision": "bf16",
+    "dp_modes": ("ddp",),
+}
+
+
+def test_micro_batches_replace_recompute_where_they_are_faster(gpt2_large_batch, tmp_path):
+    """At 25 GiB the batch in one piece fits only with full recompute of every block; the planner finds two
+    micro-batches without recompute, faster, with the gradient all-reduce priced once (the same DDP count as in
+    one piece). Its Plan round-trips through JSON with k, and pricing it again reproduces it."""
+    model, batch = gpt2_large_batch
+    one_piece = plan_model(model, batch, memory_budget="25GiB", micro_batches=1, **_MB)
+    assert set(one_piece.recompute.values()) - {"none"} and one_piece.recompute_time_s > 0
+    plan = plan_model(model, batch, memory_budget="25GiB", **_MB)
+    assert plan.micro_batches == 2 and plan.fits
+    assert set(plan.recompute.values()) == {"none"} and plan.recompute_time_s == 0
+    assert plan.step_time_s < one_piece.step_time_s
+    assert plan.collectives["dp_all_reduce"] == one_piece.collectives["dp_all_reduce"]
+    assert "2 micro-batches of 16 per replica" in plan.summary()
+    assert {(a["micro_batches"], a["fits"]) for a in plan.alternatives} == {(1, True), (2, True)}
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again == plan and again.micro_batches == 2
+    est = evaluate_plan(model, batch, again, num_devices=2, device=DEVICE, mixed_precision="bf16")
+    assert est.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
+
+
+def test_a_budget_only_micro_batches_meet_is_met_with_them(gpt2_large_batch):
+    """At 20.5 GiB no plan of the batch in one piece fits even with full recompute (the logits alone are too
+    big); micro-batching is what makes it fit — and the error says so when it is ruled out."""
+    model, batch = gpt2_large_batch
+    with pytest.raises(InfeasibleError, match="micro_batches=1 fixed"):
+        plan_model(model, batch, memory_budget="20.5GiB", micro_batches=1, **_MB)
+    plan = plan_model(model, batch, memory_budget="20.5GiB", **_MB)
+    assert plan.micro_batches > 1 and plan.fits
+
+
+def test_infeasible_everywhere_says_micro_batching_was_tried(gpt2):
+    model, batch = gpt2  # 8 sequences: 4 per replica on 2, so 1, 2 and 4 micro-batches
+    with pytest.raises(InfeasibleError, match="micro-batching tried: up to 4 micro-batches per replica"):
+        plan_model(model, batch, num_devices=2, device=DEVICE, mesh_shape=(2, 1), memory_budget=1024)
+
+
+def test_plans_written_before_micro_batches_load_as_one_piece(gpt2):
+    model, batch = gpt2
+    plan = plan_model(model, batch, num_devices=2, device=DEVICE, mesh_shape=(2, 1), micro_batches=1)
+    data = plan.to_dict()
+    assert data["micro_batches"] == 1
+    del data["micro_batches"]
+    assert Plan.from_dict(data).micro_batches == 1
+    with pytest.raises(ValueError, match="micro_batches must be a whole number"):
+        Plan.from_dict({**data, "micro_batches": 0})

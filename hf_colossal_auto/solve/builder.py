@@ -148,6 +148,11 @@ class BuiltProblem:
     """ILP node name of a recompute decision -> its options, in the node's strategy order."""
     hold_nodes: frozenset[str] = frozenset()
     """ILP nodes whose choice follows the recompute decisions (a storage a checkpoint holds or not)."""
+    micro_batches: int = 1
+    """Micro-batches per step the problem was priced for (its graph is traced at one micro-batch)."""
+    host_floor_s: float = 0.0
+    """Host seconds of one micro-batch's ops (forward and backward) whatever their strategies: k micro-batches
+    cost at least k times it, which bounds micro-batching from below without tracing it."""
 
 
 def _node_name(i: int) -> str:
@@ -715,6 +720,7 @@ def build_problem(
     pin_unlisted: bool = False,
     recompute_layers: Sequence[str] | None = None,
     recompute_pin: str | Mapping[str, str] | None = None,
+    micro_batches: int = 1,
 ) -> BuiltProblem:
     """The ILP for one mesh ``(dp, tp)`` and data-parallel mode.
 
@@ -723,6 +729,12 @@ def build_problem(
     ``recompute_layers`` (the model's ``ModuleList`` children) makes activation recompute a decision per
     block (:mod:`hf_colossal_auto.solve.recompute`); None leaves it out. ``recompute_pin`` fixes it: one
     option name for every unit ("none", "full"), or unit name -> option name.
+
+    ``micro_batches`` (k): ``graph`` is one micro-batch of a step that runs k of them with gradient accumulation
+    (:func:`hf_colossal_auto.accumulate`). Everything a micro-batch runs — ops, tensor-parallel reshardings,
+    recompute, FSDP's parameter all-gathers — is paid k times; the gradient synchronisation and the optimizer
+    step once; memory is one micro-batch's activations on top of the gradients accumulated so far (all of them,
+    unsharded under FSDP until the last micro-batch reduce-scatters them).
 
     The parts of the ILP are priced by the methods of :class:`_ProblemBuilder`.
     """
@@ -739,6 +751,7 @@ def build_problem(
         pin_unlisted=pin_unlisted,
         recompute_layers=recompute_layers,
         recompute_pin=recompute_pin,
+        micro_batches=micro_batches,
     ).build()
 
 
@@ -772,6 +785,7 @@ class _ProblemBuilder:
         pin_unlisted: bool,
         recompute_layers: Sequence[str] | None,
         recompute_pin: str | Mapping[str, str] | None,
+        micro_batches: int = 1,
     ) -> None:
         # ------------------------------------------------------------ inputs
         self.graph = graph
@@ -788,6 +802,9 @@ class _ProblemBuilder:
         self.fixed_params = fixed_params
         self.pin_unlisted = pin_unlisted
         self.recompute_pin = recompute_pin
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.micro_batches = micro_batches
 
         # ------------------------------------------------------------ derived from the graph
         self.tied = TiedGraph.build(graph)
@@ -834,6 +851,9 @@ class _ProblemBuilder:
         """Parameter node -> bytes of parameter + optimizer state on the device, per storage option."""
         self.grad_terms: dict[str, list[float]] = {}
         """Parameter node -> bytes of its gradient on the device, per storage option."""
+        self.accumulated_grad_terms: dict[str, list[float]] = {}
+        """Parameter node -> bytes of its gradient accumulated over micro-batches (never sharded over the
+        data-parallel axis: FSDP2 keeps unsynchronised gradients unsharded), per storage option."""
         self.opt_temp_terms: dict[str, list[float]] = {}
         """Parameter node -> the optimizer step's temporary bytes for it, per storage option."""
         self.sync_terms: dict[str, list[float]] = {}
@@ -850,6 +870,7 @@ class _ProblemBuilder:
         self.unit_options_of: list[list[RecomputeOption]] = []
         self.rc_names: list[str] = []
         self.conditional: list[ConditionalCost] = []
+        self.host_floor_s = 0.0
 
     # ---------------------------------------------------------------- the whole problem
     def build(self) -> BuiltProblem:
@@ -860,6 +881,8 @@ class _ProblemBuilder:
         self._add_param_nodes()
         self._add_edges()
         self._add_recompute_decisions()
+        if self.micro_batches > 1:
+            self._repeat_per_micro_batch()
         edges = [DecisionEdge(s, d, m) for (s, d), m in sorted(self.edge_cost.items())]
         constraints = self._memory_constraints()
         problem = Problem(
@@ -867,7 +890,13 @@ class _ProblemBuilder:
             edges=edges,
             memory_constraints=constraints,
             overlaps=data_parallel_overlap(
-                self.nodes, self.sync_terms, self.dp_mode, self.ratios, self.block_of, self.spec
+                self.nodes,
+                self.sync_terms,
+                self.dp_mode,
+                self.ratios,
+                self.block_of,
+                self.spec,
+                self.micro_batches,
             ),
             name=f"mesh{self.mesh_shape}-{self.dp_mode}",
             fixed=self.fixed,
@@ -897,7 +926,22 @@ class _ProblemBuilder:
                 rc: opts for rc, opts in zip(self.rc_names, self.unit_options_of, strict=True)
             },
             hold_nodes=frozenset(self.hold_nodes.values()),
+            micro_batches=self.micro_batches,
+            host_floor_s=self.host_floor_s,
         )
+
+    def _repeat_per_micro_batch(self) -> None:
+        """Every micro-batch runs the ops, their tensor-parallel reshardings and recompute again: their costs
+        (priced on one micro-batch's shapes) times k. Parameter nodes (the optimizer step, once per step) and
+        the data-parallel synchronisation (``sync_terms``, priced per step) are left as they are."""
+        k = float(self.micro_batches)
+        for node in self.nodes:
+            if node.name in self.strat_of:
+                node.costs = [c * k for c in node.costs]
+        self.edge_cost = {key: [[c * k for c in row] for row in m] for key, m in self.edge_cost.items()}
+        self.shared_price = {key: [c * k for c in v] for key, v in self.shared_price.items()}
+        for cond in self.conditional:
+            cond.cost = [[c * k for c in row] for row in cond.cost]
 
     # ---------------------------------------------------------------- op nodes
     def _add_op_nodes(self) -> None:
@@ -924,6 +968,9 @@ class _ProblemBuilder:
             self.strat_of[name] = strats
             self.node_of_name[name] = c
             self.block_of[name] = node.module
+            if node.launches_kernel or self.spec.kind == "cpu":  # on a GPU a view hides behind the device
+                ops = 1.0 + self.ratios.of(node.module)[1]
+                self.host_floor_s += self.tied.multiplicity[c] * ops * host_time(self.spec, dtensor=True)
 
     # ---------------------------------------------------------------- parameter nodes
     def _add_param_nodes(self) -> None:
@@ -962,7 +1009,7 @@ class _ProblemBuilder:
             costs, mterms, gterms, tterms, syncs = [], [], [], [], []
             for opt in options:
                 local = pbytes / shard_factor(opt, tp)
-                syncs.append(data_parallel_sync_time(self.dp_mode, local, self.dp_comm))
+                syncs.append(data_parallel_sync_time(self.dp_mode, local, self.dp_comm, self.micro_batches))
                 costs.append(opt_time * (pbytes / total_param_bytes) / shard_factor(opt, tp) / dp_shard)
                 mterms.append((local + sbytes / shard_factor(opt, tp)) / dp_shard)
                 gterms.append(local / dp_shard)
@@ -974,6 +1021,7 @@ class _ProblemBuilder:
             self.param_of_node[name] = fqn
             self.param_mem_terms[name] = mterms
             self.grad_terms[name] = gterms
+            self.accumulated_grad_terms[name] = [pbytes / shard_factor(o, tp) for o in options]
             self.opt_temp_terms[name] = tterms
             self.block_of[name] = fqn.rsplit(".", 1)[0]
             if fsdp_layers:
@@ -1362,7 +1410,13 @@ class _ProblemBuilder:
         param_total = sum(self.graph.param_bytes.values())
         grad_frac = snapshot.by_kind.get("grad", 0) / param_total if param_total else 0.0
         for pname, mterms in self.param_mem_terms.items():
-            terms[pname] = [m + grad_frac * g for m, g in zip(mterms, self.grad_terms[pname], strict=True)]
+            if self.micro_batches > 1:  # the earlier micro-batches' gradients are all alive
+                grads = self.accumulated_grad_terms[pname]
+                terms[pname] = [m + g for m, g in zip(mterms, grads, strict=True)]
+            else:
+                terms[pname] = [
+                    m + grad_frac * g for m, g in zip(mterms, self.grad_terms[pname], strict=True)
+                ]
             if pname in self.gathered_terms:
                 terms[pname] = [t + x for t, x in zip(terms[pname], self.gathered_terms[pname], strict=True)]
         for sid, readers in sorted(self.checkpoint_args.items()):
@@ -1420,11 +1474,15 @@ class _ProblemBuilder:
         return (mult - 1) * self._kept(option, c, at_peak / mult) + max(0.0, alive - others)
 
 
-def data_parallel_sync_time(dp_mode: str, local_bytes: float, dp_comm: AxisComm) -> float:
+def data_parallel_sync_time(
+    dp_mode: str, local_bytes: float, dp_comm: AxisComm, micro_batches: int = 1
+) -> float:
     """Seconds of one parameter's data-parallel synchronisation per step: DDP all-reduces its gradient; FSDP
-    all-gathers it for forward and again for backward and reduce-scatters its gradient."""
+    all-gathers it for forward and again for backward and reduce-scatters its gradient. With k micro-batches
+    the gradient is synchronised once (after the last one), but FSDP gathers the parameter for every one."""
     if dp_mode == "fsdp":
-        return 2 * dp_comm.time("all_gather", local_bytes) + dp_comm.time("reduce_scatter", local_bytes)
+        gathers = 2 * micro_batches * dp_comm.time("all_gather", local_bytes)
+        return gathers + dp_comm.time("reduce_scatter", local_bytes)
     return dp_comm.time("all_reduce", local_bytes)
 
 
@@ -1435,12 +1493,14 @@ def data_parallel_overlap(
     ratios: BackwardRatios,
     block_of: dict[str, str],
     spec: DeviceSpec,
+    micro_batches: int = 1,
 ) -> list[Overlap]:
     """The data-parallel synchronisation as communication behind computation, as the runtime runs it: DDP's
     gradient all-reduces are started as gradients are accumulated and run behind the rest of backward
     (``runtime._make_sync_hook``); FSDP2 prefetches the next block's all-gather in forward and backward and
     reduce-scatters behind the next block's backward, so all of the step's compute can hide it. The ops' own
-    costs (forward + backward) are the computation; for DDP only their backward share."""
+    costs (forward + backward) are the computation; for DDP only their backward share — of the last micro-batch
+    alone when there are several (the gradients are all-reduced during its backward only)."""
     if not sync_terms:
         return []
     compute: dict[str, list[float]] = {}
@@ -1450,7 +1510,7 @@ def data_parallel_overlap(
         share = 1.0
         if dp_mode != "fsdp":
             device_ratio, _ = ratios.of(block_of.get(node.name, ""))
-            share = device_ratio / (1.0 + device_ratio)
+            share = device_ratio / (1.0 + device_ratio) / micro_batches
         if any(node.costs):
             compute[node.name] = [c * share for c in node.costs]
     return [Overlap("data-parallel", dict(sync_terms), compute, spec.overlap_efficiency)]

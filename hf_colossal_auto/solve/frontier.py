@@ -88,6 +88,8 @@ class FrontierPoint:
     dp_mode: str | None
     recompute: str
     """Recompute per block, summarised (``"none"``, ``"full x36"``, ``"selective:pointwise x12, none x24"``)."""
+    micro_batches: int = 1
+    """Micro-batches per replica per step (gradients synchronised once)."""
 
     @property
     def fits(self) -> bool:
@@ -137,7 +139,7 @@ class Frontier:
             if k == 0:
                 lines.append("  ".join("-" * w for w in widths))
         lines.append("")
-        lines.append("plans (mesh dp x tp, data-parallel mode, recompute per block):")
+        lines.append("plans (mesh dp x tp, data-parallel mode [x micro-batches], recompute per block):")
         for name in names:
             lines.extend(self._describe(name))
         for name, why in self.unavailable.items():
@@ -212,7 +214,8 @@ class Frontier:
 def _mesh_text(point: FrontierPoint) -> str:
     if point.mesh_shape is None:
         return "-"
-    return f"{'x'.join(map(str, point.mesh_shape))} {point.dp_mode}"
+    micro = f" x{point.micro_batches} micro-batches" if point.micro_batches > 1 else ""
+    return f"{'x'.join(map(str, point.mesh_shape))} {point.dp_mode}{micro}"
 
 
 def summarize_recompute(plan: Plan) -> str:
@@ -372,6 +375,7 @@ def _planned_point(
         tuple(plan.mesh_shape),
         plan.dp_mode,
         summarize_recompute(plan),
+        plan.micro_batches,
     )
 
 

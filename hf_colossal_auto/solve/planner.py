@@ -125,8 +125,8 @@ class _Planner:
         self.optimizer = optimizer
         self.time_limit_s = time_limit_s
         self.batch = _global_batch(example_inputs)
-        self._graphs: dict[int, StepGraph] = {}
-        self._strategies: dict[tuple[int, int], dict] = {}
+        self._graphs: dict[tuple[int, int], StepGraph] = {}
+        self._strategies: dict[tuple[int, int, int], dict] = {}
 
     @classmethod
     def for_devices(
@@ -150,26 +150,35 @@ class _Planner:
             model, example_inputs, cluster, budget, mixed_precision, optimizer, time_limit_s, recompute
         )
 
-    def graph(self, dp: int) -> StepGraph:
-        if dp not in self._graphs:
-            self._graphs[dp] = trace_training_step(
+    def graph(self, dp: int, micro_batches: int = 1) -> StepGraph:
+        """The step traced at one micro-batch of one replica (global batch / dp / micro_batches rows)."""
+        key = (dp, micro_batches)
+        if key not in self._graphs:
+            self._graphs[key] = trace_training_step(
                 self.model,
-                _local_batch(self.inputs, dp),
+                _local_batch(self.inputs, dp * micro_batches),
                 mixed_precision=self.mixed_precision,
                 optimizer=self.optimizer,
                 device_kind=self.spec.kind,
             )
-        return self._graphs[dp]
+        return self._graphs[key]
 
-    def strategies(self, dp: int, tp: int) -> dict:
-        key = (dp, tp)
+    def strategies(self, dp: int, tp: int, micro_batches: int = 1) -> dict:
+        key = (dp, tp, micro_batches)
         if tp == 1:
             # On a one-device axis every placement is the whole tensor: replicated. DTensor's rules would still
             # offer Shard strategies there, which its view ops then refuse to reshape at run time.
             return {}
         if key not in self._strategies:
-            self._strategies[key] = enumerate_strategies(self.graph(dp), (tp,), phases=(Phase.FORWARD,))
+            graph = self.graph(dp, micro_batches)
+            self._strategies[key] = enumerate_strategies(graph, (tp,), phases=(Phase.FORWARD,))
         return self._strategies[key]
+
+    def micro_batch_options(self, dp: int) -> list[int]:
+        """Micro-batch counts k > 1 a replica's batch splits into evenly (the divisors of global / dp), fewest
+        first: each costs a trace at a smaller shape, so they are tried in order and only when needed."""
+        local = self.batch // dp
+        return [k for k in range(2, local + 1) if local % k == 0]
 
     def build(
         self,
@@ -178,18 +187,19 @@ class _Planner:
         fixed_params: dict[str, str] | None = None,
         pin_unlisted: bool = False,
         recompute_pin: str | Mapping[str, str] | None = None,
+        micro_batches: int = 1,
     ) -> BuiltProblem:
         """The ILP of one mesh; recompute is a decision unless ``recompute_pin`` (or the planner's mode "none" /
-        "full") fixes it."""
+        "full") fixes it. ``micro_batches``: the step runs each replica's batch in that many pieces."""
         if recompute_pin is None and self.recompute in ("none", "full"):
             recompute_pin = self.recompute
         dp, tp = mesh
-        graph = self.graph(dp)
+        graph = self.graph(dp, micro_batches)
         tp_comm = self.axis_comm(mesh, 1)
         dp_comm = self.axis_comm(mesh, 0)
         return build_problem(
             graph,
-            self.strategies(dp, tp),
+            self.strategies(dp, tp, micro_batches),
             spec=self.spec,
             mesh_shape=mesh,
             tp_comm=tp_comm,
@@ -200,6 +210,7 @@ class _Planner:
             pin_unlisted=pin_unlisted,
             recompute_layers=self.layers,
             recompute_pin=recompute_pin,
+            micro_batches=micro_batches,
         )
 
     def axis_comm(self, mesh: tuple[int, int], axis: int) -> AxisComm:
@@ -216,27 +227,35 @@ class _Planner:
         return _module_list_children(self.model)
 
     def solve_mesh(
-        self, mesh: tuple[int, int], dp_mode: str, fixed_params: dict[str, str] | None = None
+        self,
+        mesh: tuple[int, int],
+        dp_mode: str,
+        fixed_params: dict[str, str] | None = None,
+        micro_batches: int = 1,
     ) -> tuple[BuiltProblem, Solution]:
         if self.recompute == "two-stage":
-            return self._two_stage(mesh, dp_mode, fixed_params)
-        built = self.build(mesh, dp_mode, fixed_params)
+            return self._two_stage(mesh, dp_mode, fixed_params, micro_batches)
+        built = self.build(mesh, dp_mode, fixed_params, micro_batches=micro_batches)
         solution = solve(built.problem, time_limit_s=self.time_limit_s)
         return built, solution
 
     def _two_stage(
-        self, mesh: tuple[int, int], dp_mode: str, fixed_params: dict[str, str] | None
+        self,
+        mesh: tuple[int, int],
+        dp_mode: str,
+        fixed_params: dict[str, str] | None,
+        micro_batches: int = 1,
     ) -> tuple[BuiltProblem, Solution]:
         """The baseline the joint ILP is measured against: shard for speed ignoring memory (no recompute),
         then choose recompute per block for that sharding under the budget."""
         budget = self.budget
         self.budget = 1 << 62
         try:
-            first = self.build(mesh, dp_mode, fixed_params, recompute_pin="none")
+            first = self.build(mesh, dp_mode, fixed_params, recompute_pin="none", micro_batches=micro_batches)
         finally:
             self.budget = budget
         sharding = solve(first.problem, time_limit_s=self.time_limit_s).choice
-        built = self.build(mesh, dp_mode, fixed_params)
+        built = self.build(mesh, dp_mode, fixed_params, micro_batches=micro_batches)
         fixed = dict(built.problem.fixed)
         for node in built.problem.nodes:
             decided_by_recompute = node.name in built.recompute_options or node.name in built.hold_nodes
@@ -249,7 +268,99 @@ class _Planner:
         return _make_plan(self, mesh, dp_mode, built, solution)
 
 
-def _meshes(planner: _Planner, mesh_shape: tuple[int, ...] | None) -> list[tuple[int, int]]:
+class _Search:
+    """The search over meshes, data-parallel modes and micro-batch counts: the fastest plan that fits, what was
+    tried, and the least memory any candidate needed (for the error when none fits)."""
+
+    def __init__(self, planner: _Planner) -> None:
+        self.planner = planner
+        self.best: Plan | None = None
+        self.tried: list[dict[str, Any]] = []
+        self.min_required = math.inf
+        self.one_piece: dict[tuple[tuple[int, int], str], tuple[Plan | None, float]] = {}
+        """(mesh, dp mode) -> its plan with the batch in one piece (None: nothing fits) and the host seconds of
+        its ops (:attr:`BuiltProblem.host_floor_s`; 0 when unknown)."""
+
+    def try_candidate(self, mesh: tuple[int, int], dp_mode: str, micro_batches: int) -> Plan | None:
+        """Solve one candidate, record it, keep it if it is the fastest that fits; its plan (None: infeasible)."""
+        try:
+            built, solution = self.planner.solve_mesh(mesh, dp_mode, micro_batches=micro_batches)
+        except InfeasibleError as exc:
+            self.min_required = min(self.min_required, exc.min_required)
+            self.tried.append(
+                {
+                    "mesh": list(mesh),
+                    "dp_mode": dp_mode,
+                    "micro_batches": micro_batches,
+                    "fits": False,
+                    "min_memory_bytes": exc.min_required,
+                }
+            )
+            plan, host_floor = None, 0.0
+        else:
+            host_floor = built.host_floor_s
+            plan = self.planner.to_plan(mesh, dp_mode, built, solution)
+            self.tried.append(
+                {
+                    "mesh": list(mesh),
+                    "dp_mode": dp_mode,
+                    "micro_batches": micro_batches,
+                    "fits": plan.fits,
+                    "step_time_s": plan.step_time_s,
+                    "peak_memory_bytes": plan.peak_memory_bytes,
+                }
+            )
+            if plan.fits and (self.best is None or plan.step_time_s < self.best.step_time_s - 1e-12):
+                self.best = plan
+        if micro_batches == 1:
+            self.one_piece[(mesh, dp_mode)] = (plan, host_floor)
+        return plan
+
+    def try_micro_batches(self) -> None:
+        """Micro-batching where the batch in one piece does not fit or needs recompute: k = 2, 4, ... (divisors
+        of the replica's batch) until a k fits without recompute. A candidate is skipped, without tracing it,
+        when the best plan so far is no slower than a lower bound of its compute: k pieces compute at least as
+        long as one (smaller kernels run no faster per byte) and at least k times the per-op host cost. So the
+        common case — the budget met without recompute — costs nothing more, and a host-bound model is not
+        split for nothing."""
+        fixed_recompute = self.planner.recompute in ("none", "full")
+        for (mesh, dp_mode), (plan, host_floor) in self.one_piece.items():
+            if plan is not None and plan.fits and (fixed_recompute or not _recomputes(plan)):
+                continue
+            options = self.planner.micro_batch_options(mesh[0])
+            if plan is None and options:
+                # nothing fits in one piece: the most pieces need the least memory; if even they do not fit,
+                # no k does (one ILP per candidate instead of one per divisor on the way to an error)
+                if self.try_candidate(mesh, dp_mode, options[-1]) is None:
+                    continue
+                options = options[:-1]
+            for k in options:
+                bound = max(plan.compute_time_s, k * host_floor) if plan is not None else 0.0
+                if self.best is not None and self.best.step_time_s <= bound:
+                    logger.debug("mesh %s %s: %d micro-batches skipped (>= %.3g s)", mesh, dp_mode, k, bound)
+                    break
+                found = self.try_candidate(mesh, dp_mode, k)
+                if found is not None and found.fits and (fixed_recompute or not _recomputes(found)):
+                    break
+
+
+def _micro_batch_clause(fixed: int | None, tried: list[int]) -> str:
+    """How micro-batching was tried, for the error when nothing fits (it closes the parenthesis)."""
+    if fixed is not None:
+        return f", with micro_batches={fixed} fixed; micro_batches=None searches it)"
+    if len(tried) > 1:
+        return f", micro-batching tried: up to {max(tried)} micro-batches per replica)"
+    return "; micro-batching tried: no replica's batch splits further)"
+
+
+def _recomputes(plan: Plan) -> bool:
+    """Whether a plan reruns any block's forward."""
+    return any(option != "none" for option in plan.recompute.values())
+
+
+def _meshes(
+    planner: _Planner, mesh_shape: tuple[int, ...] | None, micro_batches: int = 1
+) -> list[tuple[int, int]]:
     n = planner.cluster.num_devices
     if mesh_shape is not None:
         shape = tuple(mesh_shape)
@@ -264,20 +375,23 @@ def _meshes(planner: _Planner, mesh_shape: tuple[int, ...] | None) -> list[tuple
         candidates = [(n // t, t) for t in range(1, n + 1) if n % t == 0]
     usable = []
     for dp, tp in candidates:
-        if planner.batch % dp:
+        if planner.batch % (dp * micro_batches):
             logger.info(
-                "mesh (%d, %d) skipped: global batch %d does not split over %d replicas",
+                "mesh (%d, %d) skipped: global batch %d does not split over %d replicas x %d micro-batches",
                 dp,
                 tp,
                 planner.batch,
                 dp,
+                micro_batches,
             )
             continue
         usable.append((dp, tp))
     if not usable:
+        pieces = f" into {micro_batches} micro-batches per replica" if micro_batches > 1 else ""
         raise ValueError(
-            f"No mesh of {n} devices can split the global batch of {planner.batch}: use a batch divisible by a "
-            f"data-parallel size, or pass mesh_shape=(1, {n}) for tensor parallelism only."
+            f"No mesh of {n} devices can split the global batch of {planner.batch}{pieces}: use a batch divisible "
+            f"by a data-parallel size{' x the micro-batches' if pieces else ''}, or pass mesh_shape=(1, {n}) for "
+            "tensor parallelism only."
         )
     return usable
 
@@ -302,6 +416,7 @@ def plan_model(
     time_limit_s: float = 60.0,
     dp_modes: tuple[str, ...] = ("ddp", "fsdp"),
     recompute: str = "auto",
+    micro_batches: int | None = None,
 ) -> Plan:
     """Plan data + tensor parallelism for ``model`` on ``num_devices`` devices of kind ``device``.
 
@@ -311,13 +426,17 @@ def plan_model(
     :func:`hf_colossal_auto.hardware.memory_budget_default`. ``dp_modes`` are the data-parallel modes tried on
     meshes with a data-parallel axis ("ddp", "fsdp"). ``recompute``: "auto" chooses activation recompute per
     block jointly with the sharding (one ILP); "none" and "full" fix it for every block; "two-stage" shards
-    first and then chooses recompute (a baseline).
+    first and then chooses recompute (a baseline). ``micro_batches``: None searches it — each replica's batch
+    (global / dp) runs in k pieces with gradients accumulated and synchronised once, tried where the batch in
+    one piece does not fit or needs recompute; an int fixes k for every mesh (1: never split).
     """
     unknown = sorted(set(dp_modes) - {"ddp", "fsdp"})
     if unknown or not dp_modes:
         raise ValueError(f"dp_modes must be a non-empty subset of ('ddp', 'fsdp'), got {dp_modes!r}")
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    if micro_batches is not None and micro_batches < 1:
+        raise ValueError(f"micro_batches must be None (searched) or >= 1, got {micro_batches}")
     planner = _Planner.for_devices(
         model,
         example_inputs,
@@ -332,51 +451,30 @@ def plan_model(
     )
     spec, budget = planner.spec, planner.budget
     t0 = time.perf_counter()
-    best: tuple[float, Plan] | None = None
-    tried: list[dict[str, Any]] = []
-    min_required = math.inf
-    for mesh in _meshes(planner, mesh_shape):
+    search = _Search(planner)
+    for mesh in _meshes(planner, mesh_shape, micro_batches or 1):
         for dp_mode in dp_modes if mesh[0] > 1 else ("ddp",):
-            try:
-                built, solution = planner.solve_mesh(mesh, dp_mode)
-            except InfeasibleError as exc:
-                min_required = min(min_required, exc.min_required)
-                tried.append(
-                    {
-                        "mesh": list(mesh),
-                        "dp_mode": dp_mode,
-                        "fits": False,
-                        "min_memory_bytes": exc.min_required,
-                    }
-                )
-                continue
-            plan = planner.to_plan(mesh, dp_mode, built, solution)
-            tried.append(
-                {
-                    "mesh": list(mesh),
-                    "dp_mode": dp_mode,
-                    "fits": plan.fits,
-                    "step_time_s": plan.step_time_s,
-                    "peak_memory_bytes": plan.peak_memory_bytes,
-                }
-            )
-            if plan.fits and (best is None or plan.step_time_s < best[0] - 1e-12):
-                best = (plan.step_time_s, plan)
+            search.try_candidate(mesh, dp_mode, micro_batches or 1)
+    if micro_batches is None:
+        search.try_micro_batches()
+    best = search.best
     if best is None:
+        tried_k = sorted({t["micro_batches"] for t in search.tried})
         raise InfeasibleError(
             f"No plan for {type(model).__name__} on {num_devices} x {spec.name} fits {format_bytes(budget)} per "
-            f"device: the smallest per-device memory any plan needs is {format_bytes(min_required)}"
+            f"device: the smallest per-device memory any plan needs is {format_bytes(search.min_required)}"
             + (
-                " (with full activation recompute where it helps)"
+                " (with full activation recompute where it helps"
                 if recompute != "none"
-                else f" without activation recompute (recompute={recompute!r})"
+                else f" without activation recompute (recompute={recompute!r}"
             )
+            + _micro_batch_clause(micro_batches, tried_k)
             + ". Use more devices, a smaller batch or sequence, or a larger budget.",
-            min_required=min_required,
+            min_required=search.min_required,
             exact=False,
             choice=None,
         )
-    plan = best[1]
+    plan = best
     if plan.tp_size > 1 and all(p[1] == "R" for p in plan.param_placements.values()):
         heads = _attention_heads(model)
         logger.warning(
@@ -387,7 +485,7 @@ def plan_model(
             plan.tp_size,
             f" (the model has {heads} attention heads)" if heads else "",
         )
-    plan.alternatives = tried
+    plan.alternatives = search.tried
     plan.solver["total_planning_s"] = time.perf_counter() - t0
     return plan
 
@@ -406,13 +504,15 @@ def evaluate_plan(
     optimizer: str | None = "adamw",
     time_limit_s: float = 60.0,
     recompute: str | None = None,
+    micro_batches: int | None = None,
 ) -> Estimate:
     """Price a Plan, a HF-style tp_plan dict or a named baseline ("ddp", "fsdp", "megatron") under our model.
 
     ``recompute``: "none" or "full" for every block, or "auto" (recompute chosen per block to fit the budget
     with the baseline's placements: the baseline's best case). Default: a Plan's own choice, "none" for the
     others. A Plan is priced under the budget it was made for unless ``memory_budget`` says otherwise, so that
-    pricing a solved plan reproduces its own prediction (time and memory).
+    pricing a solved plan reproduces its own prediction (time and memory). ``micro_batches``: each replica's
+    batch runs in that many pieces with one gradient synchronisation (default: a Plan's own, else 1).
     """
     if recompute not in (None, "none", "full", "auto"):
         raise ValueError(f"recompute must be None, 'none', 'full' or 'auto', got {recompute!r}")
@@ -431,6 +531,9 @@ def evaluate_plan(
     )
     cluster, budget = planner.cluster, planner.budget
     n = num_devices
+    if micro_batches is None:
+        micro_batches = plan_or_baseline.micro_batches if isinstance(plan_or_baseline, Plan) else 1
+    k = micro_batches
     if isinstance(plan_or_baseline, Plan):
         plan = plan_or_baseline
         mesh = (plan.dp_size, plan.tp_size)
@@ -460,11 +563,12 @@ def evaluate_plan(
         t = mesh_shape[-1] if mesh_shape else _largest_tp(n, cluster.devices_per_node, model)
         mesh, dp_mode = (n // t, t), "ddp"
         fixed = tp_plan_placements(model, plan_or_baseline)
-    if planner.batch % mesh[0]:
+    if planner.batch % (mesh[0] * k):
         raise ValueError(
-            f"{name}: global batch {planner.batch} does not split over {mesh[0]} data-parallel replicas"
+            f"{name}: global batch {planner.batch} does not split over {mesh[0]} data-parallel replicas x {k} "
+            "micro-batches"
         )
-    tied = TiedGraph.build(planner.graph(mesh[0]))
+    tied = TiedGraph.build(planner.graph(mesh[0], k))
     canonical_fixed = {tied.canonical_param(k): v for k, v in fixed.items()}
     # Every parameter the baseline does not name stays replicated, as the baseline means; activations are
     # left to the solver (what a runtime's sharding propagation would do best). The budget is lifted so that a
@@ -476,7 +580,7 @@ def evaluate_plan(
         pin = dict(plan_or_baseline.recompute) or "none"
     built = solution = None
     if recompute == "auto":
-        built = planner.build(mesh, dp_mode, canonical_fixed, pin_unlisted=True)
+        built = planner.build(mesh, dp_mode, canonical_fixed, pin_unlisted=True, micro_batches=k)
         try:
             solution = solve(built.problem, time_limit_s=time_limit_s)
         except InfeasibleError:
@@ -486,14 +590,18 @@ def evaluate_plan(
         # the activation placements a plan leaves to the solver could trade memory for time, and the estimate
         # would undercut the plan's own prediction.
         try:
-            built = planner.build(mesh, dp_mode, canonical_fixed, pin_unlisted=True, recompute_pin=pin)
+            built = planner.build(
+                mesh, dp_mode, canonical_fixed, pin_unlisted=True, recompute_pin=pin, micro_batches=k
+            )
             solution = solve(built.problem, time_limit_s=time_limit_s)
         except InfeasibleError:
             solution = None  # another device or budget than the plan's: priced below with the budget lifted
     if solution is None:
         planner.budget = 1 << 62
         try:
-            built = planner.build(mesh, dp_mode, canonical_fixed, pin_unlisted=True, recompute_pin=pin)
+            built = planner.build(
+                mesh, dp_mode, canonical_fixed, pin_unlisted=True, recompute_pin=pin, micro_batches=k
+            )
         finally:
             planner.budget = budget
         solution = solve(built.problem, time_limit_s=time_limit_s)

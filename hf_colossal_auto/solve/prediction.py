@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 def _make_plan(
     planner: _Planner, mesh: tuple[int, int], dp_mode: str, built: BuiltProblem, solution: Solution
 ) -> Plan:
-    graph = planner.graph(mesh[0])
+    micro = built.micro_batches
+    graph = planner.graph(mesh[0], micro)
     tied = TiedGraph.build(graph)
     problem = built.problem
     objective, peak, _ = evaluate(problem, solution.choice)
@@ -78,12 +79,18 @@ def _make_plan(
             spread(block_compute, module, cost)
         else:
             strat = built.strategies[node.name][i] if built.strategies.get(node.name) else None
-            boundary = node.multiplicity * sum(
-                t
-                for t, _, _ in (
-                    boundary_reshardings(graph, graph.nodes[built.node_of_name[node.name]], strat, 0, tp_comm)
-                    if strat is not None
-                    else ()
+            boundary = (
+                micro
+                * node.multiplicity
+                * sum(
+                    t
+                    for t, _, _ in (
+                        boundary_reshardings(
+                            graph, graph.nodes[built.node_of_name[node.name]], strat, 0, tp_comm
+                        )
+                        if strat is not None
+                        else ()
+                    )
                 )
             )
             compute += cost - boundary
@@ -153,7 +160,7 @@ def _make_plan(
         )
     collectives = _collectives(built, solution, graph, tied, mesh, planner, dp_mode)
     for kind, count in _recompute_collectives(built, solution, graph, tied, mesh, planner).items():
-        collectives[kind] = round(collectives.get(kind, 0.0) + count, 6)
+        collectives[kind] = round(collectives.get(kind, 0.0) + micro * count, 6)
     param_mem = 0.0
     at_peak_params = 0.0
     for pname in built.param_options:
@@ -187,6 +194,7 @@ def _make_plan(
         ),
         replicated_ops=ops_without_dtensor_rule(graph),
         global_batch_size=planner.batch,
+        micro_batches=micro,
         input_shapes={k: list(v.shape) for k, v in planner.inputs.items() if isinstance(v, torch.Tensor)},
         step_time_s=objective,
         compute_time_s=compute,
@@ -465,7 +473,8 @@ def _collective_prediction(
     flattening of its input) and sums with the other contributions to the value they view, and is reduced
     once there (what the runtime's boundary hooks and autograd's accumulation do): q, k and v projections of
     one normed input cost one all-reduce. Data-parallel: one gradient synchronisation per parameter (counted,
-    its bytes not: they depend on the tensor-parallel shard each replica holds).
+    its bytes not: they depend on the tensor-parallel shard each replica holds). With k micro-batches the
+    tensor-parallel collectives and FSDP's all-gathers run k times, the gradient synchronisation once.
     """
     counts: dict[str, float] = defaultdict(float)
     nbytes: dict[str, float] = defaultdict(float)
@@ -535,10 +544,13 @@ def _collective_prediction(
         if kind:
             counts[kind] += w
             nbytes[kind] += w * _given_bytes(kind, graph.values[vid].nbytes, tp)
+    micro = built.micro_batches
+    counts = defaultdict(float, {kind: micro * c for kind, c in counts.items()})
+    nbytes = defaultdict(float, {kind: micro * b for kind, b in nbytes.items()})
     if dp > 1:
         n_params = len(graph.param_names)
         if dp_mode == "fsdp":
-            counts["dp_all_gather"] += 2 * n_params
+            counts["dp_all_gather"] += 2 * micro * n_params
             counts["dp_reduce_scatter"] += n_params
         else:
             counts["dp_all_reduce"] += n_params
