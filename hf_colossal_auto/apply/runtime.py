@@ -52,6 +52,7 @@ from .data import global_batch
 from .dtensor_rules import register_replicated_fallbacks, register_runtime_rules
 from .enforce import ReducePartialGradientsAtProducers, enforce_plan
 from .materialize import is_meta_model, materialize_meta_model
+from .micro_batch import GradientSyncControl, no_gradient_sync
 from .moe import install_aux_loss_region, install_expert_parallel_regions
 from .pretrained import load_pretrained
 from .recompute import apply_recompute
@@ -293,11 +294,13 @@ def register_embedding_reduction(model: nn.Module) -> None:
             module.register_forward_hook(_reduce_partial_output)
 
 
-def _make_sync_hook(mesh: DeviceMesh):
+def _make_sync_hook(mesh: DeviceMesh, control: GradientSyncControl | None = None):
     """A post-accumulate-grad hook per parameter: bring its gradient to the parameter's placements, then (DDP)
     start averaging it over the data-parallel axis *asynchronously*, so that the all-reduce runs while backward
     computes the gradients of earlier layers (what the planner prices as overlapped, at the efficiency the
-    device's calibration measured). The reductions are waited for, and the gradients set, when backward ends."""
+    device's calibration measured). The reductions are waited for, and the gradients set, when backward ends.
+    While ``control`` is disabled (micro-batches before the last: :func:`.micro_batch.accumulate`) the gradient
+    only accumulates locally; the next synchronising backward all-reduces the sum, once per step."""
     names = mesh.mesh_dim_names or ()
     dp_axis = names.index("dp") if "dp" in names and mesh.size(names.index("dp")) > 1 else None
     dp_group = mesh.get_group(dp_axis) if dp_axis is not None else None
@@ -317,7 +320,7 @@ def _make_sync_hook(mesh: DeviceMesh):
             return
         if tuple(grad.placements) != tuple(param.placements):
             grad = grad.redistribute(param.device_mesh, param.placements)
-        if dp_group is None:
+        if dp_group is None or (control is not None and not control.enabled):
             param.grad = grad
             return
         # DDP: every replica computed the gradient of its own batch; average them (on a copy: autograd may
@@ -358,7 +361,12 @@ def _fully_shard(model: nn.Module, mesh: DeviceMesh) -> None:
 def register_gradient_sync(model: nn.Module, mesh: DeviceMesh, average_over_dp: bool = True) -> None:
     """After each parameter's gradient is accumulated: bring it to the parameter's placements, then average
     it over the data-parallel axis of ``mesh`` (the full mesh; parameters live on its tensor-parallel part)."""
-    hook = _make_sync_hook(mesh) if average_over_dp else _make_sync_hook(tensor_parallel_mesh(mesh))
+    control = GradientSyncControl()  # micro_batch.set_gradient_sync turns it off between micro-batches
+    model._hf_colossal_auto_grad_sync = control
+    # DDP's name: accelerate's Accelerator.no_sync (so accelerator.accumulate and the Trainer's gradient
+    # accumulation) looks it up on the model and defers the synchronisation to the last micro-batch
+    model.no_sync = functools.partial(no_gradient_sync, model)
+    hook = _make_sync_hook(mesh, control) if average_over_dp else _make_sync_hook(tensor_parallel_mesh(mesh))
     for param in model.parameters():
         if isinstance(param, DTensor) and param.requires_grad:
             param.register_post_accumulate_grad_hook(hook)

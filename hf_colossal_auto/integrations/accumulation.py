@@ -1,0 +1,71 @@
+"""Gradient accumulation in the integrations: the user's accumulation steps are the plan's micro-batches.
+
+accelerate (``Accelerator(gradient_accumulation_steps=g)`` with ``accelerator.accumulate(model)``) and the Trainer
+(``gradient_accumulation_steps=g``) feed a process g batches of its per-device size per optimizer step. The
+global batch of a step is therefore ``per-device batch x processes x g``, and the plan is made for exactly that:
+that global batch, in ``g`` micro-batches (memory at one of them, one gradient synchronisation per step — the
+runtime's ``model.no_sync``, which accelerate looks up, defers it). When no plan fits those settings, the
+planner is asked which micro-batch count would, and the error names the settings that give it, for the same
+global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ..plan import Plan
+from ..solve.problem import InfeasibleError
+
+logger = logging.getLogger(__name__)
+
+
+def plan_for_accumulation(
+    plan: Callable[[int | None], Plan],
+    steps: int,
+    per_device_batch: int,
+    processes: int,
+    settings: tuple[str, str],
+) -> Plan:
+    """``plan(steps)``: the plan for the user's settings (``steps`` micro-batches). If none fits, ``plan(None)``
+    searches the micro-batch count and the raised :class:`InfeasibleError` says which per-device batch and
+    accumulation steps (``settings``: their names in the user's API) keep the global batch and fit."""
+    try:
+        return plan(steps)
+    except InfeasibleError as exc:
+        try:
+            found = plan(None)
+        except InfeasibleError:
+            raise exc from None
+        raise InfeasibleError(
+            _advice(exc, found, steps, per_device_batch, processes, settings),
+            min_required=exc.min_required,
+            exact=exc.exact,
+            choice=None,
+        ) from exc
+
+
+def _advice(
+    exc: InfeasibleError,
+    found: Plan,
+    steps: int,
+    per_device_batch: int,
+    processes: int,
+    settings: tuple[str, str],
+) -> str:
+    """The error for settings no plan fits, with the settings of the plan the search found."""
+    batch_name, steps_name = settings
+    k = found.micro_batches
+    rows = per_device_batch * steps  # a process's share of the global batch per optimizer step
+    current = f"{batch_name}={per_device_batch}, {steps_name}={steps}"
+    head = f"No plan fits these settings ({current}; global batch {rows * processes}): {exc}"
+    if rows % k:
+        return (
+            f"{head} A plan that runs each replica's batch in {k} micro-batches fits (mesh "
+            f"{'x'.join(map(str, found.mesh_shape))}), but {rows} rows per process do not split into {k}: use a "
+            f"global batch that does."
+        )
+    return (
+        f"{head} The same global batch fits as {k} micro-batches (mesh {'x'.join(map(str, found.mesh_shape))}, "
+        f"{found.dp_mode}): set {batch_name}={rows // k}, {steps_name}={k}."
+    )
