@@ -304,3 +304,21 @@ def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path):
     assert eval_loss == pytest.approx(two["eval_loss"], abs=1e-5)
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-5)
     assert two["eval_first_tokens"] == one["eval_first_tokens"] == samples[:11, 0].tolist()
+
+
+def test_accumulation_steps_are_planned_as_micro_batches(clean_env, accelerate_state, monkeypatch):
+    """Accelerator(gradient_accumulation_steps=2): the plan is made for the optimizer step's global batch (two
+    loader batches per process) as 2 micro-batches, the loop accelerate's accumulate runs (one process here:
+    planning only, with rank 0's call made directly)."""
+    from hf_colossal_auto.integrations import AutoParallelAccelerator
+    from hf_colossal_auto.integrations import accelerator as accelerator_module
+    from hf_colossal_auto.models import build_model, make_example_inputs
+
+    monkeypatch.setattr(accelerator_module, "plan_on_one_rank", lambda make: make())
+    model = build_model("tiny-gpt2", device="cpu")
+    plugin = AutoParallelPlugin(device="cpu", example_inputs=make_example_inputs(model, 4, 16))
+    accelerator = AutoParallelAccelerator(
+        cpu=True, gradient_accumulation_steps=2, auto_parallel_plugin=plugin
+    )
+    plan = accelerator._make_plan(model, [], [])
+    assert plan.micro_batches == 2 and plan.global_batch_size == 8

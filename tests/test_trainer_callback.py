@@ -314,7 +314,10 @@ def test_seq2seq_trainer_plans_from_the_dataset(tmp_path):
     _run(*common, "--per-device", "4", "--out", f"{ref}.json", "--output-dir", str(ref), nproc=None)
     got, want = _result(tmp_path / "run.json"), _result(tmp_path / "ref.json")
     assert got["mesh"] == [1, 2]
-    assert _result(tmp_path / "run-plan.json")["mesh_shape"] == [1, 2]
+    saved = _result(tmp_path / "run-plan.json")
+    # the Trainer's accumulation steps are the plan's micro-batches, over the global batch of one optimizer step
+    assert saved["mesh_shape"] == [1, 2] and saved["micro_batches"] == 2
+    assert saved["global_batch_size"] == 2 * 2 * 2  # per-device 2 x 2 processes x 2 accumulation steps
     for step, loss in want["losses"].items():
         assert got["losses"][step] == pytest.approx(loss, abs=1e-5), step
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-5)

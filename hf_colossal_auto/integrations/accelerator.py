@@ -194,6 +194,14 @@ def _rng_preserved(*objects: Any) -> Iterator[None]:
         g.set_state(s)
 
 
+def _batch_size(batch: Mapping[str, Any]) -> int:
+    """Rows of a batch (its first batched tensor's dim 0; 1 when nothing is batched)."""
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 1
+
+
 def peek_batch(loader: DataLoader) -> Any:
     """The first batch's contents without iterating ``loader`` (which would draw from its sampler's RNG)."""
     dataset = loader.dataset
@@ -317,12 +325,16 @@ class AutoParallelAccelerator(Accelerator):
 
         def make() -> Plan:
             from ..solve.planner import plan_model
+            from .accumulation import plan_for_accumulation
 
             batch = self._example_inputs(loaders)
             device = next(model.parameters()).device
-            # a loader batch is one process's, except with split_batches (then it is the global one)
+            # a loader batch is one process's, except with split_batches (then it is the global one); an optimizer
+            # step consumes gradient_accumulation_steps of them, which the plan runs as as many micro-batches
             per_process = self.auto_parallel_plugin.example_inputs is not None or not self.split_batches
-            batch = global_batch(batch, self.num_processes if per_process else 1, device)
+            steps = max(1, int(self.gradient_accumulation_steps))
+            rows = _batch_size(batch)
+            batch = global_batch(batch, (self.num_processes if per_process else 1) * steps, device)
             kwargs: dict[str, Any] = {
                 "num_devices": self.num_processes,
                 "device": self._device_kind(),
@@ -335,7 +347,16 @@ class AutoParallelAccelerator(Accelerator):
             kwargs.update(self.auto_parallel_plugin.planner_kwargs())
             if device_spec is not None:
                 kwargs["device"] = device_spec
-            return plan_model(model, batch, **kwargs)
+            if "micro_batches" in kwargs:  # set by the user in plan_kwargs: theirs to match to their loop
+                return plan_model(model, batch, **kwargs)
+            per_device = rows if per_process else rows // self.num_processes
+            return plan_for_accumulation(
+                lambda k: plan_model(model, batch, micro_batches=k, **kwargs),
+                steps,
+                per_device,
+                self.num_processes,
+                ("the DataLoader's batch_size", "Accelerator(gradient_accumulation_steps)"),
+            )
 
         return plan_on_one_rank(make)
 

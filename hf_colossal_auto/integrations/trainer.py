@@ -187,8 +187,9 @@ class AutoParallelCallback(TrainerCallback):
         self._trainer = trainer
 
     def _make_plan(self, trainer: Trainer) -> Plan:
-        """Rank 0 plans for the Trainer's global batch (per-device batch x processes, the batch rule of every
-        entry point); every rank gets the plan, or the same error when planning fails."""
+        """Rank 0 plans for the Trainer's global batch (per-device batch x processes x accumulation steps: the
+        batch rule of every entry point, run as ``gradient_accumulation_steps`` micro-batches); every rank gets
+        the plan, or the same error when planning fails (naming settings that fit, when some do)."""
         if self.plan_path is not None:
             return Plan.load(self.plan_path)
         # device="calibrate": every rank takes part in measuring the job once (cached for later jobs)
@@ -196,20 +197,35 @@ class AutoParallelCallback(TrainerCallback):
 
         def make() -> Plan:
             from ..solve.planner import plan_model
+            from .accumulation import plan_for_accumulation
 
             world = dist.get_world_size()
-            batch = example_global_batch(trainer, trainer.args.per_device_train_batch_size * world)
+            per_device = trainer.args.per_device_train_batch_size
+            steps = max(1, trainer.args.gradient_accumulation_steps)
+            # the global batch of one optimizer step, in the Trainer's accumulation steps as micro-batches
+            batch = example_global_batch(trainer, per_device * world * steps)
             kwargs = dict(self.plan_kwargs)
             kwargs.setdefault("mixed_precision", _mixed_precision(trainer.args))
-            made = plan_model(
-                trainer.model,
-                batch,
-                num_devices=world,
-                device=device or _running_device_kind(),
-                memory_budget=self.memory_budget,
-                mesh_shape=self.mesh_shape,
-                time_limit_s=self.time_limit_s,
-                **kwargs,
+
+            def plan(micro_batches: int | None) -> Plan:
+                return plan_model(
+                    trainer.model,
+                    batch,
+                    num_devices=world,
+                    device=device or _running_device_kind(),
+                    memory_budget=self.memory_budget,
+                    mesh_shape=self.mesh_shape,
+                    time_limit_s=self.time_limit_s,
+                    micro_batches=micro_batches,
+                    **kwargs,
+                )
+
+            made = plan_for_accumulation(
+                plan,
+                steps,
+                per_device,
+                world,
+                ("per_device_train_batch_size", "gradient_accumulation_steps"),
             )
             logger.info("AutoParallelCallback plan:\n%s", made.summary())
             return made
