@@ -301,7 +301,7 @@ def run_measured(models: tuple[str, ...], fractions: tuple[float, ...], timeout_
             for fraction in fractions:
                 out = Path(tmp) / f"{model}_{fraction}.json"
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-                cmd += [str(CHECK_SCRIPT), "--model", model, "--fraction", str(fraction), "--out", str(out)]
+                cmd += [str(CHECK_SCRIPT), "--case", f"{model}:1x2:ddp:{fraction}", "--out", str(out)]
                 t0 = time.perf_counter()
                 try:
                     proc = subprocess.run(
@@ -314,7 +314,7 @@ def run_measured(models: tuple[str, ...], fractions: tuple[float, ...], timeout_
                 for k in range(2):
                     path = Path(f"{out}.rank{k}")
                     if path.exists():
-                        ranks.append(json.loads(path.read_text()))
+                        ranks.append(json.loads(path.read_text())[0])  # one case per launch
                 entry = {"model": model, "fraction": fraction, "rc": rc, "seconds": time.perf_counter() - t0}
                 if rc != 0 or len(ranks) != 2:
                     entry["error"] = tail

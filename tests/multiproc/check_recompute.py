@@ -1,12 +1,15 @@
 """Run under torchrun: a plan whose memory budget forces activation recompute, applied and measured.
 
-    torchrun --nproc_per_node 2 tests/multiproc/check_recompute.py --model tiny-gpt2 --mesh 1x2 --out r.json
+    torchrun --nproc_per_node 2 tests/multiproc/check_recompute.py --case tiny-gpt2:1x2:ddp:0.6 \
+        --case tiny-llama:2x1:ddp:0.7 --out r.json
 
-Rank 0 prices the model without recompute, sets the budget to ``--fraction`` of that peak and plans jointly
+Each ``--case`` (model, mesh, data-parallel mode, budget fraction) runs one after the other in the same
+processes: one launch, whose process start and imports cost more than a tiny case, pays for all. For each, rank
+0 prices the model without recompute, sets the budget to ``--fraction`` of that peak and plans jointly
 (sharding + recompute) under it; every rank applies the broadcast plan, runs one warm-up step (so that the
 optimizer state exists, the steady state the planner prices) and one step under ``MemTracker``. Each rank
 writes its measured peak, the plan's prediction, and the loss / largest gradient difference against the
-same model run on the whole batch in one process.
+same model run on the whole batch in one process: ``<out>.rank<r>`` holds the list of its cases' results.
 """
 
 from __future__ import annotations
@@ -33,30 +36,19 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="tiny-gpt2")
-    parser.add_argument("--mesh", default="1x2")
-    parser.add_argument("--batch", type=int, default=8, help="global batch")
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--fraction", type=float, default=0.75, help="budget / peak without recompute")
-    parser.add_argument("--recompute", default="auto", help="planner recompute mode")
-    parser.add_argument("--dp-mode", choices=["ddp", "fsdp"], default="ddp")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    transformers.logging.set_verbosity_error()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    rank, world = dist.get_rank(), dist.get_world_size()
+def run_case(spec: str, args: argparse.Namespace) -> dict:
+    """Plan ``spec`` (``model:DPxTP:dp_mode:fraction``) under its budget, apply it, and measure a step."""
     from common import measured_step_peak, plan_at_fraction
 
     from hf_colossal_auto.apply import apply_plan
     from hf_colossal_auto.apply.runtime import plan_on_one_rank
     from hf_colossal_auto.models import build_model, make_example_inputs
 
-    dp, tp = (int(x) for x in args.mesh.split("x"))
+    name, mesh, dp_mode, fraction = spec.split(":")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp, tp = (int(x) for x in mesh.split("x"))
     torch.manual_seed(0)
-    model = build_model(args.model, device="cpu")
+    model = build_model(name, device="cpu")
     model.eval()  # no dropout: the comparison with one process is exact
     batch = make_example_inputs(model, args.batch, args.seq, seed=0)
     reference = copy.deepcopy(model)
@@ -66,8 +58,8 @@ def main() -> None:
             model,
             batch,
             mesh=(dp, tp),
-            dp_mode=args.dp_mode,
-            fraction=args.fraction,
+            dp_mode=dp_mode,
+            fraction=float(fraction),
             recompute=args.recompute,
         )
     )
@@ -94,6 +86,7 @@ def main() -> None:
 
     peak = measured_step_peak(model, opt, local)
     result = {
+        "case": spec,
         "rank": rank,
         "measured_peak": peak,
         "predicted_peak": plan.peak_memory_bytes,
@@ -105,9 +98,30 @@ def main() -> None:
         "max_grad_err": grad_err,
         "step_time_s": plan.step_time_s,
     }
-    with open(f"{args.out}.rank{rank}", "w") as f:
-        json.dump(result, f)
-    del model, opt, reference
+    del model, opt, reference, grads, ref_grads
+    dist.barrier()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--case",
+        action="append",
+        required=True,
+        help="model:DPxTP:ddp|fsdp:fraction (budget / peak without recompute); repeat for several",
+    )
+    parser.add_argument("--batch", type=int, default=8, help="global batch")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--recompute", default="auto", help="planner recompute mode")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    results = [run_case(spec, args) for spec in args.case]
+    with open(f"{args.out}.rank{dist.get_rank()}", "w") as f:
+        json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
