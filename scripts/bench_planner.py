@@ -160,16 +160,16 @@ def _timing_child(model_name: str, batch: int, seq: int, devices: int) -> dict:
     cls = planner_mod._Planner
     orig_graph, orig_strat = cls.graph, cls.strategies
 
-    def graph(self, dp):
-        if dp in self._graphs:
-            return self._graphs[dp]
-        return timed("capture", orig_graph)(self, dp)
+    def graph(self, dp, micro_batches=1):
+        if (dp, micro_batches) in self._graphs:
+            return self._graphs[(dp, micro_batches)]
+        return timed("capture", orig_graph)(self, dp, micro_batches)
 
-    def strategies(self, dp, tp):
-        if (dp, tp) in self._strategies:
-            return self._strategies[(dp, tp)]
-        self.graph(dp)  # charge a first capture to "capture", not to "strategies"
-        return timed("strategies", orig_strat)(self, dp, tp)
+    def strategies(self, dp, tp, micro_batches=1):
+        if (dp, tp, micro_batches) in self._strategies:
+            return self._strategies[(dp, tp, micro_batches)]
+        self.graph(dp, micro_batches)  # charge a first capture to "capture", not to "strategies"
+        return timed("strategies", orig_strat)(self, dp, tp, micro_batches)
 
     cls.graph, cls.strategies = graph, strategies
     planner_mod.build_problem = timed("ilp_build", planner_mod.build_problem)
