@@ -114,37 +114,40 @@ def _tracks_single_process(results: list[dict]) -> None:
             assert got == pytest.approx(want, abs=1e-5), name
 
 
+@pytest.fixture(scope="module")
+def dp_x_tp_results(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every family under DDP x TP, then under FSDP x TP (the AdamW made before parallelizing there), on 4 gloo
+    processes, mesh 2 x 2, Megatron placements, ten steps: one launch for both data-parallel modes, since
+    starting 4 processes on 2 cores and warming up the planner in each costs more than a family's run. Mode
+    -> its results, in family order."""
+    results = _torchrun(
+        4,
+        "--model", FAMILIES, "--mesh", "2x2", "--plan", "megatron", "--steps", "10",
+        "--dp-mode", "ddp,fsdp", "--optimizer-before", "fsdp",
+        tmp_path=tmp_path_factory.mktemp("dp_x_tp"),
+    )  # fmt: skip
+    families = len(FAMILIES.split(","))
+    assert len(results) == 2 * families
+    return {"ddp": results[:families], "fsdp": results[families:]}
+
+
 @pytest.mark.slow
-def test_gloo_dp_x_tp_training_tracks_single_process(tmp_path):
+def test_gloo_dp_x_tp_training_tracks_single_process(dp_x_tp_results):
     """4 gloo processes, mesh 2 x 2 (DDP over tensor-parallel groups), Megatron placements (GPT-2's fused
     c_attn, T5's shared relative position bias and encoder-decoder, tied embeddings included): for each family,
     one after the other in one launch, the first step's gradients and ten AdamW steps' losses match one process."""
-    results = _torchrun(
-        4, "--model", FAMILIES, "--mesh", "2x2", "--plan", "megatron", "--steps", "10", tmp_path=tmp_path
-    )
+    results = dp_x_tp_results["ddp"]
     _tracks_single_process(results)
-
-
-_FSDP_X_TP = (
-    "--mesh",
-    "2x2",
-    "--plan",
-    "megatron",
-    "--dp-mode",
-    "fsdp",
-    "--steps",
-    "10",
-    "--optimizer-before",
-)
+    assert all(result["dp_mode"] == "ddp" for result in results)
 
 
 @pytest.mark.slow
-def test_gloo_fsdp_x_tp_training_tracks_single_process(tmp_path):
+def test_gloo_fsdp_x_tp_training_tracks_single_process(dp_x_tp_results):
     """4 gloo processes, mesh 2 x 2 with FSDP2 on the data-parallel axis over Megatron tensor parallelism
     (parameters become 2-D DTensors), every family in one launch (T5's nested per-block lists included):
     gradients and ten AdamW steps match one process — with the AdamW made before parallelizing, so it must follow the parameters through both
     replacements (DTensor, then FSDP)."""
-    results = _torchrun(4, *_FSDP_X_TP, "--model", FAMILIES, tmp_path=tmp_path)
+    results = dp_x_tp_results["fsdp"]
     _tracks_single_process(results)
     for result in results:
         assert result["dp_mode"] == "fsdp"

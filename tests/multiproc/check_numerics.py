@@ -8,6 +8,7 @@ the result file then holds a list. ``name@plan`` overrides ``--plan`` for one mo
 ``experts-replicated`` (the same without the expert entries) and ``experts-ep`` (that, plus the config's
 ``base_model_ep_plan``: whole experts per rank). For these and ``megatron``, expert weights are used as
 stored (at these tiny widths the solver would gather them for use), so that the split compute runs.
+``--dp-mode ddp,fsdp`` runs every model under DDP, then every model under FSDP, in the same launch.
 
 Every rank builds the same seeded model, rank 0 plans and broadcasts, each data-parallel replica gets its own
 slice of one global batch, and rank 0 writes the loss and the largest gradient difference against the model
@@ -36,9 +37,9 @@ def hf_tp_plan(model, with_experts: bool) -> dict[str, str]:
     return {k: v for k, v in plan.items() if with_experts or ".experts" not in k}
 
 
-def run_model(spec: str, args: argparse.Namespace) -> dict:
-    """Plan, apply and train one model (``name`` or ``name@plan``) under ``args``; the losses and gradient gap
-    against one process."""
+def run_model(spec: str, args: argparse.Namespace, dp_mode: str) -> dict:
+    """Plan, apply and train one model (``name`` or ``name@plan``) under ``args`` with ``dp_mode`` on the
+    data-parallel axis; the losses and gradient gap against one process."""
     name, _, plan_kind = spec.partition("@")
     plan_kind = plan_kind or args.plan
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -58,7 +59,8 @@ def run_model(spec: str, args: argparse.Namespace) -> dict:
     per_replica = args.batch // dp
     replica = rank // tp
     local = {k: v[replica * per_replica : (replica + 1) * per_replica] for k, v in batch.items()}
-    early = [torch.optim.AdamW(model.parameters(), lr=1e-3)] if args.optimizer_before else []
+    before = args.optimizer_before in ("all", dp_mode)
+    early = [torch.optim.AdamW(model.parameters(), lr=1e-3)] if before else []
     if plan_kind != "auto":
         made = None
         if rank == 0:
@@ -68,7 +70,7 @@ def run_model(spec: str, args: argparse.Namespace) -> dict:
             made = evaluate_plan(
                 model, batch, baseline, num_devices=world, device="cpu", mesh_shape=(dp, tp)
             ).plan
-            made.dp_mode = args.dp_mode  # the same placements, the data-parallel axis as asked
+            made.dp_mode = dp_mode  # the same placements, the data-parallel axis as asked
             if plan_kind in ("experts-ep", "experts-tp", "megatron"):
                 # at these tiny widths the solver gathers stored-split expert weights for use (latency wins);
                 # use them as stored, so that the split compute runs
@@ -150,15 +152,23 @@ def main() -> None:
         default="auto",
         help="plan to apply",
     )
-    parser.add_argument("--dp-mode", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument(
-        "--optimizer-before", action="store_true", help="make the optimizer before parallelizing (remapped)"
+        "--dp-mode", default="ddp", help="ddp, fsdp, or both ('ddp,fsdp': every model under each, in turn)"
+    )
+    parser.add_argument(
+        "--optimizer-before",
+        nargs="?",
+        const="all",
+        choices=["all", "ddp", "fsdp"],
+        help="make the optimizer before parallelizing (remapped): for every run, or for that dp mode's only",
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    results = [run_model(name, args) for name in args.model.split(",")]
+    results = [
+        run_model(name, args, mode) for mode in args.dp_mode.split(",") for name in args.model.split(",")
+    ]
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results if len(results) > 1 else results[0], f)
