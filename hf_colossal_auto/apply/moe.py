@@ -150,7 +150,9 @@ def expert_parallel_forward(module: nn.Module, original: Callable[..., Any]) -> 
                 view.__dict__[name] = _owned_slice(param, module.num_experts, rank, size)
         view.__dict__["num_experts"] = per_rank
         view.__dict__["_is_expert_parallel"] = True
-        out = original.__func__(view, hidden, local_index, weights)
+        # the class's forward: transformers' dispatch to the configured experts implementation, which skips
+        # expert-parallel sentinels (grouped_mm: past the offsets; eager: the extra one-hot class)
+        out = type(module).forward(view, hidden, local_index, weights)
         return DTensor.from_local(out, mesh, [Partial()] * mesh.ndim, run_check=False)
 
     return forward
