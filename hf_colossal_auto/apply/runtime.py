@@ -487,7 +487,8 @@ def autoparallelize(
     raises the same error. ``timeout`` (seconds) bounds how long a rank waits for a peer that stopped answering.
     ``pretrained`` (a HF safetensors checkpoint directory) fills the sharded model from it, each rank reading its
     own slices: build the model on ``meta`` (``with torch.device("meta"): AutoModel...from_config(config)``) to
-    never hold the full model in any process.
+    never hold the full model in any process. A plan with ``micro_batches > 1`` is trained with
+    :func:`hf_colossal_auto.accumulate` (a warning says so).
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -513,6 +514,13 @@ def autoparallelize(
             return plan_model(model, global_batch(example_inputs, world), **kwargs)
 
         plan = plan_on_one_rank(make)
+    if plan.micro_batches > 1 and dist.get_rank() == 0:
+        logger.warning(
+            "the plan runs each data-parallel group's batch as %d micro-batches (its memory budget needs it): "
+            "train with `for micro in hf_colossal_auto.accumulate(model, batch)` (README, 'Micro-batches'); the "
+            "batch in one piece needs more memory than planned. plan_model's micro_batches=1 forbids splitting.",
+            plan.micro_batches,
+        )
     return apply_plan(model, plan, device_mesh, optimizers, timeout=timeout, pretrained=pretrained)
 
 

@@ -29,14 +29,15 @@ def plan_for_accumulation(
 ) -> Plan:
     """``plan(steps)``: the plan for the user's settings (``steps`` micro-batches). If none fits, ``plan(None)``
     searches the micro-batch count and the raised :class:`InfeasibleError` says which per-device batch and
-    accumulation steps (``settings``: their names in the user's API) keep the global batch and fit."""
+    accumulation steps (``settings``: their names in the user's API) keep the global batch and fit — or, when
+    no count fits either, is the search's own error."""
     try:
         return plan(steps)
     except InfeasibleError as exc:
         try:
             found = plan(None)
-        except InfeasibleError:
-            raise exc from None
+        except InfeasibleError as searched:  # nothing fits at any k: the search's error says how far it went
+            raise searched from None
         raise InfeasibleError(
             _advice(exc, found, steps, per_device_batch, processes, settings),
             min_required=exc.min_required,

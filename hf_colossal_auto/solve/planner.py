@@ -318,30 +318,56 @@ class _Search:
 
     def try_micro_batches(self) -> None:
         """Micro-batching where the batch in one piece does not fit or needs recompute: k = 2, 4, ... (divisors
-        of the replica's batch) until a k fits without recompute. A candidate is skipped, without tracing it,
-        when the best plan so far is no slower than a lower bound of its compute: k pieces compute at least as
-        long as one (smaller kernels run no faster per byte) and at least k times the per-op host cost. So the
-        common case — the budget met without recompute — costs nothing more, and a host-bound model is not
-        split for nothing."""
+        of the replica's batch) up to the first k that fits without recompute; the fastest plan wins.
+
+        Kept cheap, since each k costs a trace and an ILP: candidates are visited most promising first, and a k
+        is skipped once the best plan so far is no slower than what it can reach — micro-batching at best
+        removes the recompute of the last plan on that mesh (``step - recompute``), and k pieces cost at least
+        k times the ops' host seconds. Where nothing fits in one piece, the smallest k that fits is found by
+        bisection (memory falls with k), starting from the largest: if even that does not fit, no k does."""
         fixed_recompute = self.planner.recompute in ("none", "full")
-        for (mesh, dp_mode), (plan, host_floor) in self.one_piece.items():
-            if plan is not None and plan.fits and (fixed_recompute or not _recomputes(plan)):
-                continue
+
+        def done(plan: Plan | None) -> bool:
+            return plan is not None and plan.fits and (fixed_recompute or not _recomputes(plan))
+
+        pending = [(key, plan, floor) for key, (plan, floor) in self.one_piece.items() if not done(plan)]
+        pending.sort(key=lambda c: _best_case(c[1]) if c[1] is not None else math.inf)
+        for (mesh, dp_mode), plan, host_floor in pending:
             options = self.planner.micro_batch_options(mesh[0])
             if plan is None and options:
-                # nothing fits in one piece: the most pieces need the least memory; if even they do not fit,
-                # no k does (one ILP per candidate instead of one per divisor on the way to an error)
-                if self.try_candidate(mesh, dp_mode, options[-1]) is None:
+                first = self._smallest_fitting(mesh, dp_mode, options)
+                if first is None or done(first[1]):
                     continue
-                options = options[:-1]
+                plan, options = first[1], [k for k in options if k > first[0]]
             for k in options:
-                bound = max(plan.compute_time_s, k * host_floor) if plan is not None else 0.0
+                bound = max(_best_case(plan), k * host_floor) if plan is not None else 0.0
                 if self.best is not None and self.best.step_time_s <= bound:
                     logger.debug("mesh %s %s: %d micro-batches skipped (>= %.3g s)", mesh, dp_mode, k, bound)
                     break
                 found = self.try_candidate(mesh, dp_mode, k)
-                if found is not None and found.fits and (fixed_recompute or not _recomputes(found)):
+                if done(found):
                     break
+                plan = found if found is not None else plan
+
+    def _smallest_fitting(
+        self, mesh: tuple[int, int], dp_mode: str, options: list[int]
+    ) -> tuple[int, Plan] | None:
+        """The fewest micro-batches (of ``options``, ascending) with which ``(mesh, dp_mode)`` fits, and its
+        plan; None when even the most do not. Bisection: fewer pieces never need less memory."""
+        plans: dict[int, Plan] = {}
+        top = self.try_candidate(mesh, dp_mode, options[-1])
+        if top is None:
+            return None
+        plans[len(options) - 1] = top
+        lo, hi = 0, len(options) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            found = self.try_candidate(mesh, dp_mode, options[mid])
+            if found is None:
+                lo = mid + 1
+            else:
+                plans[mid], hi = found, mid
+        return options[hi], plans[hi]
 
 
 def _micro_batch_clause(fixed: int | None, tried: list[int]) -> str:
@@ -351,6 +377,12 @@ def _micro_batch_clause(fixed: int | None, tried: list[int]) -> str:
     if len(tried) > 1:
         return f", micro-batching tried: up to {max(tried)} micro-batches per replica)"
     return "; micro-batching tried: no replica's batch splits further)"
+
+
+def _best_case(plan: Plan) -> float:
+    """What more micro-batches could at best bring a plan's step time down to: its time without recompute
+    (they add compute and per-piece collectives and save only memory)."""
+    return plan.step_time_s - plan.recompute_time_s
 
 
 def _recomputes(plan: Plan) -> bool:

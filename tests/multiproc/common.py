@@ -41,10 +41,13 @@ def plan_at_fraction(
     recompute: str,
 ):
     """A plan on ``mesh`` under a budget of ``fraction`` x the peak of the plan made without recompute and
-    without a binding budget (what the memory-budget checks hold a real step to)."""
+    without a binding budget (what the memory-budget checks hold a real step to). The batch in one piece
+    (``micro_batches=1``): the checks run it so."""
     from hf_colossal_auto.solve.planner import plan_model
 
-    common = dict(num_devices=mesh[0] * mesh[1], device="cpu", mesh_shape=mesh, dp_modes=(dp_mode,))
+    common = dict(
+        num_devices=mesh[0] * mesh[1], device="cpu", mesh_shape=mesh, dp_modes=(dp_mode,), micro_batches=1
+    )
     free = plan_model(model, batch, memory_budget=1 << 40, recompute="none", **common)
     budget = int(free.peak_memory_bytes * fraction)
     return plan_model(model, batch, memory_budget=budget, recompute=recompute, **common)
