@@ -10,6 +10,7 @@ peak of a steady-state step within the bounds below. The multi-process numerics 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -222,3 +223,24 @@ def test_expert_parallel_strategies_are_offered_for_the_grouped_gemms():
     gathered = {f"{fqn}.gate_up_proj": ["R", "R"], f"{fqn}.down_proj": ["R", "R"]}
     assert moe_layer_choices(model, split, 2, gathered)[fqn] == "experts: replicated (stored EP×2)"
     assert experts_choice(experts, fqn, {}, 2) == "replicated"
+
+
+def test_plans_mixing_expert_parallel_weights_are_recognised():
+    """A per-op mix the solver may price (``down_proj`` expert-parallel, ``gate_up_proj`` split on its hidden
+    dim, or stored split but gathered for use) is not what the runtime's expert-parallel region runs:
+    ``install_expert_parallel_regions`` warns about the weights named here; both weights expert-parallel is
+    the region itself."""
+    from hf_colossal_auto.apply.moe import _partly_expert_parallel
+
+    model = moe_model("tiny-mixtral", layers=2, device="meta")
+    fqn = "model.layers.0.mlp.experts"
+    experts = model.model.layers[0].mlp.experts
+    stored = SimpleNamespace(  # the two fields of a Plan the check reads
+        param_placements={f"{fqn}.gate_up_proj": ["R", "S2"], f"{fqn}.down_proj": ["R", "S0"]},
+        param_use_placements={},
+    )
+    assert _partly_expert_parallel(experts, fqn, stored) == ["down_proj"]
+    stored.param_placements[f"{fqn}.gate_up_proj"] = ["R", "S0"]
+    assert _partly_expert_parallel(experts, fqn, stored) == []
+    stored.param_use_placements = {f"{fqn}.gate_up_proj": ["R", "R"]}  # stored split, gathered for use
+    assert _partly_expert_parallel(experts, fqn, stored) == ["down_proj"]

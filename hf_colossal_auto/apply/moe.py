@@ -180,14 +180,41 @@ def _split_on_expert_dim(module: nn.Module, fqn: str, plan: Plan) -> bool:
     return True
 
 
+def _partly_expert_parallel(module: nn.Module, fqn: str, plan: Plan) -> list[str]:
+    """The stacked expert weights ``plan`` uses split on the expert dim, when not all of them are (a per-op
+    mix the ILP may price, e.g. ``down_proj`` expert-parallel and ``gate_up_proj`` split on its hidden dim)."""
+    names = [name for name, _ in module.named_parameters(recurse=False) if expert_weight_dims(module, name)]
+    used = {
+        name: (
+            plan.param_use_placements.get(f"{fqn}.{name}") or plan.param_placements.get(f"{fqn}.{name}") or []
+        )
+        for name in names
+    }
+    split = [name for name, use in used.items() if use and use[-1] == "S0"]
+    return split if 0 < len(split) < len(names) else []
+
+
 def install_expert_parallel_regions(model: nn.Module, plan: Plan) -> list[str]:
     """Run every experts module whose weights ``plan`` splits on the expert dim, for storage and use, as an
-    expert-parallel region. Returns their FQNs."""
-    installed = []
+    expert-parallel region. Returns their FQNs. A module the plan makes expert-parallel for some weights only
+    runs op by op (correct; DTensor gathers those weights where they are used), and a warning says so: the
+    plan's time for it assumed otherwise."""
+    installed, mixed = [], []
     for fqn, module in experts_modules(model).items():
         if _split_on_expert_dim(module, fqn, plan) and "forward" not in module.__dict__:
             module.forward = expert_parallel_forward(module, module.forward)
             installed.append(fqn)
+        elif _partly_expert_parallel(module, fqn, plan):
+            mixed.append(f"{fqn} ({', '.join(_partly_expert_parallel(module, fqn, plan))})")
+    if mixed:
+        logger.warning(
+            "the plan uses some expert weights split on the expert dim and others not, in %d MoE layers (%s%s): "
+            "the runtime runs expert parallelism per whole experts module only, so these weights are gathered "
+            "where they are used and those layers take longer than the plan predicts",
+            len(mixed),
+            ", ".join(mixed[:2]),
+            ", ..." if len(mixed) > 2 else "",
+        )
     if installed:
         logger.info("expert parallelism (local dispatch, partial combine) in %d MoE layers", len(installed))
     return installed
