@@ -253,26 +253,6 @@ def test_unknown_model_preset_is_refused(tmp_path, fresh_accelerate_state):
         _run_in_process("pretrain_gpt", ["--model", "bert-base", "--output_dir", str(tmp_path)])
 
 
-@pytest.mark.slow
-def test_gpt_recipe_on_two_processes_under_a_plan(tmp_path):
-    """The README's 2-CPU-process command, tensor parallel (mesh forced to 1x2 so that TP is what runs)."""
-    out = tmp_path / "gpt"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        *accelerate_launch_command(),
-        str(RECIPES / "pretrain_gpt.py"), *quick(), "--mesh_shape", "1x2", "--output_dir", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "2 process(es), data-parallel size 1" in proc.stdout  # both ranks of one tensor-parallel group
-    records = _check_metrics(out / "metrics.jsonl", 8)
-    assert (
-        records[0]["tokens"] == 4 * 2 * 64
-    )  # global batch: per-device batch x processes, TP ranks sharing it
-    _check_export(out / "final", "AutoModelForCausalLM")
-    assert json.loads((out / "final" / "config.json").read_text())["model_type"] == "gpt2"
-
-
 def _no_dropout_config(preset: str, path: Path, **sizes: int) -> Path:
     """``preset`` without dropout (and resized by ``sizes``), as a config.json for the recipes' ``--model``.
     Why no dropout: the ranks of a tensor-parallel group draw masks for their shards of an activation, not the
@@ -289,68 +269,110 @@ def _no_dropout_config(preset: str, path: Path, **sizes: int) -> Path:
     return path
 
 
-@pytest.mark.slow
-def test_bert_and_t5_recipes_on_two_processes_match_one_process(tmp_path, fresh_accelerate_state):
-    """BERT and T5 pretraining under a real tensor-parallel plan (``--mesh_shape 1x2``; both recipes in one
-    ``accelerate launch``, which costs one process start instead of two) train as they do in one process.
+# BERT and T5 against one process: script -> (task class, preset, resized config); compared over 4 steps
+COMPARED = {
+    "pretrain_bert": ("AutoModelForMaskedLM", "tiny-bert", {}),
+    "pretrain_t5": ("AutoModelForSeq2SeqLM", "tiny-t5", {"d_model": 128, "d_ff": 256, "d_kv": 32}),
+}
+COMPARED_STEPS = 4
 
-    Same seed, data, tokenizer and global batch (8 rows: 4 per device x the 2 ranks that share them, against 8
-    in one process), so every logged loss, gradient norm (before clipping: it sees the sharded gradients) and
-    the eval loss must agree to fp32 rounding: measured at most 1e-7 (losses) and 6e-7 (gradient norms)
-    relative, over both recipes and all steps; the bounds are a few times that. A wrong reduction or a
-    misplaced shard moves them by far more (a loss at 6 to 7 changes by ~1e-2 in one step). Four steps are
-    enough for the loss to fall in both processes' runs; the export loads with ``from_pretrained``.
 
-    T5 is widened to d_model 128: at the tiny preset's 64 the planner keeps every T5 weight replicated (tensor
-    parallelism does not pay there), so no plan would apply; the saved plans prove one did."""
+@pytest.fixture(scope="module")
+def two_process_recipes(tmp_path_factory) -> Path:
+    """All three recipes under a 1x2 tensor-parallel plan in ONE ``accelerate launch`` of 2 CPU processes
+    (tests/multiproc/run_recipes.py runs them one after the other as their scripts would): the process start
+    and imports cost more than a tiny recipe's run, so the recipes share them. The literal README command
+    (``accelerate launch recipes/pretrain_gpt.py``) is run by tests/test_reliability.py's killed-rank test.
+
+    GPT runs as the README shows it (tiny preset, 8 steps) into ``two/pretrain_gpt``. BERT and T5 run first in
+    this process (``one/``: per-device batch 8) and then on the 2 ranks (``two/``: 4 per device, the 2 ranks of
+    one tensor-parallel group sharing their 8 rows): same seed, data, global batch and tokenizer (the WordPiece
+    and Unigram trainers order tied pieces differently in each process, so the 2-process runs take the
+    1-process run's). Each recipe's plan is saved as ``<script>.plan.json``."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from hf_colossal_auto.plan import Plan
+    root = tmp_path_factory.mktemp("recipes")
+    one, two = root / "one", root / "two"
 
-    recipes = {
-        "pretrain_bert": ("AutoModelForMaskedLM", _no_dropout_config("tiny-bert", tmp_path / "bert.json")),
-        "pretrain_t5": (
-            "AutoModelForSeq2SeqLM",
-            _no_dropout_config("tiny-t5", tmp_path / "t5.json", d_model=128, d_ff=256, d_kv=32),
-        ),
-    }
-    one, two, steps = tmp_path / "one", tmp_path / "two", 4
-
-    def argv(script: str, batch: int, out: Path) -> list[str]:
+    def compared(script: str, batch: int, out: Path) -> list[str]:
+        _, preset, sizes = COMPARED[script]
+        config = _no_dropout_config(preset, root / f"{script}.json", **sizes)
         # after quick()'s flags, so these win: a config path is not "tiny", whose vocabulary default is 1024
-        model = ["--model", str(recipes[script][1]), "--vocab_size", "1024"]
-        return [*quick(steps, batch=batch), *model, "--output_dir", str(out / script)]
+        model = ["--model", str(config), "--vocab_size", "1024"]
+        return [*quick(COMPARED_STEPS, batch=batch), *model, "--output_dir", str(out / script)]
 
-    for script in recipes:
-        _run_in_process(script, argv(script, 8, one))
+    for script in COMPARED:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
-    # The WordPiece and Unigram trainers order tied pieces differently in each process (not seeded): the
-    # two-process runs take the one-process run's tokenizer, so that both see the same token ids.
+        _run_in_process(script, compared(script, 8, one))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    argv = {
+        "pretrain_gpt": [*quick(), "--output_dir", str(two / "pretrain_gpt")],
+        **{s: [*compared(s, 4, two), "--tokenizer", str(one / s / "tokenizer")] for s in COMPARED},
+    }
     runs = [
         [
             script,
-            [*argv(script, 4, two), "--mesh_shape", "1x2", "--tokenizer", str(one / script / "tokenizer")],
-            {"HF_COLOSSAL_AUTO_SAVE_PLAN_PATH": str(tmp_path / f"{script}.plan.json")},
+            [*args, "--mesh_shape", "1x2"],
+            {"HF_COLOSSAL_AUTO_SAVE_PLAN_PATH": str(root / f"{script}.plan.json")},
         ]
-        for script in recipes
+        for script, args in argv.items()
     ]
     cmd = accelerate_launch_command(str(ROOT / "tests" / "multiproc" / "run_recipes.py"), json.dumps(runs))
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    for script, (task_class, _) in recipes.items():
-        plan = Plan.load(tmp_path / f"{script}.plan.json")
-        tp = plan.mesh_axis_names.index("tp")
-        assert plan.mesh_shape == (1, 2)
-        assert any(p[tp].startswith("S") for p in plan.param_placements.values()), (
-            f"{script}: nothing sharded"
-        )
-        reference = _check_metrics(one / script / "metrics.jsonl", steps)
-        records = _check_metrics(two / script / "metrics.jsonl", steps)
-        for a, b in zip(reference, records, strict=True):
-            assert (a["tokens"], a["lr"]) == (b["tokens"], b["lr"]), (script, a["step"])
-            assert b["loss"] == pytest.approx(a["loss"], rel=5e-7, abs=0), (script, a["step"])
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-6, abs=0), (script, a["step"])
-        assert records[-1]["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], rel=5e-7, abs=0)
-        _check_export(two / script / "final", task_class)
+    (root / "stdout.txt").write_text(proc.stdout)
+    return root
+
+
+def _sharded_over_tp(plan_path: Path) -> bool:
+    from hf_colossal_auto.plan import Plan
+
+    plan = Plan.load(plan_path)
+    tp = plan.mesh_axis_names.index("tp")
+    assert plan.mesh_shape == (1, 2)
+    return any(p[tp].startswith("S") for p in plan.param_placements.values())
+
+
+@pytest.mark.slow
+def test_gpt_recipe_on_two_processes_under_a_plan(two_process_recipes):
+    """The README's 2-CPU-process GPT run, tensor parallel (mesh forced to 1x2 so that TP is what runs)."""
+    out = two_process_recipes / "two" / "pretrain_gpt"
+    stdout = (two_process_recipes / "stdout.txt").read_text()
+    summary = next(line for line in stdout.splitlines() if line.startswith("gpt: "))
+    assert "2 process(es), data-parallel size 1" in summary  # both ranks of one tensor-parallel group
+    assert _sharded_over_tp(two_process_recipes / "pretrain_gpt.plan.json")
+    records = _check_metrics(out / "metrics.jsonl", 8)
+    assert (
+        records[0]["tokens"] == 4 * 2 * 64
+    )  # global batch: per-device batch x processes, TP ranks sharing it
+    _check_export(out / "final", "AutoModelForCausalLM")
+    assert json.loads((out / "final" / "config.json").read_text())["model_type"] == "gpt2"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", list(COMPARED))
+def test_bert_and_t5_recipes_on_two_processes_match_one_process(script, two_process_recipes):
+    """BERT and T5 pretraining under a real tensor-parallel plan (``--mesh_shape 1x2``) train as they do in
+    one process, on the same seed, data, tokenizer and global batch (see ``two_process_recipes``).
+
+    So every logged loss, gradient norm (before clipping: it sees the sharded gradients) and the eval loss
+    must agree to fp32 rounding: measured at most 1e-7 (losses) and 6e-7 (gradient norms) relative, over both
+    recipes and all steps; the bounds are a few times that. A wrong reduction or a misplaced shard moves them
+    by far more (a loss at 6 to 7 changes by ~1e-2 in one step). Four steps are enough for the loss to fall
+    in both runs; the export loads with ``from_pretrained``.
+
+    T5 is widened to d_model 128: at the tiny preset's 64 the planner keeps every T5 weight replicated (tensor
+    parallelism does not pay there), so no plan would apply; the saved plans prove one did."""
+    task_class = COMPARED[script][0]
+    assert _sharded_over_tp(two_process_recipes / f"{script}.plan.json"), f"{script}: nothing sharded"
+    reference = _check_metrics(two_process_recipes / "one" / script / "metrics.jsonl", COMPARED_STEPS)
+    records = _check_metrics(two_process_recipes / "two" / script / "metrics.jsonl", COMPARED_STEPS)
+    for a, b in zip(reference, records, strict=True):
+        assert (a["tokens"], a["lr"]) == (b["tokens"], b["lr"]), a["step"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=5e-7, abs=0), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-6, abs=0), a["step"]
+    assert records[-1]["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], rel=5e-7, abs=0)
+    _check_export(two_process_recipes / "two" / script / "final", task_class)
