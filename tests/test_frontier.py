@@ -27,9 +27,20 @@ def _tiny():
 @pytest.fixture(scope="module")
 def front():
     """Tiny Llama on 2 CPU devices in one node (so Megatron is tensor-parallel over both), the default sweep;
-    auto chooses among every mesh, as the baselines' meshes are among them."""
+    auto chooses among every mesh, as the baselines' meshes are among them. The batch in one piece
+    (micro_batches=1): a sweep down to what micro-batches reach doubles this fixture's time, and micro-batching
+    has its own tests (test_planner.py, test_micro_batches.py)."""
     model, batch = _tiny()
-    return frontier(model, batch, num_devices=2, device="cpu", devices_per_node=2, points=3, progress=False)
+    return frontier(
+        model,
+        batch,
+        num_devices=2,
+        device="cpu",
+        devices_per_node=2,
+        points=3,
+        progress=False,
+        micro_batches=1,
+    )
 
 
 def test_sweep_spans_min_memory_to_no_recompute_peak(front):

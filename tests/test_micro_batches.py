@@ -125,3 +125,15 @@ def test_trainer_settings_no_plan_fits_are_refused_with_settings_that_do():
         info.value
     )
     assert plan_for_accumulation(plan, found, 4 // found, 2, names).micro_batches == found
+
+
+def test_frontier_table_shows_micro_batches():
+    from hf_colossal_auto.solve.frontier import Frontier, FrontierPoint
+
+    points = [
+        FrontierPoint(1 << 30, 0.5, 1 << 29, (2, 1), "fsdp", "none", micro_batches=4),
+        FrontierPoint(2 << 30, 0.4, 1 << 30, (2, 1), "ddp", "none"),
+    ]
+    table = Frontier("t", [1 << 30, 2 << 30], {"auto": points}).table()
+    assert "2x1 fsdp x4 micro-batches, none" in table
+    assert "2x1 ddp, none" in table
