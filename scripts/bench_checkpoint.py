@@ -17,6 +17,7 @@ tensor by tensor against the checkpoint (bit-identical, one tensor at a time).
 Usage::
 
     python scripts/bench_checkpoint.py [--workdir DIR] [--max-shard-size 500MB] [--json out.json] [--layers 22]
+        [--shard-vocab]
 """
 
 from __future__ import annotations
@@ -99,8 +100,10 @@ def single(workdir: Path, max_shard_size: str) -> dict:
     }
 
 
-def plan(workdir: Path) -> dict:
-    """The 1 x 2 Megatron plan for the meta model (in its own process: planning is not what is measured)."""
+def plan(workdir: Path, shard_vocab: bool) -> dict:
+    """The 1 x 2 Megatron plan for the meta model (in its own process: planning is not what is measured);
+    ``shard_vocab``: the embedding and the LM head split over the vocabulary too, as Megatron-LM splits them
+    (our Megatron baseline keeps them replicated), for what a rank holds when every matrix is sharded."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -111,6 +114,9 @@ def plan(workdir: Path) -> dict:
         model = AutoModelForCausalLM.from_config(_config_of(workdir), dtype=torch.bfloat16)
     batch = make_example_inputs(model, 2, 128, device="meta")
     made = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+    if shard_vocab:
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            made.param_placements[name] = ["R", "S0"]
     made.save(workdir / "plan.json")
     return {"sharded": sum(1 for p in made.param_placements.values() if p[-1] != "R")}
 
@@ -229,6 +235,7 @@ def main() -> None:
     parser.add_argument("--max-shard-size", default="500MB")
     parser.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
     parser.add_argument("--json")
+    parser.add_argument("--shard-vocab", action="store_true", help="split the embedding and LM head too")
     parser.add_argument(
         "--phase", choices=["make", "single", "plan", "ranks", "verify"], help=argparse.SUPPRESS
     )
@@ -241,7 +248,7 @@ def main() -> None:
         phases = {
             "make": lambda: make(workdir, args.layers, args.max_shard_size),
             "single": lambda: single(workdir, args.max_shard_size),
-            "plan": lambda: plan(workdir),
+            "plan": lambda: plan(workdir, args.shard_vocab),
             "ranks": lambda: ranks(workdir, args.max_shard_size),
             "verify": lambda: verify(workdir),
         }
@@ -260,7 +267,7 @@ def main() -> None:
     ]
     made = _run([*common, "--phase", "make"])
     single_result = _run([*common, "--phase", "single"])
-    _run([*common, "--phase", "plan"])
+    _run([*common, "--phase", "plan", *(["--shard-vocab"] if args.shard_vocab else [])])
     rank_results = _run([*common, "--phase", "ranks"], torchrun=True)["ranks"]
     checked = _run([*common, "--phase", "verify"])
     worst_rss = max(r["peak_rss"] for r in rank_results)

@@ -27,6 +27,8 @@ own ``_keys_to_ignore_on_load_missing``/``_unexpected`` patterns are honoured as
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import logging
 import re
@@ -591,6 +593,8 @@ def _stream_file(
                 report.peak_held_bytes = max(report.peak_held_bytes, full.numel() * full.element_size())
                 _write_bytes(out, full)
             del full
+            if out is not None:
+                _return_freed_pages()
     return [saved for _, saved in layout]
 
 
@@ -673,6 +677,14 @@ def _write_bytes(out: Any, value: torch.Tensor | _Pieces) -> None:
     """A gathered tensor's bytes (row-major, little-endian as the host) appended to an open file."""
     for piece in value if isinstance(value, _Pieces) else [value]:
         out.write(piece.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _return_freed_pages() -> None:
+    """glibc's ``malloc_trim``: the gathered tensors, freed one after the other, would otherwise stay in the
+    heap (glibc raises its mmap threshold after each large free) and the writer's resident memory would grow by
+    a file's worth (measured: +0.2 GiB on the 1.1B benchmark; +0.09 GiB with this). No-op without glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _gathered(live: torch.Tensor, writer: int) -> torch.Tensor | _Pieces | None:
