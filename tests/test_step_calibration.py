@@ -116,3 +116,52 @@ def test_a_spec_with_the_scales_reproduces_the_step_it_was_measured_on():
     for kind, seconds in result.predicted.items():
         if kind not in result.scales:
             assert again.get(kind, 0.0) == pytest.approx(seconds)
+
+
+def test_a_cpu_optimizer_step_is_priced_as_the_per_parameter_loop_it_runs():
+    """On a CPU torch's optimizers loop over parameters (``foreach`` is a GPU default): each foreach op of the
+    captured step costs the host one op per parameter it covers, folded blocks' twins included — as many as
+    the real loop dispatches (counted at the dispatch level on a real step); on a GPU it stays one op."""
+    from hf_colossal_auto.models import load_config
+    from hf_colossal_auto.profile.memory import _optimizer_copies
+    from hf_colossal_auto.profile.profiler import optimizer_loop_ops
+    from hf_colossal_auto.step_calibration import _OpTimer
+
+    config = load_config("tiny-gpt2")
+    config.n_layer = 6  # repeated blocks: the capture folds blocks 3-5 into block 2
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu")
+    batch = make_example_inputs(model, 2, 16, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    timer = _OpTimer(sync=False)
+    for timed in (False, True):
+        model(**batch).loss.backward()
+        if timed:
+            with timer:
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    params = len(list(model.parameters()))
+    graph = trace_training_step(model, batch)
+    copies = _optimizer_copies(graph)
+    assert copies  # folded twins are counted through their representative's parameters
+    modelled = Counter()
+    for node in graph.nodes:
+        if node.phase is Phase.OPTIMIZER:
+            modelled[op_base_name(node.op).removeprefix("_foreach_")] += optimizer_loop_ops(
+                graph, node, copies
+            )
+    for kind in ("lerp_", "addcmul_", "addcdiv_", "sqrt"):
+        assert modelled[kind] == timer.calls[kind] == params, kind
+    lerp = next(n.index for n in graph.nodes if op_base_name(n.op) == "_foreach_lerp_")
+    for kind, host_ops in (("cpu", params), ("cuda", 1)):
+        spec = STATIC_CPU_SPEC.with_overrides(kind=kind, host_overhead_s=1e-3, kernel_overhead_s=0.0)
+        hostless = spec.with_overrides(host_overhead_s=0.0)
+        host = node_times(graph, spec)[lerp] - node_times(graph, hostless)[lerp]
+        if kind == "cpu":  # host and kernel add up on a CPU
+            assert host == pytest.approx(host_ops * 1e-3)
+        else:  # one op on a GPU, which overlaps host and kernel
+            assert node_times(graph, spec)[lerp] == pytest.approx(
+                max(1e-3, node_times(graph, hostless)[lerp])
+            )
