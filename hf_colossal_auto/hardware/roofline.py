@@ -172,14 +172,12 @@ def step_op_time(
     transcendental_elements: float = 0.0,
     dtensor: bool = False,
     op: str | None = None,
-    host_ops: float = 1.0,
 ) -> float:
     """Seconds one op adds to a training step, host and device together.
 
     A CPU runs the host code and the kernel one after the other: they add. A GPU's host enqueues kernels
     ahead of the device, so an op costs whichever is longer (a step of tiny ops is host-bound, a step of big
-    ones device-bound); views launch nothing and hide behind the device there. ``host_ops``: how many ops the
-    host dispatches for it (a foreach optimizer op that the runtime runs as one op per parameter).
+    ones device-bound); views launch nothing and hide behind the device there.
     """
     device = (
         0.0
@@ -195,7 +193,7 @@ def step_op_time(
             op=op,
         )
     )
-    return join_host(device, host_time(spec, dtensor=dtensor) * host_ops, spec, view=view)
+    return join_host(device, host_time(spec, dtensor=dtensor), spec, view=view)
 
 
 def join_host(device_s: float, host_s: float, spec: DeviceSpec, *, view: bool = False) -> float:

@@ -58,11 +58,6 @@ def node_times(graph: StepGraph, spec: DeviceSpec, *, dtensor: bool = False) -> 
     def moved(vids) -> int:
         return sum(graph.values[v].nbytes * copies.get(graph.values[v].storage_id, 1) for v in vids)
 
-    def host_ops(n: OpNode) -> float:
-        if n.index < opt_start or spec.kind != "cpu":
-            return 1.0
-        return optimizer_loop_ops(graph, n, copies)
-
     return [
         step_op_time(
             n.flops,
@@ -77,27 +72,9 @@ def node_times(graph: StepGraph, spec: DeviceSpec, *, dtensor: bool = False) -> 
             transcendental_elements=transcendental_elements(graph, n),
             dtensor=dtensor,
             op=n.op,
-            host_ops=host_ops(n),
         )
         for n in graph.nodes
     ]
-
-
-def optimizer_loop_ops(graph: StepGraph, node: OpNode, copies: Mapping[int, int]) -> float:
-    """Ops the host runs for one optimizer node where torch's optimizers loop over parameters (their default on
-    a CPU: ``foreach`` is for GPUs): a foreach op (``_foreach_lerp_``) is one op per tensor of its first list,
-    counting each folded block's twins (``copies``: storage -> parameters it stands for); any other op, one."""
-    if not op_base_name(node.op).startswith("_foreach_") or not node.args:
-        return 1.0
-    args = node.args[0] if isinstance(node.args, tuple) else node.args
-    first = args[0] if args else None
-    if not isinstance(first, (list, tuple)):
-        return 1.0
-    total = 0
-    for ref in first:
-        vid = getattr(ref, "value_id", None)
-        total += copies.get(graph.values[vid].storage_id, 1) if vid is not None else 1
-    return float(max(total, 1))
 
 
 def node_kernel_time(graph: StepGraph, node: OpNode, spec: DeviceSpec) -> float:
