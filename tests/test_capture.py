@@ -79,8 +79,12 @@ def test_values_and_args_are_consistent(gpt2_graphs):
             refs = [a for a in torch.utils._pytree.tree_leaves(n.args) if isinstance(a, TensorRef)]
             assert all(r.value_id in n.inputs for r in refs)
             assert not any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(n.args))
-            if n.is_view:
+            if (
+                not n.launches_kernel
+            ):  # a pure view moves nothing; an in-place op (bernoulli_) moves its bytes
                 assert n.bytes_read == n.bytes_written == 0
+            elif n.mutates:
+                assert n.bytes_written == sum(graph.values[v].nbytes for v in n.outputs)
             assert n.flops >= 0
         assert any(n.is_view for n in graph.nodes)
 
