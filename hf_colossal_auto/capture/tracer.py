@@ -388,7 +388,7 @@ def _trace_once(
 
         def _push(mod, *_):
             if mod is not None:  # a module built inside forward may be gone by backward
-                rec.module_stack.append(_name(mod))
+                push_module(rec.module_stack, _name(mod), backward=rec.phase is Phase.BACKWARD)
 
         def _pop(mod, *_):
             if mod is None:
@@ -439,6 +439,29 @@ def _trace_once(
             for handle in arg_hooks:
                 handle.remove()
     return rec, state_bytes
+
+
+def push_module(stack: list[str], name: str, *, backward: bool) -> None:
+    """Enter module ``name``: the op nodes recorded next belong to the top of ``stack``.
+
+    In backward, modules that return the same tensor (a model's head returning its last ``Linear``'s output,
+    a block returning its last norm's) have their pre-backward hooks on that one tensor, and torch runs them
+    in registration order: the innermost module, whose forward ended first, first. Pushed as they come, the
+    outermost would own the ops — a decoder's two backward GEMMs recorded under the model's ``cls`` head,
+    which has no forward op of its own to price them with. So in backward an ancestor of modules already on
+    the stack goes beneath them: the ops belong to the innermost module running backward."""
+    if not backward:
+        stack.append(name)
+        return
+    at = len(stack)
+    while at > 0 and _is_descendant(stack[at - 1], name):
+        at -= 1
+    stack.insert(at, name)
+
+
+def _is_descendant(module: str, ancestor: str) -> bool:
+    """``module`` lies strictly inside ``ancestor`` (``""`` is the root, an ancestor of every module)."""
+    return module != ancestor and (ancestor == "" or module.startswith(ancestor + "."))
 
 
 def _record_block_args(rec: _Recorder, fqn: str, module: nn.Module, args: Any, kwargs: Any) -> None:
