@@ -12,8 +12,10 @@ in a few seconds each:
    its op count, eager (``host_overhead_s``) and again with our runtime applied for one device, which runs
    every op on DTensors with the plan's hooks (``dtensor_overhead_s``: the difference per op);
 3. every collective on the running process group, per kind (``intra_node_link.collectives``), and how much
-   of a collective hides behind concurrent GEMMs (``overlap_efficiency``), when the job has more than one
-   process; all ranks must call it then, and all get the same spec.
+   of a collective hides behind concurrent GEMMs (``overlap_efficiency``), and how long a rank waits for its
+   peers at a synchronising collective after a stretch of the same work (``rank_skew_s``,
+   :mod:`.hardware.skew`), when the job has more than one process; all ranks must call it then, and all get
+   the same spec.
 
 The result is written as JSON (``hf-colossal-auto calibrate --out cluster.json``) that every ``device=``
 argument and ``--device`` flag accepts. It carries its provenance (host, date, torch, command).
@@ -39,6 +41,7 @@ from .hardware import DeviceSpec, LinkSpec, get_device
 from .hardware.calibrate import cpu_model_name, host_memory_bytes
 from .hardware.catalog import STATIC_CPU_SPEC, device_from_cuda_name
 from .hardware.microbench import collective_fits, dtensor_collective_fits, measure_kernels, overlap_efficiency
+from .hardware.skew import measure_rank_skew
 
 __all__ = ["calibrate", "measure_overheads", "OVERHEAD_MODELS"]
 
@@ -169,8 +172,14 @@ def _node_links(base: DeviceSpec, device: torch.device) -> dict[str, Any]:
     fits = collective_fits(None, device)
     fits.update(dtensor_collective_fits(device))
     efficiency = overlap_efficiency(None, device)
+    skew, exponent = measure_rank_skew(device)
+    skew_fields = {
+        "rank_skew_s": skew,
+        "rank_skew_exponent": exponent,
+        "rank_skew_ranks": dist.get_world_size(),
+    }
     if not fits:
-        return {"overlap_efficiency": efficiency}
+        return {"overlap_efficiency": efficiency, **skew_fields}
     base_fit = fits.get("all_reduce") or fits["dtensor:all_reduce"]
     link = LinkSpec(
         bandwidth=base_fit.bandwidth,
@@ -178,7 +187,7 @@ def _node_links(base: DeviceSpec, device: torch.device) -> dict[str, Any]:
         collectives={k: (f.bandwidth, f.latency) for k, f in fits.items()},
     )
     key = "intra_node_link" if local == dist.get_world_size() else "inter_node_link"
-    out: dict[str, Any] = {key: link, "overlap_efficiency": efficiency}
+    out: dict[str, Any] = {key: link, "overlap_efficiency": efficiency, **skew_fields}
     if key == "intra_node_link" and base.kind == "cpu":
         out["devices_per_node"] = dist.get_world_size()
         out["inter_node_link"] = link

@@ -280,6 +280,17 @@ def _print_spec(spec) -> None:
         ("host overhead / op", f"{spec.host_overhead_s * 1e6:.1f} us"),
         ("DTensor overhead / op", f"{spec.dtensor_overhead_s * 1e6:.1f} us"),
         ("collective hidden behind compute", f"{spec.overlap_efficiency:.0%}"),
+        *(
+            [
+                (
+                    "rank skew at a sync",
+                    f"{spec.rank_skew_s * 1e3:.1f} ms after 1 s of work (x L^{spec.rank_skew_exponent:.2f}, "
+                    f"{spec.rank_skew_ranks} ranks)",
+                )
+            ]
+            if spec.rank_skew_s
+            else []
+        ),
     ]
     for kind, (bandwidth, latency) in spec.intra_node_link.collectives.items():
         rows.append((f"{kind} (intra-node)", f"{latency * 1e6:.1f} us/step, {bandwidth / 1e9:.2f} GB/s"))

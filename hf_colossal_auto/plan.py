@@ -89,6 +89,9 @@ class Plan:
     overlapped_communication_s: float = 0.0
     """Data-parallel communication predicted to run hidden behind computation (not in ``step_time_s``;
     ``communication_time_s`` is what the step waits for)."""
+    sync_wait_s: float = 0.0
+    """Seconds a rank waits at synchronising collectives for the slowest of its peers (rank skew, in
+    ``step_time_s``; :mod:`hf_colossal_auto.hardware.skew`): 0 on a device without measured skew."""
     moe_layers: dict[str, str] = field(default_factory=dict)
     """Mixture-of-experts layers: experts module FQN -> the plan's choice for its stacked expert weights
     (``"experts: replicated"``, ``"experts: TP×2"``...; see
@@ -196,6 +199,7 @@ class Plan:
             f"predicted step time   {format_seconds(self.step_time_s)} (compute {format_seconds(self.compute_time_s)}, "
             + (f"recompute {format_seconds(self.recompute_time_s)}, " if self.recompute_time_s else "")
             + f"communication {format_seconds(self.communication_time_s)}"
+            + (f", waiting for peers {format_seconds(self.sync_wait_s)}" if self.sync_wait_s else "")
             + (
                 f"; {format_seconds(self.overlapped_communication_s)} more hidden behind compute)"
                 if self.overlapped_communication_s > 0

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from hf_colossal_auto.hardware import (
@@ -19,6 +20,7 @@ from hf_colossal_auto.hardware import (
     fit_alpha_beta,
 )
 from hf_colossal_auto.hardware import calibrate as cpu_calibrate
+from hf_colossal_auto.hardware.skew import measure_rank_skew
 from hf_colossal_auto.units import KiB
 
 LINK = LinkSpec(bandwidth=100e9, latency=5e-6)
@@ -155,7 +157,8 @@ def _two_rank_worker(rank: int, store: str, cache_root: str, results: dict[int, 
         if rank == 1:
             os.environ[cpu_calibrate.CACHE_ENV] = os.path.join(cache_root, "empty")
         cached = CommCalibration(sizes=sizes, iters=3, warmup=1).calibrate_link()
-        results[rank] = (measured.bandwidth, measured.latency, cached.bandwidth, cached.latency)
+        skew = measure_rank_skew(torch.device("cpu"), (0.003, 0.01, 0.03), budget_s=0.15)
+        results[rank] = (measured.bandwidth, measured.latency, cached.bandwidth, cached.latency, *skew)
     finally:
         dist.destroy_process_group()
 
@@ -180,6 +183,8 @@ def test_calibrate_link_two_gloo_ranks_agree(tmp_path: Path) -> None:
                 process.kill()
     r0, r1 = results[0], results[1]
     assert r0 == r1  # identical plans on every rank need identical links
-    bandwidth, latency, cached_bw, cached_lat = r0
+    bandwidth, latency, cached_bw, cached_lat, skew, exponent = r0
     assert math.isfinite(bandwidth) and bandwidth > 0 and math.isfinite(latency) and latency >= 0
     assert (cached_bw, cached_lat) == (bandwidth, latency)
+    # the rank skew fit: the same on both ranks (averaged over them), a wait that grows with the work
+    assert math.isfinite(skew) and skew >= 0 and 0.5 <= exponent <= 1.0

@@ -270,6 +270,15 @@ class DeviceSpec:
             kernel costs inside a step that the micro-benchmarks miss (random
             numbers, a bias copied before a GEMM, pages touched the first
             time). Empty: every op as the roofline prices it.
+        rank_skew_s: mean seconds a rank waits, at a collective that
+            synchronises it with its peers, for the slowest of them after one
+            second of the same work on every rank: ranks drift apart (a shared
+            host's other processes, caches, clocks). ``rank_skew_exponent``:
+            how the wait grows with the work since the previous synchronisation,
+            ``rank_skew_s * (seconds ** exponent)``; ``rank_skew_ranks``: the
+            group size it was measured with (larger groups wait for a slower
+            slowest, :func:`hardware.roofline.sync_wait`). Measured by
+            calibration; 0 on presets (GPU kernels run alike on every rank).
         calibration: provenance of measured figures (host, date, torch
             version, the command): empty for datasheet presets.
     """
@@ -290,6 +299,9 @@ class DeviceSpec:
     transcendental_rate: float | None = None
     attention_flops: Mapping[str, float] = field(default_factory=dict)
     op_time_scale: Mapping[str, float] = field(default_factory=dict)
+    rank_skew_s: float = 0.0
+    rank_skew_exponent: float = 1.0
+    rank_skew_ranks: int = 2
     calibration: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -386,7 +398,19 @@ class DeviceSpec:
             _check_positive(f"DeviceSpec.op_time_scale[{key!r}]", value)
             scales[str(key)] = float(value)
         object.__setattr__(self, "op_time_scale", _FrozenTable(scales))
+        self._check_rank_skew()
         object.__setattr__(self, "calibration", _FrozenTable(dict(self.calibration)))
+
+    def _check_rank_skew(self) -> None:
+        skew, exponent, ranks = self.rank_skew_s, self.rank_skew_exponent, self.rank_skew_ranks
+        if isinstance(skew, bool) or not isinstance(skew, (int, float)) or not 0 <= skew < math.inf:
+            raise ValueError(f"DeviceSpec.rank_skew_s must be a finite number >= 0, got {skew!r}")
+        if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or not 0 < exponent <= 1:
+            raise ValueError(f"DeviceSpec.rank_skew_exponent must be in (0, 1], got {exponent!r}")
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+            raise ValueError(f"DeviceSpec.rank_skew_ranks must be an int >= 2, got {ranks!r}")
+        object.__setattr__(self, "rank_skew_s", float(skew))
+        object.__setattr__(self, "rank_skew_exponent", float(exponent))
 
     def with_overrides(self, **overrides: Any) -> DeviceSpec:
         """Return a copy with some fields replaced, e.g. ``spec.with_overrides(memory_bytes="40GiB")``.
@@ -421,6 +445,9 @@ class DeviceSpec:
             "transcendental_rate": self.transcendental_rate,
             "attention_flops": dict(self.attention_flops),
             "op_time_scale": dict(self.op_time_scale),
+            "rank_skew_s": self.rank_skew_s,
+            "rank_skew_exponent": self.rank_skew_exponent,
+            "rank_skew_ranks": self.rank_skew_ranks,
             "calibration": dict(self.calibration),
         }
 
@@ -483,6 +510,9 @@ def device_from_dict(data: Mapping[str, Any]) -> DeviceSpec:
         "transcendental_rate",
         "attention_flops",
         "op_time_scale",
+        "rank_skew_s",
+        "rank_skew_exponent",
+        "rank_skew_ranks",
         "calibration",
     }
     missing = sorted(required - set(data))

@@ -153,6 +153,9 @@ class BuiltProblem:
     host_floor_s: float = 0.0
     """Host seconds of one micro-batch's ops (forward and backward) whatever their strategies: k micro-batches
     cost at least k times it, which bounds micro-batching from below without tracing it."""
+    backward_ratios: BackwardRatios | None = None
+    """Per module, backward over forward (device time, op count): how a node's cost splits into its forward
+    and its backward (where in the step the ranks synchronise, :mod:`.prediction`)."""
 
 
 def _node_name(i: int) -> str:
@@ -928,6 +931,7 @@ class _ProblemBuilder:
             hold_nodes=frozenset(self.hold_nodes.values()),
             micro_batches=self.micro_batches,
             host_floor_s=self.host_floor_s,
+            backward_ratios=self.ratios,
         )
 
     def _repeat_per_micro_batch(self) -> None:

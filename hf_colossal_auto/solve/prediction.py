@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..capture.graph import StepGraph
+from ..hardware.skew import sync_wait
 from ..plan import BlockCost, Plan
 from ..profile.profiler import _module_list_children, block_units
 from ..strategies import ops_without_dtensor_rule
@@ -158,7 +160,9 @@ def _make_plan(
                 recompute_s=block_rerun.get(unit, 0.0),
             )
         )
-    collectives = _collectives(built, solution, graph, tied, mesh, planner, dp_mode)
+    predicted = _collective_prediction(built, solution, graph, tied, mesh, planner, dp_mode)
+    sync_wait_s = _sync_wait(planner.spec, built, solution, graph, tied, mesh, predicted)
+    collectives = dict(predicted.counts)
     for kind, count in _recompute_collectives(built, solution, graph, tied, mesh, planner).items():
         collectives[kind] = round(collectives.get(kind, 0.0) + micro * count, 6)
     param_mem = 0.0
@@ -196,12 +200,13 @@ def _make_plan(
         global_batch_size=planner.batch,
         micro_batches=micro,
         input_shapes={k: list(v.shape) for k, v in planner.inputs.items() if isinstance(v, torch.Tensor)},
-        step_time_s=objective,
+        step_time_s=objective + sync_wait_s,
         compute_time_s=compute,
         communication_time_s=comm,
         recompute_time_s=rerun,
         memory_moments=_memory_moments(problem, solution),
         overlapped_communication_s=hidden,
+        sync_wait_s=sync_wait_s,
         peak_memory_bytes=int(peak),
         memory_budget_bytes=planner.budget,
         param_memory_bytes=int(param_mem),
@@ -210,7 +215,7 @@ def _make_plan(
         collectives=collectives,
         recompute=recompute,
         param_use_placements=_param_use_placements(built, solution, graph, tied, planner.model),
-        collective_bytes=_collective_bytes(built, solution, graph, tied, mesh, planner, dp_mode),
+        collective_bytes=predicted.nbytes,
         solver={
             "status": solution.status,
             "gap": solution.gap if solution.gap is not None else 0.0,
@@ -220,6 +225,61 @@ def _make_plan(
             "constraints": solution.num_constraints,
         },
     )
+
+
+def _sync_wait(spec, built, solution, graph, tied, mesh, predicted: _CollectivePrediction) -> float:
+    """Seconds a rank waits per step for the slowest of its peers (:func:`~..hardware.skew.sync_wait`).
+
+    The step is walked in order — forward nodes, then their backward in reverse, every folded block as many
+    times as it stands for — summing each node's time under the solution into the current segment; a
+    tensor-parallel collective (:class:`_CollectivePrediction` sync points) closes a segment among the
+    ``tp`` ranks. The data-parallel gradient synchronisation closes the last one among all ranks: with
+    ``tp = 1`` that is the whole step (k micro-batches and the optimizer step that starts the next). A node's
+    time splits into forward and backward by its module's backward ratio. FSDP's per-block all-gathers are
+    prefetched a block ahead and not counted as synchronisations."""
+    dp, tp = mesh
+    if spec.rank_skew_s <= 0 or dp * tp < 2:
+        return 0.0
+    problem = built.problem
+    micro = built.micro_batches
+    ratios = built.backward_ratios
+    forward: list[tuple[float, bool]] = []
+    backward: list[tuple[float, bool]] = []
+    group: list[int] = []
+
+    def flush() -> None:
+        copies = tied.weight[group[0]] if group else 0
+        for _ in range(copies):
+            for v in group:
+                name = _node_name(tied.canonical[v])
+                total = problem.node(name).costs[solution.choice[name]] / micro
+                share = 1.0 / (1.0 + ratios.of(graph.nodes[v].module)[0]) if ratios is not None else 1 / 3
+                forward.append((total * share, v in predicted.forward_syncs))
+                backward.append((total * (1 - share), v in predicted.backward_syncs))
+        group.clear()
+
+    for v in sorted(tied.canonical):  # runs of one folded copy repeat together
+        if group and (tied.weight[v], tied.copy_prefix.get(v)) != (
+            tied.weight[group[0]],
+            tied.copy_prefix.get(group[0]),
+        ):
+            flush()
+        group.append(v)
+    flush()
+    optimizer = sum(
+        problem.node(p).costs[solution.choice[p]] * problem.node(p).multiplicity for p in built.param_options
+    )
+    wait, segment = 0.0, 0.0
+    for seconds, syncs in [*forward, *reversed(backward)]:
+        segment += seconds
+        if syncs and tp > 1:
+            wait += sync_wait(spec, segment, tp)
+            segment = 0.0
+    wait *= micro
+    if dp > 1:
+        last = segment * micro if tp == 1 else segment
+        wait += sync_wait(spec, last + optimizer, dp)
+    return wait
 
 
 def _memory_moments(problem, solution: Solution) -> list[list[Any]]:
@@ -447,26 +507,27 @@ def _param_use_placements(built, solution, graph, tied, model: nn.Module) -> dic
     return out
 
 
-def _collectives(built, solution, graph, tied, mesh, planner, dp_mode) -> dict[str, float]:
-    """Predicted collectives per step by kind (see :func:`_collective_prediction`)."""
-    return _collective_prediction(built, solution, graph, tied, mesh, planner, dp_mode)[0]
-
-
-def _collective_bytes(built, solution, graph, tied, mesh, planner, dp_mode) -> dict[str, float]:
-    """Predicted bytes per step by collective kind (see :func:`_collective_prediction`)."""
-    return _collective_prediction(built, solution, graph, tied, mesh, planner, dp_mode)[1]
-
-
 def _given_bytes(kind: str, size: float, tp: int) -> float:
     """Bytes of the tensor one rank hands a collective over a value of ``size`` logical bytes: its shard for an
     all-gather, the whole value for an all-reduce or a reduce-scatter (what CommDebugMode-style counting sees)."""
     return size / tp if kind in ("all_gather", "all_to_all") else size
 
 
-def _collective_prediction(
-    built, solution, graph, tied, mesh, planner, dp_mode
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Predicted collectives per step, by kind: how many, and the bytes each rank hands them (:func:`_given_bytes`).
+@dataclass
+class _CollectivePrediction:
+    counts: dict[str, float]
+    """Collectives per step by kind."""
+    nbytes: dict[str, float]
+    """Bytes each rank hands them per step, by kind (:func:`_given_bytes`)."""
+    forward_syncs: set[int]
+    """Forward nodes at which a tensor-parallel collective runs in forward (the ranks synchronise there)."""
+    backward_syncs: set[int]
+    """Forward nodes whose backward runs a tensor-parallel collective."""
+
+
+def _collective_prediction(built, solution, graph, tied, mesh, planner, dp_mode) -> _CollectivePrediction:
+    """Predicted collectives per step, by kind: how many, and the bytes each rank hands them (:func:`_given_bytes`);
+    and where in the step the tensor-parallel ones synchronise the ranks (:func:`_sync_wait`).
 
     Tensor-parallel: the forward resharding of every edge of the solution, and the backward resharding of its
     gradient. A *partial* gradient is not reduced where it is made: it passes back through views (a linear's
@@ -486,6 +547,8 @@ def _collective_prediction(
         return _value_source(built, solution, graph, tied, producer, vid)
 
     partial_roots: dict[int, int] = {}
+    forward_syncs: set[int] = set()
+    backward_syncs: set[int] = set()
     shared_uses = shared_projection_inputs(graph, tied)
     grads = differentiable_values(graph)
     shared_copies: dict[tuple[int, str, str, str], int] = {}
@@ -506,11 +569,14 @@ def _collective_prediction(
             if (v_idx, k) in shared_uses:
                 # one copy per parent module and target placement, for all the sibling projections reading it
                 shared_copies[(vid, shared_uses[(v_idx, k)], src, dst)] = w
+                if redistribute(src, dst, size, tp_comm)[1]:
+                    forward_syncs.add(v_idx)
             else:
                 _, kind = redistribute(src, dst, size, tp_comm)
                 if kind:
                     counts[kind] += w
                     nbytes[kind] += w * _given_bytes(kind, size, tp)
+                    forward_syncs.add(v_idx)
             if vid not in grads:
                 continue  # no gradient flows back to it
             ins = tuple(p[0] if p is not None else None for p in strat.input_placements)
@@ -526,9 +592,11 @@ def _collective_prediction(
             if kind:
                 counts[kind] += w
                 nbytes[kind] += w * _given_bytes(kind, size, tp)
+                backward_syncs.add(v_idx)
         for _seconds, kind, size in boundary_reshardings(graph, graph.nodes[v_idx], strat, 0, tp_comm):
             counts[kind] += w
             nbytes[kind] += w * _given_bytes(kind, size, tp)
+            forward_syncs.add(v_idx)
     for (vid, _parent, src, dst), w in shared_copies.items():
         _, kind = redistribute(src, dst, graph.values[vid].nbytes, tp_comm)
         if kind:
@@ -544,6 +612,8 @@ def _collective_prediction(
         if kind:
             counts[kind] += w
             nbytes[kind] += w * _given_bytes(kind, graph.values[vid].nbytes, tp)
+            if vid in producer:
+                backward_syncs.add(producer[vid][0])
     micro = built.micro_batches
     counts = defaultdict(float, {kind: micro * c for kind, c in counts.items()})
     nbytes = defaultdict(float, {kind: micro * b for kind, b in nbytes.items()})
@@ -554,7 +624,9 @@ def _collective_prediction(
             counts["dp_reduce_scatter"] += n_params
         else:
             counts["dp_all_reduce"] += n_params
-    return (
-        {k: round(v, 6) for k, v in sorted(counts.items())},
-        {k: round(v, 6) for k, v in sorted(nbytes.items())},
+    return _CollectivePrediction(
+        counts={k: round(v, 6) for k, v in sorted(counts.items())},
+        nbytes={k: round(v, 6) for k, v in sorted(nbytes.items())},
+        forward_syncs=forward_syncs,
+        backward_syncs=backward_syncs,
     )
