@@ -54,9 +54,11 @@ def plot_plan(plan: Plan, path: str | Path, title: str | None = None) -> Path:
     time_ax.invert_yaxis()
     time_ax.set_xlabel("ms per step")
     hidden = plan.overlapped_communication_s * 1e3
+    notes = [f"{hidden:.1f} ms communication hidden"] if hidden else []
+    if plan.sync_wait_s:
+        notes.append(f"{plan.sync_wait_s * 1e3:.1f} ms waiting for peers")
     time_ax.set_title(
-        f"step {plan.step_time_s * 1e3:.1f} ms"
-        + (f" ({hidden:.1f} ms communication hidden)" if hidden else ""),
+        f"step {plan.step_time_s * 1e3:.1f} ms" + (f" ({'; '.join(notes)})" if notes else ""),
         fontsize=9,
     )
     time_ax.grid(True, axis="x", alpha=0.3)

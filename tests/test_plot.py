@@ -28,8 +28,8 @@ def test_plan_carries_what_the_plot_draws(recomputed_plan):
     assert names[0] == "activation-peak" and names[-1] == "optimizer-step"
     assert any(n.startswith("rerun:") for n in names)  # recomputed blocks have their own moments
     assert max(b for _, b in plan.memory_moments) == pytest.approx(plan.peak_memory_bytes, abs=1)
-    # the step's time is its parts: compute, exposed communication, recompute
-    total = plan.compute_time_s + plan.communication_time_s + plan.recompute_time_s
+    # the step's time is its parts: compute, exposed communication, recompute, waiting for peers
+    total = plan.compute_time_s + plan.communication_time_s + plan.recompute_time_s + plan.sync_wait_s
     assert total == pytest.approx(plan.step_time_s, rel=1e-9)
     assert plan.recompute_time_s > 0
     assert sum(b.recompute_s for b in plan.blocks) == pytest.approx(plan.recompute_time_s, rel=1e-9)
