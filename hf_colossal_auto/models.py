@@ -49,19 +49,37 @@ def _config_from_dict(data: dict[str, Any], source: str) -> PretrainedConfig:
 
 
 def load_config(name_or_path: str | os.PathLike) -> PretrainedConfig:
-    """A preset name (see `list_presets()`), a path to a config.json, or a directory holding one."""
+    """A preset name (see `list_presets()`), a path to a config.json, a directory holding one, or a Hub model id
+    already in the local HuggingFace cache (``meta-llama/Meta-Llama-3-8B``: only its ``config.json`` is read;
+    nothing is downloaded)."""
     name = os.fspath(name_or_path)
     preset = _presets_dir() / f"{name}.json"
     if os.sep not in name and "/" not in name and preset.is_file():
         return _config_from_dict(json.loads(preset.read_text()), f"preset {name!r}")
     path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    if not os.path.isfile(path):
+        path = _cached_hub_config(name) or path
     if os.path.isfile(path):
         with open(path) as f:
             return _config_from_dict(json.load(f), path)
     raise ValueError(
         f"unknown model preset {name!r}; available presets: {', '.join(list_presets())}. "
-        "A path to a HuggingFace config.json (or a directory containing one) also works."
+        "A path to a HuggingFace config.json (or a directory containing one), or a model id whose config is in "
+        "the local HuggingFace cache (`huggingface-cli download ID config.json` on a machine with network), "
+        "also works."
     )
+
+
+def _cached_hub_config(model_id: str) -> str | None:
+    """The cached ``config.json`` of a Hub model id (``org/name``), or None: never touches the network."""
+    if model_id.count("/") != 1 or os.path.exists(model_id):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return None
+    found = try_to_load_from_cache(model_id, "config.json")
+    return found if isinstance(found, str) else None
 
 
 def _config_of(model_or_config: nn.Module | PretrainedConfig | str) -> PretrainedConfig:

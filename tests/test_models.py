@@ -27,8 +27,21 @@ FULL_SIZE = [
     "t5-base",
     "t5-large",
     "llama-7b",
+    "llama3-8b",
+    "llama3-70b",
+    "llama3-405b",
+    "qwen2.5-7b",
+    "qwen2.5-72b",
+    "mistral-7b",
 ]
-EXPECTED_TASK = {"gpt2": "causal-lm", "bert": "masked-lm", "t5": "seq2seq-lm", "llama": "causal-lm"}
+EXPECTED_TASK = {
+    "gpt2": "causal-lm",
+    "bert": "masked-lm",
+    "t5": "seq2seq-lm",
+    "llama": "causal-lm",
+    "qwen2": "causal-lm",
+    "mistral": "causal-lm",
+}
 
 # Published parameter counts. T5 base/large use the Hub figures (223M, 738M): the paper's rounded
 # "220M"/"770M" are not what the released checkpoints hold. BERT counts the MLM head without the pooler.
@@ -43,6 +56,12 @@ PUBLIC_PARAMS = {
     "t5-base": 223e6,
     "t5-large": 738e6,
     "llama-7b": 6.74e9,
+    "llama3-8b": 8.03e9,
+    "llama3-70b": 70.6e9,
+    "llama3-405b": 405.9e9,
+    "qwen2.5-7b": 7.61e9,
+    "qwen2.5-72b": 72.7e9,
+    "mistral-7b": 7.25e9,
 }
 
 
@@ -167,6 +186,24 @@ def test_load_config_from_path(tmp_path):
         assert config.model_type == "llama"
         assert config.num_hidden_layers == 3
     assert len(build_model(tmp_path).model.layers) == 3
+
+
+def test_load_config_from_a_model_id_in_the_local_hub_cache(tmp_path, monkeypatch):
+    """``org/name`` resolves to the cached snapshot's config.json (huggingface_hub's cache layout), offline."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = json.loads(json.dumps(load_config("tiny-llama").to_dict()))
+    data["num_hidden_layers"] = 5
+    repo = tmp_path / "models--acme--tiny-llama-5"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    (repo / "snapshots" / "0123abcd").mkdir(parents=True)
+    (repo / "snapshots" / "0123abcd" / "config.json").write_text(json.dumps(data))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert load_config("acme/tiny-llama-5").num_hidden_layers == 5
+    with pytest.raises(ValueError, match="local HuggingFace cache"):
+        load_config("acme/not-downloaded")
 
 
 def test_unknown_preset_error_lists_presets_and_paths():
