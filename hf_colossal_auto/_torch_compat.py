@@ -6,10 +6,10 @@ private symbol is fixed in one file. Each import says which public behaviour we 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # fake tensors: shapes, no memory
-from torch.distributed._tools.mem_tracker import MemTracker  # measured peaks (incl. DTensor local shards)
-from torch.distributed._tools.mod_tracker import ModTracker  # module FQN tracking through fwd and bwd
 from torch.nn.utils.stateless import _reparametrize_module  # functional_call's own swap, held open
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -51,6 +51,27 @@ __all__ = [
     "tracked_module_name",
     "tree_map",
 ]
+
+if TYPE_CHECKING:
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+
+def __getattr__(name: str) -> Any:
+    """``MemTracker`` (measured peaks, DTensor local shards included) and ``ModTracker`` (module FQNs through
+    forward and backward), imported when first asked for: the ``torch.distributed._tools`` package imports
+    its FSDP memory tracker and runtime estimator, and through them the inductor, about 1 s per process
+    that only runs a plan (every rank of every multi-process job)."""
+    if name == "MemTracker":
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        return MemTracker
+    if name == "ModTracker":
+        from torch.distributed._tools.mod_tracker import ModTracker
+
+        return ModTracker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # FlopCounterMode's own registry, keyed by OpOverloadPacket. We read it (never mutate it) so that our
 # per-op FLOPs are by construction what FlopCounterMode counts.

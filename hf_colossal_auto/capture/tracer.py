@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _torch_compat
 from .._torch_compat import (
     FakeTensorMode,
-    ModTracker,
     TorchDispatchMode,
     WeakIdKeyDictionary,
     swapped_parameters,
@@ -380,7 +380,7 @@ def _trace_once(
                         rec.register(v, ValueKind.OPTIMIZER_STATE, f"{n}.{key}", initial=True)
                         rec.set_owner(v, n)
 
-        tracker = ModTracker()
+        tracker = _torch_compat.ModTracker()  # imported on first use (see _torch_compat)
 
         def _name(mod: nn.Module) -> str:
             full = tracked_module_name(tracker, mod)
@@ -650,5 +650,6 @@ def _assemble(
         optimizer=optimizer,
         output_values=list(rec.output_values),
         block_args=dict(rec.block_args),
+        frozen_params=frozenset(n for n, p in all_params.items() if not p.requires_grad),
         module_types={name: type(module).__name__ for name, module in model.named_modules()},
     )
