@@ -48,8 +48,9 @@ class Plan:
     mesh_shape: tuple[int, ...]
     mesh_axis_names: tuple[str, ...]
     dp_mode: str
-    """"ddp" (parameters replicated over the data-parallel axis, gradients all-reduced) or "fsdp" (parameters,
-    gradients and optimizer state sharded over it)."""
+    """"ddp" (parameters replicated over the data-parallel axis, gradients all-reduced), "fsdp" (parameters,
+    gradients and optimizer state sharded over it) or "hsdp" (sharded over groups of ``dp_shard_size`` ranks
+    inside a node, the groups replicas of each other: gradient shards all-reduced across nodes)."""
     param_placements: dict[str, list[str]]
     """Parameter FQN -> placement per mesh axis."""
     activation_placements: dict[str, list[str]]
@@ -108,7 +109,25 @@ class Plan:
     """Micro-batches each replica's batch (``global_batch_size / dp``) runs in per step, gradients accumulated
     and synchronised once after the last (:func:`hf_colossal_auto.accumulate`). Plans written before it
     existed load as 1 (the batch in one piece)."""
+    dp_shard_size: int = 0
+    """Ranks a parameter's data-parallel copy is sharded over: 1 under DDP, dp under FSDP, the shard group
+    under HSDP (its replicate groups have ``dp // dp_shard_size`` ranks). 0 (plans written before it existed)
+    means the mode's own: dp for "fsdp", 1 for "ddp"."""
     format_version: int = PLAN_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        """Fills in ``dp_shard_size`` for plans written before it existed and refuses one HSDP cannot run."""
+        dp = self.dp_size
+        if not self.dp_shard_size:
+            if self.dp_mode == "hsdp":
+                raise ValueError("Plan: dp_mode 'hsdp' needs dp_shard_size (the ranks of one shard group)")
+            self.dp_shard_size = dp if self.dp_mode == "fsdp" else 1
+        s = self.dp_shard_size
+        if self.dp_mode == "hsdp" and not (isinstance(s, int) and 1 < s < dp and dp % s == 0):
+            raise ValueError(
+                f"Plan: an HSDP shard group of {s!r} ranks must divide the data-parallel axis of {dp} and lie "
+                "strictly between 1 and it"
+            )
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -158,6 +177,19 @@ class Plan:
         return self.mesh_shape[self.mesh_axis_names.index("dp")] if "dp" in self.mesh_axis_names else 1
 
     @property
+    def dp_replicate_size(self) -> int:
+        """Replicas of each parameter shard over the data-parallel axis (dp under DDP, 1 under FSDP)."""
+        return self.dp_size // self.dp_shard_size
+
+    @property
+    def dp_label(self) -> str:
+        """The data-parallel mode as the summary and the frontier name it: "hsdp 2x4" is 2 replicas of
+        shard groups of 4."""
+        if self.dp_mode == "hsdp":
+            return f"hsdp {self.dp_replicate_size}x{self.dp_shard_size}"
+        return self.dp_mode
+
+    @property
     def fits(self) -> bool:
         return self.peak_memory_bytes <= self.memory_budget_bytes
 
@@ -191,7 +223,7 @@ class Plan:
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_axis_names, self.mesh_shape, strict=True))
         lines = [
             f"Plan for {self.model_class} on {self.num_devices} x {self.device}: mesh {mesh}, data parallel: "
-            f"{self.dp_mode}{_micro_batch_note(self.global_batch_size, self.dp_size, self.micro_batches)}",
+            f"{self.dp_label}{_micro_batch_note(self.global_batch_size, self.dp_size, self.micro_batches)}",
             fmt.format(*header),
             "  ".join("-" * w for w in widths),
             *(fmt.format(*r) for r in rows),

@@ -77,7 +77,7 @@ def test_precedence_constructor_then_env_then_yaml_then_default(clean_env, tmp_p
         ("yaml", "num_devices", "two", r"num_devices from .*expected an integer >= 1, got 'two'"),
         ("env", "MESHSHAPE", "1x2", r"unknown setting HF_COLOSSAL_AUTO_MESHSHAPE"),
         ("env", "NUM_DEVICES", "0", r"num_devices from environment variable HF_COLOSSAL_AUTO_NUM_DEVICES"),
-        ("env", "DP_MODES", "zero3", r"dp_modes .*subset of \('ddp', 'fsdp'\)"),
+        ("env", "DP_MODES", "zero3", r"dp_modes .*subset of \('ddp', 'fsdp', 'hsdp'\)"),
         ("env", "MEMORY_BUDGET", "lots", r"memory_budget .*'40GiB'"),
         ("env", "PLAN_KWARGS", "{recompute: yes}", r"plan_kwargs .*JSON object"),
         ("env", "TIME_LIMIT_S", "-1", r"time_limit_s .*positive number"),

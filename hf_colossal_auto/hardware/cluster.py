@@ -144,6 +144,35 @@ class ClusterSpec:
             return self.device.inter_node_link
         return self.device.intra_node_link
 
+    def hybrid_shard_size(self, mesh_shape: tuple[int, int]) -> int | None:
+        """The shard group of hybrid sharded data parallelism (HSDP) on a ``(dp, tp)`` mesh, or None where HSDP
+        has no point.
+
+        The data-parallel axis becomes ``(dp // s, s)`` (replicate, shard; row-major, so the shard group holds
+        consecutive ranks): with ``s = devices_per_node // tp`` every shard group is one node's worth of
+        data-parallel ranks, so FSDP's per-block all-gathers and reduce-scatters stay on the intra-node link and
+        only the all-reduce of the shards crosses nodes. None unless the data-parallel axis spans nodes (else
+        plain FSDP is already intra-node), ``tp`` divides a node and ``1 < s < dp`` divides ``dp``.
+        """
+        dp, tp = self._check_mesh(tuple(mesh_shape))
+        if self._per_node % tp or not self.axis_crosses_nodes((dp, tp), 0):
+            return None
+        shard = self._per_node // tp
+        if not 1 < shard < dp or dp % shard:
+            return None
+        return shard
+
+    def hybrid_links(self, mesh_shape: tuple[int, int], shard: int) -> tuple[LinkSpec, LinkSpec]:
+        """(replicate link, shard link) of HSDP with shard groups of ``shard`` ranks on a ``(dp, tp)`` mesh:
+        the links of axes 0 and 1 of the 3-D mesh ``(dp // shard, shard, tp)`` the runtime builds."""
+        dp, tp = self._check_mesh(tuple(mesh_shape))
+        if shard < 1 or dp % shard:
+            raise ValueError(
+                f"an HSDP shard group of {shard} ranks does not divide the data-parallel axis of {dp}"
+            )
+        shape = (dp // shard, shard, tp)
+        return self.axis_link(shape, 0), self.axis_link(shape, 1)
+
     def collective_time(
         self, kind: str, nbytes: int | float, mesh_shape: tuple[int, ...], axis: int
     ) -> float:

@@ -26,7 +26,7 @@ ENV_PREFIX = "HF_COLOSSAL_AUTO_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 # Variables with our prefix that other parts of the package read; they are not plugin settings.
 RESERVED_ENV = frozenset({CONFIG_ENV, ENV_PREFIX + "CACHE", ENV_PREFIX + "NO_CALIBRATE"})
-DP_MODES = ("ddp", "fsdp")
+DP_MODES = ("ddp", "fsdp", "hsdp")
 # Fields a YAML file or an environment variable cannot carry (Python objects).
 PYTHON_ONLY = frozenset({"example_inputs"})
 
@@ -161,7 +161,10 @@ class AutoParallelPlugin:
         default=None, metadata={"help": "devices per node (default: the job's local world size)"}
     )
     dp_modes: tuple[str, ...] | str | None = field(
-        default=None, metadata={"help": "data-parallel modes to try: 'ddp', 'fsdp' (default: both)"}
+        default=None,
+        metadata={
+            "help": "data-parallel modes to try: 'ddp', 'fsdp', 'hsdp' (default: all; hsdp where dp crosses nodes)"
+        },
     )
     plan_path: str | None = field(default=None, metadata={"help": "load this saved plan instead of planning"})
     save_plan_path: str | None = field(

@@ -57,7 +57,10 @@ from ..profile.profiler import (
 )
 from ..strategies.placements import Strategy, is_partial, is_shard
 from .cost_model import (
+    SHARDED_DP_MODES,
     AxisComm,
+    HybridComm,
+    data_parallel_shard_size,
     gradient_at_consumer,
     gradient_at_producer,
     redistribute,
@@ -150,6 +153,8 @@ class BuiltProblem:
     """ILP nodes whose choice follows the recompute decisions (a storage a checkpoint holds or not)."""
     micro_batches: int = 1
     """Micro-batches per step the problem was priced for (its graph is traced at one micro-batch)."""
+    dp_shard_size: int = 1
+    """Ranks a parameter's data-parallel copy is split over (1: DDP, dp: FSDP, the shard group: HSDP)."""
     host_floor_s: float = 0.0
     """Host seconds of one micro-batch's ops (forward and backward) whatever their strategies: k micro-batches
     cost at least k times it, which bounds micro-batching from below without tracing it."""
@@ -716,7 +721,7 @@ def build_problem(
     spec: DeviceSpec,
     mesh_shape: tuple[int, int],
     tp_comm: AxisComm,
-    dp_comm: AxisComm,
+    dp_comm: AxisComm | HybridComm,
     dp_mode: str,
     budget: float,
     fixed_params: dict[str, str] | None = None,
@@ -725,7 +730,8 @@ def build_problem(
     recompute_pin: str | Mapping[str, str] | None = None,
     micro_batches: int = 1,
 ) -> BuiltProblem:
-    """The ILP for one mesh ``(dp, tp)`` and data-parallel mode.
+    """The ILP for one mesh ``(dp, tp)`` and data-parallel mode ("ddp", "fsdp", or "hsdp" with ``dp_comm`` a
+    :class:`HybridComm`: FSDP inside its shard group, the shards all-reduced over its replicate group).
 
     ``fixed_params`` pins parameter placements (canonical FQN -> tensor-parallel placement) for baselines and
     user plans; with ``pin_unlisted`` every parameter it does not name is pinned replicated.
@@ -781,7 +787,7 @@ class _ProblemBuilder:
         spec: DeviceSpec,
         mesh_shape: tuple[int, int],
         tp_comm: AxisComm,
-        dp_comm: AxisComm,
+        dp_comm: AxisComm | HybridComm,
         dp_mode: str,
         budget: float,
         fixed_params: dict[str, str] | None,
@@ -801,6 +807,8 @@ class _ProblemBuilder:
         self.tp_comm = tp_comm
         self.dp_comm = dp_comm
         self.dp_mode = dp_mode
+        self.dp_shard = data_parallel_shard_size(dp_mode, self.dp, dp_comm) if self.dp > 1 else 1
+        """Ranks a parameter's data-parallel copy is split over (1 under DDP)."""
         self.budget = budget
         self.fixed_params = fixed_params
         self.pin_unlisted = pin_unlisted
@@ -930,6 +938,7 @@ class _ProblemBuilder:
             },
             hold_nodes=frozenset(self.hold_nodes.values()),
             micro_batches=self.micro_batches,
+            dp_shard_size=self.dp_shard,
             host_floor_s=self.host_floor_s,
             backward_ratios=self.ratios,
         )
@@ -999,7 +1008,7 @@ class _ProblemBuilder:
         for fqn in graph.param_names:
             real_count[tied.canonical_param(fqn)] += 1
         opt_temp_ratio = _optimizer_temp_ratio(graph)
-        fsdp_layers = [u.name for u in self.units] if self.dp_mode == "fsdp" and dp > 1 else []
+        fsdp_layers = [u.name for u in self.units] if self.dp_mode in SHARDED_DP_MODES and dp > 1 else []
         for fqn in sorted(param_uses):
             shape = graph.param_shapes.get(fqn)
             if shape is None:
@@ -1009,7 +1018,7 @@ class _ProblemBuilder:
             self._pin_param(fqn, name, shape, options)
             pbytes = float(graph.param_bytes[fqn])
             sbytes = float(graph.optimizer_state_bytes.get(fqn, 0))
-            dp_shard = dp if self.dp_mode == "fsdp" else 1
+            dp_shard = self.dp_shard
             costs, mterms, gterms, tterms, syncs = [], [], [], [], []
             for opt in options:
                 local = pbytes / shard_factor(opt, tp)
@@ -1054,7 +1063,7 @@ class _ProblemBuilder:
         FSDP2 (one unit per block, the root for the rest) holds the root's parameters and gradients unsharded
         through backward, and one block's at a time while that block runs: the sharded memory terms count 1/dp
         of them, the rest is this."""
-        dp = self.dp
+        dp = self.dp_shard  # FSDP's group: the shard group under HSDP
         in_block = [b for b in fsdp_layers if fqn.startswith(b + ".")]
         share = 1.0 / real_count if in_block else 1.0
         if in_block and in_block[0] != fsdp_layers[0]:
@@ -1479,11 +1488,19 @@ class _ProblemBuilder:
 
 
 def data_parallel_sync_time(
-    dp_mode: str, local_bytes: float, dp_comm: AxisComm, micro_batches: int = 1
+    dp_mode: str, local_bytes: float, dp_comm: AxisComm | HybridComm, micro_batches: int = 1
 ) -> float:
     """Seconds of one parameter's data-parallel synchronisation per step: DDP all-reduces its gradient; FSDP
-    all-gathers it for forward and again for backward and reduce-scatters its gradient. With k micro-batches
-    the gradient is synchronised once (after the last one), but FSDP gathers the parameter for every one."""
+    all-gathers it for forward and again for backward and reduce-scatters its gradient. HSDP does FSDP's three
+    in its shard group (inside a node) and all-reduces the gradient shard (1/shard of the bytes) over its
+    replicate group (across nodes): only that all-reduce pays the network. With k micro-batches the gradient
+    is synchronised once (after the last one), but FSDP gathers the parameter for every one."""
+    if dp_mode == "hsdp":
+        if not isinstance(dp_comm, HybridComm):
+            raise TypeError("dp_mode 'hsdp' is priced on a HybridComm (its shard and replicate groups)")
+        shard = dp_comm.shard
+        in_node = data_parallel_sync_time("fsdp", local_bytes, shard, micro_batches)
+        return in_node + dp_comm.replicate.time("all_reduce", local_bytes / shard.size)
     if dp_mode == "fsdp":
         gathers = 2 * micro_batches * dp_comm.time("all_gather", local_bytes)
         return gathers + dp_comm.time("reduce_scatter", local_bytes)
@@ -1512,7 +1529,7 @@ def data_parallel_overlap(
         if node.name in sync_terms or not node.name.startswith("n"):
             continue
         share = 1.0
-        if dp_mode != "fsdp":
+        if dp_mode not in SHARDED_DP_MODES:
             device_ratio, _ = ratios.of(block_of.get(node.name, ""))
             share = device_ratio / (1.0 + device_ratio) / micro_batches
         if any(node.costs):

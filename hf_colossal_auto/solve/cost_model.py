@@ -59,6 +59,41 @@ class AxisComm:
         return collective_time(kind, nbytes, self.size, self.link, self.via) + overhead
 
 
+DP_MODES = ("ddp", "fsdp", "hsdp")
+"""Data-parallel modes: DDP (replicas), FSDP (sharded over the whole data-parallel axis) and HSDP (sharded inside
+a group of ranks, the groups replicas of each other)."""
+SHARDED_DP_MODES = ("fsdp", "hsdp")
+"""The modes that shard parameters, gradients and optimizer state (FSDP2 runs both)."""
+
+
+@dataclass(frozen=True)
+class HybridComm:
+    """The two process groups of hybrid sharded data parallelism (HSDP) on a data-parallel axis of
+    ``shard.size * replicate.size`` ranks: FSDP's all-gathers and reduce-scatters run in the shard group (laid
+    inside a node, on its fast link), one all-reduce of each gradient shard in the replicate group (across
+    nodes). Why two: a flat FSDP group spanning nodes puts every per-block all-gather on the network."""
+
+    shard: AxisComm
+    replicate: AxisComm
+
+    @property
+    def size(self) -> int:
+        """Ranks of the whole data-parallel axis."""
+        return self.shard.size * self.replicate.size
+
+
+def data_parallel_shard_size(dp_mode: str, dp: int, dp_comm: AxisComm | HybridComm) -> int:
+    """How many ranks split a parameter's data-parallel copy (its storage, gradient and optimizer state): none
+    under DDP, the whole axis under FSDP, the shard group under HSDP."""
+    if dp_mode not in DP_MODES:
+        raise ValueError(f"dp_mode must be one of {DP_MODES}, got {dp_mode!r}")
+    if dp_mode == "hsdp":
+        if not isinstance(dp_comm, HybridComm):
+            raise TypeError("dp_mode 'hsdp' is priced on a HybridComm (its shard and replicate groups)")
+        return dp_comm.shard.size
+    return dp if dp_mode == "fsdp" else 1
+
+
 def redistribute(src: str, dst: str, nbytes: float, axis: AxisComm) -> tuple[float, str | None]:
     """Seconds to move a tensor from placement ``src`` to ``dst`` on ``axis``, and the collective used."""
     if src == dst or axis.size == 1 or nbytes == 0:

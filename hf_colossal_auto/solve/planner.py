@@ -2,7 +2,9 @@
 
 For N devices every mesh ``(dp, tp)`` with ``dp * tp = N`` is tried (the 1-D meshes are ``(N, 1)`` and
 ``(1, N)``), each with DDP and, when ``dp > 1``, FSDP on the data-parallel axis; the fastest plan that fits
-the memory budget wins. The data-parallel axis is the outer mesh axis, so with several nodes it is the one
+the memory budget wins. Where the data-parallel axis crosses nodes, HSDP is tried too: FSDP inside shard groups of
+one node's data-parallel ranks, the shards all-reduced across nodes
+(:meth:`~hf_colossal_auto.hardware.ClusterSpec.hybrid_shard_size`). The data-parallel axis is the outer mesh axis, so with several nodes it is the one
 that crosses nodes (:class:`hf_colossal_auto.hardware.ClusterSpec` prices it on the inter-node link).
 
 Baselines are the same ILP with parameter placements pinned, priced by the same cost model:
@@ -50,7 +52,9 @@ from .builder import (
     build_problem,
 )
 from .cost_model import (
+    DP_MODES,
     AxisComm,
+    HybridComm,
 )
 from .ilp import solve
 from .prediction import _make_plan
@@ -188,15 +192,17 @@ class _Planner:
         pin_unlisted: bool = False,
         recompute_pin: str | Mapping[str, str] | None = None,
         micro_batches: int = 1,
+        dp_shard_size: int | None = None,
     ) -> BuiltProblem:
         """The ILP of one mesh; recompute is a decision unless ``recompute_pin`` (or the planner's mode "none" /
-        "full") fixes it. ``micro_batches``: the step runs each replica's batch in that many pieces."""
+        "full") fixes it. ``micro_batches``: the step runs each replica's batch in that many pieces.
+        ``dp_shard_size``: HSDP's shard group (default: the cluster's, :meth:`hybrid_comm`)."""
         if recompute_pin is None and self.recompute in ("none", "full"):
             recompute_pin = self.recompute
         dp, tp = mesh
         graph = self.graph(dp, micro_batches)
         tp_comm = self.axis_comm(mesh, 1)
-        dp_comm = self.axis_comm(mesh, 0)
+        dp_comm = self.hybrid_comm(mesh, dp_shard_size) if dp_mode == "hsdp" else self.axis_comm(mesh, 0)
         return build_problem(
             graph,
             self.strategies(dp, tp, micro_batches),
@@ -220,6 +226,25 @@ class _Planner:
         overhead = self.spec.kernel_overhead_s + host_time(self.spec, dtensor=axis == 1)
         via = "dtensor" if axis == 1 else None
         return AxisComm(mesh[axis], self.cluster.axis_link(mesh, axis), self.spec.kind, overhead, via)
+
+    def hybrid_comm(self, mesh: tuple[int, int], shard: int | None = None) -> HybridComm:
+        """HSDP's collective pricing: its shard group (``shard`` ranks, by default one node's data-parallel
+        ranks) on the link inside it, its replicate group on the link between them. Plain collectives, as
+        :meth:`axis_comm` prices the data-parallel axis."""
+        if shard is None:
+            shard = self.cluster.hybrid_shard_size(mesh)
+            if shard is None:
+                raise ValueError(
+                    f"HSDP on mesh {mesh} with {self.cluster.devices_per_node} devices per node: its data-parallel "
+                    "axis does not cross nodes, or a node's data-parallel ranks do not divide it; use 'fsdp'"
+                )
+        replicate_link, shard_link = self.cluster.hybrid_links(mesh, shard)
+        overhead = self.spec.kernel_overhead_s + host_time(self.spec, dtensor=False)
+        kind = self.spec.kind
+        return HybridComm(
+            shard=AxisComm(shard, shard_link, kind, overhead),
+            replicate=AxisComm(mesh[0] // shard, replicate_link, kind, overhead),
+        )
 
     @property
     def layers(self) -> list[str]:
@@ -446,7 +471,7 @@ def plan_model(
     mixed_precision: str | None = None,
     optimizer: str | None = "adamw",
     time_limit_s: float = 60.0,
-    dp_modes: tuple[str, ...] = ("ddp", "fsdp"),
+    dp_modes: tuple[str, ...] = DP_MODES,
     recompute: str = "auto",
     micro_batches: int | None = None,
 ) -> Plan:
@@ -456,15 +481,15 @@ def plan_model(
     step consumes across all data-parallel ranks). ``memory_budget`` is per device, in bytes or a string like
     ``"40GiB"``; None means the device's memory minus the margin of
     :func:`hf_colossal_auto.hardware.memory_budget_default`. ``dp_modes`` are the data-parallel modes tried on
-    meshes with a data-parallel axis ("ddp", "fsdp"). ``recompute``: "auto" chooses activation recompute per
+    meshes with a data-parallel axis ("ddp", "fsdp", "hsdp"; HSDP only where that axis crosses nodes). ``recompute``: "auto" chooses activation recompute per
     block jointly with the sharding (one ILP); "none" and "full" fix it for every block; "two-stage" shards
     first and then chooses recompute (a baseline). ``micro_batches``: None searches it — each replica's batch
     (global / dp) runs in k pieces with gradients accumulated and synchronised once, tried where the batch in
     one piece does not fit or needs recompute; an int fixes k for every mesh (1: never split).
     """
-    unknown = sorted(set(dp_modes) - {"ddp", "fsdp"})
+    unknown = sorted(set(dp_modes) - set(DP_MODES))
     if unknown or not dp_modes:
-        raise ValueError(f"dp_modes must be a non-empty subset of ('ddp', 'fsdp'), got {dp_modes!r}")
+        raise ValueError(f"dp_modes must be a non-empty subset of {DP_MODES}, got {dp_modes!r}")
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     if micro_batches is not None and micro_batches < 1:
@@ -486,6 +511,8 @@ def plan_model(
     search = _Search(planner)
     for mesh in _meshes(planner, mesh_shape, micro_batches or 1):
         for dp_mode in dp_modes if mesh[0] > 1 else ("ddp",):
+            if dp_mode == "hsdp" and planner.cluster.hybrid_shard_size(mesh) is None:
+                continue  # the data-parallel axis stays in a node (FSDP is as good), or no node-sized group
             search.try_candidate(mesh, dp_mode, micro_batches or 1)
     if micro_batches is None:
         search.try_micro_batches()
@@ -566,10 +593,13 @@ def evaluate_plan(
     if micro_batches is None:
         micro_batches = plan_or_baseline.micro_batches if isinstance(plan_or_baseline, Plan) else 1
     k = micro_batches
+    shard: int | None = None
+    """HSDP's shard group: a Plan's own (None: the cluster's)."""
     if isinstance(plan_or_baseline, Plan):
         plan = plan_or_baseline
         mesh = (plan.dp_size, plan.tp_size)
         dp_mode = plan.dp_mode
+        shard = plan.dp_shard_size if dp_mode == "hsdp" else None
         fixed = {fqn: placements[1] for fqn, placements in plan.param_placements.items()}
         name = "plan"
     elif isinstance(plan_or_baseline, str):
@@ -612,7 +642,9 @@ def evaluate_plan(
         pin = dict(plan_or_baseline.recompute) or "none"
     built = solution = None
     if recompute == "auto":
-        built = planner.build(mesh, dp_mode, canonical_fixed, pin_unlisted=True, micro_batches=k)
+        built = planner.build(
+            mesh, dp_mode, canonical_fixed, pin_unlisted=True, micro_batches=k, dp_shard_size=shard
+        )
         try:
             solution = solve(built.problem, time_limit_s=time_limit_s)
         except InfeasibleError:
@@ -623,7 +655,13 @@ def evaluate_plan(
         # would undercut the plan's own prediction.
         try:
             built = planner.build(
-                mesh, dp_mode, canonical_fixed, pin_unlisted=True, recompute_pin=pin, micro_batches=k
+                mesh,
+                dp_mode,
+                canonical_fixed,
+                pin_unlisted=True,
+                recompute_pin=pin,
+                micro_batches=k,
+                dp_shard_size=shard,
             )
             solution = solve(built.problem, time_limit_s=time_limit_s)
         except InfeasibleError:
@@ -632,7 +670,13 @@ def evaluate_plan(
         planner.budget = 1 << 62
         try:
             built = planner.build(
-                mesh, dp_mode, canonical_fixed, pin_unlisted=True, recompute_pin=pin, micro_batches=k
+                mesh,
+                dp_mode,
+                canonical_fixed,
+                pin_unlisted=True,
+                recompute_pin=pin,
+                micro_batches=k,
+                dp_shard_size=shard,
             )
         finally:
             planner.budget = budget

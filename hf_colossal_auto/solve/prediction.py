@@ -36,6 +36,7 @@ from .builder import (
     viewed_param,
 )
 from .cost_model import (
+    SHARDED_DP_MODES,
     gradient_at_consumer,
     gradient_at_producer,
     redistribute,
@@ -134,7 +135,7 @@ def _make_plan(
     tp_place: dict[str, str] = {}
     for pname, fqn in built.param_of_node.items():
         tp_place[fqn] = built.param_options[pname][solution.choice[pname]]
-    dp_place = "S0" if dp_mode == "fsdp" else "R"
+    dp_place = "S0" if dp_mode in SHARDED_DP_MODES else "R"
     param_placements = {}
     for fqn in graph.param_names:
         canon = tied.canonical_param(fqn)
@@ -183,6 +184,7 @@ def _make_plan(
         mesh_shape=tuple(mesh),
         mesh_axis_names=("dp", "tp"),
         dp_mode=dp_mode,
+        dp_shard_size=built.dp_shard_size,
         param_placements=param_placements,
         param_shapes={
             fqn: list(p.shape)
@@ -619,11 +621,13 @@ def _collective_prediction(built, solution, graph, tied, mesh, planner, dp_mode)
     nbytes = defaultdict(float, {kind: micro * b for kind, b in nbytes.items()})
     if dp > 1:
         n_params = len(graph.param_names)
-        if dp_mode == "fsdp":
+        if dp_mode in SHARDED_DP_MODES:
             counts["dp_all_gather"] += 2 * micro * n_params
             counts["dp_reduce_scatter"] += n_params
         else:
             counts["dp_all_reduce"] += n_params
+    if dp > 1 and dp_mode == "hsdp":  # HSDP all-reduces each reduce-scattered shard over the replicate group
+        counts["dp_all_reduce"] += counts["dp_reduce_scatter"]
     return _CollectivePrediction(
         counts={k: round(v, 6) for k, v in sorted(counts.items())},
         nbytes={k: round(v, 6) for k, v in sorted(nbytes.items())},

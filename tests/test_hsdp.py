@@ -1,0 +1,116 @@
+"""Hybrid sharded data parallelism (HSDP): FSDP inside a node, the shards all-reduced across nodes — priced,
+planned, written to JSON and run (issue #12, item 3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from hf_colossal_auto.hardware import ClusterSpec, get_device
+from hf_colossal_auto.hardware.catalog import LinkSpec
+from hf_colossal_auto.models import build_model, make_example_inputs
+from hf_colossal_auto.plan import Plan
+from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
+
+SLOW_NETWORK = LinkSpec(bandwidth=1e8, latency=1e-4)
+"""An inter-node link far slower than the node's own: where HSDP's layout matters."""
+
+
+def _two_nodes_of_two():
+    """A tiny GPT-2, a global batch of 8, and a device whose network is slow (2 nodes x 2 devices)."""
+    torch.manual_seed(0)
+    model = build_model("tiny-gpt2", device="cpu")
+    model.eval()
+    batch = make_example_inputs(model, 8, 16)
+    spec = dataclasses.replace(get_device("a100-80gb"), inter_node_link=SLOW_NETWORK)
+    return model, batch, spec
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """One plan per data-parallel mode on the data-parallel mesh (4, 1) of 2 nodes x 2 devices."""
+    model, batch, spec = _two_nodes_of_two()
+    return {
+        mode: plan_model(
+            model,
+            batch,
+            num_devices=4,
+            device=spec,
+            devices_per_node=2,
+            mesh_shape=(4, 1),
+            dp_modes=(mode,),
+            micro_batches=1,
+        )
+        for mode in ("ddp", "fsdp", "hsdp")
+    }
+
+
+def test_shard_group_is_one_nodes_data_parallel_ranks():
+    cluster = ClusterSpec(get_device("a100-80gb"), 16, devices_per_node=4)
+    assert cluster.hybrid_shard_size((16, 1)) == 4
+    assert cluster.hybrid_shard_size((8, 2)) == 2
+    # one data-parallel rank per node: nothing to shard in it
+    assert cluster.hybrid_shard_size((4, 4)) is None
+    assert cluster.hybrid_shard_size((2, 8)) is None  # tensor parallelism wider than a node
+    assert ClusterSpec(get_device("a100-80gb"), 4, devices_per_node=4).hybrid_shard_size((4, 1)) is None
+    # the replicate axis of (replicate, shard, tp) crosses nodes, the shard axis does not
+    replicate, shard = cluster.hybrid_links((8, 2), 2)
+    assert replicate == cluster.device.inter_node_link
+    assert shard == cluster.device.intra_node_link
+
+
+def test_hsdp_beats_fsdp_over_a_slow_network_with_memory_between_ddp_and_fsdp(plans):
+    ddp, fsdp, hsdp = plans["ddp"], plans["fsdp"], plans["hsdp"]
+    assert (hsdp.dp_mode, hsdp.dp_shard_size, hsdp.dp_replicate_size) == ("hsdp", 2, 2)
+    assert hsdp.step_time_s < fsdp.step_time_s
+    assert fsdp.param_memory_bytes < hsdp.param_memory_bytes < ddp.param_memory_bytes
+    # parameters, gradients and optimizer state split over 2 ranks instead of 4
+    assert hsdp.param_memory_bytes == pytest.approx(2 * fsdp.param_memory_bytes, rel=1e-6)
+
+
+def test_hsdp_collectives_are_fsdps_in_the_node_plus_one_all_reduce_per_shard(plans):
+    fsdp, hsdp = plans["fsdp"], plans["hsdp"]
+    n = len(hsdp.param_placements)
+    assert fsdp.collectives["dp_all_gather"] == hsdp.collectives["dp_all_gather"] == 2 * n
+    assert fsdp.collectives["dp_reduce_scatter"] == hsdp.collectives["dp_reduce_scatter"] == n
+    assert hsdp.collectives["dp_all_reduce"] == n
+    assert "dp_all_reduce" not in fsdp.collectives
+
+
+def test_planner_picks_hsdp_over_a_slow_network_and_prices_it_again(plans):
+    model, batch, spec = _two_nodes_of_two()
+    best = plan_model(
+        model, batch, num_devices=4, device=spec, devices_per_node=2, mesh_shape=(4, 1), micro_batches=1
+    )
+    assert best.dp_label == "hsdp 2x2"
+    assert "hsdp" in {alt["dp_mode"] for alt in best.alternatives}
+    again = evaluate_plan(model, batch, best, num_devices=4, device=spec, devices_per_node=2)
+    assert again.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
+
+
+def test_plan_json_round_trip_and_plans_written_before():
+    model, batch, spec = _two_nodes_of_two()
+    hsdp = plan_model(
+        model,
+        batch,
+        num_devices=4,
+        device=spec,
+        devices_per_node=2,
+        mesh_shape=(4, 1),
+        dp_modes=("hsdp",),
+        micro_batches=1,
+    )
+    again = Plan.from_dict(json.loads(hsdp.to_json()))
+    assert (again.dp_mode, again.dp_shard_size, again.dp_label) == ("hsdp", 2, "hsdp 2x2")
+    assert "data parallel: hsdp 2x2" in again.summary()
+    older = hsdp.to_dict()
+    del older["dp_shard_size"]
+    for mode, shard in (("fsdp", 4), ("ddp", 1)):
+        assert Plan.from_dict({**older, "dp_mode": mode}).dp_shard_size == shard
+    with pytest.raises(ValueError, match="needs dp_shard_size"):
+        Plan.from_dict(older)
+    with pytest.raises(ValueError, match="must divide the data-parallel axis"):
+        Plan.from_dict({**older, "dp_shard_size": 3})
