@@ -114,3 +114,63 @@ def test_plan_json_round_trip_and_plans_written_before():
         Plan.from_dict(older)
     with pytest.raises(ValueError, match="must divide the data-parallel axis"):
         Plan.from_dict({**older, "dp_shard_size": 3})
+
+
+def _runtime_collectives(model, plan, batch) -> tuple[dict[str, int], list[list[int]]]:
+    """Apply ``plan`` on 4 fake ranks (one process, the fake process group: shapes and collectives real,
+    values not) and count the collectives one forward + backward issues, by kind; and the ranks of the
+    (replicate, shard) mesh FSDP2 was given."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from hf_colossal_auto._torch_compat import fake_process_group
+    from hf_colossal_auto.apply import apply_plan, build_mesh
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    fake_process_group(plan.num_devices)
+    try:
+        apply_plan(model, plan, build_mesh(plan, "cpu"))
+        with CommDebugMode() as comm:
+            model(**batch).loss.backward()
+        dp_mesh = model._hf_colossal_auto_dp_mesh
+        ranks = dp_mesh.mesh.tolist()
+    finally:
+        dist.destroy_process_group()
+    names = {
+        "_allgather_base_": "all_gather",
+        "_reduce_scatter_base_": "reduce_scatter",
+        "allreduce_": "all_reduce",
+    }
+    counts = {
+        names[str(op).split(".")[-1]]: n
+        for op, n in comm.get_comm_counts().items()
+        if str(op).split(".")[-1] in names
+    }
+    assert dp_mesh.mesh_dim_names == (("dp_replicate", "dp_shard") if plan.dp_mode == "hsdp" else ("dp",))
+    return counts, ranks
+
+
+def test_runtime_shards_inside_nodes_and_all_reduces_each_shard_across_them(plans):
+    """FSDP2 on the plan's (replicate, shard) mesh: shard groups are a node's ranks, replicate groups cross
+    nodes; every reduce-scatter of gradients is followed by one all-reduce of its shard (the plan predicts
+    as many dp_all_reduce as dp_reduce_scatter), which plain FSDP never runs."""
+    model, batch, _ = _two_nodes_of_two()
+    local = {k: v[:2] for k, v in batch.items()}  # one replica's rows
+    counts, ranks = _runtime_collectives(model, plans["hsdp"], local)
+    per_node = 2
+    assert ranks == [[0, 1], [2, 3]]  # rows: shard groups; columns: replicate groups
+    assert all(len({r // per_node for r in group}) == 1 for group in ranks)  # a shard group stays in a node
+    assert all(
+        len({r // per_node for r in group}) == 2 for group in zip(*ranks, strict=True)
+    )  # replicas: not
+    hsdp = plans["hsdp"].collectives
+    assert counts["reduce_scatter"] > 0 and counts["all_gather"] > 0
+    assert counts["all_reduce"] == counts["reduce_scatter"]
+    assert hsdp["dp_all_reduce"] == hsdp["dp_reduce_scatter"]
+
+    model, _, _ = _two_nodes_of_two()
+    fsdp_counts, _ = _runtime_collectives(model, plans["fsdp"], local)
+    assert "all_reduce" not in fsdp_counts
+    assert fsdp_counts["reduce_scatter"] == counts["reduce_scatter"]  # the same units, only the groups differ
+    assert fsdp_counts["all_gather"] == counts["all_gather"]

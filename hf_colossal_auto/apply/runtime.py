@@ -334,13 +334,25 @@ def _make_sync_hook(mesh: DeviceMesh, control: GradientSyncControl | None = None
     return hook
 
 
-def _fully_shard(model: nn.Module, mesh: DeviceMesh) -> None:
+def data_parallel_shard_mesh(plan: Plan, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: the data-parallel axis under FSDP; under HSDP that axis unflattened into
+    ``(dp_replicate, dp_shard)`` (row-major, so a shard group is consecutive ranks: one node's data-parallel
+    ranks, as the plan priced it), on which ``fully_shard`` reduce-scatters in the shard group and all-reduces
+    the shards in the replicate group. Unflattened from the plan's mesh, so that it shares its root with the
+    tensor-parallel sub-mesh the parameters live on (FSDP2 requires it)."""
+    if plan.dp_mode != "hsdp":
+        return mesh["dp"]
+    sizes = (plan.dp_replicate_size, plan.dp_shard_size)
+    hybrid = mesh._unflatten("dp", sizes, ("dp_replicate", "dp_shard"))
+    return hybrid["dp_replicate", "dp_shard"]
+
+
+def _fully_shard(model: nn.Module, dp_mesh: DeviceMesh) -> None:
     """FSDP on the data-parallel axis (FSDP2 ``fully_shard`` per block, then the root): parameters, gradients
-    and optimizer state sharded over the replicas, gathered per block for compute (the next block's gather
-    started by the current block's forward), gradients reduce-scattered."""
+    and optimizer state sharded over the replicas (over the shard group under HSDP), gathered per block for
+    compute (the next block's gather started by the current block's forward), gradients reduce-scattered."""
     from torch.distributed.fsdp import fully_shard
 
-    dp_mesh = mesh["dp"]
     sharded: list[str] = []
     for name, module in model.named_modules():
         # the outermost lists of blocks only: a list inside a block already sharded (T5's per-block ``layer``
@@ -393,7 +405,7 @@ def apply_plan(
     """
     world = dist.get_world_size() if dist.is_initialized() else None
     _validate_on_every_rank(model, plan, world)
-    fsdp = plan.dp_mode == "fsdp" and plan.dp_size > 1
+    fsdp = plan.dp_mode in ("fsdp", "hsdp") and plan.dp_size > 1
     register_runtime_rules()
     register_replicated_fallbacks(plan.replicated_ops)
     allow_implicit_replication(True)
@@ -408,7 +420,8 @@ def apply_plan(
     enforce_plan(model, plan)
     apply_recompute(model, plan)  # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP
     if fsdp:
-        _fully_shard(model, mesh)
+        model._hf_colossal_auto_dp_mesh = data_parallel_shard_mesh(plan, mesh)
+        _fully_shard(model, model._hf_colossal_auto_dp_mesh)
     # after FSDP, so that each rank allocates (and reads) only its data- and tensor-parallel shards
     if pretrained is not None:
         # what each rank read, kept for logs and tests
