@@ -9,7 +9,7 @@ two middle copies recorded the same ops and memory deltas, and the second one (t
 stands for every untraced block. Profiling cost grows with the number of distinct blocks, not with depth.
 
 Two blocks are identical when they have the same class, the same parameter and buffer names, shapes and
-dtypes, the same per-layer config entries (``config.layer_types`` distinguishes e.g. sliding-window from
+dtypes (and the same parameters frozen), the same per-layer config entries (``config.layer_types`` distinguishes e.g. sliding-window from
 full attention layers that look alike structurally) and the same submodule classes. Only a run that
 reaches the end of its ``ModuleList`` is folded, so that the kept blocks keep their indices (and hence
 their parameter FQNs). The tracer verifies afterwards that the two kept copies really recorded the same op
@@ -36,7 +36,11 @@ MIN_RUN = KEPT + 1
 
 
 def _signature(module: nn.Module) -> tuple:
-    params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters(remove_duplicate=False))
+    # requires_grad too: a frozen block has no gradients or optimizer step, so it cannot stand for a trained one
+    params = tuple(
+        (n, tuple(p.shape), p.dtype, p.requires_grad)
+        for n, p in module.named_parameters(remove_duplicate=False)
+    )
     buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers(remove_duplicate=False))
     classes = tuple((n, type(m).__qualname__) for n, m in module.named_modules())
     return (type(module).__qualname__, params, buffers, classes)

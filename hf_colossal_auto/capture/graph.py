@@ -202,6 +202,9 @@ class StepGraph:
     block_args: dict[str, list[int]] = field(default_factory=dict)
     """Traced ``ModuleList`` child FQN -> storages of the tensors its forward was called with (positional and
     keyword, used or not): what a checkpoint of that block holds until the block's backward."""
+    frozen_params: frozenset[str] = frozenset()
+    """FQNs of the parameters with ``requires_grad=False`` (a frozen embedding, the base weights under LoRA):
+    they get no gradient, no optimizer state and no data-parallel synchronisation, and the planner prices none."""
 
     # ------------------------------------------------------------------ queries
     def phase_range(self, phase: Phase) -> Segment:
@@ -229,3 +232,12 @@ class StepGraph:
     @property
     def total_optimizer_state_bytes(self) -> int:
         return sum(self.optimizer_state_bytes.values())
+
+    def is_trainable(self, fqn: str) -> bool:
+        """Whether parameter ``fqn`` is trained (``requires_grad``): only those have gradients to store and sync."""
+        return fqn not in self.frozen_params
+
+    @property
+    def trainable_param_bytes(self) -> int:
+        """Bytes of the trained parameters: what gradients, optimizer state and its step are proportional to."""
+        return sum(b for n, b in self.param_bytes.items() if n not in self.frozen_params)

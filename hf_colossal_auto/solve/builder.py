@@ -558,11 +558,17 @@ _FLOATING = ("float", "bfloat", "half", "complex")
 
 
 def differentiable_values(graph: StepGraph) -> set[int]:
-    """Values a gradient flows back to: parameters, and floating-point outputs of forward ops that read one.
+    """Values a gradient flows back to: trained parameters, and floating-point outputs of forward ops that read
+    one.
 
     (The tracer records below autograd, where no tensor has ``requires_grad`` yet, so it is derived here.)
-    RoPE's cos/sin tables, masks and position ids come out of this empty: no gradient is reduced for them."""
-    needs = {v.id for v in graph.values.values() if v.kind is ValueKind.PARAM}
+    RoPE's cos/sin tables, masks and position ids come out of this empty: no gradient is reduced for them; nor
+    for a frozen embedding's output (no gradient reaches a frozen parameter, so none is computed for it)."""
+    needs = {
+        v.id
+        for v in graph.values.values()
+        if v.kind is ValueKind.PARAM and (v.name is None or graph.is_trainable(v.name))
+    }
     for node in graph.nodes:
         if node.phase is not Phase.FORWARD or not any(v in needs for v in node.inputs):
             continue
@@ -992,7 +998,8 @@ class _ProblemBuilder:
         its share of the optimizer step on the local shard. Alongside, per option, what later parts price: the
         data-parallel synchronisation (``sync_terms``, hidden behind compute by an :class:`Overlap`), the bytes
         of parameter + optimizer state, gradient and optimizer temporaries (sharded by the data-parallel axis
-        too under FSDP), and under FSDP the bytes a gathered block adds (``gathered_terms``)."""
+        too under FSDP), and under FSDP the bytes a gathered block adds (``gathered_terms``). A frozen parameter
+        (``requires_grad=False``) costs its storage only: no gradient, optimizer state, step or sync."""
         graph, tied, tp, dp = self.graph, self.tied, self.tp, self.dp
         param_uses: dict[str, list[tuple[int, int]]] = defaultdict(list)
         """canonical param FQN -> (forward node, input position) of every use, over all copies."""
@@ -1002,7 +1009,8 @@ class _ProblemBuilder:
                 v = graph.values[vid]
                 if v.kind is ValueKind.PARAM and v.name is not None:
                     param_uses[tied.canonical_param(v.name)].append((i, k))
-        total_param_bytes = float(sum(graph.param_bytes.values())) or 1.0
+        # the optimizer step covers the trained parameters only (the profile's optimizer ops are theirs)
+        total_param_bytes = float(graph.trainable_param_bytes) or 1.0
         opt_time = _optimizer_time(graph, self.spec)
         real_count: dict[str, int] = defaultdict(int)
         for fqn in graph.param_names:
@@ -1019,14 +1027,18 @@ class _ProblemBuilder:
             pbytes = float(graph.param_bytes[fqn])
             sbytes = float(graph.optimizer_state_bytes.get(fqn, 0))
             dp_shard = self.dp_shard
+            trained = 1.0 if graph.is_trainable(fqn) else 0.0
             costs, mterms, gterms, tterms, syncs = [], [], [], [], []
             for opt in options:
                 local = pbytes / shard_factor(opt, tp)
-                syncs.append(data_parallel_sync_time(self.dp_mode, local, self.dp_comm, self.micro_batches))
-                costs.append(opt_time * (pbytes / total_param_bytes) / shard_factor(opt, tp) / dp_shard)
+                sync = data_parallel_sync_time(self.dp_mode, local, self.dp_comm, self.micro_batches)
+                syncs.append(trained * sync)
+                costs.append(
+                    trained * opt_time * (pbytes / total_param_bytes) / shard_factor(opt, tp) / dp_shard
+                )
                 mterms.append((local + sbytes / shard_factor(opt, tp)) / dp_shard)
-                gterms.append(local / dp_shard)
-                tterms.append(local / dp_shard * opt_temp_ratio)
+                gterms.append(trained * local / dp_shard)
+                tterms.append(trained * local / dp_shard * opt_temp_ratio)
             self.nodes.append(DecisionNode(name, costs, options, multiplicity=real_count[fqn]))
             self.param_options[name] = options
             if any(syncs):
@@ -1034,12 +1046,12 @@ class _ProblemBuilder:
             self.param_of_node[name] = fqn
             self.param_mem_terms[name] = mterms
             self.grad_terms[name] = gterms
-            self.accumulated_grad_terms[name] = [pbytes / shard_factor(o, tp) for o in options]
+            self.accumulated_grad_terms[name] = [trained * pbytes / shard_factor(o, tp) for o in options]
             self.opt_temp_terms[name] = tterms
             self.block_of[name] = fqn.rsplit(".", 1)[0]
             if fsdp_layers:
                 self.gathered_terms[name] = self._fsdp_gathered_bytes(
-                    fqn, pbytes, options, fsdp_layers, real_count[fqn]
+                    fqn, pbytes, options, fsdp_layers, real_count[fqn], graph.is_trainable(fqn)
                 )
 
     def _pin_param(self, fqn: str, name: str, shape: tuple[int, ...], options: list[str]) -> None:
@@ -1056,19 +1068,26 @@ class _ProblemBuilder:
             self.fixed[name] = options.index(want)
 
     def _fsdp_gathered_bytes(
-        self, fqn: str, pbytes: float, options: list[str], fsdp_layers: list[str], real_count: int
+        self,
+        fqn: str,
+        pbytes: float,
+        options: list[str],
+        fsdp_layers: list[str],
+        real_count: int,
+        trainable: bool = True,
     ) -> list[float]:
         """Bytes per storage option a parameter adds at the activation peak while FSDP has it gathered.
 
         FSDP2 (one unit per block, the root for the rest) holds the root's parameters and gradients unsharded
         through backward, and one block's at a time while that block runs: the sharded memory terms count 1/dp
-        of them, the rest is this."""
+        of them, the rest is this. A frozen parameter has no unsharded gradient: its weight only."""
         dp = self.dp_shard  # FSDP's group: the shard group under HSDP
         in_block = [b for b in fsdp_layers if fqn.startswith(b + ".")]
         share = 1.0 / real_count if in_block else 1.0
         if in_block and in_block[0] != fsdp_layers[0]:
             share = 0.0  # one block gathered at a time: priced on the first block's parameters
-        return [2 * (1 - 1 / dp) * pbytes / shard_factor(o, self.tp) * share for o in options]
+        copies = 2 if trainable else 1  # the gathered weight, and its unsharded gradient when it has one
+        return [copies * (1 - 1 / dp) * pbytes / shard_factor(o, self.tp) * share for o in options]
 
     # ---------------------------------------------------------------- edges
     def _add_edges(self) -> None:
@@ -1420,7 +1439,8 @@ class _ProblemBuilder:
             ]
             if any(any(row) for row in matrix):
                 edge_terms[(self.rc_names[u], name_c)] = matrix
-        param_total = sum(self.graph.param_bytes.values())
+        # the share of the gradients alive then: of the trained parameters' (frozen ones have none)
+        param_total = self.graph.trainable_param_bytes
         grad_frac = snapshot.by_kind.get("grad", 0) / param_total if param_total else 0.0
         for pname, mterms in self.param_mem_terms.items():
             if self.micro_batches > 1:  # the earlier micro-batches' gradients are all alive
@@ -1768,5 +1788,5 @@ def _optimizer_temp_ratio(graph: StepGraph) -> float:
         if kind in (ValueKind.ACTIVATION,):
             live += delta
             peak = max(peak, live)
-    total = sum(graph.param_bytes.values())
+    total = graph.trainable_param_bytes
     return peak / total if total else 0.0

@@ -535,7 +535,7 @@ def _collective_prediction(built, solution, graph, tied, mesh, planner, dp_mode)
     gradient. A *partial* gradient is not reduced where it is made: it passes back through views (a linear's
     flattening of its input) and sums with the other contributions to the value they view, and is reduced
     once there (what the runtime's boundary hooks and autograd's accumulation do): q, k and v projections of
-    one normed input cost one all-reduce. Data-parallel: one gradient synchronisation per parameter (counted,
+    one normed input cost one all-reduce. Data-parallel: one gradient synchronisation per trained parameter (counted,
     its bytes not: they depend on the tensor-parallel shard each replica holds). With k micro-batches the
     tensor-parallel collectives and FSDP's all-gathers run k times, the gradient synchronisation once.
     """
@@ -621,11 +621,12 @@ def _collective_prediction(built, solution, graph, tied, mesh, planner, dp_mode)
     nbytes = defaultdict(float, {kind: micro * b for kind, b in nbytes.items()})
     if dp > 1:
         n_params = len(graph.param_names)
+        n_trained = sum(1 for fqn in graph.param_names if graph.is_trainable(fqn))  # frozen ones: no gradient
         if dp_mode in SHARDED_DP_MODES:
             counts["dp_all_gather"] += 2 * micro * n_params
-            counts["dp_reduce_scatter"] += n_params
+            counts["dp_reduce_scatter"] += n_trained
         else:
-            counts["dp_all_reduce"] += n_params
+            counts["dp_all_reduce"] += n_trained
     if dp > 1 and dp_mode == "hsdp":  # HSDP all-reduces each reduce-scattered shard over the replicate group
         counts["dp_all_reduce"] += counts["dp_reduce_scatter"]
     return _CollectivePrediction(
