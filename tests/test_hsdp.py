@@ -174,3 +174,28 @@ def test_runtime_shards_inside_nodes_and_all_reduces_each_shard_across_them(plan
     assert "all_reduce" not in fsdp_counts
     assert fsdp_counts["reduce_scatter"] == counts["reduce_scatter"]  # the same units, only the groups differ
     assert fsdp_counts["all_gather"] == counts["all_gather"]
+
+
+@pytest.mark.slow
+def test_gloo_hsdp_training_tracks_single_process(tmp_path):
+    """4 gloo processes, mesh 4 x 1 under HSDP (2 replicas of shard groups of 2): the first step's gradients and
+    three AdamW steps' losses equal one process trained on the whole batch (fp32), and FSDP2 ran on the
+    (replicate, shard) mesh whose shard groups are consecutive ranks (a node's, ranks numbered node by node)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from torchrun_launch import run_torchrun
+
+    out = tmp_path / "result.json"
+    script = Path(__file__).parent / "multiproc" / "check_numerics.py"
+    run_torchrun(
+        str(script), "--model", "tiny-llama", "--mesh", "4x1", "--plan", "megatron", "--steps", "3",
+        "--dp-mode", "hsdp", "--dp-shard", "2", "--optimizer-before", "hsdp", "--out", str(out), nproc=4,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["dp_mode"] == "hsdp"
+    assert result["dp_shard_mesh"] == [[0, 1], [2, 3]]
+    assert result["max_grad_diff"] < 1e-5
+    for got, want in zip(result["losses"], result["reference_losses"], strict=True):
+        assert got == pytest.approx(want, abs=1e-5)

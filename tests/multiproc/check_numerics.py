@@ -71,6 +71,7 @@ def run_model(spec: str, args: argparse.Namespace, dp_mode: str) -> dict:
                 model, batch, baseline, num_devices=world, device="cpu", mesh_shape=(dp, tp)
             ).plan
             made.dp_mode = dp_mode  # the same placements, the data-parallel axis as asked
+            made.dp_shard_size = {"fsdp": dp, "hsdp": args.dp_shard}.get(dp_mode, 1)
             if plan_kind in ("experts-ep", "experts-tp", "megatron"):
                 # at these tiny widths the solver gathers stored-split expert weights for use (latency wins);
                 # use them as stored, so that the split compute runs
@@ -133,6 +134,11 @@ def run_model(spec: str, args: argparse.Namespace, dp_mode: str) -> dict:
         "world": world,
         "param_placements": sorted({str(p.placements) for p in model.parameters() if isinstance(p, DTensor)}),
         "dp_mode": plan.dp_mode,
+        "dp_shard_mesh": (
+            model._hf_colossal_auto_dp_mesh.mesh.tolist()
+            if hasattr(model, "_hf_colossal_auto_dp_mesh")
+            else None
+        ),
     }
     del model, opt, reference, ref_opt
     dist.barrier()
@@ -153,14 +159,19 @@ def main() -> None:
         help="plan to apply",
     )
     parser.add_argument(
-        "--dp-mode", default="ddp", help="ddp, fsdp, or both ('ddp,fsdp': every model under each, in turn)"
+        "--dp-mode",
+        default="ddp",
+        help="ddp, fsdp, hsdp, or several ('ddp,fsdp': every model under each, in turn)",
     )
     parser.add_argument(
         "--optimizer-before",
         nargs="?",
         const="all",
-        choices=["all", "ddp", "fsdp"],
+        choices=["all", "ddp", "fsdp", "hsdp"],
         help="make the optimizer before parallelizing (remapped): for every run, or for that dp mode's only",
+    )
+    parser.add_argument(
+        "--dp-shard", type=int, default=2, help="HSDP: ranks of a shard group (--dp-mode hsdp)"
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
