@@ -319,6 +319,11 @@ def two_process_recipes(tmp_path_factory) -> Path:
         ]
         for script, args in argv.items()
     ]
+    # fine-tuning a local checkpoint, data parallel (2x1), with the token embedding frozen
+    checkpoint = tiny_pretrained_checkpoint(root / "pretrained")
+    runs.append(
+        ["finetune_causal_lm", [*finetune_args(checkpoint, two / "finetune"), "--mesh_shape", "2x1"], {}]
+    )
     cmd = accelerate_launch_command(str(ROOT / "tests" / "multiproc" / "run_recipes.py"), json.dumps(runs))
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -376,3 +381,128 @@ def test_bert_and_t5_recipes_on_two_processes_match_one_process(script, two_proc
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-6, abs=0), a["step"]
     assert records[-1]["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], rel=5e-7, abs=0)
     _check_export(two_process_recipes / "two" / script / "final", task_class)
+
+
+# ----------------------------------------------------------------------------------------- fine-tuning
+SFT_SAMPLE = RECIPES / "data" / "sft_sample.jsonl"
+
+
+def tiny_pretrained_checkpoint(path: Path) -> Path:
+    """A tiny Llama "pretrained" checkpoint made here (random weights, safetensors) with a BPE tokenizer trained
+    on the sample data's text and no chat template: what ``--model_name_or_path`` reads, nothing downloaded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    texts = ["### User:", "### Assistant:", "### System:"]
+    for line in SFT_SAMPLE.read_text().splitlines():
+        record = json.loads(line)
+        messages = record.get("messages") or [{"content": record["prompt"]}, {"content": record["response"]}]
+        texts += [m["content"] for m in messages]
+    tokenizer = train_tokenizer("bpe", texts * 4, 512)
+    tokenizer.eos_token = "<|endoftext|>"
+    config = LlamaConfig(
+        vocab_size=padded_vocab_size(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=False,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def finetune_args(checkpoint: Path, out: Path) -> list[str]:
+    """8 steps on the sample data, embeddings frozen: enough for the loss to fall on 2 cores."""
+    return [
+        "--model_name_or_path", str(checkpoint), "--train_file", str(SFT_SAMPLE), "--output_dir", str(out),
+        "--max_steps", "8", "--lr", "3e-3", "--max_seq_len", "64", "--per_device_batch_size", "4",
+        "--freeze", "embed_tokens",
+    ]  # fmt: skip
+
+
+def test_sft_labels_are_the_assistant_turns_only(tmp_path):
+    """Every label that is not -100 is a token the assistant wrote (its text, the EOS ending its turn); the
+    system and user turns, the headers and the next turn's header are masked. Both line formats."""
+    from finetune_causal_lm import (
+        IGNORE_INDEX,
+        ensure_chat_template,
+        read_conversations,
+        tokenize_conversation,
+    )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pretrained_checkpoint(tmp_path / "ckpt"))
+    ensure_chat_template(tokenizer)
+    conversations = read_conversations(SFT_SAMPLE)
+    assert len(conversations) >= 30
+    for messages in conversations:
+        example = tokenize_conversation(tokenizer, messages, 512)
+        ids, labels = example["input_ids"], example["labels"]
+        learned = tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert learned == "".join(f"{r}{tokenizer.eos_token}\n" for r in replies)
+        assert all(lab in (IGNORE_INDEX, t) for t, lab in zip(ids, labels, strict=True))
+        assert labels[0] == IGNORE_INDEX  # the conversation opens with a user or system header
+    cut = tokenize_conversation(tokenizer, conversations[0], 5)
+    assert len(cut["input_ids"]) == len(cut["labels"]) == 5
+
+
+def test_sft_data_errors_name_the_line(tmp_path):
+    from finetune_causal_lm import read_conversations
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"question": "a"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected"):
+        read_conversations(bad)
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(ValueError, match="no assistant message"):
+        read_conversations(bad)
+
+
+def _check_finetune(out: Path, checkpoint: Path) -> dict:
+    """Loss falls; the export loads with from_pretrained in this process (weights and the chat template used
+    for training), and the frozen embedding is the checkpoint's bit for bit while every trained tensor moved."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    summary = json.loads((out / "summary.json").read_text())
+    losses = summary["losses"]
+    assert len(losses) == 8 and np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.5, losses
+    assert summary["frozen"] == ["model.embed_tokens.weight"]
+    before = load_file(checkpoint / "model.safetensors")
+    after = load_file(out / "final" / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]) == (name == "model.embed_tokens.weight"), name
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What color is snow?"}], add_generation_prompt=True, return_tensors="pt"
+    )
+    prompt = prompt["input_ids"] if not isinstance(prompt, torch.Tensor) else prompt
+    assert prompt.shape[-1] > 3 and tokenizer.decode(prompt[0]).endswith("### Assistant:\n")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, after[name]), name
+    return summary
+
+
+def test_finetune_recipe_in_one_process(tmp_path, fresh_accelerate_state):
+    """The README's one-process command: the checkpoint loaded into a meta model, trained, exported."""
+    checkpoint = tiny_pretrained_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "sft"
+    _run_main("finetune_causal_lm", finetune_args(checkpoint, out))
+    assert _check_finetune(out, checkpoint)["plan"] is None  # one process: nothing to plan
+
+
+@pytest.mark.slow
+def test_finetune_recipe_on_two_processes_under_a_plan(two_process_recipes):
+    """Fine-tuning on 2 gloo ranks, data parallel (2x1): each rank loaded only its shards of the checkpoint,
+    the frozen embedding got no gradient or update (no data-parallel sync touched it), the export loads."""
+    summary = _check_finetune(two_process_recipes / "two" / "finetune", two_process_recipes / "pretrained")
+    assert summary["plan"] == [2, 1]
+    # rank 0 read its shards only: half of every weight under FSDP, all of them under DDP (replicas)
+    share = 0.5 if summary["dp_mode"] == "fsdp" else 1.0
+    assert summary["bytes_read"] == pytest.approx(share * summary["checkpoint_bytes"], rel=0.02)
+
+
+def _run_main(script: str, argv: list[str]) -> None:
+    importlib.import_module(script).main(argv)

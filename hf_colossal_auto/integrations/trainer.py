@@ -109,6 +109,11 @@ class AutoParallelCallback(TrainerCallback):
         time_limit_s: the ILP solver's time limit per mesh.
         timeout: seconds a rank waits in a collective for a peer that stopped answering before it fails
             (replaces the process group's timeout, ``TrainingArguments.ddp_timeout``, once the plan is applied).
+        pretrained: a HF safetensors checkpoint (directory) each rank loads its own shards from once the plan is
+            applied (:func:`~hf_colossal_auto.apply.pretrained.load_pretrained`), so that a model built on
+            ``meta`` is never whole in any process; in a single process the whole checkpoint is loaded. Give the
+            Trainer ``TrainingArguments`` whose ``place_model_on_device`` is False for a ``meta`` model (the
+            Trainer would otherwise move it before the callback runs).
         **plan_kwargs: further :func:`~hf_colossal_auto.solve.planner.plan_model` arguments
             (``mixed_precision``, ``dp_modes``, ``devices_per_node``, ``optimizer``).
     """
@@ -122,9 +127,15 @@ class AutoParallelCallback(TrainerCallback):
         save_plan_path: str | os.PathLike | None = None,
         time_limit_s: float = 60.0,
         timeout: float = DEFAULT_TIMEOUT_S,
+        pretrained: str | os.PathLike | None = None,
         **plan_kwargs: Any,
     ) -> None:
         _check_settings(memory_budget, device, mesh_shape, plan_path, time_limit_s, plan_kwargs)
+        if pretrained is not None and not Path(pretrained).is_dir():
+            raise FileNotFoundError(
+                f"pretrained={str(pretrained)!r} is not a directory; give a checkpoint directory holding "
+                "config.json and model.safetensors (or an index), as save_pretrained writes"
+            )
         as_timedelta(timeout)  # a bad value fails here, not after planning
         self.memory_budget = memory_budget
         self.device = device
@@ -134,6 +145,7 @@ class AutoParallelCallback(TrainerCallback):
         self.time_limit_s = time_limit_s
         self.timeout = timeout
         self.plan_kwargs = plan_kwargs
+        self.pretrained = Path(pretrained) if pretrained is not None else None
         self.plan: Plan | None = None
         self._trainer: Trainer | None = None
 
@@ -173,13 +185,24 @@ class AutoParallelCallback(TrainerCallback):
                 "AutoParallelCallback: this is a single process (no torch.distributed job), so there is nothing "
                 "to parallelise; training as usual. Launch with torchrun/accelerate launch to use the plan."
             )
+            if self.pretrained is not None:
+                from ..apply.pretrained import load_pretrained
+
+                load_pretrained(trainer.model, self.pretrained)  # a meta model is materialised, then filled
+                trainer.model.to(trainer.args.device)
             self._trainer = trainer
             return
         _turn_off_trainer_recompute(trainer.args)
         with _preserved_rng():
             self.plan = self._make_plan(trainer)
             optimizers = [_unwrap_optimizer(trainer.optimizer)] if trainer.optimizer is not None else []
-            apply_plan(trainer.model, self.plan, optimizers=optimizers, timeout=self.timeout)
+            apply_plan(
+                trainer.model,
+                self.plan,
+                optimizers=optimizers,
+                timeout=self.timeout,
+                pretrained=self.pretrained,
+            )
         if self.save_plan_path is not None and dist.get_rank() == 0:
             self.save_plan_path.parent.mkdir(parents=True, exist_ok=True)
             self.plan.save(self.save_plan_path)

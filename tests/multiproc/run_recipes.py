@@ -4,7 +4,7 @@
         tests/multiproc/run_recipes.py '[["pretrain_bert", ["--output_dir", "out/bert", ...], {"VAR": "value"}], ...]'
 
 Each recipe runs exactly as its script's ``__main__`` would (``run(RECIPE, argv)``: parse, plan at prepare,
-train, export, ``end_training``), with the variables of its third item set while it runs (e.g.
+train, export, ``end_training``; ``main(argv)`` for a script without a ``Recipe``, such as the fine-tuning one), with the variables of its third item set while it runs (e.g.
 ``HF_COLOSSAL_AUTO_SAVE_PLAN_PATH``, so that each recipe writes its own plan). Why one launch for several: starting the processes, importing
 torch/transformers and rendezvousing cost more than a tiny recipe's training on 2 cores, so a test that needs
 several recipes under a plan pays that once.
@@ -50,11 +50,14 @@ def main() -> None:
         if run:
             _start_group(run)
         module = importlib.import_module(script)
-        recipe = next(v for v in vars(module).values() if type(v).__name__ == "Recipe")
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            module.run(recipe, argv)
+            recipe = next((v for v in vars(module).values() if type(v).__name__ == "Recipe"), None)
+            if recipe is None:  # a script with its own main (the Trainer-based fine-tuning recipe)
+                module.main(argv)
+            else:
+                module.run(recipe, argv)
         finally:
             for k, v in saved.items():
                 if v is None:
