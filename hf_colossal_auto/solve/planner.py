@@ -341,6 +341,30 @@ class _Search:
             self.one_piece[(mesh, dp_mode)] = (plan, host_floor)
         return plan
 
+    def ruled_out(self, mesh: tuple[int, int], dp_mode: str, shard: int, micro_batches: int) -> bool:
+        """Whether a lower bound already rules ``(mesh, dp_mode)`` out, without building its ILP (recorded as
+        tried and not fitting): the parameters and optimizer state alone, each split over every tensor- and
+        data-parallel rank that can share it, exceed the budget. No placement, recompute or micro-batch count
+        needs less, so neither the ILP nor the micro-batch search is run for it. Why: HSDP's shard group is one
+        node's ranks, and a model whose state does not fit there (Llama-3-70B on 8 per node) would otherwise
+        cost an ILP per mesh and a micro-batch search."""
+        floor = _model_state_floor(self.planner.graph(mesh[0], micro_batches), mesh[1] * shard)
+        if floor <= self.planner.budget:
+            return False
+        logger.debug(
+            "mesh %s %s skipped: parameters + optimizer state alone need %d bytes", mesh, dp_mode, floor
+        )
+        self.tried.append(
+            {
+                "mesh": list(mesh),
+                "dp_mode": dp_mode,
+                "micro_batches": micro_batches,
+                "fits": False,
+                "min_memory_bytes": floor,
+            }
+        )
+        return True
+
     def try_micro_batches(self) -> None:
         """Micro-batching where the batch in one piece does not fit or needs recompute: k = 2, 4, ... (divisors
         of the replica's batch) up to the first k that fits without recompute; the fastest plan wins.
@@ -402,6 +426,12 @@ def _micro_batch_clause(fixed: int | None, tried: list[int]) -> str:
     if len(tried) > 1:
         return f", micro-batching tried: up to {max(tried)} micro-batches per replica)"
     return "; micro-batching tried: no replica's batch splits further)"
+
+
+def _model_state_floor(graph: StepGraph, ranks: int) -> int:
+    """Bytes per device no plan can go below: every parameter and its optimizer state split evenly over
+    ``ranks`` (gradients, activations and replicated leftovers come on top)."""
+    return math.ceil((graph.total_param_bytes + graph.total_optimizer_state_bytes) / ranks)
 
 
 def _best_case(plan: Plan) -> float:
@@ -511,8 +541,12 @@ def plan_model(
     search = _Search(planner)
     for mesh in _meshes(planner, mesh_shape, micro_batches or 1):
         for dp_mode in dp_modes if mesh[0] > 1 else ("ddp",):
-            if dp_mode == "hsdp" and planner.cluster.hybrid_shard_size(mesh) is None:
-                continue  # the data-parallel axis stays in a node (FSDP is as good), or no node-sized group
+            if dp_mode == "hsdp":
+                shard = planner.cluster.hybrid_shard_size(mesh)
+                if shard is None:
+                    continue  # the data-parallel axis stays in a node (FSDP is as good), or no node-sized group
+                if search.ruled_out(mesh, dp_mode, shard, micro_batches or 1):
+                    continue
             search.try_candidate(mesh, dp_mode, micro_batches or 1)
     if micro_batches is None:
         search.try_micro_batches()
