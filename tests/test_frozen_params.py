@@ -1,10 +1,15 @@
 """Frozen parameters (``requires_grad=False``): no gradient, optimizer state, optimizer step or data-parallel
 synchronisation in the profile, the plan or its predicted collectives. (That the runtime leaves them untouched
-on 2 real ranks is checked by the fine-tuning recipe's 2-process run in tests/test_recipes.py.)"""
+on 2 real ranks is checked by the fine-tuning recipe's 2-process run in tests/test_recipes.py, and below with
+peft's LoRA adapters, whose base weights are all frozen.)"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+from torchrun_launch import run_torchrun
 
 from hf_colossal_auto.capture import trace_training_step
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
@@ -13,6 +18,7 @@ from hf_colossal_auto.solve.builder import _optimizer_temp_ratio
 from hf_colossal_auto.solve.planner import plan_model
 
 DEVICE = "a100-80gb"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tiny_llama(frozen: str | None):
@@ -100,3 +106,25 @@ def test_frozen_blocks_are_not_folded_with_trained_ones():
     assert trained == {n for n, p in model.named_parameters() if p.requires_grad}
     for name in graph.param_names:
         assert (graph.optimizer_state_bytes[name] > 0) == (name in trained), name
+
+
+@pytest.mark.slow
+def test_peft_lora_model_is_planned_and_trained_on_two_ranks(tmp_path):
+    """A peft LoRA-wrapped tiny Llama (the optional ``lora`` extra; skipped without peft): planned and trained
+    on 2 gloo ranks under DDP (2 x 1) and tensor parallelism (1 x 2). Losses equal one process's on the same
+    batch; only the adapters change (the frozen base weights are bit-identical); DDP all-reduces the 8 adapter
+    gradients only, as predicted; under 1 x 2 the collectives c10d ran equal the plan's prediction."""
+    pytest.importorskip("peft")
+    out = tmp_path / "lora.json"
+    run_torchrun(str(ROOT / "tests" / "multiproc" / "check_lora.py"), "--out", str(out), nproc=2)
+    ddp, tp = json.loads(out.read_text())
+    for result in (ddp, tp):
+        assert result["losses"] == pytest.approx(result["reference"], rel=1e-6), result["mesh"]
+        assert result["losses"][-1] < result["losses"][0]
+        assert result["changed"] == result["trained"], result["mesh"]  # adapters moved, nothing else
+        assert len(result["trained"]) == 8 and all(".lora_" in n for n in result["trained"])
+    assert ddp["dp_mode"] == "ddp" and ddp["collectives"] == {"c10d::allreduce_": 8}
+    assert ddp["predicted"] == {"dp_all_reduce": 8.0}
+    names = {"all_reduce": "c10d::allreduce_", "all_gather": "c10d::allgather_into_tensor_coalesced_"}
+    names["reduce_scatter"] = "c10d::reduce_scatter_tensor_coalesced_"
+    assert {names[k]: v for k, v in tp["predicted"].items()} == tp["collectives"]
