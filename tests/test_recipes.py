@@ -506,3 +506,57 @@ def test_finetune_recipe_on_two_processes_under_a_plan(two_process_recipes):
 
 def _run_main(script: str, argv: list[str]) -> None:
     importlib.import_module(script).main(argv)
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_sft_labels_follow_the_tokenizers_own_chat_template(tmp_path):
+    """A tokenizer's own template is used as it is (ChatML here): the assistant's text and the template's own
+    end of turn are learned, the ``<|im_start|>assistant`` header the prompt ends with is not."""
+    from finetune_causal_lm import IGNORE_INDEX, ensure_chat_template, tokenize_conversation
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pretrained_checkpoint(tmp_path / "ckpt"))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    ensure_chat_template(tokenizer)
+    assert tokenizer.chat_template == CHATML
+    messages = [
+        {"role": "user", "content": "What color is snow?"},
+        {"role": "assistant", "content": "The snow is white."},
+        {"role": "user", "content": "And coal?"},
+        {"role": "assistant", "content": "The coal is black."},
+    ]
+    example = tokenize_conversation(tokenizer, messages, 512)
+    learned = [t for t in example["labels"] if t != IGNORE_INDEX]
+    assert tokenizer.decode(learned) == "The snow is white.<|im_end|>\nThe coal is black.<|im_end|>\n"
+
+
+def test_sft_rows_padded_or_packed_keep_the_labels():
+    """Unpacked: one conversation per row, padded with masked labels and attention; packed: every token once,
+    in order, in full rows (the tail shorter than a row dropped); rows without a label are dropped."""
+    from finetune_causal_lm import IGNORE_INDEX, SFTDataset
+
+    examples = [
+        {"input_ids": [1, 2, 3, 4], "labels": [IGNORE_INDEX, IGNORE_INDEX, 3, 4]},
+        {"input_ids": [5, 6, 7], "labels": [IGNORE_INDEX, 6, 7]},
+        {"input_ids": [8, 9], "labels": [IGNORE_INDEX, IGNORE_INDEX]},
+    ]
+    padded = SFTDataset(examples, 5, pad_id=0, packing=False)
+    assert len(padded) == 2  # the third has nothing to learn
+    assert padded[0]["input_ids"].tolist() == [1, 2, 3, 4, 0]
+    assert padded[0]["attention_mask"].tolist() == [1, 1, 1, 1, 0]
+    assert padded[0]["labels"].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 3, 4, IGNORE_INDEX]
+    packed = SFTDataset(examples, 4, pad_id=0, packing=True)
+    assert [r["input_ids"].tolist() for r in packed] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert [r["labels"].tolist() for r in packed] == [
+        [IGNORE_INDEX, IGNORE_INDEX, 3, 4],
+        [IGNORE_INDEX, 6, 7, IGNORE_INDEX],
+    ]
+    assert all(r["attention_mask"].all() for r in packed)
+    with pytest.raises(ValueError, match="raise --max_seq_len"):
+        SFTDataset(examples[2:], 4, pad_id=0, packing=False)
