@@ -123,12 +123,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         mesh_txt += f" k={k}" if k > 1 else ""
         if "step_time_s" in alt:
             print(
-                f"  dp x tp = {mesh_txt:7s} {alt['dp_mode']:5s} {format_seconds(alt['step_time_s']):>9s}"
+                f"  dp x tp = {mesh_txt:7s} {alt.get('dp_label', alt['dp_mode']):9s} {format_seconds(alt['step_time_s']):>9s}"
                 f"  peak {format_bytes(alt['peak_memory_bytes']):>11s}  {'fits' if alt['fits'] else 'does not fit'}"
             )
         else:
             print(
-                f"  dp x tp = {mesh_txt:7s} {alt['dp_mode']:5s} needs >= {format_bytes(alt['min_memory_bytes'])}"
+                f"  dp x tp = {mesh_txt:7s} {alt.get('dp_label', alt['dp_mode']):9s} needs >= {format_bytes(alt['min_memory_bytes'])}"
             )
     if not args.no_baselines:
         print("\nbaselines under the same cost model:")

@@ -86,7 +86,7 @@ def test_planner_picks_hsdp_over_a_slow_network_and_prices_it_again(plans):
         model, batch, num_devices=4, device=spec, devices_per_node=2, mesh_shape=(4, 1), micro_batches=1
     )
     assert best.dp_label == "hsdp 2x2"
-    assert "hsdp" in {alt["dp_mode"] for alt in best.alternatives}
+    assert "hsdp 2x2" in {alt["dp_label"] for alt in best.alternatives}
     again = evaluate_plan(model, batch, best, num_devices=4, device=spec, devices_per_node=2)
     assert again.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
 

@@ -86,6 +86,7 @@ class FrontierPoint:
     finds no plan)."""
     mesh_shape: tuple[int, ...] | None
     dp_mode: str | None
+    """The data-parallel mode as :attr:`Plan.dp_label` names it ("fsdp", "hsdp 2x4")."""
     recompute: str
     """Recompute per block, summarised (``"none"``, ``"full x36"``, ``"selective:pointwise x12, none x24"``)."""
     micro_batches: int = 1
@@ -373,7 +374,7 @@ def _planned_point(
         plan.step_time_s,
         plan.peak_memory_bytes,
         tuple(plan.mesh_shape),
-        plan.dp_mode,
+        plan.dp_label,
         summarize_recompute(plan),
         plan.micro_batches,
     )

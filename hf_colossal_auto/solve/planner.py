@@ -316,6 +316,7 @@ class _Search:
                 {
                     "mesh": list(mesh),
                     "dp_mode": dp_mode,
+                    "dp_label": self.label(mesh, dp_mode),
                     "micro_batches": micro_batches,
                     "fits": False,
                     "min_memory_bytes": exc.min_required,
@@ -329,6 +330,7 @@ class _Search:
                 {
                     "mesh": list(mesh),
                     "dp_mode": dp_mode,
+                    "dp_label": self.label(mesh, dp_mode),
                     "micro_batches": micro_batches,
                     "fits": plan.fits,
                     "step_time_s": plan.step_time_s,
@@ -340,6 +342,11 @@ class _Search:
         if micro_batches == 1:
             self.one_piece[(mesh, dp_mode)] = (plan, host_floor)
         return plan
+
+    def label(self, mesh: tuple[int, int], dp_mode: str) -> str:
+        """The mode as :attr:`Plan.dp_label` names it ("hsdp 2x4": 2 replicas of shard groups of 4)."""
+        shard = self.planner.cluster.hybrid_shard_size(mesh) if dp_mode == "hsdp" else None
+        return f"hsdp {mesh[0] // shard}x{shard}" if shard else dp_mode
 
     def ruled_out(self, mesh: tuple[int, int], dp_mode: str, shard: int, micro_batches: int) -> bool:
         """Whether a lower bound already rules ``(mesh, dp_mode)`` out, without building its ILP (recorded as
@@ -358,6 +365,7 @@ class _Search:
             {
                 "mesh": list(mesh),
                 "dp_mode": dp_mode,
+                "dp_label": self.label(mesh, dp_mode),
                 "micro_batches": micro_batches,
                 "fits": False,
                 "min_memory_bytes": floor,
