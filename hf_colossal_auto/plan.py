@@ -111,17 +111,18 @@ class Plan:
     existed load as 1 (the batch in one piece)."""
     dp_shard_size: int = 0
     """Ranks a parameter's data-parallel copy is sharded over: 1 under DDP, dp under FSDP, the shard group
-    under HSDP (its replicate groups have ``dp // dp_shard_size`` ranks). 0 (plans written before it existed)
-    means the mode's own: dp for "fsdp", 1 for "ddp"."""
+    under HSDP (its replicate groups have ``dp // dp_shard_size`` ranks). Under "fsdp" and "ddp" it is always
+    the mode's own (dp, 1), so plans written before it existed load as before."""
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
         """Fills in ``dp_shard_size`` for plans written before it existed and refuses one HSDP cannot run."""
         dp = self.dp_size
-        if not self.dp_shard_size:
-            if self.dp_mode == "hsdp":
-                raise ValueError("Plan: dp_mode 'hsdp' needs dp_shard_size (the ranks of one shard group)")
+        if self.dp_mode != "hsdp":  # the mode's own: a dp_mode set by hand agrees again once read (broadcast)
             self.dp_shard_size = dp if self.dp_mode == "fsdp" else 1
+            return
+        if not self.dp_shard_size:
+            raise ValueError("Plan: dp_mode 'hsdp' needs dp_shard_size (the ranks of one shard group)")
         s = self.dp_shard_size
         if self.dp_mode == "hsdp" and not (isinstance(s, int) and 1 < s < dp and dp % s == 0):
             raise ValueError(

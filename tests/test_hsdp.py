@@ -110,6 +110,7 @@ def test_plan_json_round_trip_and_plans_written_before():
     del older["dp_shard_size"]
     for mode, shard in (("fsdp", 4), ("ddp", 1)):
         assert Plan.from_dict({**older, "dp_mode": mode}).dp_shard_size == shard
+    assert Plan.from_dict({**hsdp.to_dict(), "dp_mode": "fsdp"}).dp_shard_size == 4  # the mode decides
     with pytest.raises(ValueError, match="needs dp_shard_size"):
         Plan.from_dict(older)
     with pytest.raises(ValueError, match="must divide the data-parallel axis"):
