@@ -352,12 +352,14 @@ def test_unwritable_cache_still_returns_spec(
     assert "Could not write calibration cache" in caplog.text
 
 
-def test_real_cpu_benchmark_is_fast_and_sane() -> None:
+def test_real_cpu_benchmark_is_sane() -> None:
+    """Rates measured, positive and finite (how long it took is recorded, not asserted: a loaded machine is
+    slower, and speed targets live in the benchmarks)."""
     result = calibrate.run_cpu_benchmark(time_budget_s=0.4)
     assert "float32" in result.peak_flops
     assert all(v > 0 and math.isfinite(v) for v in result.peak_flops.values())
     assert result.memory_bandwidth > 0
-    assert result.seconds < 2.0
+    assert result.seconds > 0
 
 
 def test_benchmark_leaves_global_rng_alone() -> None:

