@@ -312,16 +312,7 @@ class _Search:
             built, solution = self.planner.solve_mesh(mesh, dp_mode, micro_batches=micro_batches)
         except InfeasibleError as exc:
             self.min_required = min(self.min_required, exc.min_required)
-            self.tried.append(
-                {
-                    "mesh": list(mesh),
-                    "dp_mode": dp_mode,
-                    "dp_label": self.label(mesh, dp_mode),
-                    "micro_batches": micro_batches,
-                    "fits": False,
-                    "min_memory_bytes": exc.min_required,
-                }
-            )
+            self._record_infeasible(mesh, dp_mode, micro_batches, exc.min_required)
             plan, host_floor = None, 0.0
         else:
             host_floor = built.host_floor_s
@@ -361,6 +352,13 @@ class _Search:
         logger.debug(
             "mesh %s %s skipped: parameters + optimizer state alone need %d bytes", mesh, dp_mode, floor
         )
+        self._record_infeasible(mesh, dp_mode, micro_batches, floor)
+        return True
+
+    def _record_infeasible(
+        self, mesh: tuple[int, int], dp_mode: str, micro_batches: int, min_memory_bytes: float
+    ) -> None:
+        """A candidate nothing fits, with the least memory it would need, in the list of meshes tried."""
         self.tried.append(
             {
                 "mesh": list(mesh),
@@ -368,10 +366,9 @@ class _Search:
                 "dp_label": self.label(mesh, dp_mode),
                 "micro_batches": micro_batches,
                 "fits": False,
-                "min_memory_bytes": floor,
+                "min_memory_bytes": min_memory_bytes,
             }
         )
-        return True
 
     def try_micro_batches(self) -> None:
         """Micro-batching where the batch in one piece does not fit or needs recompute: k = 2, 4, ... (divisors
