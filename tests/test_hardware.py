@@ -499,3 +499,17 @@ def test_cluster_collective_time_uses_axis_link() -> None:
     assert cluster.collective_time("all_reduce", nbytes, (8, 2), 1) < cluster.collective_time(
         "all_reduce", nbytes, (2, 8), 0
     )
+
+
+def test_nodes_come_from_the_launcher(monkeypatch) -> None:
+    """torchrun and accelerate launch set LOCAL_WORLD_SIZE on every process: 16 processes, 8 a node, is 2 nodes;
+    nothing set, or a figure that cannot split the job, leaves the device preset's own."""
+    from hf_colossal_auto.hardware.cluster import launcher_devices_per_node
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert launcher_devices_per_node(16) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert launcher_devices_per_node(16) == 8
+    assert launcher_devices_per_node(12) is None  # 12 processes cannot be nodes of 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+    assert launcher_devices_per_node(16) is None

@@ -519,11 +519,13 @@ def autoparallelize(
             plan_model_kwargs["device"] = resolve_device(plan_model_kwargs["device"], kind)
 
         def make() -> Plan:
+            from ..hardware.cluster import launcher_devices_per_node
             from ..solve.planner import plan_model
 
             kwargs = dict(plan_model_kwargs)
             kwargs.setdefault("num_devices", world)
             kwargs.setdefault("device", "cpu" if dist.get_backend() != "nccl" else _cuda_kind())
+            kwargs.setdefault("devices_per_node", launcher_devices_per_node(world))
             return plan_model(model, global_batch(example_inputs, world), **kwargs)
 
         plan = plan_on_one_rank(make)

@@ -12,13 +12,25 @@ can tell, for every mesh axis, whether its process groups stay inside a node
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 from hf_colossal_auto.hardware.catalog import DeviceSpec, LinkSpec
 from hf_colossal_auto.hardware.comm import collective_time
 
-__all__ = ["ClusterSpec", "mesh_shapes", "axis_spans_nodes"]
+__all__ = ["ClusterSpec", "mesh_shapes", "axis_spans_nodes", "launcher_devices_per_node"]
+
+
+def launcher_devices_per_node(world_size: int) -> int | None:
+    """Processes per node of the running job, as its launcher says (``LOCAL_WORLD_SIZE``: torchrun and
+    ``accelerate launch`` set it on every process), when that splits ``world_size`` into nodes; None where the
+    launcher says nothing or something that cannot be (the device preset's own figure then stands)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None or not value.isdigit():
+        return None
+    local = int(value)
+    return local if 1 <= local <= world_size and world_size % local == 0 else None
 
 
 def mesh_shapes(num_devices: int) -> list[tuple[int, ...]]:

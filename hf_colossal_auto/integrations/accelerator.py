@@ -54,6 +54,7 @@ from ..apply.agree import DEFAULT_TIMEOUT_S
 from ..apply.data import global_batch
 from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
+from ..hardware.cluster import launcher_devices_per_node
 from ..plan import Plan
 from .calibrated import resolve_device
 from .plugin import AutoParallelPlugin
@@ -338,7 +339,7 @@ class AutoParallelAccelerator(Accelerator):
             kwargs: dict[str, Any] = {
                 "num_devices": self.num_processes,
                 "device": self._device_kind(),
-                "devices_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes)),
+                "devices_per_node": launcher_devices_per_node(self.num_processes) or self.num_processes,
                 "mixed_precision": None if self.mixed_precision == "no" else self.mixed_precision,
             }
             kind = _optimizer_kind([_raw_optimizer(o) for o in optimizers])

@@ -219,6 +219,7 @@ class AutoParallelCallback(TrainerCallback):
         device = resolve_device(self.device, "cuda" if dist.get_backend() == "nccl" else "cpu")
 
         def make() -> Plan:
+            from ..hardware.cluster import launcher_devices_per_node
             from ..solve.planner import plan_model
             from .accumulation import plan_for_accumulation
 
@@ -229,6 +230,7 @@ class AutoParallelCallback(TrainerCallback):
             batch = example_global_batch(trainer, per_device * world * steps)
             kwargs = dict(self.plan_kwargs)
             kwargs.setdefault("mixed_precision", _mixed_precision(trainer.args))
+            kwargs.setdefault("devices_per_node", launcher_devices_per_node(world))  # nodes as launched
 
             def plan(micro_batches: int | None) -> Plan:
                 return plan_model(
