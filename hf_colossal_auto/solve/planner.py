@@ -688,35 +688,32 @@ def evaluate_plan(
             solution = solve(built.problem, time_limit_s=time_limit_s)
         except InfeasibleError:
             pin = "full"  # priced (and reported as not fitting) with the most recompute there is
+
+    def build_pinned() -> BuiltProblem:
+        """The ILP with every placement and the recompute choice pinned as the plan or baseline has them."""
+        return planner.build(
+            mesh,
+            dp_mode,
+            canonical_fixed,
+            pin_unlisted=True,
+            recompute_pin=pin,
+            micro_batches=k,
+            dp_shard_size=shard,
+        )
+
     if solution is None and isinstance(plan_or_baseline, Plan):
         # A plan is priced as it was made: under its budget, which its pinned choices fit. With the budget lifted,
         # the activation placements a plan leaves to the solver could trade memory for time, and the estimate
         # would undercut the plan's own prediction.
         try:
-            built = planner.build(
-                mesh,
-                dp_mode,
-                canonical_fixed,
-                pin_unlisted=True,
-                recompute_pin=pin,
-                micro_batches=k,
-                dp_shard_size=shard,
-            )
+            built = build_pinned()
             solution = solve(built.problem, time_limit_s=time_limit_s)
         except InfeasibleError:
             solution = None  # another device or budget than the plan's: priced below with the budget lifted
     if solution is None:
         planner.budget = 1 << 62
         try:
-            built = planner.build(
-                mesh,
-                dp_mode,
-                canonical_fixed,
-                pin_unlisted=True,
-                recompute_pin=pin,
-                micro_batches=k,
-                dp_shard_size=shard,
-            )
+            built = build_pinned()
         finally:
             planner.budget = budget
         solution = solve(built.problem, time_limit_s=time_limit_s)
