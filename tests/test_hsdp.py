@@ -91,18 +91,8 @@ def test_planner_picks_hsdp_over_a_slow_network_and_prices_it_again(plans):
     assert again.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
 
 
-def test_plan_json_round_trip_and_plans_written_before():
-    model, batch, spec = _two_nodes_of_two()
-    hsdp = plan_model(
-        model,
-        batch,
-        num_devices=4,
-        device=spec,
-        devices_per_node=2,
-        mesh_shape=(4, 1),
-        dp_modes=("hsdp",),
-        micro_batches=1,
-    )
+def test_plan_json_round_trip_and_plans_written_before(plans):
+    hsdp = plans["hsdp"]
     again = Plan.from_dict(json.loads(hsdp.to_json()))
     assert (again.dp_mode, again.dp_shard_size, again.dp_label) == ("hsdp", 2, "hsdp 2x2")
     assert "data parallel: hsdp 2x2" in again.summary()

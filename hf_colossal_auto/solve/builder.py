@@ -63,6 +63,7 @@ from .cost_model import (
     data_parallel_shard_size,
     gradient_at_consumer,
     gradient_at_producer,
+    hybrid_comm,
     redistribute,
     shard_factor,
     splits_work,
@@ -158,7 +159,7 @@ class BuiltProblem:
     host_floor_s: float = 0.0
     """Host seconds of one micro-batch's ops (forward and backward) whatever their strategies: k micro-batches
     cost at least k times it, which bounds micro-batching from below without tracing it."""
-    backward_ratios: BackwardRatios | None = None
+    backward_ratios: BackwardRatios = field(default_factory=lambda: BackwardRatios({}, {}))
     """Per module, backward over forward (device time, op count): how a node's cost splits into its forward
     and its backward (where in the step the ranks synchronise, :mod:`.prediction`)."""
 
@@ -597,6 +598,11 @@ class BackwardRatios:
 
     def of(self, module: str) -> tuple[float, float]:
         return self.device.get(module, DEFAULT_BACKWARD_RATIO), self.ops.get(module, DEFAULT_BACKWARD_RATIO)
+
+    def backward_share(self, module: str) -> float:
+        """The share of an op's device time (its forward and backward priced together) that its backward runs."""
+        device_ratio = self.of(module)[0]
+        return device_ratio / (1.0 + device_ratio)
 
 
 def _backward_ratios(graph: StepGraph, spec: DeviceSpec) -> BackwardRatios:
@@ -1516,11 +1522,9 @@ def data_parallel_sync_time(
     replicate group (across nodes): only that all-reduce pays the network. With k micro-batches the gradient
     is synchronised once (after the last one), but FSDP gathers the parameter for every one."""
     if dp_mode == "hsdp":
-        if not isinstance(dp_comm, HybridComm):
-            raise TypeError("dp_mode 'hsdp' is priced on a HybridComm (its shard and replicate groups)")
-        shard = dp_comm.shard
-        in_node = data_parallel_sync_time("fsdp", local_bytes, shard, micro_batches)
-        return in_node + dp_comm.replicate.time("all_reduce", local_bytes / shard.size)
+        hybrid = hybrid_comm(dp_comm)
+        in_node = data_parallel_sync_time("fsdp", local_bytes, hybrid.shard, micro_batches)
+        return in_node + hybrid.replicate.time("all_reduce", local_bytes / hybrid.shard.size)
     if dp_mode == "fsdp":
         gathers = 2 * micro_batches * dp_comm.time("all_gather", local_bytes)
         return gathers + dp_comm.time("reduce_scatter", local_bytes)
@@ -1550,8 +1554,7 @@ def data_parallel_overlap(
             continue
         share = 1.0
         if dp_mode not in SHARDED_DP_MODES:
-            device_ratio, _ = ratios.of(block_of.get(node.name, ""))
-            share = device_ratio / (1.0 + device_ratio) / micro_batches
+            share = ratios.backward_share(block_of.get(node.name, "")) / micro_batches
         if any(node.costs):
             compute[node.name] = [c * share for c in node.costs]
     return [Overlap("data-parallel", dict(sync_terms), compute, spec.overlap_efficiency)]

@@ -82,15 +82,20 @@ class HybridComm:
         return self.shard.size * self.replicate.size
 
 
+def hybrid_comm(dp_comm: AxisComm | HybridComm) -> HybridComm:
+    """``dp_comm`` as the two groups HSDP is priced on; a single axis is a caller's mistake."""
+    if not isinstance(dp_comm, HybridComm):
+        raise TypeError("dp_mode 'hsdp' is priced on a HybridComm (its shard and replicate groups)")
+    return dp_comm
+
+
 def data_parallel_shard_size(dp_mode: str, dp: int, dp_comm: AxisComm | HybridComm) -> int:
     """How many ranks split a parameter's data-parallel copy (its storage, gradient and optimizer state): none
     under DDP, the whole axis under FSDP, the shard group under HSDP."""
     if dp_mode not in DP_MODES:
         raise ValueError(f"dp_mode must be one of {DP_MODES}, got {dp_mode!r}")
     if dp_mode == "hsdp":
-        if not isinstance(dp_comm, HybridComm):
-            raise TypeError("dp_mode 'hsdp' is priced on a HybridComm (its shard and replicate groups)")
-        return dp_comm.shard.size
+        return hybrid_comm(dp_comm).shard.size
     return dp if dp_mode == "fsdp" else 1
 
 

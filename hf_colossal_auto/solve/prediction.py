@@ -255,9 +255,9 @@ def _sync_wait(spec, built, solution, graph, tied, mesh, predicted: _CollectiveP
             for v in group:
                 name = _node_name(tied.canonical[v])
                 total = problem.node(name).costs[solution.choice[name]] / micro
-                share = 1.0 / (1.0 + ratios.of(graph.nodes[v].module)[0]) if ratios is not None else 1 / 3
-                forward.append((total * share, v in predicted.forward_syncs))
-                backward.append((total * (1 - share), v in predicted.backward_syncs))
+                back = ratios.backward_share(graph.nodes[v].module)
+                forward.append((total * (1 - back), v in predicted.forward_syncs))
+                backward.append((total * back, v in predicted.backward_syncs))
         group.clear()
 
     for v in sorted(tied.canonical):  # runs of one folded copy repeat together
