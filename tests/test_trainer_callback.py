@@ -245,37 +245,38 @@ def _result(path: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_trainer_tracks_single_process_resumes_and_exports(tmp_path):
+def test_trainer_tracks_single_process_resumes_elastically_and_exports(tmp_path):
     """tiny Llama, Megatron placements on a 1 x 2 mesh (both ranks read the same batches), per-device batch 2:
-    the first six losses equal the plain single-process Trainer's with batch 4; a fresh job resumed from
-    checkpoint-3 continues with the same losses; save_model's output loads with from_pretrained in one process
-    and gives the distributed run's eval loss."""
+    the first six losses equal the plain single-process Trainer's with batch 4; save_model's output loads with
+    from_pretrained in one process and gives the distributed run's eval loss. Elastic resume, each a fresh
+    model with other weights: checkpoint-3 of the 1 x 2 tensor-parallel run resumed by a 2 x 1 FSDP job and by
+    one process, and the one-process reference's checkpoint-3 (``optimizer.pt``) by the FSDP job, all continue
+    with the uninterrupted run's losses and learning rates (optimizer moments, step count and schedule
+    restored; at steps 5 and 6 the losses depend on them)."""
     from hf_colossal_auto.solve.planner import evaluate_plan
 
     torch.manual_seed(0)
     model = build_model("tiny-llama", device="cpu")
     batch = make_example_inputs(model, 4, 16)
-    plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
-    plan.save(tmp_path / "plan.json")
+    for name, baseline, mesh in (("plan", "megatron", (1, 2)), ("fsdp-plan", "fsdp", (2, 1))):
+        made = evaluate_plan(model, batch, baseline, num_devices=2, device="cpu", mesh_shape=mesh).plan
+        made.save(tmp_path / f"{name}.json")
+    assert _result(tmp_path / "fsdp-plan.json")["dp_mode"] == "fsdp"
     six_steps = ["--model", "tiny-llama", "--steps", "6"]
-    planned = [*six_steps, "--plan", str(tmp_path / "plan.json")]
     run, resumed, ref = (tmp_path / name for name in ("run", "resumed", "ref"))
     _run(
-        *planned,
-        "--out",
-        f"{run}.json",
-        "--output-dir",
-        str(run),
-        "--save-steps",
-        "3",
-        "--export",
-        f"{run}-export",
-    )
-    _run(
-        *planned, "--out", f"{resumed}.json", "--output-dir", str(resumed), "--resume", f"{run}/checkpoint-3"
-    )
+        *six_steps, "--plan", str(tmp_path / "plan.json"), "--out", f"{run}.json", "--output-dir", str(run),
+        "--save-steps", "3", "--export", f"{run}-export",
+    )  # fmt: skip
     reference = [*six_steps, "--per-device", "4", "--out", f"{ref}.json", "--output-dir", str(ref)]
-    _run(*reference, "--eval-export", f"{run}-export", nproc=None)
+    _run(
+        *reference, "--save-steps", "3", "--eval-export", f"{run}-export",
+        "--then-resume", f"{run}/checkpoint-3", nproc=None,
+    )  # fmt: skip
+    _run(
+        *six_steps, "--plan", str(tmp_path / "fsdp-plan.json"), "--out", f"{resumed}.json",
+        "--output-dir", str(resumed), "--resume", f"{run}/checkpoint-3", "--then-resume", f"{ref}/checkpoint-3",
+    )  # fmt: skip
 
     got, want = _result(tmp_path / "run.json"), _result(tmp_path / "ref.json")
     assert got["mesh"] == [1, 2] and got["sharded_params"] > 0
@@ -286,9 +287,19 @@ def test_trainer_tracks_single_process_resumes_and_exports(tmp_path):
     assert got["tokens_seen"] == want["tokens_seen"] == 6 * 4 * 16  # counted once per tensor-parallel group
     assert got["total_flos"] == pytest.approx(want["total_flos"])
     assert (run / "checkpoint-3" / "hf_colossal_auto_state").is_dir()
-    continued = _result(tmp_path / "resumed.json")["losses"]
-    for step in ("4", "5", "6"):
-        assert continued[step] == pytest.approx(got["losses"][step], abs=1e-6), step
+    assert (ref / "checkpoint-3" / "optimizer.pt").is_file()
+    elastic = _result(tmp_path / "resumed.json")
+    assert elastic["mesh"] == [2, 1]
+    continued = {
+        "tp -> fsdp": (elastic["losses"], elastic["learning_rates"]),
+        "tp -> one process": (want["then_resumed_losses"], want["then_resumed_learning_rates"]),
+        "one process -> fsdp": (elastic["then_resumed_losses"], elastic["then_resumed_learning_rates"]),
+    }
+    for case, (losses, rates) in continued.items():
+        assert sorted(losses, key=int) == [str(s) for s in range(1, 7)], case  # 1-3: the checkpoint's log
+        for step in ("4", "5", "6"):
+            assert losses[step] == pytest.approx(got["losses"][step], abs=1e-5), (case, step)
+            assert rates[step] == pytest.approx(got["learning_rates"][step], rel=1e-6), (case, step)
     assert want["export_eval_loss"] == pytest.approx(got["eval_loss"], abs=1e-5)
     assert want["eval_loss"] == pytest.approx(got["eval_loss"], abs=1e-5)
 

@@ -5,7 +5,8 @@
   same plan or another one (other placements, FSDP instead of TP, another world size, one process without a
   plan): DCP stores each shard with its global offsets and reads back whatever slices the loading job's
   tensors cover (``accelerator.save_state`` cannot: it saves optimizer state from the main process only and
-  fails on DTensor parameters).
+  fails on DTensor parameters). A single-process optimizer state (the Trainer's ``optimizer.pt``,
+  accelerate's ``optimizer.bin``) loads into a parallelized job with :func:`load_full_optimizer_state`.
 * :func:`save_pretrained`: a directory that ``from_pretrained`` loads in one process, streamed — full tensors
   are gathered one at a time and rank 0 writes each output file as soon as it is complete
   (:func:`.pretrained.save_pretrained`); :func:`.pretrained.load_pretrained` reads such a directory (or any HF
@@ -52,6 +53,56 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
         model_state_dict=state["model"],
         optim_state_dict=state.get("optimizer", {}),
     )
+
+
+def load_full_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict, *, source: str = "the saved optimizer"
+) -> None:
+    """Load a single-process ``optimizer.state_dict()`` — parameters numbered in the order of its param groups,
+    as the Trainer's ``optimizer.pt`` and accelerate's ``optimizer.bin`` hold it — into ``optimizer`` over
+    ``model``, parallelized or not (collective: call on every rank; each keeps the slices of its shards).
+
+    The saved groups are matched to ``optimizer``'s by position, so it must be built as the saving job built
+    its own (the same code: same groups, parameters in the same order); a group of another length, or a state
+    tensor of another shape than the parameter it is matched to, is an error that says so."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # a DTensor's shape is the global one
+    groups, saved_groups = optimizer.param_groups, saved.get("param_groups", [])
+    mine = [len(g["params"]) for g in groups]
+    theirs = [len(g["params"]) for g in saved_groups]
+    if mine != theirs:
+        raise ValueError(
+            f"{source} has param groups of {theirs} parameters, this optimizer {mine}: it can only be matched "
+            "parameter by parameter to an optimizer built the same way (same groups, same parameter order)"
+        )
+    state: dict[str, dict] = {}
+    param_groups = []
+    for group, saved_group in zip(groups, saved_groups, strict=True):
+        fqns = []
+        for param, number in zip(group["params"], saved_group["params"], strict=True):
+            if id(param) not in names:
+                raise ValueError(f"{source}: the optimizer holds a parameter that is not one of the model's")
+            fqn = names[id(param)]
+            fqns.append(fqn)
+            entry = saved.get("state", {}).get(number)
+            if entry is None:
+                continue
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != shapes[fqn]:
+                    raise ValueError(
+                        f"{source}: {key} of parameter #{number} has shape {tuple(value.shape)}, but the parameter "
+                        f"in that place, {fqn}, has {shapes[fqn]}; build the optimizer as the saving job did"
+                    )
+            state[fqn] = dict(entry)
+        param_groups.append({**saved_group, "params": fqns})
+    full = {"state": state, "param_groups": param_groups}
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        # nothing sharded: the positional state dict loads as it is
+        optimizer.load_state_dict(saved)
+        return
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
 
 
 def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

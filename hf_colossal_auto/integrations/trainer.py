@@ -81,6 +81,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from ..apply import apply_plan, load_checkpoint, save_checkpoint
 from ..apply.agree import DEFAULT_TIMEOUT_S, as_timedelta
+from ..apply.checkpoint import load_full_optimizer_state
 from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
 from ..plan import Plan
@@ -93,6 +94,7 @@ STATE_DIR = "hf_colossal_auto_state"
 """Sub-directory of a Trainer checkpoint holding the sharded (torch.distributed.checkpoint) training state."""
 
 _SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
+_OPTIMIZER_NAME = "optimizer.pt"  # transformers.trainer.OPTIMIZER_NAME
 
 
 class AutoParallelCallback(TrainerCallback):
@@ -190,6 +192,7 @@ class AutoParallelCallback(TrainerCallback):
 
                 load_pretrained(trainer.model, self.pretrained)  # a meta model is materialised, then filled
                 trainer.model.to(trainer.args.device)
+            _patch_resume(trainer)  # checkpoints of a parallel job resume here too
             self._trainer = trainer
             return
         _turn_off_trainer_recompute(trainer.args)
@@ -451,7 +454,24 @@ def _patch_trainer(trainer: Trainer, plan: Plan) -> None:
     trainer._save_optimizer_and_scheduler = functools.partial(_save_sharded_state, trainer)
     trainer._load_from_checkpoint = functools.partial(_load_model_state, trainer)
     trainer._load_optimizer_and_scheduler = functools.partial(_load_sharded_state, trainer)
+    trainer._load_rng_state = functools.partial(_load_rng_state, trainer._load_rng_state, trainer.args)
     trainer._load_best_model = lambda: _load_model_state(trainer, trainer.state.best_model_checkpoint)
+
+
+def _patch_resume(trainer: Trainer) -> None:
+    """One process: the Trainer saves as usual (``optimizer.pt``, read back positionally by a parallel job), and
+    resumes from a parallel job's checkpoint too: optimizer state from its shards, RNG from its first process."""
+    original = trainer._load_optimizer_and_scheduler
+
+    @functools.wraps(original)
+    def load_optimizer_and_scheduler(checkpoint: str | None) -> None:
+        if checkpoint is not None and (Path(checkpoint) / STATE_DIR).is_dir():
+            _load_sharded_state(trainer, checkpoint)
+        else:
+            original(checkpoint)
+
+    trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
+    trainer._load_rng_state = functools.partial(_load_rng_state, trainer._load_rng_state, trainer.args)
 
 
 def _batch_per_dp_group(trainer: Trainer, tp_size: int) -> None:
@@ -603,22 +623,48 @@ def _load_model_state(trainer: Trainer, checkpoint: str, model: nn.Module | None
 
 
 def _load_sharded_state(trainer: Trainer, checkpoint: str | None) -> None:
-    """Optimizer (with the model, as saved together) and scheduler state when resuming."""
+    """Optimizer (with the model, as saved together) and scheduler state when resuming, under this job's plan
+    whatever the saving job's was: from the sharded state (resharded by torch.distributed.checkpoint), or from
+    a one-process checkpoint's ``optimizer.pt`` (each rank slicing the full tensors)."""
     if checkpoint is None:
         return
     sharded = Path(checkpoint) / STATE_DIR
+    single = Path(checkpoint) / _OPTIMIZER_NAME
     scheduler = Path(checkpoint) / _SCHEDULER_NAME
-    if not sharded.is_dir():
+    optimizer = _unwrap_optimizer(trainer.optimizer)
+    if sharded.is_dir():
+        load_checkpoint(trainer.model, optimizer, sharded)
+    elif single.is_file():
+        saved = torch.load(single, map_location="cpu", weights_only=True)
+        load_full_optimizer_state(trainer.model, optimizer, saved, source=str(single))
+    else:
         logger.warning(
-            "AutoParallelCallback: %s has no %s (saved with save_only_model=True?): resuming with a fresh "
-            "optimizer and schedule",
+            "AutoParallelCallback: %s has neither %s nor %s (saved with save_only_model=True?): resuming with a "
+            "fresh optimizer and schedule",
             checkpoint,
             STATE_DIR,
+            _OPTIMIZER_NAME,
         )
         return
-    load_checkpoint(trainer.model, _unwrap_optimizer(trainer.optimizer), sharded)
     if scheduler.is_file():
         trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def _load_rng_state(original, args: TrainingArguments, checkpoint: str | None) -> None:
+    """The Trainer's RNG restore, also across world sizes: a checkpoint of N processes holds
+    ``rng_state_<rank>.pth`` and one of a single process ``rng_state.pth``; a process whose own file is not
+    there continues the saving job's first process's streams (the Trainer would only log and skip)."""
+    if checkpoint is None:
+        return original(checkpoint)
+    own = f"rng_state_{args.process_index}.pth" if args.world_size > 1 else "rng_state.pth"
+    other = Path(checkpoint) / ("rng_state.pth" if args.world_size > 1 else "rng_state_0.pth")
+    if (Path(checkpoint) / own).is_file() or not other.is_file():
+        return original(checkpoint)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.symlink(other.resolve(), os.path.join(tmp, own))
+        original(tmp)
 
 
 def load_consolidated(model: nn.Module, directory: str | os.PathLike) -> None:

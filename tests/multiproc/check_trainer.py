@@ -68,6 +68,12 @@ def main() -> None:
         "--eval-export", default=None, help="evaluate this save_model() output in one process"
     )
     parser.add_argument("--seq2seq", action="store_true", help="Seq2SeqTrainer")
+    parser.add_argument(
+        "--then-resume",
+        default=None,
+        help="afterwards, a fresh model and Trainer (with the callback, also in one process) resume from this "
+        "checkpoint (saved under any plan or process count); its losses and learning rates go to --out",
+    )
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     distributed = "LOCAL_RANK" in os.environ
@@ -113,6 +119,9 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=args.resume)
     result = {
         "losses": {str(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e},
+        "learning_rates": {
+            str(e["step"]): e["learning_rate"] for e in trainer.state.log_history if "loss" in e
+        },
         "eval_loss": trainer.evaluate()["eval_loss"],
         "tokens_seen": trainer.state.num_input_tokens_seen,
         "total_flos": trainer.state.total_flos,
@@ -128,13 +137,32 @@ def main() -> None:
         result["export_eval_loss"] = trainer_cls(
             model=exported, args=training_args, eval_dataset=valid
         ).evaluate()["eval_loss"]
+    again = None
+    if args.then_resume:
+        fresh = build(args.model)
+        with torch.no_grad():
+            for param in fresh.parameters():
+                param.add_(0.5)  # other weights than the checkpoint's: the resume must load them
+        mesh = tuple(int(x) for x in args.mesh.split("x")) if args.mesh else None
+        again = trainer_cls(
+            model=fresh,
+            args=training_args,
+            train_dataset=train,
+            eval_dataset=valid,
+            callbacks=[AutoParallelCallback(mesh_shape=mesh, plan_path=args.plan)],
+        )
+        again.args.output_dir = f"{args.output_dir}-then-resumed"
+        again.train(resume_from_checkpoint=args.then_resume)
+        history = [e for e in again.state.log_history if "loss" in e]
+        result["then_resumed_losses"] = {str(e["step"]): e["loss"] for e in history}
+        result["then_resumed_learning_rates"] = {str(e["step"]): e["learning_rate"] for e in history}
     if trainer.is_world_process_zero():
         with open(args.out, "w") as f:
             json.dump(result, f)
     if distributed:
         import torch.distributed as dist
 
-        del trainer, model
+        del trainer, model, again
         dist.barrier()
         dist.destroy_process_group()
         os._exit(0)
