@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -246,10 +247,13 @@ def test_run_sets_cpu_for_multi_process_jobs_without_gpus():
 
 # ------------------------------------------------------------------------------------------- 2 processes
 @pytest.mark.slow
-def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path):
+def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path, accelerate_state):
     """``accelerate launch`` (the documented CPU command) of an unmodified accelerate script through
     ``hf_colossal_auto.run`` on a 1x2 (tensor-parallel) plan: the losses of one process on the same global
-    batch, save_state/load_state repeats them, and save_model loads with from_pretrained in one process."""
+    batch, save_state/load_state repeats them, and save_model loads with from_pretrained in one process.
+    Elastic: the state saved under the 1x2 plan, and the one plain accelerate saved in one process, resume with
+    load_state under a 2x1 FSDP plan (fresh model, other weights) — and the 1x2 state in one process — with the
+    run's next losses and learning rate (the second step's loss depends on AdamW's restored moments)."""
     script = str(ROOT / "tests" / "multiproc" / "check_accelerate.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env = {
@@ -269,10 +273,18 @@ def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path):
         HF_COLOSSAL_AUTO_SAVE_PLAN_PATH=str(tmp_path / "plan.json"),
     )
     cmd = accelerate_launch_command("-m", "hf_colossal_auto.run", script, "--out", str(tmp_path / "par"))
-    par = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    elastic = [
+        "--elastic-mesh",
+        "2x1",
+        "--elastic-dp-mode",
+        "fsdp",
+        "--elastic-from",
+        str(tmp_path / "ref" / "state"),
+    ]
+    par = subprocess.run([*cmd, *elastic], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert par.returncode == 0, par.stderr[-3000:]
     assert "Plan for GPT2LMHeadModel on 2 x cpu: mesh dp=1 x tp=2" in par.stdout  # summary printed once
-    assert par.stdout.count("Plan for GPT2LMHeadModel") == 1
+    assert par.stdout.count("Plan for GPT2LMHeadModel on 2 x cpu: mesh dp=1 x tp=2") == 1
     one = json.loads((tmp_path / "ref" / "result.json").read_text())
     two = json.loads((tmp_path / "par" / "result.json").read_text())
     assert one["processes"] == 1 and two["processes"] == 2
@@ -283,6 +295,21 @@ def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path):
     assert two["resumed_losses"] == pytest.approx(two["losses"][3:], abs=1e-6)
     assert two["learning_rate"] == pytest.approx(one["learning_rate"])
     assert (tmp_path / "plan.json").is_file()
+    from multiproc.check_accelerate import resume_elsewhere
+
+    from hf_colossal_auto.integrations import AutoParallelAccelerator
+
+    settings = SimpleNamespace(model="tiny-gpt2", global_batch=8, seq=16, steps=5, save_at=3)
+    alone = resume_elsewhere(
+        AutoParallelAccelerator(step_scheduler_with_optimizer=False),
+        [str(tmp_path / "par" / "state")],
+        settings,
+    )
+    assert [r["mesh"] for r in two["elastic"]] == [[2, 1], [2, 1]]
+    assert {r["dp_mode"] for r in two["elastic"]} == {"fsdp"}
+    for case in [*two["elastic"], *alone]:
+        assert case["losses"] == pytest.approx(two["losses"][3:], abs=1e-5), case["state"]
+        assert case["learning_rate"] == pytest.approx(one["learning_rate"]), case["state"]
     # split_batches: the loader yields global batches, the plan is made for that size, the losses are the same
     split = subprocess.run(
         [*cmd[:-2], "--out", str(tmp_path / "split"), "--split-batches"],

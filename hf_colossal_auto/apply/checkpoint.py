@@ -17,6 +17,9 @@ All of them are collective: call them on every rank.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -27,6 +30,14 @@ from torch.distributed.tensor import DTensor
 
 from .pretrained import SaveReport
 from .pretrained import save_pretrained as stream_save_pretrained
+
+
+@contextlib.contextmanager
+def one_process_is_fine() -> Iterator[None]:
+    """DCP warns when it loads without a process group; one process reading a parallel job's shards is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
@@ -46,7 +57,8 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
     """Load what :func:`save_checkpoint` wrote, into a model parallelized with the same plan or another one
     (or not at all: one process, plain tensors). DCP reshards: each rank reads the slices its tensors cover."""
     state = _training_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    with one_process_is_fine():
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         model,
         optimizer if optimizer is not None else [],

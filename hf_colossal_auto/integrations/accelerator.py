@@ -51,6 +51,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..apply import PlanMismatchError, apply_plan, build_mesh, consolidated_state_dict, remap_optimizer
 from ..apply.agree import DEFAULT_TIMEOUT_S
+from ..apply.checkpoint import one_process_is_fine
 from ..apply.data import global_batch
 from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
@@ -654,49 +655,110 @@ class AutoParallelAccelerator(Accelerator):
         self.wait_for_everyone()
         return location
 
-    def load_state(
-        self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any
+    def _load_single_process_files(
+        self,
+        input_dir: str,
+        pairs: list[tuple[nn.Module, list[torch.optim.Optimizer]]],
+        load_kwargs: dict | None,
     ) -> None:
-        """Resume what :meth:`save_state` wrote, into a job prepared with the same plan."""
-        if self._auto_model is None:
-            return super().load_state(input_dir, load_kwargs, **kwargs)
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        """Model and optimizer state from accelerate's own one-process ``save_state`` files, full tensors that
+        every rank slices to its shards."""
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        from ..apply.checkpoint import load_full_optimizer_state
+
+        optimizers = [_raw_optimizer(o) for o in self._optimizers]
+        for i, (module, mine) in enumerate(pairs):
+            suffix = "" if i == 0 else f"_{i}"
+            safe = os.path.join(input_dir, f"model{suffix}.safetensors")
+            pickled = os.path.join(input_dir, f"pytorch_model{suffix}.bin")
+            if os.path.isfile(safe):
+                weights = load_file(safe)
+            elif os.path.isfile(pickled):
+                weights = torch.load(pickled, map_location="cpu", weights_only=True)
+            else:
+                raise ValueError(
+                    f"load_state: {input_dir} has neither {DCP_DIR}/ (AutoParallelAccelerator.save_state) nor "
+                    f"model{suffix}.safetensors / pytorch_model{suffix}.bin (accelerate's save_state in one "
+                    "process), so it is not a save_state folder. Give the folder save_state returned; to start "
+                    "from exported weights instead, use AutoParallelPlugin(pretrained=...)"
+                )
+            # strict=False: safetensors files leave out tied weights, which their partners fill
+            set_model_state_dict(
+                module, weights, options=StateDictOptions(full_state_dict=True, strict=False)
+            )
+            for opt in mine:
+                j = next(k for k, o in enumerate(optimizers) if o is opt)
+                path = os.path.join(input_dir, "optimizer.bin" if j == 0 else f"optimizer_{j}.bin")
+                if not os.path.isfile(path):
+                    raise ValueError(
+                        f"load_state: {input_dir} has the weights but no {os.path.basename(path)} for optimizer "
+                        f"{j}; save the state with the same optimizers prepared as this job has"
+                    )
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+                load_full_optimizer_state(module, opt, saved, source=path)
+
+    def _resolve_input_dir(self, input_dir: str | None) -> str | None:
+        """``input_dir``, or the latest automatically named checkpoint when it is None and naming is on."""
         if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
             root = os.path.join(self.project_dir, "checkpoints")
             input_dir = max(
                 (os.path.join(root, f) for f in os.listdir(root)),
                 key=lambda f: int(re.findall(r"(\d+)(?=[^/]*$)", f)[0]),
             )
-        if input_dir is None:
+        return None if input_dir is None else os.path.expanduser(str(input_dir))
+
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any
+    ) -> None:
+        """Resume what :meth:`save_state` wrote, under this job's plan whatever the saving job's was.
+
+        Elastic: the model and optimizer shards of ``<input_dir>/distributed_checkpoint`` are read back by
+        ``torch.distributed.checkpoint``, each rank the slices its own tensors cover, so the saving job may have
+        had another plan (tensor parallelism where this one shards data with FSDP, say) or another number of
+        processes — one process too, which reads plain tensors. Folders written by accelerate's own
+        ``save_state`` in one process (``model.safetensors``, ``optimizer.bin``) load here as well, each rank
+        slicing the full tensors (the optimizer must be built as that job built it). Schedulers, samplers, the
+        step and the RNG states are accelerate's; a process the saving job did not have takes the main
+        process's RNG state."""
+        resolved = self._resolve_input_dir(input_dir)
+        sharded = resolved is not None and os.path.isdir(os.path.join(resolved, DCP_DIR))
+        if self._auto_model is None and not sharded:
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        if resolved is None:
             raise ValueError(
                 "load_state needs input_dir (or ProjectConfiguration(automatic_checkpoint_naming))"
             )
-        input_dir = os.path.expanduser(str(input_dir))
-        shards = os.path.join(input_dir, DCP_DIR)
-        if not os.path.isdir(shards):
-            raise ValueError(
-                f"{input_dir} has no {DCP_DIR}/ folder: it was not written by AutoParallelAccelerator.save_state"
-            )
+        input_dir = resolved
         for hook in self._load_model_state_pre_hook.values():
             hook(self._models, input_dir)
         state, pairs = self._training_state()
-        dcp.load(state, checkpoint_id=shards)
-        for i, (module, mine) in enumerate(pairs):
-            set_state_dict(
-                module,
-                mine,
-                model_state_dict=state[f"model_{i}"],
-                optim_state_dict=state.get(f"optimizer_{i}", {}),
-            )
+        if sharded:
+            with one_process_is_fine():
+                dcp.load(state, checkpoint_id=os.path.join(input_dir, DCP_DIR))
+            for i, (module, mine) in enumerate(pairs):
+                set_state_dict(
+                    module,
+                    mine,
+                    model_state_dict=state[f"model_{i}"],
+                    optim_state_dict=state.get(f"optimizer_{i}", {}),
+                )
+        else:
+            self._load_single_process_files(input_dir, pairs, load_kwargs)
+        index = self.state.process_index
+        if not os.path.isfile(os.path.join(input_dir, f"random_states_{index}.pkl")):
+            index = 0  # saved by fewer processes: continue the main process's streams (and read its step)
         override = load_accelerator_state(
             input_dir,
             [],
             [],
             self._schedulers,
             self._dataloaders,
-            self.state.process_index,
+            index,
             self.scaler,
             kwargs.pop("map_location", "cpu"),
             load_kwargs,

@@ -9,6 +9,12 @@ as with DDP), AdamW made before ``prepare``, a linear LR schedule, ``clip_grad_n
 steps it saves the state, trains on, then loads the state and replays the same batches (the losses must repeat),
 evaluates one fixed batch, and writes a consolidated checkpoint with ``save_model``. The main process writes
 ``result.json`` in ``--out``.
+
+Elastic resume (``--elastic-mesh 2x1 --elastic-dp-mode fsdp --elastic-from DIR ...``, the one part that knows
+hf-colossal-auto): afterwards a second accelerator in the same processes, as a fresh job would, plans the given
+mesh for a fresh model with other weights, loads each saved state (this run's own ``state`` and every
+``--elastic-from``) with ``load_state`` and trains the steps after ``--save-at`` on the global batches the run
+drew there (:func:`resume_elsewhere`, also called in one process by the test).
 """
 
 from __future__ import annotations
@@ -27,6 +33,69 @@ from torch.utils.data import DataLoader
 from hf_colossal_auto.models import build_model
 
 
+def make_samples(vocab: int, args: argparse.Namespace) -> list[dict]:
+    data_rng = torch.Generator().manual_seed(1)
+    return [
+        {"input_ids": ids, "labels": ids.clone()}
+        for ids in torch.randint(0, vocab, (args.global_batch * args.steps, args.seq), generator=data_rng)
+    ]
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / (2 * args.steps))
+
+
+def resume_elsewhere(accelerator: Accelerator, states: list[str], args: argparse.Namespace) -> list[dict]:
+    """For each saved state: a fresh model (other weights), AdamW and schedule prepared by ``accelerator`` (its
+    own plan, or none in one process), ``load_state``, then the steps after ``--save-at`` on the global batches
+    the single-process run draws there (this rank's rows of them). Returns per state the losses (averaged over
+    the processes) and the last learning rate."""
+    from hf_colossal_auto import shard_batch
+
+    results = []
+    for state in states:
+        set_seed(5)
+        model = build_model(args.model, device="cpu")
+        model.eval()
+        samples = make_samples(model.config.vocab_size, args)
+        per_device = args.global_batch // accelerator.num_processes
+        loader = DataLoader(samples, batch_size=per_device)  # what the plan is made from
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        scheduler = make_scheduler(optimizer, args)
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        accelerator.load_state(state)
+        module = accelerator.unwrap_model(model)
+        planned = hasattr(module, "_hf_colossal_auto_plan")
+        # the order of the single-process run (rank 0's shuffling generator), in global batches
+        order = DataLoader(
+            samples, batch_size=args.global_batch, shuffle=True, generator=torch.Generator().manual_seed(2)
+        )
+        losses = []
+        for step, batch in enumerate(order):
+            if step < args.save_at:
+                continue
+            local = shard_batch(batch, module) if planned else batch
+            loss = model(**local).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+        results.append(
+            {
+                "state": state,
+                "losses": losses,
+                "learning_rate": scheduler.get_last_lr()[0],
+                "mesh": list(module._hf_colossal_auto_plan.mesh_shape) if planned else None,
+                "dp_mode": module._hf_colossal_auto_plan.dp_mode if planned else None,
+            }
+        )
+        accelerator.free_memory(model, optimizer, scheduler, loader)
+        accelerator._auto_model = accelerator.auto_plan = None  # the next state gets a fresh model and plan
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tiny-gpt2")
@@ -39,6 +108,11 @@ def main() -> None:
         "--split-batches",
         action="store_true",
         help="accelerate's split_batches: the loader yields global batches",
+    )
+    parser.add_argument("--elastic-mesh", default=None, help="dp x tp of the elastic resume, e.g. 2x1")
+    parser.add_argument("--elastic-dp-mode", default=None, help="ddp or fsdp")
+    parser.add_argument(
+        "--elastic-from", action="append", default=[], help="another saved state to resume elastically"
     )
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
@@ -53,12 +127,7 @@ def main() -> None:
     model = build_model(args.model, device="cpu")
     model.eval()  # no dropout: the processes' run and the single process' run compare exactly
 
-    vocab = model.config.vocab_size
-    data_rng = torch.Generator().manual_seed(1)
-    samples = [
-        {"input_ids": ids, "labels": ids.clone()}
-        for ids in torch.randint(0, vocab, (args.global_batch * args.steps, args.seq), generator=data_rng)
-    ]
+    samples = make_samples(model.config.vocab_size, args)
     per_device = args.global_batch if args.split_batches else args.global_batch // accelerator.num_processes
     # a different shuffling seed per process: the ranks of one tensor-parallel group must still read the same
     # batches (rank 0's order, which the single-process reference also draws), so the loader's sampler state
@@ -70,7 +139,7 @@ def main() -> None:
         generator=torch.Generator().manual_seed(2 + accelerator.process_index),
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / (2 * args.steps))
+    scheduler = make_scheduler(optimizer, args)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     eval_loader = accelerator.prepare(DataLoader(samples[: args.global_batch + 3], batch_size=per_device))
 
@@ -116,6 +185,21 @@ def main() -> None:
         }
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
+    if args.elastic_mesh:
+        from hf_colossal_auto import AutoParallelPlugin
+
+        plugin = AutoParallelPlugin(
+            mesh_shape=args.elastic_mesh,
+            dp_modes=args.elastic_dp_mode,
+            save_plan_path=os.path.join(args.out, "elastic-plan.json"),
+        )
+        elastic = type(accelerator)(step_scheduler_with_optimizer=False, auto_parallel_plugin=plugin)
+        states = [os.path.join(args.out, "state"), *args.elastic_from]
+        resumed_elsewhere = resume_elsewhere(elastic, states, args)
+        if accelerator.is_main_process:
+            result["elastic"] = resumed_elsewhere
+            with open(os.path.join(args.out, "result.json"), "w") as f:
+                json.dump(result, f)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
