@@ -245,6 +245,19 @@ def test_run_sets_cpu_for_multi_process_jobs_without_gpus():
     assert use_cpu_without_gpus({"WORLD_SIZE": "1"}) is False
 
 
+def test_load_state_without_a_state_to_resume_says_what_to_do(clean_env, accelerate_state, tmp_path):
+    """A planned job's load_state of a folder with neither our shards nor accelerate's one-process files (e.g.
+    accelerate's FSDP save_state) names what it needs and the way to start from consolidated weights."""
+    from hf_colossal_auto.integrations import AutoParallelAccelerator
+
+    accelerator = AutoParallelAccelerator(cpu=True)
+    (tmp_path / "pytorch_model_fsdp_0").mkdir()
+    with pytest.raises(
+        ValueError, match=r"nothing here to resume from.*AutoParallelPlugin\(pretrained=\.\.\.\)"
+    ):
+        accelerator._load_single_process_files(str(tmp_path), [(torch.nn.Linear(2, 2), [])], None)
+
+
 # ------------------------------------------------------------------------------------------- 2 processes
 @pytest.mark.slow
 def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path, accelerate_state):

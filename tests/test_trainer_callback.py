@@ -224,6 +224,58 @@ def test_consolidated_weights_load_into_a_parallelised_model(tmp_path):
         load_consolidated(model, tmp_path)
 
 
+def test_rng_state_of_another_world_size_is_taken(tmp_path):
+    """A process whose own RNG file the checkpoint lacks (saved by another number of processes) gets the saving
+    job's first process's (one process: ``rng_state_0.pth``; N processes: ``rng_state.pth``)."""
+    from hf_colossal_auto.integrations.trainer import _load_rng_state
+
+    seen = []
+
+    def original(checkpoint):
+        seen.append(sorted((p.name, p.resolve().name) for p in Path(checkpoint).iterdir()))
+
+    (tmp_path / "rng_state_0.pth").write_bytes(b"")
+    (tmp_path / "rng_state_1.pth").write_bytes(b"")
+    _load_rng_state(original, SimpleNamespace(world_size=1, process_index=0), str(tmp_path))
+    assert seen.pop() == [("rng_state.pth", "rng_state_0.pth")]
+    _load_rng_state(original, SimpleNamespace(world_size=2, process_index=1), str(tmp_path))
+    assert seen.pop()[1] == ("rng_state_1.pth", "rng_state_1.pth")  # its own: the Trainer's usual path
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "rng_state.pth").write_bytes(b"")
+    _load_rng_state(original, SimpleNamespace(world_size=4, process_index=3), str(single))
+    assert seen.pop() == [("rng_state_3.pth", "rng_state.pth")]
+
+
+def test_one_process_optimizer_state_is_matched_by_position():
+    """load_full_optimizer_state reads a one-process optimizer.state_dict() into an optimizer built the same way,
+    and refuses one built otherwise, naming what differs."""
+    from hf_colossal_auto.apply.checkpoint import load_full_optimizer_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    groups = [{"params": [model[0].weight, model[1].weight]}, {"params": [model[0].bias, model[1].bias]}]
+    saving = torch.optim.AdamW(groups, lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    saving.step()
+    saved = saving.state_dict()
+    same = torch.optim.AdamW(
+        [{"params": [model[0].weight, model[1].weight]}, {"params": [model[0].bias, model[1].bias]}], lr=0.1
+    )
+    load_full_optimizer_state(model, same, saved)
+    torch.testing.assert_close(
+        same.state[model[1].weight]["exp_avg"], saving.state[model[1].weight]["exp_avg"]
+    )
+    other = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"param groups of \[2, 2\] parameters, this optimizer \[4\]"):
+        load_full_optimizer_state(model, other, saved)
+    swapped = torch.optim.AdamW(
+        [{"params": [model[1].weight, model[0].weight]}, {"params": [model[0].bias, model[1].bias]}], lr=0.1
+    )
+    with pytest.raises(ValueError, match=r"has shape \(3, 4\), but the parameter in that place, 1.weight"):
+        load_full_optimizer_state(model, swapped, saved)
+
+
 # --- 2 gloo processes ---------------------------------------------------------------------------------------
 
 

@@ -681,8 +681,10 @@ class AutoParallelAccelerator(Accelerator):
                 raise ValueError(
                     f"load_state: {input_dir} has neither {DCP_DIR}/ (AutoParallelAccelerator.save_state) nor "
                     f"model{suffix}.safetensors / pytorch_model{suffix}.bin (accelerate's save_state in one "
-                    "process), so it is not a save_state folder. Give the folder save_state returned; to start "
-                    "from exported weights instead, use AutoParallelPlugin(pretrained=...)"
+                    "process or under DDP), so there is nothing here to resume from. Give the folder save_state "
+                    "returned. A folder of accelerate's FSDP or DeepSpeed save_state cannot be resharded here: "
+                    "consolidate its weights into a save_pretrained directory and start from them with "
+                    "AutoParallelPlugin(pretrained=...) (the optimizer starts afresh)"
                 )
             # strict=False: safetensors files leave out tied weights, which their partners fill
             set_model_state_dict(

@@ -682,7 +682,10 @@ def load_consolidated(model: nn.Module, directory: str | os.PathLike) -> None:
     else:
         raise FileNotFoundError(
             f"{directory} has neither {STATE_DIR}/ (sharded state) nor model.safetensors; it is not a checkpoint "
-            "written by a Trainer with AutoParallelCallback"
+            "written by a Trainer with AutoParallelCallback or a plain (one process or DDP) Trainer. The shards of "
+            "a Trainer under FSDP or DeepSpeed cannot be resharded here: consolidate the weights into a "
+            "save_pretrained directory and start from it with AutoParallelCallback(pretrained=...) instead of "
+            "resume_from_checkpoint"
         )
     state: dict[str, torch.Tensor] = {}
     for name in files:
