@@ -17,9 +17,12 @@ What it changes, and why; everything else is accelerate's (mixed precision, grad
 * **checkpoints** (``save_state``/``load_state``): model and optimizer through ``torch.distributed.checkpoint``
   (every rank writes its shards; accelerate's own would save DTensors from the main process only);
   schedulers, samplers, RNG states, the scaler and custom objects through accelerate's own helpers.
+  ``load_state`` is elastic: another plan or number of processes than the saving job's, one process
+  included, and accelerate's own one-process folders into a planned job.
   ``get_state_dict``/``save_model`` give consolidated tensors / a ``from_pretrained`` directory.
 
-With one process there is nothing to parallelize and it behaves as ``accelerate.Accelerator``.
+With one process there is nothing to parallelize and it behaves as ``accelerate.Accelerator``, except that
+``load_state`` also reads the shards a parallel job saved.
 """
 
 from __future__ import annotations

@@ -46,9 +46,16 @@ Usage (launch with ``torchrun --nproc_per_node N train.py`` or ``accelerate laun
      predictions/losses keep one copy per tensor-parallel group;
    * checkpoints (``save_steps``, ``resume_from_checkpoint``): model and optimizer state go to
      ``checkpoint-N/hf_colossal_auto_state`` with ``torch.distributed.checkpoint`` (every rank writes its
-     shards; a job with the same plan resumes from them), next to a consolidated ``from_pretrained``-loadable
-     copy of the weights, the scheduler, RNG and trainer state. ``load_best_model_at_end`` and resuming from a
-     ``save_only_model`` checkpoint load the sharded state, else the consolidated weights;
+     shards), next to a consolidated ``from_pretrained``-loadable copy of the weights, the scheduler, RNG and
+     trainer state. ``load_best_model_at_end`` and resuming from a ``save_only_model`` checkpoint load the
+     sharded state, else the consolidated weights;
+   * resume is elastic: a checkpoint resumes under another plan or number of processes (DCP reshards; with
+     one process the callback, which otherwise leaves the Trainer alone, reads the shards as plain tensors),
+     and a one-process checkpoint's ``optimizer.pt`` loads into a planned job (matched by position to the
+     optimizer the same Trainer builds, each rank slicing the full tensors). A process whose
+     ``rng_state_<rank>.pth`` the checkpoint lacks takes the saving job's first process's. Keep the callback
+     in a one-process Trainer that resumes a parallel job's checkpoint: a plain Trainer finds no
+     ``optimizer.pt`` there and silently starts with a fresh optimizer and schedule;
    * ``save_model`` (call it on every rank, as any Trainer under torchrun): the full tensors are gathered one
      at a time, the main process writes each safetensors file when complete (no rank holds the whole model);
    * tokens seen and FLOs are counted once per tensor-parallel group.
