@@ -48,7 +48,7 @@ Usage (launch with ``torchrun --nproc_per_node N train.py`` or ``accelerate laun
      ``checkpoint-N/hf_colossal_auto_state`` with ``torch.distributed.checkpoint`` (every rank writes its
      shards), next to a consolidated ``from_pretrained``-loadable copy of the weights, the scheduler, RNG and
      trainer state. ``load_best_model_at_end`` and resuming from a ``save_only_model`` checkpoint load the
-     sharded state, else the consolidated weights;
+     sharded state, else the consolidated weights (each rank reading only its slices, ``load_pretrained``);
    * resume is elastic: a checkpoint resumes under another plan or number of processes (DCP reshards; with
      one process the callback, which otherwise leaves the Trainer alone, reads the shards as plain tensors),
      and a one-process checkpoint's ``optimizer.pt`` loads into a planned job (matched by position to the
@@ -72,7 +72,6 @@ import contextlib
 import functools
 import inspect
 import itertools
-import json
 import logging
 import os
 import random
@@ -675,18 +674,17 @@ def _load_rng_state(original, args: TrainingArguments, checkpoint: str | None) -
 
 
 def load_consolidated(model: nn.Module, directory: str | os.PathLike) -> None:
-    """Load a ``save_pretrained`` directory (safetensors, one file or an index) into a parallelised model: full
-    tensors are sliced to each parameter's placements (collective: call on every rank)."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    """Load a ``save_pretrained`` directory (safetensors, one file or an index) into a parallelised model, each
+    rank reading only the slices its placements cover (:func:`~hf_colossal_auto.apply.pretrained.load_pretrained`:
+    no rank holds the full model; missing or mis-shaped keys are errors naming them). Collective: call on every
+    rank."""
+    from ..apply.pretrained import load_pretrained
 
     directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+    if (
+        not (directory / "model.safetensors.index.json").is_file()
+        and not (directory / "model.safetensors").is_file()
+    ):
         raise FileNotFoundError(
             f"{directory} has neither {STATE_DIR}/ (sharded state) nor model.safetensors; it is not a checkpoint "
             "written by a Trainer with AutoParallelCallback or a plain (one process or DDP) Trainer. The shards of "
@@ -694,7 +692,4 @@ def load_consolidated(model: nn.Module, directory: str | os.PathLike) -> None:
             "save_pretrained directory and start from it with AutoParallelCallback(pretrained=...) instead of "
             "resume_from_checkpoint"
         )
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(str(directory / name)))
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    load_pretrained(model, directory)
