@@ -258,6 +258,20 @@ def test_load_state_without_a_state_to_resume_says_what_to_do(clean_env, acceler
         accelerator._load_single_process_files(str(tmp_path), [(torch.nn.Linear(2, 2), [])], None)
 
 
+def test_load_state_finds_the_latest_automatically_named_checkpoint(clean_env, accelerate_state, tmp_path):
+    from accelerate.utils import ProjectConfiguration
+
+    from hf_colossal_auto.integrations import AutoParallelAccelerator
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = AutoParallelAccelerator(cpu=True, project_config=config)
+    assert accelerator._resolve_input_dir(None) is None  # nothing saved yet: accelerate's own error follows
+    for i in (0, 2, 10):
+        (tmp_path / "checkpoints" / f"checkpoint_{i}").mkdir(parents=True)
+    assert accelerator._resolve_input_dir(None) == str(tmp_path / "checkpoints" / "checkpoint_10")
+    assert accelerator._resolve_input_dir("~/x") == os.path.expanduser("~/x")
+
+
 # ------------------------------------------------------------------------------------------- 2 processes
 @pytest.mark.slow
 def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path, accelerate_state):

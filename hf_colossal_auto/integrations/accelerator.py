@@ -706,8 +706,9 @@ class AutoParallelAccelerator(Accelerator):
 
     def _resolve_input_dir(self, input_dir: str | None) -> str | None:
         """``input_dir``, or the latest automatically named checkpoint when it is None and naming is on."""
-        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
-            root = os.path.join(self.project_dir, "checkpoints")
+        naming = self.project_configuration.automatic_checkpoint_naming and self.project_dir is not None
+        root = os.path.join(self.project_dir, "checkpoints") if naming else ""
+        if input_dir is None and naming and os.path.isdir(root):
             input_dir = max(
                 (os.path.join(root, f) for f in os.listdir(root)),
                 key=lambda f: int(re.findall(r"(\d+)(?=[^/]*$)", f)[0]),
