@@ -126,6 +126,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"  dp x tp = {mesh_txt:7s} {alt.get('dp_label', alt['dp_mode']):9s} {format_seconds(alt['step_time_s']):>9s}"
                 f"  peak {format_bytes(alt['peak_memory_bytes']):>11s}  {'fits' if alt['fits'] else 'does not fit'}"
             )
+        elif "min_step_time_s" in alt:
+            print(
+                f"  dp x tp = {mesh_txt:7s} {alt.get('dp_label', alt['dp_mode']):9s} skipped: >= "
+                f"{format_seconds(alt['min_step_time_s'])}"
+            )
         else:
             print(
                 f"  dp x tp = {mesh_txt:7s} {alt.get('dp_label', alt['dp_mode']):9s} needs >= {format_bytes(alt['min_memory_bytes'])}"

@@ -24,11 +24,32 @@ afterwards, so a baseline's time and peak do not depend on the budget: each base
 (model, devices) and its ``fits`` is re-read against every budget (``--no-baseline-cache`` re-prices it per
 cell). A cell that raises records the error text instead of stopping the grid.
 
+``--scale``: the planner at cluster scale, on h100-80gb (8 per node, default budget), bf16, AdamW: Llama-3-70B
+at 1024 x 4096 on 1024 devices and Llama-3-405B at 2048 x 8192 (16M tokens, Llama 3 405B's batch in its
+8192-token phase) on 8192 devices. Each case runs in a fresh process: one ``plan_model`` call (its wall time is
+the planning time; target <= 30 s on the 2-core machine), then hand configurations priced by ``evaluate_plan``
+under the same cost model, tensor parallelism 8 inside a node with Megatron's column/row placements:
+
+* ``fsdp-tp-full`` (torchtitan's Llama-3 70B/405B setting): FSDP x TP, full recompute of every block, the fewest
+  micro-batches that fit;
+* ``fsdp-tp-sel`` (torchtitan's selective policy): FSDP x TP, selective recompute (``selective:pointwise``: matmul and attention
+  outputs kept, the pointwise ops recomputed), the fewest micro-batches that fit;
+* ``hsdp-tp-sel``: the same on HSDP, shard groups of the fewest data-parallel ranks (a power of two) whose share
+  of the parameters and optimizer state is at most a quarter of the budget;
+* ``megatron-mb1``: TP x DP (DDP), one sequence per micro-batch, no recompute (Megatron's selective recompute
+  is attention's, which the fused kernel already does).
+
+Hand configurations are priced under the budget (activation placements chosen to fit, ``fit_budget``) and, where
+their pinned choices cannot fit, with it lifted and reported as not fitting. Checks: auto <= the best hand
+configuration that fits, and strictly better in some case. MFU counts 6 x parameters + causal attention
+(6 x layers x hidden x sequence) FLOPs per token over the device's dense bf16 peak.
+
 Usage::
 
     python scripts/bench_planner.py --timing [--repeat 3] [--json timing.json]
     python scripts/bench_planner.py --grid --quick [--json grid-quick.json]
     python scripts/bench_planner.py --grid [--models gpt2,llama-7b] [--devices 8,64] [--budgets default,20GiB]
+    python scripts/bench_planner.py --scale [--scale-cases llama3-70b] [--json scale.json]
 """
 
 from __future__ import annotations
@@ -67,6 +88,16 @@ QUICK_DEVICES = (8, 64)
 QUICK_BUDGETS = ("default", "20GiB")
 SEQ_LEN = {"gpt2": 1024, "bert": 512, "t5": 512, "llama": 2048}
 SEQS_PER_DEVICE = {"gpt2": 4, "bert": 4, "t5": 4, "llama": 1}
+SCALE_DEVICE = "h100-80gb"
+SCALE_CASES = {
+    # name: (model preset, global batch, sequence length, devices, devices per node)
+    "llama3-70b": ("llama3-70b", 1024, 4096, 1024, 8),
+    "llama3-405b": ("llama3-405b", 2048, 8192, 8192, 8),
+}
+SCALE_TARGET_S = 30.0
+SCALE_TP = 8
+SCALE_MAX_MICRO_BATCHES = 4
+"""Hand configurations try 1, 2, ... micro-batches (divisors of the replica's batch) up to this many tries."""
 REL_TOL = 1e-6
 """Relative slack of the ``auto<=best`` check (the ILP is solved to a zero gap; this only absorbs rounding)."""
 
@@ -161,13 +192,13 @@ def _timing_child(model_name: str, batch: int, seq: int, devices: int) -> dict:
     orig_graph, orig_strat = cls.graph, cls.strategies
 
     def graph(self, dp, micro_batches=1):
-        if (dp, micro_batches) in self._graphs:
-            return self._graphs[(dp, micro_batches)]
+        if self.batch // (dp * micro_batches) in self._graphs:  # cached by micro-batch rows
+            return orig_graph(self, dp, micro_batches)
         return timed("capture", orig_graph)(self, dp, micro_batches)
 
     def strategies(self, dp, tp, micro_batches=1):
-        if (dp, tp, micro_batches) in self._strategies:
-            return self._strategies[(dp, tp, micro_batches)]
+        if tp == 1 or (self.batch // (dp * micro_batches), tp) in self._strategies:
+            return orig_strat(self, dp, tp, micro_batches)
         self.graph(dp, micro_batches)  # charge a first capture to "capture", not to "strategies"
         return timed("strategies", orig_strat)(self, dp, tp, micro_batches)
 
@@ -477,6 +508,223 @@ def print_grid(result: dict) -> None:
         )
 
 
+# ------------------------------------------------------------------------------------------------ scale
+def _model_flops_per_token(model, seq: int) -> float:
+    """6 x parameters (forward + backward) + causal attention's 6 x layers x hidden x sequence (PaLM's count,
+    halved for the causal mask)."""
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    return 6.0 * params + 6.0 * cfg.num_hidden_layers * cfg.hidden_size * seq
+
+
+def _recompute_text(recompute: dict) -> str:
+    """A plan's recompute per unit, condensed ("full", "none", or "selective:pointwise x1, none x1")."""
+    counts: dict[str, int] = defaultdict(int)
+    for option in recompute.values():
+        counts[option] += 1
+    if not counts:
+        return "none"
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+
+
+def _hsdp_shard(state_bytes: int, tp: int, dp: int, budget: int) -> int:
+    """The fewest data-parallel ranks (a power of two dividing dp, more than 1 and fewer than dp) whose share of
+    the parameters + optimizer state is at most a quarter of the budget."""
+    shard = 2
+    while shard < dp and (dp % shard or state_bytes / (tp * shard) > budget / 4):
+        shard *= 2
+    return min(shard, dp // 2)
+
+
+def _estimate_row(est, flops: float, devices: int, peak: float, budget: int) -> dict:
+    plan = est.plan
+    return {
+        "mesh": list(est.mesh_shape),
+        "dp_mode": est.dp_mode,
+        "dp_label": plan.dp_label if plan is not None else est.dp_mode,
+        "micro_batches": plan.micro_batches if plan is not None else 1,
+        "recompute": _recompute_text(plan.recompute) if plan is not None else "-",
+        "step_time_s": est.step_time_s,
+        "peak_memory_bytes": est.peak_memory_bytes,
+        "fits": est.peak_memory_bytes <= budget,
+        "mfu": flops / (est.step_time_s * devices * peak),
+    }
+
+
+def _scale_child(case: str, time_limit_s: float) -> dict:
+    """Runs in a fresh process: plan_model (timed), then the hand configurations under the same cost model."""
+    from hf_colossal_auto.hardware import get_device
+    from hf_colossal_auto.hardware.catalog import memory_budget_default
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.solve.planner import Estimate, evaluate_plan, plan_model
+
+    preset, batch, seq, devices, per_node = SCALE_CASES[case]
+    spec = get_device(SCALE_DEVICE)
+    budget = memory_budget_default(spec)
+    peak = spec.peak_flops["bfloat16"]
+    model = build_model(preset, device="meta")
+    inputs = make_example_inputs(model, batch, seq, device="meta")
+    flops = _model_flops_per_token(model, seq) * batch * seq
+    common = dict(
+        num_devices=devices,
+        device=SCALE_DEVICE,
+        devices_per_node=per_node,
+        mixed_precision=MIXED,
+        time_limit_s=time_limit_s,
+    )
+    out: dict = {
+        "case": case,
+        "model": preset,
+        "batch": batch,
+        "seq_len": seq,
+        "devices": devices,
+        "devices_per_node": per_node,
+        "device": SCALE_DEVICE,
+        "budget_bytes": budget,
+        "model_flops_per_step": flops,
+        "loadavg_1m_before": os.getloadavg()[0],
+    }
+    t0, c0 = time.perf_counter(), time.process_time()
+    plan = plan_model(model, inputs, **common)
+    planning_s, planning_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    auto = _estimate_row(
+        Estimate(
+            "auto", plan.step_time_s, plan.peak_memory_bytes, budget, plan.mesh_shape, plan.dp_mode, plan
+        ),
+        flops,
+        devices,
+        peak,
+        budget,
+    )
+    auto.update(planning_s=planning_s, planning_cpu_s=planning_cpu_s, ilps_tried=len(plan.alternatives))
+    out["auto"] = auto
+    out["loadavg_1m_after_planning"] = os.getloadavg()[0]
+    print(
+        f"  [{case}] auto planned in {planning_s:.1f} s ({planning_cpu_s:.1f} s CPU): "
+        f"{'x'.join(map(str, auto['mesh']))} {auto['dp_label']} k={auto['micro_batches']} "
+        f"{auto['recompute']} {auto['step_time_s']:.3f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+
+    tp = SCALE_TP
+    dp = devices // tp
+    local = batch // dp
+    options = [k for k in range(1, local + 1) if local % k == 0][:SCALE_MAX_MICRO_BATCHES]
+    state = sum(p.numel() for p in model.parameters()) * 12  # fp32 parameters + AdamW's two fp32 moments
+    shard = _hsdp_shard(state, tp, dp, budget)
+    hand = {
+        "fsdp-tp-full": dict(dp_mode="fsdp", recompute="full", micro=options),
+        "fsdp-tp-sel": dict(dp_mode="fsdp", recompute="selective:pointwise", micro=options),
+        "hsdp-tp-sel": dict(
+            dp_mode="hsdp", dp_shard_size=shard, recompute="selective:pointwise", micro=options
+        ),
+        "megatron-mb1": dict(dp_mode="ddp", recompute="none", micro=[local]),
+    }
+    out["hand"] = {}
+    for name, cfg in hand.items():
+        tries = []
+        t0 = time.perf_counter()
+        for k in cfg["micro"]:
+            try:
+                est = evaluate_plan(
+                    model,
+                    inputs,
+                    "megatron",
+                    mesh_shape=(dp, tp),
+                    recompute=cfg["recompute"],
+                    micro_batches=k,
+                    dp_mode=cfg["dp_mode"],
+                    dp_shard_size=cfg.get("dp_shard_size"),
+                    fit_budget=True,
+                    **common,
+                )
+                row = _estimate_row(est, flops, devices, peak, budget)
+            except Exception as exc:  # noqa: BLE001 - one configuration's error is one row
+                row = {"error": _err(exc), "micro_batches": k}
+            tries.append(row)
+            if row.get("fits"):
+                break
+        fitting = [r for r in tries if r.get("fits")]
+        chosen = fitting[0] if fitting else tries[-1]
+        chosen = dict(
+            chosen,
+            pricing_s=time.perf_counter() - t0,
+            micro_batches_tried=[r["micro_batches"] for r in tries],
+        )
+        if cfg.get("dp_shard_size"):
+            chosen["dp_shard_size"] = cfg["dp_shard_size"]
+        out["hand"][name] = chosen
+        print(
+            f"  [{case}] {name}: {_scale_text(chosen)} ({chosen['pricing_s']:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    fitting = [r["step_time_s"] for r in out["hand"].values() if r.get("fits")]
+    out["best_hand_s"] = min(fitting) if fitting else None
+    out["auto_le_best"] = out["best_hand_s"] is None or auto["step_time_s"] <= out["best_hand_s"] * (
+        1 + REL_TOL
+    )
+    out["auto_strictly_better"] = out["best_hand_s"] is None or auto["step_time_s"] < out["best_hand_s"] * (
+        1 - REL_TOL
+    )
+    out["loadavg_1m_after"] = os.getloadavg()[0]
+    return out
+
+
+def _scale_text(row: dict) -> str:
+    if "error" in row:
+        return f"ERROR {row['error']}"
+    return (
+        f"{'x'.join(map(str, row['mesh']))} {row['dp_label']} k={row['micro_batches']} {row['recompute']} "
+        f"{row['step_time_s']:.3f} s {_gib(row['peak_memory_bytes'])} {'fits' if row['fits'] else 'DOES NOT FIT'} "
+        f"MFU {row['mfu'] * 100:.1f}%"
+    )
+
+
+def run_scale(cases: tuple[str, ...], time_limit_s: float) -> list[dict]:
+    results = []
+    for case in cases:
+        cmd = [sys.executable, __file__, f"--_scale-child={case}", "--time-limit", str(time_limit_s)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        sys.stderr.write(proc.stderr[-4000:] if proc.returncode else proc.stderr)
+        if proc.returncode:
+            results.append({"case": case, "error": proc.stderr.strip().splitlines()[-1:]})
+            continue
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result["process_s"] = time.perf_counter() - t0
+        results.append(result)
+    return results
+
+
+def print_scale(results: list[dict]) -> None:
+    for r in results:
+        if "error" in r:
+            print(f"{r['case']}: ERROR {r['error']}")
+            continue
+        a = r["auto"]
+        print(
+            f"\n{r['model']}: {r['batch']}x{r['seq_len']} on {r['devices']} x {r['device']} ({r['devices_per_node']} per "
+            f"node), budget {_gib(r['budget_bytes'])}, {r['model_flops_per_step'] / 1e18:.2f} EFLOP per step"
+        )
+        print(
+            f"  planning {a['planning_s']:.1f} s wall, {a['planning_cpu_s']:.1f} s CPU, {a['ilps_tried']} ILPs "
+            f"(target <= {SCALE_TARGET_S:.0f} s: {'met' if a['planning_s'] <= SCALE_TARGET_S else 'MISSED'}; load "
+            f"{r['loadavg_1m_before']:.2f} before, {r['loadavg_1m_after_planning']:.2f} after)"
+        )
+        print(f"  {'auto':14s} {_scale_text(a)}")
+        for name, row in r["hand"].items():
+            print(f"  {name:14s} {_scale_text(row)}")
+        best = r["best_hand_s"]
+        print(
+            f"  auto <= best fitting hand config ({'-' if best is None else f'{best:.3f} s'}): "
+            f"{'ok' if r['auto_le_best'] else 'FAIL'}; strictly better: {'yes' if r['auto_strictly_better'] else 'no'}"
+        )
+
+
 # ------------------------------------------------------------------------------------------------ main
 def _csv(text: str, cast=str) -> tuple:
     return tuple(cast(x) for x in text.split(",") if x)
@@ -500,16 +748,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-baseline-cache", action="store_true", help="re-price each baseline per budget")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument(
+        "--scale", action="store_true", help="Llama-3 70B/405B at 1024/8192 H100: auto vs hand configs"
+    )
+    p.add_argument("--scale-cases", type=_csv, default=tuple(SCALE_CASES), help="comma-separated scale cases")
     p.add_argument("--_timing-child", dest="timing_child", help=argparse.SUPPRESS)
+    p.add_argument("--_scale-child", dest="scale_child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+
+    if args.scale_child:
+        print(json.dumps(_scale_child(args.scale_child, args.time_limit), default=str))
+        return 0
 
     if args.timing_child:
         name, shape, devices = args.timing_child.split(":")
         batch, seq = (int(x) for x in shape.split("x"))
         print(json.dumps(_timing_child(name, batch, seq, int(devices))))
         return 0
-    if not (args.timing or args.grid):
-        p.error("pass --timing and/or --grid")
+    if not (args.timing or args.grid or args.scale):
+        p.error("pass --timing, --grid and/or --scale")
 
     load_start = os.getloadavg()[0]
     out: dict = {"machine": _machine(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
@@ -535,6 +792,10 @@ def main(argv: list[str] | None = None) -> int:
             cache_baselines=not args.no_baseline_cache,
         )
         print_grid(out["grid"])
+    if args.scale:
+        print(f"\n== scale: {', '.join(args.scale_cases)} (one fresh process each) ==")
+        out["scale"] = run_scale(args.scale_cases, args.time_limit)
+        print_scale(out["scale"])
     out["loadavg_1m_start_end"] = [load_start, os.getloadavg()[0]]
     print(f"\n1-minute load average: {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end (2 cores)")
     if args.json:
@@ -542,7 +803,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwrote {args.json}")
     ok_timing = all(r["meets_target"] for r in out.get("timing", []))
     ok_grid = not out.get("grid", {}).get("failures")
-    return 0 if ok_timing and ok_grid else 1
+    scale = out.get("scale", [])
+    ok_scale = all("error" not in r and r["auto_le_best"] for r in scale) and (
+        not scale or any(r.get("auto_strictly_better") for r in scale)
+    )
+    ok_scale_time = all(r["auto"]["planning_s"] <= SCALE_TARGET_S for r in scale if "auto" in r)
+    return 0 if ok_timing and ok_grid and ok_scale and ok_scale_time else 1
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ from .problem import (
     Problem,
     SharedCost,
 )
-from .recompute import RecomputeOption, RecomputeUnit, find_units, unit_options
+from .recompute import RecomputeOption, RecomputeUnit, find_units, parse_option, unit_options
 
 logger = logging.getLogger(__name__)
 
@@ -741,6 +741,7 @@ def build_problem(
     recompute_layers: Sequence[str] | None = None,
     recompute_pin: str | Mapping[str, str] | None = None,
     micro_batches: int = 1,
+    dtensor_rules: bool = True,
 ) -> BuiltProblem:
     """The ILP for one mesh ``(dp, tp)`` and data-parallel mode ("ddp", "fsdp", or "hsdp" with ``dp_comm`` a
     :class:`HybridComm`: FSDP inside its shard group, the shards all-reduced over its replicate group).
@@ -756,6 +757,10 @@ def build_problem(
     recompute, FSDP's parameter all-gathers — is paid k times; the gradient synchronisation and the optimizer
     step once; memory is one micro-batch's activations on top of the gradients accumulated so far (all of them,
     unsharded under FSDP until the last micro-batch reduce-scatters them).
+
+    ``dtensor_rules=False`` leaves out the rules that make ops follow DTensor's own choices
+    (:func:`dtensor_choice_rules`, the costliest part to build): a relaxation, whose optimum is a lower bound on
+    the full problem's (the planner prunes candidates with it).
 
     The parts of the ILP are priced by the methods of :class:`_ProblemBuilder`.
     """
@@ -773,6 +778,7 @@ def build_problem(
         recompute_layers=recompute_layers,
         recompute_pin=recompute_pin,
         micro_batches=micro_batches,
+        dtensor_rules=dtensor_rules,
     ).build()
 
 
@@ -807,6 +813,7 @@ class _ProblemBuilder:
         recompute_layers: Sequence[str] | None,
         recompute_pin: str | Mapping[str, str] | None,
         micro_batches: int = 1,
+        dtensor_rules: bool = True,
     ) -> None:
         # ------------------------------------------------------------ inputs
         self.graph = graph
@@ -828,6 +835,7 @@ class _ProblemBuilder:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.micro_batches = micro_batches
+        self.dtensor_rules = dtensor_rules
 
         # ------------------------------------------------------------ derived from the graph
         self.tied = TiedGraph.build(graph)
@@ -927,8 +935,12 @@ class _ProblemBuilder:
             follows_inputs=unenforced_split_rules(
                 self.graph, self.tied, self.strat_of, self.node_of_name, self.axis
             )
-            + dtensor_choice_rules(
-                self.graph, self.tied, self.strat_of, self.param_options, self.axis, (self.tp,)
+            + (
+                dtensor_choice_rules(
+                    self.graph, self.tied, self.strat_of, self.param_options, self.axis, (self.tp,)
+                )
+                if self.dtensor_rules
+                else []
             )
             + self.hold_rules,
             shared_costs=[
@@ -1303,6 +1315,11 @@ class _ProblemBuilder:
                 for c in unit.nodes
             }
             options = unit_options(graph, unit, self.saved_for_backward, forward_s)
+            pinned = self._pinned_option(unit)
+            if pinned is not None and pinned not in {o.name for o in options}:
+                # a level the ranking does not offer, pinned by a hand configuration (torchtitan's selective
+                # policy recomputes the pointwise ops alone): priced as any other option
+                options.append(parse_option(pinned))
             self.unit_options_of.append(options)
             rc = _recompute_node_name(unit.name)
             self.rc_names.append(rc)
@@ -1322,13 +1339,19 @@ class _ProblemBuilder:
             self._pin_recompute(unit, rc, options)
         self._add_conditional_costs()
 
-    def _pin_recompute(self, unit: RecomputeUnit, rc: str, options: list[RecomputeOption]) -> None:
-        """Fixes a unit's recompute option when ``recompute_pin`` names one (for every unit, or per unit:
-        "none" for the units it leaves out)."""
+    def _pinned_option(self, unit: RecomputeUnit) -> str | None:
+        """The option ``recompute_pin`` names for a unit (for every unit, or per unit: "none" for the units it
+        leaves out); None when recompute is a decision."""
         recompute_pin = self.recompute_pin
         if recompute_pin is None:
+            return None
+        return recompute_pin if isinstance(recompute_pin, str) else recompute_pin.get(unit.name, "none")
+
+    def _pin_recompute(self, unit: RecomputeUnit, rc: str, options: list[RecomputeOption]) -> None:
+        """Fixes a unit's recompute option when ``recompute_pin`` names one (:meth:`_pinned_option`)."""
+        want = self._pinned_option(unit)
+        if want is None:
             return
-        want = recompute_pin if isinstance(recompute_pin, str) else recompute_pin.get(unit.name, "none")
         names = [o.name for o in options]
         if want not in names:
             raise ValueError(f"recompute option {want!r} for {unit.name} is not one of its options {names}")
@@ -1352,6 +1375,16 @@ class _ProblemBuilder:
         """Live bytes at the moments the memory constraints are written at: the highest point of forward +
         backward, and per recompute unit inside its backward at the highest point, at the start of its backward
         (where a rerun happens) and at the highest point of its forward (what a rerun rebuilds)."""
+        graph, units = self.graph, self.units
+        # The same graph is built into several problems (data-parallel modes, the planner's relaxations): the
+        # snapshots depend only on it, its units and the storages they are handed, so they are kept on it.
+        cache = graph.__dict__.setdefault("_snapshot_cache", {})
+        key = (tuple((u.name, tuple(u.nodes)) for u in units), tuple(sorted(self.checkpoint_args)))
+        if key not in cache:
+            cache[key] = self._snapshots_uncached()
+        return cache[key]
+
+    def _snapshots_uncached(self) -> tuple[_Snapshot, list[_Snapshot], list[_Snapshot], list[_Snapshot]]:
         graph, units = self.graph, self.units
         step = unroll(graph)
         moments = [_block_moment(graph, step, unit, Phase.BACKWARD, "peak") for unit in units]

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capture.graph import Phase, StepGraph
+from ..capture.graph import Phase, StepGraph, ValueKind
 from ..capture.tracer import trace_training_step
 from ..hardware import ClusterSpec, DeviceSpec, get_device
 from ..hardware.catalog import memory_budget_default
@@ -50,6 +50,7 @@ from .builder import (
     BuiltProblem,
     TiedGraph,
     build_problem,
+    data_parallel_sync_time,
 )
 from .cost_model import (
     DP_MODES,
@@ -59,6 +60,7 @@ from .cost_model import (
 from .ilp import solve
 from .prediction import _make_plan
 from .problem import InfeasibleError, Solution
+from .recompute import parse_option
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +131,13 @@ class _Planner:
         self.optimizer = optimizer
         self.time_limit_s = time_limit_s
         self.batch = _global_batch(example_inputs)
-        self._graphs: dict[tuple[int, int], StepGraph] = {}
-        self._strategies: dict[tuple[int, int, int], dict] = {}
+        self._graphs: dict[int, StepGraph] = {}
+        """Traces by the rows of one micro-batch of one replica (global batch / (dp * micro-batches)): the step
+        traced depends on nothing else, so (dp, k) candidates with the same dp * k share one trace."""
+        self._strategies: dict[tuple[int, int], dict] = {}
+        """Strategies by (micro-batch rows, tensor-parallel size)."""
+        self.last_built: BuiltProblem | None = None
+        """The problem :meth:`solve_mesh` built last."""
 
     @classmethod
     def for_devices(
@@ -156,7 +163,7 @@ class _Planner:
 
     def graph(self, dp: int, micro_batches: int = 1) -> StepGraph:
         """The step traced at one micro-batch of one replica (global batch / dp / micro_batches rows)."""
-        key = (dp, micro_batches)
+        key = self.batch // (dp * micro_batches)
         if key not in self._graphs:
             self._graphs[key] = trace_training_step(
                 self.model,
@@ -167,8 +174,13 @@ class _Planner:
             )
         return self._graphs[key]
 
+    def any_graph(self, dp: int, micro_batches: int = 1) -> StepGraph:
+        """A step traced already, else the one of ``graph(dp, micro_batches)``: for what does not depend on the
+        batch (parameter and optimizer-state bytes), without a trace per shape."""
+        return next(iter(self._graphs.values()), None) or self.graph(dp, micro_batches)
+
     def strategies(self, dp: int, tp: int, micro_batches: int = 1) -> dict:
-        key = (dp, tp, micro_batches)
+        key = (self.batch // (dp * micro_batches), tp)
         if tp == 1:
             # On a one-device axis every placement is the whole tensor: replicated. DTensor's rules would still
             # offer Shard strategies there, which its view ops then refuse to reshape at run time.
@@ -193,10 +205,12 @@ class _Planner:
         recompute_pin: str | Mapping[str, str] | None = None,
         micro_batches: int = 1,
         dp_shard_size: int | None = None,
+        dtensor_rules: bool = True,
     ) -> BuiltProblem:
         """The ILP of one mesh; recompute is a decision unless ``recompute_pin`` (or the planner's mode "none" /
         "full") fixes it. ``micro_batches``: the step runs each replica's batch in that many pieces.
-        ``dp_shard_size``: HSDP's shard group (default: the cluster's, :meth:`hybrid_comm`)."""
+        ``dp_shard_size``: HSDP's shard group (default: the cluster's, :meth:`hybrid_comm`). ``dtensor_rules``:
+        False builds the relaxation without DTensor's own choices (:func:`build_problem`)."""
         if recompute_pin is None and self.recompute in ("none", "full"):
             recompute_pin = self.recompute
         dp, tp = mesh
@@ -217,6 +231,7 @@ class _Planner:
             recompute_layers=self.layers,
             recompute_pin=recompute_pin,
             micro_batches=micro_batches,
+            dtensor_rules=dtensor_rules,
         )
 
     def axis_comm(self, mesh: tuple[int, int], axis: int) -> AxisComm:
@@ -257,10 +272,15 @@ class _Planner:
         dp_mode: str,
         fixed_params: dict[str, str] | None = None,
         micro_batches: int = 1,
+        dp_shard_size: int | None = None,
     ) -> tuple[BuiltProblem, Solution]:
+        """Build and solve one candidate. Where its budget cannot be met (:class:`InfeasibleError`), the problem
+        stays in :attr:`last_built` (the micro-batch search prices it without the budget as a lower bound)."""
         if self.recompute == "two-stage":
-            return self._two_stage(mesh, dp_mode, fixed_params, micro_batches)
-        built = self.build(mesh, dp_mode, fixed_params, micro_batches=micro_batches)
+            return self._two_stage(mesh, dp_mode, fixed_params, micro_batches, dp_shard_size)
+        built = self.last_built = self.build(
+            mesh, dp_mode, fixed_params, micro_batches=micro_batches, dp_shard_size=dp_shard_size
+        )
         solution = solve(built.problem, time_limit_s=self.time_limit_s)
         return built, solution
 
@@ -270,17 +290,27 @@ class _Planner:
         dp_mode: str,
         fixed_params: dict[str, str] | None,
         micro_batches: int = 1,
+        dp_shard_size: int | None = None,
     ) -> tuple[BuiltProblem, Solution]:
         """The baseline the joint ILP is measured against: shard for speed ignoring memory (no recompute),
         then choose recompute per block for that sharding under the budget."""
         budget = self.budget
         self.budget = 1 << 62
         try:
-            first = self.build(mesh, dp_mode, fixed_params, recompute_pin="none", micro_batches=micro_batches)
+            first = self.build(
+                mesh,
+                dp_mode,
+                fixed_params,
+                recompute_pin="none",
+                micro_batches=micro_batches,
+                dp_shard_size=dp_shard_size,
+            )
         finally:
             self.budget = budget
         sharding = solve(first.problem, time_limit_s=self.time_limit_s).choice
-        built = self.build(mesh, dp_mode, fixed_params, micro_batches=micro_batches)
+        built = self.last_built = self.build(
+            mesh, dp_mode, fixed_params, micro_batches=micro_batches, dp_shard_size=dp_shard_size
+        )
         fixed = dict(built.problem.fixed)
         for node in built.problem.nodes:
             decided_by_recompute = node.name in built.recompute_options or node.name in built.hold_nodes
@@ -305,22 +335,33 @@ class _Search:
         self.one_piece: dict[tuple[tuple[int, int], str], tuple[Plan | None, float]] = {}
         """(mesh, dp mode) -> its plan with the batch in one piece (None: nothing fits) and the host seconds of
         its ops (:attr:`BuiltProblem.host_floor_s`; 0 when unknown)."""
+        self._tied: tuple[StepGraph, TiedGraph] | None = None
+        self.deferred: list[tuple[tuple[int, int], str, int, int]] = []
+        """(mesh, dp mode, micro-batches, model-state floor) of DDP/FSDP candidates :meth:`ruled_out` set aside."""
+        self.over_budget: dict[tuple[tuple[int, int], str], BuiltProblem] = {}
+        """(mesh, dp mode) -> the problem of its one-piece candidate, where no choice met the budget."""
 
     def try_candidate(self, mesh: tuple[int, int], dp_mode: str, micro_batches: int) -> Plan | None:
-        """Solve one candidate, record it, keep it if it is the fastest that fits; its plan (None: infeasible)."""
+        """Solve one candidate, record it, keep it if it is the fastest that fits; its plan (None: infeasible).
+        ``dp_mode`` is the search's key (:func:`_split_mode`: "hsdp:16" names its shard group)."""
+        mode, shard = _split_mode(dp_mode)
         try:
-            built, solution = self.planner.solve_mesh(mesh, dp_mode, micro_batches=micro_batches)
+            built, solution = self.planner.solve_mesh(
+                mesh, mode, micro_batches=micro_batches, dp_shard_size=shard
+            )
         except InfeasibleError as exc:
             self.min_required = min(self.min_required, exc.min_required)
             self._record_infeasible(mesh, dp_mode, micro_batches, exc.min_required)
             plan, host_floor = None, 0.0
+            if micro_batches == 1 and self.planner.last_built is not None:
+                self.over_budget[(mesh, dp_mode)] = self.planner.last_built
         else:
             host_floor = built.host_floor_s
-            plan = self.planner.to_plan(mesh, dp_mode, built, solution)
+            plan = self.planner.to_plan(mesh, mode, built, solution)
             self.tried.append(
                 {
                     "mesh": list(mesh),
-                    "dp_mode": dp_mode,
+                    "dp_mode": mode,
                     "dp_label": self.label(mesh, dp_mode),
                     "micro_batches": micro_batches,
                     "fits": plan.fits,
@@ -336,24 +377,121 @@ class _Search:
 
     def label(self, mesh: tuple[int, int], dp_mode: str) -> str:
         """The mode as :attr:`Plan.dp_label` names it ("hsdp 2x4": 2 replicas of shard groups of 4)."""
-        shard = self.planner.cluster.hybrid_shard_size(mesh) if dp_mode == "hsdp" else None
+        dp_mode, shard = _split_mode(dp_mode)
+        if dp_mode == "hsdp" and shard is None:
+            shard = self.planner.cluster.hybrid_shard_size(mesh)
         return f"hsdp {mesh[0] // shard}x{shard}" if shard else dp_mode
+
+    def bounded_out(self, mesh: tuple[int, int], dp_mode: str, micro_batches: int) -> bool:
+        """Whether a lower bound on its step time already rules ``(mesh, dp_mode)`` out, before its ILP is built in
+        full (recorded as tried with that bound): the optimum of its relaxation — no memory budget, and no rules
+        making ops follow DTensor's own choices, the costliest part of the ILP to build — is no faster than the
+        best plan so far. The bound holds at every micro-batch count (see :meth:`_unconstrained_time`), so no
+        micro-batch search follows. Why: at cluster scale most meshes are far off (tensor parallelism across
+        nodes), and their full ILPs asked DTensor about every op on meshes of up to thousands of ranks."""
+        if self.best is None:
+            return False
+        bound = self._sync_floor(mesh, dp_mode)
+        if self.best.step_time_s > bound:
+            mode, shard = _split_mode(dp_mode)
+            relaxed = self.planner.build(
+                mesh, mode, micro_batches=micro_batches, dp_shard_size=shard, dtensor_rules=False
+            )
+            bound = self._relaxed_optimum(relaxed)
+        if self.best.step_time_s > bound:
+            return False
+        logger.debug("mesh %s %s skipped: its relaxation takes %.3g s", mesh, dp_mode, bound)
+        self.tried.append(
+            {
+                "mesh": list(mesh),
+                "dp_mode": _split_mode(dp_mode)[0],
+                "dp_label": self.label(mesh, dp_mode),
+                "micro_batches": micro_batches,
+                "fits": False,
+                "min_step_time_s": bound,
+            }
+        )
+        return True
+
+    def _sync_floor(self, mesh: tuple[int, int], dp_mode: str) -> float:
+        """A lower bound on the step time of ``(mesh, dp_mode)`` that needs no trace at its batch: the
+        data-parallel synchronisation alone (the ILP's :class:`Overlap` exposes at least ``C - f K`` of it on top
+        of ``K`` of compute, so a step is never shorter than ``C``), every trained parameter priced as the
+        builder prices it (:func:`data_parallel_sync_time`) at its smallest share, split over all
+        tensor-parallel ranks, and gathered once. Prunes the meshes whose data-parallel axis carries whole
+        parameters over the network (Llama-3-70B on 1024 x 1) without tracing their batch."""
+        graph = self.planner.any_graph(mesh[0])
+        if self._tied is None or self._tied[0] is not graph:
+            self._tied = (graph, TiedGraph.build(graph))
+        tied = self._tied[1]
+        read = set()
+        for i in tied.canonical:
+            for vid in graph.nodes[i].inputs:
+                value = graph.values[vid]
+                if value.kind is ValueKind.PARAM and value.name is not None:
+                    read.add(tied.canonical_param(value.name))
+        dp_mode, shard = _split_mode(dp_mode)
+        dp_comm = (
+            self.planner.hybrid_comm(mesh, shard) if dp_mode == "hsdp" else self.planner.axis_comm(mesh, 0)
+        )
+        total = 0.0
+        for fqn in graph.param_names:
+            canonical = tied.canonical_param(fqn)
+            if (
+                canonical in read
+                and graph.param_shapes.get(canonical) is not None
+                and graph.is_trainable(canonical)
+            ):
+                local = graph.param_bytes[canonical] / mesh[1]
+                total += data_parallel_sync_time(dp_mode, local, dp_comm)
+        return total
+
+    def _relaxed_optimum(self, built: BuiltProblem) -> float:
+        """The optimum of ``built`` without its memory constraints: a lower bound on its step time (0 when the
+        solver does not prove one)."""
+        relaxed = dataclasses.replace(built.problem, memory_constraints=[])
+        try:
+            solution = solve(relaxed, time_limit_s=self.planner.time_limit_s)
+        except InfeasibleError:
+            return 0.0
+        return solution.objective_s if solution.status == "optimal" else 0.0
 
     def ruled_out(self, mesh: tuple[int, int], dp_mode: str, shard: int, micro_batches: int) -> bool:
         """Whether a lower bound already rules ``(mesh, dp_mode)`` out, without building its ILP (recorded as
         tried and not fitting): the parameters and optimizer state alone, each split over every tensor- and
-        data-parallel rank that can share it, exceed the budget. No placement, recompute or micro-batch count
-        needs less, so neither the ILP nor the micro-batch search is run for it. Why: HSDP's shard group is one
-        node's ranks, and a model whose state does not fit there (Llama-3-70B on 8 per node) would otherwise
-        cost an ILP per mesh and a micro-batch search."""
-        floor = _model_state_floor(self.planner.graph(mesh[0], micro_batches), mesh[1] * shard)
+        data-parallel rank that can share it (``shard``: 1 under DDP, dp under FSDP, the shard group under
+        HSDP), exceed the budget. No placement, recompute or micro-batch count needs less, so neither the ILP nor
+        the micro-batch search is run for it. Why: HSDP's shard group is one node's ranks, and a model whose
+        state does not fit there (Llama-3-70B on 8 per node) would otherwise cost an ILP per mesh and a
+        micro-batch search; the same holds for DDP on every mesh of such a model."""
+        floor = _model_state_floor(self.planner.any_graph(mesh[0], micro_batches), mesh[1] * shard)
         if floor <= self.planner.budget:
             return False
         logger.debug(
             "mesh %s %s skipped: parameters + optimizer state alone need %d bytes", mesh, dp_mode, floor
         )
-        self._record_infeasible(mesh, dp_mode, micro_batches, floor)
+        if dp_mode == "hsdp":
+            self._record_infeasible(mesh, dp_mode, micro_batches, floor)
+        else:
+            # DDP and FSDP may hold the least memory any plan needs, which the error when nothing fits states:
+            # solved after all then (:meth:`run_deferred`)
+            self.deferred.append((mesh, dp_mode, micro_batches, floor))
         return True
+
+    def run_deferred(self, search_micro_batches: bool) -> None:
+        """Where no plan fits: the candidates :meth:`ruled_out` set aside whose floor is under the least memory
+        found so far are solved, in one piece and at the most micro-batches (the least memory of any count), so
+        that the error states the least memory any plan needs, as if none had been set aside. The others are
+        recorded with their floor."""
+        for mesh, dp_mode, micro_batches, floor in sorted(self.deferred, key=lambda d: d[3]):
+            if floor >= self.min_required:
+                self._record_infeasible(mesh, dp_mode, micro_batches, floor)
+                continue
+            plan = self.try_candidate(mesh, dp_mode, micro_batches)
+            options = self.planner.micro_batch_options(mesh[0]) if search_micro_batches else []
+            if plan is None and options:
+                self.try_candidate(mesh, dp_mode, options[-1])
+        self.deferred = []
 
     def _record_infeasible(
         self, mesh: tuple[int, int], dp_mode: str, micro_batches: int, min_memory_bytes: float
@@ -362,7 +500,7 @@ class _Search:
         self.tried.append(
             {
                 "mesh": list(mesh),
-                "dp_mode": dp_mode,
+                "dp_mode": _split_mode(dp_mode)[0],
                 "dp_label": self.label(mesh, dp_mode),
                 "micro_batches": micro_batches,
                 "fits": False,
@@ -388,6 +526,11 @@ class _Search:
         pending.sort(key=lambda c: _best_case(c[1]) if c[1] is not None else math.inf)
         for (mesh, dp_mode), plan, host_floor in pending:
             options = self.planner.micro_batch_options(mesh[0])
+            if plan is None and options and self.best is not None:
+                bound = self._unconstrained_time(mesh, dp_mode)
+                if self.best.step_time_s <= bound:
+                    logger.debug("mesh %s %s: micro-batches skipped (>= %.3g s)", mesh, dp_mode, bound)
+                    continue
             if plan is None and options:
                 first = self._smallest_fitting(mesh, dp_mode, options)
                 if first is None or done(first[1]):
@@ -402,6 +545,18 @@ class _Search:
                 if done(found):
                     break
                 plan = found if found is not None else plan
+
+    def _unconstrained_time(self, mesh: tuple[int, int], dp_mode: str) -> float:
+        """A lower bound on the step time of ``(mesh, dp_mode)`` at any micro-batch count, for a candidate whose
+        batch in one piece fits no choice: its one-piece ILP solved without the memory budget (0 when unknown).
+        k pieces run every op, resharding and FSDP gather k times on 1/k of the rows (no faster in total: a
+        kernel's time does not fall faster than its rows, the host cost per op is paid per piece) and add
+        recompute, while the gradient sync and the optimizer step stay once; the step time grows with compute
+        and communication alike (the overlap hides at most the smaller), so no k beats this optimum. Without it
+        the search would bisect micro-batch counts on meshes whose best case is already slower than a plan in
+        hand (Llama-3-70B on 1024 devices: every mesh whose tensor parallelism crosses nodes)."""
+        built = self.over_budget.pop((mesh, dp_mode), None)
+        return 0.0 if built is None else self._relaxed_optimum(built)
 
     def _smallest_fitting(
         self, mesh: tuple[int, int], dp_mode: str, options: list[int]
@@ -488,6 +643,42 @@ def _meshes(
     return usable
 
 
+def _split_mode(key: str) -> tuple[str, int | None]:
+    """A search candidate's data-parallel mode and HSDP shard group: "hsdp:16" is HSDP with shard groups of 16
+    data-parallel ranks, "hsdp" the cluster's own (one node's data-parallel ranks), "ddp"/"fsdp" themselves."""
+    mode, _, shard = key.partition(":")
+    return mode, int(shard) if shard else None
+
+
+def _hsdp_candidates(cluster: ClusterSpec, mesh: tuple[int, int]) -> list[tuple[str, int]]:
+    """HSDP's shard groups on a mesh, as (search key, shard size): one node's data-parallel ranks (the cluster's,
+    :meth:`~hf_colossal_auto.hardware.ClusterSpec.hybrid_shard_size`, key "hsdp") and whole numbers of nodes
+    doubling from there (keys "hsdp:<ranks>"), while they divide the data-parallel axis and leave at least two
+    replicas. Larger groups trade the all-reduce across replicas and the memory of a smaller shard against
+    collectives over more ranks (more latency per collective: at thousands of ranks, where a model's state does
+    not fit one node, FSDP over the whole axis pays it on every gather)."""
+    dp, tp = mesh
+    per_node = cluster.devices_per_node
+    if per_node % tp or not cluster.axis_crosses_nodes(mesh, 0):
+        return []
+    default = cluster.hybrid_shard_size(mesh)
+    out = []
+    shard = per_node // tp
+    while shard < dp:
+        if shard > 1 and dp % shard == 0:
+            out.append(("hsdp" if shard == default else f"hsdp:{shard}", shard))
+        shard *= 2
+    return out
+
+
+def _search_order(planner: _Planner, meshes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The meshes in the order they are tried: tensor parallelism the size of a node first, then outwards (the
+    usual best, so that :meth:`_Search.bounded_out` has a fast plan to prune the others against); the order
+    changes what is pruned, not which plan wins (a tie between meshes excepted)."""
+    per_node = planner.cluster.devices_per_node
+    return sorted(meshes, key=lambda m: abs(math.log2(m[1]) - math.log2(per_node)))
+
+
 def _resolve_budget(memory_budget: int | str | None, spec: DeviceSpec) -> int:
     if memory_budget is None:
         return memory_budget_default(spec)
@@ -544,17 +735,25 @@ def plan_model(
     spec, budget = planner.spec, planner.budget
     t0 = time.perf_counter()
     search = _Search(planner)
-    for mesh in _meshes(planner, mesh_shape, micro_batches or 1):
+    for mesh in _search_order(planner, _meshes(planner, mesh_shape, micro_batches or 1)):
         for dp_mode in dp_modes if mesh[0] > 1 else ("ddp",):
             if dp_mode == "hsdp":
-                shard = planner.cluster.hybrid_shard_size(mesh)
-                if shard is None:
-                    continue  # the data-parallel axis stays in a node (FSDP is as good), or no node-sized group
-                if search.ruled_out(mesh, dp_mode, shard, micro_batches or 1):
+                # none where the data-parallel axis stays in a node (FSDP is as good) or nodes do not split it
+                candidates = _hsdp_candidates(planner.cluster, mesh)
+            else:
+                candidates = [
+                    (dp_mode, mesh[0] if dp_mode == "fsdp" else 1)
+                ]  # ranks sharing the state with tp
+            for key, shard in candidates:
+                if search.ruled_out(mesh, key, shard, micro_batches or 1):
                     continue
-            search.try_candidate(mesh, dp_mode, micro_batches or 1)
+                if search.bounded_out(mesh, key, micro_batches or 1):
+                    continue
+                search.try_candidate(mesh, key, micro_batches or 1)
     if micro_batches is None:
         search.try_micro_batches()
+    if search.best is None:
+        search.run_deferred(search_micro_batches=micro_batches is None)
     best = search.best
     if best is None:
         tried_k = sorted({t["micro_batches"] for t in search.tried})
@@ -603,17 +802,35 @@ def evaluate_plan(
     time_limit_s: float = 60.0,
     recompute: str | None = None,
     micro_batches: int | None = None,
+    dp_mode: str | None = None,
+    dp_shard_size: int | None = None,
+    fit_budget: bool = False,
 ) -> Estimate:
     """Price a Plan, a HF-style tp_plan dict or a named baseline ("ddp", "fsdp", "megatron") under our model.
 
-    ``recompute``: "none" or "full" for every block, or "auto" (recompute chosen per block to fit the budget
-    with the baseline's placements: the baseline's best case). Default: a Plan's own choice, "none" for the
-    others. A Plan is priced under the budget it was made for unless ``memory_budget`` says otherwise, so that
-    pricing a solved plan reproduces its own prediction (time and memory). ``micro_batches``: each replica's
-    batch runs in that many pieces with one gradient synchronisation (default: a Plan's own, else 1).
+    ``recompute``: "none", "full" or a selective option ("selective:pointwise": recompute the listed op classes,
+    keep the others' outputs) for every block, or "auto" (recompute chosen per block to fit the budget with the
+    baseline's placements: the baseline's best case). Default: a Plan's own choice, "none" for the others. A
+    Plan is priced under the budget it was made for unless ``memory_budget`` says otherwise, so that pricing a
+    solved plan reproduces its own prediction (time and memory). ``micro_batches``: each replica's batch runs in
+    that many pieces with one gradient synchronisation (default: a Plan's own, else 1).
+
+    Hand configurations (not for a Plan, which carries its own): ``dp_mode`` runs a "megatron" baseline or a
+    tp_plan dict's data-parallel axis as "ddp" (the default), "fsdp" or "hsdp" (torchtitan's FSDP x TP and
+    HSDP x TP), ``dp_shard_size`` is HSDP's shard group (default: one node's data-parallel ranks). A baseline is
+    priced with the budget lifted (its activation placements chosen for time alone); ``fit_budget`` prices it
+    under the budget first (activations placed to fit, as a runtime's sharding would be tuned) and lifts the
+    budget only where its pinned choices cannot fit.
     """
-    if recompute not in (None, "none", "full", "auto"):
-        raise ValueError(f"recompute must be None, 'none', 'full' or 'auto', got {recompute!r}")
+    if recompute not in (None, "auto"):
+        parse_option(recompute)  # "none", "full", "selective:<classes>"; raises for anything else
+    if isinstance(plan_or_baseline, Plan) and (dp_mode is not None or dp_shard_size is not None):
+        raise ValueError("dp_mode and dp_shard_size are a Plan's own; pass them for a baseline or a tp_plan")
+    if dp_mode is not None and dp_mode not in DP_MODES:
+        raise ValueError(f"dp_mode must be one of {DP_MODES}, got {dp_mode!r}")
+    if dp_shard_size is not None and dp_mode != "hsdp":
+        raise ValueError("dp_shard_size is HSDP's shard group: pass it with dp_mode='hsdp'")
+    hand_dp_mode = dp_mode
     if isinstance(plan_or_baseline, Plan) and memory_budget is None:
         memory_budget = plan_or_baseline.memory_budget_bytes  # the budget the plan was made for
     planner = _Planner.for_devices(
@@ -664,6 +881,16 @@ def evaluate_plan(
         t = mesh_shape[-1] if mesh_shape else _largest_tp(n, cluster.devices_per_node, model)
         mesh, dp_mode = (n // t, t), "ddp"
         fixed = tp_plan_placements(model, plan_or_baseline)
+    if hand_dp_mode is not None:
+        if isinstance(plan_or_baseline, str) and name != "megatron":
+            raise ValueError(
+                f"{name}: its data-parallel mode is its name; dp_mode is for 'megatron' or a tp_plan"
+            )
+        if hand_dp_mode != "ddp" and mesh[0] == 1:
+            raise ValueError(
+                f"{name}: dp_mode {hand_dp_mode!r} needs a data-parallel axis; mesh {mesh} has none"
+            )
+        dp_mode, shard = hand_dp_mode, dp_shard_size
     if planner.batch % (mesh[0] * k):
         raise ValueError(
             f"{name}: global batch {planner.batch} does not split over {mesh[0]} data-parallel replicas x {k} "
@@ -676,7 +903,7 @@ def evaluate_plan(
     # baseline that does not fit is still priced, and reported as not fitting.
     if recompute is None:
         recompute = "none" if not isinstance(plan_or_baseline, Plan) else None
-    pin: str | dict[str, str] | None = recompute if recompute in ("none", "full") else None
+    pin: str | dict[str, str] | None = recompute if recompute not in (None, "auto") else None
     if recompute is None:  # a Plan's own per-block choice
         pin = dict(plan_or_baseline.recompute) or "none"
     built = solution = None
@@ -701,7 +928,7 @@ def evaluate_plan(
             dp_shard_size=shard,
         )
 
-    if solution is None and isinstance(plan_or_baseline, Plan):
+    if solution is None and (isinstance(plan_or_baseline, Plan) or fit_budget):
         # A plan is priced as it was made: under its budget, which its pinned choices fit. With the budget lifted,
         # the activation placements a plan leaves to the solver could trade memory for time, and the estimate
         # would undercut the plan's own prediction.
