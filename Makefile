@@ -6,6 +6,10 @@ PYTHON ?= $(shell python3.11 -c "" >/dev/null 2>&1 && echo python3.11 || echo py
 # this machine's pip config finds the CPU wheel for the pinned version.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Test files run on one pytest-xdist worker per core (a file's tests stay together, so its module fixtures run
+# once): most of the suite is 2-rank launches whose ranks wait on each other or on a planning rank, which leaves
+# a core idle when the files run one after the other. PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= auto
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf-colossal-auto-installed
@@ -23,7 +27,7 @@ $(STAMP): pyproject.toml | $(PY)
 	@touch $@
 
 test: install
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: install
 	$(VENV)/bin/hf-colossal-auto demo

@@ -10,7 +10,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# `make test` runs the files on parallel workers (pytest-xdist): share the cores between them instead of
+# oversubscribing — the multi-process launches already set OMP_NUM_THREADS=1 per rank.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, (os.cpu_count() or 2) // _WORKERS))
 
 
 @pytest.fixture(autouse=True)

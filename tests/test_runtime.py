@@ -117,12 +117,12 @@ def _tracks_single_process(results: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def dp_x_tp_results(tmp_path_factory) -> dict[str, list[dict]]:
     """Every family under DDP x TP, then under FSDP x TP (the AdamW made before parallelizing there), on 4 gloo
-    processes, mesh 2 x 2, Megatron placements, ten steps: one launch for both data-parallel modes, since
+    processes, mesh 2 x 2, Megatron placements, four steps: one launch for both data-parallel modes, since
     starting 4 processes on 2 cores and warming up the planner in each costs more than a family's run. Mode
     -> its results, in family order."""
     results = _torchrun(
         4,
-        "--model", FAMILIES, "--mesh", "2x2", "--plan", "megatron", "--steps", "10",
+        "--model", FAMILIES, "--mesh", "2x2", "--plan", "megatron", "--steps", "4",
         "--dp-mode", "ddp,fsdp", "--optimizer-before", "fsdp",
         tmp_path=tmp_path_factory.mktemp("dp_x_tp"),
     )  # fmt: skip
@@ -135,7 +135,7 @@ def dp_x_tp_results(tmp_path_factory) -> dict[str, list[dict]]:
 def test_gloo_dp_x_tp_training_tracks_single_process(dp_x_tp_results):
     """4 gloo processes, mesh 2 x 2 (DDP over tensor-parallel groups), Megatron placements (GPT-2's fused
     c_attn, T5's shared relative position bias and encoder-decoder, tied embeddings included): for each family,
-    one after the other in one launch, the first step's gradients and ten AdamW steps' losses match one process."""
+    one after the other in one launch, the first step's gradients and four AdamW steps' losses match one process."""
     results = dp_x_tp_results["ddp"]
     _tracks_single_process(results)
     assert all(result["dp_mode"] == "ddp" for result in results)
@@ -145,7 +145,7 @@ def test_gloo_dp_x_tp_training_tracks_single_process(dp_x_tp_results):
 def test_gloo_fsdp_x_tp_training_tracks_single_process(dp_x_tp_results):
     """4 gloo processes, mesh 2 x 2 with FSDP2 on the data-parallel axis over Megatron tensor parallelism
     (parameters become 2-D DTensors), every family in one launch (T5's nested per-block lists included):
-    gradients and ten AdamW steps match one process — with the AdamW made before parallelizing, so it must follow the parameters through both
+    gradients and four AdamW steps match one process — with the AdamW made before parallelizing, so it must follow the parameters through both
     replacements (DTensor, then FSDP)."""
     results = dp_x_tp_results["fsdp"]
     _tracks_single_process(results)

@@ -73,22 +73,43 @@ def _model(preset: str, wide: bool) -> torch.nn.Module:
     return model
 
 
-def run_case(preset: str, kind: str, wide: bool) -> dict:
-    from hf_colossal_auto import apply_plan, evaluate_plan, plan_model
-    from hf_colossal_auto.apply.runtime import plan_on_one_rank
+def _batch(model: torch.nn.Module, wide: bool) -> dict:
     from hf_colossal_auto.models import make_example_inputs
 
+    return make_example_inputs(model, 4, 64 if wide else 16, seed=0)
+
+
+def make_plan(preset: str, kind: str, wide: bool) -> str:
+    """The case's plan (JSON), made on the calling rank alone."""
+    from hf_colossal_auto import evaluate_plan, plan_model
+
     model = _model(preset, wide)
-    batch = make_example_inputs(model, 4, 64 if wide else 16, seed=0)
+    batch = _batch(model, wide)
+    if kind == "megatron":
+        plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+    else:
+        plan = plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(1, 2))
+    return plan.to_json()
 
-    def make():
-        if kind == "megatron":
-            return evaluate_plan(
-                model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)
-            ).plan
-        return plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(1, 2))
 
-    plan = plan_on_one_rank(make)
+def plan_every_case(cases: list[tuple[str, str, bool]]) -> list:
+    """Each rank plans its share of the cases (case i on rank i mod world), then every rank gets every plan:
+    the ranks plan side by side instead of waiting for rank 0 to plan them all."""
+    from hf_colossal_auto import Plan
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {i: make_plan(*case) for i, case in enumerate(cases) if i % world == rank}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    made = {i: text for share in gathered for i, text in share.items()}
+    return [Plan.from_dict(json.loads(made[i])) for i in range(len(cases))]
+
+
+def run_case(preset: str, kind: str, wide: bool, plan) -> dict:
+    from hf_colossal_auto import apply_plan
+
+    model = _model(preset, wide)
+    batch = _batch(model, wide)
     apply_plan(model, plan)
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -113,13 +134,15 @@ def main() -> None:
     parser.add_argument("--shapes", default="tiny,wide", help="tiny: the presets; wide: hidden 256 (no T5)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    results = [
-        run_case(preset, kind, shapes == "wide")
+    cases = [
+        (preset, kind, shapes == "wide")
         for shapes in args.shapes.split(",")
         for preset in args.cases.split(",")
         for kind in ("megatron", "auto")
         if not (shapes == "wide" and preset == "tiny-t5")
     ]
+    plans = plan_every_case(cases)
+    results = [run_case(*case, plan) for case, plan in zip(cases, plans, strict=True)]
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)

@@ -37,6 +37,10 @@ def hf_tp_plan(model, with_experts: bool) -> dict[str, str]:
     return {k: v for k, v in plan.items() if with_experts or ".experts" not in k}
 
 
+_PRICED: dict = {}
+"""``name@plan`` -> the plan rank 0 priced for it: ``--dp-mode ddp,fsdp`` runs reuse it with another dp mode."""
+
+
 def run_model(spec: str, args: argparse.Namespace, dp_mode: str) -> dict:
     """Plan, apply and train one model (``name`` or ``name@plan``) under ``args`` with ``dp_mode`` on the
     data-parallel axis; the losses and gradient gap against one process."""
@@ -67,9 +71,11 @@ def run_model(spec: str, args: argparse.Namespace, dp_mode: str) -> dict:
             baseline = "megatron" if plan_kind == "megatron" else hf_tp_plan(model, plan_kind == "experts-tp")
             if plan_kind == "experts-ep":  # attention TP, whole experts per rank (HF's base_model_ep_plan)
                 baseline = {**baseline, **model.config.base_model_ep_plan}
-            made = evaluate_plan(
-                model, batch, baseline, num_devices=world, device="cpu", mesh_shape=(dp, tp)
-            ).plan
+            if spec not in _PRICED:  # one pricing per model: the dp modes differ only on the dp axis
+                _PRICED[spec] = evaluate_plan(
+                    model, batch, baseline, num_devices=world, device="cpu", mesh_shape=(dp, tp)
+                ).plan
+            made = copy.deepcopy(_PRICED[spec])
             made.dp_mode = dp_mode  # the same placements, the data-parallel axis as asked
             made.dp_shard_size = {"fsdp": dp, "hsdp": args.dp_shard}.get(dp_mode, 1)
             if plan_kind in ("experts-ep", "experts-tp", "megatron"):
