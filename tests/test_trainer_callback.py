@@ -375,3 +375,21 @@ def test_seq2seq_trainer_plans_from_the_dataset(tmp_path):
     for step, loss in want["losses"].items():
         assert got["losses"][step] == pytest.approx(loss, abs=1e-5), step
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_trainer_trains_a_mixture_of_experts_model_like_one_process(tmp_path):
+    """tiny Mixtral (router load-balancing loss in the trained loss) under the callback on 2 gloo ranks, the
+    planner choosing each MoE layer's strategy on a 1 x 2 mesh: three steps give the plain single-process
+    Trainer's losses (batch 4) and eval loss, and the plan names one choice per MoE layer."""
+    common = ["--model", "tiny-mixtral", "--steps", "3"]
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    _run(*common, "--mesh", "1x2", "--out", f"{run}.json", "--output-dir", str(run))
+    _run(*common, "--per-device", "4", "--out", f"{ref}.json", "--output-dir", str(ref), nproc=None)
+    got, want = _result(tmp_path / "run.json"), _result(tmp_path / "ref.json")
+    assert got["mesh"] == [1, 2]
+    assert len(got["moe_layers"]) == 2 and all(v.startswith("experts: ") for v in got["moe_layers"].values())
+    assert sorted(want["losses"], key=int) == ["1", "2", "3"]
+    for step, loss in want["losses"].items():
+        assert got["losses"][step] == pytest.approx(loss, abs=1e-5), step
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-5)

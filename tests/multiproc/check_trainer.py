@@ -45,6 +45,8 @@ def build(preset: str) -> torch.nn.Module:
     for name in ("dropout_rate", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob"):
         if hasattr(config, name):
             setattr(config, name, 0.0)  # exact comparisons: no dropout
+    if hasattr(config, "output_router_logits"):  # MoE: the router's balancing loss is in the trained loss
+        config.output_router_logits = True
     torch.manual_seed(0)
     return build_model(config, device="cpu")
 
@@ -130,6 +132,7 @@ def main() -> None:
         plan = model._hf_colossal_auto_plan
         result["mesh"] = list(plan.mesh_shape)
         result["sharded_params"] = sum(1 for p in plan.param_placements.values() if p[-1] != "R")
+        result["moe_layers"] = plan.moe_layers
     if args.export:
         trainer.save_model(args.export)
     if args.eval_export:
