@@ -648,7 +648,11 @@ def _scale_child(case: str, time_limit_s: float) -> dict:
             if row.get("fits"):
                 break
         fitting = [r for r in tries if r.get("fits")]
-        chosen = fitting[0] if fitting else tries[-1]
+        priced = [r for r in tries if "error" not in r]
+        # the fewest micro-batches that fit; where none does, the try that came closest (least memory)
+        chosen = (
+            fitting[0] if fitting else min(priced, key=lambda r: r["peak_memory_bytes"], default=tries[-1])
+        )
         chosen = dict(
             chosen,
             pricing_s=time.perf_counter() - t0,

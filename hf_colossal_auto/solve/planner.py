@@ -739,7 +739,7 @@ def plan_model(
         for dp_mode in dp_modes if mesh[0] > 1 else ("ddp",):
             if dp_mode == "hsdp":
                 # none where the data-parallel axis stays in a node (FSDP is as good) or nodes do not split it
-                candidates = _hsdp_candidates(planner.cluster, mesh)
+                candidates = _hsdp_candidates(planner.cluster, mesh)[::-1]  # largest first: prunes the rest
             else:
                 candidates = [
                     (dp_mode, mesh[0] if dp_mode == "fsdp" else 1)
