@@ -477,7 +477,7 @@ class SaveReport:
     files: list[str] = field(default_factory=list)  # safetensors files written (the writing rank)
     tensors: int = 0  # tensors gathered and written
     total_bytes: int = 0  # bytes of every tensor written
-    peak_held_bytes: int = 0  # the most gathered full-tensor bytes this rank held at once
+    peak_held_bytes: int = 0  # the most bytes of one gathered tensor this rank held at once
 
 
 def save_pretrained(
@@ -488,7 +488,9 @@ def save_pretrained(
 
     Full tensors are gathered one at a time. Every output file's names, shapes and dtypes are known from the
     model before anything is gathered, so rank ``writer`` writes the file's safetensors header first and then
-    each tensor's bytes as soon as it is gathered: every rank holds its own shards plus one full tensor. Files
+    each tensor's bytes as they arrive: a tensor split over one mesh dim comes in blocks of
+    :data:`STREAM_BLOCK_BYTES`, any other layout whole, so every rank holds its own shards plus at most one
+    full tensor. Files
     with tensors transformers converts on save (``revert_weight_conversion`` fusing or splitting tensors) are
     written whole instead: the writer holds that file's tensors. Tied weights are written once and load-time
     conversions reverted, as ``PreTrainedModel.save_pretrained`` does. Collective: call on every rank.
@@ -590,7 +592,7 @@ def _stream_file(
             report.tensors += 1
             report.total_bytes += tensors[name].numel() * tensors[name].element_size()
             if full is not None:
-                report.peak_held_bytes = max(report.peak_held_bytes, full.numel() * full.element_size())
+                report.peak_held_bytes = max(report.peak_held_bytes, _held_bytes(full))
                 _write_bytes(out, full)
             del full
             if out is not None:
@@ -615,8 +617,8 @@ def _buffer_file(
         report.tensors += 1
         report.total_bytes += tensors[name].numel() * tensors[name].element_size()
         if full is not None:
-            shard[name] = full.joined() if isinstance(full, _Pieces) else full
-            held += full.numel() * full.element_size()
+            shard[name] = full.joined() if isinstance(full, _StreamedTensor) else full
+            held += shard[name].numel() * shard[name].element_size()
         report.peak_held_bytes = max(report.peak_held_bytes, held)
         del full
     return _write_shard(model, shard, filename) if shard else []
@@ -659,23 +661,108 @@ def _output_split(model: nn.Module, max_shard_size: int | str) -> Any:
     )
 
 
-class _Pieces(list):
-    """Row blocks of a tensor sharded on dim 0, in order: their bytes back to back are the tensor's, so the
-    streamed writer writes them one after the other without concatenating (a second full-size copy)."""
+STREAM_BLOCK_BYTES = 16 * 2**20
+"""Most bytes of a sharded tensor the writer receives at once: one block of another rank's rows, or one block of
+full rows assembled from every rank's columns."""
+
+
+def _row_blocks(local: torch.Tensor, ranks: int, dim: int) -> list[torch.Tensor]:
+    """A contiguous shard cut on dim 0 into views (one row at least), the same cut on every rank: blocks of at
+    most :data:`STREAM_BLOCK_BYTES`, or for a shard on another dim (whose ``ranks`` blocks side by side make
+    full rows) at most that divided among the ranks."""
+    if local.shape[0] == 0:
+        return []
+    row_bytes = max(1, local[0].numel() * local.element_size())
+    budget = STREAM_BLOCK_BYTES if dim == 0 else STREAM_BLOCK_BYTES // ranks
+    step = max(1, budget // row_bytes)
+    return [local[i : i + step] for i in range(0, local.shape[0], step)]
+
+
+class _StreamedTensor:
+    """A tensor split evenly on tensor dim ``dim`` over ``ranks``, as the writer receives it, in row order: for
+    a row split, each rank's rows in turn; for a split of another dim, each block of rows assembled from every
+    rank's columns of it. The writer's own part is a view of its shard; every other rank's comes in blocks
+    (:data:`STREAM_BLOCK_BYTES`), received when the writer asks for it and dropped once written — the writer
+    never holds another rank's whole shard, let alone the full tensor. Iterate it exactly once, on the writer,
+    before the next collective; the other ranks call :func:`_send_blocks`."""
+
+    def __init__(self, local: torch.Tensor, ranks: list[int], writer: int, dim: int) -> None:
+        self.local, self.ranks, self.writer, self.dim = local, ranks, writer, dim
+        self.blocks = _row_blocks(local, len(ranks), dim)
+
+    def _from(self, rank: int, block: torch.Tensor) -> torch.Tensor:
+        if rank == self.writer:
+            return block
+        import torch.distributed as dist
+
+        received = torch.empty_like(block)
+        dist.recv(_as_bytes(received), src=rank)
+        return received
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if self.dim == 0:
+            for rank in self.ranks:
+                for block in self.blocks:
+                    yield self._from(rank, block)
+        else:
+            for block in self.blocks:
+                yield torch.cat([self._from(rank, block) for rank in self.ranks], dim=self.dim)
 
     def numel(self) -> int:
-        return sum(p.numel() for p in self)
+        return self.local.numel() * len(self.ranks)
 
     def element_size(self) -> int:
-        return self[0].element_size()
+        return self.local.element_size()
+
+    def held_bytes(self) -> int:
+        """The most bytes of this tensor in hand at once beyond the writer's own shard: one block received,
+        or for an assembled row block the other ranks' parts and the assembled rows."""
+        largest = max((b.numel() * b.element_size() for b in self.blocks), default=0)
+        return largest if self.dim == 0 else largest * (2 * len(self.ranks) - 1)
 
     def joined(self) -> torch.Tensor:
-        return torch.cat(self, dim=0).cpu()
+        """The whole tensor (for a file written whole): the blocks concatenated."""
+        return torch.cat(list(self), dim=0)
 
 
-def _write_bytes(out: Any, value: torch.Tensor | _Pieces) -> None:
+def _split_group(value: DTensor, writer: int) -> tuple[list[int], int] | None:
+    """The ranks holding ``value``'s parts beside the writer, in order, and the tensor dim they split — when
+    ``value`` is split evenly over one mesh dim and replicated over any other (Megatron's column and row
+    splits, FSDP's shards, a ``dp x 1`` mesh); None for any other layout."""
+    placements = value.placements
+    split = [d for d, p in enumerate(placements) if not p.is_replicate()]
+    if len(split) != 1 or not placements[split[0]].is_shard() or value.ndim == 0:
+        return None
+    mesh, (mesh_dim,) = value.device_mesh, split
+    dim = placements[mesh_dim].dim % value.ndim
+    if value.shape[dim] % mesh.size(mesh_dim) != 0:
+        return None
+    coordinate = (mesh.mesh == writer).nonzero()[0].tolist()
+    coordinate[mesh_dim] = slice(None)
+    return mesh.mesh[tuple(coordinate)].tolist(), dim
+
+
+def _send_blocks(local: torch.Tensor, ranks: int, dim: int, writer: int) -> None:
+    """The other side of :class:`_StreamedTensor`: this rank's shard to the writer, block by block."""
+    import torch.distributed as dist
+
+    for block in _row_blocks(local, ranks, dim):
+        dist.send(_as_bytes(block), dst=writer)
+
+
+def _as_bytes(block: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as uint8 (no copy): point-to-point sends move bytes of any dtype alike."""
+    return block.reshape(-1).view(torch.uint8)
+
+
+def _held_bytes(value: torch.Tensor | _StreamedTensor) -> int:
+    """The most bytes of one gathered tensor in hand at once while it is written."""
+    return value.held_bytes() if isinstance(value, _StreamedTensor) else value.numel() * value.element_size()
+
+
+def _write_bytes(out: Any, value: torch.Tensor | _StreamedTensor) -> None:
     """A gathered tensor's bytes (row-major, little-endian as the host) appended to an open file."""
-    for piece in value if isinstance(value, _Pieces) else [value]:
+    for piece in value if isinstance(value, _StreamedTensor) else [value]:
         out.write(piece.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
@@ -687,12 +774,13 @@ def _return_freed_pages() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def _gathered(live: torch.Tensor, writer: int) -> torch.Tensor | _Pieces | None:
+def _gathered(live: torch.Tensor, writer: int) -> torch.Tensor | _StreamedTensor | None:
     """The full tensor on CPU on rank ``writer``, None elsewhere (collective over the tensor's mesh).
 
     The writer alone needs it, so the cheapest collective that brings it there is used: none for a replicated
-    tensor (the writer has it) or on a mesh without the writer (another replica group's copy); a ``gather`` of
-    the shards for an even shard on a 1-D mesh; DTensor's all-gather (``full_tensor``) for any other layout."""
+    tensor (the writer has it) or on a mesh without the writer (another replica group's copy); a tensor split
+    evenly over one mesh dim streamed to the writer in blocks (:class:`_StreamedTensor`); DTensor's all-gather
+    (``full_tensor``) for any other layout."""
     import torch.distributed as dist
 
     value = live.detach()
@@ -705,14 +793,16 @@ def _gathered(live: torch.Tensor, writer: int) -> torch.Tensor | _Pieces | None:
     placements = value.placements
     if all(p.is_replicate() for p in placements):
         return value.to_local().cpu().contiguous() if rank == writer else None
-    shard = placements[0]
-    if mesh.ndim == 1 and shard.is_shard() and value.shape[shard.dim] % mesh.size() == 0:
-        local = value.to_local().contiguous()
-        parts = [torch.empty_like(local) for _ in range(mesh.size())] if rank == writer else None
-        dist.gather(local, parts, dst=writer, group=mesh.get_group())
-        if rank != writer:
+    group = _split_group(value, writer)
+    if group is not None:  # streamed to the writer block by block
+        ranks, dim = group
+        if rank not in ranks:
             return None
-        return _Pieces(parts) if shard.dim == 0 else torch.cat(parts, dim=shard.dim).cpu()
+        local = value.to_local().contiguous()
+        if rank != writer:
+            _send_blocks(local, len(ranks), dim, writer)
+            return None
+        return _StreamedTensor(local, ranks, writer, dim)
     full = value.full_tensor()
     return full.cpu().contiguous() if rank == writer else None
 

@@ -98,6 +98,7 @@ def load_case(ckpt: Path, out: Path, preset: str, layout: str) -> tuple[dict, to
     """Load ``preset`` under ``layout``, compare with from_pretrained, export; what the test asserts."""
     from transformers import AutoModelForCausalLM
 
+    import hf_colossal_auto.apply.pretrained as pretrained
     from hf_colossal_auto.apply.pretrained import save_pretrained
 
     directory = ckpt / preset
@@ -115,7 +116,14 @@ def load_case(ckpt: Path, out: Path, preset: str, layout: str) -> tuple[dict, to
         "bytes_read": report.bytes_read,
         "checkpoint_bytes": report.checkpoint_bytes,
     }
-    saved = save_pretrained(model, out / f"export-{preset}-{layout}", max_shard_size="200KB")
+    # split tensors reach the writer in 4 KiB blocks (the default, 16 MiB, is above any tiny tensor): FSDP's
+    # rows rank by rank, Megatron's row-parallel weights as full rows assembled from both ranks' columns
+    block = pretrained.STREAM_BLOCK_BYTES
+    pretrained.STREAM_BLOCK_BYTES = 4096
+    try:
+        saved = save_pretrained(model, out / f"export-{preset}-{layout}", max_shard_size="200KB")
+    finally:
+        pretrained.STREAM_BLOCK_BYTES = block
     case["export"] = {
         "files": len(saved.files),
         "peak_held": saved.peak_held_bytes,
