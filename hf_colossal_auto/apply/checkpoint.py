@@ -7,8 +7,8 @@
   tensors cover (``accelerator.save_state`` cannot: it saves optimizer state from the main process only and
   fails on DTensor parameters). A single-process optimizer state (the Trainer's ``optimizer.pt``,
   accelerate's ``optimizer.bin``) loads into a parallelized job with :func:`load_full_optimizer_state`.
-* :func:`save_pretrained`: a directory that ``from_pretrained`` loads in one process, streamed — full tensors
-  are gathered one at a time and rank 0 writes each output file as soon as it is complete
+* :func:`save_pretrained`: a directory that ``from_pretrained`` loads in one process, streamed — tensor by tensor
+  (split ones in blocks) to rank 0, which writes them into each output file as they arrive
   (:func:`.pretrained.save_pretrained`); :func:`.pretrained.load_pretrained` reads such a directory (or any HF
   safetensors checkpoint) back into a planned model, each rank reading its own slices.
 

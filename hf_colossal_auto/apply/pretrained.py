@@ -486,7 +486,7 @@ def save_pretrained(
     """Write ``model`` as a HuggingFace checkpoint (config, safetensors shards of at most ``max_shard_size``,
     the index) that ``from_pretrained`` loads in one process, without any rank holding the full model.
 
-    Full tensors are gathered one at a time. Every output file's names, shapes and dtypes are known from the
+    Tensors are gathered one at a time. Every output file's names, shapes and dtypes are known from the
     model before anything is gathered, so rank ``writer`` writes the file's safetensors header first and then
     each tensor's bytes as they arrive: a tensor split over one mesh dim comes in blocks of
     :data:`STREAM_BLOCK_BYTES`, any other layout whole, so every rank holds its own shards plus at most one
