@@ -110,7 +110,7 @@ def test_frozen_blocks_are_not_folded_with_trained_ones():
 
 @pytest.mark.slow
 def test_peft_lora_model_is_planned_and_trained_on_two_ranks(tmp_path):
-    """A peft LoRA-wrapped tiny Llama (the optional ``lora`` extra; skipped without peft): planned and trained
+    """A peft LoRA-wrapped tiny Llama (the optional ``lora`` extra, in the test extra too): planned and trained
     on 2 gloo ranks under DDP (2 x 1) and tensor parallelism (1 x 2). Losses equal one process's on the same
     batch; only the adapters change (the frozen base weights are bit-identical); DDP all-reduces the 8 adapter
     gradients only, as predicted; under 1 x 2 the collectives c10d ran equal the plan's prediction."""
