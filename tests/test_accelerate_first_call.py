@@ -1,4 +1,5 @@
-"""AutoParallelAccelerator plans from the model's first call when the loader's batches are tuples."""
+"""AutoParallelAccelerator plans from the model's first call when the loader's batches are tuples (and with
+gradient accumulation, as micro-batches)."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def _launch(out: Path, **extra: str) -> subprocess.CompletedProcess:
-    cmd = accelerate_launch_command("-m", "hf_colossal_auto.run", SCRIPT, "--out", str(out))
+def _launch(out: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
+    cmd = accelerate_launch_command("-m", "hf_colossal_auto.run", SCRIPT, "--out", str(out), *args)
     env = _env(ACCELERATE_USE_CPU="1", **extra)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
@@ -75,6 +76,32 @@ def test_tuple_batches_train_under_a_tensor_parallel_plan_like_one_process(tmp_p
         assert two[key][0] == pytest.approx(one[key][0], abs=1e-5), key
         assert two[key][1] == one[key][1], key  # predictions of the 4 samples, each once, in order
     assert two["eval_after"][0] != pytest.approx(two["eval_before"][0], abs=1e-3)  # it trained
+
+
+@pytest.mark.slow
+def test_accumulation_is_planned_as_micro_batches_and_trains_like_one_process(tmp_path):
+    """``Accelerator(gradient_accumulation_steps=2)`` and ``with accelerator.accumulate(model)`` in the loop,
+    2 gloo processes on a 1x2 mesh: the plan made at the first call runs the optimizer step's batch as 2
+    micro-batches (the loader's batches), and every micro-batch's loss and the evaluation after training equal
+    plain accelerate's in one process with the same accumulation."""
+    ref = subprocess.run(
+        [sys.executable, SCRIPT, "--out", str(tmp_path / "ref"), "--grad-accum", "2"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    par = _launch(tmp_path / "par", "--grad-accum", "2", HF_COLOSSAL_AUTO_MESH_SHAPE="1x2")
+    assert par.returncode == 0, par.stderr[-3000:]
+    assert "2 micro-batches of 4 per replica (gradients synced once)" in par.stdout
+    one = json.loads((tmp_path / "ref" / "result.json").read_text())
+    two = json.loads((tmp_path / "par" / "result.json").read_text())
+    assert two["processes"] == 2 and two["mesh"] == [1, 2] and two["micro_batches"] == 2
+    assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    assert two["eval_after"][0] == pytest.approx(one["eval_after"][0], abs=1e-5)
+    assert two["eval_after"][1] == one["eval_after"][1]
+    assert one["eval_after"][0] != pytest.approx(one["eval_before"][0], abs=1e-3)  # it trained
 
 
 @pytest.mark.slow

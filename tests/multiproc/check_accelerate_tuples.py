@@ -7,7 +7,8 @@
 Nothing here knows about hf-colossal-auto. The batch is a tuple, so it cannot be planned from at ``prepare()``;
 the model is called as ``model(input_ids=x, labels=x)``. A no-grad evaluation runs before the first training
 step (the model is not planned yet) and after the last one; predictions are collected with
-``gather_for_metrics``. The main process writes ``result.json`` in ``--out``.
+``gather_for_metrics``. ``--grad-accum N`` trains under ``accelerator.accumulate(model)`` with
+``Accelerator(gradient_accumulation_steps=N)``. The main process writes ``result.json`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=1, help="Accelerator(gradient_accumulation_steps)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     accelerator = Accelerator(
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=120))]
+        gradient_accumulation_steps=args.grad_accum,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=120))],
     )
     set_seed(0)
     model = build_model(args.model, device="cpu")
@@ -64,10 +67,11 @@ def main() -> None:
     before = evaluate()
     losses = []
     for (x,) in loader:
-        loss = model(input_ids=x, labels=x).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(model):
+            loss = model(input_ids=x, labels=x).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(float(accelerator.reduce(loss.detach(), "mean")))
     after = evaluate()
     plan = getattr(accelerator.unwrap_model(model), "_hf_colossal_auto_plan", None)
@@ -78,6 +82,7 @@ def main() -> None:
             "eval_before": before,
             "eval_after": after,
             "mesh": list(plan.mesh_shape) if plan is not None else None,
+            "micro_batches": plan.micro_batches if plan is not None else None,
             "sharded_params": sum(1 for p in plan.param_placements.values() if p[-1] != "R") if plan else 0,
         }
         os.makedirs(args.out, exist_ok=True)
