@@ -206,20 +206,26 @@ class _Planner:
         micro_batches: int = 1,
         dp_shard_size: int | None = None,
         dtensor_rules: bool = True,
+        param_uses: Mapping[str, str] | None = None,
     ) -> BuiltProblem:
         """The ILP of one mesh; recompute is a decision unless ``recompute_pin`` (or the planner's mode "none" /
         "full") fixes it. ``micro_batches``: the step runs each replica's batch in that many pieces.
         ``dp_shard_size``: HSDP's shard group (default: the cluster's, :meth:`hybrid_comm`). ``dtensor_rules``:
-        False builds the relaxation without DTensor's own choices (:func:`build_problem`)."""
+        False builds the relaxation without DTensor's own choices (:func:`build_problem`). ``param_uses``
+        (canonical parameter FQN -> tensor-parallel placement) pins where every op that reads a parameter reads
+        it (:func:`_pin_param_uses`)."""
         if recompute_pin is None and self.recompute in ("none", "full"):
             recompute_pin = self.recompute
         dp, tp = mesh
         graph = self.graph(dp, micro_batches)
         tp_comm = self.axis_comm(mesh, 1)
         dp_comm = self.hybrid_comm(mesh, dp_shard_size) if dp_mode == "hsdp" else self.axis_comm(mesh, 0)
+        strategies = self.strategies(dp, tp, micro_batches)
+        if param_uses:
+            strategies = _pin_param_uses(graph, strategies, param_uses)
         return build_problem(
             graph,
-            self.strategies(dp, tp, micro_batches),
+            strategies,
             spec=self.spec,
             mesh_shape=mesh,
             tp_comm=tp_comm,
@@ -392,7 +398,11 @@ class _Search:
         if self.best is None:
             return False
         bound = self._sync_floor(mesh, dp_mode)
-        if self.best.step_time_s > bound:
+        crosses = mesh[1] > self.planner.cluster.devices_per_node
+        # The relaxation is built only where tensor parallelism crosses nodes: there DTensor's rules are costliest
+        # and candidates far off; inside a node the full ILP costs little more than its relaxation, which then
+        # rarely pays for itself (GPT2-XL on 8, Llama-7B on 64).
+        if crosses and self.best.step_time_s > bound:
             mode, shard = _split_mode(dp_mode)
             relaxed = self.planner.build(
                 mesh, mode, micro_batches=micro_batches, dp_shard_size=shard, dtensor_rules=False
@@ -577,6 +587,59 @@ class _Search:
             else:
                 plans[mid], hi = found, mid
         return options[hi], plans[hi]
+
+
+def _plan_param_uses(model: nn.Module, plan: Plan) -> dict[str, str]:
+    """Parameter FQN (every alias) -> the tensor-parallel placement ``plan``'s runtime hands it to the ops
+    reading it in: its use placement where the plan names one (keyed by the using module), else its storage.
+    A tied parameter whose modules use it differently is left out (DTensor chooses per use)."""
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    out: dict[str, str] = {}
+    for names in aliases.values():
+        stored = next((plan.param_placements[n] for n in names if n in plan.param_placements), None)
+        if not stored:
+            continue
+        uses = {(plan.param_use_placements.get(n) or stored)[-1] for n in names}
+        if len(uses) == 1:
+            out.update(dict.fromkeys(names, uses.pop()))
+    return out
+
+
+def _pin_param_uses(graph: StepGraph, strategies: dict, param_uses: Mapping[str, str]) -> dict:
+    """``strategies`` with every op that reads a parameter ``param_uses`` names (FQN -> tensor-parallel placement)
+    left with the strategies that read it in that placement: the parameter reaches the op as the runtime hands
+    it over (its storage placement, or a plan's use placement) and DTensor's own choice follows from there
+    (:func:`~hf_colossal_auto.solve.builder.dtensor_choice_rules`). An op none of whose strategies reads it so
+    keeps them all (left to the solver, as for an op DTensor's pick is not a strategy of)."""
+    out = dict(strategies)
+    for i, options in strategies.items():
+        node = graph.nodes[i]
+        wanted = {}
+        for k, vid in enumerate(node.inputs):
+            value = graph.values[vid]
+            if value.kind is ValueKind.PARAM and value.name in param_uses:
+                wanted[k] = param_uses[value.name]
+        if not wanted:
+            continue
+        kept = [
+            s
+            for s in options
+            if all(
+                k < len(s.input_placements)
+                and s.input_placements[k] is not None
+                and s.input_placements[k][0] == p
+                for k, p in wanted.items()
+            )
+        ]
+        if kept:
+            out[i] = kept
+        else:
+            logger.debug(
+                "%s in %s: no strategy reads its parameters as pinned %s", node.op, node.module, wanted
+            )
+    return out
 
 
 def _micro_batch_clause(fixed: int | None, tried: list[int]) -> str:
@@ -805,6 +868,7 @@ def evaluate_plan(
     dp_mode: str | None = None,
     dp_shard_size: int | None = None,
     fit_budget: bool = False,
+    pin_uses: bool = False,
 ) -> Estimate:
     """Price a Plan, a HF-style tp_plan dict or a named baseline ("ddp", "fsdp", "megatron") under our model.
 
@@ -821,7 +885,14 @@ def evaluate_plan(
     priced with the budget lifted (its activation placements chosen for time alone); ``fit_budget`` prices it
     under the budget first (activations placed to fit, as a runtime's sharding would be tuned) and lifts the
     budget only where its pinned choices cannot fit.
+
+    ``pin_uses`` (for a Plan): every parameter is read where the plan's runtime hands it over, at its use
+    placement (``Plan.param_use_placements``) or else as stored, instead of the solver choosing again where to
+    gather or slice it. A plan whose use placements were edited (the MoE runtime tests use split experts as
+    stored) is priced as it will run.
     """
+    if pin_uses and not isinstance(plan_or_baseline, Plan):
+        raise ValueError("pin_uses prices a Plan's own use placements; pass a Plan")
     if recompute not in (None, "auto"):
         parse_option(recompute)  # "none", "full", "selective:<classes>"; raises for anything else
     if isinstance(plan_or_baseline, Plan) and (dp_mode is not None or dp_shard_size is not None):
@@ -898,6 +969,7 @@ def evaluate_plan(
         )
     tied = TiedGraph.build(planner.graph(mesh[0], k))
     canonical_fixed = {tied.canonical_param(k): v for k, v in fixed.items()}
+    param_uses = _plan_param_uses(model, plan_or_baseline) if pin_uses else None
     # Every parameter the baseline does not name stays replicated, as the baseline means; activations are
     # left to the solver (what a runtime's sharding propagation would do best). The budget is lifted so that a
     # baseline that does not fit is still priced, and reported as not fitting.
@@ -909,7 +981,13 @@ def evaluate_plan(
     built = solution = None
     if recompute == "auto":
         built = planner.build(
-            mesh, dp_mode, canonical_fixed, pin_unlisted=True, micro_batches=k, dp_shard_size=shard
+            mesh,
+            dp_mode,
+            canonical_fixed,
+            pin_unlisted=True,
+            micro_batches=k,
+            dp_shard_size=shard,
+            param_uses=param_uses,
         )
         try:
             solution = solve(built.problem, time_limit_s=time_limit_s)
@@ -926,6 +1004,7 @@ def evaluate_plan(
             recompute_pin=pin,
             micro_batches=k,
             dp_shard_size=shard,
+            param_uses=param_uses,
         )
 
     if solution is None and (isinstance(plan_or_baseline, Plan) or fit_budget):
