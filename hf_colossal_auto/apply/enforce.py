@@ -30,7 +30,10 @@ one's backward is the reverse redistribution of the gradient the planner's edges
   inside the op and again in its backward, from the sharded input the op saved);
 * an elementwise op (a residual add) reading DTensors sharded on different dims: each sharded input's
   gradient goes back to its own placement at that use, before autograd sums it with the value's other uses
-  (:func:`_gradients_to_sources`, in :class:`ReducePartialGradientsAtProducers`).
+  (:func:`_gradients_to_sources`, in :class:`ReducePartialGradientsAtProducers`);
+* a product of a partial sum with a differentiable factor (an MoE layer's expert outputs, partial under
+  tensor parallelism inside the experts, times their routing weights): the partial input is reduced above
+  autograd before the op (:func:`_partial_factors_reduced`), as the planner prices it.
 """
 
 from __future__ import annotations
@@ -113,6 +116,33 @@ def _gradients_to_sources(func: Any, args: tuple) -> tuple:
     )
 
 
+_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
+
+
+def _partial_factors_reduced(func: Any, args: tuple) -> tuple:
+    """The args of a product reading a *partial* DTensor next to a differentiable non-partial one, the partial
+    ones reduced to replicated (above autograd).
+
+    Why: DTensor multiplies a partial sum by a replicated factor without reducing it (the product is linear in
+    it) and reduces the partial product later, but the factor's gradient, ``grad * partial``, is then partial
+    too: one more reduction in backward (an MoE layer's routing weights, ``(tokens x top_k,)``, after experts
+    split on their intermediate dim). The planner offers no strategy that carries a partial sum through a
+    product (:func:`hf_colossal_auto.strategies.dtensor_rules._keep`): it reduces the partial input where the
+    product reads it, and prices no reduction for the factor's gradient."""
+    if func not in _PRODUCTS:
+        return args
+    dtensors = [a for a in args if isinstance(a, DTensor) and a.device_mesh.ndim == 1]
+    partial = [a for a in dtensors if a.placements[0].is_partial()]
+    if not partial or not any(a.requires_grad and not a.placements[0].is_partial() for a in dtensors):
+        return args
+    return tuple(
+        a.redistribute(a.device_mesh, [Replicate()])
+        if isinstance(a, DTensor) and any(a is p for p in partial)
+        else a
+        for a in args
+    )
+
+
 class ReducePartialGradientsAtProducers(TorchFunctionMode):
     """While the model's forward runs: every replicated activation (not a view) gets a gradient hook that brings
     a *partial* or *sharded* gradient to replicated where the activation was made, once its readers'
@@ -129,7 +159,7 @@ class ReducePartialGradientsAtProducers(TorchFunctionMode):
     k and v of one input: one reduction)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*_gradients_to_sources(func, args), **(kwargs or {}))
+        out = func(*_gradients_to_sources(func, _partial_factors_reduced(func, args)), **(kwargs or {}))
         if (
             isinstance(out, DTensor)
             and out.requires_grad
