@@ -120,7 +120,9 @@ def _moe_runtime_plan(model: nn.Module, batch, kind: str):
     (the Megatron plan's own place them for gathered weights)."""
     from multiproc.check_numerics import hf_tp_plan
 
-    baseline = "megatron" if kind.startswith("megatron") else hf_tp_plan(model, True)
+    baseline = "megatron" if kind.startswith("megatron") else hf_tp_plan(model, kind == "experts-tp")
+    if kind == "experts-ep":  # attention TP, whole experts per rank (HF's base_model_ep_plan)
+        baseline = {**baseline, **model.config.base_model_ep_plan}
     plan = evaluate_plan(model, batch, baseline, num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
     plan.param_use_placements = {
         k: v
@@ -134,7 +136,21 @@ def _moe_runtime_plan(model: nn.Module, batch, kind: str):
 
 @pytest.mark.parametrize(
     ("preset", "kind"),
-    [("tiny-mixtral", "experts-tp"), ("tiny-qwen2-moe", "megatron"), ("tiny-qwen2-moe", "megatron-split")],
+    [
+        ("tiny-mixtral", "experts-tp"),
+        ("tiny-qwen2-moe", "megatron"),
+        ("tiny-qwen2-moe", "megatron-split"),
+        pytest.param(
+            "tiny-mixtral",
+            "experts-ep",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="open (docs/ARCHITECTURE.md, MoE): the ILP prices expert parallelism op by op (rows sliced "
+                "to the owning rank, DTensor's choices for the grouped GEMMs), the runtime runs the experts as "
+                "one region (rows replicated in, a partial sum out)",
+            ),
+        ),
+    ],
 )
 def test_moe_plans_the_runtime_tests_run(preset, kind):
     """The MoE plans test_runtime.py trains on 2 gloo ranks, tensor parallelism inside every expert (and in
@@ -150,7 +166,7 @@ def test_moe_plans_the_runtime_tests_run(preset, kind):
     plan = _moe_runtime_plan(model, batch, kind)
     priced = evaluate_plan(model, batch, plan, num_devices=2, device="cpu", pin_uses=True).plan
     assert priced.param_use_placements == plan.param_use_placements  # priced as it runs
-    assert set(priced.moe_layers.values()) == {"experts: TP×2"}
+    assert set(priced.moe_layers.values()) == {"experts: EP×2" if kind == "experts-ep" else "experts: TP×2"}
     predicted = {k: int(v) for k, v in priced.collectives.items() if not k.startswith("dp_") and v}
     predicted_bytes = {k: int(v) for k, v in priced.collective_bytes.items() if not k.startswith("dp_") and v}
     if dist.is_initialized():
