@@ -244,3 +244,96 @@ def test_plans_mixing_expert_parallel_weights_are_recognised():
     assert _partly_expert_parallel(experts, fqn, stored) == []
     stored.param_use_placements = {f"{fqn}.gate_up_proj": ["R", "R"]}  # stored split, gathered for use
     assert _partly_expert_parallel(experts, fqn, stored) == ["down_proj"]
+
+
+def _expert_rules(mesh: tuple[int, int], dp_mode: str):
+    """The tiny Mixtral's ILP on ``mesh``: its first experts module's grouped GEMMs (forward: gate_up, down),
+    their expert-parallel strategy indices, the two weights' parameter nodes and the rules naming them."""
+    from hf_colossal_auto.hardware import ClusterSpec, get_device
+    from hf_colossal_auto.solve.builder import build_problem
+    from hf_colossal_auto.solve.cost_model import AxisComm
+
+    model = moe_model("tiny-mixtral", layers=2, device="meta")
+    graph = trace_training_step(model, make_example_inputs(model, 4, 16, device="meta"))
+    spec = get_device("cpu")
+    cluster = ClusterSpec(spec, mesh[0] * mesh[1])
+    built = build_problem(
+        graph,
+        enumerate_strategies(graph, (mesh[1],), phases=(Phase.FORWARD,)),
+        spec=spec,
+        mesh_shape=mesh,
+        tp_comm=AxisComm(mesh[1], cluster.axis_link(mesh, 1)),
+        dp_comm=AxisComm(mesh[0], cluster.axis_link(mesh, 0)),
+        dp_mode=dp_mode,
+        budget=1e12,
+    )
+    grouped = [
+        name
+        for name, index in sorted(built.node_of_name.items(), key=lambda item: item[1])
+        if graph.nodes[index].op == "aten._grouped_mm.default"
+        and graph.nodes[index].module == "model.layers.0.mlp.experts"
+    ]
+    ep = {
+        name: next(
+            j
+            for j, s in enumerate(built.strategies[name])
+            if s.source == "custom" and s.output_placements == (("S0",),)
+        )
+        for name in grouped
+    }
+    weights = [f"p:model.layers.0.mlp.experts.{w}" for w in ("gate_up_proj", "down_proj")]
+    names = {*grouped, *weights}
+    rules = [
+        r for r in built.problem.follows_inputs if r.dst in grouped and {s for s, _ in r.inputs} <= names
+    ]
+    return grouped, ep, weights, built.param_options, rules
+
+
+def test_expert_parallelism_is_chosen_per_whole_experts_module():
+    """The runtime runs an experts module expert-parallel only as a whole (both weights stored and used split on
+    the expert dim, 1-D parameters), so the ILP may not price a per-op mix: one grouped GEMM expert-parallel
+    and the other not, or expert-parallel use of a weight stored otherwise; and under FSDP (2-D parameters)
+    none at all."""
+    grouped, ep, weights, options, rules = _expert_rules((1, 2), "ddp")
+    assert len(grouped) == 2 and rules
+    gate_up, down = grouped
+    other = {name: next(j for j in range(4) if j != ep[name]) for name in grouped}
+    s0 = {w: options[w].index("S0") for w in weights}
+    s2 = {w: options[w].index("S2") for w in weights}
+
+    def violated(choice: dict[str, int]) -> bool:
+        return any(rule.violated(choice) for rule in rules)
+
+    assert not violated({gate_up: ep[gate_up], down: ep[down], **s0})  # the whole module: allowed
+    assert not violated({gate_up: other[gate_up], down: other[down], **s2})  # no expert parallelism
+    assert not violated({gate_up: other[gate_up], down: other[down], **s0})  # stored split, gathered for use
+    assert violated({gate_up: other[gate_up], down: ep[down], **s0})  # the mix the runtime cannot run
+    assert violated({gate_up: ep[gate_up], down: other[down], **s0})
+    assert violated({gate_up: ep[gate_up], down: ep[down], **s2})  # used split, stored otherwise
+    _, ep, weights, options, rules = _expert_rules((2, 2), "fsdp")
+    s0 = {w: options[w].index("S0") for w in weights}
+    assert any(rule.violated({gate_up: ep[gate_up], down: ep[down], **s0}) for rule in rules)
+
+
+def test_solved_plans_never_mix_expert_parallel_weights(mixtral_meta):
+    """What the solver chooses obeys it: in every experts module the weights are all expert-parallel or
+    none, under DDP x TP and FSDP x TP."""
+    from hf_colossal_auto.apply.moe import _partly_expert_parallel
+
+    model, batch = mixtral_meta
+    for devices, mesh, mode in ((2, (1, 2), "ddp"), (4, (2, 2), "fsdp")):
+        plan = plan_model(
+            model,
+            batch,
+            num_devices=devices,
+            device="cpu",
+            mesh_shape=mesh,
+            dp_modes=(mode,),
+            recompute="none",
+        )
+        for layer in (0, 1):
+            fqn = f"model.layers.{layer}.mlp.experts"
+            experts = model.model.layers[layer].mlp.experts
+            assert _partly_expert_parallel(experts, fqn, plan) == [], (mode, plan.moe_layers)
+            if mode == "fsdp":
+                assert "EP" not in plan.moe_layers[fqn].split("(")[0], plan.moe_layers

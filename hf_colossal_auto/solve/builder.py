@@ -942,7 +942,8 @@ class _ProblemBuilder:
                 if self.dtensor_rules
                 else []
             )
-            + self.hold_rules,
+            + self.hold_rules
+            + self._expert_parallel_rules(),
             shared_costs=[
                 SharedCost(key[4], tuple(members), self.shared_price[key])
                 for key, members in sorted(self.shared_members.items())
@@ -966,6 +967,59 @@ class _ProblemBuilder:
             host_floor_s=self.host_floor_s,
             backward_ratios=self.ratios,
         )
+
+    def _expert_parallel_rules(self) -> list[FollowsInputs]:
+        """What the runtime can run of expert parallelism, as rules: it runs an experts module expert-parallel
+        only as a whole (``apply/moe.py``: every stacked expert weight stored split on the expert dim over a 1-D
+        tensor-parallel mesh and used so), and otherwise op by op, where DTensor has no expert-dim split of a
+        grouped GEMM. So within one experts module, a grouped GEMM takes its expert-parallel strategy
+        (``strategies.custom_rules.grouped_mm_expert_parallel_rule``) only if every other one does and the
+        weight it reads is stored split on the expert dim (``S0``); with parameters sharded over the
+        data-parallel axis too (FSDP/HSDP: 2-D parameters) none may. Without these the solver could price a
+        per-op mix (one weight expert-parallel, the other split on its hidden dim) that runs another way."""
+        by_module: dict[str, list[tuple[str, tuple[int, ...], str | None]]] = defaultdict(list)
+        for i in sorted(self.tied.canonical):
+            node = self.graph.nodes[i]
+            if self.tied.canonical[i] != i or node.op != "aten._grouped_mm.default":
+                continue
+            name = _node_name(i)
+            strategies = self.strat_of.get(name, [])
+            split = tuple(
+                j
+                for j, s in enumerate(strategies)
+                if s.source == "custom" and any(p != "R" for spec in s.output_placements for p in spec)
+            )
+            if split:
+                by_module[node.module].append((name, split, self._expert_weight_node(node)))
+        rules: list[FollowsInputs] = []
+        for members in by_module.values():
+            if self.dp_shard > 1:
+                rules += [FollowsInputs(name, split, ()) for name, split, _ in members]
+                continue
+            for (name, split, weight), (after, after_split, _) in zip(
+                members, members[1:] + members[:1], strict=True
+            ):
+                if after != name:  # split here -> split in the next one too (a cycle: all or none)
+                    others = tuple(j for j in range(len(self.strat_of[after])) if j not in after_split)
+                    rules.append(FollowsInputs(name, split, ((after, others),)))
+                if weight is not None:  # split here -> the weight stored split on the expert dim
+                    stored = tuple(j for j, o in enumerate(self.param_options[weight]) if o != "S0")
+                    rules.append(FollowsInputs(name, split, ((weight, stored),)))
+        return rules
+
+    def _expert_weight_node(self, node: OpNode) -> str | None:
+        """The parameter node of the stacked expert weight a grouped GEMM reads (through its views), if any."""
+        if len(node.inputs) < 2:
+            return None
+        root = view_root(self.graph, self.tied, self.producer, node.inputs[1])
+        pvid = viewed_param(self.graph, self.tied, self.producer, root)
+        if pvid is None:
+            value = self.graph.values[root]
+            pvid = root if value.kind is ValueKind.PARAM and value.name else None
+        if pvid is None:
+            return None
+        pname = _param_node_name(self.tied.canonical_param(self.graph.values[pvid].name))
+        return pname if pname in self.param_options else None
 
     def _repeat_per_micro_batch(self) -> None:
         """Every micro-batch runs the ops, their tensor-parallel reshardings and recompute again: their costs
