@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -89,21 +88,14 @@ def _calibrating_rank(rank: int, store: str, cache_root: str, results: dict) -> 
 def test_two_ranks_calibrate_together_and_share_one_cached_spec(tmp_path):
     """A 2-process job: both ranks join one calibration (its collectives run on the job's group), rank 0 writes
     it, both get the same path — and the next call reads it on every rank, because rank 0 decides."""
-    import torch.multiprocessing as mp
+    from torchrun_launch import spawn_ranks
 
-    results = mp.Manager().dict()
-    context = mp.spawn(
-        _calibrating_rank, args=(str(tmp_path / "store"), str(tmp_path), results), nprocs=2, join=False
+    results = spawn_ranks(
+        _calibrating_rank,
+        str(tmp_path / "store"),
+        str(tmp_path),
+        what="two-rank calibration (the ranks disagreeing on using the cache?)",
     )
-    deadline = time.monotonic() + 120
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail("two-rank calibration hung (the ranks disagreed on using the cache?)")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
     (first0, second0, overhead0), (first1, second1, overhead1) = results[0], results[1]
     assert first0 == first1 and str(tmp_path / "shared") in first0
     assert second1 == first1.replace("shared", "empty")  # rank 1 names its own cache dir's entry ...

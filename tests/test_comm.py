@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -165,22 +164,14 @@ def _two_rank_worker(rank: int, store: str, cache_root: str, results: dict[int, 
 
 @pytest.mark.slow
 def test_calibrate_link_two_gloo_ranks_agree(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
+    from torchrun_launch import spawn_ranks
 
-    manager = mp.Manager()
-    results = manager.dict()
-    context = mp.spawn(
-        _two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path), results), nprocs=2, join=False
+    results = spawn_ranks(
+        _two_rank_worker,
+        str(tmp_path / "store"),
+        str(tmp_path),
+        what="two-rank calibration (ranks disagreeing on using the cache?)",
     )
-    deadline = time.monotonic() + 120
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail("two-rank calibration hung (ranks disagreed on using the cache?)")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
     r0, r1 = results[0], results[1]
     assert r0 == r1  # identical plans on every rank need identical links
     bandwidth, latency, cached_bw, cached_lat, skew, exponent = r0

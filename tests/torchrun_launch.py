@@ -53,3 +53,26 @@ def run_torchrun(
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def spawn_ranks(worker, *args, nprocs: int = 2, timeout: float = 120, what: str = "the ranks") -> dict:
+    """``worker(rank, *args, results)`` in ``nprocs`` spawned processes (each sets up its own process group);
+    returns ``results``, a shared dict the workers fill. Fails the test if they have not all ended after
+    ``timeout`` seconds (a hang: the ranks waiting on each other), killing what is left."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    context = mp.spawn(worker, args=(*args, results), nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{what} hung")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return results

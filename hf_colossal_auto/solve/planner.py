@@ -411,16 +411,7 @@ class _Search:
         if self.best.step_time_s > bound:
             return False
         logger.debug("mesh %s %s skipped: its relaxation takes %.3g s", mesh, dp_mode, bound)
-        self.tried.append(
-            {
-                "mesh": list(mesh),
-                "dp_mode": _split_mode(dp_mode)[0],
-                "dp_label": self.label(mesh, dp_mode),
-                "micro_batches": micro_batches,
-                "fits": False,
-                "min_step_time_s": bound,
-            }
-        )
+        self._record_unfit(mesh, dp_mode, micro_batches, min_step_time_s=bound)
         return True
 
     def _sync_floor(self, mesh: tuple[int, int], dp_mode: str) -> float:
@@ -507,6 +498,11 @@ class _Search:
         self, mesh: tuple[int, int], dp_mode: str, micro_batches: int, min_memory_bytes: float
     ) -> None:
         """A candidate nothing fits, with the least memory it would need, in the list of meshes tried."""
+        self._record_unfit(mesh, dp_mode, micro_batches, min_memory_bytes=min_memory_bytes)
+
+    def _record_unfit(self, mesh: tuple[int, int], dp_mode: str, micro_batches: int, **bound: float) -> None:
+        """A candidate with no plan in the list of meshes tried, with the bound that ruled it out
+        (``min_memory_bytes``: the least memory it needs; ``min_step_time_s``: no faster than this)."""
         self.tried.append(
             {
                 "mesh": list(mesh),
@@ -514,7 +510,7 @@ class _Search:
                 "dp_label": self.label(mesh, dp_mode),
                 "micro_batches": micro_batches,
                 "fits": False,
-                "min_memory_bytes": min_memory_bytes,
+                **bound,
             }
         )
 

@@ -45,6 +45,17 @@ def make_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / (2 * args.steps))
 
 
+def train_step(accelerator: Accelerator, model, optimizer, scheduler, batch: dict) -> float:
+    """One optimizer step as an accelerate script writes it (clipping, schedule); the mean loss over processes."""
+    loss = model(**batch).loss
+    accelerator.backward(loss)
+    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return float(accelerator.reduce(loss.detach(), "mean"))
+
+
 def resume_elsewhere(accelerator: Accelerator, states: list[str], args: argparse.Namespace) -> list[dict]:
     """For each saved state: a fresh model (other weights), AdamW and schedule prepared by ``accelerator`` (its
     own plan, or none in one process), ``load_state``, then the steps after ``--save-at`` on the global batches
@@ -75,13 +86,7 @@ def resume_elsewhere(accelerator: Accelerator, states: list[str], args: argparse
             if step < args.save_at:
                 continue
             local = shard_batch(batch, module) if planned else batch
-            loss = model(**local).loss
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+            losses.append(train_step(accelerator, model, optimizer, scheduler, local))
         results.append(
             {
                 "state": state,
@@ -143,23 +148,16 @@ def main() -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     eval_loader = accelerator.prepare(DataLoader(samples[: args.global_batch + 3], batch_size=per_device))
 
-    def train_step(batch: dict) -> float:
-        loss = model(**batch).loss
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        return float(accelerator.reduce(loss.detach(), "mean"))
-
     losses, batches = [], []
     for step, batch in enumerate(loader):
         if step == args.save_at:
             accelerator.save_state(os.path.join(args.out, "state"))
         batches.append({k: v.clone() for k, v in batch.items()})
-        losses.append(train_step(batch))
+        losses.append(train_step(accelerator, model, optimizer, scheduler, batch))
     accelerator.load_state(os.path.join(args.out, "state"))
-    resumed = [train_step(batch) for batch in batches[args.save_at :]]
+    resumed = [
+        train_step(accelerator, model, optimizer, scheduler, batch) for batch in batches[args.save_at :]
+    ]
 
     eval_batch = {k: torch.stack([s[k] for s in samples[: args.global_batch]]) for k in samples[0]}
     with torch.no_grad():
