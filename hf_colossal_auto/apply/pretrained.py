@@ -708,12 +708,6 @@ class _StreamedTensor:
             for block in self.blocks:
                 yield torch.cat([self._from(rank, block) for rank in self.ranks], dim=self.dim)
 
-    def numel(self) -> int:
-        return self.local.numel() * len(self.ranks)
-
-    def element_size(self) -> int:
-        return self.local.element_size()
-
     def held_bytes(self) -> int:
         """The most bytes of this tensor in hand at once beyond the writer's own shard: one block received,
         or for an assembled row block the other ranks' parts and the assembled rows."""

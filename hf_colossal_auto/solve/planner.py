@@ -341,7 +341,8 @@ class _Search:
         self.one_piece: dict[tuple[tuple[int, int], str], tuple[Plan | None, float]] = {}
         """(mesh, dp mode) -> its plan with the batch in one piece (None: nothing fits) and the host seconds of
         its ops (:attr:`BuiltProblem.host_floor_s`; 0 when unknown)."""
-        self._tied: tuple[StepGraph, TiedGraph] | None = None
+        self._read_params: tuple[StepGraph, TiedGraph, set[str]] | None = None
+        """The trace :meth:`_sync_floor` last read, its tied graph and the canonical parameters its ops read."""
         self.deferred: list[tuple[tuple[int, int], str, int, int]] = []
         """(mesh, dp mode, micro-batches, model-state floor) of DDP/FSDP candidates :meth:`ruled_out` set aside."""
         self.over_budget: dict[tuple[tuple[int, int], str], BuiltProblem] = {}
@@ -422,15 +423,16 @@ class _Search:
         tensor-parallel ranks, and gathered once. Prunes the meshes whose data-parallel axis carries whole
         parameters over the network (Llama-3-70B on 1024 x 1) without tracing their batch."""
         graph = self.planner.any_graph(mesh[0])
-        if self._tied is None or self._tied[0] is not graph:
-            self._tied = (graph, TiedGraph.build(graph))
-        tied = self._tied[1]
-        read = set()
-        for i in tied.canonical:
-            for vid in graph.nodes[i].inputs:
-                value = graph.values[vid]
-                if value.kind is ValueKind.PARAM and value.name is not None:
-                    read.add(tied.canonical_param(value.name))
+        if self._read_params is None or self._read_params[0] is not graph:
+            tied = TiedGraph.build(graph)
+            read = set()
+            for i in tied.canonical:
+                for vid in graph.nodes[i].inputs:
+                    value = graph.values[vid]
+                    if value.kind is ValueKind.PARAM and value.name is not None:
+                        read.add(tied.canonical_param(value.name))
+            self._read_params = (graph, tied, read)
+        _, tied, read = self._read_params
         dp_mode, shard = _split_mode(dp_mode)
         dp_comm = (
             self.planner.hybrid_comm(mesh, shard) if dp_mode == "hsdp" else self.planner.axis_comm(mesh, 0)
