@@ -113,6 +113,13 @@ class Plan:
     """Ranks a parameter's data-parallel copy is sharded over: 1 under DDP, dp under FSDP, the shard group
     under HSDP (its replicate groups have ``dp // dp_shard_size`` ranks). Under "fsdp" and "ddp" it is always
     the mode's own (dp, 1), so plans written before it existed load as before."""
+    moe_load: str = ""
+    """Mixture-of-experts models: the routing assumption the plan is priced under, ``"uniform"`` (each expert
+    gets the same rows; the default) or ``"measured"`` (``moe_routing``). Empty for dense models and in plans
+    written before it existed."""
+    moe_routing: dict[str, list[int]] = field(default_factory=dict)
+    """Under a measured load: experts module FQN -> rows routed to each expert (the histogram the plan was
+    priced with, :class:`hf_colossal_auto.capture.moe.RoutingLoad`). Empty under uniform routing."""
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -243,6 +250,10 @@ class Plan:
             f"{format_bytes(self.param_memory_bytes)}, activations {format_bytes(self.activation_memory_bytes)})",
         ]
         lines.extend(_moe_lines(self.moe_layers))
+        if self.moe_load:
+            lines.append(
+                f"MoE load              {_moe_load_line(self.moe_load, self.moe_routing, self.tp_size)}"
+            )
         if self.solver:
             lines.append(
                 "solver                "
@@ -263,6 +274,15 @@ def _moe_lines(moe_layers: dict[str, str]) -> list[str]:
         where = _brace_indices(fqns)
         lines.append(f"MoE layers            {choice} in {len(fqns)} layer{'s' * (len(fqns) > 1)} ({where})")
     return lines
+
+
+def _moe_load_line(load: str, routing: dict[str, list[int]], tp: int) -> str:
+    """The routing assumption in words: uniform, or the measured histogram's busiest expert-parallel rank."""
+    if load != "measured" or not routing:
+        return "uniform over experts (assumed)"
+    from .capture.moe import RoutingLoad  # torch: only for a plan that has a measured histogram
+
+    return RoutingLoad(routing).describe(tp)
 
 
 def _brace_indices(fqns: list[str]) -> str:

@@ -20,14 +20,21 @@ depend on the routing and cannot be traced; :func:`static_experts_implementation
 **Load assumption.** The grouped GEMMs' FLOPs and bytes do not depend on the routing (every one of the ``S``
 rows is multiplied by exactly one expert), so capture needs none. Where a cost does depend on it — the share
 of the ``S`` rows one expert-parallel rank computes — routing is assumed uniform over experts (each expert
-gets ``S / num_experts`` rows); :data:`UNIFORM_LOAD` names that assumption in plans and summaries.
+gets ``S / num_experts`` rows); :data:`UNIFORM_LOAD` names that assumption in plans and summaries. A
+measured routing histogram (:class:`RoutingLoad`, e.g. from :func:`measure_routing` on one real batch) is the
+option (:data:`MEASURED_LOAD`): an expert-parallel rank then computes the rows routed to its own experts, and
+the step waits for the busiest rank (:meth:`RoutingLoad.skew`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +44,11 @@ from .._torch_compat import relax_grouped_mm_meta
 logger = logging.getLogger(__name__)
 
 UNIFORM_LOAD = "uniform"
-"""The routing assumption of every MoE cost: each expert receives ``tokens * top_k / num_experts`` rows."""
+"""The routing assumption of every MoE cost by default: each expert receives ``tokens * top_k / num_experts``
+rows."""
+MEASURED_LOAD = "measured"
+"""The routing assumption of a plan priced with a measured :class:`RoutingLoad`: each expert receives its
+measured share of the rows."""
 
 # The CPU and CUDA kernels pad each output row to 16 bytes.
 _ROW_ALIGNMENT_BYTES = 16
@@ -139,3 +150,171 @@ def static_experts_implementation(model: nn.Module) -> Iterator[None]:
     finally:
         for config, value in changed:
             config._experts_implementation = value
+
+
+# ---------------------------------------------------------------------------------------------- routing load
+@dataclass(frozen=True)
+class RoutingLoad:
+    """A measured routing histogram: experts module FQN -> rows routed to each of its experts.
+
+    A row is one (token, expert) pair of the routing (``tokens x top_k`` per layer), counted over one real
+    batch (:func:`measure_routing`); the counts' batch need not be the plan's, only their shares are used.
+    JSON: ``{"rows_per_expert": {"model.layers.0.mlp.experts": [412, 380, ...], ...}}`` (:meth:`save`,
+    :meth:`load`; the FQNs are the model's own, one entry per MoE layer, one count per expert).
+    """
+
+    rows_per_expert: Mapping[str, tuple[int, ...]]
+
+    def __post_init__(self) -> None:
+        rows: dict[str, tuple[int, ...]] = {}
+        if not isinstance(self.rows_per_expert, Mapping):
+            raise ValueError(
+                "RoutingLoad: rows_per_expert must map each experts module FQN to its rows per expert, got "
+                f"{type(self.rows_per_expert).__name__}"
+            )
+        for fqn, counts in self.rows_per_expert.items():
+            if isinstance(counts, (str, bytes)) or not hasattr(counts, "__iter__"):
+                raise ValueError(
+                    f"RoutingLoad: MoE layer {fqn!r}: expected a list of rows per expert, got {counts!r}"
+                )
+            values = list(counts)
+            bad = [c for c in values if isinstance(c, bool) or not isinstance(c, int) or c < 0]
+            if bad:
+                raise ValueError(
+                    f"RoutingLoad: MoE layer {fqn!r} has counts {bad[:4]} that are not whole numbers >= 0; a "
+                    "histogram counts the rows routed to each expert (measure_routing counts them on one batch)"
+                )
+            if not values or sum(values) == 0:
+                raise ValueError(
+                    f"RoutingLoad: MoE layer {fqn!r} routes no rows; measure it on a batch that reaches the layer"
+                )
+            rows[str(fqn)] = tuple(values)
+        object.__setattr__(self, "rows_per_expert", rows)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows_per_expert": {fqn: list(c) for fqn, c in self.rows_per_expert.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RoutingLoad:
+        """From :meth:`to_dict`'s form (a bare ``{fqn: counts}`` mapping is taken too)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"RoutingLoad JSON must be an object, got {type(data).__name__}")
+        return cls(data.get("rows_per_expert", data))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> RoutingLoad:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a routing histogram (JSON: {e})") from None
+        return cls.from_dict(data)
+
+    # ------------------------------------------------------------------ queries
+    def check(self, model: nn.Module) -> None:
+        """Refuse a histogram that is not this model's: one entry per MoE layer (its experts module FQN), one
+        count per expert. The message names the layer and what to do."""
+        modules = experts_modules(model)
+        if not modules:
+            raise ValueError(f"RoutingLoad given for {type(model).__name__}, which has no MoE layer")
+        fix = (
+            "measure it on this model (measure_routing(model, batch)) or give one count per expert per layer"
+        )
+        missing = [fqn for fqn in modules if fqn not in self.rows_per_expert]
+        if missing:
+            raise ValueError(
+                f"RoutingLoad has no counts for MoE layer {missing[0]!r}"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                + f"; {type(model).__name__} has {len(modules)} MoE layers ({next(iter(modules))}, ...): {fix}"
+            )
+        extra = [fqn for fqn in self.rows_per_expert if fqn not in modules]
+        if extra:
+            raise ValueError(
+                f"RoutingLoad names MoE layer {extra[0]!r}, which {type(model).__name__} does not have (its experts "
+                f"modules are {next(iter(modules))}, ...; {len(modules)} in all): {fix}"
+            )
+        for fqn, module in modules.items():
+            counts = self.rows_per_expert[fqn]
+            if len(counts) != module.num_experts:
+                raise ValueError(
+                    f"RoutingLoad: MoE layer {fqn!r} has {len(counts)} counts for {module.num_experts} experts: {fix}"
+                )
+
+    def skew(self, fqn: str, ranks: int) -> float:
+        """How many times the mean rank's rows the busiest of ``ranks`` expert-parallel ranks computes in layer
+        ``fqn`` (1.0 under uniform routing, exactly). Rank ``r`` owns the contiguous experts
+        ``[r E/n, (r+1) E/n)`` (the expert dim split as ``Shard(0)`` splits it)."""
+        return busiest_rank_skew(self.rows_per_expert[fqn], ranks)
+
+    def describe(self, ranks: int) -> str:
+        """One line for a summary: the busiest expert-parallel rank's load against the mean, over the layers."""
+        if ranks <= 1 or not self.rows_per_expert:
+            return "measured routing histogram"
+        worst = max(self.rows_per_expert, key=lambda f: self.skew(f, ranks))
+        return (
+            f"measured routing histogram (busiest of {ranks} expert-parallel ranks up to "
+            f"{self.skew(worst, ranks):.2f}x the mean rows, in {worst})"
+        )
+
+
+def busiest_rank_skew(counts: tuple[int, ...] | list[int], ranks: int) -> float:
+    """The busiest rank's rows over the mean rank's when ``len(counts)`` experts split ``ranks`` ways in
+    contiguous blocks (exactly 1.0 when every block gets the same rows). Experts that do not divide evenly
+    (no expert-parallel split exists then) or one rank give 1.0."""
+    n = len(counts)
+    total = sum(counts)
+    if ranks <= 1 or n % ranks or total == 0:
+        return 1.0
+    per = n // ranks
+    busiest = max(sum(counts[r * per : (r + 1) * per]) for r in range(ranks))
+    return busiest * ranks / total
+
+
+def measure_routing(model: nn.Module, batch: Mapping[str, Any]) -> RoutingLoad:
+    """Rows per expert per MoE layer, counted on one real forward of ``model`` on ``batch`` (no gradients).
+
+    Every transformers experts module is called as ``experts(hidden_states, top_k_index, top_k_weights)``
+    with the router's choice: a hook on it counts ``top_k_index`` per expert (transformers' expert-parallel
+    sentinels, ``>= num_experts``, are not counted). The model needs its real weights (the routing is a
+    function of them): plan on a meta model, measure on the materialised one (or a checkpoint of the same
+    configuration) and pass the result to ``plan_model(..., routing=...)``. The model's training mode is kept
+    (a router's jitter noise, if any, applies as in training).
+    """
+    modules = experts_modules(model)
+    if not modules:
+        raise ValueError(f"measure_routing: {type(model).__name__} has no MoE layer")
+    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"measure_routing needs the model's real weights ({meta} is on the meta device): routing is a "
+            "function of them. Measure on the materialised model, or load a histogram measured elsewhere "
+            "(RoutingLoad.load)"
+        )
+    counts: dict[str, torch.Tensor] = {}
+
+    def hook(fqn: str, module: nn.Module):
+        def count(_module, args, kwargs):
+            index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+            if index is None:
+                raise RuntimeError(f"measure_routing: {fqn} was called without top_k_index")
+            flat = index.detach().reshape(-1).long()
+            flat = flat[flat < module.num_experts]
+            got = torch.bincount(flat.cpu(), minlength=module.num_experts)
+            counts[fqn] = counts[fqn] + got if fqn in counts else got
+
+        return count
+
+    handles = [m.register_forward_pre_hook(hook(fqn, m), with_kwargs=True) for fqn, m in modules.items()]
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    unreached = [fqn for fqn in modules if fqn not in counts]
+    if unreached:
+        raise RuntimeError(f"measure_routing: the batch never reached MoE layer {unreached[0]!r}")
+    return RoutingLoad({fqn: tuple(int(c) for c in counts[fqn].tolist()) for fqn in modules})

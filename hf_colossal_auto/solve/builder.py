@@ -38,12 +38,14 @@ unit, the highest point of its backward and its rerun as its backward starts.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..capture.graph import OpNode, Phase, StepGraph, ValueKind
+from ..capture.moe import RoutingLoad
 from ..capture.op_classes import MATMUL, op_class
 from ..hardware.catalog import DeviceSpec
 from ..hardware.roofline import host_time, join_host, kernel_time
@@ -628,25 +630,54 @@ def _backward_ratios(graph: StepGraph, spec: DeviceSpec) -> BackwardRatios:
     )
 
 
+GROUPED_MM = "aten._grouped_mm.default"
+
+
+def is_expert_parallel(graph: StepGraph, node: OpNode, strat: Strategy, axis: int) -> bool:
+    """Whether ``strat`` runs a forward grouped GEMM (rows x stacked expert weights) expert-parallel: the
+    weights split on the expert dim and the rows (sorted by expert) with them
+    (``strategies.custom_rules.grouped_mm_expert_parallel_rule``), so a rank's rows are the ones routed to its
+    experts."""
+    if node.op != GROUPED_MM or len(node.inputs) < 2 or len(strat.input_placements) < 2:
+        return False
+    if len(graph.values[node.inputs[0]].shape) != 2 or len(graph.values[node.inputs[1]].shape) != 3:
+        return False
+    weight = strat.input_placements[1]
+    out = strat.output_placements[0] if strat.output_placements else None
+    return weight is not None and weight[axis] == "S0" and out is not None and out[axis] == "S0"
+
+
 def _local_device_time(
-    graph: StepGraph, node: OpNode, strat: Strategy, axis: int, size: int, spec: DeviceSpec
+    graph: StepGraph,
+    node: OpNode,
+    strat: Strategy,
+    axis: int,
+    size: int,
+    spec: DeviceSpec,
+    row_skew: float = 1.0,
 ) -> float:
-    """Device seconds of one forward op under ``strat`` on local shapes (no host overhead)."""
+    """Device seconds of one forward op under ``strat`` on local shapes (no host overhead).
+
+    ``row_skew`` (an expert-parallel grouped GEMM under a measured routing load, :func:`is_expert_parallel`):
+    the busiest rank's rows over the mean rank's; its FLOPs and the bytes of its rows (input and output) scale
+    with it, the expert weights (``E/n`` whole experts per rank) do not."""
     if not node.launches_kernel:
         return 0.0
     ins = tuple(p[axis] if p is not None else None for p in strat.input_placements)
     outs = tuple(p[axis] for p in strat.output_placements)
     split = splits_work(ins, outs)
     flops = node.flops / size if split else node.flops
+    if row_skew != 1.0:
+        flops *= row_skew
     nbytes = 0.0
     seen = set()
-    for vid, p in zip(node.inputs, ins, strict=False):
+    for pos, (vid, p) in enumerate(zip(node.inputs, ins, strict=False)):
         if vid in seen:
             continue
         seen.add(vid)
-        nbytes += graph.values[vid].nbytes / shard_factor(p, size)
-    for vid, p in zip(node.outputs, outs, strict=False):
-        nbytes += graph.values[vid].nbytes / shard_factor(p, size)
+        nbytes += graph.values[vid].nbytes / shard_factor(p, size) * (row_skew if pos == 0 else 1.0)
+    for pos, (vid, p) in enumerate(zip(node.outputs, outs, strict=False)):
+        nbytes += graph.values[vid].nbytes / shard_factor(p, size) * (row_skew if pos == 0 else 1.0)
     return kernel_time(
         flops,
         nbytes,
@@ -660,10 +691,16 @@ def _local_device_time(
 
 
 def _local_node_time(
-    graph: StepGraph, node: OpNode, strat: Strategy, axis: int, size: int, spec: DeviceSpec
+    graph: StepGraph,
+    node: OpNode,
+    strat: Strategy,
+    axis: int,
+    size: int,
+    spec: DeviceSpec,
+    row_skew: float = 1.0,
 ) -> float:
     """Seconds of one forward op under ``strat``, host included (what recomputing it costs)."""
-    return _with_host(_local_device_time(graph, node, strat, axis, size, spec), node, 1.0, spec)
+    return _with_host(_local_device_time(graph, node, strat, axis, size, spec, row_skew), node, 1.0, spec)
 
 
 def _with_host(device: float, node: OpNode, ops: float, spec: DeviceSpec) -> float:
@@ -679,10 +716,12 @@ def _node_step_time(
     size: int,
     spec: DeviceSpec,
     ratios: BackwardRatios,
+    row_skew: float = 1.0,
 ) -> float:
-    """Seconds one forward op and its share of backward add to a step under ``strat``."""
+    """Seconds one forward op and its share of backward add to a step under ``strat`` (``row_skew``: see
+    :func:`_local_device_time`; the backward of an expert-parallel grouped GEMM waits on the same rank)."""
     device_ratio, ops_ratio = ratios.of(node.module)
-    device = _local_device_time(graph, node, strat, axis, size, spec) * (1.0 + device_ratio)
+    device = _local_device_time(graph, node, strat, axis, size, spec, row_skew) * (1.0 + device_ratio)
     return _with_host(device, node, 1.0 + ops_ratio, spec)
 
 
@@ -742,6 +781,7 @@ def build_problem(
     recompute_pin: str | Mapping[str, str] | None = None,
     micro_batches: int = 1,
     dtensor_rules: bool = True,
+    routing: RoutingLoad | None = None,
 ) -> BuiltProblem:
     """The ILP for one mesh ``(dp, tp)`` and data-parallel mode ("ddp", "fsdp", or "hsdp" with ``dp_comm`` a
     :class:`HybridComm`: FSDP inside its shard group, the shards all-reduced over its replicate group).
@@ -762,6 +802,11 @@ def build_problem(
     (:func:`dtensor_choice_rules`, the costliest part to build): a relaxation, whose optimum is a lower bound on
     the full problem's (the planner prunes candidates with it).
 
+    ``routing``: a measured routing load (:class:`~hf_colossal_auto.capture.moe.RoutingLoad`, checked against
+    the model by the caller). An expert-parallel grouped GEMM then costs, in time and in the bytes of its rows,
+    what the busiest rank's rows cost (the step waits on the slowest rank); None prices uniform routing
+    (``capture.moe.UNIFORM_LOAD``), as does a histogram whose ranks all get the same rows.
+
     The parts of the ILP are priced by the methods of :class:`_ProblemBuilder`.
     """
     return _ProblemBuilder(
@@ -779,6 +824,7 @@ def build_problem(
         recompute_pin=recompute_pin,
         micro_batches=micro_batches,
         dtensor_rules=dtensor_rules,
+        routing=routing,
     ).build()
 
 
@@ -814,6 +860,7 @@ class _ProblemBuilder:
         recompute_pin: str | Mapping[str, str] | None,
         micro_batches: int = 1,
         dtensor_rules: bool = True,
+        routing: RoutingLoad | None = None,
     ) -> None:
         # ------------------------------------------------------------ inputs
         self.graph = graph
@@ -836,9 +883,13 @@ class _ProblemBuilder:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.micro_batches = micro_batches
         self.dtensor_rules = dtensor_rules
+        self.routing = routing
 
         # ------------------------------------------------------------ derived from the graph
         self.tied = TiedGraph.build(graph)
+        self.expert_skews = _expert_skews(graph, self.tied, routing, self.tp)
+        """Canonical grouped GEMM -> ((busiest rank's rows / mean rank's, real layers with it), ...) over the MoE
+        layers it stands for; empty without a measured routing load."""
         self.ratios = _backward_ratios(graph, spec)
         self.producer = forward_producers(graph)
         self.canon_nodes = sorted({self.tied.canonical[i] for i in self.tied.canonical})
@@ -1047,7 +1098,11 @@ class _ProblemBuilder:
             strats = self.strategies.get(c) or [_replicated(node)]
             name = _node_name(c)
             costs = [
-                _node_step_time(graph, node, s, axis, tp, self.spec, self.ratios)
+                self._skewed(
+                    c,
+                    s,
+                    functools.partial(_node_step_time, graph, node, s, axis, tp, self.spec, self.ratios),
+                )
                 + sum(t for t, _, _ in boundary_reshardings(graph, node, s, axis, self.tp_comm))
                 for s in strats
             ]
@@ -1384,7 +1439,10 @@ class _ProblemBuilder:
             for c in unit.nodes:
                 name = _node_name(c)
                 node = graph.nodes[c]
-                local = [_local_node_time(graph, node, st, axis, tp, spec) for st in self.strat_of[name]]
+                local = [
+                    self._skewed(c, st, functools.partial(_local_node_time, graph, node, st, axis, tp, spec))
+                    for st in self.strat_of[name]
+                ]
                 matrix = [
                     [t * self.tied.multiplicity[c] if unit.reruns(o, node) else 0.0 for t in local]
                     for o in options
@@ -1507,7 +1565,7 @@ class _ProblemBuilder:
             u = self.unit_index_of.get(c)
             if u is None:
                 if alive:
-                    terms[name_c] = [alive / tied.multiplicity[c] / self._out_shard(st) for st in strats]
+                    terms[name_c] = [alive / tied.multiplicity[c] / self._out_shard(st, c) for st in strats]
                 continue
             over = current is not None and u > current  # that unit's backward is over: it holds nothing
             matrix = [
@@ -1525,7 +1583,7 @@ class _ProblemBuilder:
                             u == current,
                         )
                     )
-                    / self._out_shard(st)
+                    / self._out_shard(st, c)
                     for st in strats
                 ]
                 for o in self.unit_options_of[u]
@@ -1575,9 +1633,27 @@ class _ProblemBuilder:
         self.hold_rules.append(FollowsInputs(name, (1,), tuple(none_of)))
         return name
 
-    def _out_shard(self, st: Strategy) -> float:
-        """How many ways a strategy splits its (first) output: what a node's held bytes are divided by."""
-        return shard_factor(st.output_placements[0][self.axis] if st.output_placements else None, self.tp)
+    def _out_shard(self, st: Strategy, c: int | None = None) -> float:
+        """How many ways a strategy splits node ``c``'s (first) output: what its held bytes are divided by. The
+        rows of an expert-parallel grouped GEMM under a measured routing load split as the busiest rank holds
+        them (the mean skew over the layers the node stands for: bytes add up over them)."""
+        ways = shard_factor(st.output_placements[0][self.axis] if st.output_placements else None, self.tp)
+        skews = self.expert_skews.get(c) if c is not None else None
+        if skews and ways > 1 and is_expert_parallel(self.graph, self.graph.nodes[c], st, self.axis):
+            mean = sum(skew * k for skew, k in skews) / sum(k for _, k in skews)
+            return ways / mean
+        return ways
+
+    def _skewed(self, c: int, st: Strategy, price) -> float:
+        """``price(row_skew)`` of node ``c`` under ``st``: 1.0 unless ``st`` runs an expert-parallel grouped
+        GEMM under a measured routing load, then averaged over the layers the node stands for (their costs add
+        up through its multiplicity)."""
+        skews = self.expert_skews.get(c)
+        if not skews or not is_expert_parallel(self.graph, self.graph.nodes[c], st, self.axis):
+            return price(1.0)
+        if len(skews) == 1:
+            return price(skews[0][0])
+        return sum(price(skew) * k for skew, k in skews) / sum(k for _, k in skews)
 
     def _kept(self, option: RecomputeOption, c: int, alive: float) -> float:
         """Bytes one real block's node ``c`` keeps for backward under ``option`` (``alive``: what it keeps
@@ -1726,6 +1802,40 @@ def _replicated(node: OpNode) -> Strategy:
     return Strategy(
         tuple(("R",) for _ in node.inputs), tuple(("R",) for _ in node.outputs), "replicate-fallback"
     )
+
+
+def _real_modules_of(graph: StepGraph, tied: TiedGraph, i: int) -> list[str]:
+    """The module of forward node ``i`` in every real block it stands for (a folded run's representative
+    stands for itself and every block not traced)."""
+    module = graph.nodes[i].module
+    prefix = tied.copy_prefix.get(i)
+    if prefix is None or prefix[0] != prefix[1]:
+        return [module]
+    rep = prefix[1]
+    run = next(r for r in graph.block_runs if r.representative == rep)
+    blocks = [b for b in run.all_blocks if b == rep or b not in run.traced]
+    return [b + module[len(rep) :] for b in blocks]
+
+
+def _expert_skews(
+    graph: StepGraph, tied: TiedGraph, routing: RoutingLoad | None, tp: int
+) -> dict[int, tuple[tuple[float, int], ...]]:
+    """Canonical forward grouped GEMM -> (skew, real layers) pairs: how many times the mean rank's rows the
+    busiest of ``tp`` expert-parallel ranks computes in each MoE layer the node stands for
+    (:meth:`RoutingLoad.skew`). Empty without a routing load, on one rank, or when every layer is uniform."""
+    if routing is None or tp <= 1:
+        return {}
+    rows = routing.rows_per_expert
+    counted: dict[int, dict[float, int]] = defaultdict(lambda: defaultdict(int))
+    for i, c in tied.canonical.items():
+        if graph.nodes[i].op != GROUPED_MM:
+            continue
+        for module in _real_modules_of(graph, tied, i):
+            layer = module
+            while layer and layer not in rows:  # the experts module the grouped GEMM runs in
+                layer = layer.rsplit(".", 1)[0] if "." in layer else ""
+            counted[c][routing.skew(layer, tp) if layer else 1.0] += 1
+    return {c: tuple(sorted(by.items())) for c, by in counted.items() if any(skew != 1.0 for skew in by)}
 
 
 def _label(s: Strategy, axis: int) -> str:

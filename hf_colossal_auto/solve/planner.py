@@ -26,12 +26,14 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..capture.graph import Phase, StepGraph, ValueKind
+from ..capture.moe import RoutingLoad
 from ..capture.tracer import trace_training_step
 from ..hardware import ClusterSpec, DeviceSpec, get_device
 from ..hardware.catalog import memory_budget_default
@@ -138,6 +140,8 @@ class _Planner:
         """Strategies by (micro-batch rows, tensor-parallel size)."""
         self.last_built: BuiltProblem | None = None
         """The problem :meth:`solve_mesh` built last."""
+        self.routing: RoutingLoad | None = None
+        """A measured routing load the MoE costs are priced under (:func:`_routing`); None: uniform."""
 
     @classmethod
     def for_devices(
@@ -238,6 +242,7 @@ class _Planner:
             recompute_pin=recompute_pin,
             micro_batches=micro_batches,
             dtensor_rules=dtensor_rules,
+            routing=self.routing,
         )
 
     def axis_comm(self, mesh: tuple[int, int], axis: int) -> AxisComm:
@@ -740,6 +745,20 @@ def _search_order(planner: _Planner, meshes: list[tuple[int, int]]) -> list[tupl
     return sorted(meshes, key=lambda m: abs(math.log2(m[1]) - math.log2(per_node)))
 
 
+def _routing(model: nn.Module, routing: RoutingLoad | str | Path | Mapping | None) -> RoutingLoad | None:
+    """A measured routing load (a :class:`RoutingLoad`, the path of its JSON, or its dict) checked against
+    ``model``: one entry per MoE layer, one count per expert (a histogram for another model is refused, naming
+    the layer). None: uniform routing."""
+    if routing is None:
+        return None
+    if isinstance(routing, (str, Path)):
+        routing = RoutingLoad.load(routing)
+    elif not isinstance(routing, RoutingLoad):
+        routing = RoutingLoad.from_dict(routing)
+    routing.check(model)
+    return routing
+
+
 def _resolve_budget(memory_budget: int | str | None, spec: DeviceSpec) -> int:
     if memory_budget is None:
         return memory_budget_default(spec)
@@ -761,6 +780,7 @@ def plan_model(
     dp_modes: tuple[str, ...] = DP_MODES,
     recompute: str = "auto",
     micro_batches: int | None = None,
+    routing: RoutingLoad | str | Path | None = None,
 ) -> Plan:
     """Plan data + tensor parallelism for ``model`` on ``num_devices`` devices of kind ``device``.
 
@@ -773,6 +793,9 @@ def plan_model(
     first and then chooses recompute (a baseline). ``micro_batches``: None searches it — each replica's batch
     (global / dp) runs in k pieces with gradients accumulated and synchronised once, tried where the batch in
     one piece does not fit or needs recompute; an int fixes k for every mesh (1: never split).
+    ``routing`` (MoE models): a measured routing histogram (:class:`~hf_colossal_auto.capture.moe.RoutingLoad`,
+    e.g. from :func:`~hf_colossal_auto.capture.moe.measure_routing` on one real batch, or the path of its JSON);
+    expert parallelism is then priced by each layer's busiest rank. None assumes routing uniform over experts.
     """
     unknown = sorted(set(dp_modes) - set(DP_MODES))
     if unknown or not dp_modes:
@@ -793,6 +816,7 @@ def plan_model(
         time_limit_s,
         recompute,
     )
+    planner.routing = _routing(model, routing)
     spec, budget = planner.spec, planner.budget
     t0 = time.perf_counter()
     search = _Search(planner)
@@ -867,6 +891,7 @@ def evaluate_plan(
     dp_shard_size: int | None = None,
     fit_budget: bool = False,
     pin_uses: bool = False,
+    routing: RoutingLoad | str | Path | None = None,
 ) -> Estimate:
     """Price a Plan, a HF-style tp_plan dict or a named baseline ("ddp", "fsdp", "megatron") under our model.
 
@@ -888,6 +913,9 @@ def evaluate_plan(
     placement (``Plan.param_use_placements``) or else as stored, instead of the solver choosing again where to
     gather or slice it. A plan whose use placements were edited (the MoE runtime tests use split experts as
     stored) is priced as it will run.
+
+    ``routing``: the MoE routing load to price under, as for :func:`plan_model` (default: a Plan's own
+    measured histogram, ``Plan.moe_routing``, else uniform).
     """
     if pin_uses and not isinstance(plan_or_baseline, Plan):
         raise ValueError("pin_uses prices a Plan's own use placements; pass a Plan")
@@ -913,6 +941,9 @@ def evaluate_plan(
         optimizer,
         time_limit_s,
     )
+    if routing is None and isinstance(plan_or_baseline, Plan) and plan_or_baseline.moe_routing:
+        routing = plan_or_baseline.moe_routing
+    planner.routing = _routing(model, routing)
     cluster, budget = planner.cluster, planner.budget
     n = num_devices
     if micro_batches is None:

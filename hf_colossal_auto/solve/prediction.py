@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..capture.graph import StepGraph
+from ..capture.moe import MEASURED_LOAD, UNIFORM_LOAD, is_moe_model
 from ..hardware.skew import sync_wait
 from ..plan import BlockCost, Plan
 from ..profile.profiler import _module_list_children, block_units
@@ -197,6 +198,14 @@ def _make_plan(
             param_placements,
             mesh[1],
             _param_use_placements(built, solution, graph, tied, planner.model),
+        ),
+        moe_load=(MEASURED_LOAD if planner.routing is not None else UNIFORM_LOAD)
+        if is_moe_model(planner.model)
+        else "",
+        moe_routing=(
+            {fqn: list(c) for fqn, c in planner.routing.rows_per_expert.items()}
+            if planner.routing is not None
+            else {}
         ),
         replicated_ops=ops_without_dtensor_rule(graph),
         global_batch_size=planner.batch,
