@@ -106,6 +106,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         optimizer=optimizer,
         time_limit_s=args.time_limit,
     )
+    if args.routing_histogram:  # MoE: a measured routing load (RoutingLoad JSON) instead of uniform routing
+        common["routing"] = args.routing_histogram
     if args.frontier and args.memory_budget is not None:
         raise ValueError("--frontier sweeps the memory budget itself: drop --memory-budget")
     with _Stage(f"building {args.model} on meta", args.quiet):
@@ -401,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh, seconds")
     p.add_argument("--no-baselines", action="store_true", help="skip pricing ddp/fsdp/megatron")
     p.add_argument("--out", metavar="PATH", help="write the plan JSON here")
+    p.add_argument(
+        "--routing-histogram",
+        metavar="PATH",
+        help="MoE models: rows per expert per layer measured on a real batch (RoutingLoad JSON, from "
+        "measure_routing); expert parallelism is priced by each layer's busiest rank (default: uniform routing)",
+    )
     p.add_argument(
         "--frontier",
         action="store_true",

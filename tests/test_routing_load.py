@@ -236,3 +236,21 @@ def test_the_plan_records_its_load_assumption():
         dense, make_example_inputs(dense, 2, 16, device="meta"), num_devices=1, device="cpu", micro_batches=1
     )
     assert plan.moe_load == "" and "MoE load" not in plan.summary()
+
+
+def test_cli_plan_takes_a_routing_histogram(tmp_path, capsys):
+    """``hf-colossal-auto plan --routing-histogram file.json``: the plan is priced under it and records it; a
+    histogram for another model is an error naming the layer."""
+    from hf_colossal_auto.cli import main
+
+    histogram, out = tmp_path / "routing.json", tmp_path / "plan.json"
+    rows = {f: [60, 40, 20, 8] for f in LAYERS}
+    RoutingLoad(rows).save(histogram)
+    model = ["--model", "tiny-mixtral", "--batch-size", "4", "--seq-len", "16", "--device", "cpu"]
+    command = ["-q", "plan", *model, "--devices", "2", "--mesh", "1x2", "--no-baselines"]
+    assert main([*command, "--routing-histogram", str(histogram), "--out", str(out)]) == 0
+    assert "MoE load              measured routing histogram" in capsys.readouterr().out
+    assert Plan.load(out).moe_routing == rows
+    RoutingLoad({LAYERS[0]: [1, 2, 3, 4]}).save(histogram)
+    assert main([*command, "--routing-histogram", str(histogram)]) != 0
+    assert "model.layers.1.mlp.experts" in capsys.readouterr().err
