@@ -582,6 +582,22 @@ def trace_training_step(
     return _assemble(model, rec, state_bytes, runs, segments, mixed_precision, optimizer, all_inputs)
 
 
+def _frees_in_storage_order(events: list[MemoryEvent]) -> list[MemoryEvent]:
+    """``events`` with each run of consecutive frees at one position sorted by storage id. Frees arrive from
+    weakref finalizers in the order the garbage collector drops the storages, which can differ between two
+    traces of the same step (a tuple of tensors freed at once); frees that happen together commute, so the
+    sorted order is as true and makes the recorded step deterministic (what ``capture.batch_rows`` compares)."""
+    out: list[MemoryEvent] = []
+    run: list[MemoryEvent] = []
+    for e in events:
+        if run and (e.delta > 0 or e.position != run[0].position):
+            out.extend(sorted(run, key=lambda f: f.storage_id))
+            run = []
+        (run if e.delta < 0 else out).append(e)
+    out.extend(sorted(run, key=lambda f: f.storage_id))
+    return out
+
+
 def _run_capture(model, inputs, autocast_dtype, optimizer, device_kind="cpu", held=None):
     enable_grouped_mm_tracing()  # MoE experts: see capture/moe.py
     try:
@@ -637,7 +653,7 @@ def _assemble(
         values=rec.values,
         storages=rec.storages,
         initial_storages=rec.initial,
-        memory_events=list(rec.events),
+        memory_events=_frees_in_storage_order(rec.events),
         param_names=list(all_params),
         param_bytes=param_bytes,
         param_shapes=param_shapes,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..capture.batch_rows import TracesByRows
 from ..capture.graph import Phase, StepGraph, ValueKind
 from ..capture.moe import RoutingLoad
 from ..capture.tracer import trace_training_step
@@ -97,14 +98,9 @@ def _global_batch(example_inputs: Mapping[str, Any]) -> int:
     return sizes.pop()
 
 
-def _local_batch(example_inputs: Mapping[str, Any], dp: int) -> dict[str, Any]:
-    out = {}
-    for k, v in example_inputs.items():
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            out[k] = v[: v.shape[0] // dp]
-        else:
-            out[k] = v
-    return out
+def _first_rows(example_inputs: Mapping[str, Any], rows: int) -> dict[str, Any]:
+    """The batch cut to its first ``rows`` rows: one micro-batch of one replica."""
+    return {k: v[:rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in example_inputs.items()}
 
 
 class _Planner:
@@ -133,9 +129,10 @@ class _Planner:
         self.optimizer = optimizer
         self.time_limit_s = time_limit_s
         self.batch = _global_batch(example_inputs)
-        self._graphs: dict[int, StepGraph] = {}
-        """Traces by the rows of one micro-batch of one replica (global batch / (dp * micro-batches)): the step
-        traced depends on nothing else, so (dp, k) candidates with the same dp * k share one trace."""
+        self._graphs = TracesByRows(self._trace)
+        """Steps by the rows of one micro-batch of one replica (global batch / (dp * micro-batches)): the step
+        depends on nothing else, so (dp, k) candidates with the same dp * k share one; most sizes are
+        interpolated from three traces."""
         self._strategies: dict[tuple[int, int], dict] = {}
         """Strategies by (micro-batch rows, tensor-parallel size)."""
         self.last_built: BuiltProblem | None = None
@@ -166,22 +163,24 @@ class _Planner:
         )
 
     def graph(self, dp: int, micro_batches: int = 1) -> StepGraph:
-        """The step traced at one micro-batch of one replica (global batch / dp / micro_batches rows)."""
-        key = self.batch // (dp * micro_batches)
-        if key not in self._graphs:
-            self._graphs[key] = trace_training_step(
-                self.model,
-                _local_batch(self.inputs, dp * micro_batches),
-                mixed_precision=self.mixed_precision,
-                optimizer=self.optimizer,
-                device_kind=self.spec.kind,
-            )
-        return self._graphs[key]
+        """The step at one micro-batch of one replica (global batch / dp / micro_batches rows): traced, or
+        interpolated from traces at other sizes once the step has proved affine in its rows
+        (:class:`~hf_colossal_auto.capture.batch_rows.TracesByRows`)."""
+        return self._graphs.get(self.batch // (dp * micro_batches))
+
+    def _trace(self, rows: int) -> StepGraph:
+        return trace_training_step(
+            self.model,
+            _first_rows(self.inputs, rows),
+            mixed_precision=self.mixed_precision,
+            optimizer=self.optimizer,
+            device_kind=self.spec.kind,
+        )
 
     def any_graph(self, dp: int, micro_batches: int = 1) -> StepGraph:
-        """A step traced already, else the one of ``graph(dp, micro_batches)``: for what does not depend on the
+        """A step at hand already, else the one of ``graph(dp, micro_batches)``: for what does not depend on the
         batch (parameter and optimizer-state bytes), without a trace per shape."""
-        return next(iter(self._graphs.values()), None) or self.graph(dp, micro_batches)
+        return self._graphs.any() or self.graph(dp, micro_batches)
 
     def strategies(self, dp: int, tp: int, micro_batches: int = 1) -> dict:
         key = (self.batch // (dp * micro_batches), tp)
@@ -869,6 +868,8 @@ def plan_model(
         )
     plan.alternatives = search.tried
     plan.solver["total_planning_s"] = time.perf_counter() - t0
+    plan.solver["steps_traced"] = planner._graphs.traced
+    plan.solver["batch_sizes"] = planner._graphs.sizes
     return plan
 
 
