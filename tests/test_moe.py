@@ -152,7 +152,9 @@ def test_plan_names_the_choice_per_moe_layer(mixtral_meta):
     assert sorted(plan.moe_layers) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert all(choice.startswith("experts: ") for choice in plan.moe_layers.values())
     moe_lines = [line for line in plan.summary().splitlines() if line.startswith("MoE layers")]
-    assert moe_lines and all(any(fqn in line for line in moe_lines) for fqn in plan.moe_layers)
+    # one line per distinct choice, naming its layers (``model.layers.{0,1}.mlp.experts`` when they agree)
+    assert len(moe_lines) == len(set(plan.moe_layers.values()))
+    assert all(any(f"{choice} in " in line for line in moe_lines) for choice in plan.moe_layers.values())
     assert Plan.from_dict(json.loads(plan.to_json())).moe_layers == plan.moe_layers
     # the router stays whole: it is a num_experts x hidden matrix every routing decision reads
     assert all(p == "R" for fqn, ps in plan.param_placements.items() if ".mlp.gate." in fqn for p in ps)
@@ -197,25 +199,43 @@ def test_experts_choice_spells_out_mixed_placements():
     assert experts_choice(model.model.layers[0].mlp.gate, "x", mixed, 2) is None
 
 
-def test_expert_parallel_strategies_are_offered_for_the_grouped_gemms():
-    """Next to DTensor's rule, every grouped GEMM of the step gets the expert-parallel strategy (rows sorted by
-    expert split with the experts: ``(S0, S0, R) -> S0`` forward and input gradient, ``(S1, S0, R) -> S0`` the
-    weight gradient), which DTensor lacks; a plan storing the experts split and using them so is labelled
-    EP."""
+def test_expert_parallel_region_is_offered_for_every_experts_module():
+    """Every experts module's ops get the strategy of the runtime's expert-parallel region (source
+    ``"expert-region"``), which no per-op rule describes: the tokens and routing weights read replicated and
+    made partial (zero outside the rank's experts; their gradients partial sums), the grouped GEMMs
+    ``(P, S0, R) -> P`` on the expert-split weights, the output a partial sum; the routing indices stay
+    replicated (no region strategy), and no other strategy reads a weight split on the expert dim (using the
+    experts split on the expert dim *is* the region at run time). A plan storing the experts split and using
+    them so is labelled EP."""
     model = moe_model("tiny-mixtral", layers=2, device="meta")
     graph = trace_training_step(model, make_example_inputs(model, 4, 16, device="meta"))
-    strategies = enumerate_strategies(graph, (2,), phases=(Phase.FORWARD, Phase.BACKWARD))
-    grouped = [n for n in graph.nodes if n.op == "aten._grouped_mm.default"]
-    assert len(grouped) == 2 * 2 * 3  # two layers x (gate_up, down) x (forward, input grad, weight grad)
-    for node in grouped:
-        ep = {
-            (s.input_placements, s.output_placements)
-            for s in strategies[node.index]
-            if s.output_placements == (("S0",),)
-        }
-        ndims = [len(graph.values[v].shape) for v in node.inputs[:2]]
-        rows = ("S0",) if ndims == [2, 3] else ("S1",)
-        assert ((rows, ("S0",), ("R",)), (("S0",),)) in ep, (node.phase, ndims)
+    strategies = enumerate_strategies(graph, (2,), phases=(Phase.FORWARD,))
+
+    def region(node):
+        found = [s for s in strategies[node.index] if s.source == "expert-region"]
+        assert len(found) <= 1
+        return (found[0].input_placements, found[0].output_placements) if found else None
+
+    for layer in (0, 1):
+        fqn = f"model.layers.{layer}.mlp.experts"
+        nodes = [n for n in graph.nodes if n.phase is Phase.FORWARD and n.module.startswith(fqn)]
+        grouped = [n for n in nodes if n.op == "aten._grouped_mm.default"]
+        assert len(grouped) == 2  # gate_up, down
+        for node in grouped:
+            assert region(node) == ((("P",), ("S0",), ("R",)), (("P",),))
+        weights = [n for n in nodes if any(graph.values[v].kind.value == "param" for v in n.inputs)]
+        assert len(weights) == 2  # their transposes
+        for node in weights:
+            assert region(node) == ((("S0",),), (("S0",),))
+            assert [s.source for s in strategies[node.index] if s.input_placements[0] == ("S0",)] == [
+                "expert-region"
+            ]
+        rows = next(
+            n for n in nodes if n.op == "aten.index.Tensor" and graph.values[n.inputs[0]].shape == (64, 64)
+        )
+        assert region(rows) == ((("R",), ("R",)), (("P",),))  # the tokens dispatched: replicated in
+        assert region(nodes[-1]) == ((("P",),), (("P",),))  # the combined output: a partial sum
+        assert all(region(n) is None for n in nodes if n.op in ("aten.sort.default", "aten.histc.default"))
     experts = model.model.layers[0].mlp.experts
     fqn = "model.layers.0.mlp.experts"
     split = {f"{fqn}.gate_up_proj": ["R", "S0"], f"{fqn}.down_proj": ["R", "S0"]}
@@ -223,6 +243,9 @@ def test_expert_parallel_strategies_are_offered_for_the_grouped_gemms():
     gathered = {f"{fqn}.gate_up_proj": ["R", "R"], f"{fqn}.down_proj": ["R", "R"]}
     assert moe_layer_choices(model, split, 2, gathered)[fqn] == "experts: replicated (stored EP×2)"
     assert experts_choice(experts, fqn, {}, 2) == "replicated"
+    assert not [
+        s for ss in enumerate_strategies(graph, (3,)).values() for s in ss if s.source == "expert-region"
+    ]
 
 
 def test_plans_mixing_expert_parallel_weights_are_recognised():
@@ -247,8 +270,10 @@ def test_plans_mixing_expert_parallel_weights_are_recognised():
 
 
 def _expert_rules(mesh: tuple[int, int], dp_mode: str):
-    """The tiny Mixtral's ILP on ``mesh``: its first experts module's grouped GEMMs (forward: gate_up, down),
-    their expert-parallel strategy indices, the two weights' parameter nodes and the rules naming them."""
+    """The tiny Mixtral's ILP on ``mesh``, for its first experts module: per op of the module its region
+    strategy's index (None for the routing indices, which have none) and the index of another strategy
+    (replicated where it has one), the two weights' parameter nodes, their storage options, and the rules the
+    region strategies are bound by (those barring nothing else)."""
     from hf_colossal_auto.hardware import ClusterSpec, get_device
     from hf_colossal_auto.solve.builder import build_problem
     from hf_colossal_auto.solve.cost_model import AxisComm
@@ -267,52 +292,66 @@ def _expert_rules(mesh: tuple[int, int], dp_mode: str):
         dp_mode=dp_mode,
         budget=1e12,
     )
-    grouped = [
-        name
-        for name, index in sorted(built.node_of_name.items(), key=lambda item: item[1])
-        if graph.nodes[index].op == "aten._grouped_mm.default"
-        and graph.nodes[index].module == "model.layers.0.mlp.experts"
-    ]
-    ep = {
-        name: next(
+    ops: dict[str, tuple[int | None, int]] = {}
+    for name, index in built.node_of_name.items():
+        if not graph.nodes[index].module.startswith("model.layers.0.mlp.experts"):
+            continue
+        strategies = built.strategies[name]
+        region = next((j for j, s in enumerate(strategies) if s.source == "expert-region"), None)
+        replicated = [
             j
-            for j, s in enumerate(built.strategies[name])
-            if s.source == "custom" and s.output_placements == (("S0",),)
-        )
-        for name in grouped
-    }
+            for j, s in enumerate(strategies)
+            if j != region
+            and all(p is None or p == ("R",) for p in (*s.input_placements, *s.output_placements))
+        ]
+        ops[name] = (region, (replicated or [j for j in range(len(strategies)) if j != region])[0])
     weights = [f"p:model.layers.0.mlp.experts.{w}" for w in ("gate_up_proj", "down_proj")]
-    names = {*grouped, *weights}
     rules = [
-        r for r in built.problem.follows_inputs if r.dst in grouped and {s for s, _ in r.inputs} <= names
+        r
+        for r in built.problem.follows_inputs
+        if r.dst in ops
+        and set(r.sharding) <= {ops[r.dst][0]}
+        and {s for s, _ in r.inputs} <= {*ops, *weights}
     ]
-    return grouped, ep, weights, built.param_options, rules
+    return graph, built, ops, weights, built.param_options, rules
 
 
 def test_expert_parallelism_is_chosen_per_whole_experts_module():
-    """The runtime runs an experts module expert-parallel only as a whole (both weights stored and used split on
-    the expert dim, 1-D parameters), so the ILP may not price a per-op mix: one grouped GEMM expert-parallel
-    and the other not, or expert-parallel use of a weight stored otherwise; and under FSDP (2-D parameters)
-    none at all."""
-    grouped, ep, weights, options, rules = _expert_rules((1, 2), "ddp")
-    assert len(grouped) == 2 and rules
-    gate_up, down = grouped
-    other = {name: next(j for j in range(4) if j != ep[name]) for name in grouped}
+    """The runtime runs an experts module expert-parallel only as a whole region (both weights stored and used
+    split on the expert dim, 1-D parameters), so the ILP may not price a mix: some ops of the module as the
+    region runs them and others not, expert-parallel use of a weight stored otherwise, or the routing indices
+    split under the region; and under FSDP (2-D parameters) no region at all."""
+    graph, built, ops, weights, options, rules = _expert_rules((1, 2), "ddp")
+    members = [name for name, (region, _) in ops.items() if region is not None]
+    assert len(members) >= 10 and rules
     s0 = {w: options[w].index("S0") for w in weights}
     s2 = {w: options[w].index("S2") for w in weights}
+    whole = {name: region if region is not None else other for name, (region, other) in ops.items()}
+    none = {name: other for name, (_, other) in ops.items()}
+    grouped = [n for n in members if graph.nodes[built.node_of_name[n]].op == "aten._grouped_mm.default"]
 
     def violated(choice: dict[str, int]) -> bool:
         return any(rule.violated(choice) for rule in rules)
 
-    assert not violated({gate_up: ep[gate_up], down: ep[down], **s0})  # the whole module: allowed
-    assert not violated({gate_up: other[gate_up], down: other[down], **s2})  # no expert parallelism
-    assert not violated({gate_up: other[gate_up], down: other[down], **s0})  # stored split, gathered for use
-    assert violated({gate_up: other[gate_up], down: ep[down], **s0})  # the mix the runtime cannot run
-    assert violated({gate_up: ep[gate_up], down: other[down], **s0})
-    assert violated({gate_up: ep[gate_up], down: ep[down], **s2})  # used split, stored otherwise
-    _, ep, weights, options, rules = _expert_rules((2, 2), "fsdp")
+    assert not violated({**whole, **s0})  # the whole module: allowed
+    assert not violated({**none, **s2})  # no expert parallelism
+    assert not violated({**none, **s0})  # stored split, gathered for use
+    for (
+        name
+    ) in grouped:  # one grouped GEMM as the region runs it, the other not: the mix the runtime cannot run
+        assert violated({**none, name: ops[name][0], **s0})
+        assert violated({**whole, name: ops[name][1], **s0})
+    assert violated({**whole, **s2})  # used split, stored otherwise
+    routing = [
+        name for name, (region, _) in ops.items() if region is None and len(built.strategies[name]) > 1
+    ]
+    for name in routing:  # a routing index split under the region
+        split = next(j for j in range(len(built.strategies[name])) if j != ops[name][1])
+        assert violated({**whole, name: split, **s0})
+    _, _, ops, weights, options, rules = _expert_rules((2, 2), "fsdp")
     s0 = {w: options[w].index("S0") for w in weights}
-    assert any(rule.violated({gate_up: ep[gate_up], down: ep[down], **s0}) for rule in rules)
+    whole = {name: region if region is not None else other for name, (region, other) in ops.items()}
+    assert any(rule.violated({**whole, **s0}) for rule in rules)
 
 
 def test_solved_plans_never_mix_expert_parallel_weights(mixtral_meta):

@@ -20,8 +20,10 @@ and marks the others as transformers' own expert-parallel sentinels (skipped by 
 routing weight) — and *combine* is a reduction of the partial outputs (each token's sum over its experts,
 split over the ranks that own them), left to DTensor as a ``Partial`` output. The gradients of the tokens
 and routing weights leave as partial sums too, reduced where they are made. No all-to-all is needed for
-tokens replicated over the group (gloo has none). The planner prices it with the uniform-load rule of
-``strategies.custom_rules.grouped_mm_expert_parallel_rule``; the real load is whatever the router does.
+tokens replicated over the group (gloo has none). The planner prices the region as it runs
+(``strategies.moe.add_expert_region_strategies``: tokens, routing weights and indices redistributed to
+replicated on the way in, a partial sum out, partial gradients back), the grouped GEMMs' work under the
+uniform-load assumption or a measured histogram; the real load is whatever the router does.
 """
 
 from __future__ import annotations
@@ -137,8 +139,7 @@ def expert_parallel_forward(module: nn.Module, original: Callable[..., Any]) -> 
             )
             return full.to_local(grad_placements=[Partial()] * mesh.ndim)
 
-        hidden, weights = local_input(hidden_states), local_input(top_k_weights)
-        index = top_k_index.to_local() if isinstance(top_k_index, DTensor) else top_k_index
+        hidden, weights, index = (local_input(t) for t in (hidden_states, top_k_weights, top_k_index))
         local_index = index - rank * per_rank
         mine = (local_index >= 0) & (local_index < per_rank)
         local_index = torch.where(mine, local_index, torch.full_like(local_index, per_rank))  # sentinel

@@ -57,6 +57,7 @@ from ..profile.profiler import (
     node_times,
     transcendental_elements,
 )
+from ..strategies.moe import EXPERT_REGION, expert_regions
 from ..strategies.placements import Strategy, is_partial, is_shard
 from .cost_model import (
     SHARDED_DP_MODES,
@@ -529,7 +530,12 @@ def _choice_rules(graph, node, name, strats, arrivals, axis, mesh, choose, alike
                 continue
             if not any(_same_strategy(st, chosen) for st in strats):
                 continue  # DTensor's pick is not a strategy of the node: left to the solver
-            barred = tuple(j for j in members if not _same_strategy(strats[j], chosen))
+            barred = tuple(
+                j
+                for j in members
+                if not _same_strategy(strats[j], chosen)
+                and strats[j].source != EXPERT_REGION  # a local region
+            )
             if not barred:
                 continue
             conditions = tuple(
@@ -644,7 +650,22 @@ def is_expert_parallel(graph: StepGraph, node: OpNode, strat: Strategy, axis: in
         return False
     weight = strat.input_placements[1]
     out = strat.output_placements[0] if strat.output_placements else None
-    return weight is not None and weight[axis] == "S0" and out is not None and out[axis] == "S0"
+    return weight is not None and weight[axis] == "S0" and out is not None and out[axis] in ("S0", "P")
+
+
+def _work_strategy(graph: StepGraph, node: OpNode, strat: Strategy, axis: int) -> Strategy:
+    """The placements an op's local work is priced by. An op of the runtime's expert-parallel region
+    (``"expert-region"``) computes on every row, replicated, however its values are placed (partial: zero
+    outside the rank's experts), except a grouped GEMM: it runs the rows routed to the rank's ``E/n`` experts
+    only (the kernel skips the sentinel rows past its offsets), ``S/n`` under uniform load, as rows and
+    weights split on dim 0 would."""
+    if strat.source != EXPERT_REGION:
+        return strat
+    if node.op == "aten._grouped_mm.default" and len(strat.input_placements) >= 2:
+        split = tuple("S0" if d == axis else "R" for d in range(len(strat.output_placements[0])))
+        ins = tuple(split if k < 2 else p for k, p in enumerate(strat.input_placements))
+        return Strategy(ins, (split,), "custom")
+    return _replicated(node)
 
 
 def _local_device_time(
@@ -663,6 +684,7 @@ def _local_device_time(
     with it, the expert weights (``E/n`` whole experts per rank) do not."""
     if not node.launches_kernel:
         return 0.0
+    strat = _work_strategy(graph, node, strat, axis)
     ins = tuple(p[axis] if p is not None else None for p in strat.input_placements)
     outs = tuple(p[axis] for p in strat.output_placements)
     split = splits_work(ins, outs)
@@ -1021,48 +1043,65 @@ class _ProblemBuilder:
 
     def _expert_parallel_rules(self) -> list[FollowsInputs]:
         """What the runtime can run of expert parallelism, as rules: it runs an experts module expert-parallel
-        only as a whole (``apply/moe.py``: every stacked expert weight stored split on the expert dim over a 1-D
-        tensor-parallel mesh and used so), and otherwise op by op, where DTensor has no expert-dim split of a
-        grouped GEMM. So within one experts module, a grouped GEMM takes its expert-parallel strategy
-        (``strategies.custom_rules.grouped_mm_expert_parallel_rule``) only if every other one does and the
-        weight it reads is stored split on the expert dim (``S0``); with parameters sharded over the
-        data-parallel axis too (FSDP/HSDP: 2-D parameters) none may. Without these the solver could price a
-        per-op mix (one weight expert-parallel, the other split on its hidden dim) that runs another way."""
-        by_module: dict[str, list[tuple[str, tuple[int, ...], str | None]]] = defaultdict(list)
+        only as a whole region (``apply/moe.py``: every stacked expert weight stored split on the expert dim over
+        a 1-D tensor-parallel mesh and used so), so the ops of one module take their ``"expert-region"``
+        strategies (``strategies.moe.add_expert_region_strategies``) all or none (a cycle of implications), the
+        ops placed replicated inside the region (the routing indices) stay replicated then, and every
+        parameter the region reads split on the expert dim is stored so. With parameters sharded over the
+        data-parallel axis too (FSDP/HSDP: 2-D parameters, which the region does not take) none may."""
+        members: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
+        replicated: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
+        params: dict[str, set[str]] = defaultdict(set)
+        regions = expert_regions(self.graph)
         for i in sorted(self.tied.canonical):
             node = self.graph.nodes[i]
-            if self.tied.canonical[i] != i or node.op != "aten._grouped_mm.default":
+            if self.tied.canonical[i] != i:
                 continue
+            module = next((m for m in regions if node.module == m or node.module.startswith(m + ".")), None)
             name = _node_name(i)
-            strategies = self.strat_of.get(name, [])
+            strategies = self.strat_of.get(name)
+            if module is None or not strategies:
+                continue
+            region = tuple(j for j, s in enumerate(strategies) if s.source == EXPERT_REGION)
+            if region:
+                members[module].append((name, region))
+                spec = strategies[region[0]]
+                for k, vid in enumerate(node.inputs):
+                    placed = spec.input_placements[k] if k < len(spec.input_placements) else None
+                    if placed is not None and placed[self.axis] == "S0":
+                        pname = self._param_node_of(vid)
+                        if pname is not None:
+                            params[module].add(pname)
+                continue
             split = tuple(
                 j
                 for j, s in enumerate(strategies)
-                if s.source == "custom" and any(p != "R" for spec in s.output_placements for p in spec)
+                if any(
+                    p[self.axis] != "R" for p in (*s.input_placements, *s.output_placements) if p is not None
+                )
             )
             if split:
-                by_module[node.module].append((name, split, self._expert_weight_node(node)))
+                replicated[module].append((name, split))
         rules: list[FollowsInputs] = []
-        for members in by_module.values():
+        for module, group in members.items():
             if self.dp_shard > 1:
-                rules += [FollowsInputs(name, split, ()) for name, split, _ in members]
+                rules += [FollowsInputs(name, region, ()) for name, region in group]
                 continue
-            for (name, split, weight), (after, after_split, _) in zip(
-                members, members[1:] + members[:1], strict=True
-            ):
-                if after != name:  # split here -> split in the next one too (a cycle: all or none)
-                    others = tuple(j for j in range(len(self.strat_of[after])) if j not in after_split)
-                    rules.append(FollowsInputs(name, split, ((after, others),)))
-                if weight is not None:  # split here -> the weight stored split on the expert dim
-                    stored = tuple(j for j, o in enumerate(self.param_options[weight]) if o != "S0")
-                    rules.append(FollowsInputs(name, split, ((weight, stored),)))
+            for (name, region), (after, after_region) in zip(group, group[1:] + group[:1], strict=True):
+                if after != name:  # region here -> region in the next one too (a cycle: all or none)
+                    others = tuple(j for j in range(len(self.strat_of[after])) if j not in after_region)
+                    rules.append(FollowsInputs(name, region, ((after, others),)))
+            first, first_region = group[0]
+            for name, split in replicated.get(module, []):  # region -> the routing indices replicated
+                rules.append(FollowsInputs(first, first_region, ((name, split),)))
+            for weight in sorted(params[module]):  # region -> every expert-split parameter stored so
+                stored = tuple(j for j, o in enumerate(self.param_options[weight]) if o != "S0")
+                rules.append(FollowsInputs(first, first_region, ((weight, stored),)))
         return rules
 
-    def _expert_weight_node(self, node: OpNode) -> str | None:
-        """The parameter node of the stacked expert weight a grouped GEMM reads (through its views), if any."""
-        if len(node.inputs) < 2:
-            return None
-        root = view_root(self.graph, self.tied, self.producer, node.inputs[1])
+    def _param_node_of(self, vid: int) -> str | None:
+        """The parameter node of a value that is a parameter, or a view of one, if any."""
+        root = view_root(self.graph, self.tied, self.producer, vid)
         pvid = viewed_param(self.graph, self.tied, self.producer, root)
         if pvid is None:
             value = self.graph.values[root]
@@ -1498,7 +1537,7 @@ class _ProblemBuilder:
 
     def _snapshots_uncached(self) -> tuple[_Snapshot, list[_Snapshot], list[_Snapshot], list[_Snapshot]]:
         graph, units = self.graph, self.units
-        step = unroll(graph)
+        step = _unrolled(graph)
         moments = [_block_moment(graph, step, unit, Phase.BACKWARD, "peak") for unit in units]
         moments += [_block_moment(graph, step, unit, Phase.BACKWARD, "start") for unit in units]
         moments += [_block_moment(graph, step, unit, Phase.FORWARD, "peak") for unit in units]
@@ -1973,9 +2012,17 @@ def _optimizer_time(graph: StepGraph, spec: DeviceSpec) -> float:
     return sum(times[n.index] for n in graph.nodes if n.phase is Phase.OPTIMIZER)
 
 
+def _unrolled(graph: StepGraph) -> UnrolledStep:
+    """``unroll(graph)``, kept on the graph: every problem built from one step (data-parallel modes, the
+    planner's relaxations) reads the same full-depth timeline, and a captured step does not change."""
+    if "_unrolled" not in graph.__dict__:
+        graph.__dict__["_unrolled"] = unroll(graph)
+    return graph.__dict__["_unrolled"]
+
+
 def _optimizer_temp_ratio(graph: StepGraph) -> float:
     """The optimizer step's temporary bytes at their peak, per byte of trainable parameter."""
-    step = unroll(graph)
+    step = _unrolled(graph)
     opt_positions = [pos for pos, i in enumerate(step.order) if graph.nodes[i].phase is Phase.OPTIMIZER]
     if not opt_positions:
         return 0.0

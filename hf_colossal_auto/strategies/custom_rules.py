@@ -132,39 +132,11 @@ def factory_rule(node: OpNode, graph: StepGraph, mesh_shape: tuple[int, ...]) ->
     return [Strategy((), (r,) * len(node.outputs), "custom")]
 
 
-def grouped_mm_expert_parallel_rule(
-    node: OpNode, graph: StepGraph, mesh_shape: tuple[int, ...]
-) -> list[Strategy]:
-    """Expert parallelism for ``_grouped_mm(mat1, mat2, offs)`` (MoE experts), offered next to DTensor's rule.
-
-    The rows reach the grouped GEMMs sorted by expert, so under the uniform-load assumption
-    (``capture.moe.UNIFORM_LOAD``: every expert gets ``S / E`` rows) splitting the experts ``n`` ways splits the
-    sorted rows ``n`` ways with them: rank ``r`` multiplies rows ``[r S/n, (r+1) S/n)`` by experts
-    ``[r E/n, (r+1) E/n)``. Forward and input gradient (2-D rows x 3-D weights): ``(S0, S0, R) -> S0``; weight
-    gradient (rows^T x rows, grouped over the rows): ``(S1, S0, R) -> S0``. Dispatch is then the local slice
-    of the replicated sorted rows, combine the gather of the rows before they are put back in token order
-    (an all-gather on the tensor-parallel axis, whose ranks hold the same tokens), and the input gradient a
-    reduction: what the ILP prices. DTensor's rule has no expert-dim split of a 2-D x 3-D product, and these
-    strategies hold only on average, so the runtime runs the experts module of such a plan as one region
-    with the real routing (``apply/moe.py``).
-    """
-    if len(node.inputs) != 3 or len(node.outputs) != 1:
-        return []
-    a, b = (len(_shape(graph, v)) for v in node.inputs[:2])
-    if (a, b) == (2, 3):
-        ep: SingleDimRule = ([shard(0), shard(0), REPLICATE], [shard(0)])
-    elif (a, b) == (2, 2):
-        ep = ([shard(1), shard(0), REPLICATE], [shard(0)])
-    else:
-        return []
-    return expand_single_dim_rules([([REPLICATE] * 3, [REPLICATE]), ep], len(mesh_shape), "custom")
-
-
-EXTRA_RULES: dict[str, CustomRule] = {
-    "aten._grouped_mm.default": grouped_mm_expert_parallel_rule,
-}
+EXTRA_RULES: dict[str, CustomRule] = {}
 """Op name -> rule whose strategies are offered *in addition to* DTensor's registered rule for the op (where
-DTensor's rule is right but lacks a strategy the runtime can run another way)."""
+DTensor's rule is right but lacks a strategy the runtime can run another way). Expert parallelism, which no
+per-op rule describes (the runtime runs a whole experts module as one region), is offered per module by
+:func:`hf_colossal_auto.strategies.moe.add_expert_region_strategies`."""
 
 
 def extra_strategies(node: OpNode, graph: StepGraph, mesh_shape: tuple[int, ...]) -> list[Strategy]:

@@ -13,6 +13,8 @@ For every node of the requested phases the enumerator asks, in order:
 
 Results are filtered to evenly sharded strategies and deduplicated, and cached per call signature: the
 blocks of a transformer repeat the same ops on the same shapes, so a 12-layer model costs about one layer.
+The ops of an MoE experts module then get the strategy of the runtime's expert-parallel region
+(:func:`.moe.add_expert_region_strategies`), which no per-op rule describes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .._torch_compat import detached_device_mesh, fake_process_group
 from ..capture.graph import OpNode, Phase, StepGraph, TensorRef, ValueKind
 from .custom_rules import custom_strategies, extra_strategies
 from .dtensor_rules import dtensor_rule_kind, dtensor_strategies, resolve_op
+from .moe import add_expert_region_strategies
 from .placements import Strategy, evenly_sharded, replicate_strategy
 
 logger = logging.getLogger(__name__)
@@ -247,6 +250,8 @@ def enumerate_strategies(
             "" if count == 1 else "s",
             shape,
         )
+    if Phase.FORWARD in wanted:
+        add_expert_region_strategies(graph, result, shape)
     return result
 
 

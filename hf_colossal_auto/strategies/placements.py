@@ -29,13 +29,15 @@ Placement = str
 """``"R"``, ``"P"`` (``"P(avg)"`` ...) or ``"S{d}"``."""
 PlacementSpec = tuple[Placement, ...]
 """One placement per mesh dim for one tensor."""
-StrategySource = Literal["dtensor", "custom", "replicate-fallback", "plain-tensor"]
+StrategySource = Literal["dtensor", "custom", "replicate-fallback", "plain-tensor", "expert-region"]
 
 REPLICATE: Placement = "R"
 PARTIAL: Placement = "P"
-SOURCES: tuple[str, ...] = ("dtensor", "custom", "replicate-fallback", "plain-tensor")
+SOURCES: tuple[str, ...] = ("dtensor", "custom", "replicate-fallback", "plain-tensor", "expert-region")
 """``plain-tensor``: the op reads no parameter and no model input (RoPE tables from buffers, masks from
-constants), so at run time it computes on ordinary tensors, the same on every rank: replicated, nothing else."""
+constants), so at run time it computes on ordinary tensors, the same on every rank: replicated, nothing else.
+``expert-region``: the op runs inside an experts module that the runtime runs expert-parallel as one local
+region (:func:`hf_colossal_auto.strategies.moe.add_expert_region_strategies`), not as DTensor decides."""
 
 _SHARD_RE = re.compile(r"^S(\d+)$")
 _PARTIAL_RE = re.compile(r"^P(?:\((sum|avg|max|min|product)\))?$")
