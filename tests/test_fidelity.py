@@ -170,6 +170,29 @@ def test_moe_plans_the_runtime_tests_run(preset, kind):
     assert (dict(ran.counts), dict(ran.bytes)) == (predicted, predicted_bytes)
 
 
+def test_the_solvers_expert_parallel_plan_runs_as_predicted():
+    """Mixtral at hidden 256, intermediate 1024, 8 experts, batch 4 x 64 on a 1 x 2 tensor-parallel mesh: the
+    solver itself chooses expert parallelism for every MoE layer (whole experts per rank, the runtime's region),
+    with its own use placements, and the collectives it predicts (counts and bytes) are what
+    ``simulate_collectives`` runs."""
+    from hf_colossal_auto.apply.simulate import simulate_collectives
+    from hf_colossal_auto.models import load_config
+
+    cfg = load_config("tiny-mixtral")
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts = 256, 1024, 8
+    cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    torch.manual_seed(0)
+    model = build_model(cfg, device="cpu")
+    model.eval()
+    batch = make_example_inputs(model, 4, 64, seed=0)
+    plan, predicted, predicted_bytes = _plan_and_prediction(model, batch, "auto")
+    assert set(plan.moe_layers.values()) == {"experts: EP×2"}
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ran = simulate_collectives(model, plan, batch)
+    assert (dict(ran.counts), dict(ran.bytes)) == (predicted, predicted_bytes)
+
+
 def _wider(preset: str) -> nn.Module:
     """The preset at hidden 256, vocab 2000 (:func:`multiproc.common.wider_model`, which the real-rank fidelity
     check runs too)."""
