@@ -254,3 +254,25 @@ def test_cli_plan_takes_a_routing_histogram(tmp_path, capsys):
     RoutingLoad({LAYERS[0]: [1, 2, 3, 4]}).save(histogram)
     assert main([*command, "--routing-histogram", str(histogram)]) != 0
     assert "model.layers.1.mlp.experts" in capsys.readouterr().err
+
+
+def test_the_solvers_own_plan_leaves_expert_parallelism_under_a_skewed_load():
+    """The solver's own plan for Mixtral at hidden 256 with 8 experts (batch 4 x 64, 1 x 2 mesh; the fidelity
+    test's expert-parallel plan) runs every layer expert-parallel under uniform routing and under a flat
+    histogram (the same plan, the same prediction); with a quarter more rows on one rank's experts it splits
+    every expert instead, predicted slower than the uniform plan."""
+    config = load_config("tiny-mixtral")
+    config.hidden_size, config.intermediate_size, config.num_local_experts = 256, 1024, 8
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    model = build_model(config, device="meta")
+    batch = make_example_inputs(model, 4, 64, device="meta")
+
+    def plan(routing):
+        return plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(1, 2), routing=routing)
+
+    uniform, flat = plan(None), plan({f: [9] * 8 for f in LAYERS})
+    skewed = plan({f: [100] * 4 + [60] * 4 for f in LAYERS})
+    assert set(uniform.moe_layers.values()) == {"experts: EP×2"}
+    assert (flat.moe_layers, flat.step_time_s) == (uniform.moe_layers, uniform.step_time_s)
+    assert set(skewed.moe_layers.values()) == {"experts: TP×2"}
+    assert skewed.step_time_s > uniform.step_time_s
