@@ -15,7 +15,8 @@ stacked expert weights (``gate_up_proj``/``up_proj`` and ``down_proj``, dim 0 th
   which the solver may prefer at small widths).
 
 Routing costs that depend on which expert gets which rows assume uniform load
-(:data:`hf_colossal_auto.capture.moe.UNIFORM_LOAD`).
+(:data:`hf_colossal_auto.capture.moe.UNIFORM_LOAD`) unless the plan is made with a measured routing histogram
+(:class:`hf_colossal_auto.capture.moe.RoutingLoad`): then each layer's busiest expert-parallel rank.
 """
 
 from __future__ import annotations
