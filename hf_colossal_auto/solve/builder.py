@@ -1537,7 +1537,7 @@ class _ProblemBuilder:
 
     def _snapshots_uncached(self) -> tuple[_Snapshot, list[_Snapshot], list[_Snapshot], list[_Snapshot]]:
         graph, units = self.graph, self.units
-        step = unroll(graph)
+        step = _unrolled(graph)
         moments = [_block_moment(graph, step, unit, Phase.BACKWARD, "peak") for unit in units]
         moments += [_block_moment(graph, step, unit, Phase.BACKWARD, "start") for unit in units]
         moments += [_block_moment(graph, step, unit, Phase.FORWARD, "peak") for unit in units]
@@ -2012,9 +2012,17 @@ def _optimizer_time(graph: StepGraph, spec: DeviceSpec) -> float:
     return sum(times[n.index] for n in graph.nodes if n.phase is Phase.OPTIMIZER)
 
 
+def _unrolled(graph: StepGraph) -> UnrolledStep:
+    """``unroll(graph)``, kept on the graph: every problem built from one step (data-parallel modes, the
+    planner's relaxations) reads the same full-depth timeline, and a captured step does not change."""
+    if "_unrolled" not in graph.__dict__:
+        graph.__dict__["_unrolled"] = unroll(graph)
+    return graph.__dict__["_unrolled"]
+
+
 def _optimizer_temp_ratio(graph: StepGraph) -> float:
     """The optimizer step's temporary bytes at their peak, per byte of trainable parameter."""
-    step = unroll(graph)
+    step = _unrolled(graph)
     opt_positions = [pos for pos, i in enumerate(step.order) if graph.nodes[i].phase is Phase.OPTIMIZER]
     if not opt_positions:
         return 0.0

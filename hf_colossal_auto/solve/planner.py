@@ -100,7 +100,9 @@ def _global_batch(example_inputs: Mapping[str, Any]) -> int:
 
 def _first_rows(example_inputs: Mapping[str, Any], rows: int) -> dict[str, Any]:
     """The batch cut to its first ``rows`` rows: one micro-batch of one replica."""
-    return {k: v[:rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in example_inputs.items()}
+    return {
+        k: v[:rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in example_inputs.items()
+    }
 
 
 class _Planner:
@@ -356,6 +358,8 @@ class _Search:
         """Solve one candidate, record it, keep it if it is the fastest that fits; its plan (None: infeasible).
         ``dp_mode`` is the search's key (:func:`_split_mode`: "hsdp:16" names its shard group)."""
         mode, shard = _split_mode(dp_mode)
+        if self._accumulation_rules_out(mesh, dp_mode, micro_batches):
+            return None
         try:
             built, solution = self.planner.solve_mesh(
                 mesh, mode, micro_batches=micro_batches, dp_shard_size=shard
@@ -484,6 +488,38 @@ class _Search:
             # solved after all then (:meth:`run_deferred`)
             self.deferred.append((mesh, dp_mode, micro_batches, floor))
         return True
+
+    def _accumulation_rules_out(self, mesh: tuple[int, int], dp_mode: str, micro_batches: int) -> bool:
+        """Whether a micro-batched candidate cannot fit, known without its ILP (recorded with that floor): with
+        k > 1 pieces every trained parameter's accumulated gradient is alive whole over the data-parallel ranks
+        until the last piece (the builder's ``accumulated_grad_terms``), on top of the model state. Their floor —
+        state over tensor- and data-parallel sharing, gradients over tensor-parallel ranks only — does not fall
+        with k, so one test covers every count. Only applied once a plan is in hand: where nothing fits, the
+        ILPs are solved anyway so that the error states the least memory a plan needs."""
+        if micro_batches == 1 or self.best is None:
+            return False
+        floor = _accumulation_floor(
+            self.planner.any_graph(mesh[0], micro_batches), mesh[1], self._shard(mesh, dp_mode)
+        )
+        if floor <= self.planner.budget:
+            return False
+        logger.debug(
+            "mesh %s %s: %d micro-batches need %d bytes of state and gradients",
+            mesh,
+            dp_mode,
+            micro_batches,
+            floor,
+        )
+        self._record_infeasible(mesh, dp_mode, micro_batches, floor)
+        return True
+
+    def _shard(self, mesh: tuple[int, int], dp_mode: str) -> int:
+        """Data-parallel ranks sharing a parameter's state under the search key ``dp_mode``: 1 under DDP, the
+        whole axis under FSDP, the shard group under HSDP ("hsdp:16"; bare "hsdp": the cluster's default)."""
+        mode, shard = _split_mode(dp_mode)
+        if mode == "hsdp":
+            return shard or self.planner.cluster.hybrid_shard_size(mesh) or 1
+        return mesh[0] if mode == "fsdp" else 1
 
     def run_deferred(self, search_micro_batches: bool) -> None:
         """Where no plan fits: the candidates :meth:`ruled_out` set aside whose floor is under the least memory
@@ -657,6 +693,13 @@ def _model_state_floor(graph: StepGraph, ranks: int) -> int:
     """Bytes per device no plan can go below: every parameter and its optimizer state split evenly over
     ``ranks`` (gradients, activations and replicated leftovers come on top)."""
     return math.ceil((graph.total_param_bytes + graph.total_optimizer_state_bytes) / ranks)
+
+
+def _accumulation_floor(graph: StepGraph, tp: int, shard: int) -> int:
+    """Bytes per device no plan in k > 1 micro-batches can go below: the model state over the ``tp x shard``
+    ranks sharing it, and every trained parameter's accumulated gradient, split over tensor-parallel ranks
+    only (it stays whole over data-parallel ranks until the last micro-batch's synchronisation)."""
+    return _model_state_floor(graph, tp * shard) + math.ceil(graph.trainable_param_bytes / tp)
 
 
 def _best_case(plan: Plan) -> float:
