@@ -28,7 +28,7 @@ all-reduce Megatron's "f" operator performs); a sharded input gets a sharded gra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..hardware.catalog import LinkSpec
 from ..hardware.comm import collective_time
@@ -52,11 +52,22 @@ class AxisComm:
     the link has a fit measured through it, that fit prices the whole call (copies and bookkeeping included,
     so no separate call overhead)."""
 
+    _times: dict[tuple[str, float], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+    """Seconds already priced, by (kind, bytes): a problem prices the same few tensor sizes hundreds of
+    thousands of times (every producer/consumer pair of strategies of every edge)."""
+
     def time(self, kind: str, nbytes: float) -> float:
         if self.size == 1 or nbytes == 0:
             return 0.0
-        overhead = 0.0 if self.link.measured_through(self.via, kind) else self.call_overhead_s
-        return collective_time(kind, nbytes, self.size, self.link, self.via) + overhead
+        key = (kind, nbytes)
+        seconds = self._times.get(key)
+        if seconds is None:
+            overhead = 0.0 if self.link.measured_through(self.via, kind) else self.call_overhead_s
+            seconds = collective_time(kind, nbytes, self.size, self.link, self.via) + overhead
+            self._times[key] = seconds
+        return seconds
 
 
 DP_MODES = ("ddp", "fsdp", "hsdp")
