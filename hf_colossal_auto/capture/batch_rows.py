@@ -143,6 +143,12 @@ def same_step(a: Any, b: Any) -> bool:
         return True
     if type(a) is not type(b):
         return False
+    try:  # the common case, at C speed: only a handle somewhere inside makes ``==`` fail
+        equal = a == b
+        if isinstance(equal, bool):
+            return equal
+    except (NotImplementedError, RuntimeError, TypeError):
+        pass
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same_step(p, q) for p, q in zip(a, b, strict=True))
     if isinstance(a, dict):
