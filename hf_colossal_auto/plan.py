@@ -120,6 +120,12 @@ class Plan:
     moe_routing: dict[str, list[int]] = field(default_factory=dict)
     """Under a measured load: experts module FQN -> rows routed to each expert (the histogram the plan was
     priced with, :class:`hf_colossal_auto.capture.moe.RoutingLoad`). Empty under uniform routing."""
+    expert_data_parallel: list[str] = field(default_factory=list)
+    """Mixture-of-experts layers whose experts are sharded over the *data-parallel* axis (expert parallelism
+    over ranks that hold different tokens, DDP only): experts module FQNs. Each data-parallel rank stores
+    ``E/dp`` whole experts (their ``param_placements`` are ``["S0", ...]``), the tokens of the group are
+    all-gathered into the layer and its output reduce-scattered back (:mod:`hf_colossal_auto.apply.moe`).
+    Empty otherwise, and in plans written before it existed."""
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:

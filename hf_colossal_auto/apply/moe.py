@@ -219,3 +219,168 @@ def install_expert_parallel_regions(model: nn.Module, plan: Plan) -> list[str]:
     if installed:
         logger.info("expert parallelism (local dispatch, partial combine) in %d MoE layers", len(installed))
     return installed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expert parallelism over the data-parallel axis
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _all_gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Rows of every rank of ``group``, rank order (a functional all-gather, so the collective recorders count
+    it as DTensor's own)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_gather_single(t.contiguous(), 0, group))
+
+
+def _reduce_scatter_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's block of rows of the sum over ``group`` (a functional reduce-scatter)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.reduce_scatter_single(t.contiguous(), "sum", 0, group))
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather of rows over a data-parallel group; backward: the reduce-scatter (sum) of the gradient, so
+    each rank gets the gradient of its own rows summed over every rank's use of them."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_rows(t, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_rows(grad, ctx.group), None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Reduce-scatter (sum) of rows over a data-parallel group; backward: the all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_rows(t, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_rows(grad, ctx.group), None
+
+
+def expert_data_parallel_weights(module: nn.Module) -> list[str]:
+    """The parameters of an experts module that are per expert (dim 0 the expert): stored ``E/dp`` experts
+    per data-parallel rank under expert parallelism over the data-parallel axis."""
+    return [
+        name
+        for name, param in module.named_parameters(recurse=False)
+        if param.dim() >= 1 and param.shape[0] == module.num_experts
+    ]
+
+
+def expert_data_parallel_forward(
+    module: nn.Module, original: Callable[..., Any], dp_mesh: Any
+) -> Callable[..., Any]:
+    """``module.forward`` with its experts sharded over the data-parallel group ``dp_mesh`` (a 1-D mesh), each
+    rank holding different tokens: a fixed-size exchange, so that every collective's bytes are known before
+    the step runs (a routing-dependent all-to-all's are not):
+
+    * *dispatch*: the group's tokens, routing weights and indices all-gathered (``dp·T`` rows on every rank);
+    * every rank runs its ``E/dp`` experts on the (token, expert) pairs routed to them, the others marked as
+      transformers' expert-parallel sentinels (zero weight), as :func:`expert_parallel_forward` does;
+    * *combine*: the ``(dp·T, H)`` partial outputs reduce-scattered (summed), each rank keeping its tokens.
+
+    Backward mirrors it (autograd through :class:`_GatherRows`/:class:`_ScatterRows`): the output gradient
+    all-gathered, the tokens' and routing weights' gradients reduce-scattered. Each rank's expert gradients
+    are then the sum over every rank's tokens (every rank's loss); the gradient synchronisation divides them by
+    ``dp``, as DDP averages (:func:`hf_colossal_auto.apply.runtime.register_gradient_sync`). Tokens that come in
+    as DTensors on the tensor-parallel mesh are made replicated there; the output leaves replicated."""
+    group = dp_mesh
+    size, rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    per_rank = module.num_experts // size
+
+    @functools.wraps(original)
+    def forward(hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+        out_mesh = next(
+            (t.device_mesh for t in (hidden_states, top_k_weights, top_k_index) if isinstance(t, DTensor)),
+            None,
+        )
+
+        def local_input(t: Any) -> torch.Tensor:
+            if not isinstance(t, DTensor):
+                return t
+            if not all(isinstance(p, Replicate) for p in t.placements):
+                t = t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
+            return t.to_local()
+
+        hidden, weights, index = (local_input(t) for t in (hidden_states, top_k_weights, top_k_index))
+        hidden = _GatherRows.apply(hidden, group)
+        weights = _GatherRows.apply(weights, group)
+        index = _all_gather_rows(index, group)
+        local_index = index - rank * per_rank
+        mine = (local_index >= 0) & (local_index < per_rank)
+        local_index = torch.where(mine, local_index, torch.full_like(local_index, per_rank))  # sentinel
+        weights = weights * mine.to(weights.dtype)
+        view = copy.copy(module)  # the same module with this rank's experts as plain tensors
+        view.__dict__["_parameters"] = {}
+        for name, param in module._parameters.items():
+            if param is not None:
+                view.__dict__[name] = param.to_local() if isinstance(param, DTensor) else param
+        view.__dict__["num_experts"] = per_rank
+        view.__dict__["_is_expert_parallel"] = True
+        out = type(module).forward(view, hidden, local_index, weights)
+        out = _ScatterRows.apply(out, group)
+        if out_mesh is None:
+            return out
+        return DTensor.from_local(out, out_mesh, [Replicate()] * out_mesh.ndim, run_check=False)
+
+    return forward
+
+
+def check_expert_data_parallel(model: nn.Module, plan: Plan) -> None:
+    """Refuse, with what to do, a plan whose expert parallelism over the data-parallel axis this runtime
+    cannot run: only under DDP, on a data-parallel axis that divides each listed module's experts, with those
+    modules' per-expert weights stored ``["S0", "R"]`` (split over dp, replicated over tp)."""
+    if not plan.expert_data_parallel:
+        return
+    if plan.dp_mode != "ddp":
+        raise ValueError(
+            f"expert parallelism over the data-parallel axis runs under DDP only, the plan is {plan.dp_mode!r}: "
+            "re-plan (the planner offers it under DDP only) or drop Plan.expert_data_parallel"
+        )
+    dp = plan.dp_size
+    modules = experts_modules(model)
+    for fqn in plan.expert_data_parallel:
+        module = modules.get(fqn)
+        if module is None:
+            raise ValueError(f"Plan.expert_data_parallel names {fqn}, which is not an experts module of the model")
+        if dp < 2 or module.num_experts % dp:
+            raise ValueError(
+                f"expert parallelism over the data-parallel axis for {fqn}: {module.num_experts} experts over "
+                f"{dp} data-parallel ranks (needs dp >= 2 dividing the experts)"
+            )
+        for name in expert_data_parallel_weights(module):
+            placed = list(plan.param_placements.get(f"{fqn}.{name}", []))
+            if placed[:1] != ["S0"] or any(p != "R" for p in placed[1:]):
+                raise ValueError(
+                    f"Plan.expert_data_parallel names {fqn} but places {fqn}.{name} {placed}: its per-expert "
+                    "weights must be stored ['S0', 'R'] (whole experts per data-parallel rank)"
+                )
+
+
+def install_expert_data_parallel_regions(model: nn.Module, plan: Plan, mesh: Any) -> list[str]:
+    """Run every experts module ``plan.expert_data_parallel`` names with its experts sharded over the
+    data-parallel axis of ``mesh`` (:func:`expert_data_parallel_forward`). Returns their FQNs."""
+    if not plan.expert_data_parallel:
+        return []
+    dp_mesh = mesh["dp"]
+    modules = experts_modules(model)
+    for fqn in plan.expert_data_parallel:
+        module = modules[fqn]
+        module.forward = expert_data_parallel_forward(module, module.forward, dp_mesh)
+    logger.info(
+        "expert parallelism over the data-parallel axis (all-gather dispatch, reduce-scatter combine) in %d MoE "
+        "layers",
+        len(plan.expert_data_parallel),
+    )
+    return list(plan.expert_data_parallel)
