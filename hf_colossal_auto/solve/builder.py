@@ -1840,7 +1840,11 @@ class _ProblemBuilder:
     def _out_shard(self, st: Strategy, c: int | None = None) -> float:
         """How many ways a strategy splits node ``c``'s (first) output: what its held bytes are divided by. The
         rows of an expert-parallel grouped GEMM under a measured routing load split as the busiest rank holds
-        them (the mean skew over the layers the node stands for: bytes add up over them)."""
+        them (the mean skew over the layers the node stands for: bytes add up over them). An op of an experts
+        module run expert-parallel over the data-parallel axis holds the ``dp·T`` gathered tokens' values: dp
+        times its traced bytes (the grouped GEMMs' outputs too: allocated for every row, sentinels included)."""
+        if c is not None and c in self.expert_dp_nodes:
+            return 1.0 / self.dp
         ways = shard_factor(st.output_placements[0][self.axis] if st.output_placements else None, self.tp)
         skews = self.expert_skews.get(c) if c is not None else None
         if skews and ways > 1 and is_expert_parallel(self.graph, self.graph.nodes[c], st, self.axis):

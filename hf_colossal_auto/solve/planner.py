@@ -872,7 +872,10 @@ def plan_model(
     step consumes across all data-parallel ranks). ``memory_budget`` is per device, in bytes or a string like
     ``"40GiB"``; None means the device's memory minus the margin of
     :func:`hf_colossal_auto.hardware.memory_budget_default`. ``dp_modes`` are the data-parallel modes tried on
-    meshes with a data-parallel axis ("ddp", "fsdp", "hsdp"; HSDP only where that axis crosses nodes). ``recompute``: "auto" chooses activation recompute per
+    meshes with a data-parallel axis ("ddp", "fsdp", "hsdp"; HSDP only where that axis crosses nodes). With
+    "ddp", MoE models also try DDP with every layer's experts sharded over the data-parallel axis (on (dp, 1)
+    meshes whose dp divides every layer's experts: :mod:`hf_colossal_auto.apply.moe`), which ``"ddp-ep"`` alone
+    asks for by name. ``recompute``: "auto" chooses activation recompute per
     block jointly with the sharding (one ILP); "none" and "full" fix it for every block; "two-stage" shards
     first and then chooses recompute (a baseline). ``micro_batches``: None searches it — each replica's batch
     (global / dp) runs in k pieces with gradients accumulated and synchronised once, tried where the batch in
@@ -881,9 +884,11 @@ def plan_model(
     e.g. from :func:`~hf_colossal_auto.capture.moe.measure_routing` on one real batch, or the path of its JSON);
     expert parallelism is then priced by each layer's busiest rank. None assumes routing uniform over experts.
     """
-    unknown = sorted(set(dp_modes) - set(DP_MODES))
+    unknown = sorted(set(dp_modes) - {*DP_MODES, EXPERT_DP_KEY})
     if unknown or not dp_modes:
-        raise ValueError(f"dp_modes must be a non-empty subset of {DP_MODES}, got {dp_modes!r}")
+        raise ValueError(
+            f"dp_modes must be a non-empty subset of {(*DP_MODES, EXPERT_DP_KEY)}, got {dp_modes!r}"
+        )
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     if micro_batches is not None and micro_batches < 1:
@@ -906,14 +911,16 @@ def plan_model(
     search = _Search(planner)
     for mesh in _search_order(planner, _meshes(planner, mesh_shape, micro_batches or 1)):
         for dp_mode in dp_modes if mesh[0] > 1 else ("ddp",):
-            if dp_mode == "hsdp":
+            if dp_mode == EXPERT_DP_KEY:  # asked for by name: only where it is offered
+                candidates = [(EXPERT_DP_KEY, 1)] if _expert_dp_offered(model, mesh) else []
+            elif dp_mode == "hsdp":
                 # none where the data-parallel axis stays in a node (FSDP is as good) or nodes do not split it
                 candidates = _hsdp_candidates(planner.cluster, mesh)[::-1]  # largest first: prunes the rest
             else:
                 candidates = [
                     (dp_mode, mesh[0] if dp_mode == "fsdp" else 1)
                 ]  # ranks sharing the state with tp
-                if dp_mode == "ddp" and _expert_dp_offered(model, mesh):
+                if dp_mode == "ddp" and EXPERT_DP_KEY not in dp_modes and _expert_dp_offered(model, mesh):
                     candidates.append((EXPERT_DP_KEY, 1))  # the experts sharded over the replicas
             for key, shard in candidates:
                 if search.ruled_out(mesh, key, shard, micro_batches or 1):
