@@ -353,7 +353,9 @@ def check_expert_data_parallel(model: nn.Module, plan: Plan) -> None:
     for fqn in plan.expert_data_parallel:
         module = modules.get(fqn)
         if module is None:
-            raise ValueError(f"Plan.expert_data_parallel names {fqn}, which is not an experts module of the model")
+            raise ValueError(
+                f"Plan.expert_data_parallel names {fqn}, which is not an experts module of the model"
+            )
         if dp < 2 or module.num_experts % dp:
             raise ValueError(
                 f"expert parallelism over the data-parallel axis for {fqn}: {module.num_experts} experts over "

@@ -177,7 +177,9 @@ def distribute_parameters(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> dic
             # a meta parameter stays on meta (no values to scatter): materialize_meta_model allocates its shards
             source = None if local.is_meta else 0
             if fqn in over_dp:  # experts sharded over the data-parallel axis: the whole mesh, split on dp
-                dt = distribute_tensor(local, mesh, [to_placement(p) for p in placements], src_data_rank=source)
+                dt = distribute_tensor(
+                    local, mesh, [to_placement(p) for p in placements], src_data_rank=source
+                )
             else:
                 dt = distribute_tensor(
                     local, tp_mesh, [to_placement(placements[tp_axis])], src_data_rank=source

@@ -1148,7 +1148,9 @@ class _ProblemBuilder:
             )
         self.expert_dp = expert_exchanges(self.graph, self.tied, self.dp)
         if not self.expert_dp:
-            raise ValueError("expert parallelism over the data-parallel axis: the model has no experts module")
+            raise ValueError(
+                "expert parallelism over the data-parallel axis: the model has no experts module"
+            )
         for module, exchange in self.expert_dp.items():
             if exchange.num_experts % self.dp:
                 raise ValueError(
@@ -1188,7 +1190,8 @@ class _ProblemBuilder:
         """One node (a single option) for the exchange's collectives on the data-parallel link, every
         micro-batch, every layer; the region waits for each (not overlapped)."""
         seconds = self.micro_batches * sum(
-            exchange.layers * sum(self.dp_comm.time(kind, priced) for kind, _given, priced in exchange.collectives)
+            exchange.layers
+            * sum(self.dp_comm.time(kind, priced) for kind, _given, priced in exchange.collectives)
             for exchange in self.expert_dp.values()
         )
         self.nodes.append(DecisionNode(EXPERT_DP_NODE, [seconds], ["all-gather in, reduce-scatter out"]))

@@ -41,6 +41,16 @@ def _model(name: str):
     return build_model(cfg, device="cpu")
 
 
+def _counting(all_reduce, reduced: list):
+    """``all_reduce`` recording each tensor it is given in ``reduced``."""
+
+    def counted(tensor, *args, **kwargs):
+        reduced.append(tensor)
+        return all_reduce(tensor, *args, **kwargs)
+
+    return counted
+
+
 def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | None, out_dir: str) -> dict:
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
     from hf_colossal_auto.apply.checkpoint import consolidated_state_dict
@@ -79,7 +89,7 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
         recorder = _CollectiveRecorder()
         all_reduce, reduced = dist.all_reduce, []
         # DDP's gradient all-reduces are plain (not functional) collectives: counted by wrapping them
-        dist.all_reduce = lambda tensor, *a, **kw: reduced.append(tensor) or all_reduce(tensor, *a, **kw)
+        dist.all_reduce = _counting(all_reduce, reduced)
         try:
             with recorder:
                 loss = model(**local).loss
