@@ -24,6 +24,11 @@ tokens replicated over the group (gloo has none). The planner prices the region 
 (``strategies.moe.add_expert_region_strategies``: tokens, routing weights and indices redistributed to
 replicated on the way in, a partial sum out, partial gradients back), the grouped GEMMs' work under the
 uniform-load assumption or a measured histogram; the real load is whatever the router does.
+
+**Expert parallelism over the data-parallel axis** (``Plan.expert_data_parallel``, DDP): the replicas hold
+different tokens, so dispatch and combine exchange them — as a fixed-size all-gather of the tokens and routing
+in and a reduce-scatter of the output out (:func:`expert_data_parallel_forward`), whose bytes the planner
+predicts exactly on any backend (a routing-dependent all-to-all's could only be predicted on average).
 """
 
 from __future__ import annotations
