@@ -152,11 +152,24 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     equal one process's (fp32); every rank stores half the experts; the collectives one rank runs in a step —
     the exchange's all-gathers and reduce-scatters (counts and bytes) and DDP's all-reduces — are the plan's
     prediction; the consolidated export (``save_pretrained``) is the trained model, loads with
-    ``from_pretrained`` and equals the one-process model."""
+    ``from_pretrained`` and equals the one-process model. Then tiny Mixtral planned for 2 micro-batches per
+    replica: one accumulated step's gradients equal one process's on the same pieces, its collectives the
+    plan's."""
     out = tmp_path / "result.json"
     run_torchrun(str(ROOT / "tests" / "multiproc" / "check_expert_dp.py"), "--out", str(out), timeout=600)
     results = json.loads(out.read_text())
+    results, micro = results[:2], results[2]
     assert [r["model"] for r in results] == ["tiny-mixtral", "wide-mixtral"]
+    # 2 micro-batches per replica through accumulate: the exchange per piece, the experts' gradients divided
+    # by dp once, after the last piece
+    assert (micro["micro_batches"], micro["pieces"], micro["weights"]) == (2, 2, [0.5, 0.5])
+    assert micro["expert_data_parallel"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert micro["max_grad_diff"] < 1e-5
+    assert micro["ran"]["counts"] == {"all_gather": 16, "reduce_scatter": 12}
+    assert micro["ran"]["counts"] == {
+        k.removeprefix("dp_"): v for k, v in micro["predicted"]["counts"].items() if k != "dp_all_reduce"
+    }
+    assert micro["ran"]["bytes"] == {k.removeprefix("dp_"): v for k, v in micro["predicted"]["bytes"].items()}
     for result in results:
         name = result["model"]
         assert result["expert_data_parallel"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]

@@ -152,6 +152,70 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
     return result
 
 
+def run_micro_batches() -> dict:
+    """Tiny Mixtral under the "ddp-ep" plan made for 2 micro-batches per replica: one step through
+    :func:`hf_colossal_auto.accumulate` (the gradients of the experts divided by dp once, after the last piece)
+    against one process, and the collectives it ran against the plan's."""
+    from hf_colossal_auto import accumulate
+    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto.apply.simulate import _CollectiveRecorder
+    from hf_colossal_auto.models import make_example_inputs
+    from hf_colossal_auto.solve.planner import plan_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model("tiny-mixtral")
+    model.eval()
+    batch = make_example_inputs(model, 8, 16, seed=0)
+    reference = copy.deepcopy(model)
+    made = None
+    if rank == 0:
+        made = plan_model(
+            model,
+            batch,
+            num_devices=world,
+            device="cpu",
+            mesh_shape=(world, 1),
+            dp_modes=("ddp-ep",),
+            micro_batches=2,
+        )
+    plan = broadcast_plan(made)
+    autoparallelize(model, plan=plan)
+    per = 8 // world
+    # the same pieces in one process (the router's load-balancing loss is per forward, so pieces change it)
+    ref_loss = sum(
+        reference(**{k: v[start : start + per // 2] for k, v in batch.items()}).loss / 2
+        for start in range(0, 8, per // 2)
+    )
+    (ref_loss / world).backward()
+    local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+    recorder = _CollectiveRecorder()
+    pieces, weights = 0, []
+    with recorder:
+        for micro in accumulate(model, local):
+            (model(**micro.inputs).loss * micro.weight).backward()
+            pieces += 1
+            weights.append(float(micro.weight))
+    worst = 0.0
+    for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        worst = max(worst, float((grad - p_ref.grad).abs().max()))
+    result = {
+        "micro_batches": plan.micro_batches,
+        "pieces": pieces,
+        "weights": weights,
+        "expert_data_parallel": plan.expert_data_parallel,
+        "max_grad_diff": worst,
+        "ran": {"counts": dict(recorder.counts), "bytes": dict(recorder.bytes)},
+        "predicted": {
+            "counts": {k: v for k, v in plan.collectives.items() if k.startswith("dp_") and v},
+            "bytes": {k: v for k, v in plan.collective_bytes.items() if k.startswith("dp_") and v},
+        },
+    }
+    del model, reference
+    dist.barrier()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -165,6 +229,7 @@ def main() -> None:
         results = [
             run_case("tiny-mixtral", 4, 16, ("ddp-ep",), shared[0]),
             run_case("wide-mixtral", 2, 8, None, shared[0]),
+            run_micro_batches(),
         ]
         if dist.get_rank() == 0:
             with open(args.out, "w") as f:
