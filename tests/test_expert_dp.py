@@ -154,11 +154,15 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     prediction; the consolidated export (``save_pretrained``) is the trained model, loads with
     ``from_pretrained`` and equals the one-process model. Then tiny Mixtral planned for 2 micro-batches per
     replica: one accumulated step's gradients equal one process's on the same pieces, its collectives the
-    plan's."""
+    plan's. Last, a HF checkpoint loaded under the plan into a meta model gives one process's losses."""
     out = tmp_path / "result.json"
     run_torchrun(str(ROOT / "tests" / "multiproc" / "check_expert_dp.py"), "--out", str(out), timeout=600)
     results = json.loads(out.read_text())
-    results, micro = results[:2], results[2]
+    results, micro, pretrained = results[:2], results[2], results[3]
+    # a HF checkpoint loaded into a meta model under the plan: each rank reads its half of the experts
+    assert (pretrained["local_experts"], pretrained["experts"]) == (2, 4)
+    for got, want in pretrained["losses"]:
+        assert got == want
     assert [r["model"] for r in results] == ["tiny-mixtral", "wide-mixtral"]
     # 2 micro-batches per replica through accumulate: the exchange per piece, the experts' gradients divided
     # by dp once, after the last piece

@@ -216,6 +216,40 @@ def run_micro_batches() -> dict:
     return result
 
 
+def run_pretrained(out_dir: str) -> dict:
+    """A HF checkpoint of tiny Mixtral loaded into a meta model under the "ddp-ep" plan
+    (``autoparallelize(..., pretrained=...)``: each rank reads its own experts): every replica's loss equals the
+    one-process model's on its rows."""
+    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.solve.planner import plan_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = _model("tiny-mixtral")
+    reference.eval()
+    directory = os.path.join(out_dir, "pretrained")
+    if rank == 0:
+        reference.save_pretrained(directory)
+    dist.barrier()
+    batch = make_example_inputs(reference, 4, 16, seed=0)
+    made = None
+    if rank == 0:
+        made = plan_model(
+            reference, batch, num_devices=world, device="cpu", mesh_shape=(world, 1), dp_modes=("ddp-ep",)
+        )
+    model = build_model("tiny-mixtral", device="meta")
+    model.eval()
+    autoparallelize(model, plan=broadcast_plan(made), pretrained=directory)
+    per = 4 // world
+    local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+    with torch.no_grad():
+        got, want = float(model(**local).loss), float(reference(**local).loss)
+    pairs = [None] * world
+    dist.all_gather_object(pairs, (got, want))
+    stored = model.model.layers[0].mlp.experts.gate_up_proj
+    return {"losses": pairs, "local_experts": stored.to_local().shape[0], "experts": stored.shape[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -230,6 +264,7 @@ def main() -> None:
             run_case("tiny-mixtral", 4, 16, ("ddp-ep",), shared[0]),
             run_case("wide-mixtral", 2, 8, None, shared[0]),
             run_micro_batches(),
+            run_pretrained(shared[0]),
         ]
         if dist.get_rank() == 0:
             with open(args.out, "w") as f:
