@@ -198,9 +198,11 @@ class Plan:
     @property
     def dp_label(self) -> str:
         """The data-parallel mode as the summary and the frontier name it: "hsdp 2x4" is 2 replicas of
-        shard groups of 4."""
+        shard groups of 4; "ddp, experts over dp" has the MoE experts sharded over the replicas."""
         if self.dp_mode == "hsdp":
             return f"hsdp {self.dp_replicate_size}x{self.dp_shard_size}"
+        if self.expert_data_parallel:  # the MoE experts sharded over the replicas
+            return f"{self.dp_mode}, experts over dp"
         return self.dp_mode
 
     @property

@@ -54,6 +54,7 @@ def test_the_plan_names_it_and_stores_the_experts_split_over_dp():
     for fqn, placements in plan.param_placements.items():
         assert placements == (["S0", "R"] if fqn.endswith(EXPERT_WEIGHTS) else ["R", "R"]), fqn
     assert "experts: EP×2 (dp) in 2 layers" in plan.summary()
+    assert plan.dp_label == "ddp, experts over dp" and "data parallel: ddp, experts over dp" in plan.summary()
     assert Plan.from_dict(json.loads(plan.to_json())).expert_data_parallel == layers
     # evaluate_plan prices the plan as it was made
     again = evaluate_plan(model, batch, plan, num_devices=2, device="cpu").plan
