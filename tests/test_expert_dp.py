@@ -149,8 +149,8 @@ def test_scope_is_ddp_on_a_data_parallel_axis_dividing_the_experts():
 @pytest.mark.slow
 def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     """2 gloo ranks (``tests/multiproc/check_expert_dp.py``): tiny Mixtral under the "ddp-ep" plan and the wide
-    Mixtral under the planner's own choice (which is it). Two AdamW steps' losses and every first-step gradient
-    equal one process's (fp32); every rank stores half the experts; the collectives one rank runs in a step —
+    Mixtral under the planner's own choice (which is it). Two AdamW steps' losses, every first-step gradient and
+    the gradient norms ``clip_grad_norm_`` clips by equal one process's (fp32); every rank stores half the experts; the collectives one rank runs in a step —
     the exchange's all-gathers and reduce-scatters (counts and bytes) and DDP's all-reduces — are the plan's
     prediction; the consolidated export (``save_pretrained``) is the trained model, loads with
     ``from_pretrained`` and equals the one-process model. Then tiny Mixtral planned for 2 micro-batches per
@@ -182,6 +182,8 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
         assert result["max_grad_diff"] < 1e-5, name
         for got, want in zip(result["losses"], result["reference_losses"], strict=True):
             assert got == pytest.approx(want, abs=1e-5), name
+        for got, want in result["grad_norms"]:  # torch's clip_grad_norm_ over gradients on two meshes
+            assert got == pytest.approx(want, rel=1e-5), name
         weight = result["expert_weight"]
         assert weight["placements"] == ["S(0)", "R"] and weight["local_shape"][0] * 2 == weight["shape"][0]
         predicted, ran = result["predicted"], result["ran"]

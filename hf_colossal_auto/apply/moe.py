@@ -381,6 +381,7 @@ def install_expert_data_parallel_regions(model: nn.Module, plan: Plan, mesh: Any
     if not plan.expert_data_parallel:
         return []
     dp_mesh = mesh["dp"]
+    install_mixed_mesh_grad_norm()  # gradients on two meshes from now on
     modules = experts_modules(model)
     for fqn in plan.expert_data_parallel:
         module = modules[fqn]
@@ -391,3 +392,66 @@ def install_expert_data_parallel_regions(model: nn.Module, plan: Plan, mesh: Any
         len(plan.expert_data_parallel),
     )
     return list(plan.expert_data_parallel)
+
+
+_MIXED_MESH_NORM = "_hf_colossal_auto_mixed_mesh_norm"
+
+
+def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by DTensor mesh (plain tensors in a group of their own), in first-seen order."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        key = t.device_mesh if isinstance(t, DTensor) else None
+        groups.setdefault(key, []).append(t)
+    return list(groups.values())
+
+
+def install_mixed_mesh_grad_norm() -> None:
+    """Let ``torch.nn.utils.clip_grad_norm_`` take gradients on several meshes.
+
+    Under expert parallelism over the data-parallel axis the expert weights are DTensors on the whole
+    ``(dp, tp)`` mesh and the other parameters on its tensor-parallel part; torch's total norm stacks the
+    per-tensor norms, which DTensor refuses across meshes. The total norm is then taken per mesh (torch's own
+    code), each made a plain full tensor (the expert weights' norm summed over the data-parallel shards), and
+    combined; the result is a plain tensor, which scales the gradients of every mesh, one mesh at a time. Calls
+    with one mesh run torch's code unchanged. Process-wide, like the load-balancing region; idempotent."""
+    from torch.nn.utils import clip_grad
+
+    original = clip_grad._get_total_norm
+    if getattr(original, _MIXED_MESH_NORM, False):
+        return
+
+    @functools.wraps(original)
+    def total_norm(tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None):
+        listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        groups = _by_mesh(listed)
+        if len(groups) <= 1 or not any(isinstance(t, DTensor) for t in listed):
+            return original(listed, norm_type, error_if_nonfinite, foreach)
+        norms = []
+        for group in groups:
+            norm = original(group, norm_type, False, foreach)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms), float(norm_type))
+        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+                "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        return total
+
+    clip = clip_grad._clip_grads_with_norm_
+
+    @functools.wraps(clip)
+    def clip_with_norm(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach=None) -> None:
+        listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        groups = _by_mesh([p for p in listed if p.grad is not None])
+        if len(groups) <= 1:
+            return clip(listed, max_norm, total_norm, foreach)
+        for group in groups:  # torch's foreach product refuses gradients on several meshes in one call
+            clip(group, max_norm, total_norm, foreach)
+        return None
+
+    setattr(total_norm, _MIXED_MESH_NORM, True)
+    clip_grad._get_total_norm = total_norm
+    clip_grad._clip_grads_with_norm_ = clip_with_norm

@@ -5,7 +5,8 @@
 Two models, each on a 2 x 1 mesh (DDP) with every MoE layer's experts sharded over the data-parallel axis
 (``Plan.expert_data_parallel``): tiny Mixtral under the plan the planner makes when asked for that mode by name
 (``dp_modes=("ddp-ep",)``), and Mixtral at hidden 256, intermediate 1024, 8 experts, batch 2 x 8 under the
-planner's own choice (``plan_model`` with every mode). Each rank trains its replica's rows for two AdamW steps;
+planner's own choice (``plan_model`` with every mode). Each rank trains its replica's rows for two AdamW steps
+(gradients clipped to norm 1 by ``torch.nn.utils.clip_grad_norm_``, which the norms are recorded of);
 rank 0 writes, per model: the losses and the one-process reference's (the mean of the replicas' losses, what DDP
 computes), the largest first-step gradient difference, the collectives one rank ran in the first step's forward
 and backward (counted as the fidelity tests count them) and the plan's prediction, and after training the
@@ -75,7 +76,7 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
     per_replica = batch_rows // dp
     local = {k: v[rank * per_replica : (rank + 1) * per_replica] for k, v in batch.items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses, ref_losses, worst = [], [], 0.0
+    losses, ref_losses, worst, norms = [], [], 0.0, []
     ran: dict = {}
     for step in range(2):
         ref_loss = (
@@ -104,6 +105,13 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
             for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
                 grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                 worst = max(worst, float((grad - p_ref.grad).abs().max()))
+        # gradient clipping as the Trainer does it (the expert gradients live on another mesh than the rest)
+        norms.append(
+            (
+                float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)),
+                float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)),
+            )
+        )
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         opt.step()
@@ -133,6 +141,7 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
         "losses": losses,
         "reference_losses": ref_losses,
         "max_grad_diff": worst,
+        "grad_norms": norms,
         "ran": ran,
         "predicted": {
             "counts": {k: v for k, v in plan.collectives.items() if k.startswith("dp_") and v},
