@@ -155,11 +155,15 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     prediction; the consolidated export (``save_pretrained``) is the trained model, loads with
     ``from_pretrained`` and equals the one-process model. Then tiny Mixtral planned for 2 micro-batches per
     replica: one accumulated step's gradients equal one process's on the same pieces, its collectives the
-    plan's. Last, a HF checkpoint loaded under the plan into a meta model gives one process's losses."""
+    plan's. Then a HF checkpoint loaded under the plan into a meta model gives one process's losses, and the
+    sharded state saved after a step and loaded into a fresh model gives the uninterrupted run's next losses."""
     out = tmp_path / "result.json"
     run_torchrun(str(ROOT / "tests" / "multiproc" / "check_expert_dp.py"), "--out", str(out), timeout=600)
     results = json.loads(out.read_text())
-    results, micro, pretrained = results[:2], results[2], results[3]
+    results, micro, pretrained, resume = results[:2], results[2], results[3], results[4]
+    # sharded state saved and resumed (torch.distributed.checkpoint, optimizer state included): the same losses
+    for uninterrupted, resumed in resume["ranks"]:
+        assert resumed == uninterrupted
     # a HF checkpoint loaded into a meta model under the plan: each rank reads its half of the experts
     assert (pretrained["local_experts"], pretrained["experts"]) == (2, 4)
     for got, want in pretrained["losses"]:

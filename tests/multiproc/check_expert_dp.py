@@ -259,6 +259,54 @@ def run_pretrained(out_dir: str) -> dict:
     return {"losses": pairs, "local_experts": stored.to_local().shape[0], "experts": stored.shape[0]}
 
 
+def run_resume(out_dir: str) -> dict:
+    """Tiny Mixtral under the "ddp-ep" plan: one AdamW step, sharded state saved with
+    ``torch.distributed.checkpoint`` (``save_checkpoint``), two more steps; then a fresh model under the same
+    plan loads the state and runs the same two steps. Each rank's losses of both runs."""
+    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto.apply.checkpoint import load_checkpoint, save_checkpoint
+    from hf_colossal_auto.models import make_example_inputs
+    from hf_colossal_auto.solve.planner import plan_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    directory = os.path.join(out_dir, "resume")
+    model = _model("tiny-mixtral")
+    model.eval()
+    batch = make_example_inputs(model, 4, 16, seed=0)
+    made = None
+    if rank == 0:
+        made = plan_model(
+            model, batch, num_devices=world, device="cpu", mesh_shape=(world, 1), dp_modes=("ddp-ep",)
+        )
+    plan = broadcast_plan(made)
+    per = 4 // world
+    local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+
+    def step(model, opt) -> float:
+        loss = model(**local).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    autoparallelize(model, plan=plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, opt)
+    save_checkpoint(model, opt, directory)
+    uninterrupted = [step(model, opt), step(model, opt)]
+    fresh = _model("tiny-mixtral")
+    fresh.eval()
+    autoparallelize(fresh, plan=plan)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_checkpoint(fresh, fresh_opt, directory)
+    resumed = [step(fresh, fresh_opt), step(fresh, fresh_opt)]
+    pairs = [None] * world
+    dist.all_gather_object(pairs, (uninterrupted, resumed))
+    del model, fresh, opt, fresh_opt
+    dist.barrier()
+    return {"ranks": pairs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -274,6 +322,7 @@ def main() -> None:
             run_case("wide-mixtral", 2, 8, None, shared[0]),
             run_micro_batches(),
             run_pretrained(shared[0]),
+            run_resume(shared[0]),
         ]
         if dist.get_rank() == 0:
             with open(args.out, "w") as f:
