@@ -62,6 +62,31 @@ def test_the_plan_names_it_and_stores_the_experts_split_over_dp():
     assert again.collectives == plan.collectives and again.collective_bytes == plan.collective_bytes
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-qwen2-moe"])
+def test_other_families_run_what_is_predicted(preset):
+    """Qwen3-MoE and Qwen2-MoE (a shared expert beside the routed ones): the same exchange, simulated as
+    predicted (counts and bytes); DDP all-reduces every trained parameter but the expert weights."""
+    from hf_colossal_auto.apply.simulate import simulate_collectives
+
+    torch.manual_seed(0)
+    model = build_model(preset, device="cpu")
+    model.eval()
+    batch = make_example_inputs(model, 4, 16, seed=0)
+    plan = _expert_dp_plan(model, batch)
+    assert set(plan.moe_layers.values()) == {"experts: EP×2 (dp)"}
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ran = simulate_collectives(model, plan, {k: v[:2] for k, v in batch.items()})
+    predicted = {k.removeprefix("dp_"): int(v) for k, v in plan.collectives.items() if k != "dp_all_reduce"}
+    predicted_bytes = {k.removeprefix("dp_"): int(v) for k, v in plan.collective_bytes.items()}
+    assert predicted == {"all_gather": 8, "reduce_scatter": 6}
+    assert (dict(ran.counts), dict(ran.bytes)) == (predicted, predicted_bytes)
+    expert_weights = sum(1 for n in plan.param_placements if plan.param_placements[n][0] == "S0")
+    assert expert_weights == 4
+    trained = sum(1 for p in model.parameters() if p.requires_grad)
+    assert plan.collectives["dp_all_reduce"] == trained - expert_weights
+
+
 def test_predicted_collectives_equal_the_simulated_run():
     """One rank's forward + backward under the fake process group: the exchange's 4 all-gathers and 3
     reduce-scatters per MoE layer (tokens, routing weights, indices in; output out; the output gradient in;
@@ -149,7 +174,7 @@ def test_scope_is_ddp_on_a_data_parallel_axis_dividing_the_experts():
 @pytest.mark.slow
 def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     """2 gloo ranks (``tests/multiproc/check_expert_dp.py``): tiny Mixtral under the "ddp-ep" plan and the wide
-    Mixtral under the planner's own choice (which is it). Two AdamW steps' losses, every first-step gradient and
+    Mixtral under the planner's own choice (which is it), tiny Qwen2-MoE (shared expert) under "ddp-ep". Two AdamW steps' losses, every first-step gradient and
     the gradient norms ``clip_grad_norm_`` clips by equal one process's (fp32); every rank stores half the experts; the collectives one rank runs in a step —
     the exchange's all-gathers and reduce-scatters (counts and bytes) and DDP's all-reduces — are the plan's
     prediction; the consolidated export (``save_pretrained``) is the trained model, loads with
@@ -160,7 +185,7 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     out = tmp_path / "result.json"
     run_torchrun(str(ROOT / "tests" / "multiproc" / "check_expert_dp.py"), "--out", str(out), timeout=600)
     results = json.loads(out.read_text())
-    results, micro, pretrained, resume = results[:2], results[2], results[3], results[4]
+    results, micro, pretrained, resume = results[:3], results[3], results[4], results[5]
     # sharded state saved and resumed (torch.distributed.checkpoint, optimizer state included): the same losses
     for uninterrupted, resumed in resume["ranks"]:
         assert resumed == uninterrupted
@@ -168,7 +193,7 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     assert (pretrained["local_experts"], pretrained["experts"]) == (2, 4)
     for got, want in pretrained["losses"]:
         assert got == want
-    assert [r["model"] for r in results] == ["tiny-mixtral", "wide-mixtral"]
+    assert [r["model"] for r in results] == ["tiny-mixtral", "wide-mixtral", "tiny-qwen2-moe"]
     # 2 micro-batches per replica through accumulate: the exchange per piece, the experts' gradients divided
     # by dp once, after the last piece
     assert (micro["micro_batches"], micro["pieces"], micro["weights"]) == (2, 2, [0.5, 0.5])

@@ -797,7 +797,8 @@ def _expert_dp_offered(model: nn.Module, mesh: tuple[int, int]) -> bool:
     if dp < 2 or tp != 1:
         return False
     modules = experts_modules(model)
-    return bool(modules) and all(getattr(m, "num_experts", 0) % dp == 0 for m in modules.values())
+    counts = [int(getattr(m, "num_experts", 0) or 0) for m in modules.values()]
+    return bool(counts) and all(n > 0 and n % dp == 0 for n in counts)
 
 
 def _hsdp_candidates(cluster: ClusterSpec, mesh: tuple[int, int]) -> list[tuple[str, int]]:

@@ -2,10 +2,11 @@
 
     torchrun --nproc_per_node 2 tests/multiproc/check_expert_dp.py --out result.json
 
-Two models, each on a 2 x 1 mesh (DDP) with every MoE layer's experts sharded over the data-parallel axis
+Three models, each on a 2 x 1 mesh (DDP) with every MoE layer's experts sharded over the data-parallel axis
 (``Plan.expert_data_parallel``): tiny Mixtral under the plan the planner makes when asked for that mode by name
 (``dp_modes=("ddp-ep",)``), and Mixtral at hidden 256, intermediate 1024, 8 experts, batch 2 x 8 under the
-planner's own choice (``plan_model`` with every mode). Each rank trains its replica's rows for two AdamW steps
+planner's own choice (``plan_model`` with every mode), and tiny Qwen2-MoE (a shared expert next to the routed
+ones) under the "ddp-ep" plan. Each rank trains its replica's rows for two AdamW steps
 (gradients clipped to norm 1 by ``torch.nn.utils.clip_grad_norm_``, which the norms are recorded of);
 rank 0 writes, per model: the losses and the one-process reference's (the mean of the replicas' losses, what DDP
 computes), the largest first-step gradient difference, the collectives one rank ran in the first step's forward
@@ -32,9 +33,9 @@ from torch.distributed.tensor import DTensor
 def _model(name: str):
     from hf_colossal_auto.models import build_model, load_config
 
-    if name == "tiny-mixtral":
+    if name.startswith("tiny-"):
         torch.manual_seed(0)
-        return build_model("tiny-mixtral", device="cpu")
+        return build_model(name, device="cpu")
     cfg = load_config("tiny-mixtral")
     cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts = 256, 1024, 8
     cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -320,6 +321,9 @@ def main() -> None:
         results = [
             run_case("tiny-mixtral", 4, 16, ("ddp-ep",), shared[0]),
             run_case("wide-mixtral", 2, 8, None, shared[0]),
+            run_case(
+                "tiny-qwen2-moe", 4, 16, ("ddp-ep",), shared[0]
+            ),  # a shared expert next to the routed ones
             run_micro_batches(),
             run_pretrained(shared[0]),
             run_resume(shared[0]),
