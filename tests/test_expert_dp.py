@@ -87,6 +87,29 @@ def test_other_families_run_what_is_predicted(preset):
     assert plan.collectives["dp_all_reduce"] == trained - expert_weights
 
 
+def test_folded_blocks_count_every_layer():
+    """Five Mixtral layers, traced once and folded: the exchange is priced and predicted for all five (20
+    all-gathers, 15 reduce-scatters), as the simulated run issues them, and all ten expert weights are stored
+    split over dp and left out of DDP's all-reduces."""
+    from hf_colossal_auto.apply.simulate import simulate_collectives
+
+    cfg = load_config("tiny-mixtral")
+    cfg.num_hidden_layers = 5
+    torch.manual_seed(0)
+    model = build_model(cfg, device="cpu")
+    model.eval()
+    batch = make_example_inputs(model, 4, 16, seed=0)
+    plan = _expert_dp_plan(model, batch)
+    assert len(plan.expert_data_parallel) == 5
+    assert sum(1 for v in plan.param_placements.values() if v[0] == "S0") == 10
+    assert plan.collectives["dp_all_reduce"] == sum(1 for _ in model.parameters()) - 10
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ran = simulate_collectives(model, plan, {k: v[:2] for k, v in batch.items()})
+    assert dict(ran.counts) == {"all_gather": 20, "reduce_scatter": 15}
+    assert dict(ran.bytes) == {k.removeprefix("dp_"): int(v) for k, v in plan.collective_bytes.items()}
+
+
 def test_predicted_collectives_equal_the_simulated_run():
     """One rank's forward + backward under the fake process group: the exchange's 4 all-gathers and 3
     reduce-scatters per MoE layer (tokens, routing weights, indices in; output out; the output gradient in;
