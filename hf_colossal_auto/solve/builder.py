@@ -183,7 +183,8 @@ class ExpertExchange:
     (``apply/moe.py::expert_data_parallel_forward``): ``collectives`` are ``(kind, bytes one rank hands it,
     bytes the alpha-beta model prices)`` in step order — forward: the tokens, routing weights and indices
     all-gathered, the output reduce-scattered; backward: the output gradient all-gathered, the tokens' and
-    routing weights' gradients reduce-scattered. ``layers``: real MoE layers it stands for."""
+    routing weights' gradients reduce-scattered (those a gradient flows to). ``layers``: real MoE layers it stands
+    for."""
 
     num_experts: int
     layers: int
@@ -196,6 +197,7 @@ def expert_exchanges(graph: StepGraph, tied: TiedGraph, dp: int) -> dict[str, Ex
     weights (the other floating-point input) and the routing indices (integers), each ``T`` rows of one
     replica's tokens."""
     out: dict[str, ExpertExchange] = {}
+    grads = differentiable_values(graph)
     for module, (num_experts, first) in expert_regions(graph).items():
         if tied.canonical.get(first, first) != first:
             continue
@@ -231,10 +233,14 @@ def expert_exchanges(graph: StepGraph, tied: TiedGraph, dp: int) -> dict[str, Ex
             ("all_gather", w, dp * w),
             ("all_gather", x, dp * x),
             ("reduce_scatter", dp * o, dp * o),
-            ("all_gather", o, dp * o),  # backward
-            ("reduce_scatter", dp * h, dp * h),
-            ("reduce_scatter", dp * w, dp * w),
         ]
+        # backward, where a gradient flows (a frozen router's routing weights get none)
+        if outputs[0] in grads:
+            collectives.append(("all_gather", o, dp * o))
+        if hidden in grads:
+            collectives.append(("reduce_scatter", dp * h, dp * h))
+        if weights in grads:
+            collectives.append(("reduce_scatter", dp * w, dp * w))
         out[module] = ExpertExchange(num_experts, tied.multiplicity.get(first, 1), collectives)
     return out
 
@@ -993,6 +999,8 @@ class _ProblemBuilder:
         # ------------------------------------------------------------ derived from the graph
         self.tied = TiedGraph.build(graph)
         self.expert_skews = _expert_skews(graph, self.tied, routing, self.tp)
+        """Canonical grouped GEMM -> ((busiest rank's rows / mean rank's, real layers with it), ...) over the MoE
+        layers it stands for; empty without a measured routing load."""
         self.expert_dp: dict[str, ExpertExchange] = {}
         """Experts modules run expert-parallel over the data-parallel axis (``expert_dp``)."""
         self.expert_dp_nodes: dict[int, float] = {}
@@ -1001,8 +1009,6 @@ class _ProblemBuilder:
         """Canonical per-expert weights stored E/dp experts per data-parallel rank."""
         if expert_dp:
             self._setup_expert_dp()
-        """Canonical grouped GEMM -> ((busiest rank's rows / mean rank's, real layers with it), ...) over the MoE
-        layers it stands for; empty without a measured routing load."""
         self.ratios = _backward_ratios(graph, spec)
         self.producer = forward_producers(graph)
         self.canon_nodes = sorted({self.tied.canonical[i] for i in self.tied.canonical})
