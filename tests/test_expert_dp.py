@@ -87,6 +87,35 @@ def test_other_families_run_what_is_predicted(preset):
     assert plan.collectives["dp_all_reduce"] == trained - expert_weights
 
 
+def test_a_measured_routing_load_prices_the_busiest_replica():
+    """Under a measured histogram the grouped GEMMs wait for the data-parallel rank whose experts get the most
+    rows: a flat histogram prices as uniform routing, a skewed one (the first rank's experts get 1.56 times the
+    mean) more; the exchange, fixed-size, is the same."""
+    from hf_colossal_auto.capture.moe import RoutingLoad
+
+    model = _tiny_mixtral()
+    batch = make_example_inputs(model, 4, 16, seed=0)
+    layers = sorted(experts_modules(model))
+
+    def planned(routing):
+        return plan_model(
+            model,
+            batch,
+            num_devices=2,
+            device="cpu",
+            mesh_shape=(2, 1),
+            dp_modes=("ddp-ep",),
+            routing=routing,
+        )
+
+    uniform = planned(None)
+    flat = planned(RoutingLoad({f: (25, 25, 25, 25) for f in layers}))
+    skewed = planned(RoutingLoad({f: (60, 40, 20, 8) for f in layers}))
+    assert flat.step_time_s == pytest.approx(uniform.step_time_s, rel=1e-12)
+    assert skewed.step_time_s > uniform.step_time_s and skewed.moe_load == "measured"
+    assert skewed.collectives == uniform.collectives and skewed.collective_bytes == uniform.collective_bytes
+
+
 def test_folded_blocks_count_every_layer():
     """Five Mixtral layers, traced once and folded: the exchange is priced and predicted for all five (20
     all-gathers, 15 reduce-scatters), as the simulated run issues them, and all ten expert weights are stored
