@@ -376,3 +376,29 @@ def test_accumulation_steps_are_planned_as_micro_batches(clean_env, accelerate_s
     )
     plan = accelerator._make_plan(model, [], [])
     assert plan.micro_batches == 2 and plan.global_batch_size == 8
+
+
+def test_routing_setting_reaches_the_planner_and_is_checked(
+    clean_env, accelerate_state, monkeypatch, tmp_path
+):
+    """``routing`` (constructor, ``HF_COLOSSAL_AUTO_ROUTING`` or YAML): "measure" or a histogram file, refused
+    otherwise where it is set; with "measure" the first-call plan of a MoE model is priced under the routing
+    of its planning batch (one process here: planning only, rank 0's call made directly)."""
+    from hf_colossal_auto.integrations import AutoParallelAccelerator
+    from hf_colossal_auto.integrations import accelerator as accelerator_module
+    from hf_colossal_auto.models import build_model, make_example_inputs
+
+    with pytest.raises(PluginConfigError, match="neither 'measure' nor a file"):
+        AutoParallelPlugin(routing=str(tmp_path / "missing.json"))
+    clean_env.setenv("HF_COLOSSAL_AUTO_ROUTING", "measure")
+    assert AutoParallelPlugin().planner_kwargs()["routing"] == "measure"
+
+    monkeypatch.setattr(accelerator_module, "plan_on_one_rank", lambda make: make())
+    torch.manual_seed(0)
+    model = build_model("tiny-mixtral", device="cpu")
+    plugin = AutoParallelPlugin(device="cpu", example_inputs=make_example_inputs(model, 4, 16))
+    accelerator = AutoParallelAccelerator(cpu=True, auto_parallel_plugin=plugin)
+    plan = accelerator._make_plan(model, [], [])
+    assert plan.moe_load == "measured" and set(plan.moe_routing) == {
+        f"model.layers.{i}.mlp.experts" for i in range(model.config.num_hidden_layers)
+    }

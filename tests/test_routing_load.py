@@ -276,3 +276,18 @@ def test_the_solvers_own_plan_leaves_expert_parallelism_under_a_skewed_load():
     assert (flat.moe_layers, flat.step_time_s) == (uniform.moe_layers, uniform.step_time_s)
     assert set(skewed.moe_layers.values()) == {"experts: TP×2"}
     assert skewed.step_time_s > uniform.step_time_s
+
+
+def test_routing_measure_counts_the_example_batch_and_needs_real_data():
+    """``routing="measure"`` (what the Trainer and accelerate paths pass): the plan carries the histogram
+    ``measure_routing`` counts on the same model and batch; a meta batch or model is refused with the way out."""
+    model = _mixtral("cpu")
+    batch = make_example_inputs(model, 4, 16)
+    kwargs = dict(num_devices=2, device="cpu", mesh_shape=(1, 2), recompute="none", micro_batches=1)
+    plan = plan_model(model, batch, **kwargs, routing="measure")
+    assert plan.moe_load == MEASURED_LOAD
+    assert plan.moe_routing == {k: list(v) for k, v in measure_routing(model, batch).rows_per_expert.items()}
+    with pytest.raises(ValueError, match="needs a real batch"):
+        plan_model(model, make_example_inputs(model, 4, 16, device="meta"), **kwargs, routing="measure")
+    with pytest.raises(ValueError, match='routing="measure": measure_routing needs the model.s real weights'):
+        plan_model(_mixtral(), batch, **kwargs, routing="measure")

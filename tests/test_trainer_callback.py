@@ -380,14 +380,15 @@ def test_seq2seq_trainer_plans_from_the_dataset(tmp_path):
 @pytest.mark.slow
 def test_trainer_trains_a_mixture_of_experts_model_like_one_process(tmp_path):
     """tiny Mixtral (router load-balancing loss in the trained loss) under the callback on 2 gloo ranks, the
-    planner choosing each MoE layer's strategy on a 1 x 2 mesh: three steps give the plain single-process
-    Trainer's losses (batch 4) and eval loss, and the plan names one choice per MoE layer."""
+    planner choosing each MoE layer's strategy on a 1 x 2 mesh under the routing it measured on the planning
+    batch (``routing="measure"``): three steps give the plain single-process Trainer's losses (batch 4) and
+    eval loss, and the plan names one choice per MoE layer."""
     common = ["--model", "tiny-mixtral", "--steps", "3"]
     run, ref = tmp_path / "run", tmp_path / "ref"
-    _run(*common, "--mesh", "1x2", "--out", f"{run}.json", "--output-dir", str(run))
+    _run(*common, "--mesh", "1x2", "--routing", "measure", "--out", f"{run}.json", "--output-dir", str(run))
     _run(*common, "--per-device", "4", "--out", f"{ref}.json", "--output-dir", str(ref), nproc=None)
     got, want = _result(tmp_path / "run.json"), _result(tmp_path / "ref.json")
-    assert got["mesh"] == [1, 2]
+    assert got["mesh"] == [1, 2] and got["moe_load"] == "measured"
     assert len(got["moe_layers"]) == 2 and all(v.startswith("experts: ") for v in got["moe_layers"].values())
     assert sorted(want["losses"], key=int) == ["1", "2", "3"]
     for step, loss in want["losses"].items():

@@ -128,6 +128,7 @@ _PARSERS = {
     "timeout": _parse_float,
     "plan_kwargs": _parse_mapping,
     "pretrained": _parse_str,
+    "routing": _parse_str,
 }
 
 
@@ -196,6 +197,15 @@ class AutoParallelPlugin:
             "ever holds it whole"
         },
     )
+    routing: str | None = field(
+        default=None,
+        metadata={
+            "help": "MoE models: price expert parallelism under a measured routing load, 'measure' (counted on "
+            "the planning batch by one forward of the prepared model, which needs its real weights) or the "
+            "path of a histogram's JSON (RoutingLoad.save, `hf-colossal-auto plan --routing-histogram`); unset: "
+            "routing uniform over experts"
+        },
+    )
 
     def __post_init__(self) -> None:
         names = [f.name for f in fields(self)]
@@ -216,6 +226,11 @@ class AutoParallelPlugin:
                 "example_inputs: expected a mapping of model.forward keyword arguments (one per-process batch), "
                 f"got {type(self.example_inputs).__name__}"
             )
+        if self.routing is not None and self.routing != "measure" and not Path(self.routing).is_file():
+            raise PluginConfigError(
+                f"routing: {self.routing!r} is neither 'measure' nor a file; give 'measure' or the path of a "
+                "routing histogram's JSON (RoutingLoad.save)"
+            )
         if self.plan_path is not None and self.mesh_shape is not None:
             raise PluginConfigError(
                 "plan_path and mesh_shape are both set: a saved plan already fixes its mesh; drop one of them"
@@ -229,6 +244,8 @@ class AutoParallelPlugin:
                 out[name] = getattr(self, name)
         if self.time_limit_s is not None:
             out["time_limit_s"] = self.time_limit_s
+        if self.routing is not None:
+            out["routing"] = self.routing
         out.update(self.plan_kwargs or {})
         return out
 

@@ -123,7 +123,9 @@ class AutoParallelCallback(TrainerCallback):
             Trainer ``TrainingArguments`` whose ``place_model_on_device`` is False for a ``meta`` model (the
             Trainer would otherwise move it before the callback runs).
         **plan_kwargs: further :func:`~hf_colossal_auto.solve.planner.plan_model` arguments
-            (``mixed_precision``, ``dp_modes``, ``devices_per_node``, ``optimizer``).
+            (``mixed_precision``, ``dp_modes``, ``devices_per_node``, ``optimizer``, ``routing``: for MoE models,
+            ``"measure"`` prices expert parallelism under the routing of the example global batch, counted by
+            one forward of the Trainer's model on the planning rank, or a histogram's JSON path).
     """
 
     def __init__(
@@ -269,7 +271,7 @@ class AutoParallelCallback(TrainerCallback):
 
 # --- settings and conflicts ------------------------------------------------------------------------------
 
-_PLAN_MODEL_KWARGS = {"mixed_precision", "dp_modes", "devices_per_node", "optimizer"}
+_PLAN_MODEL_KWARGS = {"mixed_precision", "dp_modes", "devices_per_node", "optimizer", "routing"}
 
 
 def _check_settings(

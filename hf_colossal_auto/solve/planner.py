@@ -830,18 +830,54 @@ def _search_order(planner: _Planner, meshes: list[tuple[int, int]]) -> list[tupl
     return sorted(meshes, key=lambda m: abs(math.log2(m[1]) - math.log2(per_node)))
 
 
-def _routing(model: nn.Module, routing: RoutingLoad | str | Path | Mapping | None) -> RoutingLoad | None:
+MEASURE_ROUTING = "measure"
+"""``routing=`` value that measures the routing on the example batch itself (the model needs its real weights)."""
+
+
+def _routing(
+    model: nn.Module,
+    routing: RoutingLoad | str | Path | Mapping | None,
+    example_inputs: Mapping[str, Any] | None = None,
+) -> RoutingLoad | None:
     """A measured routing load (a :class:`RoutingLoad`, the path of its JSON, or its dict) checked against
     ``model``: one entry per MoE layer, one count per expert (a histogram for another model is refused, naming
-    the layer). None: uniform routing."""
+    the layer). ``"measure"``: counted on ``example_inputs`` by one forward of ``model`` (what the Trainer and
+    accelerate paths have: the real model and a real batch). None: uniform routing."""
     if routing is None:
         return None
+    if isinstance(routing, str) and routing == MEASURE_ROUTING:
+        return _measured_routing(model, example_inputs)
     if isinstance(routing, (str, Path)):
         routing = RoutingLoad.load(routing)
     elif not isinstance(routing, RoutingLoad):
         routing = RoutingLoad.from_dict(routing)
     routing.check(model)
     return routing
+
+
+def _measured_routing(model: nn.Module, example_inputs: Mapping[str, Any] | None) -> RoutingLoad:
+    """``routing="measure"``: the routing of one forward on the example batch, moved to the model's device, with
+    the random state restored after it (on the Trainer's path only the planning rank runs it)."""
+    from ..capture.moe import measure_routing
+
+    if example_inputs is None:
+        raise ValueError('routing="measure" counts the routing on the example batch; none was given')
+    if any(isinstance(v, torch.Tensor) and v.is_meta for v in example_inputs.values()):
+        raise ValueError(
+            'routing="measure" needs a real batch (the example inputs are on the meta device): plan with '
+            "real inputs, or pass a histogram measured elsewhere (RoutingLoad.load / --routing-histogram)"
+        )
+    device = next((p.device for p in model.parameters() if not p.is_meta), None)
+    batch = {
+        k: v.to(device) if isinstance(v, torch.Tensor) and device is not None else v
+        for k, v in example_inputs.items()
+    }
+    cuda = [device] if device is not None and device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda):  # a router's jitter or dropout must not move the job's RNG
+            return measure_routing(model, batch)
+    except ValueError as exc:
+        raise ValueError(f'routing="measure": {exc}') from exc
 
 
 def _resolve_budget(memory_budget: int | str | None, spec: DeviceSpec) -> int:
@@ -882,8 +918,10 @@ def plan_model(
     (global / dp) runs in k pieces with gradients accumulated and synchronised once, tried where the batch in
     one piece does not fit or needs recompute; an int fixes k for every mesh (1: never split).
     ``routing`` (MoE models): a measured routing histogram (:class:`~hf_colossal_auto.capture.moe.RoutingLoad`,
-    e.g. from :func:`~hf_colossal_auto.capture.moe.measure_routing` on one real batch, or the path of its JSON);
-    expert parallelism is then priced by each layer's busiest rank. None assumes routing uniform over experts.
+    e.g. from :func:`~hf_colossal_auto.capture.moe.measure_routing` on one real batch, or the path of its JSON,
+    or ``"measure"``: counted on ``example_inputs`` by one forward of ``model``, which then needs real weights
+    and a real batch); expert parallelism is then priced by each layer's busiest rank. None assumes routing
+    uniform over experts.
     """
     unknown = sorted(set(dp_modes) - {*DP_MODES, EXPERT_DP_KEY})
     if unknown or not dp_modes:
@@ -906,7 +944,7 @@ def plan_model(
         time_limit_s,
         recompute,
     )
-    planner.routing = _routing(model, routing)
+    planner.routing = _routing(model, routing, example_inputs)
     spec, budget = planner.spec, planner.budget
     t0 = time.perf_counter()
     search = _Search(planner)
@@ -1039,7 +1077,7 @@ def evaluate_plan(
     )
     if routing is None and isinstance(plan_or_baseline, Plan) and plan_or_baseline.moe_routing:
         routing = plan_or_baseline.moe_routing
-    planner.routing = _routing(model, routing)
+    planner.routing = _routing(model, routing, example_inputs)
     cluster, budget = planner.cluster, planner.budget
     n = num_devices
     if micro_batches is None:

@@ -64,6 +64,9 @@ def main() -> None:
     parser.add_argument("--mesh", default=None, help="dp x tp, e.g. 1x2; default: the planner searches")
     parser.add_argument("--plan", default=None, help="a saved plan to apply")
     parser.add_argument("--save-plan", default=None)
+    parser.add_argument(
+        "--routing", default=None, help="the callback's routing setting (MoE): 'measure' or a path"
+    )
     parser.add_argument("--resume", default=None)
     parser.add_argument("--export", default=None, help="trainer.save_model() here after training")
     parser.add_argument(
@@ -113,7 +116,12 @@ def main() -> None:
     if distributed:
         mesh = tuple(int(x) for x in args.mesh.split("x")) if args.mesh else None
         callbacks.append(
-            AutoParallelCallback(mesh_shape=mesh, plan_path=args.plan, save_plan_path=args.save_plan)
+            AutoParallelCallback(
+                mesh_shape=mesh,
+                plan_path=args.plan,
+                save_plan_path=args.save_plan,
+                **({"routing": args.routing} if args.routing else {}),
+            )
         )
     trainer = trainer_cls(
         model=model, args=training_args, train_dataset=train, eval_dataset=valid, callbacks=callbacks
@@ -133,6 +141,7 @@ def main() -> None:
         result["mesh"] = list(plan.mesh_shape)
         result["sharded_params"] = sum(1 for p in plan.param_placements.values() if p[-1] != "R")
         result["moe_layers"] = plan.moe_layers
+        result["moe_load"] = plan.moe_load
     if args.export:
         trainer.save_model(args.export)
     if args.eval_export:
