@@ -120,6 +120,12 @@ class Plan:
     moe_routing: dict[str, list[int]] = field(default_factory=dict)
     """Under a measured load: experts module FQN -> rows routed to each expert (the histogram the plan was
     priced with, :class:`hf_colossal_auto.capture.moe.RoutingLoad`). Empty under uniform routing."""
+    expert_data_parallel: list[str] = field(default_factory=list)
+    """Mixture-of-experts layers whose experts are sharded over the *data-parallel* axis (expert parallelism
+    over ranks that hold different tokens, DDP only): experts module FQNs. Each data-parallel rank stores
+    ``E/dp`` whole experts (their ``param_placements`` are ``["S0", ...]``), the tokens of the group are
+    all-gathered into the layer and its output reduce-scattered back (:mod:`hf_colossal_auto.apply.moe`).
+    Empty otherwise, and in plans written before it existed."""
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -192,9 +198,11 @@ class Plan:
     @property
     def dp_label(self) -> str:
         """The data-parallel mode as the summary and the frontier name it: "hsdp 2x4" is 2 replicas of
-        shard groups of 4."""
+        shard groups of 4; "ddp, experts over dp" has the MoE experts sharded over the replicas."""
         if self.dp_mode == "hsdp":
             return f"hsdp {self.dp_replicate_size}x{self.dp_shard_size}"
+        if self.expert_data_parallel:  # the MoE experts sharded over the replicas
+            return f"{self.dp_mode}, experts over dp"
         return self.dp_mode
 
     @property

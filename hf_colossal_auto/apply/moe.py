@@ -24,6 +24,11 @@ tokens replicated over the group (gloo has none). The planner prices the region 
 (``strategies.moe.add_expert_region_strategies``: tokens, routing weights and indices redistributed to
 replicated on the way in, a partial sum out, partial gradients back), the grouped GEMMs' work under the
 uniform-load assumption or a measured histogram; the real load is whatever the router does.
+
+**Expert parallelism over the data-parallel axis** (``Plan.expert_data_parallel``, DDP): the replicas hold
+different tokens, so dispatch and combine exchange them — as a fixed-size all-gather of the tokens and routing
+in and a reduce-scatter of the output out (:func:`expert_data_parallel_forward`), whose bytes the planner
+predicts exactly on any backend (a routing-dependent all-to-all's could only be predicted on average).
 """
 
 from __future__ import annotations
@@ -219,3 +224,234 @@ def install_expert_parallel_regions(model: nn.Module, plan: Plan) -> list[str]:
     if installed:
         logger.info("expert parallelism (local dispatch, partial combine) in %d MoE layers", len(installed))
     return installed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expert parallelism over the data-parallel axis
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _all_gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Rows of every rank of ``group``, rank order (a functional all-gather, so the collective recorders count
+    it as DTensor's own)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_gather_single(t.contiguous(), 0, group))
+
+
+def _reduce_scatter_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's block of rows of the sum over ``group`` (a functional reduce-scatter)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.reduce_scatter_single(t.contiguous(), "sum", 0, group))
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather of rows over a data-parallel group; backward: the reduce-scatter (sum) of the gradient, so
+    each rank gets the gradient of its own rows summed over every rank's use of them."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_rows(t, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_rows(grad, ctx.group), None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Reduce-scatter (sum) of rows over a data-parallel group; backward: the all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_rows(t, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_rows(grad, ctx.group), None
+
+
+def expert_data_parallel_weights(module: nn.Module) -> list[str]:
+    """The parameters of an experts module that are per expert (dim 0 the expert): stored ``E/dp`` experts
+    per data-parallel rank under expert parallelism over the data-parallel axis."""
+    return [
+        name
+        for name, param in module.named_parameters(recurse=False)
+        if param.dim() >= 1 and param.shape[0] == module.num_experts
+    ]
+
+
+def expert_data_parallel_forward(
+    module: nn.Module, original: Callable[..., Any], dp_mesh: Any
+) -> Callable[..., Any]:
+    """``module.forward`` with its experts sharded over the data-parallel group ``dp_mesh`` (a 1-D mesh), each
+    rank holding different tokens: a fixed-size exchange, so that every collective's bytes are known before
+    the step runs (a routing-dependent all-to-all's are not):
+
+    * *dispatch*: the group's tokens, routing weights and indices all-gathered (``dp·T`` rows on every rank);
+    * every rank runs its ``E/dp`` experts on the (token, expert) pairs routed to them, the others marked as
+      transformers' expert-parallel sentinels (zero weight), as :func:`expert_parallel_forward` does;
+    * *combine*: the ``(dp·T, H)`` partial outputs reduce-scattered (summed), each rank keeping its tokens.
+
+    Backward mirrors it (autograd through :class:`_GatherRows`/:class:`_ScatterRows`): the output gradient
+    all-gathered, the tokens' and routing weights' gradients reduce-scattered. Each rank's expert gradients
+    are then the sum over every rank's tokens (every rank's loss); the gradient synchronisation divides them by
+    ``dp``, as DDP averages (:func:`hf_colossal_auto.apply.runtime.register_gradient_sync`). Tokens that come in
+    as DTensors on the tensor-parallel mesh are made replicated there; the output leaves replicated."""
+    group = dp_mesh
+    size, rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    per_rank = module.num_experts // size
+
+    @functools.wraps(original)
+    def forward(hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+        out_mesh = next(
+            (t.device_mesh for t in (hidden_states, top_k_weights, top_k_index) if isinstance(t, DTensor)),
+            None,
+        )
+
+        def local_input(t: Any) -> torch.Tensor:
+            if not isinstance(t, DTensor):
+                return t
+            if not all(isinstance(p, Replicate) for p in t.placements):
+                t = t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
+            return t.to_local()
+
+        hidden, weights, index = (local_input(t) for t in (hidden_states, top_k_weights, top_k_index))
+        hidden = _GatherRows.apply(hidden, group)
+        weights = _GatherRows.apply(weights, group)
+        index = _all_gather_rows(index, group)
+        local_index = index - rank * per_rank
+        mine = (local_index >= 0) & (local_index < per_rank)
+        local_index = torch.where(mine, local_index, torch.full_like(local_index, per_rank))  # sentinel
+        weights = weights * mine.to(weights.dtype)
+        view = copy.copy(module)  # the same module with this rank's experts as plain tensors
+        view.__dict__["_parameters"] = {}
+        for name, param in module._parameters.items():
+            if param is not None:
+                view.__dict__[name] = param.to_local() if isinstance(param, DTensor) else param
+        view.__dict__["num_experts"] = per_rank
+        view.__dict__["_is_expert_parallel"] = True
+        out = type(module).forward(view, hidden, local_index, weights)
+        out = _ScatterRows.apply(out, group)
+        if out_mesh is None:
+            return out
+        return DTensor.from_local(out, out_mesh, [Replicate()] * out_mesh.ndim, run_check=False)
+
+    return forward
+
+
+def check_expert_data_parallel(model: nn.Module, plan: Plan) -> None:
+    """Refuse, with what to do, a plan whose expert parallelism over the data-parallel axis this runtime
+    cannot run: only under DDP, on a data-parallel axis that divides each listed module's experts, with those
+    modules' per-expert weights stored ``["S0", "R"]`` (split over dp, replicated over tp)."""
+    if not plan.expert_data_parallel:
+        return
+    if plan.dp_mode != "ddp":
+        raise ValueError(
+            f"expert parallelism over the data-parallel axis runs under DDP only, the plan is {plan.dp_mode!r}: "
+            "re-plan (the planner offers it under DDP only) or drop Plan.expert_data_parallel"
+        )
+    dp = plan.dp_size
+    modules = experts_modules(model)
+    for fqn in plan.expert_data_parallel:
+        module = modules.get(fqn)
+        if module is None:
+            raise ValueError(
+                f"Plan.expert_data_parallel names {fqn}, which is not an experts module of the model"
+            )
+        if dp < 2 or module.num_experts % dp:
+            raise ValueError(
+                f"expert parallelism over the data-parallel axis for {fqn}: {module.num_experts} experts over "
+                f"{dp} data-parallel ranks (needs dp >= 2 dividing the experts)"
+            )
+        for name in expert_data_parallel_weights(module):
+            placed = list(plan.param_placements.get(f"{fqn}.{name}", []))
+            if placed[:1] != ["S0"] or any(p != "R" for p in placed[1:]):
+                raise ValueError(
+                    f"Plan.expert_data_parallel names {fqn} but places {fqn}.{name} {placed}: its per-expert "
+                    "weights must be stored ['S0', 'R'] (whole experts per data-parallel rank)"
+                )
+
+
+def install_expert_data_parallel_regions(model: nn.Module, plan: Plan, mesh: Any) -> list[str]:
+    """Run every experts module ``plan.expert_data_parallel`` names with its experts sharded over the
+    data-parallel axis of ``mesh`` (:func:`expert_data_parallel_forward`). Returns their FQNs."""
+    if not plan.expert_data_parallel:
+        return []
+    dp_mesh = mesh["dp"]
+    install_mixed_mesh_grad_norm()  # gradients on two meshes from now on
+    modules = experts_modules(model)
+    for fqn in plan.expert_data_parallel:
+        module = modules[fqn]
+        module.forward = expert_data_parallel_forward(module, module.forward, dp_mesh)
+    logger.info(
+        "expert parallelism over the data-parallel axis (all-gather dispatch, reduce-scatter combine) in %d MoE "
+        "layers",
+        len(plan.expert_data_parallel),
+    )
+    return list(plan.expert_data_parallel)
+
+
+_MIXED_MESH_NORM = "_hf_colossal_auto_mixed_mesh_norm"
+
+
+def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by DTensor mesh (plain tensors in a group of their own), in first-seen order."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        key = t.device_mesh if isinstance(t, DTensor) else None
+        groups.setdefault(key, []).append(t)
+    return list(groups.values())
+
+
+def install_mixed_mesh_grad_norm() -> None:
+    """Let ``torch.nn.utils.clip_grad_norm_`` take gradients on several meshes.
+
+    Under expert parallelism over the data-parallel axis the expert weights are DTensors on the whole
+    ``(dp, tp)`` mesh and the other parameters on its tensor-parallel part; torch's total norm stacks the
+    per-tensor norms, which DTensor refuses across meshes. The total norm is then taken per mesh (torch's own
+    code), each made a plain full tensor (the expert weights' norm summed over the data-parallel shards), and
+    combined; the result is a plain tensor, which scales the gradients of every mesh, one mesh at a time. Calls
+    with one mesh run torch's code unchanged. Process-wide, like the load-balancing region; idempotent."""
+    from torch.nn.utils import clip_grad
+
+    original = clip_grad._get_total_norm
+    if getattr(original, _MIXED_MESH_NORM, False):
+        return
+
+    @functools.wraps(original)
+    def total_norm(tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None):
+        listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        groups = _by_mesh(listed)
+        if len(groups) <= 1 or not any(isinstance(t, DTensor) for t in listed):
+            return original(listed, norm_type, error_if_nonfinite, foreach)
+        norms = []
+        for group in groups:
+            norm = original(group, norm_type, False, foreach)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms), float(norm_type))
+        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+                "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        return total
+
+    clip = clip_grad._clip_grads_with_norm_
+
+    @functools.wraps(clip)
+    def clip_with_norm(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach=None) -> None:
+        listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        groups = _by_mesh([p for p in listed if p.grad is not None])
+        if len(groups) <= 1:
+            return clip(listed, max_norm, total_norm, foreach)
+        for group in groups:  # torch's foreach product refuses gradients on several meshes in one call
+            clip(group, max_norm, total_norm, foreach)
+        return None
+
+    setattr(total_norm, _MIXED_MESH_NORM, True)
+    clip_grad._get_total_norm = total_norm
+    clip_grad._clip_grads_with_norm_ = clip_with_norm

@@ -53,7 +53,13 @@ from .dtensor_rules import register_replicated_fallbacks, register_runtime_rules
 from .enforce import ReducePartialGradientsAtProducers, enforce_plan
 from .materialize import is_meta_model, materialize_meta_model
 from .micro_batch import GradientSyncControl, no_gradient_sync
-from .moe import install_aux_loss_region, install_expert_parallel_regions
+from .moe import (
+    check_expert_data_parallel,
+    expert_data_parallel_weights,
+    install_aux_loss_region,
+    install_expert_data_parallel_regions,
+    install_expert_parallel_regions,
+)
 from .pretrained import load_pretrained
 from .recompute import apply_recompute
 
@@ -159,6 +165,7 @@ def distribute_parameters(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> dic
     )
     done: dict[int, nn.Parameter] = {}
     names = dict(model.named_parameters())
+    over_dp = expert_data_parallel_params(model, plan)
     for fqn, param in list(model.named_parameters(remove_duplicate=False)):
         module_name, _, attr = fqn.rpartition(".")
         module = model.get_submodule(module_name)
@@ -169,10 +176,27 @@ def distribute_parameters(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> dic
             local = param.detach()
             # a meta parameter stays on meta (no values to scatter): materialize_meta_model allocates its shards
             source = None if local.is_meta else 0
-            dt = distribute_tensor(local, tp_mesh, [to_placement(placements[tp_axis])], src_data_rank=source)
+            if fqn in over_dp:  # experts sharded over the data-parallel axis: the whole mesh, split on dp
+                dt = distribute_tensor(
+                    local, mesh, [to_placement(p) for p in placements], src_data_rank=source
+                )
+            else:
+                dt = distribute_tensor(
+                    local, tp_mesh, [to_placement(placements[tp_axis])], src_data_rank=source
+                )
             done[id(param)] = nn.Parameter(dt, requires_grad=param.requires_grad)
         setattr(module, attr, done[id(param)])
     return done
+
+
+def expert_data_parallel_params(model: nn.Module, plan: Plan) -> set[str]:
+    """FQNs of the per-expert weights ``plan`` stores split over the data-parallel axis
+    (``Plan.expert_data_parallel``): DTensors on the whole mesh, not on its tensor-parallel part."""
+    out: set[str] = set()
+    for fqn in plan.expert_data_parallel:
+        module = model.get_submodule(fqn)
+        out.update(f"{fqn}.{name}" for name in expert_data_parallel_weights(module))
+    return out
 
 
 def remap_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Parameter]) -> None:
@@ -323,6 +347,11 @@ def _make_sync_hook(mesh: DeviceMesh, control: GradientSyncControl | None = None
         if dp_group is None or (control is not None and not control.enabled):
             param.grad = grad
             return
+        if param.device_mesh.ndim > 1:
+            # experts sharded over the data-parallel axis (apply/moe.py): this rank's experts saw every rank's
+            # tokens, so their gradient is already the sum over the replicas; DDP's average divides it by dp
+            param.grad = grad / dp_size
+            return
         # DDP: every replica computed the gradient of its own batch; average them (on a copy: autograd may
         # have handed the accumulated gradient a buffer that backward still reads)
         local = grad.to_local().clone()
@@ -405,6 +434,7 @@ def apply_plan(
     """
     world = dist.get_world_size() if dist.is_initialized() else None
     _validate_on_every_rank(model, plan, world)
+    check_expert_data_parallel(model, plan)
     fsdp = plan.dp_mode in ("fsdp", "hsdp") and plan.dp_size > 1
     register_runtime_rules()
     register_replicated_fallbacks(plan.replicated_ops)
@@ -416,6 +446,7 @@ def apply_plan(
     distribute_parameters(model, plan, mesh)
     wrap_forward(model, mesh)
     install_expert_parallel_regions(model, plan)  # experts split on the expert dim (apply/moe.py)
+    install_expert_data_parallel_regions(model, plan, mesh)  # experts split over the data-parallel axis
     register_embedding_reduction(model)
     enforce_plan(model, plan)
     apply_recompute(model, plan)  # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP

@@ -165,6 +165,84 @@ class BuiltProblem:
     backward_ratios: BackwardRatios = field(default_factory=lambda: BackwardRatios({}, {}))
     """Per module, backward over forward (device time, op count): how a node's cost splits into its forward
     and its backward (where in the step the ranks synchronise, :mod:`.prediction`)."""
+    expert_data_parallel: dict[str, ExpertExchange] = field(default_factory=dict)
+    """Experts modules (canonical FQN) run expert-parallel over the data-parallel axis, with the collectives
+    each runs per micro-batch (:func:`expert_exchanges`); empty unless the problem was built with
+    ``expert_dp``."""
+    expert_dp_params: frozenset[str] = frozenset()
+    """Canonical FQNs of the per-expert weights stored ``E/dp`` experts per data-parallel rank then."""
+
+
+EXPERT_DP_NODE = "expert-dp"
+"""ILP node (one option) holding the collectives of expert parallelism over the data-parallel axis."""
+
+
+@dataclass
+class ExpertExchange:
+    """The fixed-size exchange of one experts module run expert-parallel over the data-parallel axis
+    (``apply/moe.py::expert_data_parallel_forward``): ``collectives`` are ``(kind, bytes one rank hands it,
+    bytes the alpha-beta model prices)`` in step order — forward: the tokens, routing weights and indices
+    all-gathered, the output reduce-scattered; backward: the output gradient all-gathered, the tokens' and
+    routing weights' gradients reduce-scattered (those a gradient flows to). ``layers``: real MoE layers it stands
+    for."""
+
+    num_experts: int
+    layers: int
+    collectives: list[tuple[str, float, float]]
+
+
+def expert_exchanges(graph: StepGraph, tied: TiedGraph, dp: int) -> dict[str, ExpertExchange]:
+    """Canonical experts module -> its :class:`ExpertExchange` on ``dp`` data-parallel ranks. The region's
+    inputs are read off the graph: the tokens (floating point, the shape of the module's output), the routing
+    weights (the other floating-point input) and the routing indices (integers), each ``T`` rows of one
+    replica's tokens."""
+    out: dict[str, ExpertExchange] = {}
+    grads = differentiable_values(graph)
+    for module, (num_experts, first) in expert_regions(graph).items():
+        if tied.canonical.get(first, first) != first:
+            continue
+        nodes = [
+            n
+            for n in graph.nodes
+            if n.phase is Phase.FORWARD and (n.module == module or n.module.startswith(module + "."))
+        ]
+        inside = {v for n in nodes for v in n.outputs}
+        inputs: list[int] = []
+        for n in nodes:
+            for v in n.inputs:
+                if v not in inside and graph.values[v].kind is not ValueKind.PARAM and v not in inputs:
+                    inputs.append(v)
+        used_after = {v for n in graph.nodes if n.phase is Phase.FORWARD and n not in nodes for v in n.inputs}
+        outputs = [v for v in inside if v in used_after]
+        if len(outputs) != 1 or len(inputs) != 3:
+            raise ValueError(
+                f"expert parallelism over the data-parallel axis: {module} takes {len(inputs)} tensors and gives "
+                f"{len(outputs)} (expected tokens, routing weights and indices in, tokens out)"
+            )
+        out_value = graph.values[outputs[0]]
+        floats = [v for v in inputs if graph.values[v].dtype.startswith(("float", "bfloat", "half"))]
+        hidden = next((v for v in floats if graph.values[v].shape == out_value.shape), None)
+        weights = next((v for v in floats if v != hidden), None)
+        index = next((v for v in inputs if v not in floats), None)
+        if hidden is None or weights is None or index is None:
+            raise ValueError(f"expert parallelism over the data-parallel axis: cannot read {module}'s inputs")
+        h, w, x = (float(graph.values[v].nbytes) for v in (hidden, weights, index))
+        o = float(out_value.nbytes)
+        collectives = [
+            ("all_gather", h, dp * h),
+            ("all_gather", w, dp * w),
+            ("all_gather", x, dp * x),
+            ("reduce_scatter", dp * o, dp * o),
+        ]
+        # backward, where a gradient flows (a frozen router's routing weights get none)
+        if outputs[0] in grads:
+            collectives.append(("all_gather", o, dp * o))
+        if hidden in grads:
+            collectives.append(("reduce_scatter", dp * h, dp * h))
+        if weights in grads:
+            collectives.append(("reduce_scatter", dp * w, dp * w))
+        out[module] = ExpertExchange(num_experts, tied.multiplicity.get(first, 1), collectives)
+    return out
 
 
 def _node_name(i: int) -> str:
@@ -804,6 +882,7 @@ def build_problem(
     micro_batches: int = 1,
     dtensor_rules: bool = True,
     routing: RoutingLoad | None = None,
+    expert_dp: bool = False,
 ) -> BuiltProblem:
     """The ILP for one mesh ``(dp, tp)`` and data-parallel mode ("ddp", "fsdp", or "hsdp" with ``dp_comm`` a
     :class:`HybridComm`: FSDP inside its shard group, the shards all-reduced over its replicate group).
@@ -829,6 +908,14 @@ def build_problem(
     what the busiest rank's rows cost (the step waits on the slowest rank); None prices uniform routing
     (``capture.moe.UNIFORM_LOAD``), as does a histogram whose ranks all get the same rows.
 
+    ``expert_dp``: every MoE layer runs expert-parallel over the data-parallel axis (DDP, tensor-parallel axis
+    of 1, ``dp`` dividing every layer's experts; ``apply/moe.py::expert_data_parallel_forward``): the per-expert
+    weights stored ``E/dp`` experts per rank (their memory, optimizer state and step divided by dp, no gradient
+    all-reduce), the ops of each experts module priced on the ``dp·T`` tokens every rank then holds (the
+    grouped GEMMs on the rows routed to the rank's experts: ``T·k`` under uniform load, the busiest rank's
+    under a measured one), and the all-gathers and reduce-scatters of the exchange (:func:`expert_exchanges`)
+    on the data-parallel link, exposed (the region waits for them).
+
     The parts of the ILP are priced by the methods of :class:`_ProblemBuilder`.
     """
     return _ProblemBuilder(
@@ -847,6 +934,7 @@ def build_problem(
         micro_batches=micro_batches,
         dtensor_rules=dtensor_rules,
         routing=routing,
+        expert_dp=expert_dp,
     ).build()
 
 
@@ -883,6 +971,7 @@ class _ProblemBuilder:
         micro_batches: int = 1,
         dtensor_rules: bool = True,
         routing: RoutingLoad | None = None,
+        expert_dp: bool = False,
     ) -> None:
         # ------------------------------------------------------------ inputs
         self.graph = graph
@@ -912,6 +1001,14 @@ class _ProblemBuilder:
         self.expert_skews = _expert_skews(graph, self.tied, routing, self.tp)
         """Canonical grouped GEMM -> ((busiest rank's rows / mean rank's, real layers with it), ...) over the MoE
         layers it stands for; empty without a measured routing load."""
+        self.expert_dp: dict[str, ExpertExchange] = {}
+        """Experts modules run expert-parallel over the data-parallel axis (``expert_dp``)."""
+        self.expert_dp_nodes: dict[int, float] = {}
+        """Canonical node of such a module -> its device-time factor (dp·T tokens; grouped GEMMs: skew)."""
+        self.expert_dp_params: set[str] = set()
+        """Canonical per-expert weights stored E/dp experts per data-parallel rank."""
+        if expert_dp:
+            self._setup_expert_dp()
         self.ratios = _backward_ratios(graph, spec)
         self.producer = forward_producers(graph)
         self.canon_nodes = sorted({self.tied.canonical[i] for i in self.tied.canonical})
@@ -987,6 +1084,8 @@ class _ProblemBuilder:
         self._add_recompute_decisions()
         if self.micro_batches > 1:
             self._repeat_per_micro_batch()
+        if self.expert_dp:
+            self._add_expert_dp_exchange()
         edges = [DecisionEdge(s, d, m) for (s, d), m in sorted(self.edge_cost.items())]
         constraints = self._memory_constraints()
         problem = Problem(
@@ -1039,7 +1138,70 @@ class _ProblemBuilder:
             dp_shard_size=self.dp_shard,
             host_floor_s=self.host_floor_s,
             backward_ratios=self.ratios,
+            expert_data_parallel=self.expert_dp,
+            expert_dp_params=frozenset(self.expert_dp_params),
         )
+
+    # ---------------------------------------------------------------- expert parallelism over dp
+    def _setup_expert_dp(self) -> None:
+        """Checks the scope (DDP, tensor-parallel axis of 1, dp dividing every layer's experts) and reads the
+        exchanges and the region nodes' factors (the grouped GEMMs' busiest data-parallel rank under a measured
+        routing load)."""
+        if self.dp < 2 or self.dp_mode != "ddp" or self.tp != 1:
+            raise ValueError(
+                "expert parallelism over the data-parallel axis is planned under DDP on a (dp, 1) mesh with dp >= 2; "
+                f"got mesh {self.mesh_shape} {self.dp_mode}"
+            )
+        self.expert_dp = expert_exchanges(self.graph, self.tied, self.dp)
+        if not self.expert_dp:
+            raise ValueError(
+                "expert parallelism over the data-parallel axis: the model has no experts module"
+            )
+        for module, exchange in self.expert_dp.items():
+            if exchange.num_experts % self.dp:
+                raise ValueError(
+                    f"expert parallelism over the data-parallel axis: {module} has {exchange.num_experts} experts, "
+                    f"which {self.dp} data-parallel ranks do not divide"
+                )
+        skews = _expert_skews(self.graph, self.tied, self.routing, self.dp)
+        modules = tuple(self.expert_dp)
+        for i, c in self.tied.canonical.items():
+            node = self.graph.nodes[i]
+            if i != c or not any(node.module == m or node.module.startswith(m + ".") for m in modules):
+                continue
+            if node.op == GROUPED_MM:
+                by = skews.get(c, ())
+                layers = sum(n for _, n in by)
+                self.expert_dp_nodes[c] = sum(k * n for k, n in by) / layers if layers else 1.0
+            else:
+                self.expert_dp_nodes[c] = float(self.dp)
+
+    def _expert_dp_node_time(self, c: int) -> float:
+        """Seconds one op of an experts module run expert-parallel over the data-parallel axis adds to a step,
+        forward and backward: replicated work on the ``dp·T`` gathered tokens; a grouped GEMM on the rows routed
+        to the rank's ``E/dp`` experts (``dp·T·k / dp`` under uniform load, times the busiest rank's skew),
+        reading ``E/dp`` experts' weights."""
+        node, factor = self.graph.nodes[c], self.expert_dp_nodes[c]
+        device_ratio, ops_ratio = self.ratios.of(node.module)
+        if node.op == GROUPED_MM and len(node.inputs) >= 2:
+            split = ("S0",)
+            ins = tuple(split if k < 2 else ("R",) for k in range(len(node.inputs)))
+            strat = Strategy(ins, tuple(split for _ in node.outputs), "custom")
+            device = _local_device_time(self.graph, node, strat, 0, self.dp, self.spec, self.dp * factor)
+        else:
+            device = _local_device_time(self.graph, node, _replicated(node), 0, 1, self.spec) * factor
+        return _with_host(device * (1.0 + device_ratio), node, 1.0 + ops_ratio, self.spec)
+
+    def _add_expert_dp_exchange(self) -> None:
+        """One node (a single option) for the exchange's collectives on the data-parallel link, every
+        micro-batch, every layer; the region waits for each (not overlapped)."""
+        seconds = self.micro_batches * sum(
+            exchange.layers
+            * sum(self.dp_comm.time(kind, priced) for kind, _given, priced in exchange.collectives)
+            for exchange in self.expert_dp.values()
+        )
+        self.nodes.append(DecisionNode(EXPERT_DP_NODE, [seconds], ["all-gather in, reduce-scatter out"]))
+        self.block_of[EXPERT_DP_NODE] = next(iter(self.expert_dp))
 
     def _expert_parallel_rules(self) -> list[FollowsInputs]:
         """What the runtime can run of expert parallelism, as rules: it runs an experts module expert-parallel
@@ -1137,10 +1299,14 @@ class _ProblemBuilder:
             strats = self.strategies.get(c) or [_replicated(node)]
             name = _node_name(c)
             costs = [
-                self._skewed(
-                    c,
-                    s,
-                    functools.partial(_node_step_time, graph, node, s, axis, tp, self.spec, self.ratios),
+                (
+                    self._expert_dp_node_time(c)
+                    if c in self.expert_dp_nodes
+                    else self._skewed(
+                        c,
+                        s,
+                        functools.partial(_node_step_time, graph, node, s, axis, tp, self.spec, self.ratios),
+                    )
                 )
                 + sum(t for t, _, _ in boundary_reshardings(graph, node, s, axis, self.tp_comm))
                 for s in strats
@@ -1193,12 +1359,18 @@ class _ProblemBuilder:
             pbytes = float(graph.param_bytes[fqn])
             sbytes = float(graph.optimizer_state_bytes.get(fqn, 0))
             dp_shard = self.dp_shard
+            module, _, _ = fqn.rpartition(".")
+            exchange = self.expert_dp.get(module)
+            over_dp = exchange is not None and len(shape) >= 1 and shape[0] == exchange.num_experts
+            if over_dp:  # E/dp experts per data-parallel rank: state divided by dp, no gradient all-reduce
+                dp_shard = dp
+                self.expert_dp_params.add(fqn)
             trained = 1.0 if graph.is_trainable(fqn) else 0.0
             costs, mterms, gterms, tterms, syncs = [], [], [], [], []
             for opt in options:
                 local = pbytes / shard_factor(opt, tp)
                 sync = data_parallel_sync_time(self.dp_mode, local, self.dp_comm, self.micro_batches)
-                syncs.append(trained * sync)
+                syncs.append(0.0 if over_dp else trained * sync)
                 costs.append(
                     trained * opt_time * (pbytes / total_param_bytes) / shard_factor(opt, tp) / dp_shard
                 )
@@ -1212,7 +1384,9 @@ class _ProblemBuilder:
             self.param_of_node[name] = fqn
             self.param_mem_terms[name] = mterms
             self.grad_terms[name] = gterms
-            self.accumulated_grad_terms[name] = [trained * pbytes / shard_factor(o, tp) for o in options]
+            self.accumulated_grad_terms[name] = [
+                trained * pbytes / shard_factor(o, tp) / (dp if over_dp else 1) for o in options
+            ]
             self.opt_temp_terms[name] = tterms
             self.block_of[name] = fqn.rsplit(".", 1)[0]
             if fsdp_layers:
@@ -1675,7 +1849,11 @@ class _ProblemBuilder:
     def _out_shard(self, st: Strategy, c: int | None = None) -> float:
         """How many ways a strategy splits node ``c``'s (first) output: what its held bytes are divided by. The
         rows of an expert-parallel grouped GEMM under a measured routing load split as the busiest rank holds
-        them (the mean skew over the layers the node stands for: bytes add up over them)."""
+        them (the mean skew over the layers the node stands for: bytes add up over them). An op of an experts
+        module run expert-parallel over the data-parallel axis holds the ``dp·T`` gathered tokens' values: dp
+        times its traced bytes (the grouped GEMMs' outputs too: allocated for every row, sentinels included)."""
+        if c is not None and c in self.expert_dp_nodes:
+            return 1.0 / self.dp
         ways = shard_factor(st.output_placements[0][self.axis] if st.output_placements else None, self.tp)
         skews = self.expert_skews.get(c) if c is not None else None
         if skews and ways > 1 and is_expert_parallel(self.graph, self.graph.nodes[c], st, self.axis):

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..capture.batch_rows import TracesByRows
 from ..capture.graph import Phase, StepGraph, ValueKind
-from ..capture.moe import RoutingLoad
+from ..capture.moe import RoutingLoad, experts_modules
 from ..capture.tracer import trace_training_step
 from ..hardware import ClusterSpec, DeviceSpec, get_device
 from ..hardware.catalog import memory_budget_default
@@ -212,13 +212,15 @@ class _Planner:
         dp_shard_size: int | None = None,
         dtensor_rules: bool = True,
         param_uses: Mapping[str, str] | None = None,
+        expert_dp: bool = False,
     ) -> BuiltProblem:
         """The ILP of one mesh; recompute is a decision unless ``recompute_pin`` (or the planner's mode "none" /
         "full") fixes it. ``micro_batches``: the step runs each replica's batch in that many pieces.
         ``dp_shard_size``: HSDP's shard group (default: the cluster's, :meth:`hybrid_comm`). ``dtensor_rules``:
         False builds the relaxation without DTensor's own choices (:func:`build_problem`). ``param_uses``
         (canonical parameter FQN -> tensor-parallel placement) pins where every op that reads a parameter reads
-        it (:func:`_pin_param_uses`)."""
+        it (:func:`_pin_param_uses`). ``expert_dp``: every MoE layer expert-parallel over the data-parallel
+        axis (:func:`build_problem`)."""
         if recompute_pin is None and self.recompute in ("none", "full"):
             recompute_pin = self.recompute
         dp, tp = mesh
@@ -244,6 +246,7 @@ class _Planner:
             micro_batches=micro_batches,
             dtensor_rules=dtensor_rules,
             routing=self.routing,
+            expert_dp=expert_dp,
         )
 
     def axis_comm(self, mesh: tuple[int, int], axis: int) -> AxisComm:
@@ -285,13 +288,19 @@ class _Planner:
         fixed_params: dict[str, str] | None = None,
         micro_batches: int = 1,
         dp_shard_size: int | None = None,
+        expert_dp: bool = False,
     ) -> tuple[BuiltProblem, Solution]:
         """Build and solve one candidate. Where its budget cannot be met (:class:`InfeasibleError`), the problem
         stays in :attr:`last_built` (the micro-batch search prices it without the budget as a lower bound)."""
         if self.recompute == "two-stage":
-            return self._two_stage(mesh, dp_mode, fixed_params, micro_batches, dp_shard_size)
+            return self._two_stage(mesh, dp_mode, fixed_params, micro_batches, dp_shard_size, expert_dp)
         built = self.last_built = self.build(
-            mesh, dp_mode, fixed_params, micro_batches=micro_batches, dp_shard_size=dp_shard_size
+            mesh,
+            dp_mode,
+            fixed_params,
+            micro_batches=micro_batches,
+            dp_shard_size=dp_shard_size,
+            expert_dp=expert_dp,
         )
         solution = solve(built.problem, time_limit_s=self.time_limit_s)
         return built, solution
@@ -303,6 +312,7 @@ class _Planner:
         fixed_params: dict[str, str] | None,
         micro_batches: int = 1,
         dp_shard_size: int | None = None,
+        expert_dp: bool = False,
     ) -> tuple[BuiltProblem, Solution]:
         """The baseline the joint ILP is measured against: shard for speed ignoring memory (no recompute),
         then choose recompute per block for that sharding under the budget."""
@@ -316,12 +326,18 @@ class _Planner:
                 recompute_pin="none",
                 micro_batches=micro_batches,
                 dp_shard_size=dp_shard_size,
+                expert_dp=expert_dp,
             )
         finally:
             self.budget = budget
         sharding = solve(first.problem, time_limit_s=self.time_limit_s).choice
         built = self.last_built = self.build(
-            mesh, dp_mode, fixed_params, micro_batches=micro_batches, dp_shard_size=dp_shard_size
+            mesh,
+            dp_mode,
+            fixed_params,
+            micro_batches=micro_batches,
+            dp_shard_size=dp_shard_size,
+            expert_dp=expert_dp,
         )
         fixed = dict(built.problem.fixed)
         for node in built.problem.nodes:
@@ -362,7 +378,7 @@ class _Search:
             return None
         try:
             built, solution = self.planner.solve_mesh(
-                mesh, mode, micro_batches=micro_batches, dp_shard_size=shard
+                mesh, mode, micro_batches=micro_batches, dp_shard_size=shard, expert_dp=_is_expert_dp(dp_mode)
             )
         except InfeasibleError as exc:
             self.min_required = min(self.min_required, exc.min_required)
@@ -392,6 +408,8 @@ class _Search:
 
     def label(self, mesh: tuple[int, int], dp_mode: str) -> str:
         """The mode as :attr:`Plan.dp_label` names it ("hsdp 2x4": 2 replicas of shard groups of 4)."""
+        if _is_expert_dp(dp_mode):
+            return "ddp, experts over dp"
         dp_mode, shard = _split_mode(dp_mode)
         if dp_mode == "hsdp" and shard is None:
             shard = self.planner.cluster.hybrid_shard_size(mesh)
@@ -404,7 +422,7 @@ class _Search:
         best plan so far. The bound holds at every micro-batch count (see :meth:`_unconstrained_time`), so no
         micro-batch search follows. Why: at cluster scale most meshes are far off (tensor parallelism across
         nodes), and their full ILPs asked DTensor about every op on meshes of up to thousands of ranks."""
-        if self.best is None:
+        if self.best is None or _is_expert_dp(dp_mode):  # its floor would count the experts' all-reduce
             return False
         bound = self._sync_floor(mesh, dp_mode)
         crosses = mesh[1] > self.planner.cluster.devices_per_node
@@ -475,6 +493,8 @@ class _Search:
         the micro-batch search is run for it. Why: HSDP's shard group is one node's ranks, and a model whose
         state does not fit there (Llama-3-70B on 8 per node) would otherwise cost an ILP per mesh and a
         micro-batch search; the same holds for DDP on every mesh of such a model."""
+        if _is_expert_dp(dp_mode):  # the experts' state is divided by dp: the floor below would not hold
+            return False
         floor = _model_state_floor(self.planner.any_graph(mesh[0], micro_batches), mesh[1] * shard)
         if floor <= self.planner.budget:
             return False
@@ -496,7 +516,7 @@ class _Search:
         state over tensor- and data-parallel sharing, gradients over tensor-parallel ranks only — does not fall
         with k, so one test covers every count. Only applied once a plan is in hand: where nothing fits, the
         ILPs are solved anyway so that the error states the least memory a plan needs."""
-        if micro_batches == 1 or self.best is None:
+        if micro_batches == 1 or self.best is None or _is_expert_dp(dp_mode):
             return False
         floor = _accumulation_floor(
             self.planner.any_graph(mesh[0], micro_batches), mesh[1], self._shard(mesh, dp_mode)
@@ -751,11 +771,34 @@ def _meshes(
     return usable
 
 
+EXPERT_DP_KEY = "ddp-ep"
+"""The search key of DDP with every MoE layer expert-parallel over the data-parallel axis."""
+
+
 def _split_mode(key: str) -> tuple[str, int | None]:
     """A search candidate's data-parallel mode and HSDP shard group: "hsdp:16" is HSDP with shard groups of 16
-    data-parallel ranks, "hsdp" the cluster's own (one node's data-parallel ranks), "ddp"/"fsdp" themselves."""
+    data-parallel ranks, "hsdp" the cluster's own (one node's data-parallel ranks), "ddp"/"fsdp" themselves;
+    "ddp-ep" is DDP with the experts sharded over the data-parallel axis (:func:`_is_expert_dp`)."""
+    if key == EXPERT_DP_KEY:
+        return "ddp", None
     mode, _, shard = key.partition(":")
     return mode, int(shard) if shard else None
+
+
+def _is_expert_dp(key: str) -> bool:
+    """Whether a search key is DDP with expert parallelism over the data-parallel axis."""
+    return key == EXPERT_DP_KEY
+
+
+def _expert_dp_offered(model: nn.Module, mesh: tuple[int, int]) -> bool:
+    """Whether expert parallelism over the data-parallel axis is a candidate on ``mesh``: a (dp, 1) mesh with
+    dp >= 2 dividing every experts module's experts (the runtime's scope: DDP, no tensor parallelism)."""
+    dp, tp = mesh
+    if dp < 2 or tp != 1:
+        return False
+    modules = experts_modules(model)
+    counts = [int(getattr(m, "num_experts", 0) or 0) for m in modules.values()]
+    return bool(counts) and all(n > 0 and n % dp == 0 for n in counts)
 
 
 def _hsdp_candidates(cluster: ClusterSpec, mesh: tuple[int, int]) -> list[tuple[str, int]]:
@@ -866,7 +909,10 @@ def plan_model(
     step consumes across all data-parallel ranks). ``memory_budget`` is per device, in bytes or a string like
     ``"40GiB"``; None means the device's memory minus the margin of
     :func:`hf_colossal_auto.hardware.memory_budget_default`. ``dp_modes`` are the data-parallel modes tried on
-    meshes with a data-parallel axis ("ddp", "fsdp", "hsdp"; HSDP only where that axis crosses nodes). ``recompute``: "auto" chooses activation recompute per
+    meshes with a data-parallel axis ("ddp", "fsdp", "hsdp"; HSDP only where that axis crosses nodes). With
+    "ddp", MoE models also try DDP with every layer's experts sharded over the data-parallel axis (on (dp, 1)
+    meshes whose dp divides every layer's experts: :mod:`hf_colossal_auto.apply.moe`), which ``"ddp-ep"`` alone
+    asks for by name. ``recompute``: "auto" chooses activation recompute per
     block jointly with the sharding (one ILP); "none" and "full" fix it for every block; "two-stage" shards
     first and then chooses recompute (a baseline). ``micro_batches``: None searches it — each replica's batch
     (global / dp) runs in k pieces with gradients accumulated and synchronised once, tried where the batch in
@@ -877,9 +923,11 @@ def plan_model(
     and a real batch); expert parallelism is then priced by each layer's busiest rank. None assumes routing
     uniform over experts.
     """
-    unknown = sorted(set(dp_modes) - set(DP_MODES))
+    unknown = sorted(set(dp_modes) - {*DP_MODES, EXPERT_DP_KEY})
     if unknown or not dp_modes:
-        raise ValueError(f"dp_modes must be a non-empty subset of {DP_MODES}, got {dp_modes!r}")
+        raise ValueError(
+            f"dp_modes must be a non-empty subset of {(*DP_MODES, EXPERT_DP_KEY)}, got {dp_modes!r}"
+        )
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     if micro_batches is not None and micro_batches < 1:
@@ -902,13 +950,17 @@ def plan_model(
     search = _Search(planner)
     for mesh in _search_order(planner, _meshes(planner, mesh_shape, micro_batches or 1)):
         for dp_mode in dp_modes if mesh[0] > 1 else ("ddp",):
-            if dp_mode == "hsdp":
+            if dp_mode == EXPERT_DP_KEY:  # asked for by name: only where it is offered
+                candidates = [(EXPERT_DP_KEY, 1)] if _expert_dp_offered(model, mesh) else []
+            elif dp_mode == "hsdp":
                 # none where the data-parallel axis stays in a node (FSDP is as good) or nodes do not split it
                 candidates = _hsdp_candidates(planner.cluster, mesh)[::-1]  # largest first: prunes the rest
             else:
                 candidates = [
                     (dp_mode, mesh[0] if dp_mode == "fsdp" else 1)
                 ]  # ranks sharing the state with tp
+                if dp_mode == "ddp" and EXPERT_DP_KEY not in dp_modes and _expert_dp_offered(model, mesh):
+                    candidates.append((EXPERT_DP_KEY, 1))  # the experts sharded over the replicas
             for key, shard in candidates:
                 if search.ruled_out(mesh, key, shard, micro_batches or 1):
                     continue
@@ -1078,6 +1130,8 @@ def evaluate_plan(
             f"{name}: global batch {planner.batch} does not split over {mesh[0]} data-parallel replicas x {k} "
             "micro-batches"
         )
+    # a Plan's experts sharded over the data-parallel axis are priced so (Plan.expert_data_parallel)
+    expert_dp = isinstance(plan_or_baseline, Plan) and bool(plan_or_baseline.expert_data_parallel)
     tied = TiedGraph.build(planner.graph(mesh[0], k))
     canonical_fixed = {tied.canonical_param(k): v for k, v in fixed.items()}
     param_uses = _plan_param_uses(model, plan_or_baseline) if pin_uses else None
@@ -1099,6 +1153,7 @@ def evaluate_plan(
             micro_batches=k,
             dp_shard_size=shard,
             param_uses=param_uses,
+            expert_dp=expert_dp,
         )
         try:
             solution = solve(built.problem, time_limit_s=time_limit_s)
@@ -1116,6 +1171,7 @@ def evaluate_plan(
             micro_batches=k,
             dp_shard_size=shard,
             param_uses=param_uses,
+            expert_dp=expert_dp,
         )
 
     if solution is None and (isinstance(plan_or_baseline, Plan) or fit_budget):

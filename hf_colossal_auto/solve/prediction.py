@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..capture.graph import StepGraph
-from ..capture.moe import MEASURED_LOAD, UNIFORM_LOAD, is_moe_model
+from ..capture.moe import MEASURED_LOAD, UNIFORM_LOAD, experts_modules, is_moe_model
 from ..hardware.skew import sync_wait
 from ..plan import BlockCost, Plan
 from ..profile.profiler import _module_list_children, block_units
@@ -25,6 +25,7 @@ from ..strategies import ops_without_dtensor_rule
 from ..strategies.moe import moe_layer_choices
 from ..strategies.placements import is_shard
 from .builder import (
+    EXPERT_DP_NODE,
     BuiltProblem,
     TiedGraph,
     _node_name,
@@ -78,7 +79,12 @@ def _make_plan(
         i = solution.choice[node.name]
         cost = node.costs[i] * node.multiplicity
         module = built.block_of.get(node.name, "")
-        if node.name in built.param_options:  # its share of the optimizer step
+        if node.name == EXPERT_DP_NODE:  # the exchange of expert parallelism over dp, per layer
+            comm += cost
+            layers = sum(e.layers for e in built.expert_data_parallel.values())
+            for m, exchange in built.expert_data_parallel.items():
+                spread(block_comm, m, cost * exchange.layers / layers)
+        elif node.name in built.param_options:  # its share of the optimizer step
             compute += cost
             spread(block_compute, module, cost)
         else:
@@ -132,6 +138,7 @@ def _make_plan(
                 share = problem.node(k).multiplicity * values[solution.choice[k]] / total
                 spread(block_comm, built.block_of.get(k, ""), exposed * share)
     recompute = _recompute_choice(built, solution)
+    expert_dp = sorted(experts_modules(planner.model)) if built.expert_data_parallel else []
     # placements
     tp_place: dict[str, str] = {}
     for pname, fqn in built.param_of_node.items():
@@ -140,7 +147,8 @@ def _make_plan(
     param_placements = {}
     for fqn in graph.param_names:
         canon = tied.canonical_param(fqn)
-        param_placements[fqn] = [dp_place, tp_place.get(canon, "R")]
+        over_dp = "S0" if canon in built.expert_dp_params else dp_place  # experts sharded over dp
+        param_placements[fqn] = [over_dp, tp_place.get(canon, "R")]
     activation_placements = _module_output_placements(built, solution, graph, tied, mesh)
     # per-block table
     blocks: list[BlockCost] = []
@@ -193,12 +201,17 @@ def _make_plan(
             if fqn in param_placements
         },
         activation_placements=activation_placements,
-        moe_layers=moe_layer_choices(
-            planner.model,
-            param_placements,
-            mesh[1],
-            _param_use_placements(built, solution, graph, tied, planner.model),
+        moe_layers=_expert_dp_labels(
+            moe_layer_choices(
+                planner.model,
+                param_placements,
+                mesh[1],
+                _param_use_placements(built, solution, graph, tied, planner.model),
+            ),
+            expert_dp,
+            mesh[0],
         ),
+        expert_data_parallel=expert_dp,
         moe_load=(MEASURED_LOAD if planner.routing is not None else UNIFORM_LOAD)
         if is_moe_model(planner.model)
         else "",
@@ -291,6 +304,12 @@ def _sync_wait(spec, built, solution, graph, tied, mesh, predicted: _CollectiveP
         last = segment * micro if tp == 1 else segment
         wait += sync_wait(spec, last + optimizer, dp)
     return wait
+
+
+def _expert_dp_labels(labels: dict[str, str], expert_dp: list[str], dp: int) -> dict[str, str]:
+    """The MoE layer labels, those run expert-parallel over the data-parallel axis named so
+    (``experts: EP×2 (dp)``)."""
+    return {fqn: f"experts: EP×{dp} (dp)" if fqn in expert_dp else label for fqn, label in labels.items()}
 
 
 def _memory_moments(problem, solution: Solution) -> list[list[Any]]:
@@ -634,8 +653,17 @@ def _collective_prediction(built, solution, graph, tied, mesh, planner, dp_mode)
         if dp_mode in SHARDED_DP_MODES:
             counts["dp_all_gather"] += 2 * micro * n_params
             counts["dp_reduce_scatter"] += n_trained
-        else:
-            counts["dp_all_reduce"] += n_trained
+        else:  # experts sharded over dp are not all-reduced: their exchange's collectives instead (with bytes)
+            over_dp = sum(
+                1
+                for fqn in graph.param_names
+                if graph.is_trainable(fqn) and tied.canonical_param(fqn) in built.expert_dp_params
+            )
+            counts["dp_all_reduce"] += n_trained - over_dp
+            for exchange in built.expert_data_parallel.values():
+                for kind, given, _priced in exchange.collectives:
+                    counts[f"dp_{kind}"] += micro * exchange.layers
+                    nbytes[f"dp_{kind}"] += micro * exchange.layers * given
     if dp > 1 and dp_mode == "hsdp":  # HSDP all-reduces each reduce-scattered shard over the replicate group
         counts["dp_all_reduce"] += counts["dp_reduce_scatter"]
     return _CollectivePrediction(

@@ -1,0 +1,340 @@
+"""Run under torchrun (2 gloo ranks): expert parallelism over the data-parallel axis against one process.
+
+    torchrun --nproc_per_node 2 tests/multiproc/check_expert_dp.py --out result.json
+
+Three models, each on a 2 x 1 mesh (DDP) with every MoE layer's experts sharded over the data-parallel axis
+(``Plan.expert_data_parallel``): tiny Mixtral under the plan the planner makes when asked for that mode by name
+(``dp_modes=("ddp-ep",)``), and Mixtral at hidden 256, intermediate 1024, 8 experts, batch 2 x 8 under the
+planner's own choice (``plan_model`` with every mode), and tiny Qwen2-MoE (a shared expert next to the routed
+ones) under the "ddp-ep" plan. Each rank trains its replica's rows for two AdamW steps
+(gradients clipped to norm 1 by ``torch.nn.utils.clip_grad_norm_``, which the norms are recorded of);
+rank 0 writes, per model: the losses and the one-process reference's (the mean of the replicas' losses, what DDP
+computes), the largest first-step gradient difference, the collectives one rank ran in the first step's forward
+and backward (counted as the fidelity tests count them) and the plan's prediction, and after training the
+largest difference between the consolidated export (``save_pretrained``, loaded with ``from_pretrained`` in
+one process) and the reference model trained on the whole batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.tensor import DTensor
+
+
+def _model(name: str):
+    from hf_colossal_auto.models import build_model, load_config
+
+    if name.startswith("tiny-"):
+        torch.manual_seed(0)
+        return build_model(name, device="cpu")
+    cfg = load_config("tiny-mixtral")
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts = 256, 1024, 8
+    cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    torch.manual_seed(0)
+    return build_model(cfg, device="cpu")
+
+
+def _counting(all_reduce, reduced: list):
+    """``all_reduce`` recording each tensor it is given in ``reduced``."""
+
+    def counted(tensor, *args, **kwargs):
+        reduced.append(tensor)
+        return all_reduce(tensor, *args, **kwargs)
+
+    return counted
+
+
+def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | None, out_dir: str) -> dict:
+    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto.apply.checkpoint import consolidated_state_dict
+    from hf_colossal_auto.apply.pretrained import save_pretrained
+    from hf_colossal_auto.apply.simulate import _CollectiveRecorder
+    from hf_colossal_auto.models import make_example_inputs
+    from hf_colossal_auto.solve.planner import plan_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp = world
+    model = _model(name)
+    model.eval()  # no dropout: the comparison is exact
+    batch = make_example_inputs(model, batch_rows, seq, seed=0)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    made = None
+    if rank == 0:
+        kwargs = {"dp_modes": dp_modes} if dp_modes else {}
+        made = plan_model(model, batch, num_devices=world, device="cpu", mesh_shape=(dp, 1), **kwargs)
+    plan = broadcast_plan(made)
+    autoparallelize(model, plan=plan)
+    per_replica = batch_rows // dp
+    local = {k: v[rank * per_replica : (rank + 1) * per_replica] for k, v in batch.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, ref_losses, worst, norms = [], [], 0.0, []
+    ran: dict = {}
+    for step in range(2):
+        ref_loss = (
+            sum(
+                reference(**{k: v[r * per_replica : (r + 1) * per_replica] for k, v in batch.items()}).loss
+                for r in range(dp)
+            )
+            / dp
+        )
+        ref_loss.backward()
+        recorder = _CollectiveRecorder()
+        all_reduce, reduced = dist.all_reduce, []
+        # DDP's gradient all-reduces are plain (not functional) collectives: counted by wrapping them
+        dist.all_reduce = _counting(all_reduce, reduced)
+        try:
+            with recorder:
+                loss = model(**local).loss
+                loss.backward()
+        finally:
+            dist.all_reduce = all_reduce
+        if step == 0:
+            ran = {
+                "counts": {**recorder.counts, "all_reduce (DDP)": len(reduced)},
+                "bytes": dict(recorder.bytes),
+            }
+            for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
+                grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                worst = max(worst, float((grad - p_ref.grad).abs().max()))
+        # gradient clipping as the Trainer does it (the expert gradients live on another mesh than the rest)
+        norms.append(
+            (
+                float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)),
+                float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)),
+            )
+        )
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        all_losses = [None] * world
+        dist.all_gather_object(all_losses, float(loss.detach()))
+        losses.append(sum(all_losses) / dp)
+        ref_losses.append(float(ref_loss))
+    export = os.path.join(out_dir, name)
+    save_pretrained(model, export)
+    consolidated = consolidated_state_dict(model)
+    dist.barrier()
+    export_diff = reference_diff = None
+    if rank == 0:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+        want = dict(reference.named_parameters())
+        # the export is the trained model itself, bit for bit; and that model is the one-process one (two AdamW
+        # steps amplify the gradients' rounding differences where a gradient is near zero)
+        export_diff = max(float((p - consolidated[n]).abs().max()) for n, p in loaded.named_parameters())
+        reference_diff = max(float((p - want[n]).abs().max()) for n, p in loaded.named_parameters())
+    stored = model.model.layers[0].mlp.experts.gate_up_proj
+    result = {
+        "model": name,
+        "expert_data_parallel": plan.expert_data_parallel,
+        "moe_layers": plan.moe_layers,
+        "alternatives": [a["dp_label"] for a in plan.alternatives],
+        "losses": losses,
+        "reference_losses": ref_losses,
+        "max_grad_diff": worst,
+        "grad_norms": norms,
+        "ran": ran,
+        "predicted": {
+            "counts": {k: v for k, v in plan.collectives.items() if k.startswith("dp_") and v},
+            "bytes": {k: v for k, v in plan.collective_bytes.items() if k.startswith("dp_") and v},
+        },
+        "expert_weight": {
+            "placements": [str(p) for p in stored.placements],
+            "local_shape": list(stored.to_local().shape),
+            "shape": list(stored.shape),
+        },
+        "export_diff": export_diff,
+        "reference_diff": reference_diff,
+        "export_names": sorted(consolidated) == sorted(reference.state_dict()),
+    }
+    del model, opt, reference, ref_opt
+    dist.barrier()
+    return result
+
+
+def run_micro_batches() -> dict:
+    """Tiny Mixtral under the "ddp-ep" plan made for 2 micro-batches per replica: one step through
+    :func:`hf_colossal_auto.accumulate` (the gradients of the experts divided by dp once, after the last piece)
+    against one process, and the collectives it ran against the plan's."""
+    from hf_colossal_auto import accumulate
+    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto.apply.simulate import _CollectiveRecorder
+    from hf_colossal_auto.models import make_example_inputs
+    from hf_colossal_auto.solve.planner import plan_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model("tiny-mixtral")
+    model.eval()
+    batch = make_example_inputs(model, 8, 16, seed=0)
+    reference = copy.deepcopy(model)
+    made = None
+    if rank == 0:
+        made = plan_model(
+            model,
+            batch,
+            num_devices=world,
+            device="cpu",
+            mesh_shape=(world, 1),
+            dp_modes=("ddp-ep",),
+            micro_batches=2,
+        )
+    plan = broadcast_plan(made)
+    autoparallelize(model, plan=plan)
+    per = 8 // world
+    # the same pieces in one process (the router's load-balancing loss is per forward, so pieces change it)
+    ref_loss = sum(
+        reference(**{k: v[start : start + per // 2] for k, v in batch.items()}).loss / 2
+        for start in range(0, 8, per // 2)
+    )
+    (ref_loss / world).backward()
+    local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+    recorder = _CollectiveRecorder()
+    pieces, weights = 0, []
+    with recorder:
+        for micro in accumulate(model, local):
+            (model(**micro.inputs).loss * micro.weight).backward()
+            pieces += 1
+            weights.append(float(micro.weight))
+    worst = 0.0
+    for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        worst = max(worst, float((grad - p_ref.grad).abs().max()))
+    result = {
+        "micro_batches": plan.micro_batches,
+        "pieces": pieces,
+        "weights": weights,
+        "expert_data_parallel": plan.expert_data_parallel,
+        "max_grad_diff": worst,
+        "ran": {"counts": dict(recorder.counts), "bytes": dict(recorder.bytes)},
+        "predicted": {
+            "counts": {k: v for k, v in plan.collectives.items() if k.startswith("dp_") and v},
+            "bytes": {k: v for k, v in plan.collective_bytes.items() if k.startswith("dp_") and v},
+        },
+    }
+    del model, reference
+    dist.barrier()
+    return result
+
+
+def run_pretrained(out_dir: str) -> dict:
+    """A HF checkpoint of tiny Mixtral loaded into a meta model under the "ddp-ep" plan
+    (``autoparallelize(..., pretrained=...)``: each rank reads its own experts): every replica's loss equals the
+    one-process model's on its rows."""
+    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.solve.planner import plan_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = _model("tiny-mixtral")
+    reference.eval()
+    directory = os.path.join(out_dir, "pretrained")
+    if rank == 0:
+        reference.save_pretrained(directory)
+    dist.barrier()
+    batch = make_example_inputs(reference, 4, 16, seed=0)
+    made = None
+    if rank == 0:
+        made = plan_model(
+            reference, batch, num_devices=world, device="cpu", mesh_shape=(world, 1), dp_modes=("ddp-ep",)
+        )
+    model = build_model("tiny-mixtral", device="meta")
+    model.eval()
+    autoparallelize(model, plan=broadcast_plan(made), pretrained=directory)
+    per = 4 // world
+    local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+    with torch.no_grad():
+        got, want = float(model(**local).loss), float(reference(**local).loss)
+    pairs = [None] * world
+    dist.all_gather_object(pairs, (got, want))
+    stored = model.model.layers[0].mlp.experts.gate_up_proj
+    return {"losses": pairs, "local_experts": stored.to_local().shape[0], "experts": stored.shape[0]}
+
+
+def run_resume(out_dir: str) -> dict:
+    """Tiny Mixtral under the "ddp-ep" plan: one AdamW step, sharded state saved with
+    ``torch.distributed.checkpoint`` (``save_checkpoint``), two more steps; then a fresh model under the same
+    plan loads the state and runs the same two steps. Each rank's losses of both runs."""
+    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto.apply.checkpoint import load_checkpoint, save_checkpoint
+    from hf_colossal_auto.models import make_example_inputs
+    from hf_colossal_auto.solve.planner import plan_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    directory = os.path.join(out_dir, "resume")
+    model = _model("tiny-mixtral")
+    model.eval()
+    batch = make_example_inputs(model, 4, 16, seed=0)
+    made = None
+    if rank == 0:
+        made = plan_model(
+            model, batch, num_devices=world, device="cpu", mesh_shape=(world, 1), dp_modes=("ddp-ep",)
+        )
+    plan = broadcast_plan(made)
+    per = 4 // world
+    local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+
+    def step(model, opt) -> float:
+        loss = model(**local).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    autoparallelize(model, plan=plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, opt)
+    save_checkpoint(model, opt, directory)
+    uninterrupted = [step(model, opt), step(model, opt)]
+    fresh = _model("tiny-mixtral")
+    fresh.eval()
+    autoparallelize(fresh, plan=plan)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_checkpoint(fresh, fresh_opt, directory)
+    resumed = [step(fresh, fresh_opt), step(fresh, fresh_opt)]
+    pairs = [None] * world
+    dist.all_gather_object(pairs, (uninterrupted, resumed))
+    del model, fresh, opt, fresh_opt
+    dist.barrier()
+    return {"ranks": pairs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    with tempfile.TemporaryDirectory() as tmp:
+        # one directory for both ranks: rank 0's
+        shared = [tmp]
+        dist.broadcast_object_list(shared, src=0)
+        results = [
+            run_case("tiny-mixtral", 4, 16, ("ddp-ep",), shared[0]),
+            run_case("wide-mixtral", 2, 8, None, shared[0]),
+            run_case(
+                "tiny-qwen2-moe", 4, 16, ("ddp-ep",), shared[0]
+            ),  # a shared expert next to the routed ones
+            run_micro_batches(),
+            run_pretrained(shared[0]),
+            run_resume(shared[0]),
+        ]
+        if dist.get_rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump(results, f)
+        dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
