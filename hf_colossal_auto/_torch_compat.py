@@ -17,6 +17,10 @@ from torch.utils.flop_counter import flop_registry as _torch_flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "clip_grad_internals",
+    "functional_all_gather_rows",
+    "functional_reduce_scatter_rows",
+    "set_clip_grad_internals",
     "queue_backward_callback",
     "set_group_timeout",
     "default_dtensor_dispatch",
@@ -279,3 +283,35 @@ def relax_grouped_mm_meta(output_layout) -> None:
     library = torch.library.Library("aten", "IMPL")
     library.impl("_grouped_mm", meta, "Meta", allow_override=True)
     _GROUPED_MM_META_LIBRARY.append(library)
+
+
+def clip_grad_internals():
+    """``(total_norm, clip_with_norm)``: the two private functions ``torch.nn.utils.clip_grad_norm_`` is made of
+    (the norm of many gradients; scaling them by it), which mixed-mesh gradient clipping wraps."""
+    from torch.nn.utils import clip_grad
+
+    return clip_grad._get_total_norm, clip_grad._clip_grads_with_norm_
+
+
+def set_clip_grad_internals(total_norm, clip_with_norm) -> None:
+    """Replace the functions :func:`clip_grad_internals` returns; ``clip_grad_norm_`` calls them by module
+    attribute, so it (and accelerate's, and the Trainer's) runs the replacements."""
+    from torch.nn.utils import clip_grad
+
+    clip_grad._get_total_norm = total_norm
+    clip_grad._clip_grads_with_norm_ = clip_with_norm
+
+
+def functional_all_gather_rows(t, group):
+    """Dim-0 blocks of ``t`` from every rank of ``group``, in rank order, through torch's functional
+    collectives: DTensor issues its own that way, so ``CommDebugMode`` and the tests' recorders count it."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_gather_single(t, 0, group))
+
+
+def functional_reduce_scatter_rows(t, group):
+    """This rank's dim-0 block of the sum of ``t`` over ``group`` (torch's functional reduce-scatter)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.reduce_scatter_single(t, "sum", 0, group))

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._torch_compat import TorchDispatchMode
 from .capture.graph import Phase
 from .capture.op_classes import op_base_name
 from .hardware import DeviceSpec

@@ -44,7 +44,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from .._torch_compat import tree_flatten, tree_map
+from .._torch_compat import (
+    clip_grad_internals,
+    functional_all_gather_rows,
+    functional_reduce_scatter_rows,
+    set_clip_grad_internals,
+    tree_flatten,
+    tree_map,
+)
 from ..capture.moe import expert_weight_dims, experts_modules
 from ..plan import Plan
 
@@ -234,16 +241,12 @@ def install_expert_parallel_regions(model: nn.Module, plan: Plan) -> list[str]:
 def _all_gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
     """Rows of every rank of ``group``, rank order (a functional all-gather, so the collective recorders count
     it as DTensor's own)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol.wait_tensor(funcol.all_gather_single(t.contiguous(), 0, group))
+    return functional_all_gather_rows(t.contiguous(), group)
 
 
 def _reduce_scatter_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
     """This rank's block of rows of the sum over ``group`` (a functional reduce-scatter)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol.wait_tensor(funcol.reduce_scatter_single(t.contiguous(), "sum", 0, group))
+    return functional_reduce_scatter_rows(t.contiguous(), group)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -415,9 +418,7 @@ def install_mixed_mesh_grad_norm() -> None:
     code), each made a plain full tensor (the expert weights' norm summed over the data-parallel shards), and
     combined; the result is a plain tensor, which scales the gradients of every mesh, one mesh at a time. Calls
     with one mesh run torch's code unchanged. Process-wide, like the load-balancing region; idempotent."""
-    from torch.nn.utils import clip_grad
-
-    original = clip_grad._get_total_norm
+    original, clip = clip_grad_internals()
     if getattr(original, _MIXED_MESH_NORM, False):
         return
 
@@ -440,8 +441,6 @@ def install_mixed_mesh_grad_norm() -> None:
             )
         return total
 
-    clip = clip_grad._clip_grads_with_norm_
-
     @functools.wraps(clip)
     def clip_with_norm(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach=None) -> None:
         listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -453,5 +452,4 @@ def install_mixed_mesh_grad_norm() -> None:
         return None
 
     setattr(total_norm, _MIXED_MESH_NORM, True)
-    clip_grad._get_total_norm = total_norm
-    clip_grad._clip_grads_with_norm_ = clip_with_norm
+    set_clip_grad_internals(total_norm, clip_with_norm)
