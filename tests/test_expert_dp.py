@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc.common import wide_mixtral
 from torchrun_launch import run_torchrun
 
 from hf_colossal_auto.capture.moe import experts_modules
@@ -30,11 +31,7 @@ def _tiny_mixtral():
 
 def _wide_mixtral():
     """Mixtral at hidden 256, intermediate 1024, 8 experts: experts large against the tokens of a small batch."""
-    cfg = load_config("tiny-mixtral")
-    cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts = 256, 1024, 8
-    cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
-    torch.manual_seed(0)
-    model = build_model(cfg, device="cpu")
+    model = wide_mixtral()
     model.eval()
     return model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc.common import wider_model
+from multiproc.common import wide_mixtral, wider_model
 from torch import nn
 
 from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
@@ -176,13 +176,8 @@ def test_the_solvers_expert_parallel_plan_runs_as_predicted():
     with its own use placements, and the collectives it predicts (counts and bytes) are what
     ``simulate_collectives`` runs."""
     from hf_colossal_auto.apply.simulate import simulate_collectives
-    from hf_colossal_auto.models import load_config
 
-    cfg = load_config("tiny-mixtral")
-    cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts = 256, 1024, 8
-    cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
-    torch.manual_seed(0)
-    model = build_model(cfg, device="cpu")
+    model = wide_mixtral()
     model.eval()
     batch = make_example_inputs(model, 4, 64, seed=0)
     plan, predicted, predicted_bytes = _plan_and_prediction(model, batch, "auto")

@@ -27,20 +27,19 @@ import tempfile
 import torch
 import torch.distributed as dist
 import transformers
+from common import ddp_reference_loss
 from torch.distributed.tensor import DTensor
 
 
 def _model(name: str):
-    from hf_colossal_auto.models import build_model, load_config
+    from common import wide_mixtral
+
+    from hf_colossal_auto.models import build_model
 
     if name.startswith("tiny-"):
         torch.manual_seed(0)
         return build_model(name, device="cpu")
-    cfg = load_config("tiny-mixtral")
-    cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts = 256, 1024, 8
-    cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
-    torch.manual_seed(0)
-    return build_model(cfg, device="cpu")
+    return wide_mixtral()
 
 
 def _counting(all_reduce, reduced: list):
@@ -80,13 +79,7 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
     losses, ref_losses, worst, norms = [], [], 0.0, []
     ran: dict = {}
     for step in range(2):
-        ref_loss = (
-            sum(
-                reference(**{k: v[r * per_replica : (r + 1) * per_replica] for k, v in batch.items()}).loss
-                for r in range(dp)
-            )
-            / dp
-        )
+        ref_loss = ddp_reference_loss(reference, batch, dp)
         ref_loss.backward()
         recorder = _CollectiveRecorder()
         all_reduce, reduced = dist.all_reduce, []

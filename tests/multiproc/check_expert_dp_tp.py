@@ -19,6 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 import transformers
+from common import ddp_reference_loss
 from torch.distributed.tensor import DTensor
 
 
@@ -54,9 +55,7 @@ def main() -> None:
     local = {k: v[replica * 2 : (replica + 1) * 2] for k, v in batch.items()}
     loss = model(**local).loss
     loss.backward()
-    ref_loss = (
-        sum(reference(**{k: v[r * 2 : (r + 1) * 2] for k, v in batch.items()}).loss for r in range(dp)) / dp
-    )
+    ref_loss = ddp_reference_loss(reference, batch, dp)
     ref_loss.backward()
     worst = 0.0
     for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):

@@ -24,6 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 import transformers
+from common import ddp_reference_loss
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
@@ -42,10 +43,7 @@ def make_batch(model, rows: int, seq: int) -> dict[str, torch.Tensor]:
 
 def reference_grads(model, batch: dict, dp: int) -> tuple[float, dict[str, torch.Tensor]]:
     """One process, whole batch: the mean over replicas of each replica's mean loss (what DDP averages)."""
-    per = batch["input_ids"].shape[0] // dp
-    loss = (
-        sum(model(**{k: v[r * per : (r + 1) * per] for k, v in batch.items()}).loss for r in range(dp)) / dp
-    )
+    loss = ddp_reference_loss(model, batch, dp)
     loss.backward()
     return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

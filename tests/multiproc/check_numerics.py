@@ -26,6 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 import transformers
+from common import ddp_reference_loss
 from torch.distributed.tensor import DTensor
 
 
@@ -102,13 +103,7 @@ def run_model(spec: str, args: argparse.Namespace, dp_mode: str) -> dict:
     losses, ref_losses, worst = [], [], 0.0
     for step in range(args.steps):
         # reference: DDP's loss is the mean of the replicas' mean losses
-        ref_loss = (
-            sum(
-                reference(**{k: v[r * per_replica : (r + 1) * per_replica] for k, v in batch.items()}).loss
-                for r in range(dp)
-            )
-            / dp
-        )
+        ref_loss = ddp_reference_loss(reference, batch, dp)
         ref_loss.backward()
         loss = model(**local).loss
         loss.backward()

@@ -31,6 +31,27 @@ def wider_model(preset: str) -> nn.Module:
     return model
 
 
+def wide_mixtral() -> nn.Module:
+    """Tiny Mixtral at hidden 256, intermediate 1024, 8 experts, seeded, on CPU: experts large against the
+    tokens of a small batch, where the solver chooses expert parallelism (over tp, or over dp)."""
+    from hf_colossal_auto.models import build_model, load_config
+
+    config = load_config("tiny-mixtral")
+    config.hidden_size, config.intermediate_size, config.num_local_experts = 256, 1024, 8
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    torch.manual_seed(0)
+    return build_model(config, device="cpu")
+
+
+def ddp_reference_loss(model: nn.Module, batch: dict[str, Any], dp: int) -> torch.Tensor:
+    """One process on the whole batch, the loss DDP trains on: the mean over ``dp`` replicas (equal row blocks,
+    rank order) of each replica's mean loss."""
+    per = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0] // dp
+    return (
+        sum(model(**{k: v[r * per : (r + 1) * per] for k, v in batch.items()}).loss for r in range(dp)) / dp
+    )
+
+
 def plan_at_fraction(
     model: nn.Module,
     batch: dict[str, Any],
