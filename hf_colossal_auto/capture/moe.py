@@ -281,7 +281,8 @@ def measure_routing(model: nn.Module, batch: Mapping[str, Any]) -> RoutingLoad:
     sentinels, ``>= num_experts``, are not counted). The model needs its real weights (the routing is a
     function of them): plan on a meta model, measure on the materialised one (or a checkpoint of the same
     configuration) and pass the result to ``plan_model(..., routing=...)``. The model's training mode is kept
-    (a router's jitter noise, if any, applies as in training).
+    (a router's jitter noise, if any, applies as in training), and so is the random state: the forward runs on
+    forked RNG, so measuring moves no job's random stream. The batch is moved to the model's device.
     """
     modules = experts_modules(model)
     if not modules:
@@ -293,6 +294,13 @@ def measure_routing(model: nn.Module, batch: Mapping[str, Any]) -> RoutingLoad:
             "function of them. Measure on the materialised model, or load a histogram measured elsewhere "
             "(RoutingLoad.load)"
         )
+    if any(isinstance(v, torch.Tensor) and v.is_meta for v in batch.values()):
+        raise ValueError(
+            "measure_routing needs a real batch (the inputs are on the meta device): measure with real inputs, "
+            "or load a histogram measured elsewhere (RoutingLoad.load / --routing-histogram)"
+        )
+    device = next(p.device for p in model.parameters())
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     counts: dict[str, torch.Tensor] = {}
 
     def hook(fqn: str, module: nn.Module):
@@ -309,7 +317,7 @@ def measure_routing(model: nn.Module, batch: Mapping[str, Any]) -> RoutingLoad:
 
     handles = [m.register_forward_pre_hook(hook(fqn, m), with_kwargs=True) for fqn, m in modules.items()]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model(**batch)
     finally:
         for handle in handles:

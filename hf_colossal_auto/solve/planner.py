@@ -856,26 +856,15 @@ def _routing(
 
 
 def _measured_routing(model: nn.Module, example_inputs: Mapping[str, Any] | None) -> RoutingLoad:
-    """``routing="measure"``: the routing of one forward on the example batch, moved to the model's device, with
-    the random state restored after it (on the Trainer's path only the planning rank runs it)."""
+    """``routing="measure"``: :func:`~hf_colossal_auto.capture.moe.measure_routing` on the example batch (it
+    keeps the random state: on the Trainer's path only the planning rank runs it), its refusals prefixed with
+    the setting that asked for it."""
     from ..capture.moe import measure_routing
 
     if example_inputs is None:
         raise ValueError('routing="measure" counts the routing on the example batch; none was given')
-    if any(isinstance(v, torch.Tensor) and v.is_meta for v in example_inputs.values()):
-        raise ValueError(
-            'routing="measure" needs a real batch (the example inputs are on the meta device): plan with '
-            "real inputs, or pass a histogram measured elsewhere (RoutingLoad.load / --routing-histogram)"
-        )
-    device = next((p.device for p in model.parameters() if not p.is_meta), None)
-    batch = {
-        k: v.to(device) if isinstance(v, torch.Tensor) and device is not None else v
-        for k, v in example_inputs.items()
-    }
-    cuda = [device] if device is not None and device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=cuda):  # a router's jitter or dropout must not move the job's RNG
-            return measure_routing(model, batch)
+        return measure_routing(model, example_inputs)
     except ValueError as exc:
         raise ValueError(f'routing="measure": {exc}') from exc
 
