@@ -31,6 +31,11 @@ from .graph import StepGraph
 logger = logging.getLogger(__name__)
 
 
+_LEAVES = (str, bytes, bool, float, Enum, torch.dtype, torch.device, torch.layout)
+"""Recorded values that interpolation carries only unchanged (a float that changes as a count is handled first)
+and that :func:`same_step` compares as they are."""
+
+
 class NotAffine(ValueError):
     """Two traces differ in a way interpolation cannot carry: their structure, or a number that is not a whole
     affine function of the rows."""
@@ -69,10 +74,7 @@ class _Scale:
             return x if x == y else self._number(x, y, where)
         if type(x) is float and x != y and x.is_integer() and y.is_integer():  # a count passed as a float
             return float(self._number(int(x), int(y), where))
-        if (
-            isinstance(x, (str, bytes, bool, float, Enum, torch.dtype, torch.device, torch.layout))
-            or x is None
-        ):
+        if isinstance(x, _LEAVES) or x is None:
             if x != y:
                 raise NotAffine(f"{where}: {x!r} at one size, {y!r} at the other")
             return x
@@ -155,10 +157,7 @@ def same_step(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(same_step(v, b[k]) for k, v in a.items())
     if dataclasses.is_dataclass(a):
         return all(same_step(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
-    if (
-        isinstance(a, (int, str, bytes, bool, float, Enum, torch.dtype, torch.device, torch.layout))
-        or a is None
-    ):
+    if isinstance(a, (int, *_LEAVES)) or a is None:
         return a == b
     return _opaque_equal(a, b)
 
