@@ -152,23 +152,47 @@ def expert_parallel_forward(module: nn.Module, original: Callable[..., Any]) -> 
             return full.to_local(grad_placements=[Partial()] * mesh.ndim)
 
         hidden, weights, index = (local_input(t) for t in (hidden_states, top_k_weights, top_k_index))
-        local_index = index - rank * per_rank
-        mine = (local_index >= 0) & (local_index < per_rank)
-        local_index = torch.where(mine, local_index, torch.full_like(local_index, per_rank))  # sentinel
-        weights = weights * mine.to(weights.dtype)
-        view = copy.copy(module)  # the same module with this rank's experts as plain tensors
-        view.__dict__["_parameters"] = {}
-        for name, param in module._parameters.items():
-            if param is not None:
-                view.__dict__[name] = _owned_slice(param, module.num_experts, rank, size)
-        view.__dict__["num_experts"] = per_rank
-        view.__dict__["_is_expert_parallel"] = True
-        # the class's forward: transformers' dispatch to the configured experts implementation, which skips
-        # expert-parallel sentinels (grouped_mm: past the offsets; eager: the extra one-hot class)
-        out = type(module).forward(view, hidden, local_index, weights)
+        out = _own_experts_forward(
+            module,
+            hidden,
+            index,
+            weights,
+            rank,
+            per_rank,
+            lambda p: _owned_slice(p, module.num_experts, rank, size),
+        )
         return DTensor.from_local(out, mesh, [Partial()] * mesh.ndim, run_check=False)
 
     return forward
+
+
+def _own_experts_forward(
+    module: nn.Module,
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    rank: int,
+    per_rank: int,
+    local_param: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """transformers' own forward of ``module`` on rank ``rank``'s ``per_rank`` experts (``local_param`` gives
+    each parameter's part of them as a plain tensor): the (token, expert) pairs routed to other ranks' experts
+    become transformers' expert-parallel sentinels with zero routing weight, so the output sums over the ranks
+    to the one-process output. Shared by both expert-parallel regions (over tp, over dp)."""
+    local_index = index - rank * per_rank
+    mine = (local_index >= 0) & (local_index < per_rank)
+    local_index = torch.where(mine, local_index, torch.full_like(local_index, per_rank))  # sentinel
+    weights = weights * mine.to(weights.dtype)
+    view = copy.copy(module)  # the same module with this rank's experts as plain tensors
+    view.__dict__["_parameters"] = {}
+    for name, param in module._parameters.items():
+        if param is not None:
+            view.__dict__[name] = local_param(param)
+    view.__dict__["num_experts"] = per_rank
+    view.__dict__["_is_expert_parallel"] = True
+    # the class's forward: transformers' dispatch to the configured experts implementation, which skips
+    # expert-parallel sentinels (grouped_mm: past the offsets; eager: the extra one-hot class)
+    return type(module).forward(view, hidden, local_index, weights)
 
 
 def _split_on_expert_dim(module: nn.Module, fqn: str, plan: Plan) -> bool:
@@ -325,18 +349,15 @@ def expert_data_parallel_forward(
         hidden = _GatherRows.apply(hidden, group)
         weights = _GatherRows.apply(weights, group)
         index = _all_gather_rows(index, group)
-        local_index = index - rank * per_rank
-        mine = (local_index >= 0) & (local_index < per_rank)
-        local_index = torch.where(mine, local_index, torch.full_like(local_index, per_rank))  # sentinel
-        weights = weights * mine.to(weights.dtype)
-        view = copy.copy(module)  # the same module with this rank's experts as plain tensors
-        view.__dict__["_parameters"] = {}
-        for name, param in module._parameters.items():
-            if param is not None:
-                view.__dict__[name] = param.to_local() if isinstance(param, DTensor) else param
-        view.__dict__["num_experts"] = per_rank
-        view.__dict__["_is_expert_parallel"] = True
-        out = type(module).forward(view, hidden, local_index, weights)
+        out = _own_experts_forward(
+            module,
+            hidden,
+            index,
+            weights,
+            rank,
+            per_rank,
+            lambda p: p.to_local() if isinstance(p, DTensor) else p,
+        )
         out = _ScatterRows.apply(out, group)
         if out_mesh is None:
             return out
