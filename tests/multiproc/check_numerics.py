@@ -26,7 +26,6 @@ import os
 import torch
 import torch.distributed as dist
 import transformers
-from common import ddp_reference_loss
 from torch.distributed.tensor import DTensor
 
 
@@ -45,6 +44,8 @@ _PRICED: dict = {}
 def run_model(spec: str, args: argparse.Namespace, dp_mode: str) -> dict:
     """Plan, apply and train one model (``name`` or ``name@plan``) under ``args`` with ``dp_mode`` on the
     data-parallel axis; the losses and gradient gap against one process."""
+    from common import ddp_reference_loss  # here: tests import this script in-process, without its folder
+
     name, _, plan_kind = spec.partition("@")
     plan_kind = plan_kind or args.plan
     rank, world = dist.get_rank(), dist.get_world_size()
