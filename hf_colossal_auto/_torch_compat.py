@@ -18,8 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "clip_grad_internals",
-    "functional_all_gather_rows",
-    "functional_reduce_scatter_rows",
+    "functional_all_to_all_rows",
     "set_clip_grad_internals",
     "queue_backward_callback",
     "set_group_timeout",
@@ -302,16 +301,12 @@ def set_clip_grad_internals(total_norm, clip_with_norm) -> None:
     clip_grad._clip_grads_with_norm_ = clip_with_norm
 
 
-def functional_all_gather_rows(t, group):
-    """Dim-0 blocks of ``t`` from every rank of ``group``, in rank order, through torch's functional
-    collectives: DTensor issues its own that way, so ``CommDebugMode`` and the tests' recorders count it."""
+def functional_all_to_all_rows(t, output_splits, input_splits, group, *, differentiable: bool = True):
+    """Rows of ``t`` exchanged over ``group`` by all-to-all: ``input_splits[j]`` rows to rank ``j``,
+    ``output_splits[j]`` rows from it (None: equal blocks). Through torch's functional collectives, as DTensor
+    issues its own, so ``CommDebugMode`` and the tests' recorders count it; ``differentiable``: its backward is
+    the reverse all-to-all of the gradient."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.wait_tensor(funcol.all_gather_single(t, 0, group))
-
-
-def functional_reduce_scatter_rows(t, group):
-    """This rank's dim-0 block of the sum of ``t`` over ``group`` (torch's functional reduce-scatter)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol.wait_tensor(funcol.reduce_scatter_single(t, "sum", 0, group))
+    exchange = funcol.all_to_all_single_autograd if differentiable else funcol.all_to_all_single
+    return funcol.wait_tensor(exchange(t, output_splits, input_splits, group))

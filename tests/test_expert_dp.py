@@ -1,6 +1,6 @@
 """Expert parallelism over the data-parallel axis (issue 14, Build 2(c)): experts sharded over ranks that hold
-different tokens, the tokens all-gathered into each MoE layer and its output reduce-scattered back
-(``apply/moe.py::expert_data_parallel_forward``), planned as the DDP candidate "ddp-ep"."""
+different tokens, each (token, expert) pair's row sent to its expert's rank and its result sent back by
+all-to-all (``apply/moe.py::expert_data_parallel_forward``), planned as the DDP candidate "ddp-ep"."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_other_families_run_what_is_predicted(preset):
     ran = simulate_collectives(model, plan, {k: v[:2] for k, v in batch.items()})
     predicted = {k.removeprefix("dp_"): int(v) for k, v in plan.collectives.items() if k != "dp_all_reduce"}
     predicted_bytes = {k.removeprefix("dp_"): int(v) for k, v in plan.collective_bytes.items()}
-    assert predicted == {"all_gather": 8, "reduce_scatter": 6}
+    assert predicted == {"all_to_all": 10}
     assert (dict(ran.counts), dict(ran.bytes)) == (predicted, predicted_bytes)
     expert_weights = sum(1 for n in plan.param_placements if plan.param_placements[n][0] == "S0")
     assert expert_weights == 4
@@ -87,7 +87,8 @@ def test_other_families_run_what_is_predicted(preset):
 def test_a_measured_routing_load_prices_the_busiest_replica():
     """Under a measured histogram the grouped GEMMs wait for the data-parallel rank whose experts get the most
     rows: a flat histogram prices as uniform routing, a skewed one (the first rank's experts get 1.56 times the
-    mean) more; the exchange, fixed-size, is the same."""
+    mean) more. The collectives one rank hands in are predicted as the mean rank's (exact summed over the
+    ranks, whatever the routing), so they are the same; the busiest rank's all-to-alls are priced longer."""
     from hf_colossal_auto.capture.moe import RoutingLoad
 
     model = _tiny_mixtral()
@@ -114,8 +115,8 @@ def test_a_measured_routing_load_prices_the_busiest_replica():
 
 
 def test_folded_blocks_count_every_layer():
-    """Five Mixtral layers, traced once and folded: the exchange is priced and predicted for all five (20
-    all-gathers, 15 reduce-scatters), as the simulated run issues them, and all ten expert weights are stored
+    """Five Mixtral layers, traced once and folded: the exchange is priced and predicted for all five (25
+    all-to-alls), as the simulated run issues them, and all ten expert weights are stored
     split over dp and left out of DDP's all-reduces."""
     from hf_colossal_auto.apply.simulate import simulate_collectives
 
@@ -132,15 +133,16 @@ def test_folded_blocks_count_every_layer():
     if dist.is_initialized():
         dist.destroy_process_group()
     ran = simulate_collectives(model, plan, {k: v[:2] for k, v in batch.items()})
-    assert dict(ran.counts) == {"all_gather": 20, "reduce_scatter": 15}
+    assert dict(ran.counts) == {"all_to_all": 25}
     assert dict(ran.bytes) == {k.removeprefix("dp_"): int(v) for k, v in plan.collective_bytes.items()}
 
 
 def test_predicted_collectives_equal_the_simulated_run():
-    """One rank's forward + backward under the fake process group: the exchange's 4 all-gathers and 3
-    reduce-scatters per MoE layer (tokens, routing weights, indices in; output out; the output gradient in;
-    the tokens' and routing weights' gradients out), counts and bytes, as predicted; DDP all-reduces every
-    trained parameter but the 4 expert weights (not counted by the simulation: plain collectives)."""
+    """One rank's forward + backward under the fake process group: the exchange's 5 all-to-alls per MoE layer
+    (the per-expert counts; the pairs' rows out and their results back; in backward the results' gradient
+    out and the rows' gradient back), counts and bytes, as predicted (the symbolic run splits the rows as
+    uniform routing does); DDP all-reduces every trained parameter but the 4 expert weights (not counted by
+    the simulation: plain collectives)."""
     from hf_colossal_auto.apply.simulate import simulate_collectives
 
     model = _tiny_mixtral()
@@ -151,22 +153,20 @@ def test_predicted_collectives_equal_the_simulated_run():
     ran = simulate_collectives(model, plan, {k: v[:2] for k, v in batch.items()})  # one replica's rows
     predicted = {k.removeprefix("dp_"): int(v) for k, v in plan.collectives.items() if k != "dp_all_reduce"}
     predicted_bytes = {k.removeprefix("dp_"): int(v) for k, v in plan.collective_bytes.items()}
-    assert predicted == {"all_gather": 8, "reduce_scatter": 6}
+    assert predicted == {"all_to_all": 10}
     assert (dict(ran.counts), dict(ran.bytes)) == (predicted, predicted_bytes)
-    # batch 2 x 16 rows per replica, hidden 64, top-2: per layer 2 * 32*64*4 (tokens, output grad) + 32*2*4
-    # (weights) + 32*2*8 (indices) gathered; 2 * 64*64*4 (output, tokens' grad) + 64*2*4 reduce-scattered
-    assert predicted_bytes == {
-        "all_gather": 2 * (2 * 32 * 64 * 4 + 32 * 2 * 4 + 32 * 2 * 8),
-        "reduce_scatter": 2 * (2 * 64 * 64 * 4 + 64 * 2 * 4),
-    }
+    # batch 2 x 16 rows per replica, top-2: 64 (token, expert) pairs of hidden 64 in fp32, 4 row exchanges,
+    # and 4 experts' int64 counts, per layer
+    assert predicted_bytes == {"all_to_all": 2 * (4 * 64 * 64 * 4 + 4 * 8)}
     trained = sum(1 for p in model.parameters() if p.requires_grad)
     assert plan.collectives["dp_all_reduce"] == trained - 4
 
 
 def test_the_planner_chooses_it_where_it_pays_and_prices_it_where_it_does_not():
     """Wide experts, few tokens (batch 2 x 8) on cpu/gloo: DDP all-reduces 2 x 8 experts' gradients (50 MB),
-    the exchange moves a few tens of KB: the planner picks it. Tiny Mixtral (batch 4 x 16): offered and priced,
-    DDP with replicated experts is faster. Its model state is smaller by the experts' share either way."""
+    the exchange moves a few tens of KB: the planner picks it. Tiny Mixtral with more tokens (batch 8 x 64: the
+    exchange's rows grow with them, the experts' gradients do not): offered and priced, DDP with replicated
+    experts is faster. Its model state is smaller by the experts' share either way."""
     model = _wide_mixtral()
     plan = plan_model(
         model, make_example_inputs(model, 2, 8, seed=0), num_devices=2, device="cpu", mesh_shape=(2, 1)
@@ -177,7 +177,7 @@ def test_the_planner_chooses_it_where_it_pays_and_prices_it_where_it_does_not():
     assert tried["ddp, experts over dp"] == min(tried.values()) < tried["ddp"]
 
     tiny = _tiny_mixtral()
-    batch = make_example_inputs(tiny, 4, 16, seed=0)
+    batch = make_example_inputs(tiny, 8, 64, seed=0)
     ddp = plan_model(tiny, batch, num_devices=2, device="cpu", mesh_shape=(2, 1), dp_modes=("ddp",))
     tried = {a["dp_label"]: a["step_time_s"] for a in ddp.alternatives}
     assert ddp.expert_data_parallel == [] and tried["ddp"] < tried["ddp, experts over dp"]
@@ -224,9 +224,9 @@ def test_scope_is_ddp_on_a_data_parallel_axis_dividing_the_experts():
 def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     """2 gloo ranks (``tests/multiproc/check_expert_dp.py``): tiny Mixtral under the "ddp-ep" plan and the wide
     Mixtral under the planner's own choice (which is it), tiny Qwen2-MoE (shared expert) under "ddp-ep". Two AdamW steps' losses, every first-step gradient and
-    the gradient norms ``clip_grad_norm_`` clips by equal one process's (fp32); every rank stores half the experts; the collectives one rank runs in a step —
-    the exchange's all-gathers and reduce-scatters (counts and bytes) and DDP's all-reduces — are the plan's
-    prediction; the consolidated export (``save_pretrained``) is the trained model, loads with
+    the gradient norms ``clip_grad_norm_`` clips by equal one process's (fp32); every rank stores half the experts; the collectives a rank runs in a step —
+    the exchange's all-to-alls and DDP's all-reduces — are the plan's prediction, their bytes (one rank's
+    share follows the routing) on average over the ranks; the consolidated export (``save_pretrained``) is the trained model, loads with
     ``from_pretrained`` and equals the one-process model. Then tiny Mixtral planned for 2 micro-batches per
     replica: one accumulated step's gradients equal one process's on the same pieces, its collectives the
     plan's. Then a HF checkpoint loaded under the plan into a meta model gives one process's losses, and the
@@ -248,11 +248,13 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     assert (micro["micro_batches"], micro["pieces"], micro["weights"]) == (2, 2, [0.5, 0.5])
     assert micro["expert_data_parallel"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert micro["max_grad_diff"] < 1e-5
-    assert micro["ran"]["counts"] == {"all_gather": 16, "reduce_scatter": 12}
+    assert micro["ran"]["counts"] == {"all_to_all": 20}
     assert micro["ran"]["counts"] == {
         k.removeprefix("dp_"): v for k, v in micro["predicted"]["counts"].items() if k != "dp_all_reduce"
     }
-    assert micro["ran"]["bytes"] == {k.removeprefix("dp_"): v for k, v in micro["predicted"]["bytes"].items()}
+    assert micro["ran"]["bytes_mean"] == {
+        k.removeprefix("dp_"): v for k, v in micro["predicted"]["bytes"].items()
+    }
     for result in results:
         name = result["model"]
         assert result["expert_data_parallel"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
@@ -266,14 +268,11 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
         assert weight["placements"] == ["S(0)", "R"] and weight["local_shape"][0] * 2 == weight["shape"][0]
         predicted, ran = result["predicted"], result["ran"]
         assert ran["counts"] == {
-            "all_gather": predicted["counts"]["dp_all_gather"],
-            "reduce_scatter": predicted["counts"]["dp_reduce_scatter"],
+            "all_to_all": predicted["counts"]["dp_all_to_all"],
             "all_reduce (DDP)": predicted["counts"]["dp_all_reduce"],
         }, name
-        assert ran["bytes"] == {
-            "all_gather": predicted["bytes"]["dp_all_gather"],
-            "reduce_scatter": predicted["bytes"]["dp_reduce_scatter"],
-        }, name
+        # a rank's share of the all-to-alls follows the routing; the mean over the ranks is the prediction's
+        assert ran["bytes_mean"] == {"all_to_all": predicted["bytes"]["dp_all_to_all"]}, name
         assert result["export_names"] and result["export_diff"] == 0.0, name
         assert result["reference_diff"] < 1e-4, name
     assert "ddp" in results[1]["alternatives"]  # chosen over plain DDP, not asked for

@@ -20,15 +20,17 @@ and marks the others as transformers' own expert-parallel sentinels (skipped by 
 routing weight) — and *combine* is a reduction of the partial outputs (each token's sum over its experts,
 split over the ranks that own them), left to DTensor as a ``Partial`` output. The gradients of the tokens
 and routing weights leave as partial sums too, reduced where they are made. No all-to-all is needed for
-tokens replicated over the group (gloo has none). The planner prices the region as it runs
+tokens replicated over the group. The planner prices the region as it runs
 (``strategies.moe.add_expert_region_strategies``: tokens, routing weights and indices redistributed to
 replicated on the way in, a partial sum out, partial gradients back), the grouped GEMMs' work under the
 uniform-load assumption or a measured histogram; the real load is whatever the router does.
 
 **Expert parallelism over the data-parallel axis** (``Plan.expert_data_parallel``, DDP): the replicas hold
-different tokens, so dispatch and combine exchange them — as a fixed-size all-gather of the tokens and routing
-in and a reduce-scatter of the output out (:func:`expert_data_parallel_forward`), whose bytes the planner
-predicts exactly on any backend (a routing-dependent all-to-all's could only be predicted on average).
+different tokens, so dispatch and combine exchange them by all-to-all (:func:`expert_data_parallel_forward`):
+each (token, expert) pair's row goes to the rank that owns the expert and its result comes back. What one rank
+sends and receives depends on the routing; summed over the ranks it does not, so the planner's prediction of
+the exchange (uniform routing, or the busiest rank's under a measured histogram) is exact on average. gloo (torch 2.13)
+runs all-to-all with uneven splits, as NCCL does: one code path on every device kind.
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .._torch_compat import (
+    FakeTensor,
     clip_grad_internals,
-    functional_all_gather_rows,
-    functional_reduce_scatter_rows,
+    functional_all_to_all_rows,
     set_clip_grad_internals,
     tree_flatten,
     tree_map,
@@ -262,44 +264,6 @@ def install_expert_parallel_regions(model: nn.Module, plan: Plan) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _all_gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """Rows of every rank of ``group``, rank order (a functional all-gather, so the collective recorders count
-    it as DTensor's own)."""
-    return functional_all_gather_rows(t.contiguous(), group)
-
-
-def _reduce_scatter_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """This rank's block of rows of the sum over ``group`` (a functional reduce-scatter)."""
-    return functional_reduce_scatter_rows(t.contiguous(), group)
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather of rows over a data-parallel group; backward: the reduce-scatter (sum) of the gradient, so
-    each rank gets the gradient of its own rows summed over every rank's use of them."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather_rows(t, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _reduce_scatter_rows(grad, ctx.group), None
-
-
-class _ScatterRows(torch.autograd.Function):
-    """Reduce-scatter (sum) of rows over a data-parallel group; backward: the all-gather of the gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_rows(t, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather_rows(grad, ctx.group), None
-
-
 def expert_data_parallel_weights(module: nn.Module) -> list[str]:
     """The parameters of an experts module that are per expert (dim 0 the expert): stored ``E/dp`` experts
     per data-parallel rank under expert parallelism over the data-parallel axis."""
@@ -310,25 +274,53 @@ def expert_data_parallel_weights(module: nn.Module) -> list[str]:
     ]
 
 
+def _even_splits(rows: int, size: int) -> list[int]:
+    """``rows`` split as evenly as possible over ``size`` ranks: the uniform routing the planner prices."""
+    return [rows // size + (1 if j < rows % size else 0) for j in range(size)]
+
+
+def _exchange_counts(per_expert: torch.Tensor, group: Any, size: int, per_rank: int) -> tuple[Any, Any, Any]:
+    """Rows this rank sends to and receives from each rank of ``group``, and the received rows' counts per
+    (source rank, local expert): one all-to-all of the ``E`` per-expert counts (rank ``j`` gets the counts of
+    its own ``E/size`` experts from every rank).
+
+    In a symbolic run (fake tensors: :mod:`hf_colossal_auto.apply.simulate`) the counts have no values; the
+    splits are then the uniform routing's (``T·k/size`` rows each way), which is what the planner prices, and
+    the received counts None."""
+    received = functional_all_to_all_rows(per_expert, None, None, group, differentiable=False)
+    if isinstance(received, FakeTensor):
+        return None, None, None
+    sent = per_expert.view(size, per_rank).sum(1).tolist()
+    return sent, received.view(size, per_rank).sum(1).tolist(), received
+
+
 def expert_data_parallel_forward(
     module: nn.Module, original: Callable[..., Any], dp_mesh: Any
 ) -> Callable[..., Any]:
-    """``module.forward`` with its experts sharded over the data-parallel group ``dp_mesh`` (a 1-D mesh), each
-    rank holding different tokens: a fixed-size exchange, so that every collective's bytes are known before
-    the step runs (a routing-dependent all-to-all's are not):
+    """``module.forward`` with its experts sharded over the data-parallel group ``dp_mesh`` (a 1-D mesh of
+    ``n`` ranks, ``E/n`` experts each), each rank holding different tokens: token dispatch and combine by
+    all-to-all, as Megatron's and DeepSpeed's expert parallelism run.
 
-    * *dispatch*: the group's tokens, routing weights and indices all-gathered (``dp·T`` rows on every rank);
-    * every rank runs its ``E/dp`` experts on the (token, expert) pairs routed to them, the others marked as
-      transformers' expert-parallel sentinels (zero weight), as :func:`expert_parallel_forward` does;
-    * *combine*: the ``(dp·T, H)`` partial outputs reduce-scattered (summed), each rank keeping its tokens.
+    * *dispatch*: the ``T·k`` (token, expert) pairs sorted by expert, so by owning rank; one all-to-all of the
+      ``E`` per-expert counts tells every rank what it will receive, a second sends each pair's token row
+      to the rank that owns its expert;
+    * every rank runs its ``E/n`` experts on the rows it received (transformers' own experts forward, one
+      expert per row, weight 1);
+    * *combine*: a third all-to-all returns each result to the rank of its token, which weights the ``k``
+      results by the routing weights and sums them (the routing weights never leave their rank, so their
+      gradient needs no exchange).
 
-    Backward mirrors it (autograd through :class:`_GatherRows`/:class:`_ScatterRows`): the output gradient
-    all-gathered, the tokens' and routing weights' gradients reduce-scattered. Each rank's expert gradients
-    are then the sum over every rank's tokens (every rank's loss); the gradient synchronisation divides them by
-    ``dp``, as DDP averages (:func:`hf_colossal_auto.apply.runtime.register_gradient_sync`). Tokens that come in
-    as DTensors on the tensor-parallel mesh are made replicated there; the output leaves replicated."""
+    Backward mirrors the two row exchanges (the reverse all-to-all of their gradients). Each rank's expert
+    gradients are the sum over every rank's tokens (every rank's loss); the gradient synchronisation divides
+    them by ``n``, as DDP averages (:func:`hf_colossal_auto.apply.runtime.register_gradient_sync`). Tokens
+    that come in as DTensors on the tensor-parallel mesh are made replicated there; the output leaves
+    replicated.
+
+    The bytes a rank sends and receives depend on the routing (``T·k`` rows out in the dispatch, whatever its
+    experts were routed in the combine); summed over the ranks they are ``n·T·k`` rows each way, the uniform
+    routing's, whatever the router does."""
     group = dp_mesh
-    size, rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    size = dp_mesh.size()
     per_rank = module.num_experts // size
 
     @functools.wraps(original)
@@ -346,24 +338,54 @@ def expert_data_parallel_forward(
             return t.to_local()
 
         hidden, weights, index = (local_input(t) for t in (hidden_states, top_k_weights, top_k_index))
-        hidden = _GatherRows.apply(hidden, group)
-        weights = _GatherRows.apply(weights, group)
-        index = _all_gather_rows(index, group)
-        out = _own_experts_forward(
-            module,
-            hidden,
-            index,
-            weights,
-            rank,
-            per_rank,
-            lambda p: p.to_local() if isinstance(p, DTensor) else p,
-        )
-        out = _ScatterRows.apply(out, group)
+        out = _all_to_all_experts(module, hidden, index, weights, group, size, per_rank)
         if out_mesh is None:
             return out
         return DTensor.from_local(out, out_mesh, [Replicate()] * out_mesh.ndim, run_check=False)
 
     return forward
+
+
+def _all_to_all_experts(
+    module: nn.Module,
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    group: Any,
+    size: int,
+    per_rank: int,
+) -> torch.Tensor:
+    """The dispatch, expert computation and combine of :func:`expert_data_parallel_forward` on plain tensors:
+    ``hidden`` ``(T, H)``, ``index`` and ``weights`` ``(T, k)``."""
+    tokens, k = index.shape
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # by expert, so by owning rank
+    per_expert = torch.zeros(module.num_experts, dtype=torch.int64, device=flat.device)
+    per_expert.scatter_add_(0, flat, torch.ones_like(flat))  # bincount, with a static shape
+    sent, received, received_per_expert = _exchange_counts(per_expert, group, size, per_rank)
+    if sent is None:  # symbolic run: the uniform routing's splits
+        sent = received = _even_splits(flat.numel(), size)
+    rows = functional_all_to_all_rows(hidden.index_select(0, order // k), received, sent, group)
+    if received_per_expert is None:
+        local_expert = torch.arange(rows.shape[0], device=rows.device) % per_rank
+    else:  # the rows arrive by source rank, each source's sorted by expert
+        local_expert = torch.repeat_interleave(
+            torch.arange(per_rank, device=rows.device).repeat(size),
+            received_per_expert,
+            output_size=rows.shape[0],
+        )
+    results = _own_experts_forward(
+        module,
+        rows,
+        local_expert.unsqueeze(1),
+        torch.ones(rows.shape[0], 1, dtype=weights.dtype, device=rows.device),
+        0,
+        per_rank,
+        lambda p: p.to_local() if isinstance(p, DTensor) else p,
+    )
+    back = functional_all_to_all_rows(results, sent, received, group)
+    per_pair = back.index_select(0, torch.argsort(order)).view(tokens, k, -1)
+    return (per_pair * weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
 
 
 def check_expert_data_parallel(model: nn.Module, plan: Plan) -> None:
@@ -411,8 +433,7 @@ def install_expert_data_parallel_regions(model: nn.Module, plan: Plan, mesh: Any
         module = modules[fqn]
         module.forward = expert_data_parallel_forward(module, module.forward, dp_mesh)
     logger.info(
-        "expert parallelism over the data-parallel axis (all-gather dispatch, reduce-scatter combine) in %d MoE "
-        "layers",
+        "expert parallelism over the data-parallel axis (all-to-all dispatch and combine) in %d MoE layers",
         len(plan.expert_data_parallel),
     )
     return list(plan.expert_data_parallel)

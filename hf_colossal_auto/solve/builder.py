@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -179,23 +180,32 @@ EXPERT_DP_NODE = "expert-dp"
 
 @dataclass
 class ExpertExchange:
-    """The fixed-size exchange of one experts module run expert-parallel over the data-parallel axis
+    """The all-to-all exchange of one experts module run expert-parallel over the data-parallel axis
     (``apply/moe.py::expert_data_parallel_forward``): ``collectives`` are ``(kind, bytes one rank hands it,
-    bytes the alpha-beta model prices)`` in step order — forward: the tokens, routing weights and indices
-    all-gathered, the output reduce-scattered; backward: the output gradient all-gathered, the tokens' and
-    routing weights' gradients reduce-scattered (those a gradient flows to). ``layers``: real MoE layers it stands
-    for."""
+    bytes the alpha-beta model prices)`` in step order — forward: the per-expert counts, the (token, expert)
+    pairs' rows out (dispatch) and their results back (combine); backward: the combine's and the dispatch's
+    gradients, where a gradient flows. The bytes one rank hands in are the mean rank's (``T·k`` rows each
+    way: exact summed over the ranks, whatever the routing); the priced ones the busiest rank's (``skew``
+    times them). ``sender_kernels``: the bytes each of the sender's own kernels moves (sorting the pairs'
+    rows out, putting the results back in token order, weighting and summing them; forward and backward),
+    which the traced experts forward has no counterpart of. ``layers``: real MoE layers it stands for."""
 
     num_experts: int
     layers: int
     collectives: list[tuple[str, float, float]]
+    skew: float = 1.0
+    sender_kernels: tuple[float, ...] = ()
+    dtype: str = "float32"
 
 
-def expert_exchanges(graph: StepGraph, tied: TiedGraph, dp: int) -> dict[str, ExpertExchange]:
+def expert_exchanges(
+    graph: StepGraph, tied: TiedGraph, dp: int, routing: RoutingLoad | None = None
+) -> dict[str, ExpertExchange]:
     """Canonical experts module -> its :class:`ExpertExchange` on ``dp`` data-parallel ranks. The region's
     inputs are read off the graph: the tokens (floating point, the shape of the module's output), the routing
-    weights (the other floating-point input) and the routing indices (integers), each ``T`` rows of one
-    replica's tokens."""
+    weights (the other floating-point input) and the routing indices (integers, ``T·k`` of them), each ``T``
+    rows of one replica's tokens. ``routing``: a measured load, whose busiest rank (mean over the layers the
+    module stands for) prices the row exchanges; None: uniform."""
     out: dict[str, ExpertExchange] = {}
     grads = differentiable_values(graph)
     for module, (num_experts, first) in expert_regions(graph).items():
@@ -224,24 +234,44 @@ def expert_exchanges(graph: StepGraph, tied: TiedGraph, dp: int) -> dict[str, Ex
         hidden = next((v for v in floats if graph.values[v].shape == out_value.shape), None)
         weights = next((v for v in floats if v != hidden), None)
         index = next((v for v in inputs if v not in floats), None)
-        if hidden is None or weights is None or index is None:
+        if hidden is None or weights is None or index is None or not graph.values[hidden].shape:
             raise ValueError(f"expert parallelism over the data-parallel axis: cannot read {module}'s inputs")
-        h, w, x = (float(graph.values[v].nbytes) for v in (hidden, weights, index))
+        tokens = graph.values[hidden].shape[0]
+        pairs = math.prod(graph.values[index].shape)
+        rows = float(graph.values[hidden].nbytes) / tokens * pairs  # the (token, expert) pairs' rows
         o = float(out_value.nbytes)
+        layers = _real_modules_of(graph, tied, first)
+        skew = (
+            sum(routing.skew(layer, dp) for layer in layers) / len(layers)
+            if routing is not None and all(layer in routing.rows_per_expert for layer in layers)
+            else 1.0
+        )
+        counts = 8.0 * num_experts  # int64 per-expert counts
         collectives = [
-            ("all_gather", h, dp * h),
-            ("all_gather", w, dp * w),
-            ("all_gather", x, dp * x),
-            ("reduce_scatter", dp * o, dp * o),
+            ("all_to_all", counts, counts),
+            ("all_to_all", rows, skew * rows),
+            ("all_to_all", rows, skew * rows),
         ]
-        # backward, where a gradient flows (a frozen router's routing weights get none)
+        # backward, where a gradient flows: the combine's always with the output's, the dispatch's with the
+        # tokens' (the routing weights stay on their rank)
         if outputs[0] in grads:
-            collectives.append(("all_gather", o, dp * o))
+            collectives.append(("all_to_all", rows, skew * rows))
         if hidden in grads:
-            collectives.append(("reduce_scatter", dp * h, dp * h))
-        if weights in grads:
-            collectives.append(("reduce_scatter", dp * w, dp * w))
-        out[module] = ExpertExchange(num_experts, tied.multiplicity.get(first, 1), collectives)
+            collectives.append(("all_to_all", rows, skew * rows))
+        # the sender's kernels: forward the gather of the pairs' rows, their results put back in token order,
+        # weighted, summed over k; backward the sum's expansion, the weighting's two products, the reorder's
+        # and the gather's scatters
+        sender = (2 * rows, 2 * rows, 2 * rows, rows + o)
+        if outputs[0] in grads:
+            sender += (rows + o, 2 * rows, 2 * rows, 2 * rows, 2 * rows + o)
+        out[module] = ExpertExchange(
+            num_experts,
+            tied.multiplicity.get(first, 1),
+            collectives,
+            skew,
+            sender,
+            graph.values[hidden].dtype,
+        )
     return out
 
 
@@ -911,10 +941,10 @@ def build_problem(
     ``expert_dp``: every MoE layer runs expert-parallel over the data-parallel axis (DDP, tensor-parallel axis
     of 1, ``dp`` dividing every layer's experts; ``apply/moe.py::expert_data_parallel_forward``): the per-expert
     weights stored ``E/dp`` experts per rank (their memory, optimizer state and step divided by dp, no gradient
-    all-reduce), the ops of each experts module priced on the ``dp·T`` tokens every rank then holds (the
-    grouped GEMMs on the rows routed to the rank's experts: ``T·k`` under uniform load, the busiest rank's
-    under a measured one), and the all-gathers and reduce-scatters of the exchange (:func:`expert_exchanges`)
-    on the data-parallel link, exposed (the region waits for them).
+    all-reduce), the ops of each experts module priced on the rows the rank receives (``T·k`` under uniform
+    load, the busiest rank's under a measured one; a grouped GEMM with ``E/dp`` experts' weights), and the
+    all-to-alls of the exchange and the sender's own kernels (:func:`expert_exchanges`) on the data-parallel
+    link, exposed (the region waits for them).
 
     The parts of the ILP are priced by the methods of :class:`_ProblemBuilder`.
     """
@@ -1004,7 +1034,7 @@ class _ProblemBuilder:
         self.expert_dp: dict[str, ExpertExchange] = {}
         """Experts modules run expert-parallel over the data-parallel axis (``expert_dp``)."""
         self.expert_dp_nodes: dict[int, float] = {}
-        """Canonical node of such a module -> its device-time factor (dp·T tokens; grouped GEMMs: skew)."""
+        """Canonical node of such a module -> its rows over the traced ones (the busiest rank's skew; 1 uniform)."""
         self.expert_dp_params: set[str] = set()
         """Canonical per-expert weights stored E/dp experts per data-parallel rank."""
         if expert_dp:
@@ -1145,14 +1175,14 @@ class _ProblemBuilder:
     # ---------------------------------------------------------------- expert parallelism over dp
     def _setup_expert_dp(self) -> None:
         """Checks the scope (DDP, tensor-parallel axis of 1, dp dividing every layer's experts) and reads the
-        exchanges and the region nodes' factors (the grouped GEMMs' busiest data-parallel rank under a measured
-        routing load)."""
+        exchanges and the region nodes' factors (the busiest data-parallel rank's rows under a measured routing
+        load, over the mean's)."""
         if self.dp < 2 or self.dp_mode != "ddp" or self.tp != 1:
             raise ValueError(
                 "expert parallelism over the data-parallel axis is planned under DDP on a (dp, 1) mesh with dp >= 2; "
                 f"got mesh {self.mesh_shape} {self.dp_mode}"
             )
-        self.expert_dp = expert_exchanges(self.graph, self.tied, self.dp)
+        self.expert_dp = expert_exchanges(self.graph, self.tied, self.dp, self.routing)
         if not self.expert_dp:
             raise ValueError(
                 "expert parallelism over the data-parallel axis: the model has no experts module"
@@ -1163,24 +1193,22 @@ class _ProblemBuilder:
                     f"expert parallelism over the data-parallel axis: {module} has {exchange.num_experts} experts, "
                     f"which {self.dp} data-parallel ranks do not divide"
                 )
-        skews = _expert_skews(self.graph, self.tied, self.routing, self.dp)
-        modules = tuple(self.expert_dp)
         for i, c in self.tied.canonical.items():
             node = self.graph.nodes[i]
-            if i != c or not any(node.module == m or node.module.startswith(m + ".") for m in modules):
+            if i != c:
                 continue
-            if node.op == GROUPED_MM:
-                by = skews.get(c, ())
-                layers = sum(n for _, n in by)
-                self.expert_dp_nodes[c] = sum(k * n for k, n in by) / layers if layers else 1.0
-            else:
-                self.expert_dp_nodes[c] = float(self.dp)
+            module = next(
+                (m for m in self.expert_dp if node.module == m or node.module.startswith(m + ".")), None
+            )
+            if module is not None:
+                self.expert_dp_nodes[c] = self.expert_dp[module].skew
 
     def _expert_dp_node_time(self, c: int) -> float:
         """Seconds one op of an experts module run expert-parallel over the data-parallel axis adds to a step,
-        forward and backward: replicated work on the ``dp·T`` gathered tokens; a grouped GEMM on the rows routed
-        to the rank's ``E/dp`` experts (``dp·T·k / dp`` under uniform load, times the busiest rank's skew),
-        reading ``E/dp`` experts' weights."""
+        forward and backward. The rank runs transformers' experts forward on the rows it received, one expert
+        each: ``T·k`` of them under uniform routing — as many as the traced forward's ``T`` tokens times ``k``
+        experts, so each op costs what it was traced at, times the busiest rank's skew — and a grouped GEMM
+        reads its ``E/dp`` experts' weights only."""
         node, factor = self.graph.nodes[c], self.expert_dp_nodes[c]
         device_ratio, ops_ratio = self.ratios.of(node.module)
         if node.op == GROUPED_MM and len(node.inputs) >= 2:
@@ -1193,14 +1221,16 @@ class _ProblemBuilder:
         return _with_host(device * (1.0 + device_ratio), node, 1.0 + ops_ratio, self.spec)
 
     def _add_expert_dp_exchange(self) -> None:
-        """One node (a single option) for the exchange's collectives on the data-parallel link, every
-        micro-batch, every layer; the region waits for each (not overlapped)."""
-        seconds = self.micro_batches * sum(
-            exchange.layers
-            * sum(self.dp_comm.time(kind, priced) for kind, _given, priced in exchange.collectives)
-            for exchange in self.expert_dp.values()
-        )
-        self.nodes.append(DecisionNode(EXPERT_DP_NODE, [seconds], ["all-gather in, reduce-scatter out"]))
+        """One node (a single option) for the exchange on the data-parallel link, every micro-batch, every
+        layer: its all-to-alls, which the region waits for (not overlapped), and the sender's own kernels."""
+        seconds = 0.0
+        for exchange in self.expert_dp.values():
+            comm = sum(self.dp_comm.time(kind, priced) for kind, _given, priced in exchange.collectives)
+            device = sum(kernel_time(0.0, b, exchange.dtype, self.spec) for b in exchange.sender_kernels)
+            host = host_time(self.spec) * len(exchange.sender_kernels)
+            seconds += exchange.layers * (comm + join_host(device, host, self.spec))
+        seconds *= self.micro_batches
+        self.nodes.append(DecisionNode(EXPERT_DP_NODE, [seconds], ["all-to-all dispatch and combine"]))
         self.block_of[EXPERT_DP_NODE] = next(iter(self.expert_dp))
 
     def _expert_parallel_rules(self) -> list[FollowsInputs]:
@@ -1850,10 +1880,10 @@ class _ProblemBuilder:
         """How many ways a strategy splits node ``c``'s (first) output: what its held bytes are divided by. The
         rows of an expert-parallel grouped GEMM under a measured routing load split as the busiest rank holds
         them (the mean skew over the layers the node stands for: bytes add up over them). An op of an experts
-        module run expert-parallel over the data-parallel axis holds the ``dp·T`` gathered tokens' values: dp
-        times its traced bytes (the grouped GEMMs' outputs too: allocated for every row, sentinels included)."""
+        module run expert-parallel over the data-parallel axis holds the values of the rows it received: its traced
+        bytes under uniform routing, the busiest rank's skew times them under a measured one."""
         if c is not None and c in self.expert_dp_nodes:
-            return 1.0 / self.dp
+            return 1.0 / self.expert_dp_nodes[c]
         ways = shard_factor(st.output_placements[0][self.axis] if st.output_placements else None, self.tp)
         skews = self.expert_skews.get(c) if c is not None else None
         if skews and ways > 1 and is_expert_parallel(self.graph, self.graph.nodes[c], st, self.axis):

@@ -9,7 +9,7 @@ planner's own choice (``plan_model`` with every mode), and tiny Qwen2-MoE (a sha
 ones) under the "ddp-ep" plan. Each rank trains its replica's rows for two AdamW steps
 (gradients clipped to norm 1 by ``torch.nn.utils.clip_grad_norm_``, which the norms are recorded of);
 rank 0 writes, per model: the losses and the one-process reference's (the mean of the replicas' losses, what DDP
-computes), the largest first-step gradient difference, the collectives one rank ran in the first step's forward
+computes), the largest first-step gradient difference, the collectives each rank ran in the first step's forward
 and backward (counted as the fidelity tests count them) and the plan's prediction, and after training the
 largest difference between the consolidated export (``save_pretrained``, loaded with ``from_pretrained`` in
 one process) and the reference model trained on the whole batch.
@@ -50,6 +50,16 @@ def _counting(all_reduce, reduced: list):
         return all_reduce(tensor, *args, **kwargs)
 
     return counted
+
+
+def _bytes_over_ranks(recorded: dict) -> dict:
+    """The bytes each rank handed its collectives, by kind, and their mean over the ranks: an all-to-all's
+    share of a rank depends on the routing, the mean does not (a collective call: every rank calls it)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dict(recorded))
+    kinds = sorted({k for ranked in every for k in ranked})
+    mean = {k: sum(ranked.get(k, 0) for ranked in every) / len(every) for k in kinds}
+    return {"bytes_by_rank": every, "bytes_mean": mean}
 
 
 def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | None, out_dir: str) -> dict:
@@ -94,7 +104,7 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
         if step == 0:
             ran = {
                 "counts": {**recorder.counts, "all_reduce (DDP)": len(reduced)},
-                "bytes": dict(recorder.bytes),
+                **_bytes_over_ranks(recorder.bytes),
             }
             for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
                 grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
@@ -208,7 +218,7 @@ def run_micro_batches() -> dict:
         "weights": weights,
         "expert_data_parallel": plan.expert_data_parallel,
         "max_grad_diff": worst,
-        "ran": {"counts": dict(recorder.counts), "bytes": dict(recorder.bytes)},
+        "ran": {"counts": dict(recorder.counts), **_bytes_over_ranks(recorder.bytes)},
         "predicted": {
             "counts": {k: v for k, v in plan.collectives.items() if k.startswith("dp_") and v},
             "bytes": {k: v for k, v in plan.collective_bytes.items() if k.startswith("dp_") and v},
