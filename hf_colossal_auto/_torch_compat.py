@@ -294,11 +294,19 @@ def clip_grad_internals():
 
 def set_clip_grad_internals(total_norm, clip_with_norm) -> None:
     """Replace the functions :func:`clip_grad_internals` returns; ``clip_grad_norm_`` calls them by module
-    attribute, so it (and accelerate's, and the Trainer's) runs the replacements."""
+    attribute, so it (and accelerate's, and the Trainer's) runs the replacements. Their public aliases
+    (``torch.nn.utils.get_total_norm``, ``clip_grads_with_norm_``: the same functions, bound at import) are
+    rebound too, so a training loop that clips in two calls gets them as well."""
+    import torch.nn.utils as utils
     from torch.nn.utils import clip_grad
 
-    clip_grad._get_total_norm = total_norm
-    clip_grad._clip_grads_with_norm_ = clip_with_norm
+    for public, private, replacement in (
+        ("get_total_norm", "_get_total_norm", total_norm),
+        ("clip_grads_with_norm_", "_clip_grads_with_norm_", clip_with_norm),
+    ):
+        if getattr(utils, public, None) is getattr(clip_grad, private):
+            setattr(utils, public, replacement)
+        setattr(clip_grad, private, replacement)
 
 
 def functional_all_to_all_rows(t, output_splits, input_splits, group, *, differentiable: bool = True):

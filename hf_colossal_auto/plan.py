@@ -123,9 +123,9 @@ class Plan:
     expert_data_parallel: list[str] = field(default_factory=list)
     """Mixture-of-experts layers whose experts are sharded over the *data-parallel* axis (expert parallelism
     over ranks that hold different tokens, DDP only): experts module FQNs. Each data-parallel rank stores
-    ``E/dp`` whole experts (their ``param_placements`` are ``["S0", ...]``), the tokens of the group are
-    all-gathered into the layer and its output reduce-scattered back (:mod:`hf_colossal_auto.apply.moe`).
-    Empty otherwise, and in plans written before it existed."""
+    ``E/dp`` whole experts (their ``param_placements`` are ``["S0", ...]``); each (token, expert) pair's row
+    goes to its expert's rank and comes back by all-to-all (:mod:`hf_colossal_auto.apply.moe`). Empty
+    otherwise, and in plans written before it existed."""
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:

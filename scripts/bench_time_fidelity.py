@@ -6,7 +6,9 @@ thread per rank) rank 0 makes the candidates, each with its predicted step time 
 
 * ``ddp`` / ``fsdp`` (2x1) and ``megatron`` (1x2): the baselines, ``evaluate_plan``;
 * ``auto``: ``plan_model`` free to choose; ``auto-1x2``: forced to 1-D tensor parallelism;
-* ``auto-full-rc``: with full recompute of every block; ``two-stage``: shard first, then recompute.
+* ``auto-full-rc``: with full recompute of every block; ``two-stage``: shard first, then recompute;
+* ``ddp-ep`` (mixture-of-experts families, ``--families mixtral``): DDP with the experts sharded over the
+  data-parallel axis, tokens dispatched by all-to-all.
 
 Every rank builds each candidate from the same seed and applies its plan (our runtime), then the timed steps
 interleave the candidates (round r starts with the r-th), each step between barriers, the max over ranks;
@@ -60,6 +62,13 @@ def _config(family: str, args):
         cfg = load_config("tiny-bert")
         cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads = args.hidden, 4 * args.hidden, 8
         cfg.num_hidden_layers, cfg.max_position_embeddings = args.layers, max(args.seq, 512)
+    elif family == "mixtral":  # mixture of experts: 8 experts, top-2, each half a dense MLP's width
+        cfg = load_config("tiny-mixtral")
+        cfg.hidden_size, cfg.intermediate_size = args.hidden, args.hidden * 11 // 8
+        cfg.num_attention_heads = cfg.num_key_value_heads = 8
+        cfg.head_dim = args.hidden // 8
+        cfg.num_local_experts, cfg.num_experts_per_tok = 8, 2
+        cfg.num_hidden_layers, cfg.max_position_embeddings = args.layers, max(args.seq, 512)
     else:
         raise ValueError(f"unknown family {family!r}")
     cfg.vocab_size = args.vocab
@@ -68,6 +77,7 @@ def _config(family: str, args):
 
 def _candidates(model, batch, spec, world: int) -> dict[str, tuple[object, float]]:
     """name -> (plan, predicted seconds), made on one rank."""
+    from hf_colossal_auto.capture.moe import experts_modules
     from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
 
     out: dict[str, tuple[object, float]] = {}
@@ -85,6 +95,9 @@ def _candidates(model, batch, spec, world: int) -> dict[str, tuple[object, float
     ):
         plan = plan_model(model, batch, **kwargs, **extra)
         out[name] = (plan, plan.step_time_s)
+    if experts_modules(model):  # a mixture of experts: its experts sharded over the data-parallel axis too
+        plan = plan_model(model, batch, **kwargs, mesh_shape=(world, 1), dp_modes=("ddp-ep",))
+        out["ddp-ep"] = (plan, plan.step_time_s)
     return out
 
 
@@ -391,7 +404,7 @@ def main() -> None:
         out = os.path.join(tmp, f"{family}.json")
         family_shape = shape
         if args.step_calibration == "held-out":
-            others = ",".join(f for f in ("llama", "gpt2", "bert") if f != family)
+            others = ",".join(f for f in ("llama", "gpt2", "bert") if f != family)  # mixtral: all three
             scaled = os.path.join(tmp, f"cluster_without_{family}.json")
             step = ["--device", device, "--step-hidden", args.step_hidden, "--step-layers", args.step_layers]
             step += [

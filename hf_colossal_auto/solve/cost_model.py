@@ -19,7 +19,8 @@ S -> P          all-gather, then local            n
 =============  ================================  =========================
 
 These are the collectives DTensor's ``redistribute`` issues (checked against ``CommDebugMode`` in the tests);
-gloo has no all-to-all, so on CPU meshes DTensor all-gathers and keeps its chunk.
+DTensor's shard-to-shard redistribution does not use all-to-all on CPU meshes (``shard_dim_alltoall`` falls
+back to an all-gather and keeps its chunk, though gloo has all-to-all), so neither does the price.
 
 Backward reverses each edge for the gradient: a consumer that computes with a replicated input while
 splitting its work produces a *partial* input gradient, which the producer then needs replicated (the
@@ -42,7 +43,7 @@ class AxisComm:
     size: int
     link: LinkSpec
     device_kind: str = "cuda"
-    """"cpu" meshes (gloo) have no all-to-all: DTensor all-gathers instead."""
+    """"cpu" meshes: DTensor redistributes shard to shard by all-gather there, not all-to-all."""
     call_overhead_s: float = 0.0
     """Fixed cost of issuing one collective (a kernel launch), on top of the alpha-beta time: two collectives
     that move what one does are not free to split."""

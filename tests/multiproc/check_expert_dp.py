@@ -109,11 +109,14 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
             for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
                 grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                 worst = max(worst, float((grad - p_ref.grad).abs().max()))
-        # gradient clipping as the Trainer does it (the expert gradients live on another mesh than the rest)
+        # gradient clipping as the Trainer does it (the expert gradients live on another mesh than the rest),
+        # and the norm alone, as a loop that clips in two calls takes it
+        alone = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
         norms.append(
             (
                 float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)),
                 float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)),
+                float(alone),
             )
         )
         ref_opt.step()
