@@ -5,10 +5,11 @@ expert (b) or whole experts per rank (c) (its mesh and data-parallel mode, recom
 fixed tensor-parallel size with DDP (what ``evaluate_plan`` does with a ``tp_plan`` dict), replicated experts (HF's own
 ``base_model_tp_plan`` without its expert entries: attention TP only, every rank computes every expert) and
 TP inside every expert (the full ``base_model_tp_plan``: gate/up split on the intermediate dim, down on its
-input), HF's ``base_model_ep_plan`` (expert parallel), plus DDP and FSDP. The model is built on ``meta`` from a config (nothing downloaded); routing is
+input), HF's ``base_model_ep_plan`` (expert parallel), plus DDP and FSDP, and, where the data-parallel size
+divides the experts, DDP with the experts sharded over the data-parallel axis (all-to-all dispatch). The model is built on ``meta`` from a config (nothing downloaded); routing is
 priced under the uniform-load assumption (``hf_colossal_auto.capture.moe``).
 
-    python scripts/bench_moe_planning.py [--json moe.json] [--tp 8]
+    python scripts/bench_moe_planning.py [--json moe.json] [--tp 8] [--devices 64] [--device h100-80gb]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from transformers import MixtralConfig
 
 from hf_colossal_auto import build_model, evaluate_plan, make_example_inputs, plan_model
+from hf_colossal_auto.solve.planner import _expert_dp_offered
 
 MIXTRAL_8X7B = dict(
     vocab_size=32000,
@@ -65,13 +67,14 @@ def main() -> None:
     parser.add_argument("--seqs-per-device", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size of the expert baselines")
+    parser.add_argument("--device", default="h100-80gb", help="device preset (e.g. h200)")
     parser.add_argument("--json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     model = build_model(MixtralConfig(**MIXTRAL_8X7B), device="meta")
     batch = make_example_inputs(model, args.seqs_per_device * args.devices, args.seq_len, device="meta")
     common = dict(
-        num_devices=args.devices, device="h100-80gb", devices_per_node=args.per_node, mixed_precision="bf16"
+        num_devices=args.devices, device=args.device, devices_per_node=args.per_node, mixed_precision="bf16"
     )
     rows = []
     start = time.perf_counter()
@@ -107,6 +110,11 @@ def main() -> None:
         start = time.perf_counter()
         estimate = evaluate_plan(model, batch, baseline, mesh_shape=shape, recompute="auto", **common)
         rows.append(_row(name, estimate.plan, time.perf_counter() - start))
+        print(rows[-1], flush=True)
+    if _expert_dp_offered(model, (args.devices, 1)):  # experts over the data-parallel axis: dp divides them
+        start = time.perf_counter()
+        plan = plan_model(model, batch, **common, mesh_shape=(args.devices, 1), dp_modes=("ddp-ep",))
+        rows.append(_row("experts over dp (ddp-ep, all-to-all)", plan, time.perf_counter() - start))
         print(rows[-1], flush=True)
     for r in rows:
         print(

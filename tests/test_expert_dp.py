@@ -230,11 +230,23 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     ``from_pretrained`` and equals the one-process model. Then tiny Mixtral planned for 2 micro-batches per
     replica: one accumulated step's gradients equal one process's on the same pieces, its collectives the
     plan's. Then a HF checkpoint loaded under the plan into a meta model gives one process's losses, and the
-    sharded state saved after a step and loaded into a fresh model gives the uninterrupted run's next losses."""
+    sharded state saved after a step and loaded into a fresh model gives the uninterrupted run's next losses.
+    Last, the exchange alone with every pair routed to one rank's experts (the other receives nothing)."""
     out = tmp_path / "result.json"
     run_torchrun(str(ROOT / "tests" / "multiproc" / "check_expert_dp.py"), "--out", str(out), timeout=600)
     results = json.loads(out.read_text())
-    results, micro, pretrained, resume = results[:3], results[3], results[4], results[5]
+    results, micro, pretrained, resume, one_sided = (
+        results[:3],
+        results[3],
+        results[4],
+        results[5],
+        results[6],
+    )
+    # every pair routed to rank 0's experts: rank 1 receives no rows, and both ranks still get one process's
+    # outputs and gradients
+    assert [g["rows_received"] for g in one_sided["gaps"]] == [24, 0]
+    for gaps in one_sided["gaps"]:
+        assert max(v for k, v in gaps.items() if k != "rows_received") < 1e-6, gaps
     # sharded state saved and resumed (torch.distributed.checkpoint, optimizer state included): the same losses
     for uninterrupted, resumed in resume["ranks"]:
         assert resumed == uninterrupted

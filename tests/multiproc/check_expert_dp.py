@@ -314,6 +314,64 @@ def run_resume(out_dir: str) -> dict:
     return {"ranks": pairs}
 
 
+def _grad_gap(local, reference, name: str, rank: int, per_rank: int) -> float:
+    """Largest gap between this rank's experts' gradient and the one-process gradient of those experts (no
+    gradient at all counts as zero: experts no row reached)."""
+    want = getattr(reference, name).grad[rank * per_rank : (rank + 1) * per_rank]
+    got = getattr(local, name).grad
+    return float(((got if got is not None else torch.zeros_like(want)) - want).abs().max())
+
+
+def run_one_sided_routing() -> dict:
+    """Every (token, expert) pair of both ranks routed to rank 0's experts, so rank 1 receives no rows and
+    sends all of its own: the exchange (``apply/moe.py::_all_to_all_experts``) against transformers' experts
+    forward on each rank's tokens in one process — outputs, the tokens' and routing weights' gradients, and
+    the expert weights' gradient summed over the ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_colossal_auto.apply.moe import _all_to_all_experts
+    from hf_colossal_auto.capture.moe import experts_modules
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model("tiny-mixtral")
+    experts = next(iter(experts_modules(model).values()))
+    per_rank = experts.num_experts // world
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(world, 6, experts.gate_up_proj.shape[-1], generator=generator)
+    index = torch.randint(0, per_rank, (world, 6, 2), generator=generator)  # rank 0's experts only
+    index[..., 1] = (index[..., 0] + 1) % per_rank  # two different experts per token
+    weights = torch.rand(world, 6, 2, generator=generator)
+    reference = copy.deepcopy(experts)
+    want_out, want_grads = [], []
+    for r in range(world):
+        h, w = hidden[r].clone().requires_grad_(), weights[r].clone().requires_grad_()
+        out = reference(h, index[r], w)
+        out.square().sum().backward()
+        want_out.append(out.detach())
+        want_grads.append((h.grad, w.grad))
+    mesh = init_device_mesh("cpu", (world,))
+    local = copy.deepcopy(experts)
+    for name in ("gate_up_proj", "down_proj"):
+        whole = getattr(local, name)
+        mine = whole.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
+        setattr(local, name, torch.nn.Parameter(mine))
+    h, w = hidden[rank].clone().requires_grad_(), weights[rank].clone().requires_grad_()
+    out = _all_to_all_experts(local, h, index[rank], w, mesh.get_group(), world, per_rank)
+    out.square().sum().backward()
+    gaps = {
+        "output": float((out - want_out[rank]).abs().max()),
+        "tokens_grad": float((h.grad - want_grads[rank][0]).abs().max()),
+        "weights_grad": float((w.grad - want_grads[rank][1]).abs().max()),
+        "expert_grad": max(
+            _grad_gap(local, reference, name, rank, per_rank) for name in ("gate_up_proj", "down_proj")
+        ),
+        "rows_received": int(sum(int((index[r] // per_rank == rank).sum()) for r in range(world))),
+    }
+    every = [None] * world
+    dist.all_gather_object(every, gaps)
+    return {"gaps": every}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -333,6 +391,7 @@ def main() -> None:
             run_micro_batches(),
             run_pretrained(shared[0]),
             run_resume(shared[0]),
+            run_one_sided_routing(),
         ]
         if dist.get_rank() == 0:
             with open(args.out, "w") as f:
