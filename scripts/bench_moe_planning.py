@@ -1,4 +1,5 @@
-"""Plan a Mixtral-8x7B-class model for 64 H100 (8 per node) and price the MoE strategies under one cost model.
+"""Plan a Mixtral-8x7B-class model (or Qwen3-30B-A3B: ``--model``) for 64 H100 (8 per node) and price the MoE
+strategies under one cost model.
 
 The auto plan (``plan_model``) against the same plan with the experts replicated (a), split inside every
 expert (b) or whole experts per rank (c) (its mesh and data-parallel mode, recompute re-chosen); and, at a
@@ -20,10 +21,11 @@ import json
 import logging
 import time
 
-from transformers import MixtralConfig
+from transformers import MixtralConfig, Qwen3MoeConfig
 
 from hf_colossal_auto import build_model, evaluate_plan, make_example_inputs, plan_model
 from hf_colossal_auto.solve.planner import _expert_dp_offered
+from hf_colossal_auto.solve.problem import InfeasibleError
 
 MIXTRAL_8X7B = dict(
     vocab_size=32000,
@@ -40,6 +42,24 @@ MIXTRAL_8X7B = dict(
     use_cache=False,
     tie_word_embeddings=False,
 )
+
+QWEN3_30B_A3B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    max_position_embeddings=40960,
+    output_router_logits=True,
+    use_cache=False,
+    tie_word_embeddings=False,
+)
+MODELS = {"mixtral-8x7b": (MixtralConfig, MIXTRAL_8X7B), "qwen3-30b-a3b": (Qwen3MoeConfig, QWEN3_30B_A3B)}
 
 
 def _row(name: str, plan, seconds: float) -> dict:
@@ -68,10 +88,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size of the expert baselines")
     parser.add_argument("--device", default="h100-80gb", help="device preset (e.g. h200)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="mixtral-8x7b")
     parser.add_argument("--json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    model = build_model(MixtralConfig(**MIXTRAL_8X7B), device="meta")
+    config_class, config = MODELS[args.model]
+    model = build_model(config_class(**config), device="meta")
     batch = make_example_inputs(model, args.seqs_per_device * args.devices, args.seq_len, device="meta")
     common = dict(
         num_devices=args.devices, device=args.device, devices_per_node=args.per_node, mixed_precision="bf16"
@@ -113,10 +135,16 @@ def main() -> None:
         print(rows[-1], flush=True)
     if _expert_dp_offered(model, (args.devices, 1)):  # experts over the data-parallel axis: dp divides them
         start = time.perf_counter()
-        plan = plan_model(model, batch, **common, mesh_shape=(args.devices, 1), dp_modes=("ddp-ep",))
-        rows.append(_row("experts over dp (ddp-ep, all-to-all)", plan, time.perf_counter() - start))
+        try:
+            plan = plan_model(model, batch, **common, mesh_shape=(args.devices, 1), dp_modes=("ddp-ep",))
+            rows.append(_row("experts over dp (ddp-ep, all-to-all)", plan, time.perf_counter() - start))
+        except InfeasibleError as error:  # what it needs is the finding
+            rows.append({"strategy": "experts over dp (ddp-ep, all-to-all)", "infeasible": str(error)})
         print(rows[-1], flush=True)
     for r in rows:
+        if "infeasible" in r:
+            print(f"| {r['strategy']} | no plan fits: {r['infeasible']} |")
+            continue
         print(
             f"| {r['strategy']} | {r['mesh'][0]}×{r['mesh'][1]} {r['dp_mode']} | {', '.join(r['moe'])} | "
             f"{r['step_time_s']:.3f} s | {r['peak_gib']:.1f} GiB | {'yes' if r['fits'] else 'no'} | "
