@@ -114,6 +114,33 @@ def test_a_measured_routing_load_prices_the_busiest_replica():
     assert skewed.collectives == uniform.collectives and skewed.collective_bytes == uniform.collective_bytes
 
 
+def test_the_exchange_is_priced_at_the_busiest_rank():
+    """The exchange of each layer as the builder prices it: the counts' all-to-all (4 experts' int64 counts)
+    and four row exchanges of the 64 (token, expert) pairs' rows (batch 2 x 16, top-2, hidden 64, fp32),
+    handed in as the mean rank's bytes; under a measured histogram whose first rank's experts get 100 of 128
+    rows the row exchanges are priced at that rank's 1.5625 times, the counts' are not."""
+    from hf_colossal_auto.capture import trace_training_step
+    from hf_colossal_auto.capture.moe import RoutingLoad
+    from hf_colossal_auto.solve.builder import TiedGraph, expert_exchanges
+
+    model = _tiny_mixtral()
+    graph = trace_training_step(model, make_example_inputs(model, 2, 16, seed=0))
+    tied = TiedGraph.build(graph)
+    layers = sorted(experts_modules(model))
+    uniform = expert_exchanges(graph, tied, 2)
+    skewed = expert_exchanges(graph, tied, 2, RoutingLoad({f: (60, 40, 20, 8) for f in layers}))
+    rows = 64 * 64 * 4.0
+    assert sum(e.layers for e in uniform.values()) == 2
+    for module, exchange in uniform.items():
+        assert exchange.collectives == [("all_to_all", 32.0, 32.0)] + [("all_to_all", rows, rows)] * 4
+        assert exchange.skew == 1.0 and exchange.sender_kernels  # the sender's own kernels are priced
+        assert skewed[module].skew == pytest.approx(100 / 64)
+        assert (
+            skewed[module].collectives
+            == [("all_to_all", 32.0, 32.0)] + [("all_to_all", rows, rows * 100 / 64)] * 4
+        )
+
+
 def test_folded_blocks_count_every_layer():
     """Five Mixtral layers, traced once and folded: the exchange is priced and predicted for all five (25
     all-to-alls), as the simulated run issues them, and all ten expert weights are stored
