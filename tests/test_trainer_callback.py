@@ -271,6 +271,8 @@ def test_one_process_optimizer_state_is_matched_by_position():
 
 
 def _run(*args: str, nproc: int | None = 2) -> None:
+    """``check_trainer.py args`` on ``nproc`` gloo ranks (None: in one plain process); several runs go in one
+    launch, separated by ``--and-then``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_COLOSSAL_AUTO_NO_CALIBRATE": "1"}
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -278,7 +280,7 @@ def _run(*args: str, nproc: int | None = 2) -> None:
         else [sys.executable]
     )
     proc = subprocess.run(
-        [*launcher, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=240
+        [*launcher, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=400
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
@@ -287,8 +289,55 @@ def _result(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+SIX_STEPS = ["--model", "tiny-llama", "--steps", "6"]
+# Seq2SeqTrainer with tiny T5, the plan made from the dataset for a 1 x 2 mesh, 2 accumulated micro-batches
+SEQ2SEQ = ["--model", "tiny-t5", "--seq2seq", "--steps", "3", "--grad-accum", "2"]
+# tiny Mixtral, its MoE layers planned under the routing measured on the planning batch
+MOE = ["--model", "tiny-mixtral", "--steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory) -> Path:
+    """The distributed runs of the three Trainer cases in ONE torchrun launch of 2 gloo ranks (check_trainer.py
+    runs them one after the other, ``--and-then``), then their single-process references in one plain process:
+    starting processes and importing torch/transformers cost more than a tiny run. Each case writes
+    ``<case>.json`` (2 ranks) and ``<case>-ref.json`` (one process) here, and trains in its own directory.
+
+    Llama (``run``): Megatron placements on a 1 x 2 mesh from a saved plan, checkpoints every 3 steps, exported
+    at the end; its reference (batch 4) also checkpoints, evaluates the export and resumes from ``run``'s
+    checkpoint-3. The FSDP resume of both checkpoints is ``test_trainer_tracks_single_process_...``'s own
+    launch (fresh processes: it needs both checkpoints)."""
+    from hf_colossal_auto.solve.planner import evaluate_plan
+
+    root = tmp_path_factory.mktemp("trainer")
+    torch.manual_seed(0)
+    model = build_model("tiny-llama", device="cpu")
+    batch = make_example_inputs(model, 4, 16)
+    for name, baseline, mesh in (("plan", "megatron", (1, 2)), ("fsdp-plan", "fsdp", (2, 1))):
+        made = evaluate_plan(model, batch, baseline, num_devices=2, device="cpu", mesh_shape=mesh).plan
+        made.save(root / f"{name}.json")
+    run, seq2seq, moe = (root / name for name in ("run", "seq2seq", "moe"))
+    _run(
+        *SIX_STEPS, "--plan", str(root / "plan.json"), "--out", f"{run}.json", "--output-dir", str(run),
+        "--save-steps", "3", "--export", f"{run}-export",
+        "--and-then", *SEQ2SEQ, "--mesh", "1x2", "--out", f"{seq2seq}.json", "--output-dir", str(seq2seq),
+        "--save-plan", f"{seq2seq}-plan.json",
+        "--and-then", *MOE, "--mesh", "1x2", "--routing", "measure", "--out", f"{moe}.json",
+        "--output-dir", str(moe),
+    )  # fmt: skip
+    _run(
+        *SIX_STEPS, "--per-device", "4", "--out", f"{run}-ref.json", "--output-dir", f"{run}-ref",
+        "--save-steps", "3", "--eval-export", f"{run}-export", "--then-resume", f"{run}/checkpoint-3",
+        "--and-then", *SEQ2SEQ, "--per-device", "4", "--out", f"{seq2seq}-ref.json",
+        "--output-dir", f"{seq2seq}-ref",
+        "--and-then", *MOE, "--per-device", "4", "--out", f"{moe}-ref.json", "--output-dir", f"{moe}-ref",
+        nproc=None,
+    )  # fmt: skip
+    return root
+
+
 @pytest.mark.slow
-def test_trainer_tracks_single_process_resumes_elastically_and_exports(tmp_path):
+def test_trainer_tracks_single_process_resumes_elastically_and_exports(trainer_runs):
     """tiny Llama, Megatron placements on a 1 x 2 mesh (both ranks read the same batches), per-device batch 2:
     the first six losses equal the plain single-process Trainer's with batch 4; save_model's output loads with
     from_pretrained in one process and gives the distributed run's eval loss. Elastic resume, each a fresh
@@ -296,32 +345,15 @@ def test_trainer_tracks_single_process_resumes_elastically_and_exports(tmp_path)
     one process, and the one-process reference's checkpoint-3 (``optimizer.pt``) by the FSDP job, all continue
     with the uninterrupted run's losses and learning rates (optimizer moments, step count and schedule
     restored; at steps 5 and 6 the losses depend on them)."""
-    from hf_colossal_auto.solve.planner import evaluate_plan
-
-    torch.manual_seed(0)
-    model = build_model("tiny-llama", device="cpu")
-    batch = make_example_inputs(model, 4, 16)
-    for name, baseline, mesh in (("plan", "megatron", (1, 2)), ("fsdp-plan", "fsdp", (2, 1))):
-        made = evaluate_plan(model, batch, baseline, num_devices=2, device="cpu", mesh_shape=mesh).plan
-        made.save(tmp_path / f"{name}.json")
-    assert _result(tmp_path / "fsdp-plan.json")["dp_mode"] == "fsdp"
-    six_steps = ["--model", "tiny-llama", "--steps", "6"]
-    run, resumed, ref = (tmp_path / name for name in ("run", "resumed", "ref"))
+    root = trainer_runs
+    assert _result(root / "fsdp-plan.json")["dp_mode"] == "fsdp"
+    run, resumed, ref = root / "run", root / "resumed", root / "run-ref"
     _run(
-        *six_steps, "--plan", str(tmp_path / "plan.json"), "--out", f"{run}.json", "--output-dir", str(run),
-        "--save-steps", "3", "--export", f"{run}-export",
-    )  # fmt: skip
-    reference = [*six_steps, "--per-device", "4", "--out", f"{ref}.json", "--output-dir", str(ref)]
-    _run(
-        *reference, "--save-steps", "3", "--eval-export", f"{run}-export",
-        "--then-resume", f"{run}/checkpoint-3", nproc=None,
-    )  # fmt: skip
-    _run(
-        *six_steps, "--plan", str(tmp_path / "fsdp-plan.json"), "--out", f"{resumed}.json",
+        *SIX_STEPS, "--plan", str(root / "fsdp-plan.json"), "--out", f"{resumed}.json",
         "--output-dir", str(resumed), "--resume", f"{run}/checkpoint-3", "--then-resume", f"{ref}/checkpoint-3",
     )  # fmt: skip
 
-    got, want = _result(tmp_path / "run.json"), _result(tmp_path / "ref.json")
+    got, want = _result(root / "run.json"), _result(root / "run-ref.json")
     assert got["mesh"] == [1, 2] and got["sharded_params"] > 0
     assert sorted(got["losses"], key=int) == [str(s) for s in range(1, 7)]
     for step, loss in want["losses"].items():
@@ -331,7 +363,7 @@ def test_trainer_tracks_single_process_resumes_elastically_and_exports(tmp_path)
     assert got["total_flos"] == pytest.approx(want["total_flos"])
     assert (run / "checkpoint-3" / "hf_colossal_auto_state").is_dir()
     assert (ref / "checkpoint-3" / "optimizer.pt").is_file()
-    elastic = _result(tmp_path / "resumed.json")
+    elastic = _result(root / "resumed.json")
     assert elastic["mesh"] == [2, 1]
     continued = {
         "tp -> fsdp": (elastic["losses"], elastic["learning_rates"]),
@@ -348,27 +380,13 @@ def test_trainer_tracks_single_process_resumes_elastically_and_exports(tmp_path)
 
 
 @pytest.mark.slow
-def test_seq2seq_trainer_plans_from_the_dataset(tmp_path):
+def test_seq2seq_trainer_plans_from_the_dataset(trainer_runs):
     """Seq2SeqTrainer with tiny T5: rank 0 plans from a batch of the training set (mesh 1 x 2 asked), the plan
     is broadcast and applied, and three steps of two accumulated micro-batches give the single-process
     Trainer's losses and eval loss."""
-    common = ["--model", "tiny-t5", "--seq2seq", "--steps", "3", "--grad-accum", "2"]
-    run, ref = tmp_path / "run", tmp_path / "ref"
-    _run(
-        *common,
-        "--mesh",
-        "1x2",
-        "--out",
-        f"{run}.json",
-        "--output-dir",
-        str(run),
-        "--save-plan",
-        f"{run}-plan.json",
-    )
-    _run(*common, "--per-device", "4", "--out", f"{ref}.json", "--output-dir", str(ref), nproc=None)
-    got, want = _result(tmp_path / "run.json"), _result(tmp_path / "ref.json")
+    got, want = _result(trainer_runs / "seq2seq.json"), _result(trainer_runs / "seq2seq-ref.json")
     assert got["mesh"] == [1, 2]
-    saved = _result(tmp_path / "run-plan.json")
+    saved = _result(trainer_runs / "seq2seq-plan.json")
     # the Trainer's accumulation steps are the plan's micro-batches, over the global batch of one optimizer step
     assert saved["mesh_shape"] == [1, 2] and saved["micro_batches"] == 2
     assert saved["global_batch_size"] == 2 * 2 * 2  # per-device 2 x 2 processes x 2 accumulation steps
@@ -378,16 +396,12 @@ def test_seq2seq_trainer_plans_from_the_dataset(tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_trains_a_mixture_of_experts_model_like_one_process(tmp_path):
+def test_trainer_trains_a_mixture_of_experts_model_like_one_process(trainer_runs):
     """tiny Mixtral (router load-balancing loss in the trained loss) under the callback on 2 gloo ranks, the
     planner choosing each MoE layer's strategy on a 1 x 2 mesh under the routing it measured on the planning
     batch (``routing="measure"``): three steps give the plain single-process Trainer's losses (batch 4) and
     eval loss, and the plan names one choice per MoE layer."""
-    common = ["--model", "tiny-mixtral", "--steps", "3"]
-    run, ref = tmp_path / "run", tmp_path / "ref"
-    _run(*common, "--mesh", "1x2", "--routing", "measure", "--out", f"{run}.json", "--output-dir", str(run))
-    _run(*common, "--per-device", "4", "--out", f"{ref}.json", "--output-dir", str(ref), nproc=None)
-    got, want = _result(tmp_path / "run.json"), _result(tmp_path / "ref.json")
+    got, want = _result(trainer_runs / "moe.json"), _result(trainer_runs / "moe-ref.json")
     assert got["mesh"] == [1, 2] and got["moe_load"] == "measured"
     assert len(got["moe_layers"]) == 2 and all(v.startswith("experts: ") for v in got["moe_layers"].values())
     assert sorted(want["losses"], key=int) == ["1", "2", "3"]

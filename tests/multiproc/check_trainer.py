@@ -11,7 +11,8 @@ A seeded tiny model without dropout, a generated token dataset, fp32 on CPU (glo
 torchrun the Trainer gets ``callbacks=[AutoParallelCallback(...)]``; without it (one process) it is the plain
 Trainer, whose per-device batch should then be the distributed run's global batch. Rank 0 writes to ``--out``:
 the loss of every step, the eval loss after training, tokens seen and FLOs, the plan's mesh; ``--eval-export`` adds the eval loss of
-that directory loaded with ``from_pretrained`` in this process.
+that directory loaded with ``from_pretrained`` in this process. Several runs go in one launch (or one process),
+their arguments separated by ``--and-then``; each writes its own ``--out``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import transformers
@@ -51,7 +53,7 @@ def build(preset: str) -> torch.nn.Module:
     return build_model(config, device="cpu")
 
 
-def main() -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--out", required=True)
@@ -79,9 +81,11 @@ def main() -> None:
         help="afterwards, a fresh model and Trainer (with the callback, also in one process) resume from this "
         "checkpoint (saved under any plan or process count); its losses and learning rates go to --out",
     )
-    args = parser.parse_args()
-    transformers.logging.set_verbosity_error()
-    distributed = "LOCAL_RANK" in os.environ
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, distributed: bool) -> None:
+    """One Trainer run (and what its flags add after it); rank 0 writes its result to ``args.out``."""
     from hf_colossal_auto.integrations.trainer import AutoParallelCallback
     from hf_colossal_auto.models import make_example_inputs
 
@@ -171,10 +175,29 @@ def main() -> None:
     if trainer.is_world_process_zero():
         with open(args.out, "w") as f:
             json.dump(result, f)
+
+
+def main() -> None:
+    """The runs that ``--and-then`` separates on the command line, one after the other in this process (or
+    these processes): starting processes and importing torch/transformers cost more than a tiny run."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    transformers.logging.set_verbosity_error()
+    distributed = "LOCAL_RANK" in os.environ
+    argv, runs = sys.argv[1:], [[]]
+    for arg in argv:
+        if arg == "--and-then":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    for i, run_argv in enumerate(runs):
+        if i:  # the next Trainer's Accelerator starts from the settings of its own arguments
+            AcceleratorState._reset_state()
+            GradientState._reset_state()
+        run(parse(run_argv), distributed)
     if distributed:
         import torch.distributed as dist
 
-        del trainer, model, again
         dist.barrier()
         dist.destroy_process_group()
         os._exit(0)
