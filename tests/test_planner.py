@@ -28,6 +28,14 @@ def gpt2():
     return model, make_example_inputs(model, 8, 32, device="meta")
 
 
+@pytest.fixture(scope="module")
+def gpt2_free_plan(gpt2):
+    """``gpt2``'s plan on 4 devices with no budget (the mesh searched): solved once for the tests that start
+    from it."""
+    model, batch = gpt2
+    return plan_model(model, batch, num_devices=4, device=DEVICE)
+
+
 class _TinyMLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -147,18 +155,18 @@ def test_plan_json_round_trip(gpt2, tmp_path):
     assert "Plan for GPT2LMHeadModel" in again.summary()
 
 
-def test_plan_is_deterministic(gpt2):
+def test_plan_is_deterministic(gpt2, gpt2_free_plan):
     model, batch = gpt2
-    a = plan_model(model, batch, num_devices=4, device=DEVICE)
+    a = gpt2_free_plan  # solved before, in the fixture
     b = plan_model(model, batch, num_devices=4, device=DEVICE)
     assert a.param_placements == b.param_placements
     assert a.mesh_shape == b.mesh_shape
     assert a.step_time_s == b.step_time_s
 
 
-def test_tighter_budget_never_gives_a_faster_plan(gpt2):
+def test_tighter_budget_never_gives_a_faster_plan(gpt2, gpt2_free_plan):
     model, batch = gpt2
-    free = plan_model(model, batch, num_devices=4, device=DEVICE)
+    free = gpt2_free_plan
     times = [free.step_time_s]  # the budget of its own peak gives the same plan
     for fraction in (0.8, 0.6):
         budget = int(free.peak_memory_bytes * fraction)
@@ -208,9 +216,9 @@ def test_batch_that_no_mesh_can_split_is_explained(gpt2):
         plan_model(model, batch, num_devices=2, device=DEVICE, mesh_shape=(2, 1))
 
 
-def test_auto_is_never_slower_than_a_feasible_baseline(gpt2):
+def test_auto_is_never_slower_than_a_feasible_baseline(gpt2, gpt2_free_plan):
     model, batch = gpt2
-    plan = plan_model(model, batch, num_devices=4, device=DEVICE)
+    plan = gpt2_free_plan
     for baseline in ("ddp", "fsdp", "megatron"):
         est = evaluate_plan(model, batch, baseline, num_devices=4, device=DEVICE)
         if est.fits:
@@ -242,14 +250,15 @@ def test_evaluating_a_tp_plan_dict_prices_exactly_its_placements():
 
 
 @pytest.mark.parametrize("fraction", [None, 0.7])
-def test_evaluating_a_plan_reproduces_its_prediction(gpt2, fraction):
+def test_evaluating_a_plan_reproduces_its_prediction(gpt2, gpt2_free_plan, fraction):
     """Pricing a solved plan gives back its own prediction, time and memory — with and without a budget that
     binds (where recompute and activation placements trade memory for time)."""
     model, batch = gpt2
-    budget = None
-    if fraction is not None:
-        budget = int(plan_model(model, batch, num_devices=4, device=DEVICE).peak_memory_bytes * fraction)
-    plan = plan_model(model, batch, num_devices=4, device=DEVICE, memory_budget=budget)
+    if fraction is None:
+        plan = gpt2_free_plan
+    else:
+        budget = int(gpt2_free_plan.peak_memory_bytes * fraction)
+        plan = plan_model(model, batch, num_devices=4, device=DEVICE, memory_budget=budget)
     est = evaluate_plan(model, batch, plan, num_devices=4, device=DEVICE)
     assert est.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
     assert est.peak_memory_bytes == plan.peak_memory_bytes
