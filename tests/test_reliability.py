@@ -60,13 +60,25 @@ def _failures(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     return proc, time.perf_counter() - start
 
 
+@pytest.fixture(scope="module")
+def planning_launch(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """``check_failures.py --scenario planning --batch-shapes`` on 2 ranks: the planning errors, then in the
+    same processes check_batch_shapes.py's check (its figures to ``batch_shapes.json``): starting two processes
+    and importing torch/transformers costs more than either check. The launch and its output folder."""
+    out = tmp_path_factory.mktemp("planning")
+    proc, _ = _failures(
+        "--out", str(out), "--scenario", "planning", "--batch-shapes", str(out / "batch_shapes.json")
+    )
+    return proc, out
+
+
 @pytest.mark.slow
-def test_planning_errors_reach_every_rank_with_the_same_type_and_message(tmp_path):
+def test_planning_errors_reach_every_rank_with_the_same_type_and_message(planning_launch):
     """An impossible budget through autoparallelize, the accelerator and the callback; a plan only rank 1's
     model does not fit. Before: rank 1 waited in the plan broadcast for the 30-minute process-group timeout."""
-    proc, _ = _failures("--out", str(tmp_path), "--scenario", "planning")
+    proc, out = planning_launch
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for case in ("autoparallelize", "accelerator", "callback"):
         assert ranks[0][case]["type"] == ranks[1][case]["type"] == "InfeasibleError", case
         assert ranks[0][case]["message"] == ranks[1][case]["message"]
@@ -166,13 +178,14 @@ def test_a_killed_rank_ends_the_job_and_the_recipe_resumes_with_the_same_losses(
 
 
 @pytest.mark.slow
-def test_a_batch_that_does_not_split_like_the_plans_still_trains_exactly(tmp_path):
+def test_a_batch_that_does_not_split_like_the_plans_still_trains_exactly(planning_launch):
     """The plan splits GPT-2's residual stream and loss over the batch on the tensor-parallel axis (made for 8
     rows); 3 rows do not split in two. Before: DTensor refused to flatten the uneven shard (the recipes' last
-    eval batch crashed). Now the batch is kept whole there, and loss and gradients equal one process's."""
-    out = tmp_path / "result.json"
-    run_torchrun(str(ROOT / "tests" / "multiproc" / "check_batch_shapes.py"), "--out", str(out))
-    result = json.loads(out.read_text())
+    eval batch crashed). Now the batch is kept whole there, and loss and gradients equal one process's. (Run by
+    check_batch_shapes.py in the planning launch.)"""
+    proc, out = planning_launch
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "batch_shapes.json").read_text())
     assert result["batch_split_modules"], (
         "the plan must split the batch over tp for this test to mean anything"
     )

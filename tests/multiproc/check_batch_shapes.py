@@ -5,7 +5,8 @@ smaller batch of an epoch or an eval set): the step must still run and equal one
 
 GPT-2 (vocab 768, batch 4 x 64 per process, mesh 1 x 2): the solver keeps the residual stream and the loss
 split over the batch on the tensor-parallel axis. Then 3 rows: a no-grad loss and a training step's loss and
-gradients, against the unplanned model. Rank 0 writes the figures.
+gradients, against the unplanned model. Rank 0 writes the figures. ``check`` runs it in a job whose process group
+is up already (check_failures.py's ``--batch-shapes``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
+def check(out: str) -> None:
+    """The check on the initialized process group (2 ranks); rank 0 writes the figures to ``out``."""
     from hf_colossal_auto import autoparallelize, build_model, load_config, make_example_inputs
 
     config = load_config("tiny-gpt2")
@@ -53,10 +51,18 @@ def main() -> None:
             "train_losses": [float(want), float(got)],
             "max_grad_diff": worst,
         }
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(result, f)
     del model, reference
     dist.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    check(args.out)
     dist.destroy_process_group()
 
 

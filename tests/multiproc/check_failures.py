@@ -7,6 +7,9 @@
 ``AutoParallelCallback`` in turn, then a plan that only rank 1's model does not fit. Each rank writes
 ``D/rank<r>.json``: per case, the error type and message it caught and the seconds it took.
 
+With ``--batch-shapes PATH`` (``planning`` only), the same processes then run check_batch_shapes.py's check
+(a batch that does not split like the plan's), its figures to PATH: one launch for both.
+
 ``stuck-peer``: a 1 x 2 plan applied with ``timeout=3``; at the third step rank 1 stops answering (sleeps, its
 sockets open), rank 0 writes how long its collective waited and what it raised, then exits with status 3.
 """
@@ -138,12 +141,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--scenario", choices=("planning", "stuck-peer"), required=True)
+    parser.add_argument("--batch-shapes", default=None, help="planning: then check_batch_shapes.py to here")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
     if args.scenario == "planning":
         planning(out)
+        if args.batch_shapes:
+            from check_batch_shapes import check  # this folder is on sys.path under torchrun
+
+            check(args.batch_shapes)
     else:
         stuck_peer(out)
     dist.barrier()
