@@ -262,13 +262,15 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     out = tmp_path / "result.json"
     run_torchrun(str(ROOT / "tests" / "multiproc" / "check_expert_dp.py"), "--out", str(out), timeout=600)
     results = json.loads(out.read_text())
-    results, micro, pretrained, resume, one_sided = (
+    results, micro, pretrained, resume, one_sided, fsdp = (
         results[:3],
         results[3],
         results[4],
         results[5],
         results[6],
+        results[7:],
     )
+    _fsdp_ep_trains_like_one_process_and_runs_what_was_predicted(*fsdp)
     # every pair routed to rank 0's experts: rank 1 receives no rows, and both ranks still get one process's
     # outputs and gradients
     assert [g["rows_received"] for g in one_sided["gaps"]] == [24, 0]
@@ -316,6 +318,68 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
         assert result["export_names"] and result["export_diff"] == 0.0, name
         assert result["reference_diff"] < 1e-4, name
     assert "ddp" in results[1]["alternatives"]  # chosen over plain DDP, not asked for
+
+
+def _fsdp_gathers_and_reduces_all_but_the_experts(
+    forward_gathers: list, reduce_scatters: list, shards: dict, predicted: dict, micro: int
+) -> None:
+    """FSDP2's collectives against the plan's prediction, which counts them per parameter: one forward's
+    all-gathers (one per FSDP unit: the two blocks and the root) gather every parameter but the experts once
+    (each rank's padded shard, in elements), the step's reduce-scatters (one per unit, after the last
+    micro-batch) every trained one once; the experts sharded over dp are in neither."""
+    assert predicted["dp_all_gather"] == 2 * micro * shards["params"]
+    assert predicted["dp_reduce_scatter"] == shards["trained"] == shards["params"]
+    assert len(forward_gathers) == 3 and sum(forward_gathers) == shards["shard_numel"]
+    assert len(reduce_scatters) == 3 and sum(reduce_scatters) == shards["shard_numel"]
+
+
+def _fsdp_ep_trains_like_one_process_and_runs_what_was_predicted(case, micro, pretrained, resume) -> None:
+    """The "fsdp-ep" runs of ``check_expert_dp.py``: FSDP shards every parameter but the experts, which stay
+    split over dp as under "ddp-ep"."""
+    layers = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert (case["model"], case["dp_mode"], case["dp_label"]) == ("tiny-mixtral", "fsdp", "fsdp, experts over dp")
+    assert case["expert_data_parallel"] == layers and case["alternatives"] == ["fsdp, experts over dp"]
+    assert set(case["moe_layers"].values()) == {"experts: EP×2 (dp)"}
+    # the experts: whole experts per rank, on the whole mesh; the others: FSDP's shards on the dp mesh
+    weight = case["expert_weight"]
+    assert weight["placements"] == ["S(0)", "R"] and weight["local_shape"][0] * 2 == weight["shape"][0]
+    assert case["other_weight"] == {"placements": ["S(0)", "R"], "mesh": 2}
+    assert case["max_grad_diff"] < 1e-5
+    for got, want in zip(case["losses"], case["reference_losses"], strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+    for got, want, alone in case["grad_norms"]:  # gradients on FSDP's mesh and on the whole mesh
+        assert got == pytest.approx(want, rel=1e-5) and alone == got
+    ran, predicted = case["ran"], case["predicted"]
+    # the exchange's all-to-alls as predicted (counts; bytes on average over the ranks); no DDP all-reduce
+    assert ran["counts"] == {"all_to_all": predicted["counts"]["dp_all_to_all"], "all_reduce (DDP)": 0}
+    assert ran["counts"]["all_to_all"] == 10
+    assert ran["bytes_mean"] == {"all_to_all": predicted["bytes"]["dp_all_to_all"]}
+    assert set(predicted["counts"]) == {"dp_all_gather", "dp_all_to_all", "dp_reduce_scatter"}
+    fsdp = ran["fsdp"]
+    _fsdp_gathers_and_reduces_all_but_the_experts(
+        fsdp["forward_all_gather"], fsdp["reduce_scatter"], case["fsdp_shards"], predicted["counts"], 1
+    )
+    assert fsdp["backward_all_gather"] == fsdp["forward_all_gather"][1:]  # the blocks again, not the root
+    assert case["export_names"] and case["export_diff"] == 0.0 and case["reference_diff"] < 1e-4
+    # 2 micro-batches: FSDP gathers for each piece, reduce-scatters once; the experts divided by dp once
+    assert (micro["dp_mode"], micro["micro_batches"], micro["pieces"]) == ("fsdp", 2, 2)
+    assert micro["max_grad_diff"] < 1e-5
+    assert micro["ran"]["counts"] == {"all_to_all": micro["predicted"]["counts"]["dp_all_to_all"]} == {
+        "all_to_all": 20
+    }
+    assert micro["ran"]["bytes_mean"] == {"all_to_all": micro["predicted"]["bytes"]["dp_all_to_all"]}
+    gathers = micro["fsdp"]["step_all_gather"]  # per piece: 3 in forward, the 2 blocks again in backward
+    assert len(gathers) == 10 and gathers[:5] == gathers[5:]
+    _fsdp_gathers_and_reduces_all_but_the_experts(
+        gathers[:3], micro["fsdp"]["reduce_scatter"], micro["fsdp_shards"], micro["predicted"]["counts"], 2
+    )
+    # a HF checkpoint into a meta model, and a sharded checkpoint resumed, under the "fsdp-ep" plan
+    assert (pretrained["dp_mode"], pretrained["local_experts"], pretrained["experts"]) == ("fsdp", 2, 4)
+    for got, want in pretrained["losses"]:
+        assert got == want
+    assert resume["dp_mode"] == "fsdp"
+    for uninterrupted, resumed in resume["ranks"]:
+        assert resumed == uninterrupted
 
 
 @pytest.mark.slow

@@ -52,6 +52,39 @@ def _counting(all_reduce, reduced: list):
     return counted
 
 
+def _fsdp_collectives(record: dict):
+    """Wrappers of the collectives FSDP2 runs (``dist.all_gather_single``, ``dist.reduce_scatter_single``:
+    plain, not functional, collectives) recording the elements of each one's per-rank shard under
+    ``record[phase]`` ("phase" names the step's part being run: forward or backward)."""
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def gathered(output, input, *args, **kwargs):
+        record.setdefault(f"{record['phase']}_all_gather", []).append(input.numel())
+        return gather(output, input, *args, **kwargs)
+
+    def scattered(output, input, *args, **kwargs):
+        record.setdefault("reduce_scatter", []).append(output.numel())
+        return scatter(output, input, *args, **kwargs)
+
+    return gathered, scattered
+
+
+def _fsdp_shards(model, plan) -> dict:
+    """What FSDP should gather and reduce-scatter of ``model`` in one step: every parameter but the experts
+    sharded over dp, each rank's shard (dim 0 padded to a multiple of dp, as FSDP2 pads), in elements."""
+    from hf_colossal_auto.apply.runtime import expert_data_parallel_params
+
+    dp = plan.dp_size
+    experts = expert_data_parallel_params(model, plan)
+    shards = {
+        fqn: -(-p.shape[0] // dp) * (p.numel() // p.shape[0])
+        for fqn, p in model.named_parameters()
+        if fqn not in experts
+    }
+    trained = [fqn for fqn, p in model.named_parameters() if fqn in shards and p.requires_grad]
+    return {"params": len(shards), "trained": len(trained), "shard_numel": sum(shards.values())}
+
+
 def _bytes_over_ranks(recorded: dict) -> dict:
     """The bytes each rank handed its collectives, by kind, and their mean over the ranks: an all-to-all's
     share of a rank depends on the routing, the mean does not (a collective call: every rank calls it)."""
@@ -93,17 +126,24 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
         ref_loss.backward()
         recorder = _CollectiveRecorder()
         all_reduce, reduced = dist.all_reduce, []
-        # DDP's gradient all-reduces are plain (not functional) collectives: counted by wrapping them
+        gather, scatter, fsdp = dist.all_gather_single, dist.reduce_scatter_single, {"phase": "forward"}
+        # DDP's gradient all-reduces and FSDP's gathers and reduce-scatters are plain (not functional)
+        # collectives: counted by wrapping them
         dist.all_reduce = _counting(all_reduce, reduced)
+        dist.all_gather_single, dist.reduce_scatter_single = _fsdp_collectives(fsdp)
         try:
             with recorder:
                 loss = model(**local).loss
+                fsdp["phase"] = "backward"
                 loss.backward()
         finally:
             dist.all_reduce = all_reduce
+            dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
         if step == 0:
+            del fsdp["phase"]
             ran = {
                 "counts": {**recorder.counts, "all_reduce (DDP)": len(reduced)},
+                "fsdp": fsdp,
                 **_bytes_over_ranks(recorder.bytes),
             }
             for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
@@ -140,8 +180,13 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
         export_diff = max(float((p - consolidated[n]).abs().max()) for n, p in loaded.named_parameters())
         reference_diff = max(float((p - want[n]).abs().max()) for n, p in loaded.named_parameters())
     stored = model.model.layers[0].mlp.experts.gate_up_proj
+    attention = model.model.layers[0].self_attn.q_proj.weight
     result = {
         "model": name,
+        "dp_mode": plan.dp_mode,
+        "dp_label": plan.dp_label,
+        "fsdp_shards": _fsdp_shards(model, plan),
+        "other_weight": {"placements": [str(p) for p in attention.placements], "mesh": attention.device_mesh.ndim},
         "expert_data_parallel": plan.expert_data_parallel,
         "moe_layers": plan.moe_layers,
         "alternatives": [a["dp_label"] for a in plan.alternatives],
@@ -168,10 +213,10 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
     return result
 
 
-def run_micro_batches() -> dict:
-    """Tiny Mixtral under the "ddp-ep" plan made for 2 micro-batches per replica: one step through
-    :func:`hf_colossal_auto.accumulate` (the gradients of the experts divided by dp once, after the last piece)
-    against one process, and the collectives it ran against the plan's."""
+def run_micro_batches(dp_mode: str = "ddp-ep") -> dict:
+    """Tiny Mixtral under the ``dp_mode`` plan ("ddp-ep" or "fsdp-ep") made for 2 micro-batches per replica: one
+    step through :func:`hf_colossal_auto.accumulate` (the gradients of the experts divided by dp once, after the
+    last piece) against one process, and the collectives it ran against the plan's."""
     from hf_colossal_auto import accumulate
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
     from hf_colossal_auto.apply.simulate import _CollectiveRecorder
@@ -191,7 +236,7 @@ def run_micro_batches() -> dict:
             num_devices=world,
             device="cpu",
             mesh_shape=(world, 1),
-            dp_modes=("ddp-ep",),
+            dp_modes=(dp_mode,),
             micro_batches=2,
         )
     plan = broadcast_plan(made)
@@ -206,16 +251,25 @@ def run_micro_batches() -> dict:
     local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
     recorder = _CollectiveRecorder()
     pieces, weights = 0, []
-    with recorder:
-        for micro in accumulate(model, local):
-            (model(**micro.inputs).loss * micro.weight).backward()
-            pieces += 1
-            weights.append(float(micro.weight))
+    gather, scatter, fsdp = dist.all_gather_single, dist.reduce_scatter_single, {"phase": "step"}
+    dist.all_gather_single, dist.reduce_scatter_single = _fsdp_collectives(fsdp)
+    try:
+        with recorder:
+            for micro in accumulate(model, local):
+                (model(**micro.inputs).loss * micro.weight).backward()
+                pieces += 1
+                weights.append(float(micro.weight))
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+    del fsdp["phase"]
     worst = 0.0
     for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         worst = max(worst, float((grad - p_ref.grad).abs().max()))
     result = {
+        "dp_mode": plan.dp_mode,
+        "fsdp": fsdp,
+        "fsdp_shards": _fsdp_shards(model, plan),
         "micro_batches": plan.micro_batches,
         "pieces": pieces,
         "weights": weights,
@@ -232,8 +286,8 @@ def run_micro_batches() -> dict:
     return result
 
 
-def run_pretrained(out_dir: str) -> dict:
-    """A HF checkpoint of tiny Mixtral loaded into a meta model under the "ddp-ep" plan
+def run_pretrained(out_dir: str, dp_mode: str = "ddp-ep") -> dict:
+    """A HF checkpoint of tiny Mixtral loaded into a meta model under the ``dp_mode`` plan
     (``autoparallelize(..., pretrained=...)``: each rank reads its own experts): every replica's loss equals the
     one-process model's on its rows."""
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
@@ -243,7 +297,7 @@ def run_pretrained(out_dir: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = _model("tiny-mixtral")
     reference.eval()
-    directory = os.path.join(out_dir, "pretrained")
+    directory = os.path.join(out_dir, f"pretrained-{dp_mode}")
     if rank == 0:
         reference.save_pretrained(directory)
     dist.barrier()
@@ -251,7 +305,7 @@ def run_pretrained(out_dir: str) -> dict:
     made = None
     if rank == 0:
         made = plan_model(
-            reference, batch, num_devices=world, device="cpu", mesh_shape=(world, 1), dp_modes=("ddp-ep",)
+            reference, batch, num_devices=world, device="cpu", mesh_shape=(world, 1), dp_modes=(dp_mode,)
         )
     model = build_model("tiny-mixtral", device="meta")
     model.eval()
@@ -263,11 +317,16 @@ def run_pretrained(out_dir: str) -> dict:
     pairs = [None] * world
     dist.all_gather_object(pairs, (got, want))
     stored = model.model.layers[0].mlp.experts.gate_up_proj
-    return {"losses": pairs, "local_experts": stored.to_local().shape[0], "experts": stored.shape[0]}
+    return {
+        "dp_mode": model._hf_colossal_auto_plan.dp_mode,
+        "losses": pairs,
+        "local_experts": stored.to_local().shape[0],
+        "experts": stored.shape[0],
+    }
 
 
-def run_resume(out_dir: str) -> dict:
-    """Tiny Mixtral under the "ddp-ep" plan: one AdamW step, sharded state saved with
+def run_resume(out_dir: str, dp_mode: str = "ddp-ep") -> dict:
+    """Tiny Mixtral under the ``dp_mode`` plan: one AdamW step, sharded state saved with
     ``torch.distributed.checkpoint`` (``save_checkpoint``), two more steps; then a fresh model under the same
     plan loads the state and runs the same two steps. Each rank's losses of both runs."""
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
@@ -276,14 +335,14 @@ def run_resume(out_dir: str) -> dict:
     from hf_colossal_auto.solve.planner import plan_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    directory = os.path.join(out_dir, "resume")
+    directory = os.path.join(out_dir, f"resume-{dp_mode}")
     model = _model("tiny-mixtral")
     model.eval()
     batch = make_example_inputs(model, 4, 16, seed=0)
     made = None
     if rank == 0:
         made = plan_model(
-            model, batch, num_devices=world, device="cpu", mesh_shape=(world, 1), dp_modes=("ddp-ep",)
+            model, batch, num_devices=world, device="cpu", mesh_shape=(world, 1), dp_modes=(dp_mode,)
         )
     plan = broadcast_plan(made)
     per = 4 // world
@@ -311,7 +370,7 @@ def run_resume(out_dir: str) -> dict:
     dist.all_gather_object(pairs, (uninterrupted, resumed))
     del model, fresh, opt, fresh_opt
     dist.barrier()
-    return {"ranks": pairs}
+    return {"dp_mode": plan.dp_mode, "ranks": pairs}
 
 
 def _grad_gap(local, reference, name: str, rank: int, per_rank: int) -> float:
@@ -392,6 +451,11 @@ def main() -> None:
             run_pretrained(shared[0]),
             run_resume(shared[0]),
             run_one_sided_routing(),
+            # FSDP with the experts sharded over dp and left out of FSDP ("fsdp-ep")
+            run_case("tiny-mixtral", 4, 16, ("fsdp-ep",), shared[0]),
+            run_micro_batches("fsdp-ep"),
+            run_pretrained(shared[0], "fsdp-ep"),
+            run_resume(shared[0], "fsdp-ep"),
         ]
         if dist.get_rank() == 0:
             with open(args.out, "w") as f:
