@@ -2,15 +2,17 @@
 
     torchrun --nproc_per_node 2 tests/multiproc/check_expert_dp.py --out result.json
 
-Three models, each on a 2 x 1 mesh (DDP) with every MoE layer's experts sharded over the data-parallel axis
+Three models, each on a 2 x 1 mesh with every MoE layer's experts sharded over the data-parallel axis
 (``Plan.expert_data_parallel``): tiny Mixtral under the plan the planner makes when asked for that mode by name
-(``dp_modes=("ddp-ep",)``), and Mixtral at hidden 256, intermediate 1024, 8 experts, batch 2 x 8 under the
-planner's own choice (``plan_model`` with every mode), and tiny Qwen2-MoE (a shared expert next to the routed
-ones) under the "ddp-ep" plan. Each rank trains its replica's rows for two AdamW steps
+(``dp_modes=("ddp-ep",)``, DDP for the other parameters), and Mixtral at hidden 256, intermediate 1024, 8
+experts, batch 2 x 8 under the planner's own choice (``plan_model`` with every mode: "fsdp-ep", FSDP for the
+other parameters), and tiny Qwen2-MoE (a shared expert next to the routed ones) under the "ddp-ep" plan; and
+last tiny Mixtral again under "fsdp-ep" (with its micro-batched step, HF checkpoint and resume). Each rank trains its replica's rows for two AdamW steps
 (gradients clipped to norm 1 by ``torch.nn.utils.clip_grad_norm_``, which the norms are recorded of);
 rank 0 writes, per model: the losses and the one-process reference's (the mean of the replicas' losses, what DDP
 computes), the largest first-step gradient difference, the collectives each rank ran in the first step's forward
-and backward (counted as the fidelity tests count them) and the plan's prediction, and after training the
+and backward (counted as the fidelity tests count them; FSDP's all-gathers and reduce-scatters by the elements
+of each rank's shard) and the plan's prediction, and after training the
 largest difference between the consolidated export (``save_pretrained``, loaded with ``from_pretrained`` in
 one process) and the reference model trained on the whole batch.
 """
