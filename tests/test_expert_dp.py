@@ -255,7 +255,7 @@ def test_scope_is_ddp_on_a_data_parallel_axis_dividing_the_experts():
 
 
 def test_fsdp_ep_shards_the_rest_with_fsdp_and_leaves_the_experts_out():
-    """"fsdp-ep": FSDP for every parameter but the experts, which are split over dp as under "ddp-ep". The
+    """FSDP ("fsdp-ep") for every parameter but the experts, which are split over dp as under "ddp-ep". The
     plan names it, stores every parameter split over dp, predicts FSDP's gathers and reduce-scatters for the
     other parameters only plus the exchange's all-to-alls (the symbolic run's, counts and bytes), and
     evaluate_plan prices it as made. Its peak is below plain FSDP's: the experts are never gathered."""
@@ -267,7 +267,9 @@ def test_fsdp_ep_shards_the_rest_with_fsdp_and_leaves_the_experts_out():
     layers = sorted(experts_modules(model))
     assert (plan.dp_mode, plan.expert_data_parallel, plan.dp_shard_size) == ("fsdp", layers, 2)
     assert plan.moe_layers == dict.fromkeys(layers, "experts: EP×2 (dp)")
-    assert plan.dp_label == "fsdp, experts over dp" and "data parallel: fsdp, experts over dp" in plan.summary()
+    assert (
+        plan.dp_label == "fsdp, experts over dp" and "data parallel: fsdp, experts over dp" in plan.summary()
+    )
     assert [a["dp_label"] for a in plan.alternatives] == ["fsdp, experts over dp"]
     assert all(placements == ["S0", "R"] for placements in plan.param_placements.values())
     trained = sum(1 for p in model.parameters() if p.requires_grad)
@@ -404,7 +406,11 @@ def _fsdp_ep_trains_like_one_process_and_runs_what_was_predicted(case, micro, pr
     """The "fsdp-ep" runs of ``check_expert_dp.py``: FSDP shards every parameter but the experts, which stay
     split over dp as under "ddp-ep"."""
     layers = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
-    assert (case["model"], case["dp_mode"], case["dp_label"]) == ("tiny-mixtral", "fsdp", "fsdp, experts over dp")
+    assert (case["model"], case["dp_mode"], case["dp_label"]) == (
+        "tiny-mixtral",
+        "fsdp",
+        "fsdp, experts over dp",
+    )
     assert case["expert_data_parallel"] == layers and case["alternatives"] == ["fsdp, experts over dp"]
     assert set(case["moe_layers"].values()) == {"experts: EP×2 (dp)"}
     # the experts: whole experts per rank, on the whole mesh; the others: FSDP's shards on the dp mesh
@@ -431,9 +437,11 @@ def _fsdp_ep_trains_like_one_process_and_runs_what_was_predicted(case, micro, pr
     # 2 micro-batches: FSDP gathers for each piece, reduce-scatters once; the experts divided by dp once
     assert (micro["dp_mode"], micro["micro_batches"], micro["pieces"]) == ("fsdp", 2, 2)
     assert micro["max_grad_diff"] < 1e-5
-    assert micro["ran"]["counts"] == {"all_to_all": micro["predicted"]["counts"]["dp_all_to_all"]} == {
-        "all_to_all": 20
-    }
+    assert (
+        micro["ran"]["counts"]
+        == {"all_to_all": micro["predicted"]["counts"]["dp_all_to_all"]}
+        == {"all_to_all": 20}
+    )
     assert micro["ran"]["bytes_mean"] == {"all_to_all": micro["predicted"]["bytes"]["dp_all_to_all"]}
     gathers = micro["fsdp"]["step_all_gather"]  # per piece: 3 in forward, the 2 blocks again in backward
     assert len(gathers) == 10 and gathers[:5] == gathers[5:]

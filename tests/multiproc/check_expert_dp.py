@@ -188,7 +188,10 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
         "dp_mode": plan.dp_mode,
         "dp_label": plan.dp_label,
         "fsdp_shards": _fsdp_shards(model, plan),
-        "other_weight": {"placements": [str(p) for p in attention.placements], "mesh": attention.device_mesh.ndim},
+        "other_weight": {
+            "placements": [str(p) for p in attention.placements],
+            "mesh": attention.device_mesh.ndim,
+        },
         "expert_data_parallel": plan.expert_data_parallel,
         "moe_layers": plan.moe_layers,
         "alternatives": [a["dp_label"] for a in plan.alternatives],
