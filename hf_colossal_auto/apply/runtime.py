@@ -404,7 +404,7 @@ def _fully_shard(model: nn.Module, dp_mesh: DeviceMesh, ignored: set[nn.Paramete
 
 
 _EXPERTS_OVER_DP = "_hf_colossal_auto_experts_over_dp"
-"""Attribute of a model under FSDP: the expert parameters sharded over the data-parallel axis, left out of FSDP."""
+"""Attribute of a model under FSDP: the expert parameters sharded over the data-parallel axis (not FSDP's)."""
 
 
 def register_gradient_sync(model: nn.Module, mesh: DeviceMesh, average_over_dp: bool = True) -> None:
@@ -416,8 +416,8 @@ def register_gradient_sync(model: nn.Module, mesh: DeviceMesh, average_over_dp: 
     # accumulation) looks it up on the model and defers the synchronisation to the last micro-batch
     model.no_sync = functools.partial(no_gradient_sync, model)
     hook = _make_sync_hook(mesh, control) if average_over_dp else _make_sync_hook(tensor_parallel_mesh(mesh))
-    # under FSDP the experts sharded over the data-parallel axis are not FSDP's: their gradients are divided by
-    # dp by the DDP hook (once per step, as under DDP); FSDP reduce-scatters every other gradient
+    # under FSDP the experts sharded over the data-parallel axis are not FSDP's: the DDP hook divides their
+    # gradients by dp (once per step, as under DDP); FSDP reduce-scatters every other gradient
     experts = set() if average_over_dp else {id(p) for p in getattr(model, _EXPERTS_OVER_DP, ())}
     expert_hook = _make_sync_hook(mesh, control) if experts else None
     for param in model.parameters():

@@ -799,7 +799,8 @@ def _is_expert_dp(key: str) -> bool:
 
 def _expert_dp_offered(model: nn.Module, mesh: tuple[int, int]) -> bool:
     """Whether expert parallelism over the data-parallel axis is a candidate on ``mesh``: a (dp, 1) mesh with
-    dp >= 2 dividing every experts module's experts (the runtime's scope: DDP or FSDP, no tensor parallelism)."""
+    dp >= 2 dividing every experts module's experts (the runtime's scope: DDP or FSDP, no tensor
+    parallelism)."""
     dp, tp = mesh
     if dp < 2 or tp != 1:
         return False
@@ -908,7 +909,8 @@ def plan_model(
     meshes with a data-parallel axis ("ddp", "fsdp", "hsdp"; HSDP only where that axis crosses nodes). With
     "ddp", MoE models also try DDP with every layer's experts sharded over the data-parallel axis (on (dp, 1)
     meshes whose dp divides every layer's experts: :mod:`hf_colossal_auto.apply.moe`), which ``"ddp-ep"`` alone
-    asks for by name; with "fsdp", FSDP with the experts so sharded and left out of FSDP (``"fsdp-ep"``). ``recompute``: "auto" chooses activation recompute per
+    asks for by name; with "fsdp", FSDP with the experts so sharded and left out of FSDP (``"fsdp-ep"``).
+    ``recompute``: "auto" chooses activation recompute per
     block jointly with the sharding (one ILP); "none" and "full" fix it for every block; "two-stage" shards
     first and then chooses recompute (a baseline). ``micro_batches``: None searches it — each replica's batch
     (global / dp) runs in k pieces with gradients accumulated and synchronised once, tried where the batch in
