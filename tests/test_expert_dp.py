@@ -336,6 +336,7 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     assert (pretrained["local_experts"], pretrained["experts"]) == (2, 4)
     for got, want in pretrained["losses"]:
         assert got == want
+    assert pretrained["max_grad_diff"] < 1e-5
     assert [r["model"] for r in results] == ["tiny-mixtral", "wide-mixtral", "tiny-qwen2-moe"]
     # 2 micro-batches per replica through accumulate: the exchange per piece, the experts' gradients divided
     # by dp once, after the last piece
@@ -452,6 +453,7 @@ def _fsdp_ep_trains_like_one_process_and_runs_what_was_predicted(case, micro, pr
     assert (pretrained["dp_mode"], pretrained["local_experts"], pretrained["experts"]) == ("fsdp", 2, 4)
     for got, want in pretrained["losses"]:
         assert got == want
+    assert pretrained["max_grad_diff"] < 1e-5
     assert resume["dp_mode"] == "fsdp"
     for uninterrupted, resumed in resume["ranks"]:
         assert resumed == uninterrupted

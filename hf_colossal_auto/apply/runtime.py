@@ -404,7 +404,8 @@ def _fully_shard(model: nn.Module, dp_mesh: DeviceMesh, ignored: set[nn.Paramete
 
 
 _EXPERTS_OVER_DP = "_hf_colossal_auto_experts_over_dp"
-"""Attribute of a model under FSDP: the expert parameters sharded over the data-parallel axis (not FSDP's)."""
+"""Attribute of a model under FSDP: FQNs of the expert parameters sharded over the data-parallel axis (not
+FSDP's). Names, not the parameters: materialising a meta model may replace them."""
 
 
 def register_gradient_sync(model: nn.Module, mesh: DeviceMesh, average_over_dp: bool = True) -> None:
@@ -418,11 +419,11 @@ def register_gradient_sync(model: nn.Module, mesh: DeviceMesh, average_over_dp: 
     hook = _make_sync_hook(mesh, control) if average_over_dp else _make_sync_hook(tensor_parallel_mesh(mesh))
     # under FSDP the experts sharded over the data-parallel axis are not FSDP's: the DDP hook divides their
     # gradients by dp (once per step, as under DDP); FSDP reduce-scatters every other gradient
-    experts = set() if average_over_dp else {id(p) for p in getattr(model, _EXPERTS_OVER_DP, ())}
+    experts = set() if average_over_dp else getattr(model, _EXPERTS_OVER_DP, set())
     expert_hook = _make_sync_hook(mesh, control) if experts else None
-    for param in model.parameters():
+    for fqn, param in model.named_parameters():
         if isinstance(param, DTensor) and param.requires_grad:
-            param.register_post_accumulate_grad_hook(expert_hook if id(param) in experts else hook)
+            param.register_post_accumulate_grad_hook(expert_hook if fqn in experts else hook)
 
 
 def apply_plan(
@@ -465,9 +466,9 @@ def apply_plan(
     if fsdp:
         model._hf_colossal_auto_dp_mesh = data_parallel_shard_mesh(plan, mesh)
         over_dp = expert_data_parallel_params(model, plan)
-        experts = [p for fqn, p in model.named_parameters() if fqn in over_dp]
-        setattr(model, _EXPERTS_OVER_DP, experts)
-        _fully_shard(model, model._hf_colossal_auto_dp_mesh, ignored=set(experts))
+        setattr(model, _EXPERTS_OVER_DP, over_dp)
+        experts = {p for fqn, p in model.named_parameters() if fqn in over_dp}
+        _fully_shard(model, model._hf_colossal_auto_dp_mesh, ignored=experts)
     # after FSDP, so that each rank allocates (and reads) only its data- and tensor-parallel shards
     if pretrained is not None:
         # what each rank read, kept for logs and tests

@@ -294,7 +294,7 @@ def run_micro_batches(dp_mode: str = "ddp-ep") -> dict:
 def run_pretrained(out_dir: str, dp_mode: str = "ddp-ep") -> dict:
     """A HF checkpoint of tiny Mixtral loaded into a meta model under the ``dp_mode`` plan
     (``autoparallelize(..., pretrained=...)``: each rank reads its own experts): every replica's loss equals the
-    one-process model's on its rows."""
+    one-process model's on its rows, and one step's gradients the one-process gradients."""
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.solve.planner import plan_model
@@ -321,9 +321,17 @@ def run_pretrained(out_dir: str, dp_mode: str = "ddp-ep") -> dict:
         got, want = float(model(**local).loss), float(reference(**local).loss)
     pairs = [None] * world
     dist.all_gather_object(pairs, (got, want))
+    # a backward too: the loaded parameters are the ones the gradient synchronisation was registered on
+    ddp_reference_loss(reference, batch, world).backward()
+    model(**local).loss.backward()
+    worst = 0.0
+    for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        worst = max(worst, float((grad - p_ref.grad).abs().max()))
     stored = model.model.layers[0].mlp.experts.gate_up_proj
     return {
         "dp_mode": model._hf_colossal_auto_plan.dp_mode,
+        "max_grad_diff": worst,
         "losses": pairs,
         "local_experts": stored.to_local().shape[0],
         "experts": stored.shape[0],
