@@ -122,7 +122,8 @@ class Plan:
     priced with, :class:`hf_colossal_auto.capture.moe.RoutingLoad`). Empty under uniform routing."""
     expert_data_parallel: list[str] = field(default_factory=list)
     """Mixture-of-experts layers whose experts are sharded over the *data-parallel* axis (expert parallelism
-    over ranks that hold different tokens, DDP only): experts module FQNs. Each data-parallel rank stores
+    over ranks that hold different tokens, under DDP or FSDP — FSDP then leaves the experts out): experts
+    module FQNs. Each data-parallel rank stores
     ``E/dp`` whole experts (their ``param_placements`` are ``["S0", ...]``); each (token, expert) pair's row
     goes to its expert's rank and comes back by all-to-all (:mod:`hf_colossal_auto.apply.moe`). Empty
     otherwise, and in plans written before it existed."""

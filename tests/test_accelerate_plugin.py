@@ -78,7 +78,7 @@ def test_precedence_constructor_then_env_then_yaml_then_default(clean_env, tmp_p
         ("yaml", "num_devices", "two", r"num_devices from .*expected an integer >= 1, got 'two'"),
         ("env", "MESHSHAPE", "1x2", r"unknown setting HF_COLOSSAL_AUTO_MESHSHAPE"),
         ("env", "NUM_DEVICES", "0", r"num_devices from environment variable HF_COLOSSAL_AUTO_NUM_DEVICES"),
-        ("env", "DP_MODES", "zero3", r"dp_modes .*subset of \('ddp', 'fsdp', 'hsdp', 'ddp-ep'\)"),
+        ("env", "DP_MODES", "zero3", r"dp_modes .*subset of \('ddp', 'fsdp', 'hsdp', 'ddp-ep', 'fsdp-ep'\)"),
         ("env", "MEMORY_BUDGET", "lots", r"memory_budget .*'40GiB'"),
         ("env", "PLAN_KWARGS", "{recompute: yes}", r"plan_kwargs .*JSON object"),
         ("env", "TIME_LIMIT_S", "-1", r"time_limit_s .*positive number"),
@@ -405,11 +405,14 @@ def test_routing_setting_reaches_the_planner_and_is_checked(
 
 
 def test_dp_modes_are_the_planners(clean_env):
-    """The plugin takes every data-parallel mode ``plan_model`` does, "ddp-ep" by name included."""
+    """The plugin takes every data-parallel mode ``plan_model`` does, "ddp-ep" and "fsdp-ep" by name included."""
     from hf_colossal_auto.integrations.plugin import DP_MODES
     from hf_colossal_auto.solve.planner import DP_MODES as PLANNER_DP_MODES
-    from hf_colossal_auto.solve.planner import EXPERT_DP_KEY
+    from hf_colossal_auto.solve.planner import EXPERT_DP_KEY, EXPERT_DP_KEYS, EXPERT_FSDP_KEY
 
-    assert set(DP_MODES) == {*PLANNER_DP_MODES, EXPERT_DP_KEY}
+    assert set(EXPERT_DP_KEYS) == {EXPERT_DP_KEY, EXPERT_FSDP_KEY}
+    assert set(DP_MODES) == {*PLANNER_DP_MODES, EXPERT_DP_KEY, EXPERT_FSDP_KEY}
     clean_env.setenv("HF_COLOSSAL_AUTO_DP_MODES", "ddp-ep")
     assert AutoParallelPlugin().planner_kwargs()["dp_modes"] == ("ddp-ep",)
+    clean_env.setenv("HF_COLOSSAL_AUTO_DP_MODES", "fsdp-ep")
+    assert AutoParallelPlugin().planner_kwargs()["dp_modes"] == ("fsdp-ep",)

@@ -191,7 +191,7 @@ def test_predicted_collectives_equal_the_simulated_run():
 
 def test_the_planner_chooses_it_where_it_pays_and_prices_it_where_it_does_not():
     """Wide experts, few tokens (batch 2 x 8) on cpu/gloo: DDP all-reduces 2 x 8 experts' gradients (50 MB),
-    the exchange moves a few tens of KB: the planner picks it. Tiny Mixtral with more tokens (batch 8 x 64: the
+    the exchange moves a few tens of KB: the planner picks it (with FSDP for the other parameters). Tiny Mixtral with more tokens (batch 8 x 64: the
     exchange's rows grow with them, the experts' gradients do not): offered and priced, DDP with replicated
     experts is faster. Its model state is smaller by the experts' share either way."""
     model = _wide_mixtral()
@@ -199,9 +199,14 @@ def test_the_planner_chooses_it_where_it_pays_and_prices_it_where_it_does_not():
         model, make_example_inputs(model, 2, 8, seed=0), num_devices=2, device="cpu", mesh_shape=(2, 1)
     )
     tried = {a["dp_label"]: a["step_time_s"] for a in plan.alternatives}
-    assert set(tried) >= {"ddp", "ddp, experts over dp", "fsdp"}
+    assert set(tried) >= {"ddp", "ddp, experts over dp", "fsdp", "fsdp, experts over dp"}
     assert plan.expert_data_parallel == sorted(experts_modules(model))
-    assert tried["ddp, experts over dp"] == min(tried.values()) < tried["ddp"]
+    assert tried["ddp, experts over dp"] < tried["ddp"]
+    assert tried["fsdp, experts over dp"] < tried["fsdp"]
+    # its few non-expert parameters: FSDP's gathers hide behind the whole step's compute, DDP's all-reduce
+    # behind backward only
+    assert plan.dp_label == "fsdp, experts over dp"
+    assert tried["fsdp, experts over dp"] == min(tried.values()) < tried["ddp, experts over dp"]
 
     tiny = _tiny_mixtral()
     batch = make_example_inputs(tiny, 8, 64, seed=0)
@@ -233,9 +238,11 @@ def test_scope_is_ddp_on_a_data_parallel_axis_dividing_the_experts():
     )
     assert plan.expert_data_parallel == []  # nothing to offer on 1 x 2: the tensor-parallel candidates only
     ep = _expert_dp_plan(model, make_example_inputs(model, 4, 16, seed=0))
-    fsdp = Plan.from_dict({**ep.to_dict(), "dp_mode": "fsdp"})
-    with pytest.raises(ValueError, match="DDP only"):
-        check_expert_data_parallel(model, fsdp)
+    check_expert_data_parallel(model, Plan.from_dict({**ep.to_dict(), "dp_mode": "fsdp"}))  # "fsdp-ep"
+    hsdp = Plan.from_dict(ep.to_dict())
+    hsdp.dp_mode = "hsdp"  # set by hand (no HSDP shard group divides a data-parallel axis of 2)
+    with pytest.raises(ValueError, match=r"DDP or FSDP, not HSDP.*dp_modes=\('fsdp-ep',\)"):
+        check_expert_data_parallel(model, hsdp)
     wrong = Plan.from_dict(ep.to_dict())
     name = next(n for n in wrong.param_placements if n.endswith(EXPERT_WEIGHTS))
     wrong.param_placements[name] = ["R", "R"]
@@ -247,10 +254,54 @@ def test_scope_is_ddp_on_a_data_parallel_axis_dividing_the_experts():
         )
 
 
+def test_fsdp_ep_shards_the_rest_with_fsdp_and_leaves_the_experts_out():
+    """FSDP ("fsdp-ep") for every parameter but the experts, which are split over dp as under "ddp-ep". The
+    plan names it, stores every parameter split over dp, predicts FSDP's gathers and reduce-scatters for the
+    other parameters only plus the exchange's all-to-alls (the symbolic run's, counts and bytes), and
+    evaluate_plan prices it as made. Its peak is below plain FSDP's: the experts are never gathered."""
+    from hf_colossal_auto.apply.simulate import simulate_collectives
+
+    model = _tiny_mixtral()
+    batch = make_example_inputs(model, 4, 16, seed=0)
+    plan = plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(2, 1), dp_modes=("fsdp-ep",))
+    layers = sorted(experts_modules(model))
+    assert (plan.dp_mode, plan.expert_data_parallel, plan.dp_shard_size) == ("fsdp", layers, 2)
+    assert plan.moe_layers == dict.fromkeys(layers, "experts: EP×2 (dp)")
+    assert (
+        plan.dp_label == "fsdp, experts over dp" and "data parallel: fsdp, experts over dp" in plan.summary()
+    )
+    assert [a["dp_label"] for a in plan.alternatives] == ["fsdp, experts over dp"]
+    assert all(placements == ["S0", "R"] for placements in plan.param_placements.values())
+    trained = sum(1 for p in model.parameters() if p.requires_grad)
+    assert {k: v for k, v in plan.collectives.items() if v} == {
+        "dp_all_gather": 2 * (trained - 4),  # forward and backward, every parameter but the 4 expert weights
+        "dp_reduce_scatter": trained - 4,
+        "dp_all_to_all": 10,
+    }
+    assert plan.collective_bytes == {"dp_all_to_all": 2 * (4 * 64 * 64 * 4 + 4 * 8)}
+    again = evaluate_plan(model, batch, plan, num_devices=2, device="cpu").plan
+    assert again.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
+    assert again.peak_memory_bytes == plan.peak_memory_bytes
+    assert again.collectives == plan.collectives and again.collective_bytes == plan.collective_bytes
+    # offered with "fsdp" (where dp divides the experts), beside plain FSDP with the experts gathered per block
+    fsdp = plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(2, 1), dp_modes=("fsdp",))
+    tried = {a["dp_label"]: a for a in fsdp.alternatives}
+    assert set(tried) == {"fsdp", "fsdp, experts over dp"}
+    assert tried["fsdp, experts over dp"]["peak_memory_bytes"] == plan.peak_memory_bytes
+    assert plan.peak_memory_bytes < tried["fsdp"]["peak_memory_bytes"]
+    # one rank's step under the fake process group: the exchange as predicted (FSDP's collectives are plain
+    # ones, which the simulation does not count: the two-rank test counts them)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ran = simulate_collectives(model, plan, {k: v[:2] for k, v in batch.items()})
+    assert dict(ran.counts) == {"all_to_all": 10}
+    assert dict(ran.bytes) == {"all_to_all": int(plan.collective_bytes["dp_all_to_all"])}
+
+
 @pytest.mark.slow
 def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     """2 gloo ranks (``tests/multiproc/check_expert_dp.py``): tiny Mixtral under the "ddp-ep" plan and the wide
-    Mixtral under the planner's own choice (which is it), tiny Qwen2-MoE (shared expert) under "ddp-ep". Two AdamW steps' losses, every first-step gradient and
+    Mixtral under the planner's own choice ("fsdp-ep"), tiny Qwen2-MoE (shared expert) under "ddp-ep". Two AdamW steps' losses, every first-step gradient and
     the gradient norms ``clip_grad_norm_`` clips by equal one process's (fp32); every rank stores half the experts; the collectives a rank runs in a step —
     the exchange's all-to-alls and DDP's all-reduces — are the plan's prediction, their bytes (one rank's
     share follows the routing) on average over the ranks; the consolidated export (``save_pretrained``) is the trained model, loads with
@@ -258,17 +309,21 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     replica: one accumulated step's gradients equal one process's on the same pieces, its collectives the
     plan's. Then a HF checkpoint loaded under the plan into a meta model gives one process's losses, and the
     sharded state saved after a step and loaded into a fresh model gives the uninterrupted run's next losses.
-    Last, the exchange alone with every pair routed to one rank's experts (the other receives nothing)."""
+    Then the exchange alone with every pair routed to one rank's experts (the other receives nothing). Last,
+    tiny Mixtral under "fsdp-ep" (FSDP for every parameter but the experts): the same comparisons, its micro-
+    batched step, HF checkpoint and resume, and FSDP's gathers and reduce-scatters leaving the experts out."""
     out = tmp_path / "result.json"
     run_torchrun(str(ROOT / "tests" / "multiproc" / "check_expert_dp.py"), "--out", str(out), timeout=600)
     results = json.loads(out.read_text())
-    results, micro, pretrained, resume, one_sided = (
+    results, micro, pretrained, resume, one_sided, fsdp = (
         results[:3],
         results[3],
         results[4],
         results[5],
         results[6],
+        results[7:],
     )
+    _fsdp_ep_trains_like_one_process_and_runs_what_was_predicted(*fsdp)
     # every pair routed to rank 0's experts: rank 1 receives no rows, and both ranks still get one process's
     # outputs and gradients
     assert [g["rows_received"] for g in one_sided["gaps"]] == [24, 0]
@@ -281,6 +336,7 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
     assert (pretrained["local_experts"], pretrained["experts"]) == (2, 4)
     for got, want in pretrained["losses"]:
         assert got == want
+    assert pretrained["max_grad_diff"] < 1e-5
     assert [r["model"] for r in results] == ["tiny-mixtral", "wide-mixtral", "tiny-qwen2-moe"]
     # 2 micro-batches per replica through accumulate: the exchange per piece, the experts' gradients divided
     # by dp once, after the last piece
@@ -309,13 +365,98 @@ def test_two_ranks_train_like_one_process_and_run_what_was_predicted(tmp_path):
         predicted, ran = result["predicted"], result["ran"]
         assert ran["counts"] == {
             "all_to_all": predicted["counts"]["dp_all_to_all"],
-            "all_reduce (DDP)": predicted["counts"]["dp_all_reduce"],
+            "all_reduce (DDP)": predicted["counts"].get("dp_all_reduce", 0),
         }, name
+        if result["dp_mode"] == "fsdp":  # the wide Mixtral: the planner's choice is "fsdp-ep"
+            assert predicted["counts"]["dp_all_to_all"] == 10 and "dp_all_reduce" not in predicted["counts"]
+            _fsdp_gathers_and_reduces_all_but_the_experts(
+                ran["fsdp"]["forward_all_gather"],
+                ran["fsdp"]["reduce_scatter"],
+                result["fsdp_shards"],
+                predicted["counts"],
+                1,
+            )
+        else:
+            assert result["dp_mode"] == "ddp" and ran["fsdp"] == {}, name
+            assert predicted["counts"]["dp_all_reduce"] > 0, name
         # a rank's share of the all-to-alls follows the routing; the mean over the ranks is the prediction's
         assert ran["bytes_mean"] == {"all_to_all": predicted["bytes"]["dp_all_to_all"]}, name
         assert result["export_names"] and result["export_diff"] == 0.0, name
         assert result["reference_diff"] < 1e-4, name
-    assert "ddp" in results[1]["alternatives"]  # chosen over plain DDP, not asked for
+    # chosen over plain DDP and FSDP, not asked for
+    assert {"ddp", "fsdp", "ddp, experts over dp"} <= set(results[1]["alternatives"])
+    assert [r["dp_label"] for r in results] == ["ddp, experts over dp", "fsdp, experts over dp"] + [
+        "ddp, experts over dp"
+    ]
+
+
+def _fsdp_gathers_and_reduces_all_but_the_experts(
+    forward_gathers: list, reduce_scatters: list, shards: dict, predicted: dict, micro: int
+) -> None:
+    """FSDP2's collectives against the plan's prediction, which counts them per parameter: one forward's
+    all-gathers (one per FSDP unit: the two blocks and the root) gather every parameter but the experts once
+    (each rank's padded shard, in elements), the step's reduce-scatters (one per unit, after the last
+    micro-batch) every trained one once; the experts sharded over dp are in neither."""
+    assert predicted["dp_all_gather"] == 2 * micro * shards["params"]
+    assert predicted["dp_reduce_scatter"] == shards["trained"] == shards["params"]
+    assert len(forward_gathers) == 3 and sum(forward_gathers) == shards["shard_numel"]
+    assert len(reduce_scatters) == 3 and sum(reduce_scatters) == shards["shard_numel"]
+
+
+def _fsdp_ep_trains_like_one_process_and_runs_what_was_predicted(case, micro, pretrained, resume) -> None:
+    """The "fsdp-ep" runs of ``check_expert_dp.py``: FSDP shards every parameter but the experts, which stay
+    split over dp as under "ddp-ep"."""
+    layers = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert (case["model"], case["dp_mode"], case["dp_label"]) == (
+        "tiny-mixtral",
+        "fsdp",
+        "fsdp, experts over dp",
+    )
+    assert case["expert_data_parallel"] == layers and case["alternatives"] == ["fsdp, experts over dp"]
+    assert set(case["moe_layers"].values()) == {"experts: EP×2 (dp)"}
+    # the experts: whole experts per rank, on the whole mesh; the others: FSDP's shards on the dp mesh
+    weight = case["expert_weight"]
+    assert weight["placements"] == ["S(0)", "R"] and weight["local_shape"][0] * 2 == weight["shape"][0]
+    assert case["other_weight"] == {"placements": ["S(0)", "R"], "mesh": 2}
+    assert case["max_grad_diff"] < 1e-5
+    for got, want in zip(case["losses"], case["reference_losses"], strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+    for got, want, alone in case["grad_norms"]:  # gradients on FSDP's mesh and on the whole mesh
+        assert got == pytest.approx(want, rel=1e-5) and alone == got
+    ran, predicted = case["ran"], case["predicted"]
+    # the exchange's all-to-alls as predicted (counts; bytes on average over the ranks); no DDP all-reduce
+    assert ran["counts"] == {"all_to_all": predicted["counts"]["dp_all_to_all"], "all_reduce (DDP)": 0}
+    assert ran["counts"]["all_to_all"] == 10
+    assert ran["bytes_mean"] == {"all_to_all": predicted["bytes"]["dp_all_to_all"]}
+    assert set(predicted["counts"]) == {"dp_all_gather", "dp_all_to_all", "dp_reduce_scatter"}
+    fsdp = ran["fsdp"]
+    _fsdp_gathers_and_reduces_all_but_the_experts(
+        fsdp["forward_all_gather"], fsdp["reduce_scatter"], case["fsdp_shards"], predicted["counts"], 1
+    )
+    assert fsdp["backward_all_gather"] == fsdp["forward_all_gather"][1:]  # the blocks again, not the root
+    assert case["export_names"] and case["export_diff"] == 0.0 and case["reference_diff"] < 1e-4
+    # 2 micro-batches: FSDP gathers for each piece, reduce-scatters once; the experts divided by dp once
+    assert (micro["dp_mode"], micro["micro_batches"], micro["pieces"]) == ("fsdp", 2, 2)
+    assert micro["max_grad_diff"] < 1e-5
+    assert (
+        micro["ran"]["counts"]
+        == {"all_to_all": micro["predicted"]["counts"]["dp_all_to_all"]}
+        == {"all_to_all": 20}
+    )
+    assert micro["ran"]["bytes_mean"] == {"all_to_all": micro["predicted"]["bytes"]["dp_all_to_all"]}
+    gathers = micro["fsdp"]["step_all_gather"]  # per piece: 3 in forward, the 2 blocks again in backward
+    assert len(gathers) == 10 and gathers[:5] == gathers[5:]
+    _fsdp_gathers_and_reduces_all_but_the_experts(
+        gathers[:3], micro["fsdp"]["reduce_scatter"], micro["fsdp_shards"], micro["predicted"]["counts"], 2
+    )
+    # a HF checkpoint into a meta model, and a sharded checkpoint resumed, under the "fsdp-ep" plan
+    assert (pretrained["dp_mode"], pretrained["local_experts"], pretrained["experts"]) == ("fsdp", 2, 4)
+    for got, want in pretrained["losses"]:
+        assert got == want
+    assert pretrained["max_grad_diff"] < 1e-5
+    assert resume["dp_mode"] == "fsdp"
+    for uninterrupted, resumed in resume["ranks"]:
+        assert resumed == uninterrupted
 
 
 @pytest.mark.slow

@@ -25,7 +25,8 @@ tokens replicated over the group. The planner prices the region as it runs
 replicated on the way in, a partial sum out, partial gradients back), the grouped GEMMs' work under the
 uniform-load assumption or a measured histogram; the real load is whatever the router does.
 
-**Expert parallelism over the data-parallel axis** (``Plan.expert_data_parallel``, DDP): the replicas hold
+**Expert parallelism over the data-parallel axis** (``Plan.expert_data_parallel``, DDP or FSDP — under FSDP
+the expert weights are left out of ``fully_shard``, every other parameter sharded as usual): the replicas hold
 different tokens, so dispatch and combine exchange them by all-to-all (:func:`expert_data_parallel_forward`):
 each (token, expert) pair's row goes to the rank that owns the expert and its result comes back. What one rank
 sends and receives depends on the routing; summed over the ranks it does not, so the planner's prediction of
@@ -390,14 +391,23 @@ def _all_to_all_experts(
 
 def check_expert_data_parallel(model: nn.Module, plan: Plan) -> None:
     """Refuse, with what to do, a plan whose expert parallelism over the data-parallel axis this runtime
-    cannot run: only under DDP, on a data-parallel axis that divides each listed module's experts, with those
-    modules' per-expert weights stored ``["S0", "R"]`` (split over dp, replicated over tp)."""
+    cannot run: only under DDP or FSDP (the experts left out of FSDP's units), on a data-parallel axis that
+    divides each listed module's experts, with those modules' per-expert weights stored ``["S0", "R"]`` (split
+    over dp, replicated over tp)."""
     if not plan.expert_data_parallel:
         return
-    if plan.dp_mode != "ddp":
+    if plan.dp_mode == "hsdp":
         raise ValueError(
-            f"expert parallelism over the data-parallel axis runs under DDP only, the plan is {plan.dp_mode!r}: "
-            "re-plan (the planner offers it under DDP only) or drop Plan.expert_data_parallel"
+            "expert parallelism over the data-parallel axis runs under DDP or FSDP, not HSDP (the experts "
+            "would be split over the whole data-parallel axis while the other parameters replicate over its "
+            "replicate group): re-plan with dp_modes=('fsdp-ep',) or ('ddp-ep',), or drop "
+            "Plan.expert_data_parallel"
+        )
+    if plan.dp_mode not in ("ddp", "fsdp"):
+        raise ValueError(
+            "expert parallelism over the data-parallel axis runs under DDP or FSDP, the plan is "
+            f"{plan.dp_mode!r}: re-plan (the planner offers it as 'ddp-ep' and 'fsdp-ep') or drop "
+            "Plan.expert_data_parallel"
         )
     dp = plan.dp_size
     modules = experts_modules(model)
@@ -455,7 +465,8 @@ def install_mixed_mesh_grad_norm() -> None:
     """Let ``torch.nn.utils.clip_grad_norm_`` take gradients on several meshes.
 
     Under expert parallelism over the data-parallel axis the expert weights are DTensors on the whole
-    ``(dp, tp)`` mesh and the other parameters on its tensor-parallel part; torch's total norm stacks the
+    ``(dp, tp)`` mesh and the other parameters on its tensor-parallel part (under FSDP: on FSDP's
+    data-parallel mesh); torch's total norm stacks the
     per-tensor norms, which DTensor refuses across meshes. The total norm is then taken per mesh (torch's own
     code), each made a plain full tensor (the expert weights' norm summed over the data-parallel shards), and
     combined; the result is a plain tensor, which scales the gradients of every mesh, one mesh at a time. Calls

@@ -376,11 +376,15 @@ def data_parallel_shard_mesh(plan: Plan, mesh: DeviceMesh) -> DeviceMesh:
     return hybrid["dp_replicate", "dp_shard"]
 
 
-def _fully_shard(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+def _fully_shard(model: nn.Module, dp_mesh: DeviceMesh, ignored: set[nn.Parameter] | None = None) -> None:
     """FSDP on the data-parallel axis (FSDP2 ``fully_shard`` per block, then the root): parameters, gradients
     and optimizer state sharded over the replicas (over the shard group under HSDP), gathered per block for
-    compute (the next block's gather started by the current block's forward), gradients reduce-scattered."""
+    compute (the next block's gather started by the current block's forward), gradients reduce-scattered.
+    ``ignored``: parameters FSDP leaves alone in every unit (the experts sharded over the data-parallel axis,
+    already split over it: never gathered nor reduce-scattered)."""
     from torch.distributed.fsdp import fully_shard
+
+    ignored = ignored or None
 
     sharded: list[str] = []
     for name, module in model.named_modules():
@@ -391,12 +395,17 @@ def _fully_shard(model: nn.Module, dp_mesh: DeviceMesh) -> None:
             blocks = list(module)
             sharded += [f"{name}.{i}" if name else str(i) for i in range(len(blocks))]
             for block in blocks:
-                fully_shard(block, mesh=dp_mesh)
+                fully_shard(block, mesh=dp_mesh, ignored_params=ignored)
             # each block's forward starts the next block's all-gather, so that it runs behind this block's
             # compute, as the planner prices it (FSDP2 prefetches in backward by itself)
             for block, following in zip(blocks, blocks[1:], strict=False):
                 block.set_modules_to_forward_prefetch([following])
-    fully_shard(model, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh, ignored_params=ignored)
+
+
+_EXPERTS_OVER_DP = "_hf_colossal_auto_experts_over_dp"
+"""Attribute of a model under FSDP: FQNs of the expert parameters sharded over the data-parallel axis (not
+FSDP's). Names, not the parameters: materialising a meta model may replace them."""
 
 
 def register_gradient_sync(model: nn.Module, mesh: DeviceMesh, average_over_dp: bool = True) -> None:
@@ -408,9 +417,13 @@ def register_gradient_sync(model: nn.Module, mesh: DeviceMesh, average_over_dp: 
     # accumulation) looks it up on the model and defers the synchronisation to the last micro-batch
     model.no_sync = functools.partial(no_gradient_sync, model)
     hook = _make_sync_hook(mesh, control) if average_over_dp else _make_sync_hook(tensor_parallel_mesh(mesh))
-    for param in model.parameters():
+    # under FSDP the experts sharded over the data-parallel axis are not FSDP's: the DDP hook divides their
+    # gradients by dp (once per step, as under DDP); FSDP reduce-scatters every other gradient
+    experts = set() if average_over_dp else getattr(model, _EXPERTS_OVER_DP, set())
+    expert_hook = _make_sync_hook(mesh, control) if experts else None
+    for fqn, param in model.named_parameters():
         if isinstance(param, DTensor) and param.requires_grad:
-            param.register_post_accumulate_grad_hook(hook)
+            param.register_post_accumulate_grad_hook(expert_hook if fqn in experts else hook)
 
 
 def apply_plan(
@@ -452,7 +465,10 @@ def apply_plan(
     apply_recompute(model, plan)  # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP
     if fsdp:
         model._hf_colossal_auto_dp_mesh = data_parallel_shard_mesh(plan, mesh)
-        _fully_shard(model, model._hf_colossal_auto_dp_mesh)
+        over_dp = expert_data_parallel_params(model, plan)
+        setattr(model, _EXPERTS_OVER_DP, over_dp)
+        experts = {p for fqn, p in model.named_parameters() if fqn in over_dp}
+        _fully_shard(model, model._hf_colossal_auto_dp_mesh, ignored=experts)
     # after FSDP, so that each rank allocates (and reads) only its data- and tensor-parallel shards
     if pretrained is not None:
         # what each rank read, kept for logs and tests

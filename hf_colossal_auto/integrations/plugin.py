@@ -26,10 +26,10 @@ ENV_PREFIX = "HF_COLOSSAL_AUTO_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 # Variables with our prefix that other parts of the package read; they are not plugin settings.
 RESERVED_ENV = frozenset({CONFIG_ENV, ENV_PREFIX + "CACHE", ENV_PREFIX + "NO_CALIBRATE"})
-DP_MODES = ("ddp", "fsdp", "hsdp", "ddp-ep")
-"""What ``plan_model(dp_modes=...)`` takes; "ddp-ep" (DDP with the experts sharded over the data-parallel axis) by
-name asks for it alone, "ddp" includes it where it is offered. Kept here (not imported) so that reading the
-settings needs no torch."""
+DP_MODES = ("ddp", "fsdp", "hsdp", "ddp-ep", "fsdp-ep")
+"""What ``plan_model(dp_modes=...)`` takes; "ddp-ep" / "fsdp-ep" (DDP / FSDP with the experts sharded over the
+data-parallel axis) by name ask for it alone, "ddp" / "fsdp" include it where it is offered. Kept here (not
+imported) so that reading the settings needs no torch."""
 # Fields a YAML file or an environment variable cannot carry (Python objects).
 PYTHON_ONLY = frozenset({"example_inputs"})
 
@@ -167,8 +167,9 @@ class AutoParallelPlugin:
     dp_modes: tuple[str, ...] | str | None = field(
         default=None,
         metadata={
-            "help": "data-parallel modes to try: 'ddp', 'fsdp', 'hsdp', 'ddp-ep' (default: all; hsdp where dp "
-            "crosses nodes; ddp-ep, MoE experts sharded over dp, where dp divides the experts: 'ddp' includes it)"
+            "help": "data-parallel modes to try: 'ddp', 'fsdp', 'hsdp', 'ddp-ep', 'fsdp-ep' (default: all; "
+            "hsdp where dp crosses nodes; ddp-ep / fsdp-ep, MoE experts sharded over dp, where dp divides "
+            "the experts: 'ddp' / 'fsdp' include them)"
         },
     )
     plan_path: str | None = field(default=None, metadata={"help": "load this saved plan instead of planning"})

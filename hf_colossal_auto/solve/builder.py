@@ -938,13 +938,14 @@ def build_problem(
     what the busiest rank's rows cost (the step waits on the slowest rank); None prices uniform routing
     (``capture.moe.UNIFORM_LOAD``), as does a histogram whose ranks all get the same rows.
 
-    ``expert_dp``: every MoE layer runs expert-parallel over the data-parallel axis (DDP, tensor-parallel axis
-    of 1, ``dp`` dividing every layer's experts; ``apply/moe.py::expert_data_parallel_forward``): the per-expert
-    weights stored ``E/dp`` experts per rank (their memory, optimizer state and step divided by dp, no gradient
-    all-reduce), the ops of each experts module priced on the rows the rank receives (``T·k`` under uniform
-    load, the busiest rank's under a measured one; a grouped GEMM with ``E/dp`` experts' weights), and the
-    all-to-alls of the exchange and the sender's own kernels (:func:`expert_exchanges`) on the data-parallel
-    link, exposed (the region waits for them).
+    ``expert_dp``: every MoE layer runs expert-parallel over the data-parallel axis (DDP or FSDP,
+    tensor-parallel axis of 1, ``dp`` dividing every layer's experts;
+    ``apply/moe.py::expert_data_parallel_forward``): the per-expert weights stored ``E/dp`` experts per rank
+    (their memory, optimizer state and step divided by dp, no gradient all-reduce; under FSDP left out of its
+    units: no all-gather, reduce-scatter or gathered bytes), the ops of each experts module priced on the rows
+    the rank receives (``T·k`` under uniform load, the busiest rank's under a measured one; a grouped GEMM
+    with ``E/dp`` experts' weights), and the all-to-alls of the exchange and the sender's own kernels
+    (:func:`expert_exchanges`) on the data-parallel link, exposed (the region waits for them).
 
     The parts of the ILP are priced by the methods of :class:`_ProblemBuilder`.
     """
@@ -1174,13 +1175,13 @@ class _ProblemBuilder:
 
     # ---------------------------------------------------------------- expert parallelism over dp
     def _setup_expert_dp(self) -> None:
-        """Checks the scope (DDP, tensor-parallel axis of 1, dp dividing every layer's experts) and reads the
-        exchanges and the region nodes' factors (the busiest data-parallel rank's rows under a measured routing
-        load, over the mean's)."""
-        if self.dp < 2 or self.dp_mode != "ddp" or self.tp != 1:
+        """Checks the scope (DDP or FSDP, tensor-parallel axis of 1, dp dividing every layer's experts) and
+        reads the exchanges and the region nodes' factors (the busiest data-parallel rank's rows under a
+        measured routing load, over the mean's)."""
+        if self.dp < 2 or self.dp_mode not in ("ddp", "fsdp") or self.tp != 1:
             raise ValueError(
-                "expert parallelism over the data-parallel axis is planned under DDP on a (dp, 1) mesh with dp >= 2; "
-                f"got mesh {self.mesh_shape} {self.dp_mode}"
+                "expert parallelism over the data-parallel axis is planned under DDP or FSDP on a (dp, 1) "
+                f"mesh with dp >= 2; got mesh {self.mesh_shape} {self.dp_mode}"
             )
         self.expert_dp = expert_exchanges(self.graph, self.tied, self.dp, self.routing)
         if not self.expert_dp:
@@ -1419,7 +1420,7 @@ class _ProblemBuilder:
             ]
             self.opt_temp_terms[name] = tterms
             self.block_of[name] = fqn.rsplit(".", 1)[0]
-            if fsdp_layers:
+            if fsdp_layers and not over_dp:  # FSDP leaves the experts over dp out: never gathered
                 self.gathered_terms[name] = self._fsdp_gathered_bytes(
                     fqn, pbytes, options, fsdp_layers, real_count[fqn], graph.is_trainable(fqn)
                 )

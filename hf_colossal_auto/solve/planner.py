@@ -409,7 +409,7 @@ class _Search:
     def label(self, mesh: tuple[int, int], dp_mode: str) -> str:
         """The mode as :attr:`Plan.dp_label` names it ("hsdp 2x4": 2 replicas of shard groups of 4)."""
         if _is_expert_dp(dp_mode):
-            return "ddp, experts over dp"
+            return f"{EXPERT_DP_KEYS[dp_mode]}, experts over dp"
         dp_mode, shard = _split_mode(dp_mode)
         if dp_mode == "hsdp" and shard is None:
             shard = self.planner.cluster.hybrid_shard_size(mesh)
@@ -773,26 +773,34 @@ def _meshes(
 
 EXPERT_DP_KEY = "ddp-ep"
 """The search key of DDP with every MoE layer expert-parallel over the data-parallel axis."""
+EXPERT_FSDP_KEY = "fsdp-ep"
+"""The search key of FSDP with every MoE layer expert-parallel over the data-parallel axis: the expert weights
+split over dp (whole experts per rank, left out of FSDP), every other parameter sharded by FSDP."""
+EXPERT_DP_KEYS = {EXPERT_DP_KEY: "ddp", EXPERT_FSDP_KEY: "fsdp"}
+"""Search key of expert parallelism over the data-parallel axis -> the data-parallel mode of the other
+parameters."""
 
 
 def _split_mode(key: str) -> tuple[str, int | None]:
     """A search candidate's data-parallel mode and HSDP shard group: "hsdp:16" is HSDP with shard groups of 16
     data-parallel ranks, "hsdp" the cluster's own (one node's data-parallel ranks), "ddp"/"fsdp" themselves;
-    "ddp-ep" is DDP with the experts sharded over the data-parallel axis (:func:`_is_expert_dp`)."""
-    if key == EXPERT_DP_KEY:
-        return "ddp", None
+    "ddp-ep" / "fsdp-ep" are DDP / FSDP with the experts sharded over the data-parallel axis
+    (:func:`_is_expert_dp`)."""
+    if key in EXPERT_DP_KEYS:
+        return EXPERT_DP_KEYS[key], None
     mode, _, shard = key.partition(":")
     return mode, int(shard) if shard else None
 
 
 def _is_expert_dp(key: str) -> bool:
-    """Whether a search key is DDP with expert parallelism over the data-parallel axis."""
-    return key == EXPERT_DP_KEY
+    """Whether a search key is DDP or FSDP with expert parallelism over the data-parallel axis."""
+    return key in EXPERT_DP_KEYS
 
 
 def _expert_dp_offered(model: nn.Module, mesh: tuple[int, int]) -> bool:
     """Whether expert parallelism over the data-parallel axis is a candidate on ``mesh``: a (dp, 1) mesh with
-    dp >= 2 dividing every experts module's experts (the runtime's scope: DDP, no tensor parallelism)."""
+    dp >= 2 dividing every experts module's experts (the runtime's scope: DDP or FSDP, no tensor
+    parallelism)."""
     dp, tp = mesh
     if dp < 2 or tp != 1:
         return False
@@ -901,7 +909,8 @@ def plan_model(
     meshes with a data-parallel axis ("ddp", "fsdp", "hsdp"; HSDP only where that axis crosses nodes). With
     "ddp", MoE models also try DDP with every layer's experts sharded over the data-parallel axis (on (dp, 1)
     meshes whose dp divides every layer's experts: :mod:`hf_colossal_auto.apply.moe`), which ``"ddp-ep"`` alone
-    asks for by name. ``recompute``: "auto" chooses activation recompute per
+    asks for by name; with "fsdp", FSDP with the experts so sharded and left out of FSDP (``"fsdp-ep"``).
+    ``recompute``: "auto" chooses activation recompute per
     block jointly with the sharding (one ILP); "none" and "full" fix it for every block; "two-stage" shards
     first and then chooses recompute (a baseline). ``micro_batches``: None searches it — each replica's batch
     (global / dp) runs in k pieces with gradients accumulated and synchronised once, tried where the batch in
@@ -912,10 +921,10 @@ def plan_model(
     and a real batch); expert parallelism is then priced by each layer's busiest rank. None assumes routing
     uniform over experts.
     """
-    unknown = sorted(set(dp_modes) - {*DP_MODES, EXPERT_DP_KEY})
+    unknown = sorted(set(dp_modes) - {*DP_MODES, *EXPERT_DP_KEYS})
     if unknown or not dp_modes:
         raise ValueError(
-            f"dp_modes must be a non-empty subset of {(*DP_MODES, EXPERT_DP_KEY)}, got {dp_modes!r}"
+            f"dp_modes must be a non-empty subset of {(*DP_MODES, *EXPERT_DP_KEYS)}, got {dp_modes!r}"
         )
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
@@ -939,8 +948,9 @@ def plan_model(
     search = _Search(planner)
     for mesh in _search_order(planner, _meshes(planner, mesh_shape, micro_batches or 1)):
         for dp_mode in dp_modes if mesh[0] > 1 else ("ddp",):
-            if dp_mode == EXPERT_DP_KEY:  # asked for by name: only where it is offered
-                candidates = [(EXPERT_DP_KEY, 1)] if _expert_dp_offered(model, mesh) else []
+            if dp_mode in EXPERT_DP_KEYS:  # asked for by name: only where it is offered
+                shard = mesh[0] if EXPERT_DP_KEYS[dp_mode] == "fsdp" else 1
+                candidates = [(dp_mode, shard)] if _expert_dp_offered(model, mesh) else []
             elif dp_mode == "hsdp":
                 # none where the data-parallel axis stays in a node (FSDP is as good) or nodes do not split it
                 candidates = _hsdp_candidates(planner.cluster, mesh)[::-1]  # largest first: prunes the rest
@@ -948,8 +958,9 @@ def plan_model(
                 candidates = [
                     (dp_mode, mesh[0] if dp_mode == "fsdp" else 1)
                 ]  # ranks sharing the state with tp
-                if dp_mode == "ddp" and EXPERT_DP_KEY not in dp_modes and _expert_dp_offered(model, mesh):
-                    candidates.append((EXPERT_DP_KEY, 1))  # the experts sharded over the replicas
+                expert_key = {"ddp": EXPERT_DP_KEY, "fsdp": EXPERT_FSDP_KEY}.get(dp_mode)
+                if expert_key and expert_key not in dp_modes and _expert_dp_offered(model, mesh):
+                    candidates.append((expert_key, candidates[0][1]))  # the experts sharded over the replicas
             for key, shard in candidates:
                 if search.ruled_out(mesh, key, shard, micro_batches or 1):
                     continue

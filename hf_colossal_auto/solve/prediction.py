@@ -648,22 +648,20 @@ def _collective_prediction(built, solution, graph, tied, mesh, planner, dp_mode)
     counts = defaultdict(float, {kind: micro * c for kind, c in counts.items()})
     nbytes = defaultdict(float, {kind: micro * b for kind, b in nbytes.items()})
     if dp > 1:
-        n_params = len(graph.param_names)
-        n_trained = sum(1 for fqn in graph.param_names if graph.is_trainable(fqn))  # frozen ones: no gradient
+        # experts sharded over dp are neither all-reduced (DDP) nor gathered and reduce-scattered (FSDP, which
+        # leaves them out): their exchange's collectives instead (with bytes)
+        experts = {fqn for fqn in graph.param_names if tied.canonical_param(fqn) in built.expert_dp_params}
+        n_params = len(graph.param_names) - len(experts)
+        n_trained = sum(1 for fqn in graph.param_names if graph.is_trainable(fqn) and fqn not in experts)
         if dp_mode in SHARDED_DP_MODES:
             counts["dp_all_gather"] += 2 * micro * n_params
             counts["dp_reduce_scatter"] += n_trained
-        else:  # experts sharded over dp are not all-reduced: their exchange's collectives instead (with bytes)
-            over_dp = sum(
-                1
-                for fqn in graph.param_names
-                if graph.is_trainable(fqn) and tied.canonical_param(fqn) in built.expert_dp_params
-            )
-            counts["dp_all_reduce"] += n_trained - over_dp
-            for exchange in built.expert_data_parallel.values():
-                for kind, given, _priced in exchange.collectives:
-                    counts[f"dp_{kind}"] += micro * exchange.layers
-                    nbytes[f"dp_{kind}"] += micro * exchange.layers * given
+        else:
+            counts["dp_all_reduce"] += n_trained
+        for exchange in built.expert_data_parallel.values():
+            for kind, given, _priced in exchange.collectives:
+                counts[f"dp_{kind}"] += micro * exchange.layers
+                nbytes[f"dp_{kind}"] += micro * exchange.layers * given
     if dp > 1 and dp_mode == "hsdp":  # HSDP all-reduces each reduce-scattered shard over the replicate group
         counts["dp_all_reduce"] += counts["dp_reduce_scatter"]
     return _CollectivePrediction(

@@ -2,15 +2,17 @@
 
     torchrun --nproc_per_node 2 tests/multiproc/check_expert_dp.py --out result.json
 
-Three models, each on a 2 x 1 mesh (DDP) with every MoE layer's experts sharded over the data-parallel axis
+Three models, each on a 2 x 1 mesh with every MoE layer's experts sharded over the data-parallel axis
 (``Plan.expert_data_parallel``): tiny Mixtral under the plan the planner makes when asked for that mode by name
-(``dp_modes=("ddp-ep",)``), and Mixtral at hidden 256, intermediate 1024, 8 experts, batch 2 x 8 under the
-planner's own choice (``plan_model`` with every mode), and tiny Qwen2-MoE (a shared expert next to the routed
-ones) under the "ddp-ep" plan. Each rank trains its replica's rows for two AdamW steps
+(``dp_modes=("ddp-ep",)``, DDP for the other parameters), and Mixtral at hidden 256, intermediate 1024, 8
+experts, batch 2 x 8 under the planner's own choice (``plan_model`` with every mode: "fsdp-ep", FSDP for the
+other parameters), and tiny Qwen2-MoE (a shared expert next to the routed ones) under the "ddp-ep" plan; and
+last tiny Mixtral again under "fsdp-ep" (with its micro-batched step, HF checkpoint and resume). Each rank trains its replica's rows for two AdamW steps
 (gradients clipped to norm 1 by ``torch.nn.utils.clip_grad_norm_``, which the norms are recorded of);
 rank 0 writes, per model: the losses and the one-process reference's (the mean of the replicas' losses, what DDP
 computes), the largest first-step gradient difference, the collectives each rank ran in the first step's forward
-and backward (counted as the fidelity tests count them) and the plan's prediction, and after training the
+and backward (counted as the fidelity tests count them; FSDP's all-gathers and reduce-scatters by the elements
+of each rank's shard) and the plan's prediction, and after training the
 largest difference between the consolidated export (``save_pretrained``, loaded with ``from_pretrained`` in
 one process) and the reference model trained on the whole batch.
 """
@@ -50,6 +52,39 @@ def _counting(all_reduce, reduced: list):
         return all_reduce(tensor, *args, **kwargs)
 
     return counted
+
+
+def _fsdp_collectives(record: dict):
+    """Wrappers of the collectives FSDP2 runs (``dist.all_gather_single``, ``dist.reduce_scatter_single``:
+    plain, not functional, collectives) recording the elements of each one's per-rank shard under
+    ``record[phase]`` ("phase" names the step's part being run: forward or backward)."""
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def gathered(output, input, *args, **kwargs):
+        record.setdefault(f"{record['phase']}_all_gather", []).append(input.numel())
+        return gather(output, input, *args, **kwargs)
+
+    def scattered(output, input, *args, **kwargs):
+        record.setdefault("reduce_scatter", []).append(output.numel())
+        return scatter(output, input, *args, **kwargs)
+
+    return gathered, scattered
+
+
+def _fsdp_shards(model, plan) -> dict:
+    """What FSDP should gather and reduce-scatter of ``model`` in one step: every parameter but the experts
+    sharded over dp, each rank's shard (dim 0 padded to a multiple of dp, as FSDP2 pads), in elements."""
+    from hf_colossal_auto.apply.runtime import expert_data_parallel_params
+
+    dp = plan.dp_size
+    experts = expert_data_parallel_params(model, plan)
+    shards = {
+        fqn: -(-p.shape[0] // dp) * (p.numel() // p.shape[0])
+        for fqn, p in model.named_parameters()
+        if fqn not in experts
+    }
+    trained = [fqn for fqn, p in model.named_parameters() if fqn in shards and p.requires_grad]
+    return {"params": len(shards), "trained": len(trained), "shard_numel": sum(shards.values())}
 
 
 def _bytes_over_ranks(recorded: dict) -> dict:
@@ -93,17 +128,24 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
         ref_loss.backward()
         recorder = _CollectiveRecorder()
         all_reduce, reduced = dist.all_reduce, []
-        # DDP's gradient all-reduces are plain (not functional) collectives: counted by wrapping them
+        gather, scatter, fsdp = dist.all_gather_single, dist.reduce_scatter_single, {"phase": "forward"}
+        # DDP's gradient all-reduces and FSDP's gathers and reduce-scatters are plain (not functional)
+        # collectives: counted by wrapping them
         dist.all_reduce = _counting(all_reduce, reduced)
+        dist.all_gather_single, dist.reduce_scatter_single = _fsdp_collectives(fsdp)
         try:
             with recorder:
                 loss = model(**local).loss
+                fsdp["phase"] = "backward"
                 loss.backward()
         finally:
             dist.all_reduce = all_reduce
+            dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
         if step == 0:
+            del fsdp["phase"]
             ran = {
                 "counts": {**recorder.counts, "all_reduce (DDP)": len(reduced)},
+                "fsdp": fsdp,
                 **_bytes_over_ranks(recorder.bytes),
             }
             for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
@@ -140,8 +182,16 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
         export_diff = max(float((p - consolidated[n]).abs().max()) for n, p in loaded.named_parameters())
         reference_diff = max(float((p - want[n]).abs().max()) for n, p in loaded.named_parameters())
     stored = model.model.layers[0].mlp.experts.gate_up_proj
+    attention = model.model.layers[0].self_attn.q_proj.weight
     result = {
         "model": name,
+        "dp_mode": plan.dp_mode,
+        "dp_label": plan.dp_label,
+        "fsdp_shards": _fsdp_shards(model, plan),
+        "other_weight": {
+            "placements": [str(p) for p in attention.placements],
+            "mesh": attention.device_mesh.ndim,
+        },
         "expert_data_parallel": plan.expert_data_parallel,
         "moe_layers": plan.moe_layers,
         "alternatives": [a["dp_label"] for a in plan.alternatives],
@@ -168,10 +218,10 @@ def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | N
     return result
 
 
-def run_micro_batches() -> dict:
-    """Tiny Mixtral under the "ddp-ep" plan made for 2 micro-batches per replica: one step through
-    :func:`hf_colossal_auto.accumulate` (the gradients of the experts divided by dp once, after the last piece)
-    against one process, and the collectives it ran against the plan's."""
+def run_micro_batches(dp_mode: str = "ddp-ep") -> dict:
+    """Tiny Mixtral under the ``dp_mode`` plan ("ddp-ep" or "fsdp-ep") made for 2 micro-batches per replica: one
+    step through :func:`hf_colossal_auto.accumulate` (the gradients of the experts divided by dp once, after the
+    last piece) against one process, and the collectives it ran against the plan's."""
     from hf_colossal_auto import accumulate
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
     from hf_colossal_auto.apply.simulate import _CollectiveRecorder
@@ -191,7 +241,7 @@ def run_micro_batches() -> dict:
             num_devices=world,
             device="cpu",
             mesh_shape=(world, 1),
-            dp_modes=("ddp-ep",),
+            dp_modes=(dp_mode,),
             micro_batches=2,
         )
     plan = broadcast_plan(made)
@@ -206,16 +256,25 @@ def run_micro_batches() -> dict:
     local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
     recorder = _CollectiveRecorder()
     pieces, weights = 0, []
-    with recorder:
-        for micro in accumulate(model, local):
-            (model(**micro.inputs).loss * micro.weight).backward()
-            pieces += 1
-            weights.append(float(micro.weight))
+    gather, scatter, fsdp = dist.all_gather_single, dist.reduce_scatter_single, {"phase": "step"}
+    dist.all_gather_single, dist.reduce_scatter_single = _fsdp_collectives(fsdp)
+    try:
+        with recorder:
+            for micro in accumulate(model, local):
+                (model(**micro.inputs).loss * micro.weight).backward()
+                pieces += 1
+                weights.append(float(micro.weight))
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+    del fsdp["phase"]
     worst = 0.0
     for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         worst = max(worst, float((grad - p_ref.grad).abs().max()))
     result = {
+        "dp_mode": plan.dp_mode,
+        "fsdp": fsdp,
+        "fsdp_shards": _fsdp_shards(model, plan),
         "micro_batches": plan.micro_batches,
         "pieces": pieces,
         "weights": weights,
@@ -232,10 +291,10 @@ def run_micro_batches() -> dict:
     return result
 
 
-def run_pretrained(out_dir: str) -> dict:
-    """A HF checkpoint of tiny Mixtral loaded into a meta model under the "ddp-ep" plan
+def run_pretrained(out_dir: str, dp_mode: str = "ddp-ep") -> dict:
+    """A HF checkpoint of tiny Mixtral loaded into a meta model under the ``dp_mode`` plan
     (``autoparallelize(..., pretrained=...)``: each rank reads its own experts): every replica's loss equals the
-    one-process model's on its rows."""
+    one-process model's on its rows, and one step's gradients the one-process gradients."""
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.solve.planner import plan_model
@@ -243,7 +302,7 @@ def run_pretrained(out_dir: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = _model("tiny-mixtral")
     reference.eval()
-    directory = os.path.join(out_dir, "pretrained")
+    directory = os.path.join(out_dir, f"pretrained-{dp_mode}")
     if rank == 0:
         reference.save_pretrained(directory)
     dist.barrier()
@@ -251,7 +310,7 @@ def run_pretrained(out_dir: str) -> dict:
     made = None
     if rank == 0:
         made = plan_model(
-            reference, batch, num_devices=world, device="cpu", mesh_shape=(world, 1), dp_modes=("ddp-ep",)
+            reference, batch, num_devices=world, device="cpu", mesh_shape=(world, 1), dp_modes=(dp_mode,)
         )
     model = build_model("tiny-mixtral", device="meta")
     model.eval()
@@ -262,12 +321,25 @@ def run_pretrained(out_dir: str) -> dict:
         got, want = float(model(**local).loss), float(reference(**local).loss)
     pairs = [None] * world
     dist.all_gather_object(pairs, (got, want))
+    # a backward too: the loaded parameters are the ones the gradient synchronisation was registered on
+    ddp_reference_loss(reference, batch, world).backward()
+    model(**local).loss.backward()
+    worst = 0.0
+    for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        worst = max(worst, float((grad - p_ref.grad).abs().max()))
     stored = model.model.layers[0].mlp.experts.gate_up_proj
-    return {"losses": pairs, "local_experts": stored.to_local().shape[0], "experts": stored.shape[0]}
+    return {
+        "dp_mode": model._hf_colossal_auto_plan.dp_mode,
+        "max_grad_diff": worst,
+        "losses": pairs,
+        "local_experts": stored.to_local().shape[0],
+        "experts": stored.shape[0],
+    }
 
 
-def run_resume(out_dir: str) -> dict:
-    """Tiny Mixtral under the "ddp-ep" plan: one AdamW step, sharded state saved with
+def run_resume(out_dir: str, dp_mode: str = "ddp-ep") -> dict:
+    """Tiny Mixtral under the ``dp_mode`` plan: one AdamW step, sharded state saved with
     ``torch.distributed.checkpoint`` (``save_checkpoint``), two more steps; then a fresh model under the same
     plan loads the state and runs the same two steps. Each rank's losses of both runs."""
     from hf_colossal_auto.apply import autoparallelize, broadcast_plan
@@ -276,14 +348,14 @@ def run_resume(out_dir: str) -> dict:
     from hf_colossal_auto.solve.planner import plan_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    directory = os.path.join(out_dir, "resume")
+    directory = os.path.join(out_dir, f"resume-{dp_mode}")
     model = _model("tiny-mixtral")
     model.eval()
     batch = make_example_inputs(model, 4, 16, seed=0)
     made = None
     if rank == 0:
         made = plan_model(
-            model, batch, num_devices=world, device="cpu", mesh_shape=(world, 1), dp_modes=("ddp-ep",)
+            model, batch, num_devices=world, device="cpu", mesh_shape=(world, 1), dp_modes=(dp_mode,)
         )
     plan = broadcast_plan(made)
     per = 4 // world
@@ -311,7 +383,7 @@ def run_resume(out_dir: str) -> dict:
     dist.all_gather_object(pairs, (uninterrupted, resumed))
     del model, fresh, opt, fresh_opt
     dist.barrier()
-    return {"ranks": pairs}
+    return {"dp_mode": plan.dp_mode, "ranks": pairs}
 
 
 def _grad_gap(local, reference, name: str, rank: int, per_rank: int) -> float:
@@ -392,6 +464,11 @@ def main() -> None:
             run_pretrained(shared[0]),
             run_resume(shared[0]),
             run_one_sided_routing(),
+            # FSDP with the experts sharded over dp and left out of FSDP ("fsdp-ep")
+            run_case("tiny-mixtral", 4, 16, ("fsdp-ep",), shared[0]),
+            run_micro_batches("fsdp-ep"),
+            run_pretrained(shared[0], "fsdp-ep"),
+            run_resume(shared[0], "fsdp-ep"),
         ]
         if dist.get_rank() == 0:
             with open(args.out, "w") as f:
