@@ -93,10 +93,15 @@ def test_tensor_parallel_matches_single_process(preset, plan_kind):
         dist.destroy_process_group()
 
 
-def _torchrun(nproc: int, *args: str, tmp_path: Path) -> dict:
+def _torchrun(nproc: int, *args: str, tmp_path: Path, timeout: int = 240) -> dict:
     out = tmp_path / "result.json"
     run_torchrun(
-        str(ROOT / "tests" / "multiproc" / "check_numerics.py"), *args, "--out", str(out), nproc=nproc
+        str(ROOT / "tests" / "multiproc" / "check_numerics.py"),
+        *args,
+        "--out",
+        str(out),
+        nproc=nproc,
+        timeout=timeout,
     )
     return json.loads(out.read_text())
 
@@ -167,18 +172,35 @@ MOE_CASES = {
 }
 
 
+RANK0_MODELS = ",".join(["tiny-llama", *MOE_CASES])
+
+
+@pytest.fixture(scope="module")
+def two_rank_launch(tmp_path_factory) -> tuple[list[dict], Path]:
+    """One launch of 2 gloo processes for two tests: check_numerics.py's runs of
+    ``test_autoparallelize_plans_on_rank0_and_broadcasts`` (their results), then, in the same processes,
+    check_checkpoint.py's save phase into the returned folder (``--checkpoint-save``) for
+    ``test_checkpoint_resume_and_consolidated_export``, whose resume needs fresh processes (its own launch):
+    starting two processes and importing torch/transformers costs more than a tiny model's run."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    checkpoint = root / "checkpoint"
+    results = _torchrun(
+        2, "--model", RANK0_MODELS, "--mesh", "1x2", "--plan", "auto", "--steps", "2",
+        "--checkpoint-save", str(checkpoint), tmp_path=root, timeout=400,
+    )  # fmt: skip
+    return results, checkpoint
+
+
 @pytest.mark.slow
-def test_autoparallelize_plans_on_rank0_and_broadcasts(tmp_path):
+def test_autoparallelize_plans_on_rank0_and_broadcasts(two_rank_launch):
     """2 gloo processes: rank 0 plans inside the job (the planner must not build collective meshes), every
     rank applies the broadcast plan, and training matches one process. Then, in the same processes, Mixtral
     (router, aux loss in the loss) under the auto plan, replicated experts, tensor parallelism inside every
     expert (HF's own tp_plan) and expert parallelism (HF's ep_plan: whole experts per rank, the runtime's
     dispatch region), Qwen3-MoE under the last two, and Qwen2-MoE's shared expert and its gate under Megatron: two AdamW steps'
     losses and every first-step gradient equal one process's in fp32."""
-    models = ",".join(["tiny-llama", *MOE_CASES])
-    results = _torchrun(
-        2, "--model", models, "--mesh", "1x2", "--plan", "auto", "--steps", "2", tmp_path=tmp_path
-    )
+    models = RANK0_MODELS
+    results, _ = two_rank_launch
     assert [r["model"] for r in results] == [m.split("@")[0] for m in models.split(",")]
     for result, (spec, choice) in zip(results, [("tiny-llama", None), *MOE_CASES.items()], strict=True):
         assert result["max_grad_diff"] < 1e-5, spec
@@ -197,16 +219,16 @@ def test_autoparallelize_plans_on_rank0_and_broadcasts(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_resume_and_consolidated_export(tmp_path):
+def test_checkpoint_resume_and_consolidated_export(two_rank_launch):
     """Sharded state saved with torch.distributed.checkpoint resumes in fresh processes: on a tensor-parallel
     1 x 2 mesh, a DDP 2 x 1 and an FSDP 2 x 1 one, every rank's loss of the next step and, after AdamW's update,
     of the step after it equal the uninterrupted run's (the latter only with the optimizer state restored: a
     fresh AdamW misses it). The consolidated export loads with from_pretrained in one process and gives the
-    next-step loss too."""
+    next-step loss too. (The save phase runs in ``two_rank_launch``, the resume in fresh processes here.)"""
     from transformers import AutoModelForCausalLM
 
+    _, tmp_path = two_rank_launch
     script = str(ROOT / "tests" / "multiproc" / "check_checkpoint.py")
-    run_torchrun(script, "--phase", "save", "--dir", str(tmp_path))
     run_torchrun(script, "--phase", "resume", "--dir", str(tmp_path))
     for layout in ("tp", "ddp", "fsdp"):
         for rank in range(2):
@@ -234,10 +256,12 @@ def test_checkpoint_resume_and_consolidated_export(tmp_path):
 def test_optimizer_made_before_parallelization_is_remapped():
     """An AdamW created before apply_plan (passed in ``optimizers``) trains like one created after it."""
     losses = {}
+    priced = _tiny("tiny-llama")
+    batch = make_example_inputs(priced, 4, 16)
+    megatron = evaluate_plan(priced, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
     for when in ("before", "after"):
-        model = _tiny("tiny-llama")
-        batch = make_example_inputs(model, 4, 16)
-        plan = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+        model = _tiny("tiny-llama")  # the same seeded weights each time
+        plan = copy.deepcopy(megatron)
         _fresh_fake_group(2)
         try:
             with local_tensor_mode(2):

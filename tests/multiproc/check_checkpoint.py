@@ -132,6 +132,24 @@ def _resume(layout: str, model_name: str, out: Path, batches: list[dict], rank: 
     (out / layout / f"resumed.rank{rank}.json").write_text(json.dumps(resumed))
 
 
+def run_phase(
+    phase: str, out: Path, model_name: str = "tiny-llama", layouts: str = ",".join(LAYOUTS)
+) -> None:
+    """``phase`` for every layout of ``layouts`` on the initialized process group (check_numerics.py's
+    ``--checkpoint-save`` runs the save phase in its own launch so)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from hf_colossal_auto.models import build_model, make_example_inputs
+
+    shapes = build_model(model_name, device="meta")
+    batches = [make_example_inputs(shapes, 4, 16, seed=s, device="cpu") for s in range(4)]
+    for layout in layouts.split(","):
+        if phase == "save":
+            _save(layout, model_name, out, batches, rank, world)
+        else:
+            _resume(layout, model_name, out, batches, rank)
+        dist.barrier()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", choices=["save", "resume"], required=True)
@@ -143,18 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    from hf_colossal_auto.models import build_model, make_example_inputs
-
-    out = Path(args.dir)
-    shapes = build_model(args.model, device="meta")
-    batches = [make_example_inputs(shapes, 4, 16, seed=s, device="cpu") for s in range(4)]
-    for layout in args.layouts.split(","):
-        if args.phase == "save":
-            _save(layout, args.model, out, batches, rank, world)
-        else:
-            _resume(layout, args.model, out, batches, rank)
-        dist.barrier()
+    run_phase(args.phase, Path(args.dir), args.model, args.layouts)
     dist.destroy_process_group()
     os._exit(0)
 

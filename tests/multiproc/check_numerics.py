@@ -13,6 +13,9 @@ stored (at these tiny widths the solver would gather them for use), so that the 
 Every rank builds the same seeded model, rank 0 plans and broadcasts, each data-parallel replica gets its own
 slice of one global batch, and rank 0 writes the loss and the largest gradient difference against the model
 trained on the whole batch in one process (the same quantity DDP computes: the mean of the replicas' losses).
+
+``--checkpoint-save D`` then runs check_checkpoint.py's save phase into ``D`` in the same processes (its resume
+phase needs fresh ones): one launch for both.
 """
 
 from __future__ import annotations
@@ -176,6 +179,11 @@ def main() -> None:
         "--dp-shard", type=int, default=2, help="HSDP: ranks of a shard group (--dp-mode hsdp)"
     )
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--checkpoint-save",
+        default=None,
+        help="afterwards, check_checkpoint.py's save phase into this folder",
+    )
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -185,6 +193,12 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results if len(results) > 1 else results[0], f)
+    if args.checkpoint_save:
+        from pathlib import Path
+
+        from check_checkpoint import run_phase  # this folder is on sys.path under torchrun
+
+        run_phase("save", Path(args.checkpoint_save))
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
