@@ -7,7 +7,7 @@ fixed tensor-parallel size with DDP (what ``evaluate_plan`` does with a ``tp_pla
 ``base_model_tp_plan`` without its expert entries: attention TP only, every rank computes every expert) and
 TP inside every expert (the full ``base_model_tp_plan``: gate/up split on the intermediate dim, down on its
 input), HF's ``base_model_ep_plan`` (expert parallel), plus DDP and FSDP, and, where the data-parallel size
-divides the experts, DDP with the experts sharded over the data-parallel axis (all-to-all dispatch). The model is built on ``meta`` from a config (nothing downloaded); routing is
+divides the experts, DDP and FSDP with the experts sharded over the data-parallel axis (all-to-all dispatch). The model is built on ``meta`` from a config (nothing downloaded); routing is
 priced under the uniform-load assumption (``hf_colossal_auto.capture.moe``).
 
     python scripts/bench_moe_planning.py [--json moe.json] [--tp 8] [--devices 64] [--device h100-80gb]
@@ -134,13 +134,15 @@ def main() -> None:
         rows.append(_row(name, estimate.plan, time.perf_counter() - start))
         print(rows[-1], flush=True)
     if _expert_dp_offered(model, (args.devices, 1)):  # experts over the data-parallel axis: dp divides them
-        start = time.perf_counter()
-        try:
-            plan = plan_model(model, batch, **common, mesh_shape=(args.devices, 1), dp_modes=("ddp-ep",))
-            rows.append(_row("experts over dp (ddp-ep, all-to-all)", plan, time.perf_counter() - start))
-        except InfeasibleError as error:  # what it needs is the finding
-            rows.append({"strategy": "experts over dp (ddp-ep, all-to-all)", "infeasible": str(error)})
-        print(rows[-1], flush=True)
+        for key in ("ddp-ep", "fsdp-ep"):  # the other parameters replicated / sharded by FSDP
+            name = f"experts over dp ({key}, all-to-all)"
+            start = time.perf_counter()
+            try:
+                plan = plan_model(model, batch, **common, mesh_shape=(args.devices, 1), dp_modes=(key,))
+                rows.append(_row(name, plan, time.perf_counter() - start))
+            except InfeasibleError as error:  # what it needs is the finding
+                rows.append({"strategy": name, "infeasible": str(error)})
+            print(rows[-1], flush=True)
     for r in rows:
         if "infeasible" in r:
             print(f"| {r['strategy']} | no plan fits: {r['infeasible']} |")
