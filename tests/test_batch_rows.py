@@ -18,10 +18,12 @@ def _rows(batch: dict, rows: int) -> dict:
     return {k: v[:rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
 
 
-@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama", "tiny-bert", "tiny-t5", "tiny-mixtral"])
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-t5", "tiny-mixtral"])
 def test_interpolated_steps_equal_traced_ones(preset):
-    """Every family the suite trains: the step at 8 rows interpolated from 2 and 4 is the traced step
-    (shapes, FLOPs, bytes, memory events, op arguments), with bf16 autocast and the CUDA attention kernels."""
+    """A decoder (GPT-2), an encoder-decoder (T5: two sequences, relative position bias) and an MoE (Mixtral:
+    routed experts): the step at 8 rows interpolated from 2 and 4 is the traced step (shapes, FLOPs, bytes,
+    memory events, op arguments), with bf16 autocast and the CUDA attention kernels. (Llama and BERT ran here
+    too and passed; Llama's step is still interpolated below, in fp32, and by the planner.)"""
     model = build_model(preset, device="meta")
     batch = make_example_inputs(model, 8, 16, device="meta")
     traced = {
