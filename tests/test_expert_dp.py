@@ -462,9 +462,9 @@ def _fsdp_ep_trains_like_one_process_and_runs_what_was_predicted(case, micro, pr
 @pytest.mark.slow
 def test_the_trainer_trains_under_it_as_under_ddp(tmp_path):
     """The Trainer callback (``tests/multiproc/check_trainer.py``, tiny Mixtral, per-device batch 2, three
-    steps, gradients clipped to norm 1 by the Trainer) on 2 gloo ranks under the "ddp-ep" plan and under DDP
-    with replicated experts: the same losses, learning rates and eval loss. (Not one process's: the router's
-    load-balancing loss is each replica's own under DDP whatever the experts do.)"""
+    steps, gradients clipped to norm 1 by the Trainer) on 2 gloo ranks under the "ddp-ep" plan, the "fsdp-ep"
+    plan and DDP with replicated experts: the same losses, learning rates and eval loss. (Not one process's:
+    the router's load-balancing loss is each replica's own under DDP whatever the experts do.)"""
     import os
     import subprocess
     import sys
@@ -472,12 +472,15 @@ def test_the_trainer_trains_under_it_as_under_ddp(tmp_path):
     model = _tiny_mixtral()
     batch = make_example_inputs(model, 4, 16, seed=0)
     _expert_dp_plan(model, batch).save(tmp_path / "ep.json")
+    plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(2, 1), dp_modes=("fsdp-ep",)).save(
+        tmp_path / "fsdp-ep.json"
+    )
     evaluate_plan(model, batch, "ddp", num_devices=2, device="cpu", mesh_shape=(2, 1)).plan.save(
         tmp_path / "ddp.json"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_COLOSSAL_AUTO_NO_CALIBRATE": "1"}
     results = {}
-    for name in ("ep", "ddp"):
+    for name in ("ep", "fsdp-ep", "ddp"):
         out = tmp_path / f"{name}.result.json"
         proc = subprocess.run(
             [
@@ -507,14 +510,16 @@ def test_the_trainer_trains_under_it_as_under_ddp(tmp_path):
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         results[name] = json.loads(out.read_text())
-    ep, ddp = results["ep"], results["ddp"]
-    assert set(ep["moe_layers"].values()) == {"experts: EP×2 (dp)"}
+    ddp = results["ddp"]
     assert set(ddp["moe_layers"].values()) == {"experts: replicated"}
-    assert sorted(ep["losses"], key=int) == ["1", "2", "3"]
-    for step, loss in ddp["losses"].items():
-        assert ep["losses"][step] == pytest.approx(loss, abs=1e-5), step
-    assert ep["learning_rates"] == ddp["learning_rates"]
-    assert ep["eval_loss"] == pytest.approx(ddp["eval_loss"], abs=1e-5)
+    for name in ("ep", "fsdp-ep"):
+        ep = results[name]
+        assert set(ep["moe_layers"].values()) == {"experts: EP×2 (dp)"}, name
+        assert sorted(ep["losses"], key=int) == ["1", "2", "3"], name
+        for step, loss in ddp["losses"].items():
+            assert ep["losses"][step] == pytest.approx(loss, abs=1e-5), (name, step)
+        assert ep["learning_rates"] == ddp["learning_rates"], name
+        assert ep["eval_loss"] == pytest.approx(ddp["eval_loss"], abs=1e-5), name
 
 
 @pytest.mark.slow
