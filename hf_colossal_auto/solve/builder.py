@@ -208,6 +208,7 @@ def expert_exchanges(
     module stands for) prices the row exchanges; None: uniform."""
     out: dict[str, ExpertExchange] = {}
     grads = differentiable_values(graph)
+    skews = _expert_skews(graph, tied, routing, dp)
     for module, (num_experts, first) in expert_regions(graph).items():
         if tied.canonical.get(first, first) != first:
             continue
@@ -240,12 +241,8 @@ def expert_exchanges(
         pairs = math.prod(graph.values[index].shape)
         rows = float(graph.values[hidden].nbytes) / tokens * pairs  # the (token, expert) pairs' rows
         o = float(out_value.nbytes)
-        layers = _real_modules_of(graph, tied, first)
-        skew = (
-            sum(routing.skew(layer, dp) for layer in layers) / len(layers)
-            if routing is not None and all(layer in routing.rows_per_expert for layer in layers)
-            else 1.0
-        )
+        by_skew = skews.get(first, ())  # the module's grouped GEMM: (skew, real layers) pairs
+        skew = sum(k * n for k, n in by_skew) / sum(n for _, n in by_skew) if by_skew else 1.0
         counts = 8.0 * num_experts  # int64 per-expert counts
         collectives = [
             ("all_to_all", counts, counts),
