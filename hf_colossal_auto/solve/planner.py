@@ -779,6 +779,8 @@ split over dp (whole experts per rank, left out of FSDP), every other parameter 
 EXPERT_DP_KEYS = {EXPERT_DP_KEY: "ddp", EXPERT_FSDP_KEY: "fsdp"}
 """Search key of expert parallelism over the data-parallel axis -> the data-parallel mode of the other
 parameters."""
+_EXPERT_KEY_OF_MODE = {mode: key for key, mode in EXPERT_DP_KEYS.items()}
+"""Data-parallel mode -> the search key of the same mode with the experts sharded over the data-parallel axis."""
 
 
 def _split_mode(key: str) -> tuple[str, int | None]:
@@ -958,7 +960,7 @@ def plan_model(
                 candidates = [
                     (dp_mode, mesh[0] if dp_mode == "fsdp" else 1)
                 ]  # ranks sharing the state with tp
-                expert_key = {"ddp": EXPERT_DP_KEY, "fsdp": EXPERT_FSDP_KEY}.get(dp_mode)
+                expert_key = _EXPERT_KEY_OF_MODE.get(dp_mode)
                 if expert_key and expert_key not in dp_modes and _expert_dp_offered(model, mesh):
                     candidates.append((expert_key, candidates[0][1]))  # the experts sharded over the replicas
             for key, shard in candidates:
