@@ -181,21 +181,30 @@ def _own_experts_forward(
     """transformers' own forward of ``module`` on rank ``rank``'s ``per_rank`` experts (``local_param`` gives
     each parameter's part of them as a plain tensor): the (token, expert) pairs routed to other ranks' experts
     become transformers' expert-parallel sentinels with zero routing weight, so the output sums over the ranks
-    to the one-process output. Shared by both expert-parallel regions (over tp, over dp)."""
+    to the one-process output. Used by the expert-parallel region over tp; the one over dp sends each row to its
+    expert's rank instead, and runs :func:`_experts_view` on the rows it receives."""
     local_index = index - rank * per_rank
     mine = (local_index >= 0) & (local_index < per_rank)
     local_index = torch.where(mine, local_index, torch.full_like(local_index, per_rank))  # sentinel
     weights = weights * mine.to(weights.dtype)
-    view = copy.copy(module)  # the same module with this rank's experts as plain tensors
+    # the class's forward: transformers' dispatch to the configured experts implementation, which skips
+    # expert-parallel sentinels (grouped_mm: past the offsets; eager: the extra one-hot class)
+    return type(module).forward(_experts_view(module, per_rank, local_param), hidden, local_index, weights)
+
+
+def _experts_view(
+    module: nn.Module, per_rank: int, local_param: Callable[[torch.Tensor], torch.Tensor]
+) -> nn.Module:
+    """``module`` with ``per_rank`` experts, each parameter replaced by its part of them as a plain tensor
+    (``local_param``), marked expert-parallel for transformers' experts forward."""
+    view = copy.copy(module)
     view.__dict__["_parameters"] = {}
     for name, param in module._parameters.items():
         if param is not None:
             view.__dict__[name] = local_param(param)
     view.__dict__["num_experts"] = per_rank
     view.__dict__["_is_expert_parallel"] = True
-    # the class's forward: transformers' dispatch to the configured experts implementation, which skips
-    # expert-parallel sentinels (grouped_mm: past the offsets; eager: the extra one-hot class)
-    return type(module).forward(view, hidden, local_index, weights)
+    return view
 
 
 def _split_on_expert_dim(module: nn.Module, fqn: str, plan: Plan) -> bool:
@@ -375,15 +384,10 @@ def _all_to_all_experts(
             received_per_expert,
             output_size=rows.shape[0],
         )
-    results = _own_experts_forward(
-        module,
-        rows,
-        local_expert.unsqueeze(1),
-        torch.ones(rows.shape[0], 1, dtype=weights.dtype, device=rows.device),
-        0,
-        per_rank,
-        lambda p: p.to_local() if isinstance(p, DTensor) else p,
-    )
+    # every received row is for one of this rank's experts: transformers' experts forward, one expert per row
+    view = _experts_view(module, per_rank, lambda p: p.to_local() if isinstance(p, DTensor) else p)
+    ones = torch.ones(rows.shape[0], 1, dtype=weights.dtype, device=rows.device)
+    results = type(module).forward(view, rows, local_expert.unsqueeze(1), ones)
     back = functional_all_to_all_rows(results, sent, received, group)
     per_pair = back.index_select(0, torch.argsort(order)).view(tokens, k, -1)
     return (per_pair * weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
