@@ -253,6 +253,17 @@ def set_group_timeout(timeout, group=None) -> None:
     _set_pg_timeout(timeout, group)
 
 
+def default_store():
+    """The default process group's key-value store (``_get_default_store``: the launcher's TCP store).
+
+    Why: a rank can leave a note there and wait for the others' notes with a timeout of its own, without
+    entering a collective that would block for good if a peer never joins (``save_pretrained`` called on the
+    main process only)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 _GROUPED_MM_META_LIBRARY: list = []  # the Library object must stay alive for its registration to hold
 
 

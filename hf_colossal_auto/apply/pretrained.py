@@ -32,7 +32,8 @@ import ctypes
 import json
 import logging
 import re
-from collections.abc import Iterator
+import types
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -481,7 +482,14 @@ class SaveReport:
 
 
 def save_pretrained(
-    model: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB", writer: int = 0
+    model: nn.Module,
+    path: str | Path,
+    *,
+    max_shard_size: int | str = "5GB",
+    writer: int = 0,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    write: bool = True,
+    original_format: bool = True,
 ) -> SaveReport:
     """Write ``model`` as a HuggingFace checkpoint (config, safetensors shards of at most ``max_shard_size``,
     the index) that ``from_pretrained`` loads in one process, without any rank holding the full model.
@@ -493,31 +501,49 @@ def save_pretrained(
     full tensor. Files
     with tensors transformers converts on save (``revert_weight_conversion`` fusing or splitting tensors) are
     written whole instead: the writer holds that file's tensors. Tied weights are written once and load-time
-    conversions reverted, as ``PreTrainedModel.save_pretrained`` does. Collective: call on every rank.
+    conversions reverted (unless ``original_format`` is False), as ``PreTrainedModel.save_pretrained`` does.
+
+    ``state_dict``: the tensors to write instead of the model's own (plain or DTensors, under the model's
+    names), as ``PreTrainedModel.save_pretrained(state_dict=...)`` takes them. ``write=False``: rank ``writer``
+    takes part but writes nothing (transformers' ``is_main_process=False``).
+
+    Collective when a tensor is sharded (the writer needs the other ranks' parts): call it on every rank. A
+    rank that comes alone waits for the others at most the plan's collective timeout — warning after
+    :data:`SAVE_WAIT_WARN_S` — and then raises :class:`SaveCollectiveError` instead of hanging. When the writer
+    holds every tensor already (a plain model, a DDP plan's replicated parameters, full tensors passed as
+    ``state_dict``) nothing is exchanged: the writer writes, the other ranks return at once.
     """
     import torch.distributed as dist
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = dist.get_rank() if dist.is_initialized() else writer
+    tensors = _tensors_to_save(model, state_dict)
+    collective = dist.is_initialized() and dist.get_world_size() > 1 and _needs_gather(tensors)
+    if collective:
+        _every_rank_arrives(model, tensors)
+    elif rank != writer:
+        return SaveReport()  # the writer holds every tensor: nothing to send
+    writes = rank == writer and write
     directory = Path(path)
-    if rank == writer:
+    if writes:
         directory.mkdir(parents=True, exist_ok=True)
         _save_config(model, directory)
-    split = _output_split(model, max_shard_size)
+    split = _output_split(model, max_shard_size, tensors)
     report = SaveReport()
-    tensors = _model_tensors(model)
     weight_map: dict[str, str] = {}
     for filename, names in split.filename_to_tensors.items():
-        layout = _saved_names(model, names, tensors)
+        layout = _saved_names(model, names, tensors, original_format)
         if layout is not None:
-            written = _stream_file(layout, tensors, directory / filename, writer, rank == writer, report)
+            written = _stream_file(layout, tensors, directory / filename, writer, writes, report)
         else:
-            written = _buffer_file(model, names, tensors, directory / filename, writer, report)
-        if rank == writer:
+            written = _buffer_file(
+                model, names, tensors, directory / filename, writer, writes, original_format, report
+            )
+        if writes:
             weight_map.update(dict.fromkeys(written, filename))
             report.files.append(filename)
-    if rank == writer:
+    if writes:
         _finish_index(model, directory, split, weight_map)
-    if dist.is_initialized():
+    if collective:
         dist.barrier()
     logger.info(
         "saved %d tensors (%.1f MiB) to %s in %d files; this rank held at most %.1f MiB of gathered tensors",
@@ -530,8 +556,212 @@ def save_pretrained(
     return report
 
 
+def _tensors_to_save(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """The model's state-dict entries (live tensors), or the tensors of ``state_dict`` the caller passed."""
+    if state_dict is None:
+        return _model_tensors(model)
+    tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+    others = sorted(k for k in state_dict if k not in tensors)
+    if others:
+        logger.warning(
+            "save_pretrained: state_dict entries that are not tensors are not saved: %s", others[:8]
+        )
+    return tensors
+
+
+def _needs_gather(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether some tensor has parts on other ranks than its own (a DTensor sharded, or partial, on some mesh
+    dim): then the writer must receive them, and every rank must take part. Decided from placements alone,
+    so that every rank decides the same."""
+    return any(
+        isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements) for t in tensors.values()
+    )
+
+
+SAVE_WAIT_WARN_S = 30.0
+"""Seconds a rank waits in :func:`save_pretrained` for the other ranks before warning that they may not call it
+(it goes on waiting, up to the plan's collective timeout)."""
+
+_save_calls = 0  # this process's completed collective saves: names the store keys of the next one
+
+
+class SaveCollectiveError(RuntimeError):
+    """``save_pretrained`` of a sharded model was not called on every rank (or with other tensors on some)."""
+
+
+def _every_rank_arrives(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Wait, through the process group's key-value store, until every rank has entered this save with the same
+    tensors (names, shapes, dtypes) — before any collective, so that a rank that came alone (a user's
+    ``if accelerator.is_main_process: model.save_pretrained(...)``) or with another state dict gets an error
+    that says so instead of blocking for good in the first gather.
+
+    Each rank notes its layout's digest under its rank and counts itself under the digest; the rank that
+    completes the count tells the others. A rank that times out takes its count back: when that leaves the
+    count one short of the world, the last rank arrived in between and has gone on, so this one goes on too;
+    else it raises, and so does every other rank that waits (at its own timeout) — no rank enters the gather."""
+    import torch.distributed as dist
+
+    from .._torch_compat import default_store
+    from .agree import DEFAULT_TIMEOUT_S
+
+    global _save_calls
+    store, world, rank = default_store(), dist.get_world_size(), dist.get_rank()
+    digest = _layout_digest(tensors)
+    key = f"hf_colossal_auto/save_pretrained/{_save_calls}"
+    store.set(f"{key}/rank{rank}", digest)
+    count = f"{key}/{digest}/count"
+    done = f"{key}/{digest}/done"
+    if store.add(count, 1) == world:
+        store.set(done, "1")
+    else:
+        timeout_s = float(getattr(model, "_hf_colossal_auto_timeout_s", DEFAULT_TIMEOUT_S))
+        if not _wait_for(store, done, min(SAVE_WAIT_WARN_S, timeout_s)):
+            logger.warning(
+                "rank %d has waited %.0f s in save_pretrained for the other ranks: saving a sharded model is "
+                "collective, every rank must call it (not only the main process); waiting up to %.0f s",
+                rank,
+                min(SAVE_WAIT_WARN_S, timeout_s),
+                timeout_s,
+            )
+            late = _wait_for(store, done, max(timeout_s - SAVE_WAIT_WARN_S, 0.0))
+            # timed out: take this rank's count back; one short of the world means the last came meanwhile
+            if not late and store.add(count, -1) != world - 1:
+                raise SaveCollectiveError(_absent_message(store, key, world, rank, digest, timeout_s))
+    _save_calls += 1
+
+
+def _wait_for(store: Any, key: str, seconds: float) -> bool:
+    """Whether ``key`` is set in ``store`` within ``seconds`` (the store's own blocking wait)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if store.check([key]):
+        return True
+    if seconds <= 0:
+        return False
+    try:
+        store.wait([key], datetime.timedelta(seconds=seconds))
+    except dist.DistStoreError:
+        return False
+    return True
+
+
+def _layout_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """A short fingerprint of what a rank is about to save: names, global shapes and dtypes, in order."""
+    import hashlib
+
+    text = ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in tensors.items())
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _absent_message(store: Any, key: str, world: int, rank: int, digest: str, timeout_s: float) -> str:
+    """What went wrong in a save that not every rank joined: which ranks never came, which came with other
+    tensors, and what to do."""
+    notes = [f"{key}/rank{r}" for r in range(world)]
+    absent = [r for r, note in enumerate(notes) if not store.check([note])]
+    other = [r for r, note in enumerate(notes) if r not in absent and store.get(note).decode() != digest]
+    problems = []
+    if absent:
+        problems.append(f"rank(s) {absent} did not call it within {timeout_s:.0f} s")
+    if other:
+        problems.append(f"rank(s) {other} called it with other tensors (names, shapes or dtypes)")
+    return (
+        f"save_pretrained on rank {rank}: the model's tensors are sharded over the ranks, so saving them is "
+        f"collective, but {' and '.join(problems) or 'not every rank arrived'}. Call "
+        "`model.save_pretrained(dir, is_main_process=accelerator.is_main_process)` (or accelerator.save_model / "
+        "trainer.save_model) on every rank, not under `if accelerator.is_main_process:` — only the main process "
+        "writes files — and pass every rank the same state_dict (or none)."
+    )
+
+
+def install_save_pretrained(model: nn.Module, timeout_s: float) -> None:
+    """Make a planned transformers model's own ``save_pretrained`` the streamed writer (an instance attribute,
+    as the runtime's ``forward``), so that the lines users already have —
+    ``accelerator.unwrap_model(model).save_pretrained(dir, is_main_process=..., save_function=accelerator.save)``,
+    the Trainer's ``_save`` — write a checkpoint ``from_pretrained`` loads in one process. transformers' own
+    method would hand the model's DTensors to safetensors, which cannot read their storage.
+    ``timeout_s``: how long a rank waits in a save for the others (the plan's collective timeout)."""
+    from transformers import PreTrainedModel
+
+    model._hf_colossal_auto_timeout_s = timeout_s
+    if isinstance(model, PreTrainedModel):
+        model.save_pretrained = types.MethodType(planned_save_pretrained, model)
+
+
+def planned_save_pretrained(
+    self: nn.Module,
+    save_directory: str | Path,
+    is_main_process: bool = True,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    push_to_hub: bool = False,
+    max_shard_size: int | str = "50GB",
+    variant: str | None = None,
+    token: str | bool | None = None,
+    save_peft_format: bool = True,
+    save_original_format: bool = True,
+    distributed_checkpoint: bool = False,
+    **kwargs: Any,
+) -> None:
+    """``PreTrainedModel.save_pretrained`` of a planned model: the same directory (config.json,
+    generation_config.json, safetensors files of at most ``max_shard_size`` and their index, ties written
+    once, load-time conversions reverted unless ``save_original_format=False``), written by the streaming
+    :func:`save_pretrained`. Call it on every rank, as transformers' examples do: the sharded tensors are
+    gathered from all of them; only the main process writes (``is_main_process``, rank 0). ``state_dict``
+    (plain tensors, e.g. ``accelerator.get_state_dict(model)``, or DTensors) is written instead of the model's
+    tensors. As in transformers 5, ``save_function`` and ``safe_serialization`` are accepted and unused
+    (safetensors is written). ``push_to_hub``, ``variant``, ``distributed_checkpoint`` and models with PEFT
+    adapters loaded are refused with what to do instead."""
+    _refuse_save_options(self, push_to_hub, variant, distributed_checkpoint)
+    ignored = sorted(set(kwargs) - {"save_function", "safe_serialization"})
+    if ignored:
+        logger.debug("save_pretrained: %s only matter when pushing to the Hub; ignored", ignored)
+    if Path(save_directory).is_file():
+        logger.error("Provided path (%s) should be a directory, not a file", save_directory)
+        return
+    save_pretrained(
+        self,
+        save_directory,
+        max_shard_size=max_shard_size,
+        state_dict=state_dict,
+        write=is_main_process,
+        original_format=save_original_format,
+    )
+
+
+def _refuse_save_options(model: nn.Module, push_to_hub: bool, variant: str | None, distributed: bool) -> None:
+    """The ``save_pretrained`` options the streamed writer does not do, each refused with what to do instead."""
+    name = type(model).__name__
+    if push_to_hub:
+        raise ValueError(
+            f"save_pretrained(push_to_hub=True) of the planned {name}: uploading is not done from a parallel job. "
+            "Save on every rank without push_to_hub, then upload the directory from one process "
+            "(`huggingface_hub.upload_folder` or `hf upload`)."
+        )
+    if variant is not None:
+        raise ValueError(
+            f"save_pretrained(variant={variant!r}) of the planned {name}: weight variants are not written by the "
+            "streamed save. Save without variant, load the directory in one process and save_pretrained it with "
+            "the variant there."
+        )
+    if distributed:
+        raise ValueError(
+            f"save_pretrained(distributed_checkpoint=True) of the planned {name}: for sharded training state use "
+            "accelerator.save_state (or hf_colossal_auto.apply.save_checkpoint), which any plan resumes from; "
+            "without it save_pretrained writes a from_pretrained checkpoint."
+        )
+    if getattr(model, "_hf_peft_config_loaded", False):
+        raise ValueError(
+            f"save_pretrained of the planned {name} with PEFT adapters loaded (add_adapter/load_adapter): saving "
+            "adapters alone is not done by the streamed save. Gather the weights with accelerator.get_state_dict(model) "
+            "(on every rank) and save the adapter entries from the main process."
+        )
+
+
 def _saved_names(
-    model: nn.Module, names: list[str], tensors: dict[str, torch.Tensor]
+    model: nn.Module, names: list[str], tensors: dict[str, torch.Tensor], original_format: bool = True
 ) -> list[tuple[str, str]] | None:
     """``(model name, name in the file)`` per tensor when each is written as it is (at most renamed by the
     reverted conversions, found on a meta stand-in per tensor); None when a conversion changes shapes or
@@ -542,7 +772,7 @@ def _saved_names(
         if live.dtype not in CODES:
             return None
         standin = {name: torch.empty(live.shape, dtype=live.dtype, device="meta")}
-        if hasattr(model, "get_parameter_or_buffer"):
+        if original_format and hasattr(model, "get_parameter_or_buffer"):
             from transformers.core_model_loading import revert_weight_conversion
 
             standin = revert_weight_conversion(model, standin)
@@ -591,7 +821,7 @@ def _stream_file(
             full = _gathered(tensors[name], writer)
             report.tensors += 1
             report.total_bytes += tensors[name].numel() * tensors[name].element_size()
-            if full is not None:
+            if full is not None:  # on the writer: written, or only received when it does not write
                 report.peak_held_bytes = max(report.peak_held_bytes, _held_bytes(full))
                 _write_bytes(out, full)
             del full
@@ -606,6 +836,8 @@ def _buffer_file(
     tensors: dict[str, torch.Tensor],
     filename: Path,
     writer: int,
+    writes: bool,
+    original_format: bool,
     report: SaveReport,
 ) -> list[str]:
     """One output file whose tensors the reverted conversions combine: the writer keeps the file's gathered
@@ -621,7 +853,7 @@ def _buffer_file(
             held += shard[name].numel() * shard[name].element_size()
         report.peak_held_bytes = max(report.peak_held_bytes, held)
         del full
-    return _write_shard(model, shard, filename) if shard else []
+    return _write_shard(model, shard, filename, original_format) if shard and writes else []
 
 
 def _save_config(model: nn.Module, directory: Path) -> None:
@@ -639,20 +871,23 @@ def _save_config(model: nn.Module, directory: Path) -> None:
         model.generation_config.save_pretrained(directory)
 
 
-def _output_split(model: nn.Module, max_shard_size: int | str) -> Any:
-    """Which tensor goes to which output file, from shapes alone (every rank computes the same): the state dict
-    as meta tensors, ties and ``_keys_to_ignore_on_save`` dropped as transformers does, split by
-    huggingface_hub's ``split_torch_state_dict_into_shards``."""
+def _output_split(model: nn.Module, max_shard_size: int | str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Which of ``tensors`` goes to which output file, from shapes alone (every rank computes the same): meta
+    stand-ins, ties and ``_keys_to_ignore_on_save`` dropped as transformers does (ties found from the model's
+    own tensors, so a state dict of separate full copies drops them too), split by huggingface_hub's
+    ``split_torch_state_dict_into_shards``."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    tensors = _model_tensors(model)
     shapes = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
     for key in getattr(model, "_keys_to_ignore_on_save", None) or []:
         shapes.pop(key, None)
     if hasattr(model, "get_parameter_or_buffer"):
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-        shapes = remove_tied_weights_from_state_dict(shapes, model)
+        own = _model_tensors(model)
+        known = {n: s for n, s in shapes.items() if n in own}  # meta stand-ins are matched to the model's
+        kept = remove_tied_weights_from_state_dict(known, model)
+        shapes = {n: s for n, s in shapes.items() if n in kept or n not in own}
     else:  # not a transformers model: keep each tensor's first name
         seen: set[int] = set()
         shapes = {n: s for n, s in shapes.items() if not (id(tensors[n]) in seen or seen.add(id(tensors[n])))}
@@ -755,8 +990,11 @@ def _held_bytes(value: torch.Tensor | _StreamedTensor) -> int:
 
 
 def _write_bytes(out: Any, value: torch.Tensor | _StreamedTensor) -> None:
-    """A gathered tensor's bytes (row-major, little-endian as the host) appended to an open file."""
+    """A gathered tensor's bytes (row-major, little-endian as the host) appended to an open file; with no file
+    (a writer told not to write), a streamed tensor is still received in full, which its senders wait for."""
     for piece in value if isinstance(value, _StreamedTensor) else [value]:
+        if out is None:
+            continue
         out.write(piece.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
@@ -801,11 +1039,14 @@ def _gathered(live: torch.Tensor, writer: int) -> torch.Tensor | _StreamedTensor
     return full.cpu().contiguous() if rank == writer else None
 
 
-def _write_shard(model: nn.Module, shard: dict[str, torch.Tensor], filename: Path) -> list[str]:
-    """One output file, with transformers' load-time conversions reverted on its tensors; returns its keys."""
+def _write_shard(
+    model: nn.Module, shard: dict[str, torch.Tensor], filename: Path, original_format: bool = True
+) -> list[str]:
+    """One output file, with transformers' load-time conversions reverted on its tensors (unless
+    ``original_format`` is False); returns its keys."""
     from safetensors.torch import save_file
 
-    if hasattr(model, "get_parameter_or_buffer"):
+    if original_format and hasattr(model, "get_parameter_or_buffer"):
         from transformers.core_model_loading import revert_weight_conversion
 
         shard = revert_weight_conversion(model, shard)

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from .._torch_compat import allow_implicit_replication, queue_backward_callback, tree_map
 from ..plan import Plan
-from .agree import DEFAULT_TIMEOUT_S, raise_if_any_rank_failed, run_on_one_rank, set_timeout
+from .agree import DEFAULT_TIMEOUT_S, as_timedelta, raise_if_any_rank_failed, run_on_one_rank, set_timeout
 from .data import global_batch
 from .dtensor_rules import register_replicated_fallbacks, register_runtime_rules
 from .enforce import ReducePartialGradientsAtProducers, enforce_plan
@@ -60,7 +60,7 @@ from .moe import (
     install_expert_data_parallel_regions,
     install_expert_parallel_regions,
 )
-from .pretrained import load_pretrained
+from .pretrained import install_save_pretrained, load_pretrained
 from .recompute import apply_recompute
 
 logger = logging.getLogger(__name__)
@@ -484,6 +484,8 @@ def apply_plan(
     release_freed_memory()
     model._hf_colossal_auto_plan = plan
     model._hf_colossal_auto_mesh = mesh
+    # the model's own save_pretrained streams its shards to the main process (a rank waits this long for peers)
+    install_save_pretrained(model, as_timedelta(timeout or DEFAULT_TIMEOUT_S).total_seconds())
     tp = plan.tp_size
     model._tp_size = tp  # transformers' Trainer reads it for batch-size arithmetic
     if timeout is not None and _processes_are_real():

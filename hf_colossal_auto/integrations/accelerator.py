@@ -234,6 +234,29 @@ def _optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str | None:
     return None
 
 
+def _local_tensors(obj: Any, where: str = "") -> Any:
+    """``obj`` with every DTensor replicated on all its mesh dims replaced by its local (full) tensor; a sharded
+    DTensor raises, naming its key: gathering it needs every rank, which ``accelerator.save`` cannot assume."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        if all(p.is_replicate() for p in obj.placements):
+            return obj.to_local()
+        raise ValueError(
+            f"accelerator.save got a tensor sharded over the ranks ({where or 'the object'}: placements "
+            f"{tuple(obj.placements)}), which one process cannot save whole. Save the model with "
+            "accelerator.save_model(model, dir) or model.save_pretrained(dir, is_main_process="
+            "accelerator.is_main_process) on every rank, or save accelerator.get_state_dict(model) (called on "
+            "every rank); training state goes through accelerator.save_state."
+        )
+    if isinstance(obj, Mapping):
+        out = {k: _local_tensors(v, f"{where}.{k}" if where else str(k)) for k, v in obj.items()}
+        return type(obj)(out) if isinstance(obj, dict) else out
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_local_tensors(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    return obj
+
+
 def _raw_optimizer(opt: Any) -> torch.optim.Optimizer:
     while isinstance(opt, AcceleratedOptimizer):
         opt = opt.optimizer
@@ -549,10 +572,19 @@ class AutoParallelAccelerator(Accelerator):
         return hasattr(getattr(model, "_orig_mod", model), "_hf_colossal_auto_plan")
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """Full, ordinary tensors on every rank (collective: call on all ranks)."""
+        """Full, ordinary tensors on every rank, as accelerate gives them under DDP (collective: call on all
+        ranks). Each rank then holds the whole model once more: to write a checkpoint, ``save_model`` or the
+        model's ``save_pretrained`` stream it instead."""
         if not self._is_auto(model):
             return super().get_state_dict(model, unwrap)
         return consolidated_state_dict(self.unwrap_model(model, keep_torch_compile=False))
+
+    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
+        """Accelerate's ``save`` (main process), for objects that hold the planned model's tensors too: a
+        DTensor replicated on every rank (a DDP plan's parameters) is saved as the plain tensor it holds, which
+        loads in one process. A sharded one cannot be gathered here — ``save`` may run on the main process
+        alone — so it is an error that says how to save it instead."""
+        super().save(_local_tensors(obj), f, safe_serialization=safe_serialization)
 
     def save_model(
         self,
@@ -563,7 +595,8 @@ class AutoParallelAccelerator(Accelerator):
     ) -> None:
         """A consolidated checkpoint; for a transformers model with its config, so that ``from_pretrained``
         loads it in one process (collective: call on all ranks). Streamed: tensors are gathered one at a time
-        and the main process writes each file when complete (:func:`..apply.pretrained.save_pretrained`)."""
+        and the main process writes each file when complete (:func:`..apply.pretrained.save_pretrained`), in
+        safetensors whatever ``safe_serialization`` says (as transformers 5's ``save_pretrained``)."""
         module = self.unwrap_model(model, keep_torch_compile=False) if self._is_auto(model) else None
         if module is None or not hasattr(module, "save_pretrained"):
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)

@@ -589,27 +589,37 @@ def _count_batches_once_per_tp_group(trainer: Trainer, tp_size: int) -> None:
 
 
 def _consolidated_save(trainer: Trainer, original_save):
-    """``save_model`` (and the weights of every checkpoint): the weights streamed by every rank
-    (:func:`~hf_colossal_auto.apply.pretrained.save_pretrained`: one full tensor at a time, the main process
-    writes each file when complete), then the Trainer's own ``_save`` on the main process for the rest
-    (tokenizer, training arguments) with the model's own ``save_pretrained`` silenced, the weights being there."""
+    """``save_model`` (and the weights of every checkpoint): the weights (or the ``state_dict`` passed) streamed
+    by every rank (:func:`~hf_colossal_auto.apply.pretrained.save_pretrained`: one full tensor at a time, the
+    main process writes each file when complete), then the Trainer's own ``_save`` on the main process for the
+    rest (tokenizer, training arguments) with the model's own ``save_pretrained`` silenced, the weights being
+    there."""
 
     @functools.wraps(original_save)
     def save(output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        if state_dict is not None:  # the caller's own tensors: written as the Trainer writes them
-            if trainer.args.should_save:
-                original_save(output_dir, state_dict=state_dict)
-        else:
-            save_pretrained(trainer.model, output_dir if output_dir is not None else trainer.args.output_dir)
-            if trainer.args.should_save:
-                trainer.model.save_pretrained = lambda *args, **kwargs: None  # weights and config written
-                try:
-                    original_save(output_dir)
-                finally:
-                    del trainer.model.save_pretrained
+        directory = output_dir if output_dir is not None else trainer.args.output_dir
+        save_pretrained(trainer.model, directory, state_dict=state_dict, write=trainer.args.should_save)
+        if trainer.args.should_save:
+            with _weights_already_written(trainer.model):
+                original_save(output_dir)
         dist.barrier()
 
     return save
+
+
+@contextlib.contextmanager
+def _weights_already_written(model: nn.Module):
+    """``model.save_pretrained`` does nothing for the duration (the weights and config are written); then the
+    method it had is back — the planned model's own streamed one is an instance attribute too."""
+    before = model.__dict__.get("save_pretrained")
+    model.save_pretrained = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        if before is None:
+            del model.save_pretrained
+        else:
+            model.save_pretrained = before
 
 
 def _save_sharded_state(trainer: Trainer, output_dir: str) -> None:
