@@ -5,8 +5,8 @@ One process: a model on ``meta`` loaded from a sharded checkpoint equals ``from_
 tied embeddings), dtypes are converted both ways, transformers' load-time renames apply, keys that do not fit
 are errors naming them, and the streaming export round-trips. Two gloo ranks, one launch
 (``multiproc/check_pretrained.py``): the same under a tensor-parallel and an FSDP plan with each rank's
-parameter bytes measured, the exports, and DCP state saved under 1 x 2 TP resumed under 2 x 1 FSDP and in one
-process.
+parameter bytes measured, the exports, DCP state saved under 1 x 2 TP resumed under 2 x 1 FSDP and in one
+process, and every save line of accelerate and transformers users under DDP, FSDP and TP plans.
 """
 
 from __future__ import annotations
@@ -194,6 +194,33 @@ def test_converted_checkpoints_round_trip(tmp_path):
     _assert_same(AutoModelForCausalLM.from_pretrained(tmp_path / "export"), reference)
 
 
+def test_planned_save_pretrained_arguments(checkpoints, tmp_path):
+    """The save_pretrained a plan installs (here on a one-process model): transformers' keyword arguments —
+    ``state_dict`` written instead of the model's tensors (ties dropped from the model's own, though the dict's
+    copies are separate), ``is_main_process=False`` writes nothing, ``save_function``/``safe_serialization``
+    accepted as transformers 5 accepts them — and what it does not do refused, saying what to do instead."""
+    from hf_colossal_auto.apply.pretrained import install_save_pretrained
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints / "tiny-gpt2")
+    install_save_pretrained(model, 10.0)
+    model.save_pretrained(tmp_path / "not-main", is_main_process=False)
+    assert not (tmp_path / "not-main").exists()
+    state = {k: v + 1 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    model.save_pretrained(
+        tmp_path / "state", state_dict=state, save_function=torch.save, safe_serialization=False
+    )
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "state").state_dict()
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in loaded)
+    refused = {
+        "push_to_hub": (True, "upload_folder"),
+        "variant": ("fp16", "load the directory"),
+        "distributed_checkpoint": (True, "save_state"),
+    }
+    for key, (value, advice) in refused.items():
+        with pytest.raises(ValueError, match=advice):
+            model.save_pretrained(tmp_path / key, **{key: value})
+
+
 @pytest.mark.slow
 def test_sharded_load_export_and_elastic_resume(checkpoints, tmp_path):
     """Two gloo ranks, one launch. Under a 1 x 2 tensor-parallel and a 2 x 1 FSDP plan, Llama and tied GPT-2 built
@@ -204,7 +231,9 @@ def test_sharded_load_export_and_elastic_resume(checkpoints, tmp_path):
     under FSDP it never holds the largest tensor whole. DCP state saved under 1 x 2 TP resumes
     under 2 x 1 FSDP and in one process without a plan with the uninterrupted run's next two losses (a fresh
     AdamW misses the second). The accelerator with ``AutoParallelPlugin(pretrained=...)`` loads the same way and
-    its ``save_model`` streams an export that loads."""
+    its ``save_model`` streams an export that loads. Every save line users call (transformers' examples, the
+    model's save_pretrained with and without state_dict, save_model, get_state_dict, accelerator.save) under a
+    DDP, an FSDP and a tensor-parallel plan: :func:`_check_save_paths`."""
     out = tmp_path / "out"
     out.mkdir()
     run_torchrun(
@@ -252,10 +281,64 @@ def test_sharded_load_export_and_elastic_resume(checkpoints, tmp_path):
         AutoModelForCausalLM.from_pretrained(checkpoints / "tiny-llama"),
     )
 
+    _check_save_paths(out, result)
+
     elastic = result["elastic"]
     for key in ("loss", "next_loss"):
         assert elastic["fsdp"][key] == pytest.approx(elastic["tp"][key], abs=2e-6), key
     _resume_in_one_process(checkpoints / "tiny-llama", out / "elastic", elastic["tp"])
+
+
+SAVED_BY_EVERY_PLAN = (
+    "example",
+    "all-ranks",
+    "state-dict",
+    "dtensor-state-dict",
+    "save-model",
+    "after-main-only",
+)
+
+
+def _check_save_paths(out: Path, result: dict) -> None:
+    """What ``save_paths_case`` wrote under a DDP, an FSDP and a tensor-parallel plan: every directory loads
+    with from_pretrained in this process with exactly the trained weights (``reference.pt``, torch.save of
+    ``accelerator.get_state_dict``) and the eval loss the planned model had; config and generation config load;
+    ``accelerator.save`` of the state dict loads under DDP and is refused, naming the sharded tensor, else; a
+    save_pretrained on the main process alone writes under DDP and raises an error saying to call it on every
+    rank under a sharded plan."""
+    from check_pretrained import SAVE_LAYOUTS, batches
+    from transformers import GenerationConfig
+
+    for layout in SAVE_LAYOUTS:
+        root = out / f"save-{layout}"
+        case = result[f"save {layout} rank0"]
+        reference = torch.load(root / "reference.pt", weights_only=True)
+        sharded = layout != "ddp"
+        directories = SAVED_BY_EVERY_PLAN if sharded else (*SAVED_BY_EVERY_PLAN, "main-only")
+        for name in directories:
+            model = AutoModelForCausalLM.from_pretrained(root / name).eval()
+            state = model.state_dict()
+            assert state.keys() == reference.keys(), (layout, name)
+            differs = [k for k in state if not torch.equal(state[k], reference[k])]
+            assert differs == [], (layout, name, differs)
+        for name in ("all-ranks", "save-model"):  # max_shard_size="200KB": several files and their index
+            assert (root / name / "model.safetensors.index.json").is_file(), (layout, name)
+        model = AutoModelForCausalLM.from_pretrained(root / "example").eval()
+        with torch.no_grad():
+            loss = float(model(**batches(model.config)[1]).loss)
+        assert loss == pytest.approx(case["eval_loss"], abs=1e-5), layout
+        assert AutoConfig.from_pretrained(root / "example").architectures == ["GPT2LMHeadModel"]
+        GenerationConfig.from_pretrained(root / "example")
+        if sharded:
+            assert "accelerator.save_model" in case["accelerator_save"], layout
+            assert "sharded over the ranks (transformer." in case["accelerator_save"], layout
+            assert "did not call it" in case["main_only"] and "on every rank" in case["main_only"], layout
+            assert not (root / "main-only" / "model.safetensors").exists(), layout
+        else:
+            assert case["accelerator_save"] == case["main_only"] == "saved"
+            saved = torch.load(root / "accelerator-save.bin", weights_only=True)
+            assert saved.keys() == reference.keys()
+            assert all(torch.equal(saved[k], reference[k]) for k in saved)
 
 
 def _resume_in_one_process(pretrained: Path, state: Path, expected: dict) -> None:

@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .materialize import is_meta_model, materialize_meta_model
-from .safetensors_io import CODES, DTYPES, SafetensorsFile, read_header
+from .safetensors_io import CODES, DTYPES, SafetensorsFile, bytes_of, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -995,7 +995,7 @@ def _write_bytes(out: Any, value: torch.Tensor | _StreamedTensor) -> None:
     for piece in value if isinstance(value, _StreamedTensor) else [value]:
         if out is None:
             continue
-        out.write(piece.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        out.write(bytes_of(piece.detach().cpu().contiguous()))
 
 
 def _return_freed_pages() -> None:

@@ -14,6 +14,7 @@ transformers' shard-on-read uses: ``get_shape()``, ``get_dtype()`` and indexing 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -103,7 +104,7 @@ class TensorSlice:
             return out
         itemsize = out.element_size()
         if not ranges:  # a 0-d tensor: one element
-            _pread_exactly(self.fd, _bytes_of(out), self.offset)
+            _pread_exactly(self.fd, bytes_of(out), self.offset)
             return out
         # the dims from ``inner`` on are read whole within each run: every dim after the last partial one,
         # plus that partial one itself
@@ -117,7 +118,7 @@ class TensorSlice:
             out.copy_(block[(slice(None),) * inner + tuple(slice(a, b) for a, b in ranges[inner:])])
             return out
         strides = [math.prod(self.shape[d + 1 :]) for d in range(len(self.shape))]
-        buffer = _bytes_of(out)
+        buffer = bytes_of(out)
         position = 0
         for outer in product(*(range(start, stop) for start, stop in ranges[:inner])):
             element = sum(i * strides[d] for d, i in enumerate(outer)) + ranges[inner][0] * strides[inner]
@@ -130,9 +131,16 @@ _MANY_RUNS = 64
 _SMALL_RUN = 1 << 18  # bytes
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory."""
-    return memoryview(tensor.detach().view(-1).view(torch.uint8).numpy()).cast("B")
+def bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (valid while the tensor lives).
+
+    Not through ``Tensor.numpy()``: that marks the tensor's storage as not resizable for good, and FSDP2 frees
+    and re-allocates its unsharded parameters by resizing their storage — a parameter once written to a file
+    that way fails the next reshard ("Trying to resize storage that is not resizable")."""
+    size = tensor.numel() * tensor.element_size()
+    if size == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * size).from_address(tensor.data_ptr())).cast("B")
 
 
 def _normalise(index: Any, shape: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -177,6 +177,84 @@ def accelerator_case(ckpt: Path, out: Path) -> dict:
     return case
 
 
+SAVE_LAYOUTS = {"ddp": "fsdp", "fsdp": "fsdp", "tp": "tp"}
+"""The plans every save line users call is tried under (``save_paths_case``): ``ddp`` is the 2 x 1 plan of
+``fsdp`` (from ``load_case``) with DDP on its data-parallel axis."""
+
+
+def _accelerated(ckpt: Path, out: Path, layout: str):
+    """tiny-gpt2 (tied embeddings) built on meta, prepared by an AutoParallelAccelerator under ``layout``'s plan
+    (``load_case``'s, passed as plan_path) with the checkpoint's weights, then one SGD step, so that the saved
+    weights are not the checkpoint's."""
+    from hf_colossal_auto import shard_batch
+    from hf_colossal_auto.integrations import AutoParallelAccelerator, AutoParallelPlugin
+    from hf_colossal_auto.plan import Plan
+
+    directory = ckpt / "tiny-gpt2"
+    plan_path = out / f"plan-save-{layout}.json"
+    if dist.get_rank() == 0:
+        plan = Plan.load(out / f"plan-tiny-gpt2-{SAVE_LAYOUTS[layout]}.json")
+        plan.dp_mode = "ddp" if layout == "ddp" else plan.dp_mode
+        plan.save(plan_path)
+    dist.barrier()
+    plugin = AutoParallelPlugin(pretrained=str(directory), plan_path=str(plan_path))
+    accelerator = AutoParallelAccelerator(auto_parallel_plugin=plugin, cpu=True)
+    model = accelerator.prepare(_meta_model(directory))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(**shard_batch(batches(model.config)[0], model)).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return accelerator, model
+
+
+def save_paths_case(ckpt: Path, out: Path, layout: str) -> dict:
+    """Every save line of accelerate and transformers users, under ``layout``, into ``out/save-<layout>/``:
+    the transformers examples' last line, ``save_pretrained`` on every rank (default arguments, several files),
+    with ``state_dict=accelerator.get_state_dict(model)`` and with the model's own DTensor state dict,
+    ``accelerator.save_model``, ``torch.save`` of ``get_state_dict`` (``reference.pt``, the test's reference),
+    ``accelerator.save`` of the state dict (a DDP plan's replicated tensors save; sharded ones are an error that
+    says what to do) and ``save_pretrained`` on the main process only (under a DDP plan it writes; under a
+    sharded one it raises an error that says to call it on every rank instead of hanging). Returns the eval
+    loss of the trained model under the plan and the errors met."""
+    from hf_colossal_auto import shard_batch
+    from hf_colossal_auto.apply.pretrained import SaveCollectiveError
+
+    accelerator, model = _accelerated(ckpt, out, layout)
+    root = out / f"save-{layout}"
+    main = accelerator.is_main_process
+    with torch.no_grad():
+        case: dict = {"eval_loss": _global(model(**shard_batch(batches(model.config)[1], model)).loss)}
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(root / "example", is_main_process=main, save_function=accelerator.save)
+    unwrapped.save_pretrained(root / "all-ranks", max_shard_size="200KB")
+    state = accelerator.get_state_dict(model)
+    unwrapped.save_pretrained(
+        root / "state-dict", is_main_process=main, state_dict=state, safe_serialization=False
+    )
+    if main:
+        torch.save(state, root / "reference.pt")
+    del state
+    unwrapped.save_pretrained(root / "dtensor-state-dict", state_dict=unwrapped.state_dict())
+    accelerator.save_model(model, root / "save-model", max_shard_size="200KB")
+    try:
+        accelerator.save(unwrapped.state_dict(), root / "accelerator-save.bin")
+        case["accelerator_save"] = "saved"
+    except ValueError as error:
+        case["accelerator_save"] = str(error)
+    accelerator.wait_for_everyone()
+    unwrapped._hf_colossal_auto_timeout_s = 0.5  # how long the lone main process waits before it raises
+    if main:
+        try:
+            unwrapped.save_pretrained(root / "main-only")
+            case["main_only"] = "saved"
+        except SaveCollectiveError as error:
+            case["main_only"] = str(error)
+    accelerator.wait_for_everyone()
+    unwrapped.save_pretrained(root / "after-main-only")  # a failed lone save leaves the next one working
+    return case
+
+
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) -> float:
     """One AdamW step on this rank's rows; the global batch's loss (the replicas' mean)."""
     from hf_colossal_auto import shard_batch
@@ -239,6 +317,8 @@ def main() -> None:
         key = f"{preset} {layout} shard-on-read rank{dist.get_rank()}"
         result[key] = shard_on_read_case(ckpt, out, preset, layout)
     result[f"accelerate rank{dist.get_rank()}"] = accelerator_case(ckpt, out)
+    for layout in SAVE_LAYOUTS:
+        result[f"save {layout} rank{dist.get_rank()}"] = save_paths_case(ckpt, out, layout)
     result["elastic"] = elastic(ckpt, out, kept)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
