@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.utils.data import Dataset
-from transformers import Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_colossal_auto.integrations.trainer import (
     AutoParallelCallback,
@@ -344,13 +344,15 @@ def test_trainer_tracks_single_process_resumes_elastically_and_exports(trainer_r
     model with other weights: checkpoint-3 of the 1 x 2 tensor-parallel run resumed by a 2 x 1 FSDP job and by
     one process, and the one-process reference's checkpoint-3 (``optimizer.pt``) by the FSDP job, all continue
     with the uninterrupted run's losses and learning rates (optimizer moments, step count and schedule
-    restored; at steps 5 and 6 the losses depend on them)."""
+    restored; at steps 5 and 6 the losses depend on them). The FSDP job's save_model exports the weights the
+    tensor-parallel run exported."""
     root = trainer_runs
     assert _result(root / "fsdp-plan.json")["dp_mode"] == "fsdp"
     run, resumed, ref = root / "run", root / "resumed", root / "run-ref"
     _run(
         *SIX_STEPS, "--plan", str(root / "fsdp-plan.json"), "--out", f"{resumed}.json",
         "--output-dir", str(resumed), "--resume", f"{run}/checkpoint-3", "--then-resume", f"{ref}/checkpoint-3",
+        "--export", f"{resumed}-export",
     )  # fmt: skip
 
     got, want = _result(root / "run.json"), _result(root / "run-ref.json")
@@ -377,6 +379,15 @@ def test_trainer_tracks_single_process_resumes_elastically_and_exports(trainer_r
             assert rates[step] == pytest.approx(got["learning_rates"][step], rel=1e-6), (case, step)
     assert want["export_eval_loss"] == pytest.approx(got["eval_loss"], abs=1e-5)
     assert want["eval_loss"] == pytest.approx(got["eval_loss"], abs=1e-5)
+    # save_model under the FSDP plan (after an evaluation, which leaves FSDP's root parameters unsharded): the
+    # weights the tensor-parallel run exported, which it continued to the same losses
+    under_tp = AutoModelForCausalLM.from_pretrained(f"{run}-export").state_dict()
+    under_fsdp = AutoModelForCausalLM.from_pretrained(f"{resumed}-export").state_dict()
+    assert under_fsdp.keys() == under_tp.keys()
+    for name, value in under_tp.items():
+        torch.testing.assert_close(
+            under_fsdp[name], value, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.slow
