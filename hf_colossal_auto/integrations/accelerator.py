@@ -234,29 +234,6 @@ def _optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str | None:
     return None
 
 
-def _local_tensors(obj: Any, where: str = "") -> Any:
-    """``obj`` with every DTensor replicated on all its mesh dims replaced by its local (full) tensor; a sharded
-    DTensor raises, naming its key: gathering it needs every rank, which ``accelerator.save`` cannot assume."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        if all(p.is_replicate() for p in obj.placements):
-            return obj.to_local()
-        raise ValueError(
-            f"accelerator.save got a tensor sharded over the ranks ({where or 'the object'}: placements "
-            f"{tuple(obj.placements)}), which one process cannot save whole. Save the model with "
-            "accelerator.save_model(model, dir) or model.save_pretrained(dir, is_main_process="
-            "accelerator.is_main_process) on every rank, or save accelerator.get_state_dict(model) (called on "
-            "every rank); training state goes through accelerator.save_state."
-        )
-    if isinstance(obj, Mapping):
-        out = {k: _local_tensors(v, f"{where}.{k}" if where else str(k)) for k, v in obj.items()}
-        return type(obj)(out) if isinstance(obj, dict) else out
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_local_tensors(v, f"{where}[{i}]") for i, v in enumerate(obj))
-    return obj
-
-
 def _raw_optimizer(opt: Any) -> torch.optim.Optimizer:
     while isinstance(opt, AcceleratedOptimizer):
         opt = opt.optimizer
@@ -580,11 +557,16 @@ class AutoParallelAccelerator(Accelerator):
         return consolidated_state_dict(self.unwrap_model(model, keep_torch_compile=False))
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
-        """Accelerate's ``save`` (main process), for objects that hold the planned model's tensors too: a
-        DTensor replicated on every rank (a DDP plan's parameters) is saved as the plain tensor it holds, which
-        loads in one process. A sharded one cannot be gathered here — ``save`` may run on the main process
-        alone — so it is an error that says how to save it instead."""
-        super().save(_local_tensors(obj), f, safe_serialization=safe_serialization)
+        """Accelerate's ``save`` (the main process writes), for objects that hold the planned model's tensors
+        too — ``accelerator.save(unwrapped.state_dict(), path)``: each DTensor is saved as the full plain tensor,
+        which loads in one process. A replicated one (a DDP plan's parameters) is the tensor it holds; sharded
+        ones are gathered one at a time, which needs every rank to call ``save`` (as accelerate's docs do): a
+        main process that came alone raises ``SaveCollectiveError`` after the plan's timeout, saying so."""
+        from ..apply.pretrained import gathered_for_saving, save_timeout_s
+
+        every_node = self.project_configuration.save_on_each_node  # then each node's main process writes too
+        full = gathered_for_saving(obj, timeout_s=save_timeout_s(self._auto_model), every_rank=every_node)
+        super().save(full, f, safe_serialization=safe_serialization)
 
     def save_model(
         self,
