@@ -3,7 +3,7 @@
 from .checkpoint import consolidated_state_dict, load_checkpoint, save_checkpoint, save_pretrained
 from .dtensor_rules import register_runtime_rules
 from .materialize import MaterializeReport, MetaInitError, is_meta_model, materialize_meta_model
-from .pretrained import LoadReport, PretrainedLoadError, SaveReport, load_pretrained
+from .pretrained import LoadReport, PretrainedLoadError, SaveCollectiveError, SaveReport, load_pretrained
 from .runtime import (
     PlanMismatchError,
     apply_plan,
@@ -19,6 +19,7 @@ from .simulate import SimulatedComm, simulate_collectives
 __all__ = [
     "LoadReport",
     "PretrainedLoadError",
+    "SaveCollectiveError",
     "SaveReport",
     "load_pretrained",
     "MaterializeReport",
