@@ -5,6 +5,7 @@ plain accelerate gives the group's processes; gathers keep one copy of what a gr
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -135,3 +136,32 @@ def test_gathers_keep_one_copy_of_what_a_group_shares():
         assert gather_for_metrics(accelerator, torch.zeros(2), 2).tolist() == [0, 1, 2]
     finally:
         accelerate.utils.gather = original
+
+
+# ------------------------------------------------------------------------------------------- 2 processes
+@pytest.mark.slow
+def test_every_step_trains_on_plain_accelerates_rows_under_any_plan(tmp_path):
+    """One torchrun launch (tests/multiproc/check_data_rows.py): a shuffled loader whose sampler accelerate
+    seeds from the global RNG, with an uneven last step, under plain accelerate and under 1x2, 2x1 and a 1x2
+    plan in 2 micro-batches (gradient_accumulation_steps=2): every step's rows (gathered, each sample once),
+    the number of batches, the losses (fp32, no dropout) and an evaluation's gather_for_metrics are plain
+    accelerate's."""
+    import json
+
+    from torchrun_launch import run_torchrun
+
+    out = tmp_path / "rows.json"
+    script = str(Path(__file__).resolve().parent / "multiproc" / "check_data_rows.py")
+    run_torchrun(script, "--out", str(out), timeout=600, env={"ACCELERATE_USE_CPU": "1"})
+    runs = json.loads(out.read_text())
+    assert runs["1x2/1"]["mesh"] == [1, 2] and runs["2x1/1"]["mesh"] == [2, 1]
+    assert runs["1x2/2"]["micro_batches"] == 2
+    for name, run in runs.items():
+        plain = runs[f"plain/{name.split('/')[1]}"]
+        assert run["rows"] == plain["rows"], name
+        assert run["batches"] == plain["batches"] == len(plain["rows"]), name
+        assert run["losses"] == pytest.approx(plain["losses"], abs=1e-5), name
+        assert run["eval_rows"] == list(range(11)), name
+    first = runs["plain/1"]["rows"]  # 27 rows: 3 full steps of 8, and 3 rows completed to 8 by even_batches
+    assert [len(step) for step in first] == [8, 8, 8, 8]
+    assert {i for step in first for i in step} == set(range(27))
