@@ -498,7 +498,41 @@ def _follow_batch_rule(trainer: Trainer, plan: Plan) -> None:
         accelerator.gather_for_metrics, use_gather_object=trainer.args.eval_use_gather_object
     )
     if plan.tp_size > 1:
+        _trainer_accounting_of_shared_batches(trainer)
         _count_batches_once_per_tp_group(trainer, plan.tp_size)
+
+
+def _trainer_accounting_of_shared_batches(trainer: Trainer) -> None:
+    """The Trainer's own tensor-parallel arithmetic (it reads the model's ``_tp_size``): the label count it
+    normalises the loss by is gathered from every process and divided by ``tp``, and the loss scaled by
+    ``processes / tp`` — right for our batches too (each process holds its group's batch), given accelerate's
+    plain gather, not the one-copy-per-group gather scripts get. Its global batch size is the plain Trainer's
+    (per-device batch x processes), as the plan keeps it, not ``x dp``."""
+    from accelerate.utils import gather
+
+    def with_plain_gather(method):
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            accelerator = trainer.accelerator
+            had = "gather" in accelerator.__dict__
+            previous = accelerator.__dict__.get("gather")
+            accelerator.gather = gather
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if had:
+                    accelerator.gather = previous
+                else:
+                    del accelerator.gather
+
+        return call
+
+    def get_total_train_batch_size(args: TrainingArguments) -> int:
+        return trainer._train_batch_size * args.gradient_accumulation_steps * args.world_size
+
+    trainer._get_num_items_in_batch = with_plain_gather(trainer._get_num_items_in_batch)
+    trainer._track_num_input_tokens = with_plain_gather(trainer._track_num_input_tokens)
+    trainer.get_total_train_batch_size = get_total_train_batch_size
 
 
 def _count_batches_once_per_tp_group(trainer: Trainer, tp_size: int) -> None:
