@@ -113,6 +113,28 @@ def test_a_loader_is_recut_from_its_next_epoch():
     assert _batches(mine) == [a + b for a, b in zip([[0, 1], [4, 5], [8, 9], [12, 13]], other, strict=True)]
 
 
+def test_a_resumed_loader_skips_group_steps():
+    """accelerate's skip_first_batches (how a resumed job skips the steps it trained) over a re-cut loader
+    skips whole steps of the group: the rest of the epoch is the group's steps after them."""
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+
+    def loader() -> DataLoader:
+        return DataLoader(
+            list(range(40)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(3)
+        )
+
+    grouped = prepare_data_loader(loader(), num_processes=4, process_index=2)
+    regroup_loader(grouped, (2, 3))
+    steps = _batches(grouped)
+    assert (
+        _batches(skip_first_batches(prepare_data_loader(loader(), num_processes=4, process_index=2), 0))
+        != steps
+    )
+    resumed = prepare_data_loader(loader(), num_processes=4, process_index=2)
+    regroup_loader(resumed, (2, 3))
+    assert _batches(skip_first_batches(resumed, 3)) == steps[3:]
+
+
 def test_gathers_keep_one_copy_of_what_a_group_shares():
     """4 processes, tp=2: rows a group's processes share are kept once, in rank order (what plain accelerate
     gathers from the processes' own batches); values that differ within a group (a process index) are kept

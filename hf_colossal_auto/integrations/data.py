@@ -393,6 +393,8 @@ def data_parallel_loader(loader: DataLoader, model: nn.Module, **prepare_kwargs:
     world = info.world_size
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     prepare_kwargs.setdefault("dispatch_batches", False)
+    # as accelerate's Accelerator: every epoch starts from rank 0's shuffling state, so the shards agree
+    prepare_kwargs.setdefault("rng_types", ["generator"])
     prepared = prepare_data_loader(loader, num_processes=world, process_index=rank, **prepare_kwargs)
     if info.tp_size > 1:
         regroup_loader(prepared, tensor_parallel_members(rank, info.tp_size))
