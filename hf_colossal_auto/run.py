@@ -8,15 +8,25 @@ Why a runner rather than an import in the script: the script stays an ordinary a
 and ``accelerate.accelerator.Accelerator`` are replaced before the script runs, so both ``import accelerate``
 and ``from accelerate import Accelerator`` get ours; the script sees its own path in ``sys.argv[0]`` and runs
 as ``__main__``. Planner settings come from ``HF_COLOSSAL_AUTO_*`` variables or ``HF_COLOSSAL_AUTO_CONFIG``.
+
+A ``transformers.Trainer`` (or subclass) the script builds is planned as
+:class:`~hf_colossal_auto.integrations.trainer.AutoParallelCallback` plans it: the runner adds that callback,
+with the same settings, to every Trainer that does not have one (when ``transformers.trainer`` is imported,
+so that scripts without a Trainer do not pay for importing it). Its accelerator is ours too.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import importlib.machinery
+import inspect
 import logging
 import os
 import runpy
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +57,58 @@ def install() -> type:
     original = accelerate.accelerator.Accelerator
     accelerate.Accelerator = AutoParallelAccelerator
     accelerate.accelerator.Accelerator = AutoParallelAccelerator
+    if "transformers.trainer" in sys.modules:
+        plan_trainers(sys.modules["transformers.trainer"])
+    elif not any(isinstance(f, _TrainerImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TrainerImportHook())
     return original
+
+
+def plan_trainers(module: ModuleType) -> None:
+    """Make ``module`` (``transformers.trainer``) build its Trainers with our accelerator and an
+    ``AutoParallelCallback`` carrying the plugin's settings (idempotent)."""
+    from .integrations.accelerator import AutoParallelAccelerator
+
+    module.Accelerator = AutoParallelAccelerator  # bound by `from accelerate import Accelerator` at import
+    trainer_class = module.Trainer
+    original = trainer_class.__init__
+    if getattr(original, "_hf_colossal_auto", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):  # noqa: N807 - the Trainer's own __init__, wrapped
+        from .integrations.trainer import AutoParallelCallback, callback_from_plugin
+
+        bound = signature.bind(self, *args, **kwargs)
+        callbacks = list(bound.arguments.get("callbacks") or [])
+        if not any(c is AutoParallelCallback or isinstance(c, AutoParallelCallback) for c in callbacks):
+            callbacks.append(callback_from_plugin())
+        bound.arguments["callbacks"] = callbacks
+        original(*bound.args, **bound.kwargs)
+
+    __init__._hf_colossal_auto = True
+    trainer_class.__init__ = __init__
+
+
+class _TrainerImportHook(importlib.abc.MetaPathFinder):
+    """Calls :func:`plan_trainers` once ``transformers.trainer`` has been imported."""
+
+    def find_spec(self, name: str, path: Sequence[str] | None, target: ModuleType | None = None):
+        if name != "transformers.trainer":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            execute(module)
+            plan_trainers(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def main(argv: Sequence[str] | None = None) -> int:

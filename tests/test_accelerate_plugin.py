@@ -170,40 +170,6 @@ def _batches(loader) -> list[list[int]]:
     return [batch.tolist() for batch in loader]
 
 
-@pytest.mark.parametrize(("dp", "tp"), [(2, 2), (1, 2), (3, 1)])
-def test_data_layout_gives_each_step_the_samples_ddp_would(accelerate_state, dp, tp):
-    """In every full step, data-parallel group d gets the per-device batches of DDP ranks d*tp .. d*tp+tp-1,
-    end to end."""
-    from accelerate import Accelerator
-    from accelerate.data_loader import prepare_data_loader
-
-    from hf_colossal_auto.integrations.accelerator import shard_data_loader
-
-    Accelerator(cpu=True)  # the process state accelerate's loaders read (one process, no group)
-    per_device, world = 3, dp * tp
-    data = list(range(per_device * world * 4 + 5))
-
-    def loader() -> DataLoader:
-        return DataLoader(
-            data, batch_size=per_device, shuffle=True, generator=torch.Generator().manual_seed(7)
-        )
-
-    ddp = [
-        _batches(prepare_data_loader(loader(), num_processes=world, process_index=r)) for r in range(world)
-    ]
-    ours = [
-        _batches(shard_data_loader(loader(), dp_size=dp, dp_rank=d, tp_size=tp, rng_types=["generator"]))
-        for d in range(dp)
-    ]
-    full_steps = len(data) // (per_device * world)
-    for step in range(full_steps):
-        for d in range(dp):
-            assert ours[d][step] == sum((ddp[d * tp + j][step] for j in range(tp)), [])
-    # the incomplete last step: every sample is seen (DDP repeats some to even out its ranks; one data-parallel
-    # group need not)
-    assert {i for group in ours for batch in group for i in batch} == set(data)
-
-
 def test_peeking_the_first_batch_moves_no_random_state():
     from hf_colossal_auto.integrations.accelerator import peek_batch
 

@@ -21,7 +21,6 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_colossal_auto.integrations.trainer import (
     AutoParallelCallback,
-    _gather_one_copy_per_tp_group,
     _turn_off_trainer_recompute,
     check_trainer_compatible,
     example_global_batch,
@@ -160,9 +159,9 @@ def test_example_global_batch_is_collated_like_the_trainer_and_keeps_rng(tiny_mo
     torch.manual_seed(3)
     expected_next = torch.rand(1)
     torch.manual_seed(3)
-    from hf_colossal_auto.integrations.trainer import _preserved_rng
+    from hf_colossal_auto.integrations.data import preserved_rng
 
-    with _preserved_rng():
+    with preserved_rng():
         batch = example_global_batch(trainer, 8)  # more than the dataset holds: it wraps around
         torch.rand(5)
     assert torch.equal(torch.rand(1), expected_next)
@@ -176,20 +175,6 @@ def test_example_global_batch_needs_a_dataset(tiny_model, tmp_path):
     trainer = Trainer(model=model, args=_args(tmp_path))
     with pytest.raises(ValueError, match="train_dataset"):
         example_global_batch(trainer, 4)
-
-
-def test_evaluation_gather_keeps_one_copy_per_tensor_parallel_group():
-    """4 ranks, tp=2: ranks 0/1 and 2/3 evaluated the same rows; the gather keeps ranks 0 and 2, then drops
-    the last batch's padding as accelerate does (its remainder counts data-parallel groups)."""
-    state = SimpleNamespace(end_of_dataloader=False, remainder=-1)
-    accelerator = SimpleNamespace(num_processes=4, gather=lambda t: t, gradient_state=state)
-    trainer = SimpleNamespace(accelerator=accelerator, args=SimpleNamespace(eval_use_gather_object=False))
-    gather = _gather_one_copy_per_tp_group(trainer, tp_size=2)
-    gathered = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [3, 1]])  # [rank, row]
-    kept = gather({"x": gathered})["x"]
-    assert kept[:, 0].tolist() == [0, 0, 2, 2] and kept[:, 1].tolist() == [0, 1, 0, 1]
-    state.end_of_dataloader, state.remainder = True, 3
-    assert gather(gathered)[:, 0].tolist() == [0, 0, 2]
 
 
 def test_consolidated_weights_load_through_the_sharded_reader(tmp_path):

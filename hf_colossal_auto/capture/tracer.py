@@ -313,12 +313,33 @@ def _extract_loss(output: Any, model: nn.Module, inputs: Mapping[str, Any]) -> t
         loss = output.get("loss")
     if loss is None and isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
         loss = output[0] if output[0].dim() == 0 else None
+    if loss is None and not isinstance(output, Mapping):  # a transformers model without labels: say so below
+        loss = _outside_loss(output)
     if loss is None:
         raise CaptureError(
             f"{type(model).__name__} returned no loss for the example inputs (keys: {sorted(inputs)}). "
             "A training step needs one: pass `labels` in example_inputs (for causal LMs labels=input_ids)."
         )
     return loss
+
+
+def _outside_loss(output: Any) -> torch.Tensor | None:
+    """For a plain module whose loss the training loop computes from its outputs (``mse_loss(model(x), y)``,
+    the first-call plan of a plain accelerate script; a transformers model's output without a loss means its
+    labels are missing, which stays an error): the sum of its floating outputs that need gradients stands
+    in for that loss. The backward is the model's (a gradient of the outputs' shape flows back through every
+    op); the few element-wise ops of the real loss are left out."""
+    leaves = [
+        t
+        for t in tree_flatten(output)[0]
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    if not leaves:
+        return None
+    logger.info(
+        "the model returned no loss: planning with the backward of its outputs (a loss taken outside)"
+    )
+    return sum((t.sum() for t in leaves[1:]), leaves[0].sum())
 
 
 def _trace_once(

@@ -8,12 +8,14 @@ What it changes, and why; everything else is accelerate's (mixed precision, grad
   ``plugin.plan_path``; the plan is applied with :func:`hf_colossal_auto.apply.apply_plan` and optimizers from
   the same call are pointed at the new parameters. The model is **not** wrapped in DDP: the runtime averages
   gradients over the data-parallel axis itself. When the loader's batches are not keyword arguments (tuples of
-  a ``TensorDataset``), the plan is made from the model's first training call instead (:mod:`.first_call`):
-  its arguments are what the step needs; loaders then keep accelerate's per-process layout.
-* **the data** (``prepare_data_loader``): the ``tp`` ranks of one data-parallel group compute on the same batch,
-  so each group gets ``per-device batch x tp`` samples per step and the groups get disjoint shards — the
-  samples of one step are exactly those plain DDP would spread over the same processes, and the global batch
-  stays ``per-device batch x processes``. Done with accelerate's ``prepare_data_loader`` over ``dp`` shards.
+  a ``TensorDataset``, a dict the loop unpacks itself) or no loader was prepared, the plan is made from the
+  model's first training call instead (:mod:`.first_call`): its arguments are what the step needs. A model
+  already planned (by the Trainer callback) is adopted; a second model is prepared by accelerate as usual.
+* **the data** (``prepare_data_loader``): loaders are prepared by accelerate itself, exactly as without a plan
+  (before the model, or with no model at all, too); a plan with tensor parallelism then re-cuts them so that
+  the ``tp`` processes of a group compute on the union of the batches plain accelerate gives them: the rows
+  of every step are plain accelerate's under any mesh (:mod:`.data`). ``gather``/``gather_for_metrics``
+  keep what a group's processes share once, so that they return what they return under plain accelerate.
 * **checkpoints** (``save_state``/``load_state``): model and optimizer through ``torch.distributed.checkpoint``
   (every rank writes its shards; accelerate's own would save DTensors from the main process only);
   schedulers, samplers, RNG states, the scaler and custom objects through accelerate's own helpers.
@@ -46,9 +48,9 @@ from accelerate.checkpointing import (
     save_accelerator_state,
     save_custom_state,
 )
-from accelerate.data_loader import prepare_data_loader
+from accelerate.data_loader import IterableDatasetShard
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType, recursively_apply
+from accelerate.utils import DistributedType
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
@@ -61,6 +63,8 @@ from ..apply.runtime import plan_on_one_rank
 from ..hardware.cluster import launcher_devices_per_node
 from ..plan import Plan
 from .calibrated import resolve_device
+from .data import gather_for_metrics as data_gather_for_metrics
+from .data import one_copy_per_group, preserved_rng, regroup_loader, tensor_parallel_members
 from .plugin import AutoParallelPlugin
 
 logger = logging.getLogger(__name__)
@@ -100,93 +104,6 @@ def check_no_other_parallelism(kwargs: Mapping[str, Any], environ: Mapping[str, 
         )
 
 
-# ----------------------------------------------------------------------------------------- data layout
-def _scaled_loader(loader: DataLoader, factor: int) -> DataLoader:
-    """The same loader (dataset, sampler, collate, workers...) with ``factor`` times its batch size: one
-    data-parallel group's batch is the per-device batches of its ``tp`` ranks laid end to end."""
-    if factor == 1:
-        return loader
-    import inspect
-
-    params = inspect.signature(DataLoader.__init__).parameters
-    skip = {"self", "dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"}
-    kwargs = {k: getattr(loader, k) for k in params if k not in skip and hasattr(loader, k)}
-    dataset = loader.dataset
-    if loader.batch_size is not None:
-        if isinstance(dataset, IterableDataset):
-            return DataLoader(
-                dataset, batch_size=loader.batch_size * factor, drop_last=loader.drop_last, **kwargs
-            )
-        return DataLoader(
-            dataset,
-            batch_size=loader.batch_size * factor,
-            sampler=loader.sampler,
-            drop_last=loader.drop_last,
-            **kwargs,
-        )
-    sampler = loader.batch_sampler
-    if type(sampler) is BatchSampler:
-        scaled = BatchSampler(sampler.sampler, sampler.batch_size * factor, sampler.drop_last)
-        return DataLoader(dataset, batch_sampler=scaled, **kwargs)
-    raise ValueError(
-        f"this DataLoader has a custom batch sampler ({type(sampler).__name__}) and no batch_size, so its "
-        f"per-device batch cannot be grown to the {factor} tensor-parallel ranks that share it. Give the "
-        "DataLoader a batch_size, or use Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True)) "
-        "with batches of the global size."
-    )
-
-
-def _same_sampler_order(loader: DataLoader) -> None:
-    """With one data-parallel group accelerate does not shard, and so does not synchronise the sampler's
-    generator either: give every rank rank 0's generator state so that all ranks draw the same batches."""
-    sampler = getattr(loader, "sampler", None)
-    if not hasattr(sampler, "generator") or not (dist.is_available() and dist.is_initialized()):
-        return
-    if sampler.generator is None:
-        sampler.generator = torch.Generator()
-    payload = [sampler.generator.get_state()]
-    dist.broadcast_object_list(payload, src=0)
-    sampler.generator.set_state(payload[0])
-
-
-def shard_data_loader(
-    loader: DataLoader,
-    *,
-    dp_size: int,
-    dp_rank: int,
-    tp_size: int,
-    split_batches: bool = False,
-    **prepare_kwargs: Any,
-) -> DataLoader:
-    """``loader`` as one data-parallel group sees it: accelerate's ``prepare_data_loader`` over ``dp_size``
-    shards, each batch ``tp_size`` per-device batches long (or a ``1/dp_size`` slice of a global batch with
-    ``split_batches``). All ranks of a tensor-parallel group call it with the same ``dp_rank``."""
-    if not split_batches:
-        loader = _scaled_loader(loader, tp_size)
-    if dp_size == 1:
-        _same_sampler_order(loader)
-    prepare_kwargs["dispatch_batches"] = (
-        False  # each group reads its own shard; no slicing over all processes
-    )
-    return prepare_data_loader(
-        loader, num_processes=dp_size, process_index=dp_rank, split_batches=split_batches, **prepare_kwargs
-    )
-
-
-def loader_options(accelerator: Accelerator, device_placement: bool | None = None) -> dict[str, Any]:
-    """The accelerator's own data-loader settings, as ``prepare_data_loader`` takes them (what accelerate's
-    ``Accelerator.prepare_data_loader`` passes), for loaders we shard over data-parallel groups ourselves."""
-    return dict(
-        put_on_device=accelerator.device_placement if device_placement is None else device_placement,
-        rng_types=accelerator.rng_types.copy(),
-        even_batches=accelerator.even_batches,
-        use_seedable_sampler=accelerator.use_seedable_sampler,
-        data_seed=accelerator.dataloader_config.data_seed,
-        non_blocking=accelerator.non_blocking,
-        use_stateful_dataloader=accelerator.use_stateful_dataloader,
-    )
-
-
 # ----------------------------------------------------------------------------------------- planning input
 @contextlib.contextmanager
 def _rng_preserved(*objects: Any) -> Iterator[None]:
@@ -207,22 +124,51 @@ def _batch_size(batch: Mapping[str, Any]) -> int:
     return 1
 
 
+def _batch_sampler_chain(loader: DataLoader) -> list[Any]:
+    """The loader's batch sampler and those it wraps (accelerate's ``BatchSamplerShard`` wraps the user's)."""
+    chain, probe = [], getattr(loader, "batch_sampler", None)
+    if isinstance(getattr(loader, "sampler", None), BatchSampler):
+        probe = loader.sampler  # DataLoader(sampler=BatchSampler(...), batch_size=None)
+    while probe is not None and len(chain) < 4:
+        chain.append(probe)
+        probe = getattr(probe, "batch_sampler", None)
+    return chain
+
+
 def peek_batch(loader: DataLoader) -> Any:
-    """The first batch's contents without iterating ``loader`` (which would draw from its sampler's RNG)."""
+    """The first batch's contents (its shapes are what planning needs) without iterating ``loader``, which
+    would draw from its sampler's RNG. Works on a loader accelerate already prepared, too."""
     dataset = loader.dataset
-    batch_sampler = loader.batch_sampler
-    sampler = getattr(batch_sampler, "sampler", None)
-    with _rng_preserved(loader.sampler, sampler, dataset):
+    if isinstance(dataset, IterableDatasetShard):
+        dataset = dataset.dataset
+    chain = _batch_sampler_chain(loader)
+    samplers = [getattr(b, "sampler", None) for b in chain]
+    with _rng_preserved(loader.sampler, *samplers, dataset):
         if isinstance(dataset, IterableDataset):
-            items = list(itertools.islice(iter(dataset), loader.batch_size or 1))
-            return loader.collate_fn(items) if loader.batch_size is not None else loader.collate_fn(items[0])
-        if batch_sampler is None:
+            size = loader.batch_size or max((getattr(b, "batch_size", None) or 0 for b in chain), default=0)
+            items = list(itertools.islice(iter(dataset), size or 1))
+            return loader.collate_fn(items) if size else loader.collate_fn(items[0])
+        if not chain:
             return loader.collate_fn(dataset[0])
-        if loader.batch_size is not None:
-            indices = range(min(loader.batch_size, len(dataset)))
-        else:
-            indices = next(iter(batch_sampler))
+        size = loader.batch_size or next(
+            (b.batch_size for b in chain if getattr(b, "batch_size", None)), None
+        )
+        indices = range(min(size, len(dataset))) if size else next(iter(chain[-1]))
         return loader.collate_fn([dataset[i] for i in indices])
+
+
+def _takes_keywords(model: nn.Module, batch: Mapping[str, Any]) -> bool:
+    """Whether ``model(**batch)`` is a valid call: every key is a parameter of ``forward`` (or it takes
+    ``**kwargs``). A batch the loop unpacks itself (``model(batch["x"])``) is not."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return True
+    return all(key in parameters for key in batch)
 
 
 def _optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str | None:
@@ -270,10 +216,6 @@ class AutoParallelAccelerator(Accelerator):
         self.auto_parallel_plugin = plugin
         self.auto_plan: Plan | None = None
         self._auto_model: nn.Module | None = None
-        self._auto_dp_rank = 0
-        # planned from the model's first call (integrations/first_call.py): loaders keep accelerate's per-process
-        # layout and the model gathers each tensor-parallel group's batch itself
-        self._auto_per_process_batches = False
         if plugin.num_devices is not None and plugin.num_devices != self.num_processes:
             raise ValueError(
                 f"AutoParallelPlugin.num_devices={plugin.num_devices} but this job has {self.num_processes} "
@@ -308,8 +250,8 @@ class AutoParallelAccelerator(Accelerator):
         plugin = self.auto_parallel_plugin
         if plugin.example_inputs is not None:
             batch = plugin.example_inputs
-        elif loaders:
-            batch = peek_batch(loaders[0])
+        elif loaders or self._dataloaders:  # this prepare() call's loader, else the first prepared before it
+            batch = peek_batch((loaders or self._dataloaders)[0])
         else:
             raise ValueError(
                 "AutoParallelAccelerator plans from one batch: pass the training DataLoader to the same "
@@ -373,25 +315,27 @@ class AutoParallelAccelerator(Accelerator):
         return "cpu"
 
     def _parallelize(self, model: nn.Module, loaders: list[DataLoader], optimizers: list) -> None:
-        if self._auto_model is not None and model is not self._auto_model:
-            raise ValueError(
-                "AutoParallelAccelerator parallelizes one model per job and already has one; prepare other "
-                "models (e.g. a frozen teacher) with a plain accelerate.Accelerator or run them unprepared"
+        """Plan (or load the plan) and apply it to ``model``, point ``optimizers`` at the new parameters and
+        re-cut the loaders prepared so far. Under saved random state: accelerate seeds a shuffling loader's
+        generator from the global RNG when it prepares it, so planning must not move that RNG (the data
+        order would differ from plain accelerate's)."""
+        with preserved_rng():
+            plan = (
+                self.auto_plan if self.auto_plan is not None else self._make_plan(model, loaders, optimizers)
             )
-        plan = self.auto_plan if self.auto_plan is not None else self._make_plan(model, loaders, optimizers)
-        first = next(model.parameters())
-        if self.device.type != "cpu" and not first.is_meta and first.device != self.device:
-            model.to(self.device)
-        names = {id(p): n for n, p in model.named_parameters()}
-        mesh = build_mesh(plan, self.device.type)
-        timeout = self.auto_parallel_plugin.timeout
-        apply_plan(
-            model,
-            plan,
-            mesh,
-            timeout=DEFAULT_TIMEOUT_S if timeout is None else timeout,
-            pretrained=self.auto_parallel_plugin.pretrained,
-        )
+            first = next(model.parameters())
+            if self.device.type != "cpu" and not first.is_meta and first.device != self.device:
+                model.to(self.device)
+            names = {id(p): n for n, p in model.named_parameters()}
+            mesh = build_mesh(plan, self.device.type)
+            timeout = self.auto_parallel_plugin.timeout
+            apply_plan(
+                model,
+                plan,
+                mesh,
+                timeout=DEFAULT_TIMEOUT_S if timeout is None else timeout,
+                pretrained=self.auto_parallel_plugin.pretrained,
+            )
         # point optimizers made before prepare() at the new parameters, by name (FSDP replaces them twice)
         new = dict(model.named_parameters())
         for opt in optimizers:
@@ -403,18 +347,46 @@ class AutoParallelAccelerator(Accelerator):
                 if id(p) in names
             }
             remap_optimizer(raw, replaced)
-        names_dp = mesh.mesh_dim_names or ()
-        self._auto_dp_rank = mesh.get_local_rank("dp") if "dp" in names_dp else 0
-        self.auto_plan, self._auto_model = plan, model
+        self._adopt(model, plan)
         if self.is_main_process:
             path = self.auto_parallel_plugin.save_plan_path
             if path is not None:
                 plan.save(path)
             self.print(plan.summary())
 
+    def _adopt(self, model: nn.Module, plan: Plan) -> None:
+        """``model`` (planned with ``plan``) is this job's: loaders prepared so far, and every later one, give
+        its tensor-parallel groups their members' batches (:mod:`.data`)."""
+        self.auto_plan, self._auto_model = plan, model
+        for loader in self._dataloaders:
+            self._regroup(loader)
+
+    def _regroup(self, loader: Any) -> None:
+        plan = self.auto_plan
+        if plan is not None and plan.tp_size > 1 and self._parallel:
+            regroup_loader(loader, tensor_parallel_members(self.process_index, plan.tp_size))
+
+    def _is_other_model(self, model: nn.Module) -> bool:
+        """A second model: accelerate prepares it (DDP), as it would without us; one model is planned per job."""
+        if self._auto_model is None or model is self._auto_model:
+            return False
+        logger.warning(
+            "AutoParallelAccelerator plans one model per job and has planned %s; %s is prepared by accelerate "
+            "as usual (DDP, not planned)",
+            type(self._auto_model).__name__,
+            type(model).__name__,
+        )
+        return True
+
     # ----------------------------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         models = [a for a in args if isinstance(a, nn.Module) and not hasattr(a, "_hf_colossal_auto_plan")]
+        planned = [a for a in args if isinstance(a, nn.Module) and hasattr(a, "_hf_colossal_auto_plan")]
+        if self._parallel and planned and self._auto_model is None:
+            self._adopt(
+                planned[0], planned[0]._hf_colossal_auto_plan
+            )  # planned elsewhere (the Trainer callback)
+        models = [m for m in models if not self._is_other_model(m)]
         if self._parallel and models:
             if len(models) > 1:
                 raise ValueError(
@@ -422,25 +394,28 @@ class AutoParallelAccelerator(Accelerator):
                 )
             loaders = [a for a in args if isinstance(a, DataLoader)]
             optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
-            if self._batches_are_not_keyword_arguments(loaders):
+            if self._batches_are_not_keyword_arguments(models[0], loaders):
                 self._parallelize_on_first_call(models[0], optimizers)
             else:
                 self._parallelize(models[0], loaders, optimizers)
         return super().prepare(*args, device_placement=device_placement)
 
-    def _batches_are_not_keyword_arguments(self, loaders: list[DataLoader]) -> bool:
-        """Whether the plan must come from the model's first call: it is still to be made, from a loader whose
-        batch is not a mapping of ``model.forward`` keyword arguments (tuples of a ``TensorDataset``)."""
-        if self.auto_plan is not None or self.auto_parallel_plugin.example_inputs is not None or not loaders:
+    def _batches_are_not_keyword_arguments(self, model: nn.Module, loaders: list[DataLoader]) -> bool:
+        """Whether the plan must come from the model's first call: it is still to be made, and the loader's
+        batch is not a mapping of ``model.forward`` keyword arguments (tuples of a ``TensorDataset``, or a dict
+        the loop unpacks itself, ``model(batch["x"])``), or there is no loader to plan from."""
+        if self.auto_plan is not None or self.auto_parallel_plugin.example_inputs is not None:
             return False
-        return not isinstance(peek_batch(loaders[0]), Mapping)
+        loaders = loaders or list(self._dataloaders)
+        if not loaders:
+            return True
+        batch = peek_batch(loaders[0])
+        return not isinstance(batch, Mapping) or not _takes_keywords(model, batch)
 
     def _parallelize_on_first_call(self, model: nn.Module, optimizers: list) -> None:
         """Wrap ``model`` so that its first training call plans from that call's arguments (one process's batch,
         the same rule as a loader's dict batch) on rank 0, and every rank applies the plan and remaps the
         optimizers prepared by then — or raises rank 0's planning error."""
-        if self._auto_model is not None and model is not self._auto_model:
-            self._parallelize(model, [], [])  # refuses a second model with the usual message
         from .first_call import plan_on_first_call
 
         if self.device.type != "cpu" and next(model.parameters()).device != self.device:
@@ -457,7 +432,6 @@ class AutoParallelAccelerator(Accelerator):
                 plugin.example_inputs = None
 
         plan_on_first_call(model, parallelize)
-        self._auto_per_process_batches = True
         self._auto_model = model
 
     def prepare_model(
@@ -465,74 +439,51 @@ class AutoParallelAccelerator(Accelerator):
     ) -> nn.Module:
         """Parallelize (when not already done by :meth:`prepare`), then let accelerate add mixed precision and
         compilation — but no DDP: the runtime synchronises gradients over the data-parallel axis."""
-        if not self._parallel:
+        ours = hasattr(model, "_hf_colossal_auto_plan") or hasattr(
+            model, "_hf_colossal_auto_plans_on_first_call"
+        )
+        if not self._parallel or (not ours and self._is_other_model(model)):
             return super().prepare_model(
                 model, device_placement=device_placement, evaluation_mode=evaluation_mode
             )
-        if not hasattr(model, "_hf_colossal_auto_plan") and not hasattr(
-            model, "_hf_colossal_auto_plans_on_first_call"
-        ):
+        if not ours and self._batches_are_not_keyword_arguments(model, []):
+            self._parallelize_on_first_call(model, [])
+        elif not ours:
             self._parallelize(model, [], [])
+        elif self._auto_model is None:
+            self._adopt(model, model._hf_colossal_auto_plan)
         return super().prepare_model(model, device_placement=False, evaluation_mode=True)
 
     def prepare_data_loader(
         self, data_loader: DataLoader, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
     ) -> DataLoader:
-        """Shard batches over the data-parallel groups; the ranks of one tensor-parallel group share theirs."""
-        if (
-            getattr(data_loader, "_is_accelerate_prepared", False)
-            or not self._parallel
-            or self._auto_per_process_batches  # the model gathers its tensor-parallel group's batch
-        ):
-            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
-        if self.auto_plan is None:
-            raise ValueError(
-                "AutoParallelAccelerator: prepare the model before, or in the same prepare() call as, its data "
-                "loaders — how batches are split over processes depends on the plan's dp x tp mesh"
-            )
-        if self.auto_plan.tp_size == 1:  # pure data parallelism: accelerate's own layout is the right one
-            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
-        prepared = shard_data_loader(
-            data_loader,
-            dp_size=self.auto_plan.dp_size,
-            dp_rank=self._auto_dp_rank,
-            tp_size=self.auto_plan.tp_size,
-            split_batches=self.split_batches,
-            device=self.device,
-            **loader_options(self, device_placement),
-        )
-        self._dataloaders.append(prepared)
+        """Accelerate's own preparation (the same batches, lengths and random draws as plain accelerate), then,
+        under a plan with tensor parallelism, each process reads its tensor-parallel group's batches: the union
+        of the batches plain accelerate gives the group's processes (:mod:`.data`). A loader prepared before
+        the plan exists is re-cut when the plan is made."""
+        prepared = super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        self._regroup(prepared)
         return prepared
 
     # ----------------------------------------------------------------------------------- metrics
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Accelerate's, counting each data-parallel group once: the ranks of a tensor-parallel group hold the
-        same samples, so their copies are dropped before the last batch's padding is cut."""
+    def _tensor_parallel_copies(self) -> int:
+        """How many processes hold each batch (the plan's ``tp``; 1 without a plan or in one process)."""
         plan = self.auto_plan
-        if not self._parallel or plan is None or plan.tp_size == 1 or self._auto_per_process_batches:
+        return plan.tp_size if self._parallel and plan is not None else 1
+
+    def gather(self, tensor: Any) -> Any:
+        """Accelerate's, each sample once: what the processes of a tensor-parallel group computed from their
+        shared batch (equal on all of them) is kept once per group, in rank order, as plain accelerate gathers
+        the processes' own batches (:func:`.data.one_copy_per_group`)."""
+        return one_copy_per_group(super().gather(tensor), self.num_processes, self._tensor_parallel_copies())
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Accelerate's, each sample once (see :meth:`gather`); the last batch's padding is cut as accelerate
+        cuts it (:func:`.data.gather_for_metrics`)."""
+        tp = self._tensor_parallel_copies()
+        if tp == 1:
             return super().gather_for_metrics(input_data, use_gather_object)
-        tp, world = plan.tp_size, self.num_processes
-        try:
-            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
-            all_tensors = True
-        except TypeError:
-            all_tensors = False
-        if use_gather_object or not all_tensors:
-            per_rank: list[Any] = [None] * world
-            dist.all_gather_object(per_rank, input_data)
-            data = [x for rank in range(0, world, tp) for x in per_rank[rank]]
-        else:
-
-            def one_copy(tensor: torch.Tensor) -> torch.Tensor:
-                return torch.cat(tensor.chunk(world)[::tp])
-
-            data = recursively_apply(one_copy, self.gather(input_data))
-        state = self.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            if isinstance(data, list):
-                return data[: state.remainder]
-            return recursively_apply(lambda t: t[: state.remainder], data)
-        return data
+        return data_gather_for_metrics(self, input_data, tp, use_gather_object)
 
     # ----------------------------------------------------------------------------------- models out
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):

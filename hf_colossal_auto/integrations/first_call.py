@@ -7,12 +7,15 @@ model is wrapped to plan on its first call that records gradients (every rank: r
 arguments, the plan is broadcast and applied), and then runs the call on the planned model. Calls without
 gradients before it (an evaluation first) run on the unplanned model, which every rank holds whole.
 
-The data layout cannot wait for the plan: the loader was prepared before the plan existed, as accelerate
-prepares it for DDP (each process its own per-process batch). A tensor-parallel group must compute on one
-batch, so each planned call gathers the per-process batches of its ``tp`` ranks along dim 0 (in rank order:
-the rows plain DDP gives ranks ``d·tp … d·tp+tp−1``, exactly the group batch of the prepare-time layout) and
-hands each rank back its own rows of every per-sample output. The loss is the group's mean, and gradients and
-losses over the job equal DDP's (and one process's on the global batch).
+The data follow the one batch rule of :mod:`.data`: a tensor-parallel group computes on the union of the
+batches plain accelerate gives its processes. Loaders are prepared as plain accelerate prepares them, and the
+plan re-cuts them when it is made, which takes effect from each loader's next epoch; the epoch in flight at the
+first call (that call's batch included) still yields per-process batches. While a call's batch is per-process
+(:func:`.data.batch_is_per_process`), the call gathers the per-process batches of its ``tp`` ranks along dim 0
+(in rank order: the rows plain accelerate gives ranks ``d·tp … d·tp+tp−1``, exactly the group batch of the
+re-cut loaders) and hands each rank back its own rows of every per-sample output; per-process batches of one
+group must then have the same shapes (a collator that pads to one length). The loss is the group's mean, and
+gradients and losses over the job equal DDP's (and one process's on the global batch).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch import nn
 
 from .._torch_compat import tree_map
 from ..apply.runtime import tensor_parallel_mesh
+from .data import batch_is_per_process
 
 NOT_PER_SAMPLE = frozenset({"cache_position"})
 """Arguments whose dim 0 is not the batch even when its length happens to equal the batch's."""
@@ -120,7 +124,7 @@ class TensorParallelBatch:
 def plan_on_first_call(model: nn.Module, parallelize: Callable[[nn.Module, dict[str, Any]], None]) -> None:
     """Wrap ``model.forward`` so that its first call with gradients enabled runs ``parallelize(model, batch)``
     (``batch``: that call's keyword arguments; it must apply a plan with ``apply_plan``) and then the call on the
-    planned model; with a tensor-parallel plan every later call gathers its group's batch (module doc).
+    planned model; with a tensor-parallel plan, calls on per-process batches gather their group's (module doc).
 
     The wrapper stays ``model.forward`` (accelerate's autocast wraps it, ``unwrap_model`` finds it), and the
     runtime's own forward wrapper is installed around the original forward behind it."""
@@ -148,7 +152,7 @@ def plan_on_first_call(model: nn.Module, parallelize: Callable[[nn.Module, dict[
             # again through the module's __call__: the hooks the plan registered on the root (FSDP's) must run
             return model(*args, **kwargs)
         batch: TensorParallelBatch | None = state["batch"]
-        if batch is None:
+        if batch is None or not batch_is_per_process():  # a re-cut loader's batch is already the group's
             return planned(*args, **kwargs)
         gathered, rows = batch.gather(named_arguments(inner, args, kwargs))
         return batch.own_rows(planned(**gathered), rows)

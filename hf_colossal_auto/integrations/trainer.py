@@ -39,11 +39,10 @@ Usage (launch with ``torchrun --nproc_per_node N train.py`` or ``accelerate laun
    * no DDP wrapping: the runtime averages gradients over the plan's data-parallel axis itself (DDP over
      DTensor parameters would be wrong), via the Trainer's own path for models that manage their own
      parallelism (``is_distributed_loading_by_transformers``);
-   * data: the ranks of one tensor-parallel group get the same batch, and each data-parallel group gets
-     ``per_device_train_batch_size x tp`` samples, so that the global batch stays what plain DDP would give
-     (per-device batch x processes) and the learning-rate schedule and logged losses are those of the same job
-     under DDP. Evaluation batches stay ``per_device_eval_batch_size`` per data-parallel group, and the gathered
-     predictions/losses keep one copy per tensor-parallel group;
+   * data: the Trainer's accelerator prepares its loaders as for a plain Trainer (the same samples per step,
+     epochs, learning-rate schedule and logged losses); under tensor parallelism each process then reads its
+     tensor-parallel group's batch, the union of the batches a plain Trainer gives the group's processes
+     (:mod:`.data`), and evaluation gathers keep one copy per group;
    * checkpoints (``save_steps``, ``resume_from_checkpoint``): model and optimizer state go to
      ``checkpoint-N/hf_colossal_auto_state`` with ``torch.distributed.checkpoint`` (every rank writes its
      shards), next to a consolidated ``from_pretrained``-loadable copy of the weights, the scheduler, RNG and
@@ -60,6 +59,9 @@ Usage (launch with ``torchrun --nproc_per_node N train.py`` or ``accelerate laun
      at a time, the main process writes each safetensors file when complete (no rank holds the whole model);
    * tokens seen and FLOs are counted once per tensor-parallel group.
 
+Under ``python -m hf_colossal_auto.run`` (``accelerate launch ... -m hf_colossal_auto.run train.py``) every
+Trainer the script builds gets this callback, with the planner settings of :class:`.AutoParallelPlugin`.
+
 What is left out: ``predict_with_generate`` runs ``generate`` on the sharded model untested; gradient
 accumulation under an FSDP plan reduces gradients after every micro-batch (correct, not deferred);
 ``model_init``/hyper-parameter search is refused. A callback added after the Trainer was built
@@ -74,12 +76,10 @@ import inspect
 import itertools
 import logging
 import os
-import random
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -91,8 +91,8 @@ from ..apply.checkpoint import load_full_optimizer_state
 from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
 from ..plan import Plan
-from .accelerator import loader_options
 from .calibrated import resolve_device
+from .data import follow_plan, preserved_rng
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class AutoParallelCallback(TrainerCallback):
             self._trainer = trainer
             return
         _turn_off_trainer_recompute(trainer.args)
-        with _preserved_rng():
+        with preserved_rng():
             self.plan = self._make_plan(trainer)
             optimizers = [_unwrap_optimizer(trainer.optimizer)] if trainer.optimizer is not None else []
             apply_plan(
@@ -267,6 +267,30 @@ class AutoParallelCallback(TrainerCallback):
             return made
 
         return plan_on_one_rank(make)
+
+
+def callback_from_plugin(plugin: Any = None) -> AutoParallelCallback:
+    """The callback the runner gives a Trainer: the planner settings of ``plugin`` (default: an
+    :class:`~.plugin.AutoParallelPlugin` read from ``HF_COLOSSAL_AUTO_*`` / ``HF_COLOSSAL_AUTO_CONFIG``), as
+    ``AutoParallelAccelerator`` would plan with them."""
+    from .plugin import AutoParallelPlugin
+
+    plugin = AutoParallelPlugin() if plugin is None else plugin
+    extra = {k: v for k, v in (plugin.plan_kwargs or {}).items() if k in _PLAN_MODEL_KWARGS}
+    for name in ("dp_modes", "devices_per_node", "routing"):
+        if getattr(plugin, name) is not None:
+            extra[name] = getattr(plugin, name)
+    return AutoParallelCallback(
+        memory_budget=plugin.memory_budget,
+        device=plugin.device,
+        mesh_shape=plugin.mesh_shape,
+        plan_path=plugin.plan_path,
+        save_plan_path=plugin.save_plan_path,
+        time_limit_s=plugin.time_limit_s if plugin.time_limit_s is not None else 60.0,
+        timeout=plugin.timeout if plugin.timeout is not None else DEFAULT_TIMEOUT_S,
+        pretrained=plugin.pretrained,
+        **extra,
+    )
 
 
 # --- settings and conflicts ------------------------------------------------------------------------------
@@ -397,21 +421,6 @@ def example_global_batch(trainer: Trainer, size: int) -> dict[str, Any]:
     return {k: v for k, v in dict(batch).items() if isinstance(v, torch.Tensor)}
 
 
-@contextlib.contextmanager
-def _preserved_rng():
-    """Planning and applying must not change the run's random streams (data order, dropout, init)."""
-    py_state, np_state = random.getstate(), np.random.get_state()
-    devices = (
-        [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    )
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
-
-
 def _mixed_precision(args: TrainingArguments) -> str | None:
     return "bf16" if args.bf16 else "fp16" if args.fp16 else None
 
@@ -442,21 +451,11 @@ def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
 
 def _patch_trainer(trainer: Trainer, plan: Plan) -> None:
     """Route the Trainer's data, gradient sync, evaluation gathers and checkpoints through the plan's mesh."""
-    mesh = trainer.model._hf_colossal_auto_mesh
-    names = tuple(plan.mesh_axis_names)
-    coordinate = mesh.get_coordinate() or [0] * len(names)
-    dp_rank = coordinate[names.index("dp")] if "dp" in names else 0
-    dp_size, tp_size = plan.dp_size, plan.tp_size
-
     # No DDP/FSDP wrapping by accelerate; the optimizer is prepared alone (transformers' path for models that
     # manage their own parallelism). Gradient sync is the runtime's, after every micro-batch.
     trainer.is_distributed_loading_by_transformers = True
     trainer._defer_fsdp_gradient_reduction = contextlib.nullcontext
-    _batch_per_dp_group(trainer, tp_size)
-    _shard_data_over_dp(trainer, dp_size, dp_rank)
-    if tp_size > 1:
-        trainer.gather_function = _gather_one_copy_per_tp_group(trainer, tp_size)
-        _count_batches_once_per_tp_group(trainer, tp_size)
+    _follow_batch_rule(trainer, plan)
 
     trainer._save = _consolidated_save(trainer, trainer._save)
     trainer._save_optimizer_and_scheduler = functools.partial(_save_sharded_state, trainer)
@@ -482,87 +481,58 @@ def _patch_resume(trainer: Trainer) -> None:
     trainer._load_rng_state = functools.partial(_load_rng_state, trainer._load_rng_state, trainer.args)
 
 
-def _batch_per_dp_group(trainer: Trainer, tp_size: int) -> None:
-    """One data-parallel group is one DDP replica: its training loader yields per-device batch x tp samples, so
-    that a step consumes per-device batch x processes, as under DDP. The Trainer's per-device batch size itself
-    (saved in its state, compared on resume) is left alone; its count of the global batch is corrected."""
-    original_loader = trainer.get_train_dataloader
+def _follow_batch_rule(trainer: Trainer, plan: Plan) -> None:
+    """The Trainer's loaders are prepared by its accelerator as without the plan (the same samples, order,
+    lengths and learning-rate schedule as a plain Trainer); under tensor parallelism they are then re-cut so that
+    a tensor-parallel group computes on the union of its processes' batches, its predictions and losses are
+    gathered once per group, and tokens and FLOs are counted once per group (:mod:`.data`)."""
+    from .accelerator import AutoParallelAccelerator
 
-    @functools.wraps(original_loader)
-    def get_train_dataloader():
-        per_device = trainer._train_batch_size
-        trainer._train_batch_size = per_device * tp_size
-        try:
-            return original_loader()
-        finally:
-            trainer._train_batch_size = per_device
+    accelerator = trainer.accelerator
+    if isinstance(accelerator, AutoParallelAccelerator):  # under the runner: it adopts the plan and re-cuts
+        accelerator._adopt(trainer.model, plan)
+    else:
+        follow_plan(accelerator, plan.tp_size)
+    # the Trainer bound accelerator.gather_for_metrics at construction (and rebinds it after each evaluation)
+    trainer.gather_function = functools.partial(
+        accelerator.gather_for_metrics, use_gather_object=trainer.args.eval_use_gather_object
+    )
+    if plan.tp_size > 1:
+        _trainer_accounting_of_shared_batches(trainer)
+        _count_batches_once_per_tp_group(trainer, plan.tp_size)
+
+
+def _trainer_accounting_of_shared_batches(trainer: Trainer) -> None:
+    """The Trainer's own tensor-parallel arithmetic (it reads the model's ``_tp_size``): the label count it
+    normalises the loss by is gathered from every process and divided by ``tp``, and the loss scaled by
+    ``processes / tp`` — right for our batches too (each process holds its group's batch), given accelerate's
+    plain gather, not the one-copy-per-group gather scripts get. Its global batch size is the plain Trainer's
+    (per-device batch x processes), as the plan keeps it, not ``x dp``."""
+    from accelerate.utils import gather
+
+    def with_plain_gather(method):
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            accelerator = trainer.accelerator
+            had = "gather" in accelerator.__dict__
+            previous = accelerator.__dict__.get("gather")
+            accelerator.gather = gather
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if had:
+                    accelerator.gather = previous
+                else:
+                    del accelerator.gather
+
+        return call
 
     def get_total_train_batch_size(args: TrainingArguments) -> int:
         return trainer._train_batch_size * args.gradient_accumulation_steps * args.world_size
 
-    trainer.get_train_dataloader = get_train_dataloader
+    trainer._get_num_items_in_batch = with_plain_gather(trainer._get_num_items_in_batch)
+    trainer._track_num_input_tokens = with_plain_gather(trainer._track_num_input_tokens)
     trainer.get_total_train_batch_size = get_total_train_batch_size
-
-
-def _shard_data_over_dp(trainer: Trainer, dp_size: int, dp_rank: int) -> None:
-    """Every data loader the Trainer prepares is split over the data-parallel groups only: the ranks of one
-    tensor-parallel group read the same batches (accelerate would split over all processes)."""
-    from accelerate.data_loader import prepare_data_loader
-
-    accelerator = trainer.accelerator
-    original = accelerator.prepare_data_loader
-
-    def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        if getattr(data_loader, "_is_accelerate_prepared", False):
-            return original(data_loader, device_placement, slice_fn_for_dispatch)
-        prepared = prepare_data_loader(
-            data_loader,
-            accelerator.device,
-            num_processes=dp_size,
-            process_index=dp_rank,
-            split_batches=accelerator.split_batches,
-            dispatch_batches=accelerator.dispatch_batches,
-            slice_fn_for_dispatch=slice_fn_for_dispatch,
-            **loader_options(accelerator, device_placement),
-        )
-        accelerator._dataloaders.append(prepared)
-        return prepared
-
-    accelerator.prepare_data_loader = prepare
-
-
-def _gather_one_copy_per_tp_group(trainer: Trainer, tp_size: int):
-    """``gather_for_metrics`` for batches shared by tensor-parallel groups: gather from all ranks, keep the
-    tensor-parallel rank 0 copy of each group's rows, then drop the padding of the last batch as accelerate does
-    (its remainder counts data-parallel groups, which is how the loaders were split)."""
-    from accelerate.utils import gather_object, recursively_apply
-
-    accelerator = trainer.accelerator
-    world = accelerator.num_processes
-
-    def first_copies(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dim() == 0 or tensor.shape[0] % world:
-            return tensor
-        rows = tensor.shape[0] // world
-        return tensor.reshape(world // tp_size, tp_size, rows, *tensor.shape[1:])[:, 0].reshape(
-            -1, *tensor.shape[1:]
-        )
-
-    def gather(input_data: Any, use_gather_object: bool = False) -> Any:
-        if use_gather_object:
-            data = gather_object(input_data)
-            per_rank = len(data) // world
-            data = [x for i, x in enumerate(data) if (i // per_rank) % tp_size == 0]
-        else:
-            data = recursively_apply(first_copies, accelerator.gather(input_data))
-        state = accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            if use_gather_object:
-                return data[: state.remainder]
-            return recursively_apply(lambda t: t[: state.remainder], data)
-        return data
-
-    return functools.partial(gather, use_gather_object=trainer.args.eval_use_gather_object)
 
 
 def _count_batches_once_per_tp_group(trainer: Trainer, tp_size: int) -> None:

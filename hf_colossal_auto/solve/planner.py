@@ -885,6 +885,30 @@ def _resolve_budget(memory_budget: int | str | None, spec: DeviceSpec) -> int:
     return parse_bytes(memory_budget)
 
 
+def _without_sharding_of_scalars(model: nn.Module, dp_modes: tuple[str, ...]) -> tuple[str, ...]:
+    """FSDP2's ``fully_shard`` refuses 0-dim parameters (a learnable scale, say): with one, the data-parallel
+    modes that shard parameters over the replicas are not offered (a warning names it); asking for those
+    alone is an error that says so."""
+    scalars = [n for n, p in model.named_parameters() if p.dim() == 0]
+    if not scalars:
+        return dp_modes
+    sharded = {"fsdp", "hsdp", EXPERT_FSDP_KEY}
+    kept = tuple(m for m in dp_modes if m not in sharded)
+    if not kept:
+        raise ValueError(
+            f"{type(model).__name__} has 0-dim parameters ({', '.join(scalars[:3])}), which FSDP cannot shard, "
+            f"and dp_modes={dp_modes!r} are all sharded modes: allow 'ddp', or make them 1-element tensors"
+        )
+    if kept != dp_modes:
+        logger.warning(
+            "%s has 0-dim parameters (%s), which FSDP cannot shard: data-parallel modes %s are not tried",
+            type(model).__name__,
+            ", ".join(scalars[:3]),
+            sorted(set(dp_modes) - set(kept)),
+        )
+    return kept
+
+
 def plan_model(
     model: nn.Module,
     example_inputs: Mapping[str, Any],
@@ -930,6 +954,7 @@ def plan_model(
         )
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    dp_modes = _without_sharding_of_scalars(model, tuple(dp_modes))
     if micro_batches is not None and micro_batches < 1:
         raise ValueError(f"micro_batches must be None (searched) or >= 1, got {micro_batches}")
     planner = _Planner.for_devices(

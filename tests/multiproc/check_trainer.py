@@ -100,7 +100,10 @@ def run(args: argparse.Namespace, distributed: bool) -> None:
     training_args = arg_cls(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.per_device,
-        per_device_eval_batch_size=2,
+        # as the training batch: a step's rows are the plain Trainer's, which a tensor-parallel group computes in
+        # one batch, so the one-process reference evaluates the same global batches (a MoE model's balancing
+        # loss depends on what is batched together)
+        per_device_eval_batch_size=args.per_device,
         max_steps=args.steps,
         gradient_accumulation_steps=args.grad_accum,
         learning_rate=1e-3,
