@@ -207,9 +207,10 @@ def agreed_forward(model: torch.nn.Module) -> Iterator[None]:
 
 def _hf_checkpointing(model: torch.nn.Module) -> bool:
     """Whether transformers' own activation checkpointing is on (a plan without recompute leaves it)."""
+    # transformers 5 renamed the flag; reading the old name warns
+    new_name = hasattr(type(model), "is_activation_checkpointing")
     return bool(
-        getattr(model, "is_activation_checkpointing", False)
-        or getattr(model, "is_gradient_checkpointing", False)
+        getattr(model, "is_activation_checkpointing" if new_name else "is_gradient_checkpointing", False)
     )
 
 
@@ -218,7 +219,7 @@ def _hf_checkpointing(model: torch.nn.Module) -> bool:
 
 def _writes_self(op: torch._ops.OpOverload) -> bool:
     first = op._schema.arguments[0]
-    return first.alias_info is not None and first.alias_info.is_write and not op._schema.is_out
+    return first.alias_info is not None and first.alias_info.is_write
 
 
 def _ignores_values(op: torch._ops.OpOverload) -> bool:
