@@ -91,3 +91,11 @@ def test_without_random_ops_the_agreement_is_skipped(results):
 def test_plans_without_tensor_parallelism_change_nothing(results):
     """A 2 x 1 plan (data parallelism only): no agreement installed; each replica draws from its own stream."""
     assert results["ddp"]["installed"] is False
+
+
+def test_sampling_generate_picks_the_same_tokens_on_the_group(results):
+    """``generate(do_sample=True)`` samples outside the forward; the group's ranks, seeded differently, pick
+    the same tokens (they feed them to the next forward as one replicated batch)."""
+    rank0, rank1 = results["llama"]["sampled_tokens"]
+    assert len(rank0[0]) == 6
+    assert rank0 == rank1

@@ -18,6 +18,8 @@ Two pieces:
   Activation checkpointing records the generator state at a recomputed block's entry — the agreed one — and
   replays it in backward, so recomputed blocks draw the same masks. A model whose last training forward drew
   nothing (dropout 0, no noise) skips the broadcast until it draws again (see :meth:`TensorParallelRNG.forward`).
+  ``generate()`` runs on agreed generators as a whole: sampling picks the next tokens outside the forward, and
+  the group's ranks must pick the same ones.
 * **per-shard draws** (:func:`register_random_op_handlers`): a DTensor random op on a value sharded over the
   group, where DTensor has no offset-based tracker (CPU), draws the *whole* tensor from the agreed generator
   on every rank and keeps this rank's part: the shards' numbers are exactly one process's, and every rank's
@@ -33,6 +35,7 @@ regions, e.g. an MoE expert computed on local tensors) draw the same numbers on 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from collections.abc import Iterator
@@ -132,6 +135,15 @@ class TensorParallelRNG:
         if self.own is None:
             self.agree()
 
+    @contextlib.contextmanager
+    def agreed(self) -> Iterator[None]:
+        """Agreed generators for the duration, whatever the model draws (around ``generate()``)."""
+        self.agree()
+        try:
+            yield
+        finally:
+            self._finish()
+
     def _finish(self) -> None:
         """After the forward: the first rank keeps its advanced generator, the others get theirs back."""
         if self.own is not None and not self.is_first:
@@ -148,7 +160,7 @@ class TensorParallelRNG:
         always agrees up front: a block's checkpoint records the generator state at its entry, which must
         already be the agreed one."""
         global _active
-        if not training:
+        if not training or self.own is not None:  # evaluation, or inside an agreed region (generate())
             yield
             return
         eager = self.always or checkpointed or self.draws is not False
@@ -187,7 +199,25 @@ def install_tensor_parallel_rng(model: torch.nn.Module, mesh: DeviceMesh, recomp
     device = _device_of(tp_mesh)
     if device is not None:
         ensure_dtensor_rng_tracker(tp_mesh)
-    setattr(model, _RNG_ATTR, TensorParallelRNG(_agreement_group(mesh, tp_mesh), device, recomputed))
+    rng = TensorParallelRNG(_agreement_group(mesh, tp_mesh), device, recomputed)
+    setattr(model, _RNG_ATTR, rng)
+    _agree_in_generate(model, rng)
+
+
+def _agree_in_generate(model: torch.nn.Module, rng: TensorParallelRNG) -> None:
+    """``model.generate`` runs on agreed generators: sampling (``do_sample=True``) draws the next tokens from the
+    logits outside the forward, on plain tensors; from each rank's own generator the group's ranks would pick
+    different tokens and feed them to the next forward as one replicated batch."""
+    original = getattr(model, "generate", None)
+    if not callable(original):
+        return
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        with rng.agreed():
+            return original(*args, **kwargs)
+
+    model.generate = generate
 
 
 def rng_of(model: torch.nn.Module) -> TensorParallelRNG | None:

@@ -16,7 +16,8 @@ At every step rank 0 also runs the model on the whole batch in one process, from
 had when the step began: with the tensor-parallel group agreeing on rank 0's generator and each shard drawing
 its part of one whole-tensor draw, the losses and gradients are one process's. The result also holds both
 ranks' losses, the largest difference of the replicated parameters between the ranks after the last step,
-and, for the first step of ``llama``, the attention-probability dropout masks each rank drew for its heads.
+and, for the first step of ``llama``, the attention-probability dropout masks each rank drew for its heads;
+for ``llama`` too, the tokens each rank samples with ``generate(do_sample=True)`` afterwards.
 
 ``gpt2-p0`` trains with every dropout at 0 (the generators are agreed once, then no more), then sets them to
 0.1 for one more step (agreed again before the first draw) — counted broadcasts, and the same comparison.
@@ -173,16 +174,17 @@ def train(name: str, args: argparse.Namespace) -> dict:
                     for g, r in zip(grads, reference.parameters(), strict=True)
                 ),
             )
-            ref_losses.append(float(ref_loss))
+            ref_losses.append(float(ref_loss.detach()))
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         both = [None] * world
-        dist.all_gather_object(both, float(loss))
+        dist.all_gather_object(both, float(loss.detach()))
         losses.append(both)
     agreements.restore()
     whole_draws.restore()
+    sampled = _sampled_tokens(model, batch) if name == "llama" else None
     gathered = [None] * world
     dist.all_gather_object(gathered, [(p, m.tolist()) for p, m in masks])
     result = {
@@ -195,10 +197,23 @@ def train(name: str, args: argparse.Namespace) -> dict:
         "whole_draws": whole_draws.calls,
         "recomputed": sorted(k for k, v in model._hf_colossal_auto_plan.recompute.items() if v != "none"),
         "attention_masks": gathered,  # per rank: [(placements, local mask)] of the first step
+        "sampled_tokens": sampled,  # per rank: generate(do_sample=True)'s tokens
     }
     del model, opt, reference, ref_opt
     dist.barrier()
     return result
+
+
+def _sampled_tokens(model, batch) -> list:
+    """Every rank's tokens of ``generate(do_sample=True)`` (eval mode, the ranks' generators differing)."""
+    model.eval()
+    torch.manual_seed(99 + dist.get_rank())
+    prompt = batch["input_ids"][:2, :4]
+    tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, max_new_tokens=6)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, tokens[:, 4:].tolist())
+    model.train()
+    return every
 
 
 def ddp_installs_nothing(args: argparse.Namespace) -> dict:
