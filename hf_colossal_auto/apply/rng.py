@@ -102,7 +102,10 @@ def _agreement_group(mesh: DeviceMesh, tp_mesh: DeviceMesh) -> dist.ProcessGroup
         group = dist.new_group(ranks, backend="gloo")
         if dist.get_rank() in ranks:
             mine = group
-    assert mine is not None  # this rank is in the mesh
+    if mine is None:
+        raise RuntimeError(
+            f"rank {dist.get_rank()} is not in the plan's mesh {rows}; apply the plan on every rank"
+        )
     return mine
 
 
