@@ -23,6 +23,10 @@ __all__ = [
     "queue_backward_callback",
     "set_group_timeout",
     "default_dtensor_dispatch",
+    "dtensor_random_ops",
+    "dtensor_rng_region",
+    "dtensor_tracks_random_ops",
+    "ensure_dtensor_rng_tracker",
     "dtensor_op_has_handler",
     "register_dtensor_op_handler",
     "allow_implicit_replication",
@@ -222,6 +226,54 @@ def default_dtensor_dispatch(op, args, kwargs):
         return op(*args, **(kwargs or {}))
     finally:
         handlers[op] = handler
+
+
+def dtensor_random_ops() -> frozenset:
+    """The aten ops DTensor's dispatcher treats as random (dropout, ``bernoulli_``, ``rand_like``...): the ops
+    its RNG tracker offsets per shard on CUDA (a private set of its op dispatcher)."""
+    from torch.distributed.tensor import DTensor
+
+    return frozenset(DTensor._op_dispatcher._random_ops)
+
+
+def dtensor_tracks_random_ops(mesh) -> bool:
+    """Whether DTensor's random ops on ``mesh`` run under an offset-based RNG tracker (distinct numbers per
+    shard): a tracker exists, is enabled, and the mesh's device has a generator it can offset (CUDA-like;
+    ``torch.distributed.tensor._random.is_rng_supported_mesh`` without its warning). Never on CPU."""
+    from torch.distributed.tensor import _random
+
+    handle = getattr(torch, mesh.device_type, None)
+    tracker = _random._rng_tracker
+    return (
+        mesh.device_type != "cpu"
+        and hasattr(handle, "set_rng_state")
+        and tracker is not None
+        and tracker.distribute_region_enabled
+    )
+
+
+def ensure_dtensor_rng_tracker(mesh) -> None:
+    """Create DTensor's ``OffsetBasedRNGTracker`` for ``mesh`` (a CUDA-like mesh) unless one exists, *without*
+    its state synchronisation: left to DTensor, the first random op creates it and broadcasts global rank 0's
+    generator state to every rank — data-parallel replicas included, which then draw the same masks. What
+    ``torch.distributed.tensor.random.manual_seed`` does, without reseeding."""
+    from torch.distributed.tensor import _random
+
+    if _random._rng_tracker is None:
+        _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
+
+
+def dtensor_rng_region(dtensor):
+    """DTensor's RNG tracker's per-shard region for a random op whose output is laid out like ``dtensor``: each
+    shard draws from its own offset of the (shared) Philox state, and every rank leaves it at the same offset.
+    A null context where DTensor has no tracker for the mesh's device."""
+    import contextlib
+
+    from torch.distributed.tensor import _random
+
+    if not dtensor_tracks_random_ops(dtensor.device_mesh):
+        return contextlib.nullcontext()
+    return _random._rng_tracker._distribute_region(dtensor._spec)
 
 
 def storage_key(tensor) -> int:

@@ -62,6 +62,7 @@ from .moe import (
 )
 from .pretrained import install_save_pretrained, load_pretrained
 from .recompute import apply_recompute
+from .rng import agreed_forward, fused_attention_dropout_region, install_tensor_parallel_rng
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +262,9 @@ def _sdpa_with_placed_mask(query, key, value, attn_mask=None, *args, **kwargs):
             query, key, value = (t.redistribute(mesh, [Replicate()]) for t in (query, key, value))
             wanted = Replicate()
         attn_mask = attn_mask.redistribute(mesh, [wanted])
-    return _original_sdpa(query, key, value, attn_mask, *args, **kwargs)
+    dropout_p = args[0] if args else kwargs.get("dropout_p", 0.0)
+    with fused_attention_dropout_region(query, dropout_p):  # CUDA: each head shard its own masks
+        return _original_sdpa(query, key, value, attn_mask, *args, **kwargs)
 
 
 def install_sdpa_mask_placement() -> None:
@@ -291,7 +294,8 @@ def wrap_forward(model: nn.Module, mesh: DeviceMesh) -> None:
     def forward(*args, **kwargs):
         args = tree_map(lambda v: _to_dtensor(v, mesh, placements), args)
         kwargs = tree_map(lambda v: _to_dtensor(v, mesh, placements), kwargs)
-        with ReducePartialGradientsAtProducers():
+        # the tensor-parallel group draws random numbers as one process (apply/rng.py)
+        with agreed_forward(model), ReducePartialGradientsAtProducers():
             output = original(*args, **kwargs)
         if isinstance(output, Mapping):  # HF ModelOutput is an OrderedDict subclass: keep its class
             for key in list(output.keys()):
@@ -462,7 +466,9 @@ def apply_plan(
     install_expert_data_parallel_regions(model, plan, mesh)  # experts split over the data-parallel axis
     register_embedding_reduction(model)
     enforce_plan(model, plan)
-    apply_recompute(model, plan)  # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP
+    # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP
+    recomputed = apply_recompute(model, plan)
+    install_tensor_parallel_rng(model, mesh, recomputed=bool(recomputed))
     if fsdp:
         model._hf_colossal_auto_dp_mesh = data_parallel_shard_mesh(plan, mesh)
         over_dp = expert_data_parallel_params(model, plan)
