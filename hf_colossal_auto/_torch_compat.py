@@ -22,6 +22,7 @@ __all__ = [
     "set_clip_grad_internals",
     "queue_backward_callback",
     "set_group_timeout",
+    "group_timeout",
     "default_dtensor_dispatch",
     "dtensor_random_ops",
     "dtensor_rng_region",
@@ -314,6 +315,15 @@ def default_store():
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+def group_timeout(group=None):
+    """The collective timeout a process group's CPU backend runs with now (a ``timedelta``; the default group
+    when ``group`` is None): what :func:`set_group_timeout` set, read back from the backend's options."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if group is None else group
+    return group._get_backend(torch.device("cpu")).options._timeout
 
 
 _GROUPED_MM_META_LIBRARY: list = []  # the Library object must stay alive for its registration to hold

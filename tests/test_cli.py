@@ -59,12 +59,23 @@ def test_devices_and_presets_list_every_name(capsys):
 
 
 @pytest.mark.slow
-def test_demo_plans_gpt2_xl_for_eight_a100s_with_and_without_a_budget(capsys):
-    """``demo --max-steps 0``: the two plans of ``make demo`` (the training run is the recipes' tests')."""
+def test_demo_plans_gpt2_xl_for_eight_a100s_with_and_without_a_budget(capsys, monkeypatch):
+    """``demo --max-steps 0``: the two plans of ``make demo`` (the training run is the recipes' tests'); the
+    budgeted one was made for 8 GiB and its predicted peak fits it (where the unbudgeted plan's does not:
+    the budget changed the plan), and the summary printed is that plan's."""
+    from hf_colossal_auto.solve import planner
+
+    made = []
+    real = planner.plan_model
+    monkeypatch.setattr(planner, "plan_model", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     assert main(["-q", "demo", "--max-steps", "0"]) == 0
     printed = capsys.readouterr().out
     assert printed.count("Plan for GPT2LMHeadModel") == 2
     assert "--memory-budget 8GiB" in printed
+    free, budgeted = made
+    assert budgeted.memory_budget_bytes == 8 * 2**30
+    assert budgeted.peak_memory_bytes <= 8 * 2**30 < free.peak_memory_bytes
+    assert budgeted.summary() in printed
 
 
 def test_launch_dry_run_prints_the_accelerate_command(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc.check_numerics import moe_runtime_plan
 from multiproc.common import wide_mixtral, wider_model
 from torch import nn
 
@@ -111,29 +112,6 @@ def test_collectives_that_recompute_runs_again_are_predicted(preset):
     assert _real_run_comm(model, plan, batch)[0] == predicted
 
 
-def _moe_runtime_plan(model: nn.Module, batch, kind: str):
-    """The 1 x 2 plan the MoE runtime test trains for ``kind`` (tests/multiproc/check_numerics.py): the
-    Megatron placements or HF's own ``base_model_tp_plan`` ("experts-tp"), with the expert weights used as
-    stored (no ``param_use_placements`` for them) so that the split compute runs. ``"megatron-split"`` uses
-    every weight as stored (Qwen2-MoE's shared expert split like a dense MLP, its sigmoid gate multiplying a
-    partial sum), re-priced with its uses pinned so that its module outputs are placed for the split compute
-    (the Megatron plan's own place them for gathered weights)."""
-    from multiproc.check_numerics import hf_tp_plan
-
-    baseline = "megatron" if kind.startswith("megatron") else hf_tp_plan(model, kind == "experts-tp")
-    if kind == "experts-ep":  # attention TP, whole experts per rank (HF's base_model_ep_plan)
-        baseline = {**baseline, **model.config.base_model_ep_plan}
-    plan = evaluate_plan(model, batch, baseline, num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
-    plan.param_use_placements = {
-        k: v
-        for k, v in plan.param_use_placements.items()
-        if ".experts." not in k and kind != "megatron-split"
-    }
-    if kind == "megatron-split":
-        plan = evaluate_plan(model, batch, plan, num_devices=2, device="cpu", pin_uses=True).plan
-    return plan
-
-
 @pytest.mark.parametrize(
     ("preset", "kind"),
     [
@@ -158,7 +136,7 @@ def test_moe_plans_the_runtime_tests_run(preset, kind):
 
     model = _tiny(preset)
     batch = make_example_inputs(model, 4, 16, seed=0)
-    plan = _moe_runtime_plan(model, batch, kind)
+    plan = moe_runtime_plan(model, batch, kind)
     priced = evaluate_plan(model, batch, plan, num_devices=2, device="cpu", pin_uses=True).plan
     assert priced.param_use_placements == plan.param_use_placements  # priced as it runs
     assert set(priced.moe_layers.values()) == {"experts: EP×2" if kind == "experts-ep" else "experts: TP×2"}

@@ -143,9 +143,10 @@ def _runtime_collectives(model, plan, batch) -> tuple[dict[str, int], list[list[
 
 
 def test_runtime_shards_inside_nodes_and_all_reduces_each_shard_across_them(plans):
-    """FSDP2 on the plan's (replicate, shard) mesh: shard groups are a node's ranks, replicate groups cross
-    nodes; every reduce-scatter of gradients is followed by one all-reduce of its shard (the plan predicts
-    as many dp_all_reduce as dp_reduce_scatter), which plain FSDP never runs."""
+    """FSDP2 on the plan's (replicate, shard) mesh, 2 nodes x 2: shard groups are a node's ranks, replicate groups
+    cross nodes; HSDP runs plain FSDP's gathers and reduce-scatters (the same units, in the node) and all-reduces
+    across the nodes exactly the shards of the parameters the plan prices an all-reduce for — which plain FSDP
+    never runs."""
     model, batch, _ = _two_nodes_of_two()
     local = {k: v[:2] for k, v in batch.items()}  # one replica's rows
     counts, ranks = _runtime_collectives(model, plans["hsdp"], local)
@@ -155,16 +156,115 @@ def test_runtime_shards_inside_nodes_and_all_reduces_each_shard_across_them(plan
     assert all(
         len({r // per_node for r in group}) == 2 for group in zip(*ranks, strict=True)
     )  # replicas: not
-    hsdp = plans["hsdp"].collectives
-    assert counts["reduce_scatter"] > 0 and counts["all_gather"] > 0
-    assert counts["all_reduce"] == counts["reduce_scatter"]
-    assert hsdp["dp_all_reduce"] == hsdp["dp_reduce_scatter"]
-
     model, _, _ = _two_nodes_of_two()
     fsdp_counts, _ = _runtime_collectives(model, plans["fsdp"], local)
     assert "all_reduce" not in fsdp_counts
-    assert fsdp_counts["reduce_scatter"] == counts["reduce_scatter"]  # the same units, only the groups differ
-    assert fsdp_counts["all_gather"] == counts["all_gather"]
+    assert (
+        fsdp_counts["reduce_scatter"] == counts["reduce_scatter"] > 0
+    )  # the same units, only the groups differ
+    assert fsdp_counts["all_gather"] == counts["all_gather"] > 0
+    model, _, _ = _two_nodes_of_two()
+    ran = _collectives_with_groups(model, plans["hsdp"], local, rank=0)
+    all_reduced = sum(nbytes for kind, _, nbytes in ran if kind == "all_reduce")
+    assert all_reduced == _planned_all_reduce_bytes(model, plans["hsdp"])
+
+
+class _GroupRecorder:
+    """Every c10d collective a step issues (``c10d.*`` ops, seen by a dispatch mode: what FSDP2 and DTensor hand
+    the process group), with the global ranks of the group it ran on and the bytes this rank handed in (a
+    reduce-scatter's whole input, an all-gather's or an all-reduce's local tensor)."""
+
+    KINDS = {
+        "c10d._allgather_base_.default": "all_gather",
+        "c10d._reduce_scatter_base_.default": "reduce_scatter",
+        "c10d.allreduce_.default": "all_reduce",
+    }
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        recorded = self.recorded = []
+        kinds = self.KINDS
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch.distributed as dist
+
+                kind = str(func)
+                if kind.startswith("c10d."):
+                    assert kind in kinds, f"a collective the test does not expect: {kind}"
+                    (group,) = [
+                        dist.ProcessGroup.unbox(a)
+                        for a in args
+                        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())
+                    ]
+                    tensors = [t for a in args for t in (a if isinstance(a, list) else [a])]
+                    handed = tensors[1] if kinds[kind] == "reduce_scatter" else tensors[0]
+                    ranks = tuple(dist.get_process_group_ranks(group))
+                    recorded.append((kinds[kind], ranks, handed.numel() * handed.element_size()))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
+def _collectives_with_groups(model, plan, batch, rank: int) -> list[tuple[str, tuple[int, ...], int]]:
+    """Apply ``plan`` as rank ``rank`` of the fake process group (one process; shapes, groups and collectives
+    real, values not) and record the collectives of one forward + backward with their groups' ranks."""
+    import torch.distributed as dist
+
+    from hf_colossal_auto._torch_compat import fake_process_group
+    from hf_colossal_auto.apply import apply_plan, build_mesh
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    fake_process_group(plan.num_devices, rank)
+    try:
+        apply_plan(model, plan, build_mesh(plan, "cpu"))
+        recorder = _GroupRecorder()
+        with recorder.mode:
+            model(**batch).loss.backward()
+    finally:
+        dist.destroy_process_group()
+    return recorder.recorded
+
+
+def _planned_all_reduce_bytes(model, plan) -> int:
+    """The bytes the plan says one rank all-reduces across the replicas in a step: one all-reduce per parameter
+    it prices (``dp_all_reduce``), of that parameter's shard (dim 0 split over the shard group, padded up as
+    FSDP2 pads it), in float32."""
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    assert plan.collectives["dp_all_reduce"] == len(plan.param_placements)
+    shard = plan.dp_shard_size
+    return sum(
+        -(-shapes[name][0] // shard) * (shapes[name].numel() // shapes[name][0]) * 4
+        for name in plan.param_placements
+    )
+
+
+@pytest.mark.parametrize("per_node", [4, 2])
+def test_hsdp_groups_follow_the_node_layout_on_a_non_square_mesh(per_node):
+    """8 ranks on a 8 x 1 mesh, ``per_node`` devices per node (the planner lays HSDP out as 2 x 4, then 4 x 2):
+    as seen from a rank of the first node and one of another, every all-gather and reduce-scatter runs on
+    exactly that rank's node, every all-reduce on the ranks at the same place in every node (one per node),
+    and the all-reduces move the shards of every parameter the plan prices one for. A square 2 x 2 mesh
+    cannot tell the shard axis from the replicate axis; this one can."""
+    model, batch, spec = _two_nodes_of_two()
+    plan = plan_model(
+        model, batch, num_devices=8, device=spec, devices_per_node=per_node, mesh_shape=(8, 1),
+        dp_modes=("hsdp",), micro_batches=1,
+    )  # fmt: skip
+    nodes = 8 // per_node
+    assert (plan.dp_shard_size, plan.dp_replicate_size) == (per_node, nodes)
+    local = {k: v[:1] for k, v in batch.items()}  # one replica's rows
+    for rank in (0, 5):
+        ran = _collectives_with_groups(_two_nodes_of_two()[0], plan, local, rank)
+        node = rank // per_node
+        in_node = tuple(range(node * per_node, (node + 1) * per_node))
+        across = tuple(rank % per_node + n * per_node for n in range(nodes))
+        groups = {(kind, ranks) for kind, ranks, _ in ran}
+        assert groups == {("all_gather", in_node), ("reduce_scatter", in_node), ("all_reduce", across)}, rank
+        all_reduced = sum(nbytes for kind, _, nbytes in ran if kind == "all_reduce")
+        assert all_reduced == _planned_all_reduce_bytes(model, plan), rank
 
 
 @pytest.mark.slow

@@ -140,17 +140,22 @@ def test_frontier_table_shows_micro_batches():
     assert "2x1 ddp, none" in table
 
 
+PEAK_WITHIN = 0.0015
+"""The documented agreement of the planner's micro-batch peak with MemTracker's (docs/benchmarks.md: +0.10 % to
++0.15 % at k = 1-8, tiny Llama at 16 x 128)."""
+
+
 def test_measured_peak_falls_with_micro_batches_as_predicted():
-    """One process, tiny Llama at 8 x 128, no recompute: the planner's peak for 1 and 4 micro-batches (one
-    micro-batch's activations on top of the accumulated gradients) against MemTracker's of the real step
-    (each piece's forward + backward, the optimizer step after the last), within 1 %."""
+    """One process, tiny Llama at 16 x 128, no recompute: the planner's peak for 1, 2, 4 and 8 micro-batches
+    (one micro-batch's activations on top of the accumulated gradients) against MemTracker's of the real step
+    (each piece's forward + backward, the optimizer step after the last), within the documented 0.15 %."""
     from hf_colossal_auto import plan_model
     from hf_colossal_auto._torch_compat import MemTracker
 
     torch.manual_seed(0)
     model = build_model("tiny-llama", device="cpu")
     model.eval()
-    batch = make_example_inputs(model, 8, 128, seed=0)
+    batch = make_example_inputs(model, 16, 128, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(**batch).loss.backward()  # warm-up: the optimizer state exists, as in every later step
     optimizer.step()
@@ -169,15 +174,15 @@ def test_measured_peak_falls_with_micro_batches_as_predicted():
             optimizer.step()
 
     meta = build_model("tiny-llama", device="meta")
-    shapes = make_example_inputs(meta, 8, 128, device="meta")
-    measured, predicted = {}, {}
-    for k in (1, 4):
+    shapes = make_example_inputs(meta, 16, 128, device="meta")
+    measured, errors = {}, {}
+    for k in (1, 2, 4, 8):
         pieces = split_batch(batch, k)
         measured[k] = max(
             peak_of(functools.partial(piece_step, p, k, i == k - 1)) for i, p in enumerate(pieces)
         )
         optimizer.zero_grad(set_to_none=True)
         plan = plan_model(meta, shapes, num_devices=1, device="cpu", micro_batches=k, recompute="none")
-        predicted[k] = plan.peak_memory_bytes
-        assert predicted[k] == pytest.approx(measured[k], rel=0.01), (k, predicted[k], measured[k])
-    assert measured[4] < 0.5 * measured[1]
+        errors[k] = plan.peak_memory_bytes / measured[k] - 1
+    assert all(abs(e) <= PEAK_WITHIN for e in errors.values()), {k: f"{e:+.4%}" for k, e in errors.items()}
+    assert measured[8] < measured[4] < measured[2] < measured[1] and measured[4] < 0.5 * measured[1]

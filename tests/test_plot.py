@@ -35,9 +35,43 @@ def test_plan_carries_what_the_plot_draws(recomputed_plan):
     assert sum(b.recompute_s for b in plan.blocks) == pytest.approx(plan.recompute_time_s, rel=1e-9)
 
 
-def test_plot_plan_writes_a_png(recomputed_plan, tmp_path):
-    out = plot_plan(recomputed_plan, tmp_path / "sub" / "plan.png")
+def _drawn(monkeypatch, plan, path):
+    """``plot_plan(plan, path)`` and the matplotlib Figure it drew (kept as ``new_figure`` makes it)."""
+    import hf_colossal_auto.plot as plot
+
+    made = []
+    real = plot.new_figure
+    monkeypatch.setattr(plot, "new_figure", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    out = plot_plan(plan, path)
+    (figure,) = made
+    return out, figure
+
+
+def test_plot_shows_the_budget_the_memory_peak_and_one_bar_per_block(recomputed_plan, tmp_path, monkeypatch):
+    """What the PNG shows, read from the figure: the memory panel's curve has one point per moment the plan
+    constrains and peaks at the plan's predicted peak, under a budget line at the plan's budget; the time
+    panel has one bar per block in each of compute, exposed communication and recompute, named by block, whose
+    widths are the blocks' times (the recompute bars summing to the plan's recompute time)."""
+    plan = recomputed_plan
+    out, figure = _drawn(monkeypatch, plan, tmp_path / "sub" / "plan.png")
     assert out.read_bytes()[:8] == PNG_MAGIC
+    gib = float(1 << 30)
+    memory, time = figure.axes
+    (curve,) = [line for line in memory.get_lines() if line.get_label() == "predicted per-device memory"]
+    (budget,) = [line for line in memory.get_lines() if line.get_label() == "budget"]
+    assert len(curve.get_ydata()) == len(plan.memory_moments)
+    assert max(curve.get_ydata()) * gib == pytest.approx(plan.peak_memory_bytes, abs=1)
+    assert list(budget.get_ydata()) == pytest.approx([plan.memory_budget_bytes / gib] * 2, rel=1e-12)
+    assert max(curve.get_ydata()) <= budget.get_ydata()[0]  # the plan fits its budget, and the figure says so
+    labels = [t.get_text() for t in time.get_yticklabels()]
+    assert labels == [b.name.rsplit(".", 1)[-1] if b.name else "(model)" for b in plan.blocks]
+    compute, communication, rerun = time.containers
+    for bars, field in ((compute, "compute_s"), (communication, "communication_s"), (rerun, "recompute_s")):
+        assert [bar.get_width() for bar in bars] == pytest.approx(
+            [getattr(b, field) * 1e3 for b in plan.blocks]
+        )
+    assert sum(bar.get_width() for bar in rerun) == pytest.approx(plan.recompute_time_s * 1e3, rel=1e-9)
+    assert sum(bar.get_width() for bar in rerun) > 0
 
 
 def test_cli_plan_plot(tmp_path, capsys):

@@ -234,6 +234,7 @@ def test_gpt_resume_continues_with_the_same_losses(tmp_path, fresh_accelerate_st
     _run_in_process("pretrain_gpt", [*quick(6), "--output_dir", str(first), "--save_steps", "3"])
     straight = read_metrics(first / "metrics.jsonl")
     assert latest_checkpoint(first) == first / "checkpoints" / "step_6"
+    _half_written_checkpoints_are_skipped_or_refused(first, tmp_path / "damaged")
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     checkpoint = first / "checkpoints" / "step_3"
@@ -246,6 +247,51 @@ def test_gpt_resume_continues_with_the_same_losses(tmp_path, fresh_accelerate_st
     for a, b in zip(straight[3:], resumed, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["lr"] == pytest.approx(b["lr"]) and a["tokens"] == b["tokens"]
+
+
+def _half_written_checkpoints_are_skipped_or_refused(run: Path, root: Path) -> None:
+    """Copies of a real run's checkpoints with step 6's made half-written, as a kill while saving leaves it:
+    its loop state missing, or its largest file (a model/optimizer shard) truncated. ``latest`` falls back
+    to step 3; naming step 6 is refused with the reason."""
+    import shutil
+
+    from _shared.checkpoints import latest_checkpoint, resolve
+
+    def damaged(name: str, damage) -> Path:
+        out = root / name
+        shutil.copytree(run / "checkpoints", out / "checkpoints")
+        damage(out / "checkpoints" / "step_6")
+        return out
+
+    def truncate(step: Path) -> None:
+        largest = max((f for f in step.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+        with open(largest, "r+b") as f:
+            f.truncate(largest.stat().st_size // 2)
+
+    no_state = damaged("no_state", lambda step: (step / "recipe_state.json").unlink())
+    truncated = damaged("truncated", truncate)
+    for out, reason in ((no_state, "no recipe_state.json"), (truncated, "truncated")):
+        assert latest_checkpoint(out) == out / "checkpoints" / "step_3"
+        assert resolve(out, "latest") == out / "checkpoints" / "step_3"
+        with pytest.raises(SystemExit, match=f"step_6.*not a complete checkpoint.*{reason}"):
+            resolve(out, str(out / "checkpoints" / "step_6"))
+
+
+def test_a_scheduler_state_that_would_run_code_is_refused(tmp_path):
+    """Loading never runs code from a checkpoint directory: a crafted ``lr_scheduler.pt`` (a pickle whose
+    load would call ``os.system``) is refused with a message naming it, and the command never runs."""
+    from _shared.checkpoints import read_scheduler_state
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    torch.save({"last_epoch": 3, "payload": Payload()}, tmp_path / "lr_scheduler.pt")
+    with pytest.raises(SystemExit, match=r"refusing to resume from .*lr_scheduler\.pt.*posix\.system"):
+        read_scheduler_state(tmp_path)
+    assert not (tmp_path / "ran").exists()
+    torch.save({"last_epoch": 3, "_last_lr": [0.1]}, tmp_path / "lr_scheduler.pt")  # what a scheduler saves
+    assert read_scheduler_state(tmp_path) == {"last_epoch": 3, "_last_lr": [0.1]}
 
 
 def test_unknown_model_preset_is_refused(tmp_path, fresh_accelerate_state):

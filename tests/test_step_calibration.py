@@ -1,7 +1,8 @@
 """In-step calibration and in-place ops: what a real step's kernels cost, op kind by op kind.
 
-No timed assertion: the properties are that the measured ops are the captured ops, that the scales are applied
-wherever a kernel is priced, and that a spec carrying them reproduces the measurement it was made from.
+No timed assertion: the properties are that the measured ops are the captured ops and that the scales are applied
+wherever a kernel is priced. (That a spec carrying the scales reproduces the step they were measured on is true by
+construction, scale = measured / predicted, and is not tested.)
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from hf_colossal_auto.step_calibration import (
     MIN_CALL_SECONDS,
     MIN_OP_SECONDS,
     OpTimes,
-    measure_op_time_scales,
-    predicted_step_ops,
     scales_from,
     time_step_ops,
 )
@@ -97,22 +96,3 @@ def test_the_timed_ops_are_the_captured_ops():
     for kind in ("mm", "addmm", "bernoulli_", "_log_softmax", "_log_softmax_backward_data"):
         assert measured.calls.get(kind) == captured[kind] > 0, kind
     assert all(p.grad is None for p in model.parameters())  # the timed passes leave no gradients behind
-
-
-def test_a_spec_with_the_scales_reproduces_the_step_it_was_measured_on():
-    """measure -> scales -> the same ops priced again: every scaled op kind's predicted time equals its
-    measurement (the scale is applied where kernels are priced), and the op kinds left unscaled keep the
-    micro-benchmark prediction."""
-    result = measure_op_time_scales(["tiny-gpt2"], STATIC_CPU_SPEC, batch_size=16, seq_len=128, steps=1)
-    assert "mm" in result.scales and all(v > 0 for v in result.scales.values())
-    assert result.models == ("tiny-gpt2",)
-    torch.manual_seed(0)
-    model = build_model("tiny-gpt2", device="cpu")
-    batch = make_example_inputs(model, 16, 128, seed=0)
-    scaled = STATIC_CPU_SPEC.with_overrides(op_time_scale=result.scales)
-    again = predicted_step_ops(model, batch, scaled)
-    for kind in result.scales:
-        assert again[kind] == pytest.approx(result.measured.seconds[kind], rel=1e-9), kind
-    for kind, seconds in result.predicted.items():
-        if kind not in result.scales:
-            assert again.get(kind, 0.0) == pytest.approx(seconds)

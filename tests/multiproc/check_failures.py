@@ -5,7 +5,11 @@
 
 ``planning``: an impossible memory budget through ``autoparallelize``, the ``AutoParallelAccelerator`` and the
 ``AutoParallelCallback`` in turn, then a plan that only rank 1's model does not fit. Each rank writes
-``D/rank<r>.json``: per case, the error type and message it caught and the seconds it took.
+``D/rank<r>.json``: per case, the error type and message it caught and the seconds it took. Then a saved 1 x 2
+plan applied through every entry point with and without a ``timeout`` setting (``autoparallelize``,
+``AutoParallelPlugin(timeout=)``, ``HF_COLOSSAL_AUTO_TIMEOUT``, ``AutoParallelCallback(timeout=)``): the
+collective timeout each left on the default group and on the plan's tensor-parallel group, read back from the
+process groups, under ``timeouts`` in the same file.
 
 With ``--batch-shapes PATH`` (``planning`` only), the same processes then run check_batch_shapes.py's check
 (a batch that does not split like the plan's), its figures to PATH: one launch for both.
@@ -41,12 +45,15 @@ def _model(vocab: int | None = None) -> torch.nn.Module:
 
 
 def _caught(fn) -> dict:
-    start = time.perf_counter()
+    """What ``fn()`` raised (type, message), the wall seconds it took and this process's CPU seconds in it (which
+    the other jobs on a loaded machine do not inflate)."""
+    start, cpu = time.perf_counter(), time.process_time()
+    raised = {"type": None, "message": ""}
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
-        return {"type": type(exc).__name__, "message": str(exc), "seconds": time.perf_counter() - start}
-    return {"type": None, "message": "", "seconds": time.perf_counter() - start}
+        raised = {"type": type(exc).__name__, "message": str(exc)}
+    return {**raised, "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu}
 
 
 def _autoparallelize_case() -> None:
@@ -106,6 +113,96 @@ def _foreign_plan_case() -> None:
     apply_plan(model, plan)
 
 
+def _timeouts_left(model: torch.nn.Module) -> list[float]:
+    """Seconds of the collective timeout of the default group and of the group a sharded parameter of ``model``
+    lives on, read back from the process groups; both set back to torch's 30 minutes for the next case."""
+    import datetime
+
+    from torch.distributed.tensor import DTensor
+
+    from hf_colossal_auto._torch_compat import group_timeout, set_group_timeout
+
+    param = next(
+        p for p in model.parameters() if isinstance(p, DTensor) and not p.placements[-1].is_replicate()
+    )
+    groups = [None, param.device_mesh.get_group(param.device_mesh.ndim - 1)]
+    seen = [group_timeout(g).total_seconds() for g in groups]
+    for group in groups:
+        set_group_timeout(datetime.timedelta(minutes=30), group)
+    return seen
+
+
+def timeouts(out: Path) -> dict:
+    """A saved 1 x 2 plan applied through each entry point, with a timeout setting of its own or none: the
+    timeouts each left on the process groups (the 300 s default where none is given)."""
+    import transformers
+
+    from hf_colossal_auto import (
+        AutoParallelAccelerator,
+        AutoParallelCallback,
+        AutoParallelPlugin,
+        autoparallelize,
+    )
+    from hf_colossal_auto.apply.runtime import plan_on_one_rank
+    from hf_colossal_auto.models import make_example_inputs
+    from hf_colossal_auto.solve.planner import evaluate_plan
+
+    model = _model()
+    batch = make_example_inputs(model, 4, 16)
+    plan = plan_on_one_rank(
+        lambda: evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+    )
+    path = out / "plan.json"
+    if dist.get_rank() == 0:
+        plan.save(path)
+    dist.barrier()
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(4)]
+
+    def accelerator(**settings) -> list[float]:
+        prepared = AutoParallelAccelerator(
+            auto_parallel_plugin=AutoParallelPlugin(plan_path=str(path), **settings), cpu=True
+        ).prepare(_model())
+        return _timeouts_left(prepared)
+
+    def callback(**settings) -> list[float]:
+        args = transformers.TrainingArguments(
+            output_dir=str(out / "trainer"),
+            per_device_train_batch_size=2,
+            max_steps=1,
+            report_to=[],
+            use_cpu=True,
+        )
+        trainer = transformers.Trainer(
+            model=_model(),
+            args=args,
+            train_dataset=rows,
+            callbacks=[AutoParallelCallback(plan_path=path, **settings)],
+        )
+        return _timeouts_left(trainer.model)
+
+    def environment() -> list[float]:
+        os.environ["HF_COLOSSAL_AUTO_TIMEOUT"] = "13"
+        try:
+            return accelerator()
+        finally:
+            del os.environ["HF_COLOSSAL_AUTO_TIMEOUT"]
+
+    cases = {
+        "autoparallelize": lambda: _timeouts_left(autoparallelize(_model(), plan=plan, timeout=11)),
+        "autoparallelize default": lambda: _timeouts_left(autoparallelize(_model(), plan=plan)),
+        "plugin": lambda: accelerator(timeout=12),
+        "environment": environment,
+        "plugin default": accelerator,
+        "callback": lambda: callback(timeout=14),
+        "callback default": callback,
+    }
+    seen = {}
+    for name, case in cases.items():
+        seen[name] = case()
+        dist.barrier()
+    return seen
+
+
 def planning(out: Path) -> None:
     cases = {
         "autoparallelize": _autoparallelize_case,
@@ -117,6 +214,7 @@ def planning(out: Path) -> None:
     for name, case in cases.items():
         results[name] = _caught(case)
         dist.barrier()  # the next case starts together on both ranks: each case's time is its own
+    results["timeouts"] = timeouts(out)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 

@@ -44,6 +44,29 @@ _PRICED: dict = {}
 """``name@plan`` -> the plan rank 0 priced for it: ``--dp-mode ddp,fsdp`` runs reuse it with another dp mode."""
 
 
+def moe_runtime_plan(model, batch, kind: str):
+    """The 1 x 2 plan the MoE runtime test trains for ``kind`` (tests/multiproc/check_numerics.py): the
+    Megatron placements or HF's own ``base_model_tp_plan`` ("experts-tp"), with the expert weights used as
+    stored (no ``param_use_placements`` for them) so that the split compute runs. ``"megatron-split"`` uses
+    every weight as stored (Qwen2-MoE's shared expert split like a dense MLP, its sigmoid gate multiplying a
+    partial sum), re-priced with its uses pinned so that its module outputs are placed for the split compute
+    (the Megatron plan's own place them for gathered weights)."""
+    from hf_colossal_auto.solve.planner import evaluate_plan
+
+    baseline = "megatron" if kind.startswith("megatron") else hf_tp_plan(model, kind == "experts-tp")
+    if kind == "experts-ep":  # attention TP, whole experts per rank (HF's base_model_ep_plan)
+        baseline = {**baseline, **model.config.base_model_ep_plan}
+    plan = evaluate_plan(model, batch, baseline, num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+    plan.param_use_placements = {
+        k: v
+        for k, v in plan.param_use_placements.items()
+        if ".experts." not in k and kind != "megatron-split"
+    }
+    if kind == "megatron-split":
+        plan = evaluate_plan(model, batch, plan, num_devices=2, device="cpu", pin_uses=True).plan
+    return plan
+
+
 def run_model(spec: str, args: argparse.Namespace, dp_mode: str) -> dict:
     """Plan, apply and train one model (``name`` or ``name@plan``) under ``args`` with ``dp_mode`` on the
     data-parallel axis; the losses and gradient gap against one process."""

@@ -88,3 +88,30 @@ def measured_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def allocation_peak(fn: Any) -> tuple[Any, int]:
+    """``fn()``'s result and the most bytes it had allocated at once beyond what existed before it, by torch's
+    CPU allocator: the profiler's memory events (every tensor storage allocated or freed, in order). Measured
+    from outside the code under test, independent of anything it reports about itself."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        with open(f"{tmp}/trace.json") as f:
+            events = json.load(f)["traceEvents"]
+    changes = sorted(
+        (e["ts"], e["args"]["Bytes"])
+        for e in events
+        if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0  # CPU
+    )
+    held = peak = 0
+    for _, change in changes:
+        held += change
+        peak = max(peak, held)
+    return result, peak
