@@ -148,7 +148,14 @@ def test_gathers_keep_one_copy_of_what_a_group_shares():
         "b",
     ]
     assert one_copy_per_group(shared, 4, 1) is shared
-    state = SimpleNamespace(end_of_dataloader=True, remainder=3)
+    # with the group's batch rows known (2 per group here: 1 per process), only values of that many rows are
+    # per sample of the group's batch; a batch loss repeated once per process row (transformers' examples:
+    # gather_for_metrics(loss.repeat(per_device_batch))) is kept from every process, plain accelerate's count
+    assert one_copy_per_group(shared, 4, 2, group_rows=2).tolist() == [0, 1, 2, 3]
+    repeated_loss = torch.tensor([5.0, 5.0, 7.0, 7.0])  # each process: its group's loss, one per-process row
+    assert one_copy_per_group(repeated_loss, 4, 2, group_rows=2).tolist() == [5.0, 5.0, 7.0, 7.0]
+    assert one_copy_per_group(repeated_loss, 4, 2).tolist() == [5.0, 7.0]  # rows unknown: equal copies once
+    state = SimpleNamespace(end_of_dataloader=True, remainder=3, active_dataloader=None)
     accelerator = SimpleNamespace(num_processes=4, gradient_state=state)
     import accelerate.utils
 

@@ -64,7 +64,7 @@ from ..hardware.cluster import launcher_devices_per_node
 from ..plan import Plan
 from .calibrated import resolve_device
 from .data import gather_for_metrics as data_gather_for_metrics
-from .data import one_copy_per_group, preserved_rng, regroup_loader, tensor_parallel_members
+from .data import group_batch_rows, one_copy_per_group, preserved_rng, regroup_loader, tensor_parallel_members
 from .plugin import AutoParallelPlugin
 
 logger = logging.getLogger(__name__)
@@ -475,7 +475,9 @@ class AutoParallelAccelerator(Accelerator):
         """Accelerate's, each sample once: what the processes of a tensor-parallel group computed from their
         shared batch (equal on all of them) is kept once per group, in rank order, as plain accelerate gathers
         the processes' own batches (:func:`.data.one_copy_per_group`)."""
-        return one_copy_per_group(super().gather(tensor), self.num_processes, self._tensor_parallel_copies())
+        tp = self._tensor_parallel_copies()
+        rows = group_batch_rows(self.gradient_state.active_dataloader, tp)
+        return one_copy_per_group(super().gather(tensor), self.num_processes, tp, group_rows=rows)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Accelerate's, each sample once (see :meth:`gather`); the last batch's padding is cut as accelerate

@@ -272,6 +272,20 @@ def batch_is_per_process() -> bool:
 
 
 # ----------------------------------------------------------------------------------------- gathers
+def group_batch_rows(loader: Any, tp_size: int) -> int | None:
+    """Rows of the full batch a tensor-parallel group computes on while ``loader`` (the active prepared loader)
+    yields group batches: ``tp`` per-process batches. None when unknown (no loader is being iterated, or its
+    epoch began before the re-cut)."""
+    if loader is None or not group_batch_active(loader):
+        return None
+    shard = _batch_sampler_shard(loader)
+    source = shard if shard is not None else getattr(loader, "dataset", None)
+    if not isinstance(source, BatchSamplerShard | IterableDatasetShard) or not source.batch_size:
+        return None
+    per_process = source.batch_size // source.num_processes if source.split_batches else source.batch_size
+    return per_process * tp_size
+
+
 def _group_rows(tensor: torch.Tensor, world: int, tp_size: int) -> torch.Tensor | None:
     """One copy per tensor-parallel group of an all-gathered tensor (``world`` equal blocks along dim 0), or
     None when the blocks of some group differ (then the values are per process, not the group's)."""
@@ -283,12 +297,19 @@ def _group_rows(tensor: torch.Tensor, world: int, tp_size: int) -> torch.Tensor 
     return blocks[:, 0].reshape(-1, *tensor.shape[1:])
 
 
-def one_copy_per_group(gathered: Any, world: int, tp_size: int, *, objects: bool = False) -> Any:
+def one_copy_per_group(
+    gathered: Any, world: int, tp_size: int, *, objects: bool = False, group_rows: int | None = None
+) -> Any:
     """Of what every process gathered, one copy per tensor-parallel group where the group's members hold the
-    same value (what they computed from their shared batch), in rank order: the result plain accelerate's
-    ``gather`` gives, each sample once. Values that differ within a group (a process index, say) are kept
-    from every process, as accelerate gathers them. ``objects``: ``gathered`` is ``gather_object``'s list of
-    every process's items."""
+    same rows computed from their shared batch, in rank order: the result plain accelerate's ``gather``
+    gives, each sample once. Values that differ within a group (a process index, say) are kept from every
+    process, as accelerate gathers them. ``objects``: ``gathered`` is ``gather_object``'s list of every
+    process's items.
+
+    ``group_rows``: the rows of the batch the group computes on, where known (:func:`group_batch_rows`). Then
+    only a value with that many rows is per sample of the group's batch and kept once; any other (a batch's
+    loss repeated per process-batch row, as transformers' examples gather it) stands for one process's batch
+    under plain accelerate, so every process's copy is kept and the count is plain accelerate's."""
     from accelerate.utils import recursively_apply
 
     if tp_size == 1:
@@ -304,6 +325,8 @@ def one_copy_per_group(gathered: Any, world: int, tp_size: int, *, objects: bool
         return [item for group in groups for item in group[0]]
 
     def one_copy(tensor: torch.Tensor) -> torch.Tensor:
+        if group_rows is not None and (tensor.dim() == 0 or tensor.shape[0] != group_rows * world):
+            return tensor
         rows = _group_rows(tensor, world, tp_size)
         return tensor if rows is None else rows
 
@@ -327,7 +350,8 @@ def gather_for_metrics(
     if use_gather_object or not all_tensors:
         data = one_copy_per_group(gather_object(input_data), world, tp_size, objects=True)
     else:
-        data = one_copy_per_group(gather(input_data), world, tp_size)
+        rows = group_batch_rows(accelerator.gradient_state.active_dataloader, tp_size)
+        data = one_copy_per_group(gather(input_data), world, tp_size, group_rows=rows)
     state = accelerator.gradient_state
     if state.end_of_dataloader and state.remainder > 0:
         if isinstance(data, list):
@@ -352,7 +376,8 @@ def follow_plan(accelerator: Any, plan_tp_size: int) -> None:
         return prepared
 
     def gather_once(tensor: Any) -> Any:
-        return one_copy_per_group(base_gather(tensor), world, plan_tp_size)
+        rows = group_batch_rows(accelerator.gradient_state.active_dataloader, plan_tp_size)
+        return one_copy_per_group(base_gather(tensor), world, plan_tp_size, group_rows=rows)
 
     def metrics(input_data: Any, use_gather_object: bool = False) -> Any:
         return gather_for_metrics(accelerator, input_data, plan_tp_size, use_gather_object)
