@@ -14,9 +14,10 @@ from hf_colossal_auto.hardware import ClusterSpec, get_device
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.plan import Plan
 from hf_colossal_auto.solve import InfeasibleError, brute_force, evaluate, solve
-from hf_colossal_auto.solve.builder import TiedGraph, build_problem
-from hf_colossal_auto.solve.cost_model import AxisComm, redistribute
+from hf_colossal_auto.solve.build import build_problem
 from hf_colossal_auto.solve.planner import evaluate_plan, megatron_placements, plan_model, tp_plan_placements
+from hf_colossal_auto.solve.pricing.comm import AxisComm, redistribute
+from hf_colossal_auto.solve.tied import TiedGraph
 from hf_colossal_auto.strategies import enumerate_strategies
 
 DEVICE = "a100-80gb"
