@@ -26,7 +26,7 @@ from ..units import parse_bytes
 from .build.builder import BuiltProblem, build_problem
 from .ilp import solve
 from .pricing.comm import AxisComm, HybridComm
-from .problem import Solution
+from .problem import InfeasibleError, Solution
 from .writeup import WriteupContext, _make_plan
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,27 @@ def _first_rows(example_inputs: Mapping[str, Any], rows: int) -> dict[str, Any]:
     return {
         k: v[:rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in example_inputs.items()
     }
+
+
+LIFTED_BUDGET = 1 << 62
+"""The per-device budget of a problem priced whatever memory it needs (a baseline that does not fit, the first
+stage of ``two-stage``): large enough that no constraint binds, finite for the solver."""
+
+
+class CandidateInfeasibleError(InfeasibleError):
+    """A candidate whose budget no choice meets, with the problem it was (:attr:`built`)."""
+
+    def __init__(self, error: InfeasibleError, built: BuiltProblem) -> None:
+        super().__init__(str(error), min_required=error.min_required, exact=error.exact, choice=error.choice)
+        self.built = built
+
+
+def _solve_candidate(built: BuiltProblem, time_limit_s: float) -> Solution:
+    """``built`` solved; where nothing fits, the error carries ``built``."""
+    try:
+        return solve(built.problem, time_limit_s=time_limit_s)
+    except InfeasibleError as exc:
+        raise CandidateInfeasibleError(exc, built) from exc
 
 
 class _Planner:
@@ -84,8 +105,6 @@ class _Planner:
         interpolated from three traces."""
         self._strategies: dict[tuple[int, int], dict] = {}
         """Strategies by (micro-batch rows, tensor-parallel size)."""
-        self.last_built: BuiltProblem | None = None
-        """The problem :meth:`solve_mesh` built last."""
         self.routing: RoutingLoad | None = None
         """A measured routing load the MoE costs are priced under (:func:`_routing`); None: uniform."""
 
@@ -160,8 +179,10 @@ class _Planner:
         dtensor_rules: bool = True,
         param_uses: Mapping[str, str] | None = None,
         expert_dp: bool = False,
+        budget: int | None = None,
     ) -> BuiltProblem:
-        """The ILP of one mesh; recompute is a decision unless ``recompute_pin`` (or the planner's mode "none" /
+        """The ILP of one mesh (under ``budget``, default the planner's; :data:`LIFTED_BUDGET` to price what does
+        not fit); recompute is a decision unless ``recompute_pin`` (or the planner's mode "none" /
         "full") fixes it. ``micro_batches``: the step runs each replica's batch in that many pieces.
         ``dp_shard_size``: HSDP's shard group (default: the cluster's, :meth:`hybrid_comm`). ``dtensor_rules``:
         False builds the relaxation without DTensor's own choices (:func:`build_problem`). ``param_uses``
@@ -185,7 +206,7 @@ class _Planner:
             tp_comm=tp_comm,
             dp_comm=dp_comm,
             dp_mode=dp_mode,
-            budget=self.budget,
+            budget=self.budget if budget is None else budget,
             fixed_params=fixed_params,
             pin_unlisted=pin_unlisted,
             recompute_layers=self.layers,
@@ -237,11 +258,11 @@ class _Planner:
         dp_shard_size: int | None = None,
         expert_dp: bool = False,
     ) -> tuple[BuiltProblem, Solution]:
-        """Build and solve one candidate. Where its budget cannot be met (:class:`InfeasibleError`), the problem
-        stays in :attr:`last_built` (the micro-batch search prices it without the budget as a lower bound)."""
+        """Build and solve one candidate. Where its budget cannot be met, :class:`CandidateInfeasibleError` carries
+        the problem (the micro-batch search prices it without the budget as a lower bound)."""
         if self.recompute == "two-stage":
             return self._two_stage(mesh, dp_mode, fixed_params, micro_batches, dp_shard_size, expert_dp)
-        built = self.last_built = self.build(
+        built = self.build(
             mesh,
             dp_mode,
             fixed_params,
@@ -249,8 +270,7 @@ class _Planner:
             dp_shard_size=dp_shard_size,
             expert_dp=expert_dp,
         )
-        solution = solve(built.problem, time_limit_s=self.time_limit_s)
-        return built, solution
+        return built, _solve_candidate(built, self.time_limit_s)
 
     def _two_stage(
         self,
@@ -263,22 +283,18 @@ class _Planner:
     ) -> tuple[BuiltProblem, Solution]:
         """The baseline the joint ILP is measured against: shard for speed ignoring memory (no recompute),
         then choose recompute per block for that sharding under the budget."""
-        budget = self.budget
-        self.budget = 1 << 62
-        try:
-            first = self.build(
-                mesh,
-                dp_mode,
-                fixed_params,
-                recompute_pin="none",
-                micro_batches=micro_batches,
-                dp_shard_size=dp_shard_size,
-                expert_dp=expert_dp,
-            )
-        finally:
-            self.budget = budget
+        first = self.build(
+            mesh,
+            dp_mode,
+            fixed_params,
+            recompute_pin="none",
+            micro_batches=micro_batches,
+            dp_shard_size=dp_shard_size,
+            expert_dp=expert_dp,
+            budget=LIFTED_BUDGET,
+        )
         sharding = solve(first.problem, time_limit_s=self.time_limit_s).choice
-        built = self.last_built = self.build(
+        built = self.build(
             mesh,
             dp_mode,
             fixed_params,
@@ -292,7 +308,7 @@ class _Planner:
             if node.name in sharding and not decided_by_recompute:
                 fixed[node.name] = sharding[node.name]
         built.problem = dataclasses.replace(built.problem, fixed=fixed)
-        return built, solve(built.problem, time_limit_s=self.time_limit_s)
+        return built, _solve_candidate(built, self.time_limit_s)
 
     def to_plan(self, mesh: tuple[int, int], dp_mode: str, built: BuiltProblem, solution: Solution) -> Plan:
         context = WriteupContext(

@@ -35,7 +35,7 @@ from ..plan import Plan
 from ..units import format_bytes
 from .baselines import _attention_heads, _largest_tp, megatron_placements, tp_plan_placements
 from .build.builder import BuiltProblem
-from .candidates import RECOMPUTE_MODES, _plan_param_uses, _Planner, _routing  # noqa: F401 (RECOMPUTE_MODES re-exported)
+from .candidates import LIFTED_BUDGET, RECOMPUTE_MODES, _plan_param_uses, _Planner, _routing  # noqa: F401 (RECOMPUTE_MODES re-exported)
 from .ilp import solve
 from .pricing.comm import DP_MODES
 from .problem import InfeasibleError
@@ -354,7 +354,7 @@ def evaluate_plan(
         except InfeasibleError:
             pin = "full"  # priced (and reported as not fitting) with the most recompute there is
 
-    def build_pinned() -> BuiltProblem:
+    def build_pinned(budget: int | None = None) -> BuiltProblem:
         """The ILP with every placement and the recompute choice pinned as the plan or baseline has them."""
         return planner.build(
             mesh,
@@ -366,6 +366,7 @@ def evaluate_plan(
             dp_shard_size=shard,
             param_uses=param_uses,
             expert_dp=expert_dp,
+            budget=budget,
         )
 
     if solution is None and (isinstance(plan_or_baseline, Plan) or fit_budget):
@@ -378,11 +379,7 @@ def evaluate_plan(
         except InfeasibleError:
             solution = None  # another device or budget than the plan's: priced below with the budget lifted
     if solution is None:
-        planner.budget = 1 << 62
-        try:
-            built = build_pinned()
-        finally:
-            planner.budget = budget
+        built = build_pinned(LIFTED_BUDGET)
         solution = solve(built.problem, time_limit_s=time_limit_s)
     plan = planner.to_plan(mesh, dp_mode, built, solution)
     plan.memory_budget_bytes = budget

@@ -15,7 +15,7 @@ from ..capture.moe import experts_modules
 from ..hardware import ClusterSpec
 from ..plan import Plan
 from .build.builder import BuiltProblem
-from .candidates import _Planner
+from .candidates import CandidateInfeasibleError, _Planner
 from .ilp import solve
 from .pricing.comm import data_parallel_sync_time
 from .problem import InfeasibleError
@@ -57,8 +57,8 @@ class _Search:
             self.min_required = min(self.min_required, exc.min_required)
             self._record_infeasible(mesh, dp_mode, micro_batches, exc.min_required)
             plan, host_floor = None, 0.0
-            if micro_batches == 1 and self.planner.last_built is not None:
-                self.over_budget[(mesh, dp_mode)] = self.planner.last_built
+            if micro_batches == 1 and isinstance(exc, CandidateInfeasibleError):
+                self.over_budget[(mesh, dp_mode)] = exc.built
         else:
             host_floor = built.host_floor_s
             plan = self.planner.to_plan(mesh, mode, built, solution)
