@@ -512,6 +512,6 @@ def test_accumulated_gradients_floor_holds_and_rules_out_micro_batches_without_a
             built.append(kw.get("micro_batches")) or real_build(self, mesh, mode, *a, **kw)
         ),
     )
-    assert search.try_candidate((2, 1), dp_mode, 4) is None
+    assert search.try_candidate((2, 1), search_mod.SearchKey(dp_mode), 4) is None
     assert built == []
     assert search.tried[-1]["micro_batches"] == 4 and search.tried[-1]["min_memory_bytes"] == floor

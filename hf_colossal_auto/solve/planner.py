@@ -45,6 +45,7 @@ from .search import (  # noqa: F401 (EXPERT_DP_KEY and EXPERT_FSDP_KEY re-export
     EXPERT_DP_KEY,
     EXPERT_DP_KEYS,
     EXPERT_FSDP_KEY,
+    SearchKey,
     _expert_dp_offered,
     _hsdp_candidates,
     _meshes,
@@ -142,19 +143,19 @@ def plan_model(
     search = _Search(planner)
     for mesh in _search_order(planner, _meshes(planner, mesh_shape, micro_batches or 1)):
         for dp_mode in dp_modes if mesh[0] > 1 else ("ddp",):
-            if dp_mode in EXPERT_DP_KEYS:  # asked for by name: only where it is offered
-                shard = mesh[0] if EXPERT_DP_KEYS[dp_mode] == "fsdp" else 1
-                candidates = [(dp_mode, shard)] if _expert_dp_offered(model, mesh) else []
+            named = SearchKey.named(dp_mode)
+            if named.experts_over_dp:  # asked for by name: only where it is offered
+                shard = mesh[0] if named.mode == "fsdp" else 1
+                candidates = [(named, shard)] if _expert_dp_offered(model, mesh) else []
             elif dp_mode == "hsdp":
                 # none where the data-parallel axis stays in a node (FSDP is as good) or nodes do not split it
                 candidates = _hsdp_candidates(planner.cluster, mesh)[::-1]  # largest first: prunes the rest
             else:
-                candidates = [
-                    (dp_mode, mesh[0] if dp_mode == "fsdp" else 1)
-                ]  # ranks sharing the state with tp
+                candidates = [(named, mesh[0] if dp_mode == "fsdp" else 1)]  # ranks sharing the state with tp
                 expert_key = _EXPERT_KEY_OF_MODE.get(dp_mode)
                 if expert_key and expert_key not in dp_modes and _expert_dp_offered(model, mesh):
-                    candidates.append((expert_key, candidates[0][1]))  # the experts sharded over the replicas
+                    # the experts sharded over the replicas
+                    candidates.append((SearchKey(dp_mode, experts_over_dp=True), candidates[0][1]))
             for key, shard in candidates:
                 if search.ruled_out(mesh, key, shard, micro_batches or 1):
                     continue

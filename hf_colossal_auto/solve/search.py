@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -43,9 +44,9 @@ class _Search:
         self.over_budget: dict[tuple[tuple[int, int], str], BuiltProblem] = {}
         """(mesh, dp mode) -> the problem of its one-piece candidate, where no choice met the budget."""
 
-    def try_candidate(self, mesh: tuple[int, int], dp_mode: str, micro_batches: int) -> Plan | None:
+    def try_candidate(self, mesh: tuple[int, int], dp_mode: SearchKey, micro_batches: int) -> Plan | None:
         """Solve one candidate, record it, keep it if it is the fastest that fits; its plan (None: infeasible).
-        ``dp_mode`` is the search's key (:func:`_split_mode`: "hsdp:16" names its shard group)."""
+        ``dp_mode`` is the search's key (:class:`SearchKey`)."""
         mode, shard = _split_mode(dp_mode)
         if self._accumulation_rules_out(mesh, dp_mode, micro_batches):
             return None
@@ -79,16 +80,16 @@ class _Search:
             self.one_piece[(mesh, dp_mode)] = (plan, host_floor)
         return plan
 
-    def label(self, mesh: tuple[int, int], dp_mode: str) -> str:
+    def label(self, mesh: tuple[int, int], dp_mode: SearchKey) -> str:
         """The mode as :attr:`Plan.dp_label` names it ("hsdp 2x4": 2 replicas of shard groups of 4)."""
         if _is_expert_dp(dp_mode):
-            return f"{EXPERT_DP_KEYS[dp_mode]}, experts over dp"
+            return f"{dp_mode.mode}, experts over dp"
         dp_mode, shard = _split_mode(dp_mode)
         if dp_mode == "hsdp" and shard is None:
             shard = self.planner.cluster.hybrid_shard_size(mesh)
         return f"hsdp {mesh[0] // shard}x{shard}" if shard else dp_mode
 
-    def bounded_out(self, mesh: tuple[int, int], dp_mode: str, micro_batches: int) -> bool:
+    def bounded_out(self, mesh: tuple[int, int], dp_mode: SearchKey, micro_batches: int) -> bool:
         """Whether a lower bound on its step time already rules ``(mesh, dp_mode)`` out, before its ILP is built in
         full (recorded as tried with that bound): the optimum of its relaxation — no memory budget, and no rules
         making ops follow DTensor's own choices, the costliest part of the ILP to build — is no faster than the
@@ -114,7 +115,7 @@ class _Search:
         self._record_unfit(mesh, dp_mode, micro_batches, min_step_time_s=bound)
         return True
 
-    def _sync_floor(self, mesh: tuple[int, int], dp_mode: str) -> float:
+    def _sync_floor(self, mesh: tuple[int, int], dp_mode: SearchKey) -> float:
         """A lower bound on the step time of ``(mesh, dp_mode)`` that needs no trace at its batch: the
         data-parallel synchronisation alone (the ILP's :class:`Overlap` exposes at least ``C - f K`` of it on top
         of ``K`` of compute, so a step is never shorter than ``C``), every trained parameter priced as the
@@ -158,7 +159,7 @@ class _Search:
             return 0.0
         return solution.objective_s if solution.status == "optimal" else 0.0
 
-    def ruled_out(self, mesh: tuple[int, int], dp_mode: str, shard: int, micro_batches: int) -> bool:
+    def ruled_out(self, mesh: tuple[int, int], dp_mode: SearchKey, shard: int, micro_batches: int) -> bool:
         """Whether a lower bound already rules ``(mesh, dp_mode)`` out, without building its ILP (recorded as
         tried and not fitting): the parameters and optimizer state alone, each split over every tensor- and
         data-parallel rank that can share it (``shard``: 1 under DDP, dp under FSDP, the shard group under
@@ -174,7 +175,7 @@ class _Search:
         logger.debug(
             "mesh %s %s skipped: parameters + optimizer state alone need %d bytes", mesh, dp_mode, floor
         )
-        if dp_mode == "hsdp":
+        if dp_mode.mode == "hsdp":
             self._record_infeasible(mesh, dp_mode, micro_batches, floor)
         else:
             # DDP and FSDP may hold the least memory any plan needs, which the error when nothing fits states:
@@ -182,7 +183,7 @@ class _Search:
             self.deferred.append((mesh, dp_mode, micro_batches, floor))
         return True
 
-    def _accumulation_rules_out(self, mesh: tuple[int, int], dp_mode: str, micro_batches: int) -> bool:
+    def _accumulation_rules_out(self, mesh: tuple[int, int], dp_mode: SearchKey, micro_batches: int) -> bool:
         """Whether a micro-batched candidate cannot fit, known without its ILP (recorded with that floor): with
         k > 1 pieces every trained parameter's accumulated gradient is alive whole over the data-parallel ranks
         until the last piece (the builder's ``accumulated_grad_terms``), on top of the model state. Their floor —
@@ -206,7 +207,7 @@ class _Search:
         self._record_infeasible(mesh, dp_mode, micro_batches, floor)
         return True
 
-    def _shard(self, mesh: tuple[int, int], dp_mode: str) -> int:
+    def _shard(self, mesh: tuple[int, int], dp_mode: SearchKey) -> int:
         """Data-parallel ranks sharing a parameter's state under the search key ``dp_mode``: 1 under DDP, the
         whole axis under FSDP, the shard group under HSDP ("hsdp:16"; bare "hsdp": the cluster's default)."""
         mode, shard = _split_mode(dp_mode)
@@ -230,12 +231,14 @@ class _Search:
         self.deferred = []
 
     def _record_infeasible(
-        self, mesh: tuple[int, int], dp_mode: str, micro_batches: int, min_memory_bytes: float
+        self, mesh: tuple[int, int], dp_mode: SearchKey, micro_batches: int, min_memory_bytes: float
     ) -> None:
         """A candidate nothing fits, with the least memory it would need, in the list of meshes tried."""
         self._record_unfit(mesh, dp_mode, micro_batches, min_memory_bytes=min_memory_bytes)
 
-    def _record_unfit(self, mesh: tuple[int, int], dp_mode: str, micro_batches: int, **bound: float) -> None:
+    def _record_unfit(
+        self, mesh: tuple[int, int], dp_mode: SearchKey, micro_batches: int, **bound: float
+    ) -> None:
         """A candidate with no plan in the list of meshes tried, with the bound that ruled it out
         (``min_memory_bytes``: the least memory it needs; ``min_step_time_s``: no faster than this)."""
         self.tried.append(
@@ -287,7 +290,7 @@ class _Search:
                     break
                 plan = found if found is not None else plan
 
-    def _unconstrained_time(self, mesh: tuple[int, int], dp_mode: str) -> float:
+    def _unconstrained_time(self, mesh: tuple[int, int], dp_mode: SearchKey) -> float:
         """A lower bound on the step time of ``(mesh, dp_mode)`` at any micro-batch count, for a candidate whose
         batch in one piece fits no choice: its one-piece ILP solved without the memory budget (0 when unknown).
         k pieces run every op, resharding and FSDP gather k times on 1/k of the rows (no faster in total: a
@@ -300,7 +303,7 @@ class _Search:
         return 0.0 if built is None else self._relaxed_optimum(built)
 
     def _smallest_fitting(
-        self, mesh: tuple[int, int], dp_mode: str, options: list[int]
+        self, mesh: tuple[int, int], dp_mode: SearchKey, options: list[int]
     ) -> tuple[int, Plan] | None:
         """The fewest micro-batches (of ``options``, ascending) with which ``(mesh, dp_mode)`` fits, and its
         plan; None when even the most do not. Bisection: fewer pieces never need less memory."""
@@ -409,20 +412,38 @@ _EXPERT_KEY_OF_MODE = {mode: key for key, mode in EXPERT_DP_KEYS.items()}
 """Data-parallel mode -> the search key of the same mode with the experts sharded over the data-parallel axis."""
 
 
-def _split_mode(key: str) -> tuple[str, int | None]:
-    """A search candidate's data-parallel mode and HSDP shard group: "hsdp:16" is HSDP with shard groups of 16
-    data-parallel ranks, "hsdp" the cluster's own (one node's data-parallel ranks), "ddp"/"fsdp" themselves;
-    "ddp-ep" / "fsdp-ep" are DDP / FSDP with the experts sharded over the data-parallel axis
-    (:func:`_is_expert_dp`)."""
-    if key in EXPERT_DP_KEYS:
-        return EXPERT_DP_KEYS[key], None
-    mode, _, shard = key.partition(":")
-    return mode, int(shard) if shard else None
+@dataclass(frozen=True)
+class SearchKey:
+    """One data-parallel candidate of the search on a mesh: its mode ("ddp", "fsdp", "hsdp"), HSDP's shard group
+    (None: the cluster's own, one node's data-parallel ranks) and whether every MoE layer's experts are sharded
+    over the data-parallel axis (DDP or FSDP only)."""
+
+    mode: str
+    shard: int | None = None
+    experts_over_dp: bool = False
+
+    @classmethod
+    def named(cls, name: str) -> SearchKey:
+        """The key a ``dp_modes`` entry names ("ddp", "fsdp", "hsdp", "ddp-ep", "fsdp-ep")."""
+        if name in EXPERT_DP_KEYS:
+            return cls(EXPERT_DP_KEYS[name], experts_over_dp=True)
+        return cls(name)
+
+    def __str__(self) -> str:
+        """As ``dp_modes`` and the logs name it ("hsdp:16": shard groups of 16 ranks)."""
+        if self.experts_over_dp:
+            return _EXPERT_KEY_OF_MODE[self.mode]
+        return f"{self.mode}:{self.shard}" if self.shard else self.mode
 
 
-def _is_expert_dp(key: str) -> bool:
+def _split_mode(key: SearchKey) -> tuple[str, int | None]:
+    """A search candidate's data-parallel mode and HSDP shard group (None: the cluster's)."""
+    return key.mode, key.shard
+
+
+def _is_expert_dp(key: SearchKey) -> bool:
     """Whether a search key is DDP or FSDP with expert parallelism over the data-parallel axis."""
-    return key in EXPERT_DP_KEYS
+    return key.experts_over_dp
 
 
 def _expert_dp_offered(model: nn.Module, mesh: tuple[int, int]) -> bool:
@@ -437,7 +458,7 @@ def _expert_dp_offered(model: nn.Module, mesh: tuple[int, int]) -> bool:
     return bool(counts) and all(n > 0 and n % dp == 0 for n in counts)
 
 
-def _hsdp_candidates(cluster: ClusterSpec, mesh: tuple[int, int]) -> list[tuple[str, int]]:
+def _hsdp_candidates(cluster: ClusterSpec, mesh: tuple[int, int]) -> list[tuple[SearchKey, int]]:
     """HSDP's shard groups on a mesh, as (search key, shard size): one node's data-parallel ranks (the cluster's,
     :meth:`~hf_colossal_auto.hardware.ClusterSpec.hybrid_shard_size`, key "hsdp") and whole numbers of nodes
     doubling from there (keys "hsdp:<ranks>"), while they divide the data-parallel axis and leave at least two
@@ -453,7 +474,7 @@ def _hsdp_candidates(cluster: ClusterSpec, mesh: tuple[int, int]) -> list[tuple[
     shard = per_node // tp
     while shard < dp:
         if shard > 1 and dp % shard == 0:
-            out.append(("hsdp" if shard == default else f"hsdp:{shard}", shard))
+            out.append((SearchKey("hsdp", None if shard == default else shard), shard))
         shard *= 2
     return out
 
