@@ -188,7 +188,7 @@ def _timing_child(model_name: str, batch: int, seq: int, devices: int) -> dict:
         return wrapper
 
     # Capture and strategies are cached per planner; wrap the uncached work only.
-    cls = planner_mod._Planner
+    cls = planner_mod._Planner  # re-exported from solve/candidates.py
     orig_graph, orig_strat = cls.graph, cls.strategies
 
     def graph(self, dp, micro_batches=1):
@@ -203,9 +203,13 @@ def _timing_child(model_name: str, batch: int, seq: int, devices: int) -> dict:
         return timed("strategies", orig_strat)(self, dp, tp, micro_batches)
 
     cls.graph, cls.strategies = graph, strategies
-    planner_mod.build_problem = timed("ilp_build", planner_mod.build_problem)
-    planner_mod.solve = timed("ilp_solve", planner_mod.solve)
-    planner_mod._make_plan = timed("plan_writeup", planner_mod._make_plan)
+    from hf_colossal_auto.solve import candidates as candidates_mod
+    from hf_colossal_auto.solve import search as search_mod
+
+    candidates_mod.build_problem = timed("ilp_build", candidates_mod.build_problem)
+    for module in (candidates_mod, search_mod, planner_mod):  # every module that solves an ILP
+        module.solve = timed("ilp_solve", module.solve)
+    candidates_mod._make_plan = timed("plan_writeup", candidates_mod._make_plan)
 
     t0 = time.perf_counter()
     model = build_model(model_name, device="meta")

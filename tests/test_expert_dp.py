@@ -121,7 +121,8 @@ def test_the_exchange_is_priced_at_the_busiest_rank():
     rows the row exchanges are priced at that rank's 1.5625 times, the counts' are not."""
     from hf_colossal_auto.capture import trace_training_step
     from hf_colossal_auto.capture.moe import RoutingLoad
-    from hf_colossal_auto.solve.builder import TiedGraph, expert_exchanges
+    from hf_colossal_auto.solve.build import expert_exchanges
+    from hf_colossal_auto.solve.tied import TiedGraph
 
     model = _tiny_mixtral()
     graph = trace_training_step(model, make_example_inputs(model, 2, 16, seed=0))

@@ -14,8 +14,8 @@ from torchrun_launch import run_torchrun
 from hf_colossal_auto.capture import trace_training_step
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.profile import profile_model
-from hf_colossal_auto.solve.builder import _optimizer_temp_ratio
 from hf_colossal_auto.solve.planner import plan_model
+from hf_colossal_auto.solve.pricing.memory import _optimizer_temp_ratio
 
 DEVICE = "a100-80gb"
 ROOT = Path(__file__).resolve().parents[1]

@@ -295,19 +295,20 @@ def test_gloo_hsdp_training_tracks_single_process(tmp_path):
 def test_mesh_search_skips_hsdp_where_model_state_alone_cannot_fit(plans, monkeypatch):
     """The lower bound (parameters + optimizer state over tp x shard ranks) holds for the plan HSDP makes, and
     under a budget below it the planner never builds an HSDP ILP (nor micro-batches it)."""
-    from hf_colossal_auto.solve import planner as planner_mod
+    from hf_colossal_auto.capture.tracer import trace_training_step
+    from hf_colossal_auto.solve import candidates, search
     from hf_colossal_auto.solve.problem import InfeasibleError
 
     model, batch, spec = _two_nodes_of_two()
     hsdp = plans["hsdp"]
-    floor = planner_mod._model_state_floor(
-        planner_mod.trace_training_step(model, {k: v[:2] for k, v in batch.items()}), hsdp.dp_shard_size
+    floor = search._model_state_floor(
+        trace_training_step(model, {k: v[:2] for k, v in batch.items()}), hsdp.dp_shard_size
     )
     assert 0 < floor <= hsdp.peak_memory_bytes
     built: list[str] = []
-    real_build = planner_mod._Planner.build
+    real_build = candidates._Planner.build
     monkeypatch.setattr(
-        planner_mod._Planner,
+        candidates._Planner,
         "build",
         lambda self, mesh, mode, *a, **kw: built.append(mode) or real_build(self, mesh, mode, *a, **kw),
     )

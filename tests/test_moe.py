@@ -278,8 +278,8 @@ def _expert_rules(mesh: tuple[int, int], dp_mode: str):
     (replicated where it has one), the two weights' parameter nodes, their storage options, and the rules the
     region strategies are bound by (those barring nothing else)."""
     from hf_colossal_auto.hardware import ClusterSpec, get_device
-    from hf_colossal_auto.solve.builder import build_problem
-    from hf_colossal_auto.solve.cost_model import AxisComm
+    from hf_colossal_auto.solve.build import build_problem
+    from hf_colossal_auto.solve.pricing.comm import AxisComm
 
     model = moe_model("tiny-mixtral", layers=2, device="meta")
     graph = trace_training_step(model, make_example_inputs(model, 4, 16, device="meta"))

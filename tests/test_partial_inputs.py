@@ -18,15 +18,11 @@ import pytest
 from hf_colossal_auto.capture.graph import Phase, ValueKind
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.solve.baselines import megatron_placements
-from hf_colossal_auto.solve.builder import (
-    TiedGraph,
-    _enforced_input,
-    _node_name,
-    differentiable_values,
-    forward_producers,
-)
+from hf_colossal_auto.solve.build.names import _node_name
 from hf_colossal_auto.solve.ilp import solve
 from hf_colossal_auto.solve.planner import _Planner
+from hf_colossal_auto.solve.rules import _enforced_input
+from hf_colossal_auto.solve.tied import TiedGraph, differentiable_values, forward_producers
 from hf_colossal_auto.strategies.dtensor_rules import dtensor_choice
 from hf_colossal_auto.strategies.enumerate import device_mesh
 

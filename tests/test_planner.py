@@ -14,9 +14,10 @@ from hf_colossal_auto.hardware import ClusterSpec, get_device
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.plan import Plan
 from hf_colossal_auto.solve import InfeasibleError, brute_force, evaluate, solve
-from hf_colossal_auto.solve.builder import TiedGraph, build_problem
-from hf_colossal_auto.solve.cost_model import AxisComm, redistribute
+from hf_colossal_auto.solve.build import build_problem
 from hf_colossal_auto.solve.planner import evaluate_plan, megatron_placements, plan_model, tp_plan_placements
+from hf_colossal_auto.solve.pricing.comm import AxisComm, redistribute
+from hf_colossal_auto.solve.tied import TiedGraph
 from hf_colossal_auto.strategies import enumerate_strategies
 
 DEVICE = "a100-80gb"
@@ -485,7 +486,8 @@ def test_accumulated_gradients_floor_holds_and_rules_out_micro_batches_without_a
     the floor (model state over tp x shard ranks + gradients over tp) is under the memory of the plan the
     planner solves at k = 2, and once a plan is in hand a budget below it rules k > 1 out with no ILP built
     (recorded with that floor)."""
-    from hf_colossal_auto.solve import planner as planner_mod
+    from hf_colossal_auto.solve import candidates
+    from hf_colossal_auto.solve import search as search_mod
 
     model = build_model("tiny-llama", device="meta")
     batch = make_example_inputs(model, 8, 16, device="meta")
@@ -493,23 +495,23 @@ def test_accumulated_gradients_floor_holds_and_rules_out_micro_batches_without_a
         model, batch, num_devices=2, device=DEVICE, mesh_shape=(2, 1), dp_modes=(dp_mode,), micro_batches=2
     )
     shard = 2 if dp_mode == "fsdp" else 1
-    floor = planner_mod._accumulation_floor(trace_training_step(model, batch), 1, shard)
+    floor = search_mod._accumulation_floor(trace_training_step(model, batch), 1, shard)
     assert plan.micro_batches == 2 and 0 < floor <= plan.peak_memory_bytes
 
-    planner = planner_mod._Planner.for_devices(
+    planner = candidates._Planner.for_devices(
         model, batch, 2, DEVICE, None, floor - 1, None, "adamw", 60.0, "auto"
     )
-    search = planner_mod._Search(planner)
+    search = search_mod._Search(planner)
     search.best = plan  # a plan in hand: the floor may rule candidates out
     built: list[int] = []
-    real_build = planner_mod._Planner.build
+    real_build = candidates._Planner.build
     monkeypatch.setattr(
-        planner_mod._Planner,
+        candidates._Planner,
         "build",
         lambda self, mesh, mode, *a, **kw: (
             built.append(kw.get("micro_batches")) or real_build(self, mesh, mode, *a, **kw)
         ),
     )
-    assert search.try_candidate((2, 1), dp_mode, 4) is None
+    assert search.try_candidate((2, 1), search_mod.SearchKey(dp_mode), 4) is None
     assert built == []
     assert search.tried[-1]["micro_batches"] == 4 and search.tried[-1]["min_memory_bytes"] == floor

@@ -23,9 +23,10 @@ from hf_colossal_auto.capture.moe import (
 )
 from hf_colossal_auto.hardware import ClusterSpec, get_device
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
-from hf_colossal_auto.solve.builder import GROUPED_MM, build_problem, is_expert_parallel
-from hf_colossal_auto.solve.cost_model import AxisComm
+from hf_colossal_auto.solve.build import build_problem
 from hf_colossal_auto.solve.ilp import solve
+from hf_colossal_auto.solve.pricing.comm import AxisComm
+from hf_colossal_auto.solve.pricing.compute import GROUPED_MM, is_expert_parallel
 from hf_colossal_auto.strategies import enumerate_strategies
 
 LAYERS = [f"model.layers.{i}.mlp.experts" for i in range(2)]

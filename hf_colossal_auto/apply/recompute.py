@@ -30,7 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..capture.op_classes import op_class
 from ..plan import Plan
-from ..solve.recompute import RecomputeOption, parse_option
+from ..recompute_options import RecomputeOption, parse_option
 
 logger = logging.getLogger(__name__)
 

@@ -1,3 +1,24 @@
+"""The ILP's intermediate representation: what the builder writes and the solvers (:mod:`.ilp`, :mod:`.brute_force`)
+read, model-agnostic and validated on construction.
+
+Each family of the problem and the code that writes it:
+
+* :class:`DecisionNode` — op nodes and parameter nodes: ``build/nodes.py`` (costs from ``pricing/compute.py``);
+  recompute decisions: ``build/recompute.py``; the expert exchange: ``build/expert_exchange.py``; the nodes a
+  checkpoint holds a storage through: ``build/memory_rows.py::_hold_node``;
+* :class:`DecisionEdge` — reshardings between producer and consumer: ``build/edges.py`` (priced by
+  ``pricing/comm.py::edge_reshardings``), recompute's reruns: ``build/recompute.py``;
+* :class:`MemoryConstraint` — the activation peak, the optimizer step, each recompute unit's moments:
+  ``build/memory_rows.py`` (liveness from ``pricing/memory.py``);
+* :class:`ConditionalCost` — the forward reshardings a recompute repeats: ``build/recompute.py``;
+* :class:`SharedCost` — one redistribution shared by sibling projections: ``build/edges.py::_add_shared_copy``;
+* :class:`FollowsInputs` — DTensor's own choices and unenforced splits: ``rules.py``; hold rules:
+  ``build/memory_rows.py``; expert-parallel modules kept whole: ``build/expert_exchange.py``;
+* :class:`Overlap` — the data-parallel synchronisation behind compute: ``pricing/comm.py::data_parallel_overlap``;
+* ``fixed`` — pinned placements and recompute options: ``build/nodes.py::_pin_param``,
+  ``build/recompute.py::_pin_recompute``.
+"""
+
 from __future__ import annotations
 
 import math

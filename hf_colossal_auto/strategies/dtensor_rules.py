@@ -417,7 +417,7 @@ def dtensor_choice(
     agree on their outputs). ``signature``: the node's enumeration signature, when the caller has it (asking
     about many placements of one node).
     """
-    from ..apply.dtensor_rules import register_runtime_rules
+    from ..dtensor_registration import register_runtime_rules
     from .enumerate import _signature
 
     if signature is None:

@@ -11,8 +11,8 @@ stacked expert weights (``gate_up_proj``/``up_proj`` and ``down_proj``, dim 0 th
   runs (:func:`add_expert_region_strategies`), the grouped GEMMs' work under the uniform-load assumption;
 * ``EP×n (dp)``: expert parallelism over the *data-parallel* axis (``Plan.expert_data_parallel``, DDP on a
   ``(dp, 1)`` mesh): ``E/dp`` experts per replica, each (token, expert) pair's row sent to its expert's rank
-  and back by all-to-all (``apply/moe.py::expert_data_parallel_forward``), priced by ``solve/builder.py``
-  (``expert_dp``), not by per-op strategies;
+  and back by all-to-all (``apply/moe.py::expert_data_parallel_forward``), priced by
+  ``solve/build/expert_exchange.py`` (``expert_dp``), not by per-op strategies;
 * a weight stored split but gathered (or sliced) for use is labelled by its use, its storage in brackets
   (``replicated (stored EP×2)``: a ZeRO-style split of the experts, all-gathered where they are used);
 * anything else is spelled out as ``TP×n (gate_up_proj:S2 down_proj:S2)`` (e.g. a split of the hidden dim,

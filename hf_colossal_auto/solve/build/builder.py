@@ -1,0 +1,395 @@
+"""Turn a captured step + per-node strategies into the ILP of :mod:`hf_colossal_auto.solve.problem`.
+
+One ILP per (mesh, data-parallel mode). The tensor-parallel axis is decided per node; the data-parallel axis
+splits the batch of every activation (the graph is traced at the per-replica batch) and is priced per
+parameter (DDP all-reduce, or FSDP all-gather + reduce-scatter).
+
+:func:`build_problem` is the entry point; :class:`_ProblemBuilder` prices one part of the ILP per method
+(``_add_op_nodes``, ``_add_param_nodes``, ``_add_edges``, ``_add_recompute_decisions``,
+``_memory_constraints``) and ``build`` assembles them. Decision variables:
+
+* one node per forward op, with the strategies DTensor's rules allow (:mod:`hf_colossal_auto.strategies`);
+  cost = roofline time of forward + backward on local shapes (host overhead included), plus the collectives
+  the strategy needs outside the edges (returned outputs gathered, a partial loss weight reduced);
+* one node per parameter (``p:<fqn>``) whose strategies are its storage placements (replicated, or sharded
+  along a dim the axis divides); cost = the optimizer update on the local shard; its gradient
+  synchronisation over the data-parallel axis is priced as communication behind the step's compute
+  (an :class:`~hf_colossal_auto.solve.problem.Overlap`); memory = parameter + gradient + optimizer state on
+  the device (and, under FSDP, what a gathered block adds);
+* edges producer -> consumer with the forward resharding of the value and the backward resharding of its
+  gradient (:mod:`hf_colossal_auto.solve.cost_model`); a module input shared by sibling projections is
+  redistributed once for all of them (a :class:`~hf_colossal_auto.solve.problem.SharedCost`);
+* with recompute layers, one node per recompute unit (``rc:<unit>``) whose strategies are its recompute
+  options (:mod:`hf_colossal_auto.solve.recompute`): edges to the unit's ops price rerunning them, and
+  conditional costs the forward reshardings a rerun repeats.
+
+Identical blocks are tied: every traced copy of a folded run maps onto the representative's nodes, so the
+ILP has one set of variables per distinct block and its size grows with distinct blocks, not depth. Each
+traced copy's edges and costs are weighted by how many real blocks it stands for (first: 1, second: 1,
+representative: N - 3, last: 1).
+
+Memory (per device) is constrained at moments of the liveness timeline, as in Alpa's per-time-step
+constraint rather than a sum over all nodes: the activation peak (saved activations of every block, sharded
+by the producing node's output placement and kept per the recompute choice, plus parameters, optimizer
+state, the gradients alive then and the transient of that moment); the optimizer step (parameters,
+gradients, optimizer state and the optimizer's temporaries, all by parameter placement); and, per recompute
+unit, the highest point of its backward and its rerun as its backward starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ...capture.graph import StepGraph
+from ...capture.moe import RoutingLoad
+from ...hardware.catalog import DeviceSpec
+from ...profile.memory import saved_bytes_per_node
+from ...strategies.placements import Strategy
+from ..pricing.comm import AxisComm, HybridComm, data_parallel_overlap, data_parallel_shard_size
+from ..pricing.compute import BackwardRatios, _backward_ratios, _expert_skews
+from ..pricing.memory import _checkpoint_args
+from ..problem import (
+    ConditionalCost,
+    DecisionEdge,
+    DecisionNode,
+    FollowsInputs,
+    Problem,
+    SharedCost,
+)
+from ..recompute import RecomputeOption, RecomputeUnit, find_units
+from ..rules import dtensor_choice_rules, unenforced_split_rules
+from ..tied import (
+    TiedGraph,
+    _weighted,
+    differentiable_values,
+    forward_producers,
+    shared_projection_inputs,
+    value_readers,
+)
+from .edges import _EdgesPart
+from .expert_exchange import ExpertExchange, _ExpertExchangePart
+from .memory_rows import _MemoryRowsPart
+from .nodes import _NodesPart
+from .recompute import _RecomputePart
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltProblem:
+    """The ILP and what is needed to read its solution back into a plan."""
+
+    problem: Problem
+    strategies: dict[str, list[Strategy]]
+    """ILP node name -> strategies of a graph node (empty for parameter nodes)."""
+    param_options: dict[str, list[str]]
+    """ILP node name of a parameter -> its storage placements on the tensor-parallel axis."""
+    param_of_node: dict[str, str]
+    """ILP node name -> canonical parameter FQN."""
+    node_of_name: dict[str, int]
+    """ILP node name -> canonical graph node index."""
+    block_of: dict[str, str] = field(default_factory=dict)
+    """ILP node name -> module FQN it belongs to (for per-block costs)."""
+    recompute_units: dict[str, RecomputeUnit] = field(default_factory=dict)
+    """ILP node name of a recompute decision (``rc:<unit>``) -> the blocks it decides for."""
+    recompute_options: dict[str, list[RecomputeOption]] = field(default_factory=dict)
+    """ILP node name of a recompute decision -> its options, in the node's strategy order."""
+    hold_nodes: frozenset[str] = frozenset()
+    """ILP nodes whose choice follows the recompute decisions (a storage a checkpoint holds or not)."""
+    micro_batches: int = 1
+    """Micro-batches per step the problem was priced for (its graph is traced at one micro-batch)."""
+    dp_shard_size: int = 1
+    """Ranks a parameter's data-parallel copy is split over (1: DDP, dp: FSDP, the shard group: HSDP)."""
+    host_floor_s: float = 0.0
+    """Host seconds of one micro-batch's ops (forward and backward) whatever their strategies: k micro-batches
+    cost at least k times it, which bounds micro-batching from below without tracing it."""
+    backward_ratios: BackwardRatios = field(default_factory=lambda: BackwardRatios({}, {}))
+    """Per module, backward over forward (device time, op count): how a node's cost splits into its forward
+    and its backward (where in the step the ranks synchronise, :mod:`.prediction`)."""
+    expert_data_parallel: dict[str, ExpertExchange] = field(default_factory=dict)
+    """Experts modules (canonical FQN) run expert-parallel over the data-parallel axis, with the collectives
+    each runs per micro-batch (:func:`expert_exchanges`); empty unless the problem was built with
+    ``expert_dp``."""
+    expert_dp_params: frozenset[str] = frozenset()
+    """Canonical FQNs of the per-expert weights stored ``E/dp`` experts per data-parallel rank then."""
+
+
+def build_problem(
+    graph: StepGraph,
+    strategies: dict[int, list[Strategy]],
+    *,
+    spec: DeviceSpec,
+    mesh_shape: tuple[int, int],
+    tp_comm: AxisComm,
+    dp_comm: AxisComm | HybridComm,
+    dp_mode: str,
+    budget: float,
+    fixed_params: dict[str, str] | None = None,
+    pin_unlisted: bool = False,
+    recompute_layers: Sequence[str] | None = None,
+    recompute_pin: str | Mapping[str, str] | None = None,
+    micro_batches: int = 1,
+    dtensor_rules: bool = True,
+    routing: RoutingLoad | None = None,
+    expert_dp: bool = False,
+) -> BuiltProblem:
+    """The ILP for one mesh ``(dp, tp)`` and data-parallel mode ("ddp", "fsdp", or "hsdp" with ``dp_comm`` a
+    :class:`HybridComm`: FSDP inside its shard group, the shards all-reduced over its replicate group).
+
+    ``fixed_params`` pins parameter placements (canonical FQN -> tensor-parallel placement) for baselines and
+    user plans; with ``pin_unlisted`` every parameter it does not name is pinned replicated.
+    ``recompute_layers`` (the model's ``ModuleList`` children) makes activation recompute a decision per
+    block (:mod:`hf_colossal_auto.solve.recompute`); None leaves it out. ``recompute_pin`` fixes it: one
+    option name for every unit ("none", "full"), or unit name -> option name.
+
+    ``micro_batches`` (k): ``graph`` is one micro-batch of a step that runs k of them with gradient accumulation
+    (:func:`hf_colossal_auto.accumulate`). Everything a micro-batch runs — ops, tensor-parallel reshardings,
+    recompute, FSDP's parameter all-gathers — is paid k times; the gradient synchronisation and the optimizer
+    step once; memory is one micro-batch's activations on top of the gradients accumulated so far (all of them,
+    unsharded under FSDP until the last micro-batch reduce-scatters them).
+
+    ``dtensor_rules=False`` leaves out the rules that make ops follow DTensor's own choices
+    (:func:`dtensor_choice_rules`, the costliest part to build): a relaxation, whose optimum is a lower bound on
+    the full problem's (the planner prunes candidates with it).
+
+    ``routing``: a measured routing load (:class:`~hf_colossal_auto.capture.moe.RoutingLoad`, checked against
+    the model by the caller). An expert-parallel grouped GEMM then costs, in time and in the bytes of its rows,
+    what the busiest rank's rows cost (the step waits on the slowest rank); None prices uniform routing
+    (``capture.moe.UNIFORM_LOAD``), as does a histogram whose ranks all get the same rows.
+
+    ``expert_dp``: every MoE layer runs expert-parallel over the data-parallel axis (DDP or FSDP,
+    tensor-parallel axis of 1, ``dp`` dividing every layer's experts;
+    ``apply/moe.py::expert_data_parallel_forward``): the per-expert weights stored ``E/dp`` experts per rank
+    (their memory, optimizer state and step divided by dp, no gradient all-reduce; under FSDP left out of its
+    units: no all-gather, reduce-scatter or gathered bytes), the ops of each experts module priced on the rows
+    the rank receives (``T·k`` under uniform load, the busiest rank's under a measured one; a grouped GEMM
+    with ``E/dp`` experts' weights), and the all-to-alls of the exchange and the sender's own kernels
+    (:func:`expert_exchanges`) on the data-parallel link, exposed (the region waits for them).
+
+    The parts of the ILP are priced by the methods of :class:`_ProblemBuilder`.
+    """
+    return _ProblemBuilder(
+        graph,
+        strategies,
+        spec=spec,
+        mesh_shape=mesh_shape,
+        tp_comm=tp_comm,
+        dp_comm=dp_comm,
+        dp_mode=dp_mode,
+        budget=budget,
+        fixed_params=fixed_params,
+        pin_unlisted=pin_unlisted,
+        recompute_layers=recompute_layers,
+        recompute_pin=recompute_pin,
+        micro_batches=micro_batches,
+        dtensor_rules=dtensor_rules,
+        routing=routing,
+        expert_dp=expert_dp,
+    ).build()
+
+
+class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _ExpertExchangePart):
+    """Builds the ILP of :func:`build_problem` for one mesh and data-parallel mode, one part per method.
+
+    ``__init__`` holds what every part reads (the graph and its tied copies, the strategies, device and
+    communication models, backward ratios, recompute units and the liveness snapshots); :meth:`build` runs the
+    parts in order, each adding to the decision nodes, edges and the state the later parts read:
+
+    1. :meth:`_add_op_nodes`: one node per canonical forward op (its compute time);
+    2. :meth:`_add_param_nodes`: one node per parameter (optimizer update, data-parallel sync, memory);
+    3. :meth:`_add_edges`: producer -> consumer reshardings of every use (forward and gradient);
+    4. :meth:`_add_recompute_decisions`: one node per recompute unit and the rerun costs it implies;
+    5. :meth:`_memory_constraints`: per-device memory at the activation peak, the optimizer step and each
+       unit's recompute and rerun moments.
+    """
+
+    def __init__(
+        self,
+        graph: StepGraph,
+        strategies: dict[int, list[Strategy]],
+        *,
+        spec: DeviceSpec,
+        mesh_shape: tuple[int, int],
+        tp_comm: AxisComm,
+        dp_comm: AxisComm | HybridComm,
+        dp_mode: str,
+        budget: float,
+        fixed_params: dict[str, str] | None,
+        pin_unlisted: bool,
+        recompute_layers: Sequence[str] | None,
+        recompute_pin: str | Mapping[str, str] | None,
+        micro_batches: int = 1,
+        dtensor_rules: bool = True,
+        routing: RoutingLoad | None = None,
+        expert_dp: bool = False,
+    ) -> None:
+        # ------------------------------------------------------------ inputs
+        self.graph = graph
+        self.strategies = strategies
+        """Graph node index -> its strategies (a node without any runs replicated)."""
+        self.spec = spec
+        self.mesh_shape = mesh_shape
+        self.dp, self.tp = mesh_shape
+        self.axis = 0  # strategies are enumerated on the 1-D tensor-parallel mesh
+        self.tp_comm = tp_comm
+        self.dp_comm = dp_comm
+        self.dp_mode = dp_mode
+        self.dp_shard = data_parallel_shard_size(dp_mode, self.dp, dp_comm) if self.dp > 1 else 1
+        """Ranks a parameter's data-parallel copy is split over (1 under DDP)."""
+        self.budget = budget
+        self.fixed_params = fixed_params
+        self.pin_unlisted = pin_unlisted
+        self.recompute_pin = recompute_pin
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.micro_batches = micro_batches
+        self.dtensor_rules = dtensor_rules
+        self.routing = routing
+
+        # ------------------------------------------------------------ derived from the graph
+        self.tied = TiedGraph.build(graph)
+        self.expert_skews = _expert_skews(graph, self.tied, routing, self.tp)
+        """Canonical grouped GEMM -> ((busiest rank's rows / mean rank's, real layers with it), ...) over the MoE
+        layers it stands for; empty without a measured routing load."""
+        self.expert_dp: dict[str, ExpertExchange] = {}
+        """Experts modules run expert-parallel over the data-parallel axis (``expert_dp``)."""
+        self.expert_dp_nodes: dict[int, float] = {}
+        """Canonical node of such a module -> its rows over the traced ones (the busiest rank's skew; 1 uniform)."""
+        self.expert_dp_params: set[str] = set()
+        """Canonical per-expert weights stored E/dp experts per data-parallel rank."""
+        if expert_dp:
+            self._setup_expert_dp()
+        self.ratios = _backward_ratios(graph, spec)
+        self.producer = forward_producers(graph)
+        self.canon_nodes = sorted({self.tied.canonical[i] for i in self.tied.canonical})
+        self.readers = value_readers(graph, self.tied)
+        self.grads = differentiable_values(graph)
+        self.shared_uses = shared_projection_inputs(graph, self.tied)
+        self.units = (
+            find_units(graph, self.tied.canonical, recompute_layers) if recompute_layers is not None else []
+        )
+        self.unit_index_of = {c: u for u, unit in enumerate(self.units) for c in unit.nodes}
+        """Canonical node -> index of the recompute unit it belongs to."""
+        self.checkpoint_args = _checkpoint_args(graph, self.tied, self.units, self.unit_index_of)
+        """Storage made outside every unit -> units whose blocks get it as an argument (a recomputed block's
+        checkpoint holds it)."""
+        self.hold_nodes: dict[tuple[int, tuple[int, ...]], str] = {}
+        self.hold_rules: list[FollowsInputs] = []
+        self.peak_snapshot, self.unit_snapshots, self.start_snapshots, self.forward_snapshots = (
+            self._snapshots()
+        )
+        self.weighted_saved = _weighted(self.tied, self.peak_snapshot.by_node)
+        """Canonical node -> bytes it holds at the activation peak, over every copy it stands for."""
+        self.saved_for_backward = _weighted(self.tied, saved_bytes_per_node(graph))
+        """Canonical node -> bytes its outputs keep into backward, wherever the peak falls (a T5 decoder block's
+        activations are all freed by the time of its step's peak, yet its backward needs them)."""
+
+        # ------------------------------------------------------------ the problem, filled in by the parts
+        self.nodes: list[DecisionNode] = []
+        self.fixed: dict[str, int] = {}
+        self.block_of: dict[str, str] = {}
+        self.edge_cost: dict[tuple[str, str], list[list[float]]] = {}
+        """(source node, destination node) -> cost matrix, summed over every use between them."""
+        self.fwd_into: dict[tuple[str, str], list[list[float]]] = {}
+        """(source node, recomputable consumer) -> the forward resharding a recompute of the consumer repeats."""
+        # op nodes
+        self.strat_of: dict[str, list[Strategy]] = {}
+        self.node_of_name: dict[str, int] = {}
+        # parameter nodes
+        self.param_options: dict[str, list[str]] = {}
+        self.param_of_node: dict[str, str] = {}
+        self.param_mem_terms: dict[str, list[float]] = {}
+        """Parameter node -> bytes of parameter + optimizer state on the device, per storage option."""
+        self.grad_terms: dict[str, list[float]] = {}
+        """Parameter node -> bytes of its gradient on the device, per storage option."""
+        self.accumulated_grad_terms: dict[str, list[float]] = {}
+        """Parameter node -> bytes of its gradient accumulated over micro-batches (never sharded over the
+        data-parallel axis: FSDP2 keeps unsynchronised gradients unsharded), per storage option."""
+        self.opt_temp_terms: dict[str, list[float]] = {}
+        """Parameter node -> the optimizer step's temporary bytes for it, per storage option."""
+        self.sync_terms: dict[str, list[float]] = {}
+        """Parameter node -> seconds of its data-parallel gradient synchronisation per storage option (priced by
+        the :class:`Overlap` of :meth:`build`, not in the node's cost)."""
+        self.gathered_terms: dict[str, list[float]] = {}
+        """FSDP: bytes a parameter adds while gathered (unsharded parameter and gradient) at the activation peak."""
+        # shared projection copies
+        self.shared_members: dict[tuple[int, str, str, int, str], list[tuple[str, tuple[int, ...]]]] = {}
+        self.shared_price: dict[tuple[int, str, str, int, str], list[float]] = {}
+        """(value, parent module, target placement, copy weight, producer node) -> members / price per producer
+        strategy"""
+        # recompute decisions
+        self.unit_options_of: list[list[RecomputeOption]] = []
+        self.rc_names: list[str] = []
+        self.conditional: list[ConditionalCost] = []
+        self.host_floor_s = 0.0
+
+    # ---------------------------------------------------------------- the whole problem
+    def build(self) -> BuiltProblem:
+        """Runs every part and assembles the :class:`Problem`, with the data-parallel synchronisation as an
+        :class:`Overlap`, DTensor's own choices as :class:`FollowsInputs` rules and the shared projection copies
+        as :class:`SharedCost` terms."""
+        self._add_op_nodes()
+        self._add_param_nodes()
+        self._add_edges()
+        self._add_recompute_decisions()
+        if self.micro_batches > 1:
+            self._repeat_per_micro_batch()
+        if self.expert_dp:
+            self._add_expert_dp_exchange()
+        edges = [DecisionEdge(s, d, m) for (s, d), m in sorted(self.edge_cost.items())]
+        constraints = self._memory_constraints()
+        problem = Problem(
+            nodes=self.nodes,
+            edges=edges,
+            memory_constraints=constraints,
+            overlaps=data_parallel_overlap(
+                self.nodes,
+                self.sync_terms,
+                self.dp_mode,
+                self.ratios,
+                self.block_of,
+                self.spec,
+                self.micro_batches,
+            ),
+            name=f"mesh{self.mesh_shape}-{self.dp_mode}",
+            fixed=self.fixed,
+            conditional_costs=self.conditional,
+            follows_inputs=unenforced_split_rules(
+                self.graph, self.tied, self.strat_of, self.node_of_name, self.axis
+            )
+            + (
+                dtensor_choice_rules(
+                    self.graph, self.tied, self.strat_of, self.param_options, self.axis, (self.tp,)
+                )
+                if self.dtensor_rules
+                else []
+            )
+            + self.hold_rules
+            + self._expert_parallel_rules(),
+            shared_costs=[
+                SharedCost(key[4], tuple(members), self.shared_price[key])
+                for key, members in sorted(self.shared_members.items())
+                if any(self.shared_price[key])
+            ],
+        )
+        return BuiltProblem(
+            problem=problem,
+            strategies=self.strat_of,
+            param_options=self.param_options,
+            param_of_node=self.param_of_node,
+            node_of_name=self.node_of_name,
+            block_of=self.block_of,
+            recompute_units={rc: unit for rc, unit in zip(self.rc_names, self.units, strict=True)},
+            recompute_options={
+                rc: opts for rc, opts in zip(self.rc_names, self.unit_options_of, strict=True)
+            },
+            hold_nodes=frozenset(self.hold_nodes.values()),
+            micro_batches=self.micro_batches,
+            dp_shard_size=self.dp_shard,
+            host_floor_s=self.host_floor_s,
+            backward_ratios=self.ratios,
+            expert_data_parallel=self.expert_dp,
+            expert_dp_params=frozenset(self.expert_dp_params),
+        )

@@ -1,0 +1,204 @@
+"""The builder's edges: producer -> consumer reshardings of every use (forward value and gradient), and the
+shared copy of a module input its sibling projections read alike."""
+
+from __future__ import annotations
+
+from ...capture.graph import ValueKind
+from ...strategies.placements import is_shard
+from ..pricing.comm import _edge_time, _forward_time, _partial_gradient, redistribute
+from ..rules import _view_partial_to
+from ..tied import view_root, viewed_param
+from .names import _node_name, _param_node_name
+
+
+class _EdgesPart:
+    """Edges and shared copies (:class:`~.builder._ProblemBuilder`)."""
+
+    # ---------------------------------------------------------------- edges
+    def _add_edges(self) -> None:
+        """Every use of a value by a forward op (over all traced copies, weighted by the real blocks each
+        stands for) becomes an edge producer -> consumer: the forward resharding of the value and the backward
+        resharding of its gradient (:func:`edge_reshardings`). Producers are parameter nodes
+        (:meth:`_add_param_use`) or forward ops (:meth:`_add_activation_use`)."""
+        graph, tied = self.graph, self.tied
+        for v_idx in sorted(tied.canonical):
+            v_node = graph.nodes[v_idx]
+            for k, vid in enumerate(v_node.inputs):
+                value = graph.values[vid]
+                if value.kind is ValueKind.PARAM and value.name is not None:
+                    self._add_param_use(v_idx, k, vid)
+                else:
+                    self._add_activation_use(v_idx, k, vid)
+
+    def _add_param_use(self, v_idx: int, k: int, vid: int) -> None:
+        """Parameter node -> consumer: the parameter redistributed from its storage placement to the one the
+        consumer's strategy reads, and its gradient back to the storage placement. When the consumer can be
+        recomputed, the forward part is also noted for the rerun (:meth:`_add_conditional_costs`)."""
+        graph, tied, axis, tp_comm = self.graph, self.tied, self.axis, self.tp_comm
+        value = graph.values[vid]
+        w = tied.weight[v_idx]
+        v_c = tied.canonical[v_idx]
+        v_strats = self.strat_of[_node_name(v_c)]
+        fqn = tied.canonical_param(value.name)
+        pname = _param_node_name(fqn)
+        if pname not in self.param_options:
+            return
+        matrix = [
+            [
+                w
+                * _edge_time(
+                    o,
+                    s,
+                    k,
+                    value.nbytes,
+                    axis,
+                    tp_comm,
+                    param=True,
+                    consumers=self.readers[vid],
+                    needs_grad=vid in self.grads,
+                )
+                for s in v_strats
+            ]
+            for o in self.param_options[pname]
+        ]
+        self._add_edge(pname, _node_name(v_c), matrix)
+        if v_c in self.unit_index_of:
+            forward = [
+                [w * _forward_time(o, s, k, value.nbytes, axis, tp_comm) for s in v_strats]
+                for o in self.param_options[pname]
+            ]
+            self._add_forward(pname, _node_name(v_c), forward)
+
+    def _add_activation_use(self, v_idx: int, k: int, vid: int) -> None:
+        """Forward op -> consumer: the value redistributed from the producer's output placement to the one the
+        consumer reads, and its gradient back (a partial gradient passing back through a view is reduced where
+        the viewed value was made, shared among that value's readers). A module input shared by sibling
+        projections is redistributed once for all of them: its forward part is priced by
+        :meth:`_add_shared_copy` instead. When the consumer can be recomputed, the forward part is also noted
+        for the rerun. A value between two copies of one tied node costs nothing."""
+        graph, tied, axis, tp_comm = self.graph, self.tied, self.axis, self.tp_comm
+        value = graph.values[vid]
+        src = self.producer.get(vid)
+        if src is None:
+            return
+        u_idx, pos = src
+        if u_idx not in tied.canonical:
+            return
+        w = tied.weight[v_idx]
+        v_c = tied.canonical[v_idx]
+        v_strats = self.strat_of[_node_name(v_c)]
+        u_c = tied.canonical[u_idx]
+        u_strats = self.strat_of[_node_name(u_c)]
+        is_shared = (v_idx, k) in self.shared_uses
+        root = view_root(graph, tied, self.producer, vid)
+        through_view = root != vid and graph.nodes[u_idx].is_view
+        of_param = self._storage_partial(v_idx, k, vid, root)
+
+        matrix = [
+            [
+                w
+                * _edge_time(
+                    us.output_placements[pos][axis],
+                    s,
+                    k,
+                    value.nbytes,
+                    axis,
+                    tp_comm,
+                    consumers=self.readers[root] if through_view else self.readers[vid],
+                    forward=not is_shared,
+                    partial_to=_view_partial_to(us, axis) if through_view else None,
+                    partial_elsewhere=of_param,
+                    needs_grad=vid in self.grads,
+                )
+                for s in v_strats
+            ]
+            for us in u_strats
+        ]
+        if is_shared:
+            self._add_shared_copy(v_idx, k, vid, u_c, pos)
+        if u_c == v_c:
+            return
+        self._add_edge(_node_name(u_c), _node_name(v_c), matrix)
+        if v_c in self.unit_index_of:
+            forward = [
+                [
+                    w * _forward_time(us.output_placements[pos][axis], s, k, value.nbytes, axis, tp_comm)
+                    for s in v_strats
+                ]
+                for us in u_strats
+            ]
+            self._add_forward(_node_name(u_c), _node_name(v_c), forward)
+
+    def _storage_partial(self, v_idx: int, k: int, vid: int, root: int) -> bool:
+        """A use whose partial gradient is reduced to a parameter's storage placement (``root`` is a view of
+        the parameter, :func:`viewed_param`): prices that reduction on an edge parameter -> consumer, the two
+        choices it depends on (the consumer's strategy makes the gradient partial, the storage says where it
+        is reduced to), and says so (the view -> consumer edge then leaves it out)."""
+        pvid = viewed_param(self.graph, self.tied, self.producer, root)
+        if pvid is None or vid not in self.grads:
+            return False
+        pname = _param_node_name(self.tied.canonical_param(self.graph.values[pvid].name))
+        if pname not in self.param_options:
+            return False
+        axis, nbytes = self.axis, self.graph.values[vid].nbytes
+        w = self.tied.weight[v_idx]
+        v_name = _node_name(self.tied.canonical[v_idx])
+        share = 1.0 / self.readers[root]
+        partial = [_partial_gradient(s, k, axis) for s in self.strat_of[v_name]]
+        matrix = [
+            [
+                w * share * redistribute("P", o if is_shard(o) else "R", nbytes, self.tp_comm)[0]
+                if p
+                else 0.0
+                for p in partial
+            ]
+            for o in self.param_options[pname]
+        ]
+        self._add_edge(pname, v_name, matrix)
+        return True
+
+    def _add_shared_copy(self, v_idx: int, k: int, vid: int, u_c: int, pos: int) -> None:
+        """A use in :func:`shared_projection_inputs`: the runtime's projection hooks redistribute the value once
+        per target placement and every sibling projection wanting that placement reads the copy. Registers the
+        consumer's strategies that read each placement as members of one :class:`SharedCost`, priced once
+        per producer strategy."""
+        tied, axis = self.tied, self.axis
+        value = self.graph.values[vid]
+        w = tied.weight[v_idx]
+        v_c = tied.canonical[v_idx]
+        v_strats = self.strat_of[_node_name(v_c)]
+        u_strats = self.strat_of[_node_name(u_c)]
+        wanted_in = [
+            s.input_placements[k][axis]
+            if k < len(s.input_placements) and s.input_placements[k] is not None
+            else None
+            for s in v_strats
+        ]
+        for place in sorted({p for p in wanted_in if p is not None}):
+            key = (vid, self.shared_uses[(v_idx, k)], place, w, _node_name(u_c))
+            wanted = tuple(j for j, p in enumerate(wanted_in) if p == place)
+            self.shared_members.setdefault(key, []).append((_node_name(v_c), wanted))
+            self.shared_price[key] = [
+                w * redistribute(us.output_placements[pos][axis], place, value.nbytes, self.tp_comm)[0]
+                for us in u_strats
+            ]
+
+    def _add_edge(self, src: str, dst: str, matrix: list[list[float]]) -> None:
+        """Adds ``matrix`` to the edge ``src -> dst`` (uses between the same two nodes sum)."""
+        if src == dst:
+            # A value flowing between two copies of one tied node (same strategy on both ends): diagonal only.
+            return
+        if (src, dst) in self.edge_cost:
+            acc = self.edge_cost[(src, dst)]
+            for a, row in zip(acc, matrix, strict=True):
+                for j, v in enumerate(row):
+                    a[j] += v
+        else:
+            self.edge_cost[(src, dst)] = [list(r) for r in matrix]
+
+    def _add_forward(self, src: str, dst: str, matrix: list[list[float]]) -> None:
+        """Adds ``matrix`` to the forward resharding ``src -> dst`` a rerun of ``dst`` repeats."""
+        acc = self.fwd_into.setdefault((src, dst), [[0.0] * len(matrix[0]) for _ in matrix])
+        for a, row in zip(acc, matrix, strict=True):
+            for j, v in enumerate(row):
+                a[j] += v

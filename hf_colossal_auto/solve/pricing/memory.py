@@ -1,0 +1,153 @@
+"""Memory pricing: the liveness snapshots of a step (what each node holds at the activation peak and at each
+recompute unit's moments), the arguments a checkpoint holds, and the optimizer's temporaries."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ...capture.graph import Phase, StepGraph, ValueKind
+from ...profile.memory import UnrolledStep, unroll
+from ..recompute import RecomputeUnit
+from ..tied import TiedGraph
+
+
+@dataclass
+class _Snapshot:
+    """Live bytes at one moment: by storage kind, and by the forward node that allocated them (summed over
+    the blocks a replayed copy stands for)."""
+
+    by_kind: dict[str, int]
+    by_node: dict[int, int]
+    watched_alive: frozenset[int] = frozenset()
+    """The watched storages (see :func:`_liveness`) alive at that moment."""
+
+
+Moment = tuple[int, str]
+"""A position in ``UnrolledStep.order`` and ``"before"`` (the state before its events) or ``"max"`` (the state at
+the highest point its events reach: an op's outputs and temporaries exist together before its frees)."""
+
+
+def _liveness(
+    graph: StepGraph, step: UnrolledStep, moments: list[Moment], watched: set[int] | None = None
+) -> tuple[_Snapshot, list[_Snapshot]]:
+    """The highest point of forward + backward (the optimizer step is priced apart) and the state at each of
+    ``moments``; each snapshot says which of the ``watched`` storages are alive then."""
+    alloc_node = {e.storage_id: e.slot for e in graph.memory_events if e.delta > 0}
+    live: dict[ValueKind, int] = defaultdict(int, step.initial_by_kind)
+    by_node: dict[int, int] = defaultdict(int)
+    watched = watched or set()
+    copies: dict[int, int] = defaultdict(int)  # watched storage -> live copies
+
+    def snap() -> _Snapshot:
+        return _Snapshot(
+            {k.value: v for k, v in live.items()},
+            {n: b for n, b in by_node.items() if b > 0},
+            frozenset(s for s, c in copies.items() if c > 0),
+        )
+
+    before = sorted({pos for pos, kind in moments if kind == "before"})
+    at_max = {pos for pos, kind in moments if kind == "max"}
+    taken: dict[Moment, _Snapshot] = {}
+    best_at: dict[int, int] = {}
+    best_total, best = sum(live.values()), snap()
+    total = best_total
+    for (pos, delta, kind), sid in zip(step.events, step.event_storages, strict=True):
+        while before and pos >= before[0]:
+            taken[(before.pop(0), "before")] = snap()
+        if pos >= 0 and graph.nodes[step.order[pos]].phase is Phase.OPTIMIZER:
+            break
+        total += delta
+        live[kind] += delta
+        node = alloc_node.get(sid)
+        if node is not None and graph.nodes[node].phase is Phase.FORWARD:
+            by_node[node] += delta
+        if sid in watched:
+            copies[sid] += 1 if delta > 0 else -1
+        if total > best_total:
+            best_total, best = total, snap()
+        if pos in at_max and total > best_at.get(pos, -1):
+            best_at[pos] = total
+            taken[(pos, "max")] = snap()
+    for pos in before:
+        taken[(pos, "before")] = snap()
+    return best, [taken.get(m) or snap() for m in moments]
+
+
+def _checkpoint_args(
+    graph: StepGraph, tied: TiedGraph, units: list[RecomputeUnit], unit_index_of: dict[int, int]
+) -> dict[int, set[int]]:
+    """Storages a forward op outside every unit made and the model passes to a unit's blocks (position ids,
+    masks, rotary tables; used by the block or not), with the units whose blocks get them. A recomputed block's
+    checkpoint keeps its arguments until its backward, whether or not anything else still needs them."""
+    alloc = {e.storage_id: e.slot for e in graph.memory_events if e.delta > 0}
+    runs = {run.representative: run.traced for run in graph.block_runs}
+    readers: dict[int, set[int]] = defaultdict(set)
+    for u, unit in enumerate(units):
+        for block in runs.get(unit.name, unit.blocks):
+            for sid in graph.block_args.get(block, ()):
+                made = alloc.get(sid)
+                if made is None or graph.nodes[made].phase is not Phase.FORWARD:
+                    continue  # parameters, buffers and the batch exist all step anyway
+                if tied.canonical.get(made, made) in unit_index_of:
+                    continue  # made inside a unit (a block's output): priced with that unit's kept bytes
+                readers[sid].add(u)
+    return dict(readers)
+
+
+def _block_moment(
+    graph: StepGraph, step: UnrolledStep, unit: RecomputeUnit, phase: Phase, which: str
+) -> Moment:
+    """A moment in ``phase`` of the unit's block that goes backward first (its last block): ``"start"``, before
+    its first op; ``"peak"``, inside the op at which the live bytes reach their highest."""
+    block = unit.last_block
+    inside_positions = [
+        pos
+        for pos, i in enumerate(step.order)
+        if graph.nodes[i].phase is phase
+        and (
+            step.block_of[pos] == block
+            or (
+                step.block_of[pos] is None
+                and (graph.nodes[i].module == block or graph.nodes[i].module.startswith(block + "."))
+            )
+        )
+    ]
+    if not inside_positions:
+        return (len(step.order), "before")
+    if which == "start":
+        return (inside_positions[0], "before")
+    wanted = set(inside_positions)
+    total, best, best_pos = step.initial_bytes, -1, inside_positions[0]
+    for pos, delta, _ in step.events:
+        total += delta
+        if pos in wanted and total > best:
+            best, best_pos = total, pos
+    return (best_pos, "max")
+
+
+def _unrolled(graph: StepGraph) -> UnrolledStep:
+    """``unroll(graph)``, kept on the graph: every problem built from one step (data-parallel modes, the
+    planner's relaxations) reads the same full-depth timeline, and a captured step does not change."""
+    if "_unrolled" not in graph.__dict__:
+        graph.__dict__["_unrolled"] = unroll(graph)
+    return graph.__dict__["_unrolled"]
+
+
+def _optimizer_temp_ratio(graph: StepGraph) -> float:
+    """The optimizer step's temporary bytes at their peak, per byte of trainable parameter."""
+    step = _unrolled(graph)
+    opt_positions = [pos for pos, i in enumerate(step.order) if graph.nodes[i].phase is Phase.OPTIMIZER]
+    if not opt_positions:
+        return 0.0
+    start = opt_positions[0]
+    live = 0
+    peak = 0
+    for pos, delta, kind in step.events:
+        if pos < start:
+            continue
+        if kind in (ValueKind.ACTIVATION,):
+            live += delta
+            peak = max(peak, live)
+    total = graph.trainable_param_bytes
+    return peak / total if total else 0.0

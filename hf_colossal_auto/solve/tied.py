@@ -1,0 +1,182 @@
+"""Queries on a captured step with its identical blocks tied: the canonical node each traced copy maps to and
+the graph walks every part of the ILP shares (producers, readers, views, shared projection inputs)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..capture.graph import Phase, StepGraph, ValueKind
+
+
+@dataclass
+class TiedGraph:
+    """Forward nodes of a step with every copy of a folded block mapped onto the representative."""
+
+    graph: StepGraph
+    canonical: dict[int, int]
+    """Forward node index -> the node that decides for it."""
+    weight: dict[int, int]
+    """Forward node index -> how many real nodes of the full model it stands for (its copy's weight)."""
+    multiplicity: dict[int, int]
+    """Canonical node -> how many real nodes it decides for."""
+    copy_prefix: dict[int, tuple[str, str]]
+    """Forward node index inside a traced copy -> (copy block FQN, representative block FQN)."""
+
+    @classmethod
+    def build(cls, graph: StepGraph) -> TiedGraph:
+        fwd = [n.index for n in graph.nodes if n.phase is Phase.FORWARD]
+        canonical = {i: i for i in fwd}
+        weight = {i: 1 for i in fwd}
+        copy_prefix: dict[int, tuple[str, str]] = {}
+        for run in graph.block_runs:
+            rep = run.representative
+            rep_seg = graph.block_segments[rep][Phase.FORWARD]
+            n_real = len(run.all_blocks)
+            for block in run.traced:
+                seg = graph.block_segments[block][Phase.FORWARD]
+                w = n_real - (len(run.traced) - 1) if block == rep else 1
+                for i in range(seg.start, seg.end):
+                    canonical[i] = rep_seg.start + (i - seg.start)
+                    weight[i] = w
+                    copy_prefix[i] = (block, rep)
+        multiplicity: dict[int, int] = defaultdict(int)
+        for i in fwd:
+            multiplicity[canonical[i]] += weight[i]
+        return cls(graph, canonical, weight, dict(multiplicity), copy_prefix)
+
+    def canonical_param(self, name: str) -> str:
+        """The representative's parameter a (possibly folded or copied) parameter FQN is tied to."""
+        for run in self.graph.block_runs:
+            for block in run.all_blocks:
+                if name.startswith(block + "."):
+                    return run.representative + name[len(block) :]
+        return name
+
+
+def forward_producers(graph: StepGraph) -> dict[int, tuple[int, int]]:
+    """Value id -> (forward node, output position) that made it."""
+    return {
+        vid: (n.index, pos)
+        for n in graph.nodes
+        if n.phase is Phase.FORWARD
+        for pos, vid in enumerate(n.outputs)
+    }
+
+
+PROJECTION_TYPES = ("Linear", "Conv1D")
+"""Module classes whose input the runtime redistributes in a pre-hook and shares between them
+(:func:`hf_colossal_auto.apply.enforce.enforce_projection_inputs`)."""
+
+
+def shared_projection_inputs(graph: StepGraph, tied: TiedGraph) -> dict[tuple[int, int], str]:
+    """(forward node, input position) of the uses whose forward resharding is shared: a value read as the
+    module input of two or more sibling projections (q, k and v of one normed input, under one attention
+    module) is redistributed once per target placement, by the runtime's projection hooks, and every sibling
+    wanting that placement reads the copy. Maps each such use to the parent module its copy belongs to."""
+    uses: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
+    for i in tied.canonical:
+        node = graph.nodes[i]
+        module = node.module
+        if graph.module_types.get(module) not in PROJECTION_TYPES:
+            continue
+        for k, vid in enumerate(node.inputs):
+            value = graph.values[vid]
+            if value.kind is ValueKind.PARAM or value.producer is None:
+                continue
+            made_in = graph.nodes[value.producer].module
+            if made_in == module or made_in.startswith(module + "."):
+                continue  # made inside the projection: not its module input
+            uses[(vid, module.rpartition(".")[0])].append((i, k))
+    shared: dict[tuple[int, int], str] = {}
+    for (_, parent), found in uses.items():
+        if len({graph.nodes[i].module for i, _ in found}) > 1:
+            shared.update(dict.fromkeys(found, parent))
+    return shared
+
+
+def view_root(graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, int]], vid: int) -> int:
+    """The activation a chain of views starts from: a partial gradient passes back through views (a linear's
+    flattening of its input) and is reduced once there, summed with the value's other uses."""
+    while vid in producer and producer[vid][0] in tied.canonical:
+        node = graph.nodes[producer[vid][0]]
+        ins = [v for v in node.inputs if graph.values[v].kind is not ValueKind.PARAM]
+        if not node.is_view or len(ins) != 1 or ins[0] not in producer:
+            break
+        if producer[ins[0]][0] not in tied.canonical:
+            break
+        vid = ins[0]
+    return vid
+
+
+def viewed_param(
+    graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, int]], root: int
+) -> int | None:
+    """The parameter a view chain's root is a view of (a linear weight's transpose), else None.
+
+    :func:`view_root` stops at such a view, but its partial gradient is not reduced there: the runtime gathers
+    a weight stored sharded for its use (``apply/enforce.py``), the view passes the partial gradient back, and
+    the gather's backward reduces it straight to the weight's stored placement (a reduce-scatter to a shard,
+    an all-reduce to a replica)."""
+    src = producer.get(root)
+    if src is None or src[0] not in tied.canonical:
+        return None
+    node = graph.nodes[src[0]]
+    if not node.is_view:
+        return None
+    params = [v for v in node.inputs if graph.values[v].kind is ValueKind.PARAM and graph.values[v].name]
+    return params[0] if len(params) == len(node.inputs) == 1 else None
+
+
+_FLOATING = ("float", "bfloat", "half", "complex")
+
+
+def differentiable_values(graph: StepGraph) -> set[int]:
+    """Values a gradient flows back to: trained parameters, and floating-point outputs of forward ops that read
+    one.
+
+    (The tracer records below autograd, where no tensor has ``requires_grad`` yet, so it is derived here.)
+    RoPE's cos/sin tables, masks and position ids come out of this empty: no gradient is reduced for them; nor
+    for a frozen embedding's output (no gradient reaches a frozen parameter, so none is computed for it)."""
+    needs = {
+        v.id
+        for v in graph.values.values()
+        if v.kind is ValueKind.PARAM and (v.name is None or graph.is_trainable(v.name))
+    }
+    for node in graph.nodes:
+        if node.phase is not Phase.FORWARD or not any(v in needs for v in node.inputs):
+            continue
+        for vid in node.outputs:
+            if graph.values[vid].dtype.startswith(_FLOATING):
+                needs.add(vid)
+    return needs
+
+
+def value_readers(graph: StepGraph, tied: TiedGraph) -> dict[int, int]:
+    """Value id -> number of forward nodes that read it (the gradient contributions autograd sums)."""
+    readers: dict[int, int] = defaultdict(int)
+    for i in tied.canonical:
+        for vid in set(graph.nodes[i].inputs):
+            readers[vid] += 1
+    return readers
+
+
+def _real_modules_of(graph: StepGraph, tied: TiedGraph, i: int) -> list[str]:
+    """The module of forward node ``i`` in every real block it stands for (a folded run's representative
+    stands for itself and every block not traced)."""
+    module = graph.nodes[i].module
+    prefix = tied.copy_prefix.get(i)
+    if prefix is None or prefix[0] != prefix[1]:
+        return [module]
+    rep = prefix[1]
+    run = next(r for r in graph.block_runs if r.representative == rep)
+    blocks = [b for b in run.all_blocks if b == rep or b not in run.traced]
+    return [b + module[len(rep) :] for b in blocks]
+
+
+def _weighted(tied: TiedGraph, by_node: dict[int, int]) -> dict[int, float]:
+    """Bytes per canonical node: every copy's allocations land on the node that decides for it."""
+    out: dict[int, float] = defaultdict(float)
+    for i, c in tied.canonical.items():
+        out[c] += by_node.get(i, 0)
+    return out
