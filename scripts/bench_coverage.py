@@ -130,14 +130,31 @@ VARIANTS = {"falcon+new_decoder_architecture": ("falcon", {"new_decoder_architec
 """Architectures whose non-default branch matters to the runtime, swept as their own entries."""
 
 
+FAMILY_FIXES: dict[str, dict[str, Any]] = {
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "mamba2": {"num_heads": 8, "head_dim": 16},
+    "esmc": {"num_key_value_heads": 4},
+    "dots3_note_text": {"num_key_value_heads": 4},
+    "zaya": {"num_experts_per_tok": 1},
+}
+"""Settings a family's small config needs beyond the common names (its own consistency rules)."""
+
+
 def _shrunk_kwargs(defaults: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments that shrink a config whose ``to_dict()`` is ``defaults``: the common sizes, dropout
+    """The keyword arguments that shrink a config whose ``to_dict()`` is ``defaults``: the common sizes (also
+    where the default is None: a size derived at full scale), per-layer lists cut to the small depth, dropout
     off, and every special token id moved above :data:`INPUT_VOCAB` (distinct while there are few enough)."""
-    out = {
-        k: v
-        for k, v in _SMALL.items()
-        if isinstance(defaults.get(k), int) and not isinstance(defaults[k], bool)
-    }
+    out: dict[str, Any] = {}
+    for key, small in _SMALL.items():
+        value = defaults.get(key, ...)
+        if value is None or _is_id(value):
+            out[key] = small
+        elif isinstance(value, list) and value and all(_is_id(v) for v in value):
+            out[key] = [small] * len(value)  # a size per layer (Gemma3n's intermediate sizes)
+    if "qk_rope_head_dim" in defaults or not ({"hidden_size", "d_model"} & out.keys()):
+        out.pop("head_dim", None)  # multi-head latent attention derives it; so do configs without a width
+    if isinstance(defaults.get("rotary_dim"), int):
+        out["rotary_dim"] = 8  # GPT-J, CodeGen: rotary dims within the small head
     special = 0
     for key, value in defaults.items():
         if isinstance(value, float) and any(word in key for word in _DROPOUT_WORDS):
@@ -145,8 +162,14 @@ def _shrunk_kwargs(defaults: dict[str, Any]) -> dict[str, Any]:
         elif _is_id(value) and key.endswith(("token_id", "token_index")) and "vocab_size" in defaults:
             out[key] = VOCAB - 1 - special % (VOCAB - INPUT_VOCAB)
             special += 1
-    if "head_dim" in out and "hidden_size" not in out and "d_model" not in out:
-        del out["head_dim"]
+    for depth_key in _LAYERS:
+        old = defaults.get(depth_key)
+        if _is_id(old) and depth_key in out and old != out[depth_key]:
+            for key, value in defaults.items():
+                if isinstance(value, list) and len(value) == old:
+                    out[key] = (out.get(key) or value)[: out[depth_key]]
+    if defaults.get("is_encoder_decoder") and defaults.get("decoder_start_token_id") is None:
+        out["decoder_start_token_id"] = out.get("pad_token_id", defaults.get("pad_token_id") or 0)
     return out
 
 
@@ -154,37 +177,23 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def small_config(model_type: str, overrides: dict[str, Any] | None = None):
-    """The config class of ``model_type`` with its defaults shrunk (sub-configs too); ``overrides`` last."""
+def small_config(class_name: str, model_type: str, overrides: dict[str, Any] | None = None):
+    """The config class of ``class_name`` with its defaults shrunk (sub-configs too); the family's fixes and
+    ``overrides`` last."""
+    import transformers
     from transformers import CONFIG_MAPPING
 
-    cls = CONFIG_MAPPING[model_type]
+    cls = getattr(transformers, class_name).config_class
     defaults = cls().to_dict()
     kwargs = _shrunk_kwargs(defaults)
     for key, value in defaults.items():
-        if isinstance(value, dict) and "model_type" in value and value["model_type"] in CONFIG_MAPPING:
-            sub = CONFIG_MAPPING[value["model_type"]]().to_dict()
-            kwargs[key] = {**value, **_shrunk_kwargs(sub)}
+        if isinstance(value, dict) and value.get("model_type") in CONFIG_MAPPING:
+            kwargs[key] = {**value, **_shrunk_kwargs(value)}
+    kwargs.update(FAMILY_FIXES.get(model_type, {}))
     kwargs.update(overrides or {})
     config = cls(**kwargs)
-    _fit_layer_lists(config, defaults)
-    for sub in getattr(config, "sub_configs", {}) or {}:
-        value = getattr(config, sub, None)
-        if value is not None and hasattr(value, "to_dict"):
-            _fit_layer_lists(value, type(value)().to_dict())
     config.use_cache = False
     return config
-
-
-def _fit_layer_lists(config: Any, defaults: dict[str, Any]) -> None:
-    """Per-layer lists left at the default depth (``layer_types`` given explicitly...) cut to the small one."""
-    for old_key in _LAYERS:
-        old, new = defaults.get(old_key), getattr(config, old_key, None)
-        if not isinstance(old, int) or not isinstance(new, int) or old == new:
-            continue
-        for key, value in list(vars(config).items()):
-            if isinstance(value, list) and len(value) == old:
-                setattr(config, key, value[:new])
 
 
 def architectures() -> list[tuple[str, str, str]]:
@@ -228,46 +237,57 @@ def _build(name: str, model_type: str, class_name: str):
     import torch
     import transformers
 
-    from hf_colossal_auto.models import make_example_inputs
-
     base = name.split(":")[0]
     overrides = VARIANTS[base][1] if base in VARIANTS else {}
-    config = small_config(model_type, overrides)
+    config = small_config(class_name, model_type, overrides)
     cls = getattr(transformers, class_name)
     torch.manual_seed(0)
     attn = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     model = cls._from_config(config, dtype=torch.float32, attn_implementation=attn)
     model.eval()
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    batch = make_example_inputs(text_config, BATCH, SEQ, seed=0) if _has_task(text_config) else None
-    if batch is None:
-        batch = _plain_batch(class_name)
-    for key in ("input_ids", "labels"):
-        if key in batch:
-            value = batch[key]
-            batch[key] = torch.where(value >= 0, value % INPUT_VOCAB, value)
-    if "token_type_ids" in batch and not getattr(text_config, "type_vocab_size", 0):
-        del batch["token_type_ids"]
-    return model, batch
+    return model, _batch(model)
 
 
-def _has_task(config: Any) -> bool:
-    from hf_colossal_auto.models import task_of
-
-    try:
-        task_of(config)
-        return True
-    except ValueError:
-        return False
-
-
-def _plain_batch(class_name: str) -> dict[str, Any]:
-    """Ids, mask and labels for a class the package cannot tell the task of (a text config of a composite)."""
+def _batch(model) -> dict[str, Any]:
+    """Ids below :data:`INPUT_VOCAB`, a full mask and labels for the model class's task (causal: the ids;
+    masked: 15 % of positions; seq2seq: targets a quarter as long), plus token type ids where the config has
+    them."""
     import torch
+
+    from hf_colossal_auto.models import MLM_PROBABILITY, task_of
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, INPUT_VOCAB, (BATCH, SEQ), generator=generator)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "type_vocab_size", 0):
+        batch["token_type_ids"] = torch.zeros_like(ids)
+    try:
+        task = task_of(model)
+    except ValueError:
+        task = "causal-lm"
+    if task == "masked-lm":
+        labelled = max(1, round(MLM_PROBABILITY * SEQ))
+        positions = torch.rand((BATCH, SEQ), generator=generator).argsort(dim=1)[:, :labelled]
+        batch["labels"] = torch.full_like(ids, -100).scatter_(1, positions, ids.gather(1, positions))
+    elif task == "seq2seq-lm":
+        batch["labels"] = torch.randint(0, INPUT_VOCAB, (BATCH, SEQ // 4), generator=generator)
+    else:
+        batch["labels"] = ids.clone()
+    return batch
+
+
+_EXTRA_INPUTS = ("pixel_values", "input_features", "input_values", "audio_values", "input_audio_features")
+
+
+def _extra_inputs(class_name: str) -> list[str]:
+    """The non-text inputs the class's forward takes (pixel values, audio features...)."""
+    import inspect
+
+    import transformers
+
+    params = inspect.signature(getattr(transformers, class_name).forward).parameters
+    return [name for name in _EXTRA_INPUTS if name in params]
 
 
 def _reference(model, batch: dict[str, Any], dp: int) -> tuple[float, dict, dict]:
@@ -390,10 +410,11 @@ def run_architecture(
             raise ValueError("the model returns no loss from input_ids and labels")
         references = {dp: _reference(model, batch, dp) for dp in {dp for dp, _ in meshes}}
     except Exception as exc:  # noqa: BLE001
-        return [
-            {**head, "mesh": f"{dp}x{tp}", "outcome": "skipped", "reason": _first_line(exc)}
-            for dp, tp in meshes
-        ]
+        reason = _first_line(exc)
+        needs = _extra_inputs(class_name)
+        if needs:
+            reason = f"does not train from ids alone (its forward takes {', '.join(needs)}): {reason}"
+        return [{**head, "mesh": f"{dp}x{tp}", "outcome": "skipped", "reason": reason} for dp, tp in meshes]
     head["params"] = sum(p.numel() for p in model.parameters())
     return [{**head, **run_on_mesh(model, batch, mesh, references[mesh[0]])} for mesh in meshes]
 
