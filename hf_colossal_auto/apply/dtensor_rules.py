@@ -43,6 +43,7 @@ from .._torch_compat import (
     default_dtensor_dispatch,
     dtensor_op_has_handler,
     register_dtensor_op_handler,
+    tree_map,
 )
 from ..capture.moe import enable_grouped_mm_tracing
 
@@ -145,12 +146,75 @@ def register_replicated_fallbacks(op_names: list[str]) -> list[str]:
     registered = []
     for name in op_names:
         op = resolve_op(name)
-        if op is None or dtensor_rule_kind(op) is not None or dtensor_op_has_handler(op):
+        # a decomposition DTensor claims is no rule when the planner's attempt at it failed (why the op is here)
+        if op is None or dtensor_rule_kind(op) in ("single-dim", "op-strategy") or dtensor_op_has_handler(op):
             continue
         register_sharding(op)(_replicate_everything(op))
         registered.append(name)
         logger.warning("no sharding rule for %s: the plan runs it replicated (its inputs gathered)", name)
     return registered
+
+
+_FAILED_DECOMPOSITIONS: set[str] = set()
+"""Ops whose DTensor decomposition failed at run time in this process (each warned about once)."""
+
+
+def _on_full_tensors(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``op`` on whole tensors: every DTensor argument gathered (a partial one reduced), the outputs replicated
+    DTensors on the first argument's mesh. The same value on every rank, as one process computes it."""
+    mesh = next(a.device_mesh for a in tree_flatten_dtensors((args, kwargs)))
+    whole = tree_map(lambda a: a.full_tensor() if isinstance(a, DTensor) else a, (args, kwargs or {}))
+    out = op(*whole[0], **whole[1])
+    replicated = [Replicate()] * mesh.ndim
+    return tree_map(
+        lambda t: (
+            DTensor.from_local(t, mesh, replicated, run_check=False) if isinstance(t, torch.Tensor) else t
+        ),
+        out,
+    )
+
+
+def tree_flatten_dtensors(tree: Any) -> list[DTensor]:
+    found: list[DTensor] = []
+    tree_map(lambda a: found.append(a) if isinstance(a, DTensor) else None, tree)
+    return found
+
+
+def _replicated_when_decomposition_fails(op: Any, args: tuple, kwargs: dict) -> Any:
+    """DTensor's dispatch of an op it has no rule for but a decomposition it traces into ops that have rules;
+    when that tracing fails ("does not have a sharding strategy registered": ``aten.col2im``, the backward of
+    ConvBERT's ``nn.Unfold``, on the placements its gradient arrives in), the op runs on whole tensors instead
+    (inputs gathered, output replicated): slower than planned, never a step that stops halfway."""
+    try:
+        return default_dtensor_dispatch(op, args, kwargs)
+    except NotImplementedError as exc:
+        if "does not have a sharding strategy" not in str(exc):
+            raise
+    if str(op) not in _FAILED_DECOMPOSITIONS:
+        _FAILED_DECOMPOSITIONS.add(str(op))
+        logger.warning("DTensor could not decompose %s here: it runs replicated (its inputs gathered)", op)
+    return _on_full_tensors(op, args, kwargs)
+
+
+def register_decomposition_fallbacks() -> int:
+    """Route every aten op DTensor would run by decomposition through
+    :func:`_replicated_when_decomposition_fails`. Returns the number of ops routed."""
+    from torch._decomp import decomposition_table
+
+    from ..strategies.dtensor_rules import dtensor_rule_kind
+
+    count = 0
+    for op in list(decomposition_table):
+        if not isinstance(op, torch._ops.OpOverload) or dtensor_op_has_handler(op):
+            continue
+        try:
+            kind = dtensor_rule_kind(op)
+        except Exception:  # noqa: BLE001 - an op the propagator cannot look up is left alone
+            continue
+        if kind == "decomposition":
+            register_dtensor_op_handler(op, _replicated_when_decomposition_fails)
+            count += 1
+    return count
 
 
 def register_runtime_rules() -> None:
@@ -164,4 +228,5 @@ def register_runtime_rules() -> None:
     register_dtensor_op_handler(aten.view.default, _view_of_contiguous_shard)
     register_dtensor_op_handler(aten.cat.default, _cat_skipping_legacy_empty)
     enable_grouped_mm_tracing()  # MoE experts in fp32: DTensor takes output shapes from the Meta kernel
+    register_decomposition_fallbacks()  # after ours: ops with a rule or handler of ours keep it
     _registered = True

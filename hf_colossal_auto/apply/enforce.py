@@ -143,6 +143,21 @@ def _partial_factors_reduced(func: Any, args: tuple) -> tuple:
     )
 
 
+_EMBEDDINGS = frozenset({torch.nn.functional.embedding, torch.embedding})
+
+
+def _lookup_reduced(out: Any) -> Any:
+    """An embedding lookup into a vocab-sharded table returns a *masked* partial sum (DTensor's
+    ``_MaskPartial``), valid only until its lookup mask is consumed: reduced where it is made, also for tables
+    that are a bare parameter read with ``F.embedding`` (CPM-Ant's position bias), which the ``nn.Embedding``
+    output hook (:func:`hf_colossal_auto.apply.runtime.register_embedding_reduction`) does not see. Left
+    partial, a view of it (a reshape to heads) reaches the reduction with another shape than its mask."""
+    if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
+        placements = [Replicate() if p.is_partial() else p for p in out.placements]
+        return out.redistribute(out.device_mesh, placements)
+    return out
+
+
 class ReducePartialGradientsAtProducers(TorchFunctionMode):
     """While the model's forward runs: every replicated activation (not a view) gets a gradient hook that brings
     a *partial* or *sharded* gradient to replicated where the activation was made, once its readers'
@@ -160,6 +175,8 @@ class ReducePartialGradientsAtProducers(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*_gradients_to_sources(func, _partial_factors_reduced(func, args)), **(kwargs or {}))
+        if func in _EMBEDDINGS:
+            out = _lookup_reduced(out)
         if (
             isinstance(out, DTensor)
             and out.requires_grad
