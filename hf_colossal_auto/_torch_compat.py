@@ -23,6 +23,7 @@ __all__ = [
     "queue_backward_callback",
     "set_group_timeout",
     "default_dtensor_dispatch",
+    "dtensor_op_handler",
     "dtensor_op_has_handler",
     "register_dtensor_op_handler",
     "allow_implicit_replication",
@@ -209,6 +210,13 @@ def dtensor_op_has_handler(op) -> bool:
     from torch.distributed.tensor import DTensor
 
     return op in DTensor._op_dispatcher._custom_op_handlers
+
+
+def dtensor_op_handler(op):
+    """The handler DTensor special-cases ``op`` with (its private handler table), or None."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers.get(op)
 
 
 def default_dtensor_dispatch(op, args, kwargs):

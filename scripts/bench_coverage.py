@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -509,10 +510,20 @@ def _launch(mesh: str, archs: list[str], progress: Path, stall_s: float) -> str:
             if now != size:
                 last, size = time.monotonic(), now
             elif time.monotonic() - last > stall_s:
-                os.killpg(proc.pid, 9)  # the launch this function started, and its workers
-                proc.wait()
+                _end(proc)
                 break
     return log.read_text()[-2000:]
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """End the launch this driver started: SIGTERM to torchrun, which passes it to its workers (they run in
+    sessions of their own), then SIGKILL to its group if it has not ended within 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def sweep(mesh: str, archs: list[str], workdir: Path, stall_s: float) -> list[dict]:

@@ -41,6 +41,7 @@ from torch.distributed.tensor.experimental import register_sharding
 from .._torch_compat import (
     DTensorSpec,
     default_dtensor_dispatch,
+    dtensor_op_handler,
     dtensor_op_has_handler,
     register_dtensor_op_handler,
     tree_map,
@@ -217,6 +218,35 @@ def register_decomposition_fallbacks() -> int:
     return count
 
 
+_CONV_WEIGHT_ARG = {aten.convolution.default: 1, aten.convolution_backward.default: 2}
+"""Position of the weight among the arguments of DTensor's convolution ops."""
+
+
+def _with_whole_conv_weight(handler: Any):
+    """DTensor's convolution handler (``_tp_conv``) runs the local op on the weight as it is, assuming it
+    replicated (its rule says so, its handler does not check): a weight stored split on its output channels and
+    read by a module other than its owner (Kimi-Linear's depthwise short convolution: ``groups`` = channels)
+    reached it sharded and the local op failed. Gather a split weight (and bias) first, as the rule has it."""
+
+    def wrapped(op: Any, args: tuple, kwargs: dict) -> Any:
+        position = _CONV_WEIGHT_ARG[op]
+        args = list(args)
+        for i in (position, position + 1) if op is aten.convolution.default else (position,):
+            value = args[i] if i < len(args) else None
+            if isinstance(value, DTensor) and not all(p.is_replicate() for p in value.placements):
+                args[i] = value.redistribute(value.device_mesh, [Replicate()] * value.device_mesh.ndim)
+        return handler(op, tuple(args), kwargs)
+
+    return wrapped
+
+
+def _guard_convolution_weights() -> None:
+    for op in _CONV_WEIGHT_ARG:
+        handler = dtensor_op_handler(op)
+        if handler is not None:
+            register_dtensor_op_handler(op, _with_whole_conv_weight(handler))
+
+
 def register_runtime_rules() -> None:
     """Register the rules above into DTensor's sharding propagator (once per process)."""
     global _registered
@@ -228,5 +258,6 @@ def register_runtime_rules() -> None:
     register_dtensor_op_handler(aten.view.default, _view_of_contiguous_shard)
     register_dtensor_op_handler(aten.cat.default, _cat_skipping_legacy_empty)
     enable_grouped_mm_tracing()  # MoE experts in fp32: DTensor takes output shapes from the Meta kernel
+    _guard_convolution_weights()
     register_decomposition_fallbacks()  # after ours: ops with a rule or handler of ours keep it
     _registered = True

@@ -68,6 +68,10 @@ from .recompute import parse_option
 logger = logging.getLogger(__name__)
 
 BASELINES = ("ddp", "fsdp", "megatron")
+
+
+class PlanningTimeoutError(ValueError):
+    """The solver's time limit ran out before it found any plan for a candidate mesh."""
 RECOMPUTE_MODES = ("auto", "none", "full", "two-stage")
 """``auto``: recompute per block chosen jointly with sharding; ``none``/``full``: fixed for every block;
 ``two-stage``: shard first ignoring memory, then choose recompute (the baseline the joint ILP beats)."""
@@ -303,7 +307,19 @@ class _Planner:
             expert_dp=expert_dp,
         )
         solution = solve(built.problem, time_limit_s=self.time_limit_s)
-        return built, solution
+        return built, self._found(solution, mesh, dp_mode)
+
+    def _found(self, solution: Solution, mesh: tuple[int, int], dp_mode: str) -> Solution:
+        """``solution``, or a clear error when the solver's time ran out before it found any choice (an
+        empty choice would fail later, in pricing, with no word of the cause)."""
+        if solution.choice or solution.status != "timeout_no_solution":
+            return solution
+        raise PlanningTimeoutError(
+            f"the solver found no plan for mesh {mesh[0]}x{mesh[1]} ({dp_mode}) of "
+            f"{type(self.model).__name__} within time_limit_s={self.time_limit_s:g} "
+            f"({solution.num_variables} variables, {solution.num_constraints} constraints): raise plan_model's "
+            "(or autoparallelize's) time_limit_s, or fix the mesh with mesh_shape"
+        )
 
     def _two_stage(
         self,
@@ -345,7 +361,7 @@ class _Planner:
             if node.name in sharding and not decided_by_recompute:
                 fixed[node.name] = sharding[node.name]
         built.problem = dataclasses.replace(built.problem, fixed=fixed)
-        return built, solve(built.problem, time_limit_s=self.time_limit_s)
+        return built, self._found(solve(built.problem, time_limit_s=self.time_limit_s), mesh, dp_mode)
 
     def to_plan(self, mesh: tuple[int, int], dp_mode: str, built: BuiltProblem, solution: Solution) -> Plan:
         return _make_plan(self, mesh, dp_mode, built, solution)
