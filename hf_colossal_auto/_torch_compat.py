@@ -28,6 +28,7 @@ __all__ = [
     "dtensor_rng_region",
     "dtensor_tracks_random_ops",
     "ensure_dtensor_rng_tracker",
+    "dtensor_op_handler",
     "dtensor_op_has_handler",
     "register_dtensor_op_handler",
     "allow_implicit_replication",
@@ -214,6 +215,13 @@ def dtensor_op_has_handler(op) -> bool:
     from torch.distributed.tensor import DTensor
 
     return op in DTensor._op_dispatcher._custom_op_handlers
+
+
+def dtensor_op_handler(op):
+    """The handler DTensor special-cases ``op`` with (its private handler table), or None."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers.get(op)
 
 
 def default_dtensor_dispatch(op, args, kwargs):

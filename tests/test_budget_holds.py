@@ -20,10 +20,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("budget") / "budget.json"
-    run_torchrun(str(ROOT / "tests/multiproc/check_budget.py"), f"--out={out}", timeout=600)
-    return json.loads(out.read_text())
+def launch(tmp_path_factory) -> tuple[list[dict], list[dict]]:
+    """One launch: every case's records, then the ``autoparallelize`` loop's (one per rank)."""
+    root = tmp_path_factory.mktemp("budget")
+    out, auto = root / "budget.json", root / "autoparallelize.json"
+    run_torchrun(
+        str(ROOT / "tests/multiproc/check_budget.py"),
+        f"--out={out}",
+        f"--autoparallelize-out={auto}",
+        timeout=700,
+    )
+    return json.loads(out.read_text()), json.loads(auto.read_text())
+
+
+@pytest.fixture(scope="module")
+def measured(launch) -> list[dict]:
+    return launch[0]
 
 
 @pytest.mark.slow
@@ -55,3 +67,33 @@ def test_data_parallel_prediction_is_the_measured_peak(measured):
         if r["mesh"] == "2x1" and r["family"] != "bart":
             assert abs(r["measured_peak"] - r["predicted_peak"]) <= 16, r
         assert r["measured_peak"] <= r["predicted_peak"] + 16, r
+
+
+@pytest.mark.slow
+def test_autoparallelize_hands_the_plain_loop_a_plan_within_its_budget(launch):
+    """``autoparallelize(model, batch, memory_budget=0.6 x the free plan's peak)`` (OPT, 2 ranks, no mesh, mode
+    or micro-batch count given) followed by the README's loop — one forward, one backward per batch: the plan
+    runs the batch in one piece and the measured peak stays under the budget (issue 25: it chose FSDP with two
+    micro-batches and the loop peaked at 1.6x the budget) — or planning refuses with InfeasibleError."""
+    records = launch[1]
+    assert [r["rank"] for r in records] == [0, 1]
+    for r in records:
+        if "infeasible" in r:
+            assert "budget" in r["infeasible"] or "memory" in r["infeasible"], r
+            continue
+        assert r["micro_batches"] == 1, r
+        assert r["rows"] * r["plan_mesh"][0] == 16, r  # the global batch of 16, in one piece per group
+        assert r["measured_peak"] <= r["budget"], r
+
+
+@pytest.mark.slow
+def test_whole_batch_into_a_micro_batched_plan_is_refused_by_name(launch):
+    """The same plan with ``micro_batches=2``: a training forward of the group's whole batch raises
+    WholeBatchError naming ``accumulate`` (instead of running over the budget); under no_grad it runs, and the
+    ``accumulate`` loop runs its two pieces."""
+    for r in launch[1]:
+        if "infeasible" in r:
+            continue
+        assert r["whole_batch_error"] is not None, r
+        assert "accumulate" in r["whole_batch_error"] and "2 micro-batches" in r["whole_batch_error"], r
+        assert r["accumulate_pieces"] == 2, r

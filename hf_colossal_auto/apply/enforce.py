@@ -143,6 +143,21 @@ def _partial_factors_reduced(func: Any, args: tuple) -> tuple:
     )
 
 
+_EMBEDDINGS = frozenset({torch.nn.functional.embedding, torch.embedding})
+
+
+def _lookup_reduced(out: Any) -> Any:
+    """An embedding lookup into a vocab-sharded table returns a *masked* partial sum (DTensor's
+    ``_MaskPartial``), valid only until its lookup mask is consumed: reduced where it is made, also for tables
+    that are a bare parameter read with ``F.embedding`` (CPM-Ant's position bias), which the ``nn.Embedding``
+    output hook (:func:`hf_colossal_auto.apply.runtime.register_embedding_reduction`) does not see. Left
+    partial, a view of it (a reshape to heads) reaches the reduction with another shape than its mask."""
+    if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
+        placements = [Replicate() if p.is_partial() else p for p in out.placements]
+        return out.redistribute(out.device_mesh, placements)
+    return out
+
+
 class ReducePartialGradientsAtProducers(TorchFunctionMode):
     """While the model's forward runs: every replicated activation (not a view) gets a gradient hook that brings
     a *partial* or *sharded* gradient to replicated where the activation was made, once its readers'
@@ -160,6 +175,8 @@ class ReducePartialGradientsAtProducers(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*_gradients_to_sources(func, _partial_factors_reduced(func, args)), **(kwargs or {}))
+        if func in _EMBEDDINGS:
+            out = _lookup_reduced(out)
         if (
             isinstance(out, DTensor)
             and out.requires_grad
@@ -200,31 +217,40 @@ def _redistributed(value: Any, placement: Placement) -> Any:
     return value.redistribute(value.device_mesh, [placement])
 
 
-class _ReducePartialGradient(torch.autograd.Function):
-    """Identity in forward; in backward a *partial* gradient is reduced to the placement the planner prices
-    for the gradient of this output (replicated, or the output's shard). Without it a partial gradient flows
-    on through every backward op that is linear in it (a Llama RMSNorm's muls) and is reduced late and
-    piecemeal (once per parameter gradient it reaches) instead of once where the module's output was made."""
+_REDUCE_HOOKED = "_hf_colossal_auto_reduce_hooked"
+"""Attribute of a module output that already carries :func:`_reduce_gradient_hook` (an identity module's output
+is its input: hooked once, by the innermost module, whose placement the plan gives the value)."""
 
-    @staticmethod
-    def forward(ctx: Any, value: DTensor, target: Placement) -> DTensor:
-        ctx.target = target
-        return value.view_as(value)
 
-    @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
-        if isinstance(grad, DTensor) and grad.device_mesh.ndim == 1 and grad.placements[0] != ctx.target:
-            grad = grad.redistribute(grad.device_mesh, [ctx.target])
-        return grad, None
+def _reduce_gradient_hook(target: Placement):
+    """A gradient hook for a module output: a gradient arriving in another placement (a *partial* one above
+    all) is brought to ``target``, the placement the planner prices for the gradient of this output
+    (replicated, or the output's shard). Without it a partial gradient flows on through every backward op that
+    is linear in it (a Llama RMSNorm's muls) and is reduced late and piecemeal (once per parameter gradient it
+    reaches) instead of once where the module's output was made.
+
+    A hook on the output itself, not an identity ``autograd.Function`` around it: a Function's output is a view
+    that autograd forbids modifying in place, and models do modify module outputs in place (Falcon's
+    ``mlp_output += attention_output``). A hook registered before an in-place update fires on the gradient of
+    the value as the module returned it, which is the value the plan placed."""
+
+    def hook(grad: Any) -> Any:
+        if isinstance(grad, DTensor) and grad.device_mesh.ndim == 1 and grad.placements[0] != target:
+            grad = grad.redistribute(grad.device_mesh, [target])
+        return grad
+
+    return hook
 
 
 def _enforced(value: Any, placement: Placement) -> Any:
+    """A module output redistributed to the plan's placement, with :func:`_reduce_gradient_hook` on it."""
     if not isinstance(value, DTensor) or value.device_mesh.ndim != 1:
         return value
     value = _redistributed(value, placement)
-    if value.requires_grad:
+    if value.requires_grad and not getattr(value, _REDUCE_HOOKED, False):
         target = value.placements[0] if isinstance(value.placements[0], Shard) else Replicate()
-        value = _ReducePartialGradient.apply(value, target)
+        value.register_hook(_reduce_gradient_hook(target))
+        setattr(value, _REDUCE_HOOKED, True)
     return value
 
 

@@ -114,6 +114,49 @@ def micro_batches(batch: Mapping[str, Any], model_or_plan: nn.Module | Plan) -> 
     return split_batch(batch, plan_of(model_or_plan).micro_batches)
 
 
+_ACCUMULATING = "_hf_colossal_auto_accumulating"
+"""Attribute of a model: how many :func:`accumulate` loops are running over it (their pieces are chosen)."""
+
+
+class WholeBatchError(ValueError):
+    """A training forward got more rows than one micro-batch of a plan with ``micro_batches`` > 1."""
+
+
+def _rows_of(args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+    """The batch dimension of the first batched tensor among a forward's arguments (keywords first)."""
+    for value in (*kwargs.values(), *args):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    return None
+
+
+def check_micro_batch_rows(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> None:
+    """Refuse a training forward (gradients on) of a k > 1 plan fed more rows than one micro-batch.
+
+    Why: the plan fits its memory budget only with each data-parallel group's batch run in k pieces; the batch
+    in one piece keeps k times the activations for backward and runs over the budget the caller set (silently,
+    until the device runs out). No-op for k = 1, under ``torch.no_grad()`` (evaluation, generation) and for a
+    model without a plan, and inside :func:`accumulate` (whose ``micro_batches`` argument chooses the pieces)."""
+    plan = getattr(model, "_hf_colossal_auto_plan", None)
+    if plan is None or plan.micro_batches <= 1 or not torch.is_grad_enabled():
+        return
+    if getattr(model, _ACCUMULATING, 0):
+        return
+    k = plan.micro_batches
+    group_rows = plan.global_batch_size // max(1, plan.dp_size)
+    micro_rows = max(1, group_rows // k)
+    rows = _rows_of(args, kwargs)
+    if rows is not None and rows > micro_rows:
+        raise WholeBatchError(
+            f"the {plan.model_class}'s plan runs each data-parallel group's batch of {group_rows} rows as {k} "
+            f"micro-batches of {micro_rows} (Plan.micro_batches), but this training forward got {rows} rows in "
+            f"one piece, which needs more memory than the plan fits in its budget. Train with `for micro in "
+            f"hf_colossal_auto.accumulate(model, batch): (model(**micro.inputs).loss * micro.weight).backward()` "
+            f"(README, 'Micro-batches'), or re-plan with micro_batches=1 (then the budget must hold the batch in "
+            f"one piece)."
+        )
+
+
 def loss_shifts_labels(model: nn.Module) -> bool:
     """Whether the model's loss compares position t with label t + 1 (causal LM): then position 0's label is
     never a loss item. Read from the loss the model really calls (``model.loss_function``), not its
@@ -180,12 +223,16 @@ def accumulate(
     if total == 0:
         logger.warning("accumulate: the batch has no label that counts (all -100); the pieces weigh equally")
         total = None
-    for i, piece in enumerate(pieces):
-        last = i == k - 1
-        weight = counts[i] / total if total is not None else 1.0 / k
-        item = MicroBatch(piece, weight, total, i, last)
-        if last:
-            yield item
-        else:
-            with no_gradient_sync(model):
+    setattr(model, _ACCUMULATING, getattr(model, _ACCUMULATING, 0) + 1)
+    try:
+        for i, piece in enumerate(pieces):
+            last = i == k - 1
+            weight = counts[i] / total if total is not None else 1.0 / k
+            item = MicroBatch(piece, weight, total, i, last)
+            if last:
                 yield item
+            else:
+                with no_gradient_sync(model):
+                    yield item
+    finally:
+        setattr(model, _ACCUMULATING, getattr(model, _ACCUMULATING, 1) - 1)

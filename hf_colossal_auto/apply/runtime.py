@@ -52,7 +52,7 @@ from .data import global_batch
 from .dtensor_rules import register_replicated_fallbacks, register_runtime_rules
 from .enforce import ReducePartialGradientsAtProducers, enforce_plan
 from .materialize import is_meta_model, materialize_meta_model
-from .micro_batch import GradientSyncControl, no_gradient_sync
+from .micro_batch import GradientSyncControl, check_micro_batch_rows, no_gradient_sync
 from .moe import (
     check_expert_data_parallel,
     expert_data_parallel_weights,
@@ -292,6 +292,7 @@ def wrap_forward(model: nn.Module, mesh: DeviceMesh) -> None:
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
+        check_micro_batch_rows(model, args, kwargs)  # a k > 1 plan fed its whole batch: refused, by name
         args = tree_map(lambda v: _to_dtensor(v, mesh, placements), args)
         kwargs = tree_map(lambda v: _to_dtensor(v, mesh, placements), kwargs)
         # the tensor-parallel group draws random numbers as one process (apply/rng.py)
@@ -541,6 +542,7 @@ def autoparallelize(
     optimizers: tuple[torch.optim.Optimizer, ...] | list[torch.optim.Optimizer] = (),
     timeout: float | timedelta = DEFAULT_TIMEOUT_S,
     pretrained: str | os.PathLike | None = None,
+    micro_batches: int | None = 1,
     **plan_model_kwargs: Any,
 ) -> nn.Module:
     """Plan (on rank 0, broadcast to all) and apply it, inside a running ``torch.distributed`` job.
@@ -555,8 +557,13 @@ def autoparallelize(
     raises the same error. ``timeout`` (seconds) bounds how long a rank waits for a peer that stopped answering.
     ``pretrained`` (a HF safetensors checkpoint directory) fills the sharded model from it, each rank reading its
     own slices: build the model on ``meta`` (``with torch.device("meta"): AutoModel...from_config(config)``) to
-    never hold the full model in any process. A plan with ``micro_batches > 1`` is trained with
-    :func:`hf_colossal_auto.accumulate` (a warning says so).
+    never hold the full model in any process.
+
+    ``micro_batches`` is 1 by default: the plan fits its budget with each data-parallel group's batch in one
+    piece, as the plain loop (one forward, one backward per batch) runs it. An int k > 1 fixes k pieces and
+    None searches k (what the accelerate and Trainer integrations do for their accumulation steps); a plan with
+    k > 1 must be trained with :func:`hf_colossal_auto.accumulate`, and a training forward fed the whole batch
+    raises :class:`~hf_colossal_auto.apply.micro_batch.WholeBatchError` instead of running over the budget.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -577,7 +584,7 @@ def autoparallelize(
             from ..hardware.cluster import launcher_devices_per_node
             from ..solve.planner import plan_model
 
-            kwargs = dict(plan_model_kwargs)
+            kwargs = dict(plan_model_kwargs, micro_batches=micro_batches)
             kwargs.setdefault("num_devices", world)
             kwargs.setdefault("device", "cpu" if dist.get_backend() != "nccl" else _cuda_kind())
             kwargs.setdefault("devices_per_node", launcher_devices_per_node(world))
@@ -586,9 +593,9 @@ def autoparallelize(
         plan = plan_on_one_rank(make)
     if plan.micro_batches > 1 and dist.get_rank() == 0:
         logger.warning(
-            "the plan runs each data-parallel group's batch as %d micro-batches (its memory budget needs it): "
-            "train with `for micro in hf_colossal_auto.accumulate(model, batch)` (README, 'Micro-batches'); the "
-            "batch in one piece needs more memory than planned. plan_model's micro_batches=1 forbids splitting.",
+            "the plan runs each data-parallel group's batch as %d micro-batches: train with `for micro in "
+            "hf_colossal_auto.accumulate(model, batch)` (README, 'Micro-batches'); a training forward of the "
+            "whole batch raises, since it needs more memory than planned.",
             plan.micro_batches,
         )
     return apply_plan(model, plan, device_mesh, optimizers, timeout=timeout, pretrained=pretrained)

@@ -65,12 +65,25 @@ class CandidateInfeasibleError(InfeasibleError):
         self.built = built
 
 
-def _solve_candidate(built: BuiltProblem, time_limit_s: float) -> Solution:
-    """``built`` solved; where nothing fits, the error carries ``built``."""
+class PlanningTimeoutError(ValueError):
+    """The solver's time limit ran out before it found any plan for a candidate mesh."""
+
+
+def _solve_candidate(built: BuiltProblem, time_limit_s: float, what: str) -> Solution:
+    """``built`` solved; where nothing fits, the error carries ``built``; where the solver's time ran out
+    before it found any choice (an empty choice would fail later, in pricing, with no word of the cause), a
+    clear error naming ``what`` (the candidate) and the time limit."""
     try:
-        return solve(built.problem, time_limit_s=time_limit_s)
+        solution = solve(built.problem, time_limit_s=time_limit_s)
     except InfeasibleError as exc:
         raise CandidateInfeasibleError(exc, built) from exc
+    if solution.choice or solution.status != "timeout_no_solution":
+        return solution
+    raise PlanningTimeoutError(
+        f"the solver found no plan for {what} within time_limit_s={time_limit_s:g} "
+        f"({solution.num_variables} variables, {solution.num_constraints} constraints): raise plan_model's "
+        "(or autoparallelize's) time_limit_s, or fix the mesh with mesh_shape"
+    )
 
 
 class _Planner:
@@ -270,7 +283,7 @@ class _Planner:
             dp_shard_size=dp_shard_size,
             expert_dp=expert_dp,
         )
-        return built, _solve_candidate(built, self.time_limit_s)
+        return built, _solve_candidate(built, self.time_limit_s, self._candidate_name(mesh, dp_mode))
 
     def _two_stage(
         self,
@@ -308,7 +321,10 @@ class _Planner:
             if node.name in sharding and not decided_by_recompute:
                 fixed[node.name] = sharding[node.name]
         built.problem = dataclasses.replace(built.problem, fixed=fixed)
-        return built, _solve_candidate(built, self.time_limit_s)
+        return built, _solve_candidate(built, self.time_limit_s, self._candidate_name(mesh, dp_mode))
+
+    def _candidate_name(self, mesh: tuple[int, int], dp_mode: str) -> str:
+        return f"mesh {mesh[0]}x{mesh[1]} ({dp_mode}) of {type(self.model).__name__}"
 
     def to_plan(self, mesh: tuple[int, int], dp_mode: str, built: BuiltProblem, solution: Solution) -> Plan:
         context = WriteupContext(

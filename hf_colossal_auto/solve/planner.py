@@ -35,7 +35,14 @@ from ..plan import Plan
 from ..units import format_bytes
 from .baselines import _attention_heads, _largest_tp, megatron_placements, tp_plan_placements
 from .build.builder import BuiltProblem
-from .candidates import LIFTED_BUDGET, RECOMPUTE_MODES, _plan_param_uses, _Planner, _routing  # noqa: F401 (RECOMPUTE_MODES re-exported)
+from .candidates import (  # noqa: F401 (RECOMPUTE_MODES, PlanningTimeoutError re-exported)
+    LIFTED_BUDGET,
+    RECOMPUTE_MODES,
+    PlanningTimeoutError,
+    _plan_param_uses,
+    _Planner,
+    _routing,
+)
 from .ilp import solve
 from .pricing.comm import DP_MODES
 from .problem import InfeasibleError

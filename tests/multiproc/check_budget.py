@@ -127,19 +127,110 @@ def run_case(family: str, mesh: str, batch_size: int, seq: int, fraction: float)
     }
 
 
+def run_autoparallelize_case(batch_size: int, seq: int, fraction: float) -> dict:
+    """The README's torchrun loop under ``autoparallelize(model, batch, memory_budget=...)`` at ``fraction`` of
+    the free plan's peak (OPT; no mesh, mode or micro-batch count given): the plan it hands over must run one
+    forward and one backward per batch under the budget — or planning must raise InfeasibleError. Then the same
+    plan with ``micro_batches=2``: a training forward of the whole batch must raise WholeBatchError naming
+    ``accumulate``, and the ``accumulate`` loop must run. This rank's figures."""
+    import dataclasses
+
+    from common import measured_step_peak
+
+    from hf_colossal_auto import InfeasibleError, accumulate, autoparallelize, shard_batch
+    from hf_colossal_auto.apply.micro_batch import WholeBatchError
+    from hf_colossal_auto.apply.runtime import plan_on_one_rank
+    from hf_colossal_auto.solve.planner import plan_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_opt()
+    global_batch = make_inputs(model, batch_size, seq)
+    per_process = {
+        k: v[rank * batch_size // world : (rank + 1) * batch_size // world] for k, v in global_batch.items()
+    }
+    free = plan_on_one_rank(
+        functools.partial(
+            plan_model, model, global_batch, num_devices=world, device="cpu", memory_budget=1 << 40,
+            recompute="none", micro_batches=1,
+        )
+    )  # fmt: skip
+    budget = int(free.peak_memory_bytes * fraction)
+    record: dict = {"rank": rank, "budget": budget, "free_peak": free.peak_memory_bytes}
+    fresh = build_opt()
+    try:
+        autoparallelize(model, per_process, memory_budget=budget)
+    except InfeasibleError as exc:
+        return {**record, "infeasible": str(exc)}
+    plan = model._hf_colossal_auto_plan
+    local = {k: v.clone() for k, v in shard_batch(global_batch, model).items()}  # data_parallel_loader's rows
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    model(**local).loss.backward()  # warm-up step: the optimizer state comes to exist
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    record.update(
+        measured_peak=measured_step_peak(model, opt, local),
+        predicted_peak=plan.peak_memory_bytes,
+        micro_batches=plan.micro_batches,
+        plan_mesh=list(plan.mesh_shape),
+        dp_mode=plan.dp_mode,
+        rows=_rows(local),
+    )
+    del model, opt
+    autoparallelize(fresh, plan=dataclasses.replace(plan, micro_batches=2))
+    try:
+        fresh(**local).loss.backward()
+        record["whole_batch_error"] = None
+    except WholeBatchError as exc:
+        record["whole_batch_error"] = str(exc)
+    with torch.no_grad():
+        fresh(**local)  # evaluation of the whole batch is not training: allowed
+    pieces = 0
+    for micro in accumulate(fresh, local):
+        (fresh(**micro.inputs).loss * micro.weight).backward()
+        pieces += 1
+    record["accumulate_pieces"] = pieces
+    del fresh
+    dist.barrier()
+    return record
+
+
+def build_opt():
+    """The OPT of :func:`family_config`, seeded, on CPU."""
+    from hf_colossal_auto.models import build_model
+
+    torch.manual_seed(0)
+    return build_model(family_config("opt"), device="cpu")
+
+
+def make_inputs(model, batch_size: int, seq: int) -> dict:
+    from hf_colossal_auto.models import make_example_inputs
+
+    return make_example_inputs(model, batch_size, seq, seed=0)
+
+
+def _rows(batch: dict) -> int:
+    return next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default=",".join(CASES), help="family:dpxtp, comma-separated")
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help="family:dpxtp, comma-separated ('' for none)"
+    )
     parser.add_argument("--batch", type=int, default=16, help="global batch")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--fraction", type=float, default=0.6, help="budget / peak without recompute")
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--autoparallelize-out", default=None, help="then run_autoparallelize_case, its records here"
+    )
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     results = []
-    for case in args.cases.split(","):
+    for case in filter(None, args.cases.split(",")):
         family, mesh = case.split(":")
         results.append(run_case(family, mesh, args.batch, args.seq, args.fraction))
     gathered: list[list[dict] | None] = [None] * dist.get_world_size()
@@ -147,6 +238,13 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump([r for per_rank in gathered for r in per_rank], f, indent=1)
+    if args.autoparallelize_out:
+        record = run_autoparallelize_case(args.batch, args.seq, args.fraction)
+        records: list[dict | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(records, record)
+        if dist.get_rank() == 0:
+            with open(args.autoparallelize_out, "w") as f:
+                json.dump(records, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
