@@ -146,6 +146,19 @@ def _guard_convolution_weights() -> None:
             register_dtensor_op_handler(op, _with_whole_conv_weight(handler))
 
 
+_COMPARISONS = (aten.allclose.default,)
+"""Ops that read values and answer one Python value (a ``bool``): DTensor has no rule for them, and scripts
+call them on a planned model's parameters and gradients beside ordinary tensors (``torch.allclose(param.grad,
+reference.grad)`` in accelerate's own test scripts)."""
+
+
+def _compared_as_whole_tensors(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``op`` on the full values: every DTensor argument gathered (every rank must call it, as any collective),
+    plain arguments as they are. The answer one process would give on the same values."""
+    whole = tree_map(lambda a: a.full_tensor() if isinstance(a, DTensor) else a, (args, kwargs or {}))
+    return op(*whole[0], **whole[1])
+
+
 _runtime_guards_installed = False
 
 
@@ -159,4 +172,6 @@ def register_runtime_rules() -> None:
         return
     _guard_convolution_weights()
     register_decomposition_fallbacks()
+    for op in _COMPARISONS:
+        register_dtensor_op_handler(op, _compared_as_whole_tensors)
     _runtime_guards_installed = True
