@@ -20,6 +20,7 @@ gradients and losses over the job equal DDP's (and one process's on the global b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._torch_compat import tree_map
+from ..apply.micro_batch import set_gradient_sync
 from ..apply.runtime import tensor_parallel_mesh
 from .data import batch_is_per_process
 
@@ -129,7 +131,7 @@ def plan_on_first_call(model: nn.Module, parallelize: Callable[[nn.Module, dict[
     The wrapper stays ``model.forward`` (accelerate's autocast wraps it, ``unwrap_model`` finds it), and the
     runtime's own forward wrapper is installed around the original forward behind it."""
     inner = model.forward
-    state: dict[str, Any] = {"planned": None, "batch": None}
+    state: dict[str, Any] = {"planned": None, "batch": None, "no_sync": 0}
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -147,6 +149,8 @@ def plan_on_first_call(model: nn.Module, parallelize: Callable[[nn.Module, dict[
                 state["planned"] = model.forward
                 plan = model._hf_colossal_auto_plan
                 state["batch"] = TensorParallelBatch(model) if plan.tp_size > 1 else None
+                if state["no_sync"]:  # planned inside no_sync(): this backward accumulates locally too
+                    set_gradient_sync(model, False)
             finally:
                 model.forward = outer
             # again through the module's __call__: the hooks the plan registered on the root (FSDP's) must run
@@ -157,5 +161,19 @@ def plan_on_first_call(model: nn.Module, parallelize: Callable[[nn.Module, dict[
         gathered, rows = batch.gather(named_arguments(inner, args, kwargs))
         return batch.own_rows(planned(**gathered), rows)
 
+    @contextlib.contextmanager
+    def no_sync_until_planned() -> Any:
+        """DDP's ``no_sync`` before the plan exists (accelerate looks it up when its context is entered, so a
+        first call inside ``accelerator.no_sync(model)`` would otherwise synchronise): a plan made inside
+        turns the synchronisation off for that call's backward, and on again at the context's end."""
+        state["no_sync"] += 1
+        try:
+            yield
+        finally:
+            state["no_sync"] -= 1
+            if state["planned"] is not None and not state["no_sync"]:
+                set_gradient_sync(model, True)
+
     model.forward = forward
+    model.no_sync = no_sync_until_planned  # the plan's runtime puts its own in place when it is applied
     model._hf_colossal_auto_plans_on_first_call = True
