@@ -109,9 +109,12 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int | None = None) -
             f"plan's mesh {tuple(plan.mesh_shape)} needs {mesh_size} processes, the job has {world_size}; "
             "re-plan with num_devices equal to the world size"
         )
+    fsdp_axis = _fsdp_axis(plan)
     for fqn, placements in plan.param_placements.items():
         shape = tuple(params[fqn].shape)
         for axis, p in enumerate(placements):
+            if axis == fsdp_axis and not _sharded_experts(plan, fqn):
+                continue  # FSDP2 shards dim 0 unevenly (padded): a (1,)-shaped scale over 2 ranks is fine
             if p.startswith("S"):
                 d = int(p[1:])
                 size = plan.mesh_shape[axis]
@@ -120,6 +123,19 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int | None = None) -
                         f"plan shards {fqn} (shape {shape}) on dim {d} over {size} devices, which does not divide "
                         "it; the plan was made for another configuration"
                     )
+
+
+def _fsdp_axis(plan: Plan) -> int | None:
+    """The mesh axis FSDP2 shards parameters over (the data-parallel one under FSDP/HSDP), or None."""
+    if plan.dp_mode in ("fsdp", "hsdp") and "dp" in plan.mesh_axis_names:
+        return list(plan.mesh_axis_names).index("dp")
+    return None
+
+
+def _sharded_experts(plan: Plan, fqn: str) -> bool:
+    """Whether ``fqn`` belongs to experts the plan splits over the data-parallel axis itself (whole experts
+    per rank: the expert count must divide)."""
+    return any(fqn.startswith(f"{m}.") for m in plan.expert_data_parallel)
 
 
 def _validate_on_every_rank(model: nn.Module, plan: Plan, world_size: int | None) -> None:
