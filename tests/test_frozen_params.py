@@ -127,4 +127,7 @@ def test_peft_lora_model_is_planned_and_trained_on_two_ranks(tmp_path):
     assert ddp["predicted"] == {"dp_all_reduce": 8.0}
     names = {"all_reduce": "c10d::allreduce_", "all_gather": "c10d::allgather_into_tensor_coalesced_"}
     names["reduce_scatter"] = "c10d::reduce_scatter_tensor_coalesced_"
-    assert {names[k]: v for k, v in tp["predicted"].items()} == tp["collectives"]
+    # plus the tensor-parallel group's generator agreement (apply/rng.py): one broadcast in a first training
+    # step, whatever the dropout; the plan does not price it (about a millisecond a step)
+    expected = {names[k]: v for k, v in tp["predicted"].items()} | {"c10d::broadcast_": 1}
+    assert expected == tp["collectives"]

@@ -345,7 +345,11 @@ def two_process_recipes(tmp_path_factory) -> Path:
         config = _no_dropout_config(preset, root / f"{script}.json", **sizes)
         # after quick()'s flags, so these win: a config path is not "tiny", whose vocabulary default is 1024
         model = ["--model", str(config), "--vocab_size", "1024"]
-        return [*quick(COMPARED_STEPS, batch=batch), *model, "--output_dir", str(out / script)]
+        # one full eval batch per process: where the eval set runs short, accelerate pads the last batch of 2
+        # processes with repeated rows (one process has no such batch), and the group's eval loss is then plain
+        # accelerate's on 2 processes, not one process's (the batch rule, docs/ARCHITECTURE.md)
+        evaluation = ["--max_eval_batches", "1"]
+        return [*quick(COMPARED_STEPS, batch=batch), *model, *evaluation, "--output_dir", str(out / script)]
 
     for script in COMPARED:
         AcceleratorState._reset_state(reset_partial_state=True)
