@@ -48,6 +48,9 @@ INPUT_VOCAB = 240
 """Input and label ids are drawn below this: the special ids (image, audio tokens...) sit above it, so that a
 text batch never holds a token that asks a multimodal model for pixel values."""
 LR = 0.1
+COLLECTIVE_TIMEOUT_S = 1800
+"""Seconds a rank waits for its peer (the worker's ``--collective-timeout``): autoparallelize's 300 s default
+would end an architecture whose planning takes longer on a shared box."""
 
 # Common attribute names -> the small value. Set only where the default config has the attribute.
 _HIDDEN = (
@@ -377,7 +380,10 @@ def run_on_mesh(model, batch: dict[str, Any], mesh: tuple[int, int], reference: 
     record: dict[str, Any] = {"mesh": f"{dp}x{tp}"}
     started = time.perf_counter()
     try:
-        autoparallelize(work, local, mesh_shape=mesh, device="cpu", micro_batches=1)
+        # the collective timeout stays the launch's: a slow plan on rank 0 is not a rank that stopped answering
+        autoparallelize(
+            work, local, mesh_shape=mesh, device="cpu", micro_batches=1, timeout=COLLECTIVE_TIMEOUT_S
+        )
     except Exception as exc:  # noqa: BLE001 - every refusal is an outcome to record
         return {**record, "outcome": "refused", "reason": _first_line(exc)}
     plan = work._hf_colossal_auto_plan
@@ -449,6 +455,8 @@ def worker(args: argparse.Namespace) -> None:
     transformers.logging.set_verbosity_error()
     logging.getLogger("hf_colossal_auto").setLevel(logging.ERROR)
     torch.set_num_threads(1)
+    global COLLECTIVE_TIMEOUT_S
+    COLLECTIVE_TIMEOUT_S = args.collective_timeout
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
     rank = dist.get_rank()
     meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
@@ -587,7 +595,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the records and the summary here")
     parser.add_argument("--markdown", default=None, help="write the results table here")
     parser.add_argument("--workdir", default="/tmp/bench_coverage")
-    parser.add_argument("--stall-s", type=float, default=300.0, help="end a launch silent this long")
+    parser.add_argument("--stall-s", type=float, default=1200.0, help="end a launch silent this long")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--progress", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--collective-timeout", type=int, default=300, help=argparse.SUPPRESS)
