@@ -29,6 +29,7 @@ __all__ = [
     "dtensor_tracks_random_ops",
     "ensure_dtensor_rng_tracker",
     "dtensor_op_handler",
+    "dcp_metadata_path",
     "dtensor_op_has_handler",
     "register_dtensor_op_handler",
     "allow_implicit_replication",
@@ -323,6 +324,12 @@ def default_store():
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+def dcp_metadata_path(reader, rank=None):
+    """Where a ``torch.distributed.checkpoint.FileSystemReader`` reads its checkpoint's metadata from
+    (``_get_metadata_path``: ``.metadata``, or the rank's own file where DCP wrote one per rank)."""
+    return reader._get_metadata_path(rank)
 
 
 def group_timeout(group=None):

@@ -18,18 +18,83 @@ All of them are collective: call them on every rank.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from .._torch_compat import dcp_metadata_path
 from .pretrained import SaveReport
 from .pretrained import save_pretrained as stream_save_pretrained
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint's metadata names something other than DCP's own metadata classes: loading it would run code."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` allowing only what DCP writes there: its metadata classes, ``torch.Size``,
+    dtypes, layouts and paths. ``pickle.load`` (what DCP's reader does) would call anything a crafted file names."""
+
+    def __init__(self, file: Any, path: str) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)
+        if module.startswith("torch.distributed.checkpoint.") and isinstance(found, type):
+            return found
+        if module == "torch" and (found is torch.Size or isinstance(found, torch.dtype)):
+            return found
+        if (module, name) in _ALLOWED_GLOBALS:
+            return found
+        raise UnsafeCheckpointError(
+            f"{self.path} names {module}.{name}, which a checkpoint's metadata never holds: loading it would run "
+            "code from the checkpoint directory, so it is refused. Resume only from checkpoints you wrote."
+        )
+
+
+_ALLOWED_GLOBALS = {
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file-system reader whose metadata is read by :class:`_MetadataUnpickler` (every load of ours
+    passes it): a crafted ``.metadata`` is refused with :class:`UnsafeCheckpointError` instead of run."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = dcp_metadata_path(self, kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream, str(path)).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_sharded(state: dict, path: str | Path) -> None:
+    """``dcp.load`` of ``state`` from ``path`` through :class:`SafeFileSystemReader`. The metadata is read once
+    before, on every rank: DCP's collective load would wrap a refusal in its own exception, and the user should
+    see which file was refused and why."""
+    reader = SafeFileSystemReader(str(path))
+    reader.read_metadata()
+    with one_process_is_fine():
+        dcp.load(state, storage_reader=reader)
 
 
 @contextlib.contextmanager
@@ -57,8 +122,7 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
     """Load what :func:`save_checkpoint` wrote, into a model parallelized with the same plan or another one
     (or not at all: one process, plain tensors). DCP reshards: each rank reads the slices its tensors cover."""
     state = _training_state(model, optimizer)
-    with one_process_is_fine():
-        dcp.load(state, checkpoint_id=str(path))
+    load_sharded(state, path)
     set_state_dict(
         model,
         optimizer if optimizer is not None else [],

@@ -56,7 +56,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..apply import PlanMismatchError, apply_plan, build_mesh, consolidated_state_dict, remap_optimizer
 from ..apply.agree import DEFAULT_TIMEOUT_S
-from ..apply.checkpoint import one_process_is_fine
+from ..apply.checkpoint import load_sharded
 from ..apply.data import global_batch
 from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
@@ -700,7 +700,6 @@ class AutoParallelAccelerator(Accelerator):
         sharded = resolved is not None and os.path.isdir(os.path.join(resolved, DCP_DIR))
         if self._auto_model is None and not sharded:
             return super().load_state(input_dir, load_kwargs, **kwargs)
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         if resolved is None:
@@ -712,8 +711,7 @@ class AutoParallelAccelerator(Accelerator):
             hook(self._models, input_dir)
         state, pairs = self._training_state()
         if sharded:
-            with one_process_is_fine():
-                dcp.load(state, checkpoint_id=os.path.join(input_dir, DCP_DIR))
+            load_sharded(state, os.path.join(input_dir, DCP_DIR))
             for i, (module, mine) in enumerate(pairs):
                 set_state_dict(
                     module,
