@@ -59,12 +59,17 @@ _FAILED_DECOMPOSITIONS: set[str] = set()
 """Ops whose DTensor decomposition failed at run time in this process (each warned about once)."""
 
 
+def _full_values(args: tuple, kwargs: dict | None) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with every DTensor gathered into its full value (collective on its mesh)."""
+    return tree_map(lambda a: a.full_tensor() if isinstance(a, DTensor) else a, (args, kwargs or {}))
+
+
 def _on_full_tensors(op: Any, args: tuple, kwargs: dict) -> Any:
     """``op`` on whole tensors: every DTensor argument gathered (a partial one reduced), the outputs replicated
     DTensors on the first argument's mesh. The same value on every rank, as one process computes it."""
     mesh = next(a.device_mesh for a in tree_flatten_dtensors((args, kwargs)))
-    whole = tree_map(lambda a: a.full_tensor() if isinstance(a, DTensor) else a, (args, kwargs or {}))
-    out = op(*whole[0], **whole[1])
+    whole_args, whole_kwargs = _full_values(args, kwargs)
+    out = op(*whole_args, **whole_kwargs)
     replicated = [Replicate()] * mesh.ndim
     return tree_map(
         lambda t: (
@@ -155,8 +160,8 @@ reference.grad)`` in accelerate's own test scripts)."""
 def _compared_as_whole_tensors(op: Any, args: tuple, kwargs: dict) -> Any:
     """``op`` on the full values: every DTensor argument gathered (every rank must call it, as any collective),
     plain arguments as they are. The answer one process would give on the same values."""
-    whole = tree_map(lambda a: a.full_tensor() if isinstance(a, DTensor) else a, (args, kwargs or {}))
-    return op(*whole[0], **whole[1])
+    whole_args, whole_kwargs = _full_values(args, kwargs)
+    return op(*whole_args, **whole_kwargs)
 
 
 _runtime_guards_installed = False
