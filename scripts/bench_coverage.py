@@ -470,6 +470,10 @@ def worker(args: argparse.Namespace) -> None:
                 f.write(json.dumps({"started": name}) + "\n")
         started = time.perf_counter()
         records = run_architecture(name, model_type, class_name, meshes)
+        for record in records:  # every rank's own outcome in the launch's log (a rank that parts ways shows)
+            print(
+                f"rank {rank}: {name} {record['mesh']} {record['outcome']} {record.get('reason', '')[:300]}"
+            )
         dist.barrier()
         if rank == 0:
             with progress.open("a") as f:
