@@ -3,12 +3,17 @@
 The pipeline (see docs/ARCHITECTURE.md): capture -> profile -> strategies -> solve -> apply -> integrations.
 """
 
+from .calibration.cpu import cpu_device_spec as _cpu_device_spec
 from .capture import CaptureError, StepGraph, trace_training_step
-from .hardware import DeviceSpec, get_device, list_devices
+from .hardware import DeviceSpec, get_device, list_devices, set_cpu_spec_provider
 from .models import build_model, list_presets, load_config, make_example_inputs
 from .profile import ProfileReport, profile_model
 
 __version__ = "0.1.0"
+
+# get_device("cpu") is this host measured (once, cached): calibration does the measuring, which hardware/
+# cannot import, so the package installs it here, before any caller can ask.
+set_cpu_spec_provider(_cpu_device_spec)
 
 # public name -> the module that defines it; loaded on first use (the solver imports pulp, the runtime
 # torch.distributed, the integrations accelerate and transformers' Trainer)

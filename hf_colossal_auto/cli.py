@@ -210,66 +210,28 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure this machine (under torchrun/accelerate launch: its collectives too) into a device JSON."""
-    import torch
-    import torch.distributed as dist
+    from .calibration.machine import calibrate_machine
+    from .calibration.op_scales import format_scales
+    from .hardware.spec import save_device_spec
 
-    from .calibration import calibrate, measure_overheads
-    from .hardware.catalog import save_device_spec
-
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    kind = args.kind or ("cuda" if torch.cuda.is_available() else "cpu")
-    overheads = None
-    if not args.no_overheads:
-        # measured on a one-process group of our own, before the job's group exists
-        with _Stage("per-op overheads (tiny models, eager and planned)", args.quiet):
-            overheads = measure_overheads(kind)
-    if launched:
-        if kind == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo")
-    try:
-        with _Stage(f"{kind} kernels" + (" and collectives" if launched else ""), args.quiet):
-            spec = calibrate(kind, budget_s=args.budget, overheads=False)
-        if overheads is not None:
-            payload = [overheads]
-            if launched:
-                dist.broadcast_object_list(payload, src=0)
-            spec = spec.with_overrides(host_overhead_s=payload[0][0], dtensor_overhead_s=payload[0][1])
-        steps = None
-        if args.step_model:
-            spec, steps = _calibrate_in_step(spec, args)
-        rank = dist.get_rank() if launched else 0
-        if rank == 0:
-            _print_spec(spec)
-            if steps is not None:
-                from .step_calibration import format_scales
-
-                print(f"  in-step op times ({', '.join(steps.models)}; forward + backward):")
-                print("\n".join(format_scales(steps)))
+    with calibrate_machine(
+        args.kind,
+        budget_s=args.budget,
+        overheads=not args.no_overheads,
+        step_models=args.step_model or (),
+        step_batch_size=args.step_batch_size,
+        step_seq_len=args.step_seq_len,
+        stage=lambda text: _Stage(text, args.quiet),
+    ) as result:
+        if result.main_process:
+            _print_spec(result.spec)
+            if result.steps is not None:
+                print(f"  in-step op times ({', '.join(result.steps.models)}; forward + backward):")
+                print("\n".join(format_scales(result.steps)))
             if args.out:
-                save_device_spec(spec, args.out)
+                save_device_spec(result.spec, args.out)
                 print(f"wrote {args.out} (use it as --device {args.out} or device='{args.out}')")
-    finally:
-        if launched:
-            dist.barrier()
-            dist.destroy_process_group()
     return 0
-
-
-def _calibrate_in_step(spec, args):
-    """``spec`` with the op scales of real steps of ``--step-model`` (every rank runs them together)."""
-    from .step_calibration import measure_op_time_scales
-
-    with _Stage(f"in-step op times ({', '.join(args.step_model)})", args.quiet):
-        steps = measure_op_time_scales(
-            args.step_model, spec, batch_size=args.step_batch_size, seq_len=args.step_seq_len
-        )
-    provenance = {
-        **spec.calibration,
-        "step_models": list(steps.models),
-        "step_shape": [args.step_batch_size, args.step_seq_len],
-    }
-    return spec.with_overrides(op_time_scale=steps.scales, calibration=provenance), steps
 
 
 def _print_spec(spec) -> None:

@@ -115,8 +115,8 @@ def _kernel_sample() -> dict:
     """This device's kernel rates now (float32: GEMMs by size, elementwise bandwidth and math, attention)."""
     import torch
 
+    from hf_colossal_auto.calibration.kernels import attention_rate
     from hf_colossal_auto.hardware.microbench import (
-        attention_rate,
         elementwise_bandwidth,
         matmul_curve,
         transcendental_rate,
@@ -158,9 +158,9 @@ def step_worker(args) -> None:
     import torch.distributed as dist
     import transformers
 
+    from hf_colossal_auto.calibration.op_scales import format_scales, measure_op_time_scales
     from hf_colossal_auto.hardware import get_device
     from hf_colossal_auto.hardware.catalog import save_device_spec
-    from hf_colossal_auto.step_calibration import format_scales, measure_op_time_scales
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)

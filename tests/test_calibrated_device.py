@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_colossal_auto.calibration import job as calibrated
 from hf_colossal_auto.hardware import get_device
 from hf_colossal_auto.hardware.catalog import STATIC_CPU_SPEC
-from hf_colossal_auto.integrations import calibrated
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from hf_colossal_auto.hardware import (
     canonical_collective,
     collective_time,
     fit_alpha_beta,
+    host_cache,
 )
-from hf_colossal_auto.hardware import calibrate as cpu_calibrate
 from hf_colossal_auto.hardware.skew import measure_rank_skew
 from hf_colossal_auto.units import KiB
 
@@ -120,7 +120,7 @@ def test_calibrate_link_requires_process_group() -> None:
 
 
 def test_calibrate_link_on_single_process_gloo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_calibrate.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(host_cache.CACHE_ENV, str(tmp_path / "cache"))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         calib = CommCalibration(sizes=(1 * KiB, 64 * KiB), iters=2, warmup=1)
@@ -146,7 +146,7 @@ def _two_rank_worker(rank: int, store: str, cache_root: str, results: dict[int, 
     """Each rank calibrates (shared cache dir), then ranks use *different* cache dirs of which only rank 0's is warm."""
     import os
 
-    os.environ[cpu_calibrate.CACHE_ENV] = os.path.join(cache_root, "shared")
+    os.environ[host_cache.CACHE_ENV] = os.path.join(cache_root, "shared")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         sizes = (1 * KiB, 256 * KiB, 4 << 20)
@@ -154,7 +154,7 @@ def _two_rank_worker(rank: int, store: str, cache_root: str, results: dict[int, 
         # Rank 1 now looks at an empty cache while rank 0 has a hit: rank 0's decision must
         # win on both, otherwise rank 1 would wait in a collective rank 0 never issues.
         if rank == 1:
-            os.environ[cpu_calibrate.CACHE_ENV] = os.path.join(cache_root, "empty")
+            os.environ[host_cache.CACHE_ENV] = os.path.join(cache_root, "empty")
         cached = CommCalibration(sizes=sizes, iters=3, warmup=1).calibrate_link()
         skew = measure_rank_skew(torch.device("cpu"), (0.003, 0.01, 0.03), budget_s=0.15)
         results[rank] = (measured.bandwidth, measured.latency, cached.bandwidth, cached.latency, *skew)

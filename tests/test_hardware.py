@@ -12,18 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_colossal_auto.calibration import cpu as cpu_calibration
+from hf_colossal_auto.calibration.cpu import CpuBenchmarkResult
 from hf_colossal_auto.hardware import (
     STATIC_CPU_SPEC,
     ClusterSpec,
-    CpuBenchmarkResult,
     DeviceSpec,
     LinkSpec,
-    calibrate,
     compute_time,
     detect_device,
     device_from_cuda_name,
     device_from_dict,
     get_device,
+    host_cache,
     is_compute_bound,
     list_devices,
     memory_budget_default,
@@ -40,11 +41,11 @@ from hf_colossal_auto.units import GB, GiB, MiB
 def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Every test gets its own cache dir, calibration disabled, and no in-process memo."""
     cache = tmp_path / "cache"
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(cache))
-    monkeypatch.setenv(calibrate.NO_CALIBRATE_ENV, "1")
-    calibrate.clear_cpu_calibration_memo()
+    monkeypatch.setenv(host_cache.CACHE_ENV, str(cache))
+    monkeypatch.setenv(host_cache.NO_CALIBRATE_ENV, "1")
+    cpu_calibration.clear_cpu_calibration_memo()
     yield cache
-    calibrate.clear_cpu_calibration_memo()
+    cpu_calibration.clear_cpu_calibration_memo()
 
 
 # --------------------------------------------------------------------------- catalog
@@ -279,14 +280,14 @@ def _fake_result() -> CpuBenchmarkResult:
 @pytest.fixture
 def counted_benchmark(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Enable calibration and replace the benchmark with a counting fake."""
-    monkeypatch.delenv(calibrate.NO_CALIBRATE_ENV)
+    monkeypatch.delenv(host_cache.NO_CALIBRATE_ENV)
     calls: list[int] = []
 
     def fake(time_budget_s: float = 1.2) -> CpuBenchmarkResult:
         calls.append(1)
         return _fake_result()
 
-    monkeypatch.setattr(calibrate, "run_cpu_benchmark", fake)
+    monkeypatch.setattr(cpu_calibration, "run_cpu_benchmark", fake)
     return calls
 
 
@@ -295,21 +296,21 @@ def test_cpu_calibration_runs_once_and_is_cached(counted_benchmark: list[int], _
     assert len(counted_benchmark) == 1
     assert first.peak_flops == {"float32": 1.25e11, "bfloat16": 3e11}
     assert first.memory_bandwidth == 2e10
-    assert first.memory_bytes == calibrate.host_memory_bytes()
+    assert first.memory_bytes == host_cache.host_memory_bytes()
     assert first.intra_node_link == STATIC_CPU_SPEC.intra_node_link
     assert get_device("cpu") is first  # in-process memo
     assert len(counted_benchmark) == 1
 
-    calibrate.clear_cpu_calibration_memo()
+    cpu_calibration.clear_cpu_calibration_memo()
     assert get_device("cpu") == first  # from disk this time
     assert len(counted_benchmark) == 1
 
-    data = json.loads((_isolated_cache / calibrate.CPU_CACHE_FILENAME).read_text())
+    data = json.loads((_isolated_cache / cpu_calibration.CPU_CACHE_FILENAME).read_text())
     (key,) = data["entries"]
-    assert key == calibrate.cpu_cache_key()
+    assert key == cpu_calibration.cpu_cache_key()
     assert f"threads={torch.get_num_threads()}" in key and torch.__version__ in key
 
-    calibrate.cpu_device_spec(force=True)
+    cpu_calibration.cpu_device_spec(force=True)
     assert len(counted_benchmark) == 2
 
 
@@ -323,20 +324,20 @@ def test_cpu_calibration_key_includes_thread_count(
 
 
 def test_no_calibrate_env_is_respected(counted_benchmark: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(calibrate.NO_CALIBRATE_ENV, "1")
+    monkeypatch.setenv(host_cache.NO_CALIBRATE_ENV, "1")
     assert get_device("cpu") == STATIC_CPU_SPEC
     assert counted_benchmark == []
-    monkeypatch.setenv(calibrate.NO_CALIBRATE_ENV, "0")  # "0" means calibrate
+    monkeypatch.setenv(host_cache.NO_CALIBRATE_ENV, "0")  # "0" means calibrate
     assert get_device("cpu") != STATIC_CPU_SPEC
     assert len(counted_benchmark) == 1
 
 
 def test_corrupt_cache_is_recalibrated(counted_benchmark: list[int], _isolated_cache: Path) -> None:
     _isolated_cache.mkdir(parents=True)
-    (_isolated_cache / calibrate.CPU_CACHE_FILENAME).write_text("{not json")
+    (_isolated_cache / cpu_calibration.CPU_CACHE_FILENAME).write_text("{not json")
     assert get_device("cpu").memory_bandwidth == 2e10
     assert len(counted_benchmark) == 1
-    assert json.loads((_isolated_cache / calibrate.CPU_CACHE_FILENAME).read_text())["format"] == 1
+    assert json.loads((_isolated_cache / cpu_calibration.CPU_CACHE_FILENAME).read_text())["format"] == 1
 
 
 def test_unwritable_cache_still_returns_spec(
@@ -347,7 +348,7 @@ def test_unwritable_cache_still_returns_spec(
 ) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(blocker))  # a file where a directory should be
+    monkeypatch.setenv(host_cache.CACHE_ENV, str(blocker))  # a file where a directory should be
     assert get_device("cpu").memory_bandwidth == 2e10
     assert "Could not write calibration cache" in caplog.text
 
@@ -355,7 +356,7 @@ def test_unwritable_cache_still_returns_spec(
 def test_real_cpu_benchmark_is_sane() -> None:
     """Rates measured, positive and finite (how long it took is recorded, not asserted: a loaded machine is
     slower, and speed targets live in the benchmarks)."""
-    result = calibrate.run_cpu_benchmark(time_budget_s=0.4)
+    result = cpu_calibration.run_cpu_benchmark(time_budget_s=0.4)
     assert "float32" in result.peak_flops
     assert all(v > 0 and math.isfinite(v) for v in result.peak_flops.values())
     assert result.memory_bandwidth > 0
@@ -366,7 +367,7 @@ def test_benchmark_leaves_global_rng_alone() -> None:
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    calibrate.run_cpu_benchmark(time_budget_s=0.1)
+    cpu_calibration.run_cpu_benchmark(time_budget_s=0.1)
     assert torch.equal(torch.rand(3), expected)
 
 

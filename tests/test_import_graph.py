@@ -20,14 +20,9 @@ PACKAGE = "hf_colossal_auto"
 
 ALLOWED: dict[tuple[str, str], str] = {
     # (importing file, imported package) -> why it is allowed for now. Each entry is an edge in a file that is
-    # to move (apply/runtime.py's autoparallelize to integrations/, the calibration's orchestration to
-    # calibration/); remove it with that move.
+    # to move (apply/runtime.py's autoparallelize to integrations/); remove it with that move.
     ("apply/runtime.py", "solve"): "autoparallelize plans; it moves to integrations/",
-    ("apply/runtime.py", "integrations"): "autoparallelize calibrates the job; it moves to integrations/",
-    (
-        "hardware/microbench.py",
-        "capture",
-    ): "attention_rate counts the capture's FLOPs; it moves to calibration/",
+    ("apply/runtime.py", "calibration"): "autoparallelize calibrates the job; it moves to integrations/",
 }
 """Edges that break a rule only because of a file another change is moving (named, not a skipped rule)."""
 
@@ -150,6 +145,21 @@ def test_apply_does_not_import(forbidden: str):
         for where in places
     ]
     assert not bad, f"apply/ must not import {forbidden}/: " + "; ".join(bad)
+
+
+def test_only_the_overheads_run_the_planner_and_runtime():
+    """Within calibration/, one module measures what the planner and the runtime cost per op; every other
+    module measures the device (so a calibration of kernels never drags the planner in)."""
+    bad = [
+        f"{rel}:{line} imports {target}"
+        for rel, line, target in _imports()
+        if rel.startswith("calibration/")
+        and rel != "calibration/overheads.py"
+        and _room(target) in ("solve", "apply", "integrations")
+    ]
+    assert not bad, "only calibration/overheads.py may import solve/, apply/ or integrations/: " + "; ".join(
+        bad
+    )
 
 
 def test_allowances_are_still_needed():

@@ -12,6 +12,13 @@ from collections import Counter
 import pytest
 import torch
 
+from hf_colossal_auto.calibration.op_scales import (
+    MIN_CALL_SECONDS,
+    MIN_OP_SECONDS,
+    OpTimes,
+    scales_from,
+    time_step_ops,
+)
 from hf_colossal_auto.capture.graph import Phase
 from hf_colossal_auto.capture.op_classes import op_base_name
 from hf_colossal_auto.capture.tracer import trace_training_step
@@ -20,13 +27,6 @@ from hf_colossal_auto.hardware.roofline import kernel_time
 from hf_colossal_auto.models import build_model, make_example_inputs
 from hf_colossal_auto.profile.memory import unroll
 from hf_colossal_auto.profile.profiler import node_kernel_time, node_times
-from hf_colossal_auto.step_calibration import (
-    MIN_CALL_SECONDS,
-    MIN_OP_SECONDS,
-    OpTimes,
-    scales_from,
-    time_step_ops,
-)
 
 
 def _gpt2(device: str = "cpu"):

@@ -591,7 +591,7 @@ def autoparallelize(
             raise ValueError("autoparallelize needs example_inputs (one process's batch) or a plan")
         world = dist.get_world_size()
         if isinstance(plan_model_kwargs.get("device"), str):  # "calibrate": every rank measures the job once
-            from ..integrations.calibrated import resolve_device
+            from ..calibration.job import resolve_device
 
             kind = "cpu" if dist.get_backend() != "nccl" else "cuda"
             plan_model_kwargs["device"] = resolve_device(plan_model_kwargs["device"], kind)

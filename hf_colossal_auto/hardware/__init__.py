@@ -1,4 +1,6 @@
-"""Hardware model: device catalog, roofline, interconnect/collective costs and cluster layout.
+"""Hardware model: device catalog, roofline, interconnect/collective costs and cluster layout, and single
+measurements of the device at hand. Imports nothing of the project but ``units`` (what to measure and when is
+:mod:`hf_colossal_auto.calibration`'s job).
 
 Everything here is in seconds, bytes and FLOP(/s).  Typical use::
 
@@ -9,16 +11,6 @@ Everything here is in seconds, bytes and FLOP(/s).  Typical use::
         link = cluster.axis_link(shape, axis=len(shape) - 1)
 """
 
-from hf_colossal_auto.hardware.calibrate import (
-    CACHE_ENV,
-    NO_CALIBRATE_ENV,
-    CpuBenchmarkResult,
-    cache_dir,
-    calibration_disabled,
-    clear_cpu_calibration_memo,
-    cpu_device_spec,
-    run_cpu_benchmark,
-)
 from hf_colossal_auto.hardware.catalog import (
     STATIC_CPU_SPEC,
     DeviceSpec,
@@ -31,6 +23,7 @@ from hf_colossal_auto.hardware.catalog import (
     get_device,
     list_devices,
     memory_budget_default,
+    set_cpu_spec_provider,
     static_presets,
 )
 from hf_colossal_auto.hardware.cluster import ClusterSpec, axis_spans_nodes, mesh_shapes
@@ -43,6 +36,7 @@ from hf_colossal_auto.hardware.comm import (
     collective_time,
     fit_alpha_beta,
 )
+from hf_colossal_auto.hardware.host_cache import CACHE_ENV, NO_CALIBRATE_ENV, cache_dir, calibration_disabled
 from hf_colossal_auto.hardware.roofline import (
     compute_time,
     is_compute_bound,
@@ -59,7 +53,6 @@ __all__ = [
     "STATIC_CPU_SPEC",
     "ClusterSpec",
     "CommCalibration",
-    "CpuBenchmarkResult",
     "DeviceSpec",
     "LinkSpec",
     "axis_spans_nodes",
@@ -68,11 +61,9 @@ __all__ = [
     "calibration_disabled",
     "canonical_collective",
     "canonical_dtype",
-    "clear_cpu_calibration_memo",
     "collective_coefficients",
     "collective_time",
     "compute_time",
-    "cpu_device_spec",
     "detect_device",
     "device_aliases",
     "device_from_cuda_name",
@@ -87,6 +78,6 @@ __all__ = [
     "op_time",
     "peak_flops_for",
     "ridge_intensity",
-    "run_cpu_benchmark",
+    "set_cpu_spec_provider",
     "static_presets",
 ]

@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-from hf_colossal_auto.hardware.catalog import DeviceSpec, LinkSpec
 from hf_colossal_auto.hardware.comm import collective_time
+from hf_colossal_auto.hardware.spec import DeviceSpec, LinkSpec
 
 __all__ = ["ClusterSpec", "mesh_shapes", "axis_spans_nodes", "launcher_devices_per_node"]
 

@@ -27,7 +27,6 @@ timing all-reduces of a few sizes and fitting the model above by least squares.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -35,7 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hf_colossal_auto.hardware.catalog import LinkSpec
+from hf_colossal_auto.hardware.host_cache import cache_dir, cache_key, read_entries, store_entry
+from hf_colossal_auto.hardware.spec import LinkSpec
 from hf_colossal_auto.units import KiB, MiB
 
 __all__ = [
@@ -212,8 +212,6 @@ class CommCalibration:
     @staticmethod
     def cache_path() -> Path:
         """Location of the on-disk cache."""
-        from hf_colossal_auto.hardware.calibrate import cache_dir
-
         return cache_dir() / COMM_CACHE_FILENAME
 
     def calibrate_link(
@@ -317,54 +315,30 @@ class CommCalibration:
 
     @staticmethod
     def _key(backend: str, world: int, ranks: tuple[int, ...], device: Any, sizes: Sequence[int]) -> str:
-        import torch
-
-        if device.type == "cuda":
-            device_name = torch.cuda.get_device_name(device)
-        else:
-            from hf_colossal_auto.hardware.calibrate import cpu_model_name
-
-            device_name = cpu_model_name()
-        return (
-            f"{backend}|world={world}|ranks={','.join(map(str, ranks))}|device={device_name}"
-            f"|torch={torch.__version__}|sizes={','.join(map(str, sizes))}"
+        return cache_key(
+            device.type,
+            backend=backend,
+            world=world,
+            ranks=",".join(map(str, ranks)),
+            sizes=",".join(map(str, sizes)),
         )
 
     def _read_disk(self, key: str) -> LinkSpec | None:
+        entry = read_entries(self.cache_path(), _COMM_CACHE_FORMAT).get(key)
         try:
-            with open(self.cache_path(), encoding="utf-8") as f:
-                data = json.load(f)
-            entry = data["entries"][key] if data.get("format") == _COMM_CACHE_FORMAT else None
             return (
                 LinkSpec(bandwidth=float(entry["bandwidth"]), latency=float(entry["latency"]))
                 if entry
                 else None
             )
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.debug("Comm calibration cache miss for %s: %s", key, exc)
             return None
 
     def _write_disk(self, key: str, link: LinkSpec, sizes: Sequence[int], times: Sequence[float]) -> None:
         """Merge one entry into the cache atomically; failure only costs a re-measure next time."""
-        path = self.cache_path()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    data = json.load(f)
-                entries = data["entries"] if data.get("format") == _COMM_CACHE_FORMAT else {}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                entries = {}
-            entries[key] = {**link.to_dict(), "sizes": list(sizes), "times": list(times)}
-            from hf_colossal_auto.hardware.calibrate import write_json_atomically
-
-            write_json_atomically(
-                path, {"format": _COMM_CACHE_FORMAT, "entries": entries}, ".comm_calibration."
-            )
-        except OSError as exc:
-            logger.warning("Could not write comm calibration cache %s: %s", path, exc)
+        entry = {**link.to_dict(), "sizes": list(sizes), "times": list(times)}
+        store_entry(self.cache_path(), key, entry, _COMM_CACHE_FORMAT)
 
 
 _DEFAULT_CALIBRATION = CommCalibration()

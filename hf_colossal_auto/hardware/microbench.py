@@ -1,5 +1,7 @@
 """Micro-benchmarks of the device at hand: what its kernels and its collectives achieve, in FLOP/s, bytes/s and
-seconds, for :mod:`hf_colossal_auto.calibration` to write into a :class:`DeviceSpec`.
+seconds, for :mod:`hf_colossal_auto.calibration` to write into a :class:`DeviceSpec`. Each function here is one
+measurement; :mod:`hf_colossal_auto.calibration.kernels` runs the kernel benchmarks of a calibration together
+(and times attention, whose FLOPs it counts as the capture does).
 
 Each benchmark times real work of the shapes a transformer training step runs, not a vendor's best case:
 
@@ -7,8 +9,6 @@ Each benchmark times real work of the shapes a transformer training step runs, n
   transposes). A square matmul small enough to stay in cache runs ~1.5x faster on a CPU than the model's
   GEMMs do, and the roofline must price the latter;
 * elementwise: bytes/s of ``a + b`` on tensors far larger than the caches (two reads, one write);
-* attention: FLOP/s of the fused scaled-dot-product kernel, forward and backward, counted as the profiler
-  counts it (:mod:`hf_colossal_auto.capture.flops`);
 * collectives: every kind DTensor and FSDP issue, on a live process group, a few sizes each, fitted per kind
   to the alpha-beta model of :mod:`.comm` (gloo's all-gather is not a ring, NCCL's all-reduce is two).
 
@@ -23,22 +23,21 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from .catalog import LinkSpec
 from .comm import fit_alpha_beta
+from .spec import LinkSpec
 
 __all__ = [
-    "KernelRates",
-    "measure_kernels",
     "time_call",
     "matmul_rate",
     "matmul_curve",
     "elementwise_bandwidth",
-    "attention_rate",
+    "transcendental_rate",
     "collective_fits",
+    "dtensor_collective_fits",
+    "overlap_efficiency",
     "MATMUL_SHAPES",
 ]
 
@@ -144,39 +143,6 @@ def elementwise_bandwidth(device: Any, *, nbytes: int, budget_s: float = 0.5) ->
     out = torch.empty_like(a)
     seconds = time_call(lambda: torch.add(a, b, out=out), device, budget_s=budget_s)
     return 3.0 * n * 4 / seconds
-
-
-def attention_rate(device: Any, dtype: Any, *, budget_s: float = 1.0) -> float:
-    """FLOP/s of causal scaled-dot-product attention, forward and backward, as the profiler counts its FLOPs
-    (the full ``S x S`` product, so a causal kernel's skipped half shows as a lower rate)."""
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from ..capture.flops import EXTRA_FLOP_FORMULAS
-
-    kind = getattr(device, "type", str(device))
-    batch, heads, seq, head_dim = (2, 8, 256, 64) if kind == "cpu" else (8, 32, 2048, 128)
-    generator = torch.Generator(device="cpu").manual_seed(0)
-
-    def tensor() -> Any:
-        x = torch.randn(batch, heads, seq, head_dim, generator=generator)
-        return x.to(device=device, dtype=dtype).requires_grad_()
-
-    q, k, v = tensor(), tensor(), tensor()
-    grad = torch.ones(batch, heads, seq, head_dim, device=device, dtype=dtype)
-
-    def step() -> None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.backward(grad)
-        q.grad = k.grad = v.grad = None
-
-    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
-    with counter:
-        step()
-    flops = counter.get_total_flops()
-    seconds = time_call(step, device, budget_s=budget_s)
-    return flops / seconds
 
 
 # Collective kinds the runtime issues, by the torch.distributed call that issues them.
@@ -394,95 +360,3 @@ def transcendental_rate(device: Any, *, budget_s: float = 0.5) -> float:
     ]
     rates = [x.numel() / time_call(op, device, budget_s=budget_s / len(ops)) for op in ops]
     return statistics.median(rates)
-
-
-# A reduced-precision dtype slower than this share of float32 is emulated (bf16 on a CPU without it): it keeps
-# its probe's rate and gets no curve, so that it cannot blow the calibration's time.
-EMULATED_DTYPE_SHARE = 0.2
-
-
-@dataclass(frozen=True)
-class KernelRates:
-    """What the device's kernels achieve, as :class:`~.catalog.DeviceSpec` fields: GEMM FLOP/s per dtype and by
-    GEMM size (``matmul_flops``), elementwise bytes/s, elementwise math (CPU), fused attention FLOP/s."""
-
-    peak_flops: dict[str, float]
-    matmul_flops: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
-    memory_bandwidth: float = 0.0
-    transcendental_rate: float | None = None
-    attention_flops: dict[str, float] = field(default_factory=dict)
-
-
-def _square_probe(device: Any, dtype: Any, generator: Any) -> float:
-    """FLOP/s of one 256 x 256 matmul after a warm-up: cheap even for an emulated dtype, which it exposes."""
-    import torch
-
-    a = torch.randn(256, 256, generator=generator).to(device=device, dtype=dtype)
-    b = torch.randn(256, 256, generator=generator).to(device=device, dtype=dtype)
-    torch.mm(a, b)
-    _sync(device)
-    start = time.perf_counter()
-    torch.mm(a, b)
-    _sync(device)
-    return 2.0 * 256**3 / max(time.perf_counter() - start, 1e-9)
-
-
-def measure_kernels(
-    device: Any,
-    dtypes: Mapping[str, Any],
-    *,
-    budget_s: float = 1.0,
-    nbytes: int,
-    elementwise_math: bool,
-    curves: bool = True,
-) -> KernelRates:
-    """Every kernel benchmark of a calibration, in one place for the ``calibrate`` command and for the cpu
-    preset's automatic calibration (which passes a smaller ``budget_s``).
-
-    ``dtypes``: name -> dtype, float32 first. float32 gets the projection-GEMM rate and the GEMM-size curve;
-    another dtype is probed with one small matmul first and, unless emulated (below
-    :data:`EMULATED_DTYPE_SHARE` of float32), measured like float32; a dtype without a kernel is skipped with a
-    warning. ``budget_s`` is per benchmark; ``nbytes`` sizes the elementwise buffers (beyond the caches);
-    ``elementwise_math`` adds the transcendental rate (CPUs; a GPU's is memory-bound); ``curves=False`` skips
-    the GEMM-size curves (four sizes more, each with its own cold operands). Runs under ``no_grad``
-    with a private RNG: the caller's seeded global RNG is untouched."""
-    import torch
-
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    flops: dict[str, float] = {}
-    curve: dict[str, tuple[tuple[float, float], ...]] = {}
-    attention: dict[str, float] = {}
-    with torch.no_grad():
-        for name, dtype in dtypes.items():
-            try:
-                if name != "float32":
-                    probe = _square_probe(device, dtype, generator)
-                    if probe < EMULATED_DTYPE_SHARE * flops["float32"]:
-                        flops[name] = probe
-                        continue
-                flops[name] = matmul_rate(device, dtype, budget_s=budget_s)
-                if curves:
-                    curve[name] = matmul_curve(device, dtype, budget_s=budget_s)
-            except RuntimeError as exc:  # a dtype without a matmul kernel in this build
-                if name == "float32":
-                    raise
-                logger.warning(
-                    "calibration: %s matmul failed on %s (%s); it falls back to float32", name, device, exc
-                )
-        bandwidth = elementwise_bandwidth(device, nbytes=nbytes, budget_s=budget_s / 2)
-        math_rate = transcendental_rate(device, budget_s=budget_s / 2) if elementwise_math else None
-    for name, dtype in dtypes.items():
-        emulated = flops.get(name, 0.0) < EMULATED_DTYPE_SHARE * flops["float32"]
-        if emulated:  # emulated or missing: the fused kernel is no better
-            continue
-        try:
-            attention[name] = attention_rate(device, dtype, budget_s=budget_s)
-        except RuntimeError as exc:
-            logger.warning("calibration: %s attention failed on %s (%s)", name, device, exc)
-    return KernelRates(
-        peak_flops=flops,
-        matmul_flops=curve,
-        memory_bandwidth=bandwidth,
-        transcendental_rate=math_rate,
-        attention_flops=attention,
-    )

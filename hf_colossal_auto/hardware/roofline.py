@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from hf_colossal_auto.hardware.catalog import DeviceSpec, canonical_dtype
+from hf_colossal_auto.hardware.spec import DeviceSpec, canonical_dtype
 
 __all__ = [
     "peak_flops_for",

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
-from .catalog import DeviceSpec
+from .spec import DeviceSpec
 
 __all__ = ["SKEW_SEGMENTS_S", "expected_slowest", "sync_wait", "fit_rank_skew", "measure_rank_skew"]
 

@@ -60,9 +60,9 @@ from ..apply.checkpoint import load_sharded
 from ..apply.data import global_batch
 from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
+from ..calibration.job import resolve_device
 from ..hardware.cluster import launcher_devices_per_node
 from ..plan import Plan
-from .calibrated import resolve_device
 from .data import gather_for_metrics as data_gather_for_metrics
 from .data import group_batch_rows, one_copy_per_group, preserved_rng, regroup_loader, tensor_parallel_members
 from .plugin import AutoParallelPlugin

@@ -90,8 +90,8 @@ from ..apply.agree import DEFAULT_TIMEOUT_S, as_timedelta
 from ..apply.checkpoint import load_full_optimizer_state
 from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
+from ..calibration.job import resolve_device
 from ..plan import Plan
-from .calibrated import resolve_device
 from .data import follow_plan, preserved_rng
 
 logger = logging.getLogger(__name__)

@@ -5,8 +5,9 @@
 ``AutoParallelCallback(device="calibrate")`` gets the same spec without a separate command: the first job on a
 machine measures its kernels and, on the job's own process group, its collectives (every rank takes part), and
 writes the result to the calibration cache (``$HF_COLOSSAL_AUTO_CACHE``, default ``~/.cache/hf_colossal_auto``);
-later jobs of the same shape on the same machine read it. The cache key is what the figures depend on: the
-device, the number of processes and of processes per node, torch's thread count and version. Per-op host
+later jobs of the same shape on the same machine read it. The cache key is what the figures depend on
+(:func:`~hf_colossal_auto.hardware.host_cache.cache_key`): the device, torch's thread count and version, the
+number of processes and of processes per node. Per-op host
 overheads need a process group of one process and are measured only in a one-process job (defaults otherwise,
 as ``calibrate()`` says).
 """
@@ -18,10 +19,9 @@ import logging
 import os
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from ..hardware.calibrate import cache_dir, cpu_model_name, write_json_atomically
+from ..hardware.host_cache import cache_dir, cache_key, write_json_atomically
 
 __all__ = ["CALIBRATE", "calibrated_device", "calibration_cache_path", "resolve_device"]
 
@@ -41,8 +41,7 @@ def _world() -> tuple[int, int]:
 def calibration_cache_path(kind: str) -> Path:
     """Where the calibration of this machine, for a job of this shape, is cached."""
     world, local = _world()
-    name = torch.cuda.get_device_name() if kind == "cuda" else cpu_model_name()
-    key = f"{kind}|{name}|world={world}|local={local}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    key = cache_key(kind, world=world, local=local)
     return cache_dir() / f"cluster-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -52,7 +51,7 @@ def calibrated_device(kind: str, *, refresh: bool = False) -> str:
     Rank 0 decides whether the cache holds one (``refresh`` measures again); when it does not, every rank joins
     :func:`~hf_colossal_auto.calibration.calibrate` (the collectives are timed on the job's group) and rank 0
     writes the spec. Every rank returns the same path."""
-    from ..calibration import calibrate
+    from . import calibrate  # looked up when called: a test (or a user) may replace it
 
     path = calibration_cache_path(kind)
     launched = dist.is_initialized() and dist.get_world_size() > 1

@@ -1,4 +1,4 @@
-"""Micro-benchmark calibration of the ``cpu`` device, cached on disk.
+"""Micro-benchmark calibration of the ``cpu`` device, cached on disk: what ``get_device("cpu")`` returns.
 
 There is no datasheet for "whatever CPU this is", and CPU matmul throughput
 varies by two orders of magnitude between hosts and dtypes (fp16 matmul on a CPU
@@ -9,8 +9,8 @@ actually use.
 
 The result is cached as JSON in ``$HF_COLOSSAL_AUTO_CACHE/cpu_calibration.json``
 (default ``~/.cache/hf_colossal_auto/cpu_calibration.json``), keyed by CPU
-model, ``torch.get_num_threads()``, torch version and benchmark version, so it
-runs once per host configuration.  Set ``HF_COLOSSAL_AUTO_NO_CALIBRATE=1`` to
+model, ``torch.get_num_threads()``, torch version and benchmark version
+(:func:`~hf_colossal_auto.hardware.host_cache.cache_key`), so it runs once per host configuration.  Set ``HF_COLOSSAL_AUTO_NO_CALIBRATE=1`` to
 skip measurement and use :data:`~hf_colossal_auto.hardware.catalog.STATIC_CPU_SPEC`
 (deterministic; what the test-suite uses).
 
@@ -22,33 +22,33 @@ documented gloo-over-loopback defaults.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
-import platform
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from hf_colossal_auto.hardware.catalog import STATIC_CPU_SPEC, DeviceSpec
-from hf_colossal_auto.units import MiB
+from ..hardware.catalog import STATIC_CPU_SPEC
+from ..hardware.host_cache import (
+    cache_dir,
+    cache_key,
+    calibration_disabled,
+    host_memory_bytes,
+    read_entries,
+    store_entry,
+)
+from ..hardware.spec import DeviceSpec
+from ..units import MiB
 
 __all__ = [
-    "CACHE_ENV",
-    "NO_CALIBRATE_ENV",
     "CPU_CACHE_FILENAME",
     "CPU_BENCHMARK_VERSION",
     "CpuBenchmarkResult",
-    "cache_dir",
     "cpu_cache_path",
-    "calibration_disabled",
-    "cpu_model_name",
     "cpu_cache_key",
-    "host_memory_bytes",
     "run_cpu_benchmark",
     "cpu_device_spec",
     "clear_cpu_calibration_memo",
@@ -56,23 +56,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "HF_COLOSSAL_AUTO_CACHE"
-NO_CALIBRATE_ENV = "HF_COLOSSAL_AUTO_NO_CALIBRATE"
 CPU_CACHE_FILENAME = "cpu_calibration.json"
 # Bump when the benchmark changes in a way that changes its numbers, so stale
 # cache entries are ignored instead of mixed with new ones.
 CPU_BENCHMARK_VERSION = 3
 _CACHE_FORMAT = 1
-
-_FALSE_STRINGS = frozenset({"", "0", "false", "no", "off"})
-
-
-def cache_dir() -> Path:
-    """Directory for all on-disk calibration caches (``$HF_COLOSSAL_AUTO_CACHE`` or ``~/.cache/hf_colossal_auto``)."""
-    override = os.environ.get(CACHE_ENV)
-    if override:
-        return Path(override).expanduser()
-    return Path.home() / ".cache" / "hf_colossal_auto"
 
 
 def cpu_cache_path() -> Path:
@@ -80,58 +68,9 @@ def cpu_cache_path() -> Path:
     return cache_dir() / CPU_CACHE_FILENAME
 
 
-def calibration_disabled() -> bool:
-    """True when ``HF_COLOSSAL_AUTO_NO_CALIBRATE`` is set to anything but ``0/false/no/off/''``."""
-    return os.environ.get(NO_CALIBRATE_ENV, "").strip().lower() not in _FALSE_STRINGS
-
-
-def cpu_model_name() -> str:
-    """Human-readable CPU model, e.g. ``"AMD EPYC 7763 64-Core Processor"``.
-
-    Read from ``/proc/cpuinfo`` on Linux (``platform.processor()`` is often empty
-    there), falling back to ``platform`` elsewhere.
-    """
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.lower().startswith(("model name", "hardware", "cpu model")):
-                _, _, value = line.partition(":")
-                if value.strip():
-                    return value.strip()
-    return platform.processor() or platform.machine() or "unknown-cpu"
-
-
 def cpu_cache_key() -> str:
     """Cache key: CPU model, torch thread count, torch version and benchmark version."""
-    import torch
-
-    return (
-        f"{cpu_model_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-        f"|bench=v{CPU_BENCHMARK_VERSION}"
-    )
-
-
-def _read_int_file(path: str) -> int | None:
-    with contextlib.suppress(OSError, ValueError):
-        with open(path, encoding="ascii") as f:
-            text = f.read().strip()
-        if text and text != "max":
-            return int(text)
-    return None
-
-
-def host_memory_bytes() -> int:
-    """Memory this process may use: physical RAM, capped by a cgroup (container) limit if any."""
-    physical: int | None = None
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if not physical or physical <= 0:
-        return STATIC_CPU_SPEC.memory_bytes
-    limits = [
-        _read_int_file("/sys/fs/cgroup/memory.max"),  # cgroup v2
-        _read_int_file("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # cgroup v1
-    ]
-    # cgroup v1 reports "no limit" as a huge number near 2**63, which min() ignores.
-    return min([physical, *[limit for limit in limits if limit is not None and limit > 0]])
+    return cache_key("cpu", bench=CPU_BENCHMARK_VERSION)
 
 
 @dataclass(frozen=True)
@@ -166,7 +105,7 @@ def run_cpu_benchmark(time_budget_s: float = 1.2) -> CpuBenchmarkResult:
     projection rate; a file from ``hf-colossal-auto calibrate`` carries the curve."""
     import torch
 
-    from .microbench import measure_kernels
+    from .kernels import measure_kernels
 
     t0 = time.perf_counter()
     nbytes = int(min(64 * MiB, max(8 * MiB, host_memory_bytes() // 64)))
@@ -188,25 +127,6 @@ def run_cpu_benchmark(time_budget_s: float = 1.2) -> CpuBenchmarkResult:
         transcendental_rate=rates.transcendental_rate,
         matmul_flops=rates.matmul_flops,
     )
-
-
-def _load_cache(path: Path) -> dict[str, Any]:
-    """Read the cache file; a missing or corrupt file is treated as empty (it is only a cache)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        logger.warning("Ignoring unreadable calibration cache %s: %s", path, exc)
-        return {}
-    if (
-        not isinstance(data, dict)
-        or data.get("format") != _CACHE_FORMAT
-        or not isinstance(data.get("entries"), dict)
-    ):
-        return {}
-    return data["entries"]
 
 
 def _entry_to_result(entry: Any) -> CpuBenchmarkResult | None:
@@ -252,43 +172,21 @@ def _load_average() -> float | None:
     return None
 
 
-def write_json_atomically(path: Path, data: Any, prefix: str) -> None:
-    """Write ``data`` as JSON to ``path`` through a temp file and a rename, so that a reader (another rank,
-    another process) never sees a half-written cache. Raises OSError; callers decide whether that matters."""
-    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _store_cache(path: Path, key: str, result: CpuBenchmarkResult) -> None:
-    """Merge one entry into the cache file atomically (temp file + rename).
-
-    Failure to write (read-only home, full disk) only costs a re-run next
-    time, so it is logged, not raised.
-    """
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        entries = _load_cache(path)
-        entries[key] = {
-            "peak_flops": result.peak_flops,
-            "attention_flops": result.attention_flops,
-            "transcendental_rate": result.transcendental_rate,
-            "matmul_flops": {k: [list(p) for p in v] for k, v in result.matmul_flops.items()},
-            "memory_bandwidth": result.memory_bandwidth,
-            "seconds": result.seconds,
-            # Recorded for diagnosis: a calibration taken on a busy host is slow.
-            "load_average_1min": _load_average(),
-            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        }
-        write_json_atomically(path, {"format": _CACHE_FORMAT, "entries": entries}, ".cpu_calibration.")
-    except OSError as exc:
-        logger.warning("Could not write calibration cache %s: %s", path, exc)
+    """Merge one entry into the cache file (:func:`~hf_colossal_auto.hardware.host_cache.store_entry`: atomic;
+    a failure to write only costs a re-run next time)."""
+    entry = {
+        "peak_flops": result.peak_flops,
+        "attention_flops": result.attention_flops,
+        "transcendental_rate": result.transcendental_rate,
+        "matmul_flops": {k: [list(p) for p in v] for k, v in result.matmul_flops.items()},
+        "memory_bandwidth": result.memory_bandwidth,
+        "seconds": result.seconds,
+        # Recorded for diagnosis: a calibration taken on a busy host is slow.
+        "load_average_1min": _load_average(),
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    store_entry(path, key, entry, _CACHE_FORMAT)
 
 
 # In-process memo so repeated get_device("cpu") calls do not re-read the file.
@@ -318,7 +216,7 @@ def cpu_device_spec(force: bool = False) -> DeviceSpec:
     memo_key = (str(path), key)
     if not force and memo_key in _MEMO:
         return _MEMO[memo_key]
-    result = None if force else _entry_to_result(_load_cache(path).get(key))
+    result = None if force else _entry_to_result(read_entries(path, _CACHE_FORMAT).get(key))
     if result is None:
         result = run_cpu_benchmark()
         logger.info(

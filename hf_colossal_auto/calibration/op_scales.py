@@ -1,6 +1,6 @@
 """In-step calibration: what every kind of op costs inside a real training step on this machine.
 
-The kernel micro-benchmarks (:mod:`.hardware.microbench`) time GEMMs, copies and elementwise math alone, on
+The kernel micro-benchmarks (:mod:`hf_colossal_auto.hardware.microbench`) time GEMMs, copies and elementwise math alone, on
 operands made for the benchmark. Inside a step some kernels cost more than any of them predicts: dropout's
 random numbers (``bernoulli_``: arithmetic, not bandwidth), a CPU ``addmm`` that first copies its bias into
 the output, softmaxes over rows of a vocabulary, GEMMs whose operands come cold from the previous op, fresh
@@ -10,7 +10,7 @@ step time 10-40 % low (docs/benchmarks.md, step-time fidelity).
 This module runs a few real forward/backward passes of reference models, times every aten op at the dispatch
 level (the level the capture records, so the ops match one for one), prices the same ops of the captured step
 with the micro-benchmarked spec, and keeps per op kind ``measured / predicted`` as
-:attr:`~.hardware.DeviceSpec.op_time_scale`. The roofline multiplies each kernel by its op's scale; an op kind
+:attr:`~hf_colossal_auto.hardware.DeviceSpec.op_time_scale`. The roofline multiplies each kernel by its op's scale; an op kind
 the steps did not run keeps 1.0. ``hf-colossal-auto calibrate --step-model NAME`` adds it to a calibration.
 
 Only the forward and backward passes are timed: the optimizer on a CPU runs a per-parameter loop whose ops
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._torch_compat import TorchDispatchMode
-from .capture.graph import Phase
-from .capture.op_classes import op_base_name
-from .hardware import DeviceSpec
+from .._torch_compat import TorchDispatchMode
+from ..capture.graph import Phase
+from ..capture.op_classes import op_base_name
+from ..hardware.spec import DeviceSpec
 
 __all__ = [
     "MIN_OP_SECONDS",
@@ -45,6 +45,8 @@ __all__ = [
     "predicted_step_ops",
     "scales_from",
     "measure_op_time_scales",
+    "format_scales",
+    "with_op_time_scales",
 ]
 
 logger = logging.getLogger(__name__)
@@ -159,9 +161,9 @@ def predicted_step_ops(
     """Kernel seconds per op kind of the same forward + backward, captured and priced on ``spec`` (with the op
     scales it carries: :func:`measure_op_time_scales` passes a spec without any, the micro-benchmarks'
     prediction)."""
-    from .capture.tracer import trace_training_step
-    from .profile.memory import unroll
-    from .profile.profiler import node_kernel_time
+    from ..capture.tracer import trace_training_step
+    from ..profile.memory import unroll
+    from ..profile.profiler import node_kernel_time
 
     graph = trace_training_step(model, dict(batch), device_kind=spec.kind)
     counts: dict[int, int] = defaultdict(int)
@@ -224,7 +226,7 @@ def measure_op_time_scales(
 
     ``spec`` is the micro-benchmarked device the scales correct; call this on every rank of a running job
     (the passes are timed together and the figures averaged over ranks)."""
-    from .models import build_model, make_example_inputs
+    from ..models import build_model, make_example_inputs
 
     if not models:
         raise ValueError("measure_op_time_scales needs at least one model (a preset name or a config path)")
@@ -262,3 +264,17 @@ def format_scales(result: StepScales, limit: int = 15) -> Iterable[str]:
     for name, seconds, guess, calls, scale in result.rows()[:limit]:
         kept = f"x{scale:.2f}" if scale is not None else "-"
         yield f"  {name:34s} {seconds * 1e3:8.1f}ms {guess * 1e3:8.1f}ms {calls:6d}  {kept}"
+
+
+def with_op_time_scales(
+    spec: DeviceSpec, models: Sequence[Any], *, batch_size: int = 4, seq_len: int = 256
+) -> tuple[DeviceSpec, StepScales]:
+    """``spec`` with the op scales of real steps of ``models`` (every rank runs them together), its provenance
+    naming the models and the shape, and the figures behind the scales (for a table)."""
+    steps = measure_op_time_scales(models, spec, batch_size=batch_size, seq_len=seq_len)
+    provenance = {
+        **spec.calibration,
+        "step_models": list(steps.models),
+        "step_shape": [batch_size, seq_len],
+    }
+    return spec.with_overrides(op_time_scale=steps.scales, calibration=provenance), steps
