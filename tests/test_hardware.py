@@ -353,6 +353,41 @@ def test_unwritable_cache_still_returns_spec(
     assert "Could not write calibration cache" in caplog.text
 
 
+def test_every_cache_is_keyed_by_the_one_scheme(_isolated_cache: Path) -> None:
+    """The cpu preset, the comm link fit and the job cache all key on host_cache.cache_key: the device, torch's
+    threads and version first, then their own facts; entry files merge, and another format reads as empty."""
+    import hashlib
+
+    from hf_colossal_auto.calibration import job
+    from hf_colossal_auto.hardware.comm import CommCalibration
+
+    host = host_cache.cache_key("cpu")
+    assert f"threads={torch.get_num_threads()}" in host and torch.__version__ in host
+    assert cpu_calibration.cpu_cache_key() == f"{host}|bench={cpu_calibration.CPU_BENCHMARK_VERSION}"
+    comm = CommCalibration._key("gloo", 2, (0, 1), torch.device("cpu"), (4, 8))
+    assert comm == f"{host}|backend=gloo|ranks=0,1|sizes=4,8|world=2"
+    digest = hashlib.sha1(host_cache.cache_key("cpu", local=1, world=1).encode()).hexdigest()[:16]
+    assert job.calibration_cache_path("cpu").name == f"cluster-{digest}.json"
+
+    path = _isolated_cache / "entries.json"
+    host_cache.store_entry(path, "a", {"x": 1}, 7)
+    host_cache.store_entry(path, "b", {"x": 2}, 7)
+    assert host_cache.read_entries(path, 7) == {"a": {"x": 1}, "b": {"x": 2}}
+    assert host_cache.read_entries(path, 8) == {}
+
+
+def test_cpu_without_a_provider_is_the_static_spec(counted_benchmark: list[int]) -> None:
+    """hardware/ measures nothing itself: without calibration's provider "cpu" is the static template."""
+    from hf_colossal_auto.hardware.catalog import set_cpu_spec_provider
+
+    set_cpu_spec_provider(None)
+    try:
+        assert get_device("cpu") == STATIC_CPU_SPEC and counted_benchmark == []
+    finally:
+        set_cpu_spec_provider(cpu_calibration.cpu_device_spec)
+    assert get_device("cpu") != STATIC_CPU_SPEC and len(counted_benchmark) == 1
+
+
 def test_real_cpu_benchmark_is_sane() -> None:
     """Rates measured, positive and finite (how long it took is recorded, not asserted: a loaded machine is
     slower, and speed targets live in the benchmarks)."""

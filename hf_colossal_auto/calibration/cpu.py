@@ -10,9 +10,9 @@ actually use.
 The result is cached as JSON in ``$HF_COLOSSAL_AUTO_CACHE/cpu_calibration.json``
 (default ``~/.cache/hf_colossal_auto/cpu_calibration.json``), keyed by CPU
 model, ``torch.get_num_threads()``, torch version and benchmark version
-(:func:`~hf_colossal_auto.hardware.host_cache.cache_key`), so it runs once per host configuration.  Set ``HF_COLOSSAL_AUTO_NO_CALIBRATE=1`` to
-skip measurement and use :data:`~hf_colossal_auto.hardware.catalog.STATIC_CPU_SPEC`
-(deterministic; what the test-suite uses).
+(:func:`~hf_colossal_auto.hardware.host_cache.cache_key`), so it runs once per host
+configuration.  Set ``HF_COLOSSAL_AUTO_NO_CALIBRATE=1`` to skip measurement and use
+:data:`~hf_colossal_auto.hardware.catalog.STATIC_CPU_SPEC` (deterministic; what the test-suite uses).
 
 Collective bandwidth/latency are *not* measured here (that needs a process
 group, see :mod:`hf_colossal_auto.hardware.comm`); the cpu links keep their

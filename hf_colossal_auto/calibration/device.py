@@ -8,14 +8,14 @@ in a few seconds each:
    by GEMM size (``matmul_flops``: the curve the roofline prices each matmul on, so that a tensor-parallel
    shard's smaller GEMM runs slower), elementwise bandwidth, elementwise math (exp, tanh, softmax: on a CPU
    bound by arithmetic, not bandwidth), fused attention FLOP/s;
-2. the per-op host overheads (:mod:`.overheads`): one training step of tiny models (whose kernels cost next to nothing) divided by
-   its op count, eager (``host_overhead_s``) and again with our runtime applied for one device, which runs
-   every op on DTensors with the plan's hooks (``dtensor_overhead_s``: the difference per op);
+2. the per-op host overheads (:mod:`.overheads`): one training step of tiny models (whose kernels cost next
+   to nothing) divided by its op count, eager (``host_overhead_s``) and again with our runtime applied for
+   one device, which runs every op on DTensors with the plan's hooks (``dtensor_overhead_s``: the difference per op);
 3. every collective on the running process group, per kind (``intra_node_link.collectives``), and how much
    of a collective hides behind concurrent GEMMs (``overlap_efficiency``), and how long a rank waits for its
    peers at a synchronising collective after a stretch of the same work (``rank_skew_s``,
-   :mod:`hf_colossal_auto.hardware.skew`), when the job has more than one process; all ranks must call it then, and all get
-   the same spec.
+   :mod:`hf_colossal_auto.hardware.skew`), when the job has more than one process; all ranks must call it
+   then, and all get the same spec.
 
 The result is written as JSON (``hf-colossal-auto calibrate --out cluster.json``) that every ``device=``
 argument and ``--device`` flag accepts. It carries its provenance (host, date, torch, command).

@@ -1,9 +1,9 @@
-"""The kernel benchmarks of a calibration, run together: GEMMs per dtype and by size, elementwise bandwidth and
-math, fused attention (:func:`measure_kernels`), for ``hf-colossal-auto calibrate`` (:mod:`.device`) and the
+"""The kernel benchmarks of a calibration, run together: GEMMs per dtype and by size, elementwise bandwidth
+and math, fused attention (:func:`measure_kernels`), for ``hf-colossal-auto calibrate`` (:mod:`.device`) and the
 ``cpu`` preset's automatic calibration (:mod:`.cpu`).
 
-Attention is timed here, not in :mod:`hf_colossal_auto.hardware.microbench`, because its FLOPs are counted as the
-profiler counts them (:mod:`hf_colossal_auto.capture.flops`), which hardware/ may not import.
+Attention is timed here, not in :mod:`hf_colossal_auto.hardware.microbench`, because its FLOPs are counted
+as the profiler counts them (:mod:`hf_colossal_auto.capture.flops`), which hardware/ may not import.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """In-step calibration: what every kind of op costs inside a real training step on this machine.
 
-The kernel micro-benchmarks (:mod:`hf_colossal_auto.hardware.microbench`) time GEMMs, copies and elementwise math alone, on
-operands made for the benchmark. Inside a step some kernels cost more than any of them predicts: dropout's
+The kernel micro-benchmarks (:mod:`hf_colossal_auto.hardware.microbench`) time GEMMs, copies and
+elementwise math alone, on operands made for the benchmark. Inside a step some kernels cost more than any of them predicts: dropout's
 random numbers (``bernoulli_``: arithmetic, not bandwidth), a CPU ``addmm`` that first copies its bias into
 the output, softmaxes over rows of a vocabulary, GEMMs whose operands come cold from the previous op, fresh
 pages of a large buffer touched for the first time. Measured on a 2-core CPU, those gaps left every predicted

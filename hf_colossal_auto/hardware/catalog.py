@@ -263,8 +263,8 @@ def set_cpu_spec_provider(provider: Callable[[], DeviceSpec] | None) -> None:
 
     Why a hook: measuring the host is calibration's job (:mod:`hf_colossal_auto.calibration.cpu` benchmarks
     its kernels and caches the result), and calibration needs the capture's FLOP counting, which hardware/
-    may not import. Loading ``hf_colossal_auto`` installs :func:`~hf_colossal_auto.calibration.cpu.cpu_device_spec`;
-    ``None`` (or no provider) makes ``"cpu"`` the static :data:`STATIC_CPU_SPEC`."""
+    may not import. Loading ``hf_colossal_auto`` installs
+    :func:`~hf_colossal_auto.calibration.cpu.cpu_device_spec`; ``None`` (or no provider) makes ``"cpu"`` the static :data:`STATIC_CPU_SPEC`."""
     global _cpu_spec_provider
     _cpu_spec_provider = provider
 
