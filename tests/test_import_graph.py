@@ -20,10 +20,7 @@ PACKAGE = "hf_colossal_auto"
 
 ALLOWED: dict[tuple[str, str], str] = {
     # (importing file, imported package) -> why it is allowed for now. Each entry is an edge in a file that is
-    # to move (apply/runtime.py's autoparallelize to integrations/, the calibration's orchestration to
-    # calibration/); remove it with that move.
-    ("apply/runtime.py", "solve"): "autoparallelize plans; it moves to integrations/",
-    ("apply/runtime.py", "integrations"): "autoparallelize calibrates the job; it moves to integrations/",
+    # to move (the calibration's orchestration to calibration/); remove it with that move.
     (
         "hardware/microbench.py",
         "capture",

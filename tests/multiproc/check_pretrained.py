@@ -55,7 +55,8 @@ def _meta_model(directory: Path) -> torch.nn.Module:
 def _planned(directory: Path, layout: str, save_plan: Path | None = None) -> torch.nn.Module:
     """A meta model planned (rank 0, Megatron placements; written to ``save_plan``) and applied with its
     weights from ``directory``."""
-    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.apply import broadcast_plan
     from hf_colossal_auto.solve.planner import evaluate_plan
 
     mesh, dp_mode = LAYOUTS[layout]
@@ -143,7 +144,7 @@ def shard_on_read_case(ckpt: Path, out: Path, preset: str, layout: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     import hf_colossal_auto.apply.pretrained as pretrained
-    from hf_colossal_auto.apply import autoparallelize
+    from hf_colossal_auto import autoparallelize
     from hf_colossal_auto.plan import Plan
 
     direct = pretrained._own_ranges
