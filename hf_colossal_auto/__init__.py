@@ -25,7 +25,7 @@ _LAZY = {
     "InfeasibleError": ".solve.problem",
     "RoutingLoad": ".capture.moe",
     "measure_routing": ".capture.moe",
-    "autoparallelize": ".apply",
+    "autoparallelize": ".integrations.autoparallelize",
     "apply_plan": ".apply",
     "PlanMismatchError": ".apply",
     "load_pretrained": ".apply.pretrained",

@@ -368,7 +368,7 @@ def run_on_mesh(model, batch: dict[str, Any], mesh: tuple[int, int], reference: 
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from hf_colossal_auto.apply import autoparallelize
+    from hf_colossal_auto import autoparallelize
 
     dp, tp = mesh
     rank = dist.get_rank()

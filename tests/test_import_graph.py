@@ -20,9 +20,7 @@ PACKAGE = "hf_colossal_auto"
 
 ALLOWED: dict[tuple[str, str], str] = {
     # (importing file, imported package) -> why it is allowed for now. Each entry is an edge in a file that is
-    # to move (apply/runtime.py's autoparallelize to integrations/); remove it with that move.
-    ("apply/runtime.py", "solve"): "autoparallelize plans; it moves to integrations/",
-    ("apply/runtime.py", "calibration"): "autoparallelize calibrates the job; it moves to integrations/",
+    # (none left: add an edge here only with the file move that will remove it)
 }
 """Edges that break a rule only because of a file another change is moving (named, not a skipped rule)."""
 

@@ -186,13 +186,13 @@ def test_streaming_export_round_trip(checkpoints, tmp_path, monkeypatch):
     import torch.distributed as dist
     from common import allocation_peak
 
-    import hf_colossal_auto.apply.pretrained as pretrained
+    import hf_colossal_auto.apply.pretrained.stream as stream
 
     source = checkpoints / "tiny-gpt2"
     model = _on_meta(source)
     load_pretrained(model, source)
     block = 4096
-    monkeypatch.setattr(pretrained, "STREAM_BLOCK_BYTES", block)
+    monkeypatch.setattr(stream, "STREAM_BLOCK_BYTES", block)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         _split_over_one_rank(model)

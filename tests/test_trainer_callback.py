@@ -24,8 +24,8 @@ from hf_colossal_auto.integrations.trainer import (
     _turn_off_trainer_recompute,
     check_trainer_compatible,
     example_global_batch,
-    load_consolidated,
 )
+from hf_colossal_auto.integrations.trainer_checkpoints import load_consolidated
 from hf_colossal_auto.models import build_model, make_example_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,7 +203,7 @@ def test_consolidated_weights_load_through_the_sharded_reader(tmp_path):
 def test_rng_state_of_another_world_size_is_taken(tmp_path):
     """A process whose own RNG file the checkpoint lacks (saved by another number of processes) gets the saving
     job's first process's (one process: ``rng_state_0.pth``; N processes: ``rng_state.pth``)."""
-    from hf_colossal_auto.integrations.trainer import _load_rng_state
+    from hf_colossal_auto.integrations.trainer_checkpoints import _load_rng_state
 
     seen = []
 

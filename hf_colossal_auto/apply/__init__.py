@@ -7,7 +7,6 @@ from .pretrained import LoadReport, PretrainedLoadError, SaveCollectiveError, Sa
 from .runtime import (
     PlanMismatchError,
     apply_plan,
-    autoparallelize,
     broadcast_plan,
     build_mesh,
     distribute_parameters,
@@ -26,7 +25,6 @@ __all__ = [
     "MetaInitError",
     "PlanMismatchError",
     "apply_plan",
-    "autoparallelize",
     "broadcast_plan",
     "build_mesh",
     "consolidated_state_dict",

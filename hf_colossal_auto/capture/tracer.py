@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,16 +22,12 @@ from torch import nn
 from .. import _torch_compat
 from .._torch_compat import (
     FakeTensorMode,
-    TorchDispatchMode,
-    WeakIdKeyDictionary,
     swapped_parameters,
     tracked_module_name,
     tree_flatten,
-    tree_map,
 )
 from .attention import target_attention_kernels
 from .blocks import find_block_runs, folded
-from .flops import op_flops
 from .graph import (
     BlockRun,
     MemoryEvent,
@@ -40,253 +35,16 @@ from .graph import (
     Phase,
     Segment,
     StepGraph,
-    StorageInfo,
-    TensorRef,
-    ValueInfo,
     ValueKind,
 )
 from .hf_masks import eager_mask_decisions
 from .inputs import CaptureError, drop_all_ones_masks, validate_inputs
 from .moe import enable_grouped_mm_tracing, static_experts_implementation
+from .recorder import _Recorder
 
 logger = logging.getLogger(__name__)
-aten = torch.ops.aten
-
-# Metadata queries that are not kernels; FlopCounterMode skips the same set.
-_METADATA_OPS = {
-    aten.sym_is_contiguous.default,
-    aten.is_contiguous.default,
-    aten.is_contiguous.memory_format,
-    aten.is_strides_like_format.default,
-    aten.is_non_overlapping_and_dense.default,
-    aten.size.default,
-    aten.sym_size.default,
-    aten.stride.default,
-    aten.sym_stride.default,
-    aten.storage_offset.default,
-    aten.sym_storage_offset.default,
-    aten.numel.default,
-    aten.sym_numel.default,
-    aten.dim.default,
-    torch.ops.prim.layout.default,
-    torch.ops.prim.device.default,
-}
 
 MIXED_PRECISION_DTYPES = {None: None, "no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# In-place ops that change only a tensor's metadata or storage pointer: no kernel runs over the data.
-_METADATA_MUTATIONS = frozenset({"resize_", "resize_as_", "set_", "as_strided_", "_resize_output_"})
-
-
-def mutates_data(func: Any) -> bool:
-    """True for an in-place op that runs a kernel over a tensor it was given (``bernoulli_``, ``add_``, ``copy_``):
-    it aliases its input like a view but costs time like any op (dropout's ``bernoulli_`` is one of a CPU
-    step's larger costs)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return False
-    return schema.name.split("::")[-1] not in _METADATA_MUTATIONS
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-class _Recorder(TorchDispatchMode):
-    """Dispatch mode that appends an :class:`OpNode` per aten call and tracks storages."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.nodes: list[OpNode] = []
-        self.values: dict[int, ValueInfo] = {}
-        self.storages: dict[int, StorageInfo] = {}
-        self.events: list[MemoryEvent] = []
-        self.initial: list[int] = []
-        self.phase = Phase.FORWARD
-        self.module_stack: list[str] = []
-        self.recording = True
-        self.scalar_stub = False
-        self._storage_ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._value_by_view: dict[tuple, int] = {}
-        self._next_storage = 0
-        self._next_value = 0
-        self._finalizers: list[weakref.finalize] = []
-        self.output_values: list[int] = []
-        self.block_args: dict[str, list[int]] = {}
-
-    # ------------------------------------------------------------ identities
-    def _storage(
-        self, t: torch.Tensor, *, kind: ValueKind, name: str | None, initial: bool
-    ) -> tuple[int, bool]:
-        st = t.untyped_storage()
-        sid = self._storage_ids.get(st)
-        if sid is not None:
-            return sid, False
-        sid = self._next_storage
-        self._next_storage += 1
-        self._storage_ids[st] = sid
-        nbytes = int(st.nbytes())
-        self.storages[sid] = StorageInfo(sid, nbytes, kind, name)
-        if initial:
-            self.initial.append(sid)
-        else:
-            self.events.append(MemoryEvent(len(self.nodes), sid, nbytes))
-        self._finalizers.append(weakref.finalize(st, self._on_free, sid, nbytes))
-        return sid, True
-
-    def _on_free(self, sid: int, nbytes: int) -> None:
-        if self.recording:
-            self.events.append(MemoryEvent(len(self.nodes), sid, -nbytes))
-
-    @staticmethod
-    def _view_key(t: torch.Tensor, sid: int) -> tuple:
-        return (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-    def register(
-        self,
-        t: torch.Tensor,
-        kind: ValueKind,
-        name: str | None = None,
-        *,
-        initial: bool,
-        producer: int | None = None,
-    ) -> int:
-        sid, _ = self._storage(t, kind=kind, name=name, initial=initial)
-        vid = self._next_value
-        self._next_value += 1
-        self.values[vid] = ValueInfo(
-            id=vid,
-            shape=tuple(t.shape),
-            dtype=_dtype_name(t.dtype),
-            nbytes=t.numel() * t.element_size(),
-            storage_id=sid,
-            kind=kind,
-            producer=producer,
-            name=name,
-            requires_grad=t.requires_grad,
-        )
-        self._value_by_view[self._view_key(t, sid)] = vid
-        return vid
-
-    def known_values(self, output: Any) -> list[int]:
-        """Ids of the recorded values among the tensors of ``output`` (a ModelOutput, tuple or tensor)."""
-        if isinstance(output, Mapping):
-            output = list(output.values())
-        ids = []
-        for t in tree_flatten(output)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            sid = self._storage_ids.get(t.untyped_storage())
-            vid = self._value_by_view.get(self._view_key(t, sid)) if sid is not None else None
-            if vid is not None and vid not in ids:
-                ids.append(vid)
-        return ids
-
-    def value_of(self, t: torch.Tensor) -> int:
-        st = t.untyped_storage()
-        sid = self._storage_ids.get(st)
-        if sid is not None:
-            vid = self._value_by_view.get(self._view_key(t, sid))
-            if vid is not None:
-                return vid
-            return self.register(t, self.storages[sid].kind, initial=False)
-        # A tensor made outside the recorder (should be rare): count its storage from the start.
-        logger.debug("untracked tensor of shape %s enters the step", tuple(t.shape))
-        return self.register(t, ValueKind.ACTIVATION, initial=True)
-
-    # ------------------------------------------------------------ dispatch
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _METADATA_OPS or not self.recording:
-            return func(*args, **kwargs)
-        if func is aten._local_scalar_dense.default and self.scalar_stub:
-            # Optimizers read their step counter with .item(); a fake tensor has no value. The value does not
-            # change any shape or allocation, so any number serves.
-            return 1.0 if args[0].dtype.is_floating_point else 1
-        # Same as FlopCounterMode: an op with a CompositeImplicit decomposition is recorded as its parts.
-        with self:
-            decomposed = func.decompose(*args, **kwargs)
-        if decomposed is not NotImplemented:
-            return decomposed
-        out = func(*args, **kwargs)
-        self._record(func, args, kwargs, out)
-        return out
-
-    def _record(self, func, args, kwargs, out) -> None:
-        index = len(self.nodes)
-        in_tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        in_ids = [self.value_of(t) for t in in_tensors]
-        out_tensors = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-        in_storages = {self.values[v].storage_id for v in in_ids}
-        out_ids: list[int] = []
-        new_bytes = 0
-        for t in out_tensors:
-            st = t.untyped_storage()
-            known = self._storage_ids.get(st)
-            vid = self.register(t, ValueKind.ACTIVATION, initial=False, producer=index)
-            out_ids.append(vid)
-            if known is None:
-                new_bytes += self.values[vid].nbytes
-        if self.phase is Phase.OPTIMIZER:
-            self._assign_owners(args, in_ids, out_tensors, out_ids)
-        is_view = (
-            bool(out_tensors)
-            and new_bytes == 0
-            and all(self.values[v].storage_id in in_storages for v in out_ids)
-        )
-        mutates = mutates_data(func)
-        free = is_view and not mutates
-        bytes_read = 0 if free else sum(self.values[v].nbytes for v in dict.fromkeys(in_ids))
-        bytes_written = 0 if free else sum(self.values[v].nbytes for v in out_ids)
-        ref_of = {id(t): TensorRef(v) for t, v in zip(in_tensors, in_ids, strict=True)}
-        recorded_args = tree_map(
-            lambda a: ref_of.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs)
-        )
-        self.nodes.append(
-            OpNode(
-                index=index,
-                op=str(func),
-                phase=self.phase,
-                module=self.module_stack[-1] if self.module_stack else "",
-                inputs=in_ids,
-                outputs=out_ids,
-                flops=op_flops(func, args, kwargs, out),
-                bytes_read=bytes_read,
-                bytes_written=bytes_written,
-                args=recorded_args,
-                is_view=is_view,
-                mutates=mutates,
-            )
-        )
-
-    def set_owner(self, t: torch.Tensor, owner: str) -> None:
-        sid = self._storage_ids.get(t.untyped_storage())
-        if sid is not None:
-            self.storages[sid].owner = owner
-
-    def _assign_owners(self, args, in_ids, out_tensors, out_ids) -> None:
-        """Attribute each new storage of an optimizer op to a parameter: foreach ops map list position to
-        parameter (out[i] belongs to the owner of the first list argument's element i); others inherit the
-        owner of their first owned input."""
-        lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
-        for pos, (_t, vid) in enumerate(zip(out_tensors, out_ids, strict=True)):
-            info = self.storages[self.values[vid].storage_id]
-            if info.owner is not None:
-                continue
-            owner = None
-            if lists and len(lists[0]) == len(out_tensors):
-                owner = self.storages[self.values[self.value_of(lists[0][pos])].storage_id].owner
-            if owner is None:
-                owner = next(
-                    (
-                        self.storages[self.values[v].storage_id].owner
-                        for v in in_ids
-                        if self.storages[self.values[v].storage_id].owner
-                    ),
-                    None,
-                )
-            info.owner = owner
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:
@@ -364,102 +122,167 @@ def _trace_once(
         fake_held = {k: _fake_like(v) for k, v in (held_inputs or {}).items() if isinstance(v, torch.Tensor)}
         trainable = [p for p in params.values() if p.requires_grad]
         opt = _make_optimizer(optimizer, trainable)
-        state_bytes: dict[str, int] = {}
-        if opt is not None and trainable:
-            # Steady state: the optimizer state exists before the step begins.
-            for p in trainable:
-                p.grad = torch.zeros_like(p)
-            rec.scalar_stub = True
-            rec.recording = False
-            with rec:
-                opt.step()
-            rec.recording = True
-            rec.scalar_stub = False  # only the optimizer's step counter; the model's .item() must fail
-            for p in trainable:
-                p.grad = None
-            for n, p in params.items():
-                st = opt.state.get(p, {})
-                state_bytes[n] = sum(
-                    v.untyped_storage().nbytes() for v in st.values() if isinstance(v, torch.Tensor)
-                )
-        # Everything alive now is the memory floor of the step.
-        param_fqn = {}
-        for n, p in params.items():
-            rec.register(p, ValueKind.PARAM, n, initial=True)
-            rec.set_owner(p, n)
-            param_fqn[id(p)] = n
-        for n, b in buffers.items():
-            rec.register(b, ValueKind.BUFFER, n, initial=True)
-        for k, v in [*fake_inputs.items(), *fake_held.items()]:
-            if isinstance(v, torch.Tensor):
-                rec.register(v, ValueKind.INPUT, k, initial=True)
-        if opt is not None:
-            for p, st in opt.state.items():
-                n = param_fqn.get(id(p), "?")
-                for key, v in st.items():
-                    if isinstance(v, torch.Tensor):
-                        rec.register(v, ValueKind.OPTIMIZER_STATE, f"{n}.{key}", initial=True)
-                        rec.set_owner(v, n)
+        state_bytes = _steady_state_optimizer(rec, opt, trainable, params)
+        _register_step_floor(rec, params, buffers, [*fake_inputs.items(), *fake_held.items()], opt)
 
         tracker = _torch_compat.ModTracker()  # imported on first use (see _torch_compat)
-
-        def _name(mod: nn.Module) -> str:
-            full = tracked_module_name(tracker, mod)
-            return full[len(root_name) + 1 :] if full.startswith(root_name + ".") else ""
-
-        def _push(mod, *_):
-            if mod is not None:  # a module built inside forward may be gone by backward
-                push_module(rec.module_stack, _name(mod), backward=rec.phase is Phase.BACKWARD)
-
-        def _pop(mod, *_):
-            if mod is None:
-                return
-            name = _name(mod)
-            for i in range(len(rec.module_stack) - 1, -1, -1):
-                if rec.module_stack[i] == name:
-                    del rec.module_stack[i]
-                    break
-
-        tracker.register_user_hooks(_push, _pop, _push, _pop)
-        # what each block is called with (keyword arguments included, which ModTracker's hooks do not see)
-        arg_hooks = [
-            child.register_forward_pre_hook(
-                functools.partial(_record_block_args, rec, f"{name}.{key}"), with_kwargs=True
-            )
-            for name, mod in model.named_modules()
-            if isinstance(mod, nn.ModuleList)
-            for key, child in mod.named_children()
-        ]
+        _track_module_stack(rec, tracker, root_name)
+        arg_hooks = _block_argument_hooks(rec, model)
         try:
             with tracker, rec:
-                rec.phase = Phase.FORWARD
-                ctx = (
-                    torch.autocast("cpu", dtype=autocast_dtype)
-                    if autocast_dtype is not None
-                    else torch.autocast("cpu", enabled=False)
+                _record_step(
+                    rec,
+                    model,
+                    inputs,
+                    fake_inputs,
+                    params,
+                    buffers,
+                    opt,
+                    trainable,
+                    autocast_dtype,
+                    device_kind,
                 )
-                with swapped_parameters(model, {**params, **buffers}):
-                    with ctx, target_attention_kernels(device_kind), eager_mask_decisions(inputs):
-                        output = model(**fake_inputs)
-                    rec.output_values = rec.known_values(output)
-                    loss = _extract_loss(output, model, inputs)
-                    del output
-                    rec.phase = Phase.BACKWARD
-                    rec.module_stack.clear()
-                    loss.backward()  # inside the swap: a checkpointed block reruns its forward here
-                    del loss
-                rec.module_stack.clear()
-                _classify_grads(rec, params)
-                if opt is not None and trainable:
-                    rec.phase = Phase.OPTIMIZER
-                    rec.scalar_stub = True
-                    opt.step()
         finally:
             rec.recording = False
             tracker.clear_user_hooks()
             for handle in arg_hooks:
                 handle.remove()
     return rec, state_bytes
+
+
+def _steady_state_optimizer(
+    rec: _Recorder,
+    opt: torch.optim.Optimizer | None,
+    trainable: list[torch.Tensor],
+    params: dict[str, torch.Tensor],
+) -> dict[str, int]:
+    """Steady state: the optimizer state exists before the step begins (one unrecorded step on zero gradients
+    makes it). Returns its bytes per parameter FQN."""
+    state_bytes: dict[str, int] = {}
+    if opt is not None and trainable:
+        # Steady state: the optimizer state exists before the step begins.
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        rec.scalar_stub = True
+        rec.recording = False
+        with rec:
+            opt.step()
+        rec.recording = True
+        rec.scalar_stub = False  # only the optimizer's step counter; the model's .item() must fail
+        for p in trainable:
+            p.grad = None
+        for n, p in params.items():
+            st = opt.state.get(p, {})
+            state_bytes[n] = sum(
+                v.untyped_storage().nbytes() for v in st.values() if isinstance(v, torch.Tensor)
+            )
+    return state_bytes
+
+
+def _register_step_floor(
+    rec: _Recorder,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    inputs: list[tuple[str, Any]],
+    opt: torch.optim.Optimizer | None,
+) -> None:
+    """Everything alive before the step (parameters, buffers, the batch, optimizer state) registered as the
+    step's memory floor, parameters and optimizer state owned by their parameter's FQN."""
+    # Everything alive now is the memory floor of the step.
+    param_fqn = {}
+    for n, p in params.items():
+        rec.register(p, ValueKind.PARAM, n, initial=True)
+        rec.set_owner(p, n)
+        param_fqn[id(p)] = n
+    for n, b in buffers.items():
+        rec.register(b, ValueKind.BUFFER, n, initial=True)
+    for k, v in inputs:
+        if isinstance(v, torch.Tensor):
+            rec.register(v, ValueKind.INPUT, k, initial=True)
+    if opt is not None:
+        for p, st in opt.state.items():
+            n = param_fqn.get(id(p), "?")
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    rec.register(v, ValueKind.OPTIMIZER_STATE, f"{n}.{key}", initial=True)
+                    rec.set_owner(v, n)
+
+
+def _track_module_stack(rec: _Recorder, tracker: Any, root_name: str) -> None:
+    """ModTracker hooks that keep ``rec.module_stack`` the modules running now (forward and backward), named
+    by FQN below the root model (``root_name``), so each recorded op knows its module."""
+
+    def _name(mod: nn.Module) -> str:
+        full = tracked_module_name(tracker, mod)
+        return full[len(root_name) + 1 :] if full.startswith(root_name + ".") else ""
+
+    def _push(mod, *_):
+        if mod is not None:  # a module built inside forward may be gone by backward
+            push_module(rec.module_stack, _name(mod), backward=rec.phase is Phase.BACKWARD)
+
+    def _pop(mod, *_):
+        if mod is None:
+            return
+        name = _name(mod)
+        for i in range(len(rec.module_stack) - 1, -1, -1):
+            if rec.module_stack[i] == name:
+                del rec.module_stack[i]
+                break
+
+    tracker.register_user_hooks(_push, _pop, _push, _pop)
+
+
+def _block_argument_hooks(rec: _Recorder, model: nn.Module) -> list[Any]:
+    """Forward pre-hooks on every ``ModuleList`` child recording what each block is called with; the caller
+    removes the returned handles."""
+    # what each block is called with (keyword arguments included, which ModTracker's hooks do not see)
+    return [
+        child.register_forward_pre_hook(
+            functools.partial(_record_block_args, rec, f"{name}.{key}"), with_kwargs=True
+        )
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList)
+        for key, child in mod.named_children()
+    ]
+
+
+def _record_step(
+    rec: _Recorder,
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    fake_inputs: dict[str, Any],
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    opt: torch.optim.Optimizer | None,
+    trainable: list[torch.Tensor],
+    autocast_dtype: torch.dtype | None,
+    device_kind: str,
+) -> None:
+    """The recorded step, inside the recorder and the module tracker: forward (under autocast, the target's
+    attention kernels and the model's eager mask decisions) and backward on the fake parameters, then the
+    optimizer step."""
+    rec.phase = Phase.FORWARD
+    ctx = (
+        torch.autocast("cpu", dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else torch.autocast("cpu", enabled=False)
+    )
+    with swapped_parameters(model, {**params, **buffers}):
+        with ctx, target_attention_kernels(device_kind), eager_mask_decisions(inputs):
+            output = model(**fake_inputs)
+        rec.output_values = rec.known_values(output)
+        loss = _extract_loss(output, model, inputs)
+        del output
+        rec.phase = Phase.BACKWARD
+        rec.module_stack.clear()
+        loss.backward()  # inside the swap: a checkpointed block reruns its forward here
+        del loss
+    rec.module_stack.clear()
+    _classify_grads(rec, params)
+    if opt is not None and trainable:
+        rec.phase = Phase.OPTIMIZER
+        rec.scalar_stub = True
+        opt.step()
 
 
 def push_module(stack: list[str], name: str, *, backward: bool) -> None:

@@ -43,9 +43,9 @@ Usage (launch with ``torchrun --nproc_per_node N train.py`` or ``accelerate laun
      epochs, learning-rate schedule and logged losses); under tensor parallelism each process then reads its
      tensor-parallel group's batch, the union of the batches a plain Trainer gives the group's processes
      (:mod:`.data`), and evaluation gathers keep one copy per group;
-   * checkpoints (``save_steps``, ``resume_from_checkpoint``): model and optimizer state go to
-     ``checkpoint-N/hf_colossal_auto_state`` with ``torch.distributed.checkpoint`` (every rank writes its
-     shards), next to a consolidated ``from_pretrained``-loadable copy of the weights, the scheduler, RNG and
+   * checkpoints (``save_steps``, ``resume_from_checkpoint``; :mod:`.trainer_checkpoints`): model and
+     optimizer state go to ``checkpoint-N/hf_colossal_auto_state`` with ``torch.distributed.checkpoint`` (every
+     rank writes its shards), next to a consolidated ``from_pretrained``-loadable copy of the weights, the scheduler, RNG and
      trainer state. ``load_best_model_at_end`` and resuming from a ``save_only_model`` checkpoint load the
      sharded state, else the consolidated weights (each rank reading only its slices, ``load_pretrained``);
    * resume is elastic: a checkpoint resumes under another plan or number of processes (DCP reshards; with
@@ -82,25 +82,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..apply import apply_plan, load_checkpoint, save_checkpoint
+from ..apply import apply_plan
 from ..apply.agree import DEFAULT_TIMEOUT_S, as_timedelta
-from ..apply.checkpoint import load_full_optimizer_state
-from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
 from ..calibration.job import resolve_device
 from ..plan import Plan
 from .data import follow_plan, preserved_rng
+from .trainer_checkpoints import (
+    STATE_DIR,
+    _consolidated_save,
+    _load_model_state,
+    _load_rng_state,
+    _load_sharded_state,
+    _save_sharded_state,
+    _unwrap_optimizer,
+)
 
 logger = logging.getLogger(__name__)
-
-STATE_DIR = "hf_colossal_auto_state"
-"""Sub-directory of a Trainer checkpoint holding the sharded (torch.distributed.checkpoint) training state."""
-
-_SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
-_OPTIMIZER_NAME = "optimizer.pt"  # transformers.trainer.OPTIMIZER_NAME
 
 
 class AutoParallelCallback(TrainerCallback):
@@ -437,15 +437,6 @@ def _is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The torch optimizer under accelerate's ``AcceleratedOptimizer`` wrapper (checkpoints need the real one)."""
-    from accelerate.optimizer import AcceleratedOptimizer
-
-    while isinstance(optimizer, AcceleratedOptimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 # --- the Trainer patches -----------------------------------------------------------------------------------
 
 
@@ -556,122 +547,3 @@ def _count_batches_once_per_tp_group(trainer: Trainer, tp_size: int) -> None:
 
     trainer._track_num_input_tokens = once(trainer._track_num_input_tokens, "num_input_tokens_seen")
     trainer.store_flos = once(trainer.store_flos, "total_flos")
-
-
-def _consolidated_save(trainer: Trainer, original_save):
-    """``save_model`` (and the weights of every checkpoint): the weights (or the ``state_dict`` passed) streamed
-    by every rank (:func:`~hf_colossal_auto.apply.pretrained.save_pretrained`: one full tensor at a time, the
-    main process writes each file when complete), then the Trainer's own ``_save`` on the main process for the
-    rest (tokenizer, training arguments) with the model's own ``save_pretrained`` silenced, the weights being
-    there."""
-
-    @functools.wraps(original_save)
-    def save(output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        directory = output_dir if output_dir is not None else trainer.args.output_dir
-        save_pretrained(trainer.model, directory, state_dict=state_dict, write=trainer.args.should_save)
-        if trainer.args.should_save:
-            with _weights_already_written(trainer.model):
-                original_save(output_dir)
-        dist.barrier()
-
-    return save
-
-
-@contextlib.contextmanager
-def _weights_already_written(model: nn.Module):
-    """``model.save_pretrained`` does nothing for the duration (the weights and config are written); then the
-    method it had is back — the planned model's own streamed one is an instance attribute too."""
-    before = model.__dict__.get("save_pretrained")
-    model.save_pretrained = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        if before is None:
-            del model.save_pretrained
-        else:
-            model.save_pretrained = before
-
-
-def _save_sharded_state(trainer: Trainer, output_dir: str) -> None:
-    """Model + optimizer shards with torch.distributed.checkpoint (every rank), the scheduler from the main one."""
-    save_checkpoint(trainer.model, _unwrap_optimizer(trainer.optimizer), Path(output_dir) / STATE_DIR)
-    if trainer.args.should_save:
-        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
-
-
-def _load_model_state(trainer: Trainer, checkpoint: str, model: nn.Module | None = None) -> None:
-    """Model weights from a checkpoint: its sharded state if it has one, else its consolidated weights."""
-    model = trainer.model if model is None else model
-    sharded = Path(checkpoint) / STATE_DIR
-    if sharded.is_dir():
-        load_checkpoint(model, None, sharded)
-    else:
-        load_consolidated(model, checkpoint)
-    logger.info("AutoParallelCallback: loaded model weights from %s", checkpoint)
-
-
-def _load_sharded_state(trainer: Trainer, checkpoint: str | None) -> None:
-    """Optimizer (with the model, as saved together) and scheduler state when resuming, under this job's plan
-    whatever the saving job's was: from the sharded state (resharded by torch.distributed.checkpoint), or from
-    a one-process checkpoint's ``optimizer.pt`` (each rank slicing the full tensors)."""
-    if checkpoint is None:
-        return
-    sharded = Path(checkpoint) / STATE_DIR
-    single = Path(checkpoint) / _OPTIMIZER_NAME
-    scheduler = Path(checkpoint) / _SCHEDULER_NAME
-    optimizer = _unwrap_optimizer(trainer.optimizer)
-    if sharded.is_dir():
-        load_checkpoint(trainer.model, optimizer, sharded)
-    elif single.is_file():
-        saved = torch.load(single, map_location="cpu", weights_only=True)
-        load_full_optimizer_state(trainer.model, optimizer, saved, source=str(single))
-    else:
-        logger.warning(
-            "AutoParallelCallback: %s has neither %s nor %s (saved with save_only_model=True?): resuming with a "
-            "fresh optimizer and schedule",
-            checkpoint,
-            STATE_DIR,
-            _OPTIMIZER_NAME,
-        )
-        return
-    if scheduler.is_file():
-        trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
-
-
-def _load_rng_state(original, args: TrainingArguments, checkpoint: str | None) -> None:
-    """The Trainer's RNG restore, also across world sizes: a checkpoint of N processes holds
-    ``rng_state_<rank>.pth`` and one of a single process ``rng_state.pth``; a process whose own file is not
-    there continues the saving job's first process's streams (the Trainer would only log and skip)."""
-    if checkpoint is None:
-        return original(checkpoint)
-    own = f"rng_state_{args.process_index}.pth" if args.world_size > 1 else "rng_state.pth"
-    other = Path(checkpoint) / ("rng_state.pth" if args.world_size > 1 else "rng_state_0.pth")
-    if (Path(checkpoint) / own).is_file() or not other.is_file():
-        return original(checkpoint)
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        os.symlink(other.resolve(), os.path.join(tmp, own))
-        original(tmp)
-
-
-def load_consolidated(model: nn.Module, directory: str | os.PathLike) -> None:
-    """Load a ``save_pretrained`` directory (safetensors, one file or an index) into a parallelised model, each
-    rank reading only the slices its placements cover (:func:`~hf_colossal_auto.apply.pretrained.load_pretrained`:
-    no rank holds the full model; missing or mis-shaped keys are errors naming them). Collective: call on every
-    rank."""
-    from ..apply.pretrained import load_pretrained
-
-    directory = Path(directory)
-    if (
-        not (directory / "model.safetensors.index.json").is_file()
-        and not (directory / "model.safetensors").is_file()
-    ):
-        raise FileNotFoundError(
-            f"{directory} has neither {STATE_DIR}/ (sharded state) nor model.safetensors; it is not a checkpoint "
-            "written by a Trainer with AutoParallelCallback or a plain (one process or DDP) Trainer. The shards of "
-            "a Trainer under FSDP or DeepSpeed cannot be resharded here: consolidate the weights into a "
-            "save_pretrained directory and start from it with AutoParallelCallback(pretrained=...) instead of "
-            "resume_from_checkpoint"
-        )
-    load_pretrained(model, directory)

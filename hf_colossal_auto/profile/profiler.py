@@ -17,7 +17,7 @@ from ..capture.op_classes import MATMUL, is_transcendental, op_base_name, op_cla
 from ..capture.tracer import trace_training_step
 from ..hardware import DeviceSpec, get_device
 from ..hardware.roofline import kernel_time, step_op_time
-from .memory import _optimizer_copies, memory_profile, unroll
+from .memory import MemoryProfile, UnrolledStep, _optimizer_copies, memory_profile, unroll
 from .report import BlockProfile, ModuleProfile, NodeProfile, ProfileReport
 
 logger = logging.getLogger(__name__)
@@ -187,6 +187,51 @@ def build_report(
     step = unroll(graph)
     mem = memory_profile(graph, step)
     times = node_times(graph, spec)
+    counts, flops, phase_time = _phase_totals(graph, step, times)
+    modules, real_module = _module_profiles(graph, step, times, mem)
+    params = dict(model.named_parameters())
+    block_list = _block_profiles(model, graph, step, times, mem, real_module, params)
+    grad_bytes = sum(graph.param_bytes[p] for p, t in params.items() if t.requires_grad)
+    nodes = _node_profiles(graph, times, mem, counts)
+    return ProfileReport(
+        model_class=graph.model_class,
+        device=spec.name,
+        mixed_precision=graph.mixed_precision,
+        optimizer=graph.optimizer,
+        input_shapes=_input_shapes(example_inputs),
+        total_flops=flops[Phase.FORWARD] + flops[Phase.BACKWARD],
+        forward_flops=flops[Phase.FORWARD],
+        backward_flops=flops[Phase.BACKWARD],
+        num_params=sum(p.numel() for p in params.values()),
+        param_bytes=graph.total_param_bytes,
+        grad_bytes=grad_bytes,
+        optimizer_state_bytes=graph.total_optimizer_state_bytes,
+        buffer_bytes=graph.buffer_bytes,
+        input_bytes=graph.input_bytes,
+        activation_bytes=mem.activation_bytes,
+        peak_activation_bytes=mem.peak_activation_bytes,
+        peak_memory_bytes=mem.peak_bytes,
+        peak_phase=mem.peak_phase.value,
+        peak_breakdown=mem.peak_by_kind,
+        forward_time_s=phase_time[Phase.FORWARD],
+        backward_time_s=phase_time[Phase.BACKWARD],
+        optimizer_time_s=phase_time[Phase.OPTIMIZER],
+        num_ops=len(step.order),
+        num_traced_ops=len(graph.nodes),
+        folded_blocks=sum(r.repeat for r in graph.block_runs),
+        capture_time_s=0.0,
+        profile_time_s=0.0,
+        blocks=block_list,
+        modules=sorted(modules.values(), key=lambda m: m.name),
+        nodes=nodes,
+        graph=graph,
+    )
+
+
+def _phase_totals(
+    graph: StepGraph, step: UnrolledStep, times: list[float]
+) -> tuple[dict[int, int], dict[Phase, int], dict[Phase, float]]:
+    """How often each traced node runs in the unrolled step, and the step's FLOPs and seconds per phase."""
     counts: dict[int, int] = defaultdict(int)
     for i in step.order:
         counts[i] += 1
@@ -197,7 +242,13 @@ def build_report(
         n = graph.nodes[i]
         flops[n.phase] += n.flops * c
         phase_time[n.phase] += times[i] * c
+    return counts, flops, phase_time
 
+
+def _module_profiles(
+    graph: StepGraph, step: UnrolledStep, times: list[float], mem: MemoryProfile
+) -> tuple[dict[str, ModuleProfile], list[str]]:
+    """FLOPs, seconds and saved bytes per real module, and the real module of each op of the unrolled step."""
     # Per real module: translate a copy's module path from the traced block to the real block it stands for.
     modules: dict[str, ModuleProfile] = {}
     real_module: list[str] = []
@@ -216,12 +267,24 @@ def build_report(
         elif n.phase is Phase.BACKWARD:
             mp.backward_flops += n.flops
             mp.backward_time_s += times[i]
+    return modules, real_module
 
+
+def _block_profiles(
+    model: nn.Module,
+    graph: StepGraph,
+    step: UnrolledStep,
+    times: list[float],
+    mem: MemoryProfile,
+    real_module: list[str],
+    params: dict[str, nn.Parameter],
+) -> list[BlockProfile]:
+    """Per block (each ``ModuleList`` child, the rest of the model in units around them): parameters, FLOPs,
+    seconds, saved and output bytes, in model order; blocks with nothing to report left out."""
     list_children = _module_list_children(model)
     unit_of = block_units(sorted(set(real_module) | {n for n, _ in model.named_modules()}), list_children)
     blocks: dict[str, BlockProfile] = {}
     order: list[str] = []
-    params = dict(model.named_parameters())
     for name in [n for n, _ in model.named_modules()]:
         unit = unit_of.get(name, name)
         if unit not in blocks:
@@ -259,8 +322,13 @@ def build_report(
         or blocks[u].backward_flops
         or blocks[u].forward_time_s
     ]
+    return block_list
 
-    grad_bytes = sum(graph.param_bytes[p] for p, t in params.items() if t.requires_grad)
+
+def _node_profiles(
+    graph: StepGraph, times: list[float], mem: MemoryProfile, counts: dict[int, int]
+) -> list[NodeProfile]:
+    """One row per traced node: its op, module, phase, FLOPs, bytes, seconds and how often the step runs it."""
     nodes = [
         NodeProfile(
             index=n.index,
@@ -277,39 +345,7 @@ def build_report(
         )
         for n in graph.nodes
     ]
-    return ProfileReport(
-        model_class=graph.model_class,
-        device=spec.name,
-        mixed_precision=graph.mixed_precision,
-        optimizer=graph.optimizer,
-        input_shapes=_input_shapes(example_inputs),
-        total_flops=flops[Phase.FORWARD] + flops[Phase.BACKWARD],
-        forward_flops=flops[Phase.FORWARD],
-        backward_flops=flops[Phase.BACKWARD],
-        num_params=sum(p.numel() for p in params.values()),
-        param_bytes=graph.total_param_bytes,
-        grad_bytes=grad_bytes,
-        optimizer_state_bytes=graph.total_optimizer_state_bytes,
-        buffer_bytes=graph.buffer_bytes,
-        input_bytes=graph.input_bytes,
-        activation_bytes=mem.activation_bytes,
-        peak_activation_bytes=mem.peak_activation_bytes,
-        peak_memory_bytes=mem.peak_bytes,
-        peak_phase=mem.peak_phase.value,
-        peak_breakdown=mem.peak_by_kind,
-        forward_time_s=phase_time[Phase.FORWARD],
-        backward_time_s=phase_time[Phase.BACKWARD],
-        optimizer_time_s=phase_time[Phase.OPTIMIZER],
-        num_ops=len(step.order),
-        num_traced_ops=len(graph.nodes),
-        folded_blocks=sum(r.repeat for r in graph.block_runs),
-        capture_time_s=0.0,
-        profile_time_s=0.0,
-        blocks=block_list,
-        modules=sorted(modules.values(), key=lambda m: m.name),
-        nodes=nodes,
-        graph=graph,
-    )
+    return nodes
 
 
 def _forward_alloc_bytes(graph: StepGraph) -> dict[int, int]:

@@ -41,7 +41,7 @@ LR = 1e-3
 
 def _parallel_model(name: str, seed: int, plan: Any) -> torch.nn.Module:
     """A fresh tiny model (weights from ``seed``, no dropout) parallelized per ``plan``."""
-    from hf_colossal_auto.apply import autoparallelize
+    from hf_colossal_auto import autoparallelize
     from hf_colossal_auto.models import build_model
 
     torch.manual_seed(seed)

@@ -98,7 +98,8 @@ def _bytes_over_ranks(recorded: dict) -> dict:
 
 
 def run_case(name: str, batch_rows: int, seq: int, dp_modes: tuple[str, ...] | None, out_dir: str) -> dict:
-    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.apply import broadcast_plan
     from hf_colossal_auto.apply.checkpoint import consolidated_state_dict
     from hf_colossal_auto.apply.pretrained import save_pretrained
     from hf_colossal_auto.apply.simulate import _CollectiveRecorder
@@ -222,8 +223,8 @@ def run_micro_batches(dp_mode: str = "ddp-ep") -> dict:
     """Tiny Mixtral under the ``dp_mode`` plan ("ddp-ep" or "fsdp-ep") made for 2 micro-batches per replica: one
     step through :func:`hf_colossal_auto.accumulate` (the gradients of the experts divided by dp once, after the
     last piece) against one process, and the collectives it ran against the plan's."""
-    from hf_colossal_auto import accumulate
-    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto import accumulate, autoparallelize
+    from hf_colossal_auto.apply import broadcast_plan
     from hf_colossal_auto.apply.simulate import _CollectiveRecorder
     from hf_colossal_auto.models import make_example_inputs
     from hf_colossal_auto.solve.planner import plan_model
@@ -295,7 +296,8 @@ def run_pretrained(out_dir: str, dp_mode: str = "ddp-ep") -> dict:
     """A HF checkpoint of tiny Mixtral loaded into a meta model under the ``dp_mode`` plan
     (``autoparallelize(..., pretrained=...)``: each rank reads its own experts): every replica's loss equals the
     one-process model's on its rows, and one step's gradients the one-process gradients."""
-    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.apply import broadcast_plan
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.solve.planner import plan_model
 
@@ -342,7 +344,8 @@ def run_resume(out_dir: str, dp_mode: str = "ddp-ep") -> dict:
     """Tiny Mixtral under the ``dp_mode`` plan: one AdamW step, sharded state saved with
     ``torch.distributed.checkpoint`` (``save_checkpoint``), two more steps; then a fresh model under the same
     plan loads the state and runs the same two steps. Each rank's losses of both runs."""
-    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.apply import broadcast_plan
     from hf_colossal_auto.apply.checkpoint import load_checkpoint, save_checkpoint
     from hf_colossal_auto.models import make_example_inputs
     from hf_colossal_auto.solve.planner import plan_model

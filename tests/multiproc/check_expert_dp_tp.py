@@ -29,7 +29,8 @@ def main() -> None:
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.apply import broadcast_plan
     from hf_colossal_auto.capture.moe import experts_modules
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.solve.planner import evaluate_plan

@@ -47,7 +47,8 @@ def _batch(rows: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _scenario(mesh: tuple[int, int], plan_kind: str) -> dict:
-    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.apply import broadcast_plan
     from hf_colossal_auto.solve.planner import evaluate_plan
 
     rank = dist.get_rank()

@@ -99,7 +99,8 @@ def _compare_stats(full: dict, cpu_model) -> list[str]:
 
 
 def run_case(preset: str, mesh: tuple[int, int], dp_mode: str) -> dict:
-    from hf_colossal_auto.apply import autoparallelize, consolidated_state_dict
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.apply import consolidated_state_dict
     from hf_colossal_auto.apply.materialize import materialize_meta_model
     from hf_colossal_auto.models import build_model, make_example_inputs
 

@@ -90,8 +90,7 @@ def step_with_no_sync(model, batch: dict, k: int) -> float:
 def run_mode(name: str, dp_mode: str, plan, args: argparse.Namespace) -> list[dict]:
     """Apply ``plan`` with ``dp_mode`` on the data-parallel axis; one step per k in 1, 2, 4 through
     :func:`accumulate`, and k = 4 through ``model.no_sync``."""
-    from hf_colossal_auto import accumulate, micro_batches
-    from hf_colossal_auto.apply import autoparallelize
+    from hf_colossal_auto import accumulate, autoparallelize, micro_batches
     from hf_colossal_auto.models import build_model
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -75,8 +75,8 @@ def run_model(spec: str, args: argparse.Namespace, dp_mode: str) -> dict:
     name, _, plan_kind = spec.partition("@")
     plan_kind = plan_kind or args.plan
     rank, world = dist.get_rank(), dist.get_world_size()
-    from hf_colossal_auto import data_parallel_info, data_parallel_loader, shard_batch
-    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto import autoparallelize, data_parallel_info, data_parallel_loader, shard_batch
+    from hf_colossal_auto.apply import broadcast_plan
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.solve.planner import evaluate_plan
     from hf_colossal_auto.strategies.moe import moe_layer_choices

@@ -55,7 +55,8 @@ def _meta_model(directory: Path) -> torch.nn.Module:
 def _planned(directory: Path, layout: str, save_plan: Path | None = None) -> torch.nn.Module:
     """A meta model planned (rank 0, Megatron placements; written to ``save_plan``) and applied with its
     weights from ``directory``."""
-    from hf_colossal_auto.apply import autoparallelize, broadcast_plan
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.apply import broadcast_plan
     from hf_colossal_auto.solve.planner import evaluate_plan
 
     mesh, dp_mode = LAYOUTS[layout]
@@ -99,7 +100,7 @@ def load_case(ckpt: Path, out: Path, preset: str, layout: str) -> tuple[dict, to
     from common import allocation_peak
     from transformers import AutoModelForCausalLM
 
-    import hf_colossal_auto.apply.pretrained as pretrained
+    import hf_colossal_auto.apply.pretrained.stream as stream
     from hf_colossal_auto.apply.pretrained import save_pretrained
 
     directory = ckpt / preset
@@ -119,14 +120,14 @@ def load_case(ckpt: Path, out: Path, preset: str, layout: str) -> tuple[dict, to
     }
     # split tensors reach the writer in 4 KiB blocks (the default, 16 MiB, is above any tiny tensor): FSDP's
     # rows rank by rank, Megatron's row-parallel weights as full rows assembled from both ranks' columns
-    block = pretrained.STREAM_BLOCK_BYTES
-    pretrained.STREAM_BLOCK_BYTES = 4096
+    block = stream.STREAM_BLOCK_BYTES
+    stream.STREAM_BLOCK_BYTES = 4096
     try:
         saved, allocated = allocation_peak(
             lambda: save_pretrained(model, out / f"export-{preset}-{layout}", max_shard_size="200KB")
         )
     finally:
-        pretrained.STREAM_BLOCK_BYTES = block
+        stream.STREAM_BLOCK_BYTES = block
     case["export"] = {
         "files": len(saved.files),
         "peak_held": saved.peak_held_bytes,
@@ -142,17 +143,17 @@ def shard_on_read_case(ckpt: Path, out: Path, preset: str, layout: str) -> dict:
     take (FSDP x TP on one dim), forced here by hiding the direct path; the saved plan is reused."""
     from transformers import AutoModelForCausalLM
 
-    import hf_colossal_auto.apply.pretrained as pretrained
-    from hf_colossal_auto.apply import autoparallelize
+    import hf_colossal_auto.apply.pretrained.load as pretrained_load
+    from hf_colossal_auto import autoparallelize
     from hf_colossal_auto.plan import Plan
 
-    direct = pretrained._own_ranges
-    pretrained._own_ranges = lambda live: None if isinstance(live, DTensor) else direct(live)
+    direct = pretrained_load._own_ranges
+    pretrained_load._own_ranges = lambda live: None if isinstance(live, DTensor) else direct(live)
     try:
         plan = Plan.load(out / f"plan-{preset}-{layout}.json")
         model = autoparallelize(_meta_model(ckpt / preset), plan=plan, pretrained=ckpt / preset)
     finally:
-        pretrained._own_ranges = direct
+        pretrained_load._own_ranges = direct
     reference = AutoModelForCausalLM.from_pretrained(ckpt / preset).eval()
     storage, shards = _storage_bytes(model)
     read = model._hf_colossal_auto_load_report.bytes_read

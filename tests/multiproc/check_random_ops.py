@@ -131,7 +131,8 @@ class _Counter:
 
 def train(name: str, args: argparse.Namespace) -> dict:
     """Train ``name`` under a 1 x 2 plan against one process (see the module doc)."""
-    from hf_colossal_auto.apply import autoparallelize, rng
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.apply import rng
     from hf_colossal_auto.models import make_example_inputs
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -218,7 +219,7 @@ def _sampled_tokens(model, batch) -> list:
 
 def ddp_installs_nothing(args: argparse.Namespace) -> dict:
     """A 2 x 1 plan (no tensor parallelism): no generator agreement, each rank draws its own masks."""
-    from hf_colossal_auto.apply import autoparallelize
+    from hf_colossal_auto import autoparallelize
     from hf_colossal_auto.apply.rng import rng_of
     from hf_colossal_auto.models import make_example_inputs
 
