@@ -17,6 +17,7 @@ from torch.utils.flop_counter import flop_registry as _torch_flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "tensor_is_view",
     "clip_grad_internals",
     "functional_all_to_all_rows",
     "set_clip_grad_internals",
@@ -86,6 +87,12 @@ def __getattr__(name: str) -> Any:
 # FlopCounterMode's own registry, keyed by OpOverloadPacket. We read it (never mutate it) so that our
 # per-op FLOPs are by construction what FlopCounterMode counts.
 flop_registry = _torch_flop_registry
+
+
+def tensor_is_view(t) -> bool:
+    """True when autograd tracks ``t`` as a view of another tensor: torch's pipeline stages detach a stage's
+    outputs in place after backward (``detach_``), which a view refuses."""
+    return t._is_view()
 
 
 def dtensor_is_view(t) -> bool:

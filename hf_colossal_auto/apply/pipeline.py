@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._torch_compat import tensor_is_view
 from ..pipeline_layout import PipelineLayout, PipelineLayoutError, find_layout
 from ..plan import Plan
 from .agree import DEFAULT_TIMEOUT_S, raise_if_any_rank_failed, set_timeout
@@ -163,7 +164,11 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor, **per_token: torch.Tensor) -> torch.Tensor:
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
         out = self.root(**inputs, **per_token, use_cache=False)
-        return out.logits if self.is_last else out.last_hidden_state
+        if self.is_last:
+            return out.logits
+        hidden = out.last_hidden_state
+        # a view (GPT-2 reshapes its output) cannot be detached in place, as torch's stages do after backward
+        return hidden.clone() if tensor_is_view(hidden) else hidden
 
 
 # --------------------------------------------------------------------------------------------- the cut
