@@ -156,12 +156,26 @@ def test_batch_keys_the_stages_would_not_see_are_refused():
         _split_batch(batch, 8, torch.device("cpu"))
 
 
-@pytest.mark.parametrize(("preset", "cut"), [("tiny-llama", [1, 2, 1]), ("tiny-gpt2", [2, 1, 1])])
+def _sliding_qwen2():
+    """A tiny Qwen2 whose last two layers attend in a window of 4 (``layer_types`` full, full, sliding,
+    sliding): a stage must read its own layers' entries, not the first ones."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=2,
+        bos_token_id=1, eos_token_id=2, use_cache=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("preset", "cut"), [("tiny-llama", [1, 2, 1]), ("tiny-gpt2", [2, 1, 1]), ("sliding-qwen2", [1, 2, 1])]
+)
 def test_stage_modules_in_a_row_compute_the_models_logits(preset, cut):
     """In one process, the stages run one after another (hidden states handed on) give the whole model's
     logits on a padded batch: each stage's copy of the model builds the same mask, positions and rotary
-    tables."""
-    config = load_config(preset)
+    tables, and reads its own layers' per-layer config."""
+    config = _sliding_qwen2() if preset == "sliding-qwen2" else load_config(preset)
     for attr in ("num_hidden_layers", "n_layer"):
         if hasattr(config, attr):
             setattr(config, attr, 4)
