@@ -456,7 +456,7 @@ def _refuse_direct_forward(model: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         raise PipelineRuntimeError(
             f"{type(model).__name__} is cut into pipeline stages (this rank holds some of its blocks): train it "
-            "with hf_colossal_auto.apply.pipeline.pipeline_runner(model).step(batch); its own forward would run "
+            "with hf_colossal_auto.pipeline_runner(model).step(batch); its own forward would run "
             "only this rank's blocks"
         )
 
