@@ -17,6 +17,8 @@ from torch.utils.flop_counter import flop_registry as _torch_flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "tensor_is_view",
+    "pipeline_schedule_actions",
     "clip_grad_internals",
     "functional_all_to_all_rows",
     "set_clip_grad_internals",
@@ -86,6 +88,12 @@ def __getattr__(name: str) -> Any:
 # FlopCounterMode's own registry, keyed by OpOverloadPacket. We read it (never mutate it) so that our
 # per-op FLOPs are by construction what FlopCounterMode counts.
 flop_registry = _torch_flop_registry
+
+
+def tensor_is_view(t) -> bool:
+    """True when autograd tracks ``t`` as a view of another tensor: torch's pipeline stages detach a stage's
+    outputs in place after backward (``detach_``), which a view refuses."""
+    return t._is_view()
 
 
 def dtensor_is_view(t) -> bool:
@@ -406,3 +414,25 @@ def functional_all_to_all_rows(t, output_splits, input_splits, group, *, differe
 
     exchange = funcol.all_to_all_single_autograd if differentiable else funcol.all_to_all_single
     return funcol.wait_tensor(exchange(t, output_splits, input_splits, group))
+
+
+def pipeline_schedule_actions(
+    schedule_class: str, pp_size: int, micro_batches: int, stages_per_rank: int
+) -> list[list[tuple[str, int, int] | None]]:
+    """torch's own compute actions per pp rank of a ``torch.distributed.pipelining`` schedule class (its
+    ``pipeline_order``, what its runtime executes), as ``(kind, stage, micro-batch)`` with kind "F" (forward),
+    "B" (full backward), "I" (input gradient), "W" (weight gradient); None where torch's list has an idle
+    slot. Made by torch's schedule visualiser helper (a mocked stage: no process group, no model)."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    ops = get_schedule_ops(getattr(pipelining, schedule_class), pp_size, micro_batches, stages_per_rank)
+    compute = {"F", "B", "I", "W"}
+    return [
+        [
+            None if a is None else (a.computation_type.value, a.stage_index, a.microbatch_index)
+            for a in rank
+            if a is None or a.computation_type.value in compute
+        ]
+        for rank in ops
+    ]

@@ -20,6 +20,25 @@ from .units import format_bytes, format_seconds
 
 PLAN_FORMAT_VERSION = 1
 
+PIPELINE_SCHEDULES: dict[str, tuple[int, int | None]] = {
+    "gpipe": (1, 1),
+    "1f1b": (1, 1),
+    "interleaved-1f1b": (2, None),
+    "interleaved-zero-bubble": (2, None),
+    "zbv": (2, 2),
+}
+"""Pipeline schedule name -> (fewest, most) stages per pp rank it runs (None: no upper bound). Each is run by
+``torch.distributed.pipelining``'s schedule of the same name (``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``)."""
+
+PIPELINE_FIELDS = ("pp_size", "stages", "schedule", "virtual_stages")
+"""The Plan's pipeline fields: written to JSON only for a plan with pipeline stages (``pp_size > 1``), so that
+a plan without them reads and writes exactly as before they existed."""
+
+
+class PipelinePlanError(ValueError):
+    """A plan's pipeline fields cannot be run: they contradict each other, the mesh or the schedule."""
+
 
 @dataclass
 class BlockCost:
@@ -108,7 +127,8 @@ class Plan:
     micro_batches: int = 1
     """Micro-batches each replica's batch (``global_batch_size / dp``) runs in per step, gradients accumulated
     and synchronised once after the last (:func:`hf_colossal_auto.accumulate`). Plans written before it
-    existed load as 1 (the batch in one piece)."""
+    existed load as 1 (the batch in one piece). Under a pipeline (``pp_size > 1``) the schedule's micro-batches:
+    it runs them through the stages itself, at least one per stage."""
     dp_shard_size: int = 0
     """Ranks a parameter's data-parallel copy is sharded over: 1 under DDP, dp under FSDP, the shard group
     under HSDP (its replicate groups have ``dp // dp_shard_size`` ranks). Under "fsdp" and "ddp" it is always
@@ -127,10 +147,24 @@ class Plan:
     ``E/dp`` whole experts (their ``param_placements`` are ``["S0", ...]``); each (token, expert) pair's row
     goes to its expert's rank and comes back by all-to-all (:mod:`hf_colossal_auto.apply.moe`). Empty
     otherwise, and in plans written before it existed."""
+    pp_size: int = 1
+    """Pipeline stages' ranks: the leading mesh axis ``"pp"`` (mesh ``("pp", "dp", "tp")``). Each pp rank holds
+    ``virtual_stages`` of the :attr:`stages` and runs them under :attr:`schedule`, ``micro_batches`` micro-batches
+    a step. 1 (no pipeline) in plans written before it existed."""
+    stages: list[list[str]] = field(default_factory=list)
+    """Per pipeline stage, in model order, the FQNs of the modules it holds: whole blocks of the model's block
+    list (uneven counts allowed), the embeddings in the first stage, the final norm and the head in the last.
+    Stage ``s`` runs on pp rank :meth:`stage_ranks` ``[s]``. Empty without a pipeline."""
+    schedule: str = ""
+    """The pipeline schedule, a key of :data:`PIPELINE_SCHEDULES`; empty without a pipeline."""
+    virtual_stages: int = 1
+    """Stages per pp rank: 1 for "gpipe" and "1f1b", at least 2 for the interleaved schedules, 2 for "zbv"."""
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        """Fills in ``dp_shard_size`` for plans written before it existed and refuses one HSDP cannot run."""
+        """Fills in ``dp_shard_size`` for plans written before it existed and refuses one HSDP cannot run, or
+        pipeline fields that cannot run together."""
+        self._check_pipeline()
         dp = self.dp_size
         if self.dp_mode != "hsdp":  # the mode's own: a dp_mode set by hand agrees again once read (broadcast)
             self.dp_shard_size = dp if self.dp_mode == "fsdp" else 1
@@ -144,11 +178,38 @@ class Plan:
                 "strictly between 1 and it"
             )
 
+    def _check_pipeline(self) -> None:
+        """Refuse pipeline fields that cannot run: a pp degree that is not the mesh's leading ``"pp"`` axis or
+        does not divide the devices, an unknown schedule, a stage count that is not ``pp_size x virtual_stages``
+        or that the schedule cannot run, a module in two stages, fewer micro-batches than stages."""
+        pp = self.pp_size
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise PipelinePlanError(f"Plan: pp_size must be a whole number >= 1, got {pp!r}")
+        if pp == 1:
+            if self.stages or self.schedule or self.virtual_stages != 1:
+                raise PipelinePlanError(
+                    "Plan: stages, schedule and virtual_stages describe a pipeline; a plan with pp_size 1 has "
+                    f"none (got {len(self.stages)} stages, schedule {self.schedule!r}, virtual_stages "
+                    f"{self.virtual_stages!r}). Set pp_size to the pipeline ranks, or drop them."
+                )
+            if "pp" in self.mesh_axis_names:
+                raise PipelinePlanError("Plan: a mesh with a 'pp' axis needs pp_size > 1")
+            return
+        _check_pipeline_mesh(self)
+        _check_schedule(self.schedule, self.virtual_stages, pp)
+        _check_stage_lists(self.stages, pp * self.virtual_stages, pp, self.virtual_stages)
+        _check_pipeline_micro_batches(self.schedule, self.micro_batches, len(self.stages), pp)
+
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["mesh_shape"] = list(self.mesh_shape)
         data["mesh_axis_names"] = list(self.mesh_axis_names)
+        if (
+            self.pp_size == 1
+        ):  # a plan without a pipeline writes exactly what it wrote before pipelines existed
+            for name in PIPELINE_FIELDS:
+                data.pop(name)
         return data
 
     @classmethod
@@ -190,6 +251,17 @@ class Plan:
     @property
     def dp_size(self) -> int:
         return self.mesh_shape[self.mesh_axis_names.index("dp")] if "dp" in self.mesh_axis_names else 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all (``pp_size x virtual_stages``); 1 without a pipeline."""
+        return len(self.stages) if self.pp_size > 1 else 1
+
+    def stage_ranks(self) -> list[int]:
+        """The pp rank of each stage: round robin (stage ``s`` on rank ``s % pp``) for every schedule but
+        "zbv", whose two stages per rank form a V (rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``), as
+        torch's schedules place them."""
+        return stage_ranks(self.schedule, self.num_stages, self.pp_size)
 
     @property
     def dp_replicate_size(self) -> int:
@@ -258,6 +330,7 @@ class Plan:
             f"{format_bytes(self.memory_budget_bytes)} budget (parameters+grads+optimizer "
             f"{format_bytes(self.param_memory_bytes)}, activations {format_bytes(self.activation_memory_bytes)})",
         ]
+        lines.extend(_pipeline_lines(self))
         lines.extend(_moe_lines(self.moe_layers))
         if self.moe_load:
             lines.append(
@@ -271,6 +344,104 @@ class Plan:
                 )
             )
         return "\n".join(lines)
+
+
+def stage_ranks(schedule: str, num_stages: int, pp_size: int) -> list[int]:
+    """The pp rank of each of ``num_stages`` stages under ``schedule`` (see :meth:`Plan.stage_ranks`)."""
+    if schedule != "zbv":
+        return [s % pp_size for s in range(num_stages)]
+    return [s if s < pp_size else 2 * pp_size - 1 - s for s in range(num_stages)]
+
+
+def _check_pipeline_mesh(plan: Plan) -> None:
+    """The pp axis leads the mesh, has ``pp_size`` ranks, and the mesh covers the plan's devices."""
+    pp = plan.pp_size
+    names, shape = tuple(plan.mesh_axis_names), tuple(plan.mesh_shape)
+    if plan.num_devices % pp:
+        raise PipelinePlanError(
+            f"Plan: pp_size {pp} does not divide the {plan.num_devices} devices; choose a pp degree that divides "
+            "them"
+        )
+    if not names or names[0] != "pp" or shape[0] != pp:
+        raise PipelinePlanError(
+            f"Plan: a pipeline of {pp} ranks needs the mesh's leading axis 'pp' of size {pp} (mesh "
+            f"{dict(zip(names, shape, strict=False))}); e.g. mesh_axis_names ('pp', 'dp', 'tp')"
+        )
+    product = 1
+    for size in shape:
+        product *= size
+    if product != plan.num_devices:
+        raise PipelinePlanError(
+            f"Plan: the mesh {shape} holds {product} devices, the plan is for {plan.num_devices}"
+        )
+
+
+def _check_schedule(schedule: str, virtual: int, pp: int) -> None:
+    """A known schedule with as many stages per rank as it runs."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise PipelinePlanError(
+            f"Plan: unknown pipeline schedule {schedule!r}; the runtime runs {', '.join(PIPELINE_SCHEDULES)}"
+        )
+    least, most = PIPELINE_SCHEDULES[schedule]
+    if (
+        not isinstance(virtual, int)
+        or isinstance(virtual, bool)
+        or virtual < least
+        or (most and virtual > most)
+    ):
+        wanted = f"exactly {least}" if least == most else f"at least {least}"
+        raise PipelinePlanError(
+            f"Plan: schedule {schedule!r} runs {wanted} stage(s) per pp rank, the plan has virtual_stages "
+            f"{virtual!r}"
+            + ("; use 'interleaved-1f1b', 'interleaved-zero-bubble' or 'zbv' for more" if most == 1 else "")
+        )
+
+
+def _check_stage_lists(stages: list[list[str]], expected: int, pp: int, virtual: int) -> None:
+    """``expected`` non-empty stages of module FQNs, no module in two of them."""
+    if len(stages) != expected:
+        raise PipelinePlanError(
+            f"Plan: {pp} pp ranks x {virtual} stage(s) per rank make {expected} stages, the plan lists "
+            f"{len(stages)}"
+        )
+    owner: dict[str, int] = {}
+    for index, modules in enumerate(stages):
+        if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
+            raise PipelinePlanError(
+                f"Plan: stage {index} must list the FQNs of the modules it holds (a non-empty list of strings), "
+                f"got {modules!r}"
+            )
+        for fqn in modules:
+            if fqn in owner:
+                raise PipelinePlanError(f"Plan: module {fqn!r} is in stages {owner[fqn]} and {index}")
+            owner[fqn] = index
+
+
+def _check_pipeline_micro_batches(schedule: str, micro_batches: int, num_stages: int, pp: int) -> None:
+    """At least one micro-batch per stage, and a count torch's interleaved schedules can split into rounds."""
+    if micro_batches < num_stages:
+        raise PipelinePlanError(
+            f"Plan: the pipeline has {num_stages} stages and {micro_batches} micro-batches; a schedule needs at "
+            f"least one micro-batch per stage (micro_batches >= {num_stages})"
+        )
+    if schedule.startswith("interleaved"):
+        rounds = max(1, micro_batches // pp)
+        if micro_batches % rounds:
+            raise PipelinePlanError(
+                f"Plan: schedule {schedule!r} runs micro-batches in rounds of {pp} (one per pp rank): "
+                f"{micro_batches} micro-batches do not split into {rounds} equal rounds; use a multiple of {pp}"
+            )
+
+
+def _pipeline_lines(plan: Plan) -> list[str]:
+    """The summary's pipeline line: stages, what each holds, the schedule and its micro-batches."""
+    if plan.pp_size == 1:
+        return []
+    held = ", ".join(f"{len(modules)}" for modules in plan.stages)
+    return [
+        f"pipeline              {plan.num_stages} stages on {plan.pp_size} ranks ({plan.virtual_stages} per "
+        f"rank), schedule {plan.schedule}, {plan.micro_batches} micro-batches; modules per stage: {held}"
+    ]
 
 
 def _moe_lines(moe_layers: dict[str, str]) -> list[str]:

@@ -400,8 +400,15 @@ class _RealRun:
     """Full-size stand-ins allocated just before the first visit that touches them and finalised (this rank's
     part kept, the rest freed) just after the last one; the report is kept up to date."""
 
-    def __init__(self, slots: list[_Slot], device: torch.device, report: MaterializeReport):
+    def __init__(
+        self,
+        slots: list[_Slot],
+        device: torch.device,
+        report: MaterializeReport,
+        dropped: Collection[int] = (),
+    ):
         self.slots, self.device, self.report = slots, device, report
+        self.dropped = set(dropped)
         self.live = 0
         self.visits: list[int] = []
 
@@ -416,6 +423,11 @@ class _RealRun:
     def release(self, indices: list[int]) -> None:
         for i in indices:
             slot = self.slots[i]
+            if i in self.dropped:  # drawn for the RNG sequence only (another pipeline stage's): back to meta
+                slot.standin = None
+                slot.set_on(_placeholder(slot, skipped=False))
+                self.live -= slot.nbytes
+                continue
             kept = _finalise(slot)
             self.live -= slot.nbytes
             if slot.is_param:
@@ -464,6 +476,7 @@ def materialize_meta_model(
     *,
     seed: int | None = None,
     loaded: Collection[str] = (),
+    keep: Callable[[str], bool] | None = None,
 ) -> MaterializeReport:
     """Allocate and initialise every ``meta`` parameter and buffer of ``model`` in place.
 
@@ -477,6 +490,10 @@ def materialize_meta_model(
     Their tensors are allocated (this rank's shards) but not initialised — transformers' guarded init skips
     them as ``from_pretrained`` skips loaded weights — so drawing values that would be overwritten costs
     neither time nor full-size stand-ins.
+
+    ``keep``: when given, only tensors with a name it accepts are allocated; the others (another pipeline
+    stage's) are drawn — one module's full tensors at a time, so that the RNG sequence and hence every kept
+    value is the one a whole-model init gives — and left on ``meta``.
     """
     report = MaterializeReport()
     if not is_meta_model(model):
@@ -494,7 +511,10 @@ def materialize_meta_model(
     if any(isinstance(s.final, DTensor) for s in slots) and not skipped:
         _allocate_shards(model, slots, device)
 
-    run = _RealRun(slots, device, report)
+    dropped = (
+        [i for i, s in enumerate(slots) if not any(keep(fqn) for _, _, fqn in s.holders)] if keep else []
+    )
+    run = _RealRun(slots, device, report, dropped)
 
     def before(index: int, module: nn.Module) -> None:
         run.visits.append(id(module))

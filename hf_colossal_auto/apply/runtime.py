@@ -465,6 +465,12 @@ def apply_plan(
     sharded (:func:`.pretrained.load_pretrained`, strict) — for a model built on ``meta``, instead of initialising
     the weights.
     """
+    if (
+        plan.pp_size > 1
+    ):  # pipeline stages: this rank's part of the model and its schedule (apply/pipeline.py)
+        from .pipeline import apply_pipeline_plan
+
+        return apply_pipeline_plan(model, plan, mesh, optimizers, timeout=timeout, pretrained=pretrained)
     world = dist.get_world_size() if dist.is_initialized() else None
     _validate_on_every_rank(model, plan, world)
     check_expert_data_parallel(model, plan)

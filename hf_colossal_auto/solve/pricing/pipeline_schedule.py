@@ -1,0 +1,270 @@
+"""Price a pipeline schedule by simulating its action list: step time, idle time (the bubble) and activation
+memory per stage, from per-stage seconds and bytes.
+
+Why a simulation and not a closed formula: the formulas (GPipe's bubble ``(p-1)/(m+p-1)``...) hold for equal
+stages without communication; a planner's stages are uneven (the embedding and the head land on the first and
+last), zero-bubble schedules fill the bubble with weight gradients only as far as the times allow, and the
+point-to-point sends sit on the critical path. Walking the schedule's own actions with each stage's times
+gives all of that, and the formulas come out as special cases (tests).
+
+The action lists: GPipe (every forward, then every backward) and 1F1B (``p - 1 - r`` warm-up forwards on
+rank ``r``, then one forward and one backward in turn, then the remaining backwards) are written here, as
+torch's single-stage schedules run them; the multi-stage schedules (interleaved 1F1B, interleaved zero bubble,
+ZB-V) are torch's own ``pipeline_order`` (:func:`hf_colossal_auto._torch_compat.pipeline_schedule_actions`),
+what its runtime executes.
+
+The model. Each rank runs its actions in list order, an action starting when the rank is free and its inputs
+have arrived: a forward needs the previous stage's forward of the same micro-batch (plus the send when the
+stages are on different ranks), a backward (full or input-gradient) needs its own forward and the next
+stage's backward (plus the send back), a weight gradient its input gradient. A send takes ``latency +
+bytes / bandwidth`` on the directed link between two ranks, one send at a time per link, without holding the
+ranks' compute (sends are asynchronous). Extras per stage: ``first_forward_extra_s`` before its first
+forward (e.g. an FSDP all-gather not hidden), ``last_backward_extra_s`` on its rank after its last backward
+or weight gradient, the gradient already sent on (e.g. the data-parallel gradient sync), and ``optimizer_s``
+per rank after everything.
+
+Memory: a forward keeps ``activation_bytes`` of its stage until that micro-batch's backward ends; under the
+input/weight split the input gradient frees all but ``weight_grad_bytes`` (what the weight gradient still
+reads), which the weight gradient frees. A rank's peak is the most its stages hold at once along its list.
+Units: seconds and bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from ...plan import PIPELINE_SCHEDULES, stage_ranks
+
+TORCH_MULTI_STAGE = {
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+"""Schedules whose action lists are torch's own (multi-stage), by their Plan name."""
+
+Action = tuple[str, int, int]
+"""``(kind, stage, micro-batch)``: kind "F", "B" (full backward), "I" (input gradient), "W" (weight
+gradient)."""
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's cost per micro-batch."""
+
+    forward_s: float
+    backward_input_s: float
+    """The input-gradient part of backward (a full backward is ``backward_input_s + backward_weight_s``)."""
+    backward_weight_s: float
+    activation_bytes: int = 0
+    """What one micro-batch's forward keeps for its backward on this stage."""
+    send_bytes: int = 0
+    """The activation this stage sends the next one per micro-batch (its gradient comes back the same size)."""
+    weight_grad_bytes: int | None = None
+    """What the weight gradient still reads after the input gradient (None: all of ``activation_bytes``)."""
+    first_forward_extra_s: float = 0.0
+    last_backward_extra_s: float = 0.0
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward_input_s + self.backward_weight_s
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link the pp axis crosses: point-to-point seconds are ``latency_s + bytes / bandwidth``."""
+
+    bandwidth_bytes_per_s: float = float("inf")
+    latency_s: float = 0.0
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass
+class ScheduleSimulation:
+    """What a simulated step costs."""
+
+    step_time_s: float
+    busy_s: list[float]
+    """Compute seconds per rank (extras and optimizer included)."""
+    peak_activation_bytes: list[int]
+    """Per rank: the most activation bytes its stages hold at once."""
+    max_in_flight: list[int]
+    """Per stage: the most micro-batches whose activations it holds at once."""
+    timeline: list[tuple[int, Action, float, float]] = field(default_factory=list)
+    """``(rank, action, start, end)`` of every action, in the order simulated."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the ranks' time over the step: ``1 - sum(busy) / (ranks x step time)``."""
+        if self.step_time_s <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.step_time_s)
+
+
+def schedule_actions(
+    schedule: str, pp_size: int, micro_batches: int, virtual_stages: int = 1
+) -> list[list[Action]]:
+    """Per pp rank, the compute actions ``schedule`` runs in order (idle slots dropped: a rank waits for its
+    inputs instead)."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {', '.join(PIPELINE_SCHEDULES)}")
+    if schedule == "gpipe":
+        return [[("F", r, m) for m in range(micro_batches)] + [("B", r, m) for m in range(micro_batches)]
+                for r in range(pp_size)]  # fmt: skip
+    if schedule == "1f1b":
+        return [_one_f_one_b(r, pp_size, micro_batches) for r in range(pp_size)]
+    from ..._torch_compat import pipeline_schedule_actions
+
+    lists = pipeline_schedule_actions(TORCH_MULTI_STAGE[schedule], pp_size, micro_batches, virtual_stages)
+    return [[a for a in rank if a is not None] for rank in lists]
+
+
+def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
+    """1F1B on ``rank``: ``p - 1 - rank`` warm-up forwards, then a forward and a backward in turn, then the
+    remaining backwards (torch's ``Schedule1F1B`` order)."""
+    warmup = min(m, pp - 1 - rank)
+    actions: list[Action] = [("F", rank, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [("F", rank, warmup + i), ("B", rank, i)]
+    actions += [("B", rank, i) for i in range(m - warmup, m)]
+    return actions
+
+
+def simulate_schedule(
+    schedule: str,
+    stages: list[StageCost],
+    micro_batches: int,
+    pp_size: int,
+    link: Link | None = None,
+    optimizer_s: float = 0.0,
+) -> ScheduleSimulation:
+    """Simulate one training step of ``schedule`` with ``stages`` (in model order, ``pp_size x virtual``
+    of them) and ``micro_batches`` micro-batches; see the module docstring for the model."""
+    virtual = len(stages) // pp_size
+    if virtual * pp_size != len(stages):
+        raise ValueError(f"{len(stages)} stages do not spread over {pp_size} pp ranks evenly")
+    actions = schedule_actions(schedule, pp_size, micro_batches, virtual)
+    owner = stage_ranks(schedule, len(stages), pp_size)
+    return _Simulator(stages, owner, link or Link(), micro_batches).run(actions, optimizer_s)
+
+
+class _Simulator:
+    """List scheduling of each rank's actions in order, earliest start first across ranks."""
+
+    def __init__(self, stages: list[StageCost], owner: list[int], link: Link, micro_batches: int):
+        self.stages, self.owner, self.link, self.m = stages, owner, link, micro_batches
+        self.done: dict[Action, float] = {}
+        self.link_free: dict[tuple[int, int], float] = {}
+        self.arrival: dict[tuple[str, int, int], float] = {}  # ("act"|"grad", stage, mb) -> arrival time
+
+    def _ready(self, action: Action) -> float | None:
+        """When ``action``'s inputs are there (None: not yet produced)."""
+        kind, s, m = action
+        needs: list[float | None] = []
+        if kind == "F" and s > 0:
+            needs.append(self.arrival.get(("act", s, m)))
+        if kind in ("B", "I"):
+            needs.append(self.done.get(("F", s, m)))
+            if s < len(self.stages) - 1:
+                needs.append(self.arrival.get(("grad", s, m)))
+        if kind == "W":
+            needs.append(self.done.get(("I", s, m)))
+        if any(n is None for n in needs):
+            return None
+        return max([0.0, *needs])  # type: ignore[list-item]
+
+    def _duration(self, action: Action) -> float:
+        kind, s, m = action
+        cost = self.stages[s]
+        seconds = {
+            "F": cost.forward_s,
+            "B": cost.backward_s,
+            "I": cost.backward_input_s,
+            "W": cost.backward_weight_s,
+        }[kind]
+        if kind == "F" and m == 0:
+            seconds += cost.first_forward_extra_s
+        return seconds
+
+    def _send(self, kind: str, s: int, m: int, produced: float) -> None:
+        """The activation (forward) or gradient (backward) of ``(s, m)`` to the stage that reads it."""
+        target = s + 1 if kind == "act" else s - 1
+        if not 0 <= target < len(self.stages):
+            return
+        src, dst = self.owner[s], self.owner[target]
+        if src == dst:
+            self.arrival[(kind, target, m)] = produced
+            return
+        nbytes = self.stages[min(s, target)].send_bytes
+        start = max(produced, self.link_free.get((src, dst), 0.0))
+        end = start + self.link.seconds(nbytes)
+        self.link_free[(src, dst)] = end
+        self.arrival[(kind, target, m)] = end
+
+    def run(self, actions: list[list[Action]], optimizer_s: float) -> ScheduleSimulation:
+        ranks = len(actions)
+        position = [0] * ranks
+        free = [0.0] * ranks
+        busy = [0.0] * ranks
+        timeline: list[tuple[int, Action, float, float]] = []
+        remaining = {s: sum(1 for rank in actions for a in rank if a[1] == s and a[0] in "BW") for s in
+                     range(len(self.stages))}  # fmt: skip
+        while any(position[r] < len(actions[r]) for r in range(ranks)):
+            heap = []
+            for r in range(ranks):
+                if position[r] < len(actions[r]):
+                    ready = self._ready(actions[r][position[r]])
+                    if ready is not None:
+                        heapq.heappush(heap, (max(ready, free[r]), r))
+            if not heap:
+                stuck = {r: actions[r][position[r]] for r in range(ranks) if position[r] < len(actions[r])}
+                raise ValueError(f"the schedule's actions wait on each other: next actions {stuck}")
+            start, r = heapq.heappop(heap)
+            action = actions[r][position[r]]
+            kind, s, m = action
+            end = start + self._duration(action)
+            remaining[s] -= kind in ("B", "W")
+            # after the stage's last backward (its gradient already sent on): e.g. the gradient sync
+            extra = self.stages[s].last_backward_extra_s if kind in ("B", "W") and remaining[s] == 0 else 0.0
+            self.done[action] = end
+            busy[r] += end - start + extra
+            free[r] = end + extra
+            position[r] += 1
+            timeline.append((r, action, start, end))
+            if kind == "F":
+                self._send("act", s, m, end)
+            elif kind in ("B", "I"):
+                self._send("grad", s, m, end)
+        for r in range(ranks):
+            free[r] += optimizer_s
+            busy[r] += optimizer_s
+        peaks, in_flight = self._memory(actions)
+        return ScheduleSimulation(max(free), busy, peaks, in_flight, timeline)
+
+    def _memory(self, actions: list[list[Action]]) -> tuple[list[int], list[int]]:
+        """Per rank the peak activation bytes along its list, per stage the most micro-batches in flight."""
+        peaks: list[int] = []
+        most = [0] * len(self.stages)
+        for rank in actions:
+            held, peak = 0, 0
+            count = [0] * len(self.stages)
+            for kind, s, _ in rank:
+                cost = self.stages[s]
+                kept = cost.activation_bytes if cost.weight_grad_bytes is None else cost.weight_grad_bytes
+                if kind == "F":
+                    held += cost.activation_bytes
+                    count[s] += 1
+                    most[s] = max(most[s], count[s])
+                elif kind == "B":
+                    held -= cost.activation_bytes
+                    count[s] -= 1
+                elif kind == "I":
+                    held -= cost.activation_bytes - kept
+                    count[s] -= 1
+                elif kind == "W":
+                    held -= kept
+                peak = max(peak, held)
+            peaks.append(peak)
+        return peaks, most

@@ -1,0 +1,235 @@
+"""Pipeline stages: the Plan's pipeline fields, the model's cut, the stage modules, and (one torchrun launch
+on 2 gloo ranks) every schedule training like one process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_colossal_auto.apply.pipeline import (
+    PipelineRuntimeError,
+    StageModule,
+    _split_batch,
+    check_pipeline_plan,
+)
+from hf_colossal_auto.models import build_model, load_config, make_example_inputs
+from hf_colossal_auto.pipeline_layout import PipelineLayoutError, find_layout, hand_pipeline_plan
+from hf_colossal_auto.plan import PIPELINE_FIELDS, PIPELINE_SCHEDULES, PipelinePlanError, Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _llama(layers: int = 6, device: str = "meta"):
+    config = load_config("tiny-llama")
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    return build_model(config, device=device)
+
+
+def _plan(**changes) -> Plan:
+    model = _llama()
+    plan = hand_pipeline_plan(
+        model, make_example_inputs(model, 8, 16, device="meta"), pp_size=2, schedule="1f1b", micro_batches=4
+    )
+    return dataclasses.replace(plan, **changes) if changes else plan
+
+
+# --------------------------------------------------------------------------------------------- the contract
+def test_pipeline_plan_round_trips_through_json():
+    plan = _plan()
+    again = Plan.from_dict(json.loads(plan.to_json()))
+    assert again == plan
+    assert again.pp_size == 2 and again.schedule == "1f1b" and again.micro_batches == 4
+    assert again.stages[0][0] == "model.embed_tokens" and again.stages[-1][-2:] == ["model.norm", "lm_head"]
+    assert again.stage_ranks() == [0, 1]
+    assert "pipeline" in again.summary() and "schedule 1f1b" in again.summary()
+
+
+def test_plan_without_pipeline_writes_and_reads_as_before():
+    """A plan written before the pipeline fields existed (none of them in its JSON) loads as pp_size 1, and a
+    plan without a pipeline writes none of them (golden plans keep their hashes)."""
+    plan = _plan()
+    plain = dataclasses.replace(
+        plan, mesh_shape=(2, 1), mesh_axis_names=("dp", "tp"), pp_size=1, stages=[], schedule="", micro_batches=1,
+        param_placements={k: ["R", "R"] for k in plan.param_placements},
+    )  # fmt: skip
+    data = plain.to_dict()
+    assert not set(PIPELINE_FIELDS) & set(data)
+    assert set(data) == {f.name for f in dataclasses.fields(Plan)} - set(PIPELINE_FIELDS)
+    old = Plan.from_dict(json.loads(json.dumps(data)))
+    assert old.pp_size == 1 and old.stages == [] and old.schedule == "" and old.num_stages == 1
+
+
+def test_stage_ranks_follow_torchs_placement():
+    assert _plan(schedule="interleaved-1f1b", virtual_stages=2, stages=_llama_cut(4)).stage_ranks() == [
+        0,
+        1,
+        0,
+        1,
+    ]
+    assert _plan(schedule="zbv", virtual_stages=2, stages=_llama_cut(4)).stage_ranks() == [0, 1, 1, 0]
+
+
+def _llama_cut(stages: int) -> list[list[str]]:
+    return find_layout(_llama()).even_cut(stages)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"schedule": "pipedream"}, "unknown pipeline schedule 'pipedream'"),
+        ({"micro_batches": 1}, "micro_batches >= 2"),
+        ({"num_devices": 3, "mesh_shape": (3, 1, 1)}, "pp_size 2 does not divide the 3 devices"),
+        ({"mesh_shape": (1, 2, 1), "mesh_axis_names": ("dp", "pp", "tp")}, "leading axis 'pp'"),
+        ({"stages": _llama_cut(3)}, "make 2 stages, the plan lists 3"),
+        ({"virtual_stages": 2, "stages": _llama_cut(4), "micro_batches": 4}, "runs exactly 1 stage"),
+        ({"schedule": "zbv", "virtual_stages": 3, "stages": _llama_cut(6), "micro_batches": 6}, "exactly 2"),
+        ({"stages": [["model.embed_tokens", "model.layers.0"], ["model.layers.0", "lm_head"]]}, "in stages 0 and 1"),
+        ({"stages": [["model.embed_tokens"], []]}, "must list the FQNs"),
+        (
+            {"schedule": "interleaved-1f1b", "virtual_stages": 2, "stages": _llama_cut(4), "micro_batches": 5},
+            "do not split into 2 equal rounds",
+        ),
+        ({"pp_size": 1}, "a plan with pp_size 1 has none"),
+    ],
+)  # fmt: skip
+def test_pipeline_fields_that_cannot_run_are_refused(changes, message):
+    data = {**_plan().to_dict(), **changes}
+    with pytest.raises(PipelinePlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Plan.from_dict(data)
+
+
+# --------------------------------------------------------------------------------------------- the cut
+def test_layout_reads_the_models_own_structure():
+    layout = find_layout(_llama())
+    assert (layout.blocks, layout.num_blocks, layout.before, layout.after) == (
+        "model.layers",
+        6,
+        ("model.embed_tokens",),
+        ("model.norm", "lm_head"),
+    )
+    assert layout.shared == ("model.rotary_emb",)
+    gpt2 = find_layout(build_model("tiny-gpt2"))
+    assert gpt2.before == ("transformer.wte", "transformer.wpe") and gpt2.dropouts == ("transformer.drop",)
+    assert [len(s) for s in layout.stage_modules([1, 5])] == [2, 7]
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ([["model.embed_tokens", "model.layers.0"], ["model.layers.2", "model.norm", "lm_head"]], "start at block 1"),
+        ([["model.embed_tokens", "model.layers.0", "model.layers.1"], ["model.layers.2", "lm_head"]], "in no stage"),
+        ([["model.layers.0", "model.layers.1"], ["model.embed_tokens", "model.layers.2", "model.norm", "lm_head"]],
+         "belongs to stage 0"),
+        ([["model.embed_tokens", "model.layers.0.mlp"], ["model.layers.1", "model.norm", "lm_head"]],
+         "cut at whole blocks"),
+        ([["model.embed_tokens", "model.layers.1"], ["model.layers.0", "model.norm", "lm_head"]], "start at block 0"),
+    ],
+)  # fmt: skip
+def test_stages_that_do_not_cut_the_model_at_blocks_are_refused(stages, message):
+    layout = find_layout(_llama(3))
+    with pytest.raises(PipelineLayoutError, match=message):
+        layout.block_ranges(stages)
+
+
+@pytest.mark.parametrize("preset", ["tiny-bert", "tiny-t5"])
+def test_models_without_a_causal_lm_layout_are_refused(preset):
+    with pytest.raises(PipelineLayoutError, match="causal LM"):
+        find_layout(build_model(preset))
+
+
+def test_pipeline_with_tensor_or_data_parallelism_is_refused_for_now():
+    plan = _plan(num_devices=4, mesh_shape=(2, 2, 1))
+    with pytest.raises(PipelineRuntimeError, match="dp=2 and tp=1"):
+        check_pipeline_plan(_llama(), plan)
+
+
+def test_batch_keys_the_stages_would_not_see_are_refused():
+    batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long), "labels": torch.zeros(4, 8, dtype=torch.long)}
+    with pytest.raises(PipelineRuntimeError, match="token_type_ids"):
+        _split_batch({**batch, "token_type_ids": batch["labels"]}, 2, torch.device("cpu"))
+    with pytest.raises(PipelineRuntimeError, match="fewer than the plan's 8 micro-batches"):
+        _split_batch(batch, 8, torch.device("cpu"))
+
+
+def _sliding_qwen2():
+    """A tiny Qwen2 whose last two layers attend in a window of 4 (``layer_types`` full, full, sliding,
+    sliding): a stage must read its own layers' entries, not the first ones."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=2,
+        bos_token_id=1, eos_token_id=2, use_cache=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("preset", "cut"), [("tiny-llama", [1, 2, 1]), ("tiny-gpt2", [2, 1, 1]), ("sliding-qwen2", [1, 2, 1])]
+)
+def test_stage_modules_in_a_row_compute_the_models_logits(preset, cut):
+    """In one process, the stages run one after another (hidden states handed on) give the whole model's
+    logits on a padded batch: each stage's copy of the model builds the same mask, positions and rotary
+    tables, and reads its own layers' per-layer config."""
+    config = _sliding_qwen2() if preset == "sliding-qwen2" else load_config(preset)
+    for attr in ("num_hidden_layers", "n_layer"):
+        if hasattr(config, attr):
+            setattr(config, attr, 4)
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu").eval()
+    batch = make_example_inputs(model, 4, 12)
+    batch["attention_mask"][1, 7:] = 0
+    layout = find_layout(model)
+    ranges = layout.block_ranges(layout.stage_modules(cut))
+    stages = [StageModule(model, layout, s, len(cut), ranges[s]) for s in range(len(cut))]
+    x = batch["input_ids"]
+    for stage in stages:
+        x = stage(x, attention_mask=batch["attention_mask"])
+    with torch.no_grad():
+        expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
+    assert sum(1 for _ in model.parameters()) == sum(1 for s in stages for _ in s.parameters()) - (
+        preset == "tiny-gpt2"  # the tied embedding: in the first and in the last stage
+    )
+
+
+def test_offered_schedules_are_the_runtimes():
+    from hf_colossal_auto.apply.pipeline import _SCHEDULES
+
+    assert set(_SCHEDULES) == set(PIPELINE_SCHEDULES)
+
+
+# --------------------------------------------------------------------------------------------- 2 gloo ranks
+def test_gloo_every_schedule_trains_like_one_process(tmp_path):
+    """Every offered schedule with uneven cuts, a model built on meta, GPT-2's tied head across ranks and on
+    one rank: loss and gradients of one step equal one process (fp32), parameters after two AdamW steps
+    within 1 % of one update (Adam divides by the gradient's size: a near-zero gradient's rounding moves its
+    update by up to its whole size, 1e-3 of one update is what was measured); a cut inside a block and a
+    batch too small for the micro-batches raise the same error on both ranks."""
+    from torchrun_launch import run_torchrun
+
+    out = tmp_path / "pipeline.json"
+    run_torchrun(str(ROOT / "tests" / "multiproc" / "check_pipeline.py"), "--out", str(out), nproc=2)
+    ranks = json.loads(out.read_text())
+    cases = [k for k, v in ranks[0].items() if isinstance(v, dict)]
+    for schedule in PIPELINE_SCHEDULES:
+        assert any(schedule in c.split() for c in cases), f"schedule {schedule} not run"
+    for results in ranks:
+        for case in cases:
+            got = results[case]
+            assert abs(got["loss"] - got["ref_loss"]) <= 1e-5 * abs(got["ref_loss"]), (case, got)
+            assert got["grad_err"] <= 1e-5, (case, got)
+            assert got["param_err_lr"] <= 1e-2, (case, got)
+        assert results["bad cut"].startswith("PipelineLayoutError") and "whole blocks" in results["bad cut"]
+        assert results["small batch"].startswith("PipelineRuntimeError")
+    for case in cases:  # each rank holds only its stages' parameters, together all of them
+        held = [set(r[case]["held"]) for r in ranks]
+        if "gpt2" not in case:
+            assert not held[0] & held[1], case
+        expected = 6 * 9 + 3 if "llama" in case else None
+        if expected:
+            assert len(held[0] | held[1]) == expected, case

@@ -1,0 +1,108 @@
+"""The pipeline schedule simulator: the closed formulas come out where they hold (equal stages), and sends,
+uneven stages and the first/last micro-batch's extras move the step as the action lists say."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_colossal_auto.plan import PIPELINE_SCHEDULES, stage_ranks
+from hf_colossal_auto.solve.pricing.pipeline_schedule import (
+    Link,
+    StageCost,
+    schedule_actions,
+    simulate_schedule,
+)
+
+F, B = 1.0, 2.0  # seconds of one micro-batch's forward and backward on one (whole) stage
+ACT = 1000  # activation bytes one micro-batch keeps on one stage
+
+
+def _equal(stages: int, virtual: int = 1, **kw) -> list[StageCost]:
+    """Equal stages; with ``virtual`` chunks per rank each chunk does 1/virtual of a rank's work."""
+    return [StageCost(F / virtual, B / virtual / 2, B / virtual / 2, activation_bytes=ACT, **kw)] * stages
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 8), (4, 4), (4, 16), (8, 8)])
+def test_gpipe_and_1f1b_have_the_classic_bubble(p, m):
+    for schedule in ("gpipe", "1f1b"):
+        sim = simulate_schedule(schedule, _equal(p), m, p)
+        assert sim.step_time_s == pytest.approx((m + p - 1) * (F + B))
+        assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 3)])
+def test_gpipe_keeps_every_micro_batch_and_1f1b_at_most_stages_minus_index(p, m):
+    gpipe = simulate_schedule("gpipe", _equal(p), m, p)
+    one_f_one_b = simulate_schedule("1f1b", _equal(p), m, p)
+    assert gpipe.max_in_flight == [m] * p and gpipe.peak_activation_bytes == [m * ACT] * p
+    assert one_f_one_b.max_in_flight == [min(m, p - i) for i in range(p)]
+    assert one_f_one_b.peak_activation_bytes == [min(m, p - i) * ACT for i in range(p)]
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(4, 8, 2), (2, 4, 2), (4, 8, 4)])
+def test_interleaved_1f1b_divides_the_bubble_by_the_virtual_stages(p, m, v):
+    """Megatron's interleaved schedule: the bubble is (p - 1) x (f + b) / v (torch's action list)."""
+    sim = simulate_schedule("interleaved-1f1b", _equal(p * v, v), m, p)
+    assert sim.step_time_s == pytest.approx(m * (F + B) + (p - 1) * (F + B) / v)
+    plain = simulate_schedule("1f1b", _equal(p), m, p)
+    # each chunk keeps 1/v of a stage's activations per micro-batch, but more micro-batches are in flight
+    chunk = [StageCost(F / v, B / v / 2, B / v / 2, activation_bytes=ACT // v)] * (p * v)
+    interleaved = simulate_schedule("interleaved-1f1b", chunk, m, p)
+    assert interleaved.peak_activation_bytes[0] >= plain.peak_activation_bytes[0]
+
+
+def test_zero_bubble_schedules_fill_the_bubble_with_weight_gradients():
+    p, m = 4, 8
+    plain = simulate_schedule("1f1b", _equal(p), m, p)
+    for schedule in ("interleaved-zero-bubble", "zbv"):
+        sim = simulate_schedule(schedule, _equal(2 * p, 2), m, p)
+        assert sum(sim.busy_s) == pytest.approx(sum(plain.busy_s))  # the same work
+        assert sim.bubble_fraction < plain.bubble_fraction / 3, schedule
+        assert any(a[0] == "W" for a in schedule_actions(schedule, p, m, 2)[0])
+
+
+def test_sends_on_the_critical_path_add_latency_twice_per_hop():
+    p, m, latency = 4, 8, 0.25  # a send shorter than any compute: no queueing on the link
+    sim = simulate_schedule("gpipe", _equal(p), m, p, link=Link(latency_s=latency))
+    assert sim.step_time_s == pytest.approx((m + p - 1) * (F + B) + 2 * (p - 1) * latency)
+
+
+def test_a_slow_link_serialises_sends():
+    """2 stages, 4 micro-batches, each send 3 s (longer than a forward): activations arrive at 4, 7, 10, 13,
+    the second stage's backwards run 14..22, the gradients arrive at 19, 22, 25, 28 and the first stage's
+    last backward ends at 30."""
+    stages = [StageCost(F, B / 2, B / 2, send_bytes=300)] * 2
+    sim = simulate_schedule("gpipe", stages, 4, 2, link=Link(bandwidth_bytes_per_s=100.0))
+    assert sim.step_time_s == pytest.approx(30.0)
+    starts = [start for rank, action, start, _ in sim.timeline if rank == 1 and action[0] == "F"]
+    assert starts == pytest.approx([4.0, 7.0, 10.0, 13.0])
+
+
+def test_uneven_stages_and_extras_move_the_step():
+    p, m = 2, 4
+    heavy_last = [StageCost(F, B / 2, B / 2), StageCost(2 * F, B, B)]  # the head makes the last stage slower
+    sim = simulate_schedule("1f1b", heavy_last, m, p)
+    # the slow stage runs all the time after the first forward: F + m x (2F + 2B), then the first stage's B
+    assert sim.step_time_s == pytest.approx(F + m * (2 * F + 2 * B) + B)
+    extras = [StageCost(F, B / 2, B / 2, first_forward_extra_s=0.5, last_backward_extra_s=0.75)] * p
+    plain = simulate_schedule("1f1b", _equal(p), m, p).step_time_s
+    with_extras = simulate_schedule("1f1b", extras, m, p, optimizer_s=0.1).step_time_s
+    # both first forwards are on the forward chain; the second stage's sync runs while the first stage does
+    # its last backward, whose own sync then ends the step
+    assert with_extras == pytest.approx(plain + 2 * 0.5 + 0.75 + 0.1)
+
+
+@pytest.mark.parametrize("schedule", list(PIPELINE_SCHEDULES))
+def test_every_action_list_runs_each_stage_and_micro_batch_once(schedule):
+    p, m = 2, 4
+    v = PIPELINE_SCHEDULES[schedule][0]
+    lists = schedule_actions(schedule, p, m, v)
+    owner = stage_ranks(schedule, p * v, p)
+    for rank, actions in enumerate(lists):
+        mine = [s for s in range(p * v) if owner[s] == rank]
+        forwards = sorted((s, mb) for kind, s, mb in actions if kind == "F")
+        assert forwards == sorted((s, mb) for s in mine for mb in range(m))
+        backwards = sorted((s, mb) for kind, s, mb in actions if kind in ("B", "I"))
+        assert backwards == forwards
+        weights = sorted((s, mb) for kind, s, mb in actions if kind == "W")
+        assert weights in ([], forwards)
