@@ -219,8 +219,10 @@ def hand_pipeline_plan(
     micro_batches: int,
     virtual_stages: int | None = None,
     blocks_per_stage: list[int] | None = None,
+    dp_size: int = 1,
 ) -> Plan:
-    """A pipeline plan written by hand for ``model`` (``pp_size`` ranks, no data or tensor parallelism):
+    """A pipeline plan written by hand for ``model`` (``pp_size`` ranks, times ``dp_size`` DDP replicas of the
+    pipeline; no tensor parallelism):
     ``blocks_per_stage`` (default: as even as the blocks divide) over ``pp_size x virtual_stages`` stages
     (default: the fewest ``schedule`` runs), every parameter replicated on its stage.
 
@@ -242,9 +244,9 @@ def hand_pipeline_plan(
     rows = next(iter(shapes.values()))[0] if shapes else 0
     return Plan(
         model_class=layout.model_class,
-        num_devices=pp_size,
+        num_devices=pp_size * dp_size,
         device="hand-made",
-        mesh_shape=(pp_size, 1, 1),
+        mesh_shape=(pp_size, dp_size, 1),
         mesh_axis_names=("pp", "dp", "tp"),
         dp_mode="ddp",
         param_placements={fqn: ["R", "R", "R"] for fqn in params},

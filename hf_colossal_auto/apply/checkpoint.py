@@ -106,6 +106,9 @@ def one_process_is_fine() -> Iterator[None]:
 
 
 def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    from .pipeline import refuse_if_pipelined
+
+    refuse_if_pipelined(model, "a training-state checkpoint")
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
     state = {"model": model_sd}
     if optimizer is not None:
@@ -185,6 +188,9 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full, ordinary tensors for every entry of the model's state dict (collective: all ranks gather).
 
     Every rank ends with the whole model: for writing a checkpoint use :func:`save_pretrained`, which streams."""
+    from .pipeline import refuse_if_pipelined
+
+    refuse_if_pipelined(model, "a consolidated state dict")
     out = {}
     for name, value in model.state_dict().items():
         if isinstance(value, DTensor):

@@ -31,17 +31,25 @@ class DataParallelInfo:
             of one group read the same batch.
         size: number of data-parallel groups (the mesh's ``dp``).
         tp_size: processes per group (the mesh's ``tp``): a group's batch is ``tp_size`` per-process batches.
-        world_size: processes in the job (``size * tp_size``).
+        world_size: processes in the job (``size * tp_size * pp_size``).
+        pp_size: pipeline stages' ranks (the mesh's ``pp``): a group's batch is also shared by the ranks of its
+            pipeline, so it is ``tp_size x pp_size`` per-process batches.
     """
 
     rank: int
     size: int
     tp_size: int
     world_size: int
+    pp_size: int = 1
+
+    @property
+    def group_processes(self) -> int:
+        """Processes that compute on one group's batch (``tp_size x pp_size``)."""
+        return self.tp_size * self.pp_size
 
     def group_batch_size(self, per_process_batch_size: int) -> int:
         """Samples one group reads per step when each process was meant to read ``per_process_batch_size``."""
-        return per_process_batch_size * self.tp_size
+        return per_process_batch_size * self.group_processes
 
 
 def global_batch(
@@ -71,7 +79,9 @@ def data_parallel_info(model: nn.Module) -> DataParallelInfo:
         )
     names = tuple(mesh.mesh_dim_names or ())
     rank = mesh.get_local_rank("dp") if "dp" in names and mesh.ndim > 1 else 0
-    return DataParallelInfo(rank=rank, size=plan.dp_size, tp_size=plan.tp_size, world_size=mesh.size())
+    return DataParallelInfo(
+        rank=rank, size=plan.dp_size, tp_size=plan.tp_size, world_size=mesh.size(), pp_size=plan.pp_size
+    )
 
 
 def shard_batch(batch: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:

@@ -37,8 +37,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -50,24 +48,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._torch_compat import tensor_is_view
 from ..pipeline_layout import PipelineLayout, PipelineLayoutError, find_layout
 from ..plan import Plan
-from .agree import DEFAULT_TIMEOUT_S, raise_if_any_rank_failed, set_timeout
+from .agree import DEFAULT_TIMEOUT_S, as_timedelta, raise_if_any_rank_failed, set_timeout
 from .materialize import is_meta_model, materialize_meta_model
+from .pipeline_runner import _SCHEDULES, BATCH_KEYS, PipelineRunner, PipelineRuntimeError, _split_batch
+from .pipeline_save import install_pipeline_save, record_saved_names
+
+__all__ = [
+    "BATCH_KEYS",
+    "PipelineRunner",
+    "PipelineRuntimeError",
+    "StageModule",
+    "_SCHEDULES",
+    "_split_batch",
+    "apply_pipeline_plan",
+    "check_pipeline_plan",
+    "pipeline_runner",
+]
 
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
-"""Label value transformers' causal-LM loss ignores."""
-
-BATCH_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
-"""What a pipelined step reads from a batch: ``input_ids`` (first stage), ``labels`` (last stage), and the
-per-token inputs every stage's copy of the model needs."""
-
 _PIPELINE = "_hf_colossal_auto_pipeline"
 """Attribute of a model cut into pipeline stages: its :class:`PipelineRunner`."""
-
-
-class PipelineRuntimeError(RuntimeError):
-    """A pipelined model was asked for something the pipeline runtime does not run."""
 
 
 # --------------------------------------------------------------------------------------------- stand-ins
@@ -186,11 +187,12 @@ def _keeps(held: set[str], shared: tuple[str, ...]) -> Any:
     return lambda fqn: fqn.startswith(prefixes)
 
 
-def _broadcast_real_model(model: nn.Module, group: dist.ProcessGroup, src: int) -> None:
-    """Every rank starts from rank ``src``'s values, as the runtime's other paths scatter rank 0's."""
+def _broadcast_real_model(model: nn.Module) -> None:
+    """Every rank (every stage, every data-parallel replica) starts from rank 0's values, as the runtime's
+    other paths scatter rank 0's."""
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=src, group=group)
+            dist.broadcast(tensor.data, src=0)
 
 
 def _cut_model(model: nn.Module, layout: PipelineLayout, blocks: list[int], held: set[str]) -> None:
@@ -208,143 +210,6 @@ def _tied_parameters(model: nn.Module, layout: PipelineLayout) -> list[nn.Parame
     return [p for p in model.get_submodule(layout.head).parameters() if id(p) in embedding]
 
 
-# --------------------------------------------------------------------------------------------- the runner
-@dataclass
-class _Built:
-    """The torch pipeline objects for one micro-batch shape (torch infers the shapes sent between stages on
-    the first step, so a new shape needs new ones)."""
-
-    key: tuple
-    schedule: Any
-
-
-class PipelineRunner:
-    """This rank's stages of a pipelined model and the schedule that trains them.
-
-    ``step(batch)`` runs one training step's forwards and backwards over the plan's micro-batches and returns
-    the batch's loss (the mean over its label tokens, as one process computes it) on every rank; the
-    gradients are in this rank's parameters, for the optimizer to step."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        plan: Plan,
-        layout: PipelineLayout,
-        stages: list[StageModule],
-        group: dist.ProcessGroup,
-        device: torch.device,
-        tie_group: dist.ProcessGroup | None,
-        tied: list[nn.Parameter],
-    ):
-        self.model, self.plan, self.layout, self.stages = model, plan, layout, stages
-        self.group, self.device = group, device
-        self.tie_group, self.tied = tie_group, tied
-        ranks = plan.stage_ranks()
-        self.last_rank = dist.get_global_rank(group, ranks[-1])
-        self.holds_first = any(s.is_first for s in stages)
-        self.holds_last = any(s.is_last for s in stages)
-        self._built: _Built | None = None
-
-    def _schedule(self, rows: int, seq: int, kwargs: dict[str, torch.Tensor]) -> Any:
-        key = (rows, seq, tuple(sorted((k, tuple(v.shape)) for k, v in kwargs.items())))
-        if self._built is None or self._built.key != key:
-            self._built = _Built(key, _make_schedule(self, self.plan))
-        return self._built.schedule
-
-    def step(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """One training step of the pipeline on ``batch`` (the whole batch, the same on every rank of the
-        pipeline: the first stage reads its ``input_ids``, the last its ``labels``). Returns the loss on every
-        rank; gradients accumulate into this rank's parameters."""
-        input_ids, labels, kwargs = _split_batch(batch, self.plan.micro_batches, self.device)
-        schedule = self._schedule(input_ids.shape[0], input_ids.shape[-1], kwargs)
-        args = (input_ids,) if self.holds_first else ()
-        losses: list[torch.Tensor] | None = [] if self.holds_last else None
-        count = (labels[..., 1:] != IGNORE_INDEX).sum()
-        schedule.step(
-            *args,
-            target=labels if self.holds_last else None,
-            losses=losses,
-            return_outputs=False,
-            loss_kwargs={"num_items_in_batch": count},
-            **kwargs,
-        )
-        self._sum_tied_gradients()
-        loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
-        dist.broadcast(loss, src=self.last_rank, group=self.group)
-        return loss
-
-    def _sum_tied_gradients(self) -> None:
-        """An embedding tied to the head on another rank: each rank's copy got its own stage's part of the
-        gradient; both need the sum."""
-        if self.tie_group is None:
-            return
-        for param in self.tied:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=self.tie_group)
-
-
-def _split_batch(
-    batch: Mapping[str, Any], micro_batches: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``input_ids``, ``labels`` and the per-token keyword inputs of ``batch``, on ``device``; refuses what the
-    pipelined step cannot honour."""
-    unknown = sorted(set(batch) - BATCH_KEYS)
-    if unknown:
-        raise PipelineRuntimeError(
-            f"a pipelined step reads {sorted(BATCH_KEYS)} from the batch; it got {unknown} too, which the stages "
-            "would not see. Drop them from the batch, or train without pipeline stages."
-        )
-    if "input_ids" not in batch or "labels" not in batch:
-        raise PipelineRuntimeError(
-            "a pipelined training step needs input_ids and labels in the batch (the last stage computes the loss)"
-        )
-    tensors = {k: v.to(device) for k, v in batch.items()}
-    rows = tensors["input_ids"].shape[0]
-    if rows < micro_batches:
-        raise PipelineRuntimeError(
-            f"the batch has {rows} rows, fewer than the plan's {micro_batches} micro-batches; the schedule runs "
-            "at least one row per micro-batch"
-        )
-    for key, value in tensors.items():
-        if value.shape[0] != rows:
-            raise PipelineRuntimeError(
-                f"batch[{key!r}] has {value.shape[0]} rows and input_ids {rows}: every input is cut into "
-                "micro-batches along its first dim"
-            )
-    kwargs = {k: v for k, v in tensors.items() if k not in ("input_ids", "labels")}
-    return tensors["input_ids"], tensors["labels"], kwargs
-
-
-_SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-}
-"""The plan's schedule names -> torch.distributed.pipelining's classes."""
-
-
-def _make_schedule(runner: PipelineRunner, plan: Plan) -> Any:
-    """torch's ``PipelineStage`` per held stage and the plan's schedule over them (the loss: the model's own,
-    normalised by the whole batch's tokens through ``num_items_in_batch``; no rescaling by the schedule)."""
-    from torch.distributed import pipelining
-
-    stages = [
-        pipelining.PipelineStage(s, s.index, plan.num_stages, runner.device, group=runner.group)
-        for s in runner.stages
-    ]
-    cls = getattr(pipelining, _SCHEDULES[plan.schedule])
-    model, vocab = runner.model, runner.model.config.vocab_size
-
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        return model.loss_function(logits=logits, labels=labels, vocab_size=vocab, **kwargs)
-
-    held = stages[0] if plan.virtual_stages == 1 else stages
-    return cls(held, n_microbatches=plan.micro_batches, loss_fn=loss_fn, scale_grads=False)
-
-
 def _device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -353,11 +218,31 @@ def _device(mesh: DeviceMesh) -> torch.device:
 
 def check_pipeline_plan(model: nn.Module, plan: Plan) -> PipelineLayout:
     """The model's layout, after checking that the plan's stages cut it whole and that the runtime runs the
-    plan (pp with dp = tp = 1 for now). Raises :class:`PipelineLayoutError` or :class:`PipelineRuntimeError`."""
-    if plan.dp_size > 1 or plan.tp_size > 1:
+    plan (pp x DDP, no tensor parallelism, no FSDP inside a stage, no recompute for now). Raises
+    :class:`PipelineLayoutError` or :class:`PipelineRuntimeError`."""
+    if plan.tp_size > 1:
         raise PipelineRuntimeError(
-            f"the plan runs pipeline stages with dp={plan.dp_size} and tp={plan.tp_size}; the pipeline runtime "
-            "runs dp = tp = 1 for now. Plan with the pipeline alone (mesh (pp, 1, 1)) or without it."
+            f"the plan runs pipeline stages with tp={plan.tp_size}; the pipeline runtime runs no tensor "
+            "parallelism inside a stage yet. Plan with mesh (pp, dp, 1), or without pipeline stages."
+        )
+    if plan.dp_size > 1 and plan.dp_mode != "ddp":
+        raise PipelineRuntimeError(
+            f"the plan runs pipeline stages with dp_mode {plan.dp_mode!r}; inside a stage the pipeline runtime "
+            "runs DDP only (FSDP/HSDP are not applied to a stage's blocks yet). Plan with dp_mode 'ddp', or "
+            "without pipeline stages."
+        )
+    unsupported = [
+        name
+        for name, value in (
+            ("recompute", any(option != "none" for option in plan.recompute.values())),
+            ("expert_data_parallel", bool(plan.expert_data_parallel)),
+        )
+        if value
+    ]
+    if unsupported:
+        raise PipelineRuntimeError(
+            f"the plan runs pipeline stages with {', '.join(unsupported)}, which the pipeline runtime does not "
+            "apply inside a stage yet; plan without them, or without pipeline stages"
         )
     layout = find_layout(model)
     layout.block_ranges(plan.stages)
@@ -373,11 +258,11 @@ def apply_pipeline_plan(
     timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
     pretrained: str | os.PathLike | None = None,
 ) -> nn.Module:
-    """Cut ``model`` in place to this rank's pipeline stages and attach the :class:`PipelineRunner` that trains
-    them (:func:`pipeline_runner`); :func:`.runtime.apply_plan` calls it for a plan with ``pp_size > 1``, with
-    the same arguments. Collective over the job. The plan is checked against the model (names, shapes, world
-    size, the stages' cut) on every rank first: each rank raises the same error, before anything is
-    allocated."""
+    """Cut ``model`` in place to this rank's pipeline stages and make its forward the pipeline's
+    (:class:`.pipeline_runner.PipelineRunner`); :func:`.runtime.apply_plan` calls it for a plan with
+    ``pp_size > 1``, with the same arguments. Collective over the job. The plan is checked against the model
+    (names, shapes, world size, the stages' cut) on every rank first: each rank raises the same error, before
+    anything is allocated."""
     from .runtime import _processes_are_real, _validate_on_every_rank, build_mesh
 
     if pretrained is not None:
@@ -408,29 +293,36 @@ def apply_pipeline_plan(
     mine, held = _held_modules(plan, rank)
     ranges = layout.block_ranges(plan.stages)
     blocks = [i for s in mine for i in ranges[s]]
+    device = _device(mesh)
     if is_meta_model(model):
-        materialize_meta_model(model, _device(mesh), keep=_keeps(held, layout.shared))
+        materialize_meta_model(model, device, keep=_keeps(held, layout.shared))
     else:
-        _broadcast_real_model(model, group, src=dist.get_global_rank(group, 0))
-        model.to(_device(mesh))
+        _broadcast_real_model(model)
+        model.to(device)
     tied = _tied_parameters(model, layout)  # after materialising: it makes new parameters
-    tie_group = _tie_group(plan, group, bool(tied))
+    tie_group = _tie_group(plan, mesh, bool(tied))
     holds_tie = 0 in mine or plan.num_stages - 1 in mine
     stages = [StageModule(model, layout, s, plan.num_stages, ranges[s]) for s in mine]
+    record_saved_names(model)  # what save_pretrained writes, read off the whole model
     _cut_model(model, layout, blocks, held)
+    dp_group = mesh.get_group("dp") if plan.dp_size > 1 else None
     runner = PipelineRunner(
-        model, plan, layout, stages, group, _device(mesh), tie_group, tied if holds_tie else []
+        model, plan, layout, stages, group, device, tie_group, tied if holds_tie else [], dp_group
     )
     setattr(model, _PIPELINE, runner)
-    _refuse_direct_forward(model)
+    model.forward = runner.forward  # the model's own would run only this rank's blocks
+    model._hf_colossal_auto_plan = plan
+    model._hf_colossal_auto_mesh = mesh
+    install_pipeline_save(model, as_timedelta(timeout or DEFAULT_TIMEOUT_S).total_seconds())
     kept = {id(p) for p in model.parameters()}
     for optimizer in optimizers:  # an optimizer made before: only this rank's parameters remain
         for param_group in optimizer.param_groups:
             param_group["params"] = [p for p in param_group["params"] if id(p) in kept]
     logger.info(
-        "pipeline rank %d of %d: stages %s (blocks %s), schedule %s, %d micro-batches",
+        "pipeline rank %d of %d (dp %d): stages %s (blocks %s), schedule %s, %d micro-batches",
         rank,
         plan.pp_size,
+        plan.dp_size,
         mine,
         blocks,
         plan.schedule,
@@ -439,33 +331,42 @@ def apply_pipeline_plan(
     return model
 
 
-def _tie_group(plan: Plan, group: dist.ProcessGroup, tied: bool) -> dist.ProcessGroup | None:
-    """The ranks holding the first and the last stage, when the head is tied to the embedding and they differ
-    (created on every rank, as ``new_group`` requires; None on the ranks outside it)."""
+def _tie_group(plan: Plan, mesh: DeviceMesh, tied: bool) -> dist.ProcessGroup | None:
+    """The ranks holding the first and the last stage of this rank's pipeline, when the head is tied to the
+    embedding and they differ. One group per pipeline (every data-parallel replica has its own), each created
+    on every rank in the same order, as ``new_group`` requires; None on the ranks outside this one's."""
     ranks = plan.stage_ranks()
     if not tied or ranks[0] == ranks[-1]:
         return None
-    members = sorted({dist.get_global_rank(group, ranks[0]), dist.get_global_rank(group, ranks[-1])})
-    made = dist.new_group(members)
-    return made if dist.get_rank() in members else None
-
-
-def _refuse_direct_forward(model: nn.Module) -> None:
-    """The cut model's own forward would run only this rank's blocks: it raises, saying what to call."""
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        raise PipelineRuntimeError(
-            f"{type(model).__name__} is cut into pipeline stages (this rank holds some of its blocks): train it "
-            "with hf_colossal_auto.pipeline_runner(model).step(batch); its own forward would run "
-            "only this rank's blocks"
-        )
-
-    model.forward = forward
+    grid = mesh.mesh.reshape(plan.pp_size, -1)  # (pp, dp x tp): one column per pipeline
+    mine = None
+    for column in range(grid.shape[1]):
+        members = sorted({int(grid[ranks[0], column]), int(grid[ranks[-1], column])})
+        made = dist.new_group(members)
+        if dist.get_rank() in members:
+            mine = made
+    return mine
 
 
 def pipeline_runner(model: nn.Module) -> PipelineRunner:
-    """The :class:`PipelineRunner` of a model a pipeline plan was applied to."""
+    """The :class:`.pipeline_runner.PipelineRunner` of a model a pipeline plan was applied to."""
     runner = getattr(model, _PIPELINE, None)
     if runner is None:
         raise PipelineRuntimeError(f"{type(model).__name__} has no pipeline plan applied")
     return runner
+
+
+def is_pipelined(model: nn.Module) -> bool:
+    """Whether a pipeline plan was applied to ``model`` (it holds only this rank's stages)."""
+    return getattr(model, _PIPELINE, None) is not None
+
+
+def refuse_if_pipelined(model: nn.Module, what: str) -> None:
+    """Training-state checkpoints (DCP) and full state dicts are not taken per stage yet: refused by name
+    instead of holding or writing one stage as if it were the model."""
+    if is_pipelined(model):
+        raise PipelineRuntimeError(
+            f"{what} of the pipelined {type(model).__name__} is not done per pipeline stage yet (each rank holds "
+            "only its stages). Export the model with save_pretrained / accelerator.save_model (every stage is "
+            "written), or train without pipeline stages to checkpoint training state."
+        )

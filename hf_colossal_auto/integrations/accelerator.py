@@ -56,7 +56,7 @@ from ..hardware.cluster import launcher_devices_per_node
 from ..plan import Plan
 from .accelerator_state import CheckpointState, _raw_optimizer
 from .data import gather_for_metrics as data_gather_for_metrics
-from .data import group_batch_rows, one_copy_per_group, preserved_rng, regroup_loader, tensor_parallel_members
+from .data import group_batch_rows, group_members, one_copy_per_group, preserved_rng, regroup_loader
 from .plugin import AutoParallelPlugin
 
 logger = logging.getLogger(__name__)
@@ -346,8 +346,9 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
 
     def _regroup(self, loader: Any) -> None:
         plan = self.auto_plan
-        if plan is not None and plan.tp_size > 1 and self._parallel:
-            regroup_loader(loader, tensor_parallel_members(self.process_index, plan.tp_size))
+        if plan is not None and plan.tp_size * plan.pp_size > 1 and self._parallel:
+            members = group_members(self.process_index, plan.tp_size, plan.pp_size, plan.dp_size)
+            regroup_loader(loader, members)
 
     def _is_other_model(self, model: nn.Module) -> bool:
         """A second model: accelerate prepares it (DDP), as it would without us; one model is planned per job."""
@@ -449,26 +450,38 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
         return prepared
 
     # ----------------------------------------------------------------------------------- metrics
-    def _tensor_parallel_copies(self) -> int:
-        """How many processes hold each batch (the plan's ``tp``; 1 without a plan or in one process)."""
+    def _tensor_parallel_copies(self) -> tuple[int, int]:
+        """The plan's ``(tp, pp)``: how many processes hold each batch is their product ((1, 1) without a plan
+        or in one process)."""
         plan = self.auto_plan
-        return plan.tp_size if self._parallel and plan is not None else 1
+        return (plan.tp_size, plan.pp_size) if self._parallel and plan is not None else (1, 1)
 
     def gather(self, tensor: Any) -> Any:
-        """Accelerate's, each sample once: what the processes of a tensor-parallel group computed from their
-        shared batch (equal on all of them) is kept once per group, in rank order, as plain accelerate gathers
-        the processes' own batches (:func:`.data.one_copy_per_group`)."""
-        tp = self._tensor_parallel_copies()
-        rows = group_batch_rows(self.gradient_state.active_dataloader, tp)
-        return one_copy_per_group(super().gather(tensor), self.num_processes, tp, group_rows=rows)
+        """Accelerate's, each sample once: what the processes of a data-parallel group (its tensor-parallel
+        ranks and pipeline stages) computed from their shared batch (equal on all of them) is kept once per
+        group, in rank order, as plain accelerate gathers the processes' own batches
+        (:func:`.data.one_copy_per_group`)."""
+        tp, pp = self._tensor_parallel_copies()
+        rows = group_batch_rows(self.gradient_state.active_dataloader, tp * pp)
+        return one_copy_per_group(super().gather(tensor), self.num_processes, tp, group_rows=rows, pp_size=pp)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Accelerate's, each sample once (see :meth:`gather`); the last batch's padding is cut as accelerate
         cuts it (:func:`.data.gather_for_metrics`)."""
-        tp = self._tensor_parallel_copies()
-        if tp == 1:
+        tp, pp = self._tensor_parallel_copies()
+        if tp * pp == 1:
             return super().gather_for_metrics(input_data, use_gather_object)
-        return data_gather_for_metrics(self, input_data, tp, use_gather_object)
+        return data_gather_for_metrics(self, input_data, tp, use_gather_object, pp_size=pp)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Accelerate's, but for a pipelined model the norm spans every stage (each rank holds some stages'
+        gradients): :meth:`.pipeline_runner.PipelineRunner.clip_grad_norm_`."""
+        from ..apply.pipeline import is_pipelined, pipeline_runner
+
+        model = self._auto_model
+        if model is not None and is_pipelined(model):
+            return pipeline_runner(model).clip_grad_norm_(max_norm, norm_type)
+        return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
     # ----------------------------------------------------------------------------------- models out
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):

@@ -27,6 +27,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 from ..apply.checkpoint import load_sharded
+from ..apply.pipeline import refuse_if_pipelined
 
 DCP_DIR = "distributed_checkpoint"
 """Sub-directory of a ``save_state`` folder holding the torch.distributed.checkpoint shards."""
@@ -50,6 +51,7 @@ class CheckpointState:
         pairs = []
         for i, model in enumerate(self._models):
             module = self.unwrap_model(model, keep_torch_compile=False)
+            refuse_if_pipelined(module, "accelerator.save_state / load_state")
             ids = {id(p) for p in module.parameters()}
             mine = [o for o in optimizers if all(id(p) in ids for g in o.param_groups for p in g["params"])]
             owner.update({id(o): i for o in mine})

@@ -69,6 +69,19 @@ def tensor_parallel_members(rank: int, tp_size: int) -> tuple[int, ...]:
     return tuple(range(first, first + tp_size))
 
 
+def group_members(rank: int, tp_size: int, pp_size: int = 1, dp_size: int = 1) -> tuple[int, ...]:
+    """The processes whose batches ``rank``'s data-parallel group computes on, consecutive. Without pipeline
+    stages the group's own ranks (:func:`tensor_parallel_members`). With them (mesh ``(pp, dp, tp)``, row-major)
+    a group's ranks are not consecutive, but any ``pp x tp`` processes' batches will do as long as every rank of
+    the group takes the same ones and the groups together take every process's once: group ``d`` takes
+    processes ``d x pp x tp ..``, contiguous, so every loader kind can be re-cut for it."""
+    if pp_size == 1:
+        return tensor_parallel_members(rank, tp_size)
+    group = (rank // tp_size) % dp_size
+    size = tp_size * pp_size
+    return tuple(range(group * size, (group + 1) * size))
+
+
 # ----------------------------------------------------------------------------------------- map-style datasets
 class _Stream:
     """One member's view of a shared pass over the batch sampler (``itertools.tee``), with the attributes
@@ -286,19 +299,28 @@ def group_batch_rows(loader: Any, tp_size: int) -> int | None:
     return per_process * tp_size
 
 
-def _group_rows(tensor: torch.Tensor, world: int, tp_size: int) -> torch.Tensor | None:
-    """One copy per tensor-parallel group of an all-gathered tensor (``world`` equal blocks along dim 0), or
-    None when the blocks of some group differ (then the values are per process, not the group's)."""
+def _group_rows(tensor: torch.Tensor, world: int, tp_size: int, pp_size: int = 1) -> torch.Tensor | None:
+    """One copy per data-parallel group of an all-gathered tensor (``world`` equal blocks along dim 0, rank
+    ``r = (p x dp + d) x tp + t`` of the mesh ``(pp, dp, tp)``), or None when the blocks of some group differ
+    (then the values are per process, not the group's)."""
     if tensor.dim() == 0 or tensor.shape[0] % world:
         return None
-    blocks = tensor.reshape(world // tp_size, tp_size, tensor.shape[0] // world, *tensor.shape[1:])
-    if not all(torch.equal(blocks[:, 0], blocks[:, j]) for j in range(1, tp_size)):
+    dp = world // (tp_size * pp_size)
+    blocks = tensor.reshape(pp_size, dp, tp_size, tensor.shape[0] // world, *tensor.shape[1:])
+    first = blocks[0, :, 0]
+    if not all(torch.equal(first, blocks[p, :, t]) for p in range(pp_size) for t in range(tp_size)):
         return None
-    return blocks[:, 0].reshape(-1, *tensor.shape[1:])
+    return first.reshape(-1, *tensor.shape[1:])
 
 
 def one_copy_per_group(
-    gathered: Any, world: int, tp_size: int, *, objects: bool = False, group_rows: int | None = None
+    gathered: Any,
+    world: int,
+    tp_size: int,
+    *,
+    objects: bool = False,
+    group_rows: int | None = None,
+    pp_size: int = 1,
 ) -> Any:
     """Of what every process gathered, one copy per tensor-parallel group where the group's members hold the
     same rows computed from their shared batch, in rank order: the result plain accelerate's ``gather``
@@ -309,17 +331,24 @@ def one_copy_per_group(
     ``group_rows``: the rows of the batch the group computes on, where known (:func:`group_batch_rows`). Then
     only a value with that many rows is per sample of the group's batch and kept once; any other (a batch's
     loss repeated per process-batch row, as transformers' examples gather it) stands for one process's batch
-    under plain accelerate, so every process's copy is kept and the count is plain accelerate's."""
+    under plain accelerate, so every process's copy is kept and the count is plain accelerate's.
+
+    ``pp_size``: the plan's pipeline ranks; the copies of a group's values are then spread over the mesh
+    ``(pp, dp, tp)`` (:func:`_group_rows`), not consecutive."""
     from accelerate.utils import recursively_apply
 
-    if tp_size == 1:
+    if tp_size * pp_size == 1:
         return gathered
     if objects:
         per = len(gathered) // world if world else 0
         if per * world != len(gathered):
             return gathered
         chunks = [gathered[r * per : (r + 1) * per] for r in range(world)]
-        groups = [chunks[g : g + tp_size] for g in range(0, world, tp_size)]
+        dp = world // (tp_size * pp_size)
+        groups = [
+            [chunks[(p * dp + d) * tp_size + t] for p in range(pp_size) for t in range(tp_size)]
+            for d in range(dp)
+        ]
         if any(any(c != group[0] for c in group[1:]) for group in groups):
             return gathered
         return [item for group in groups for item in group[0]]
@@ -327,14 +356,14 @@ def one_copy_per_group(
     def one_copy(tensor: torch.Tensor) -> torch.Tensor:
         if group_rows is not None and (tensor.dim() == 0 or tensor.shape[0] != group_rows * world):
             return tensor
-        rows = _group_rows(tensor, world, tp_size)
+        rows = _group_rows(tensor, world, tp_size, pp_size)
         return tensor if rows is None else rows
 
     return recursively_apply(one_copy, gathered, error_on_other_type=False)
 
 
 def gather_for_metrics(
-    accelerator: Any, input_data: Any, tp_size: int, use_gather_object: bool = False
+    accelerator: Any, input_data: Any, tp_size: int, use_gather_object: bool = False, pp_size: int = 1
 ) -> Any:
     """accelerate's ``gather_for_metrics`` for an accelerator whose tensor-parallel groups share batches: one
     copy per group (:func:`one_copy_per_group`), then the last batch's padding cut as accelerate cuts it (its
@@ -348,10 +377,10 @@ def gather_for_metrics(
         all_tensors = False
     world = accelerator.num_processes
     if use_gather_object or not all_tensors:
-        data = one_copy_per_group(gather_object(input_data), world, tp_size, objects=True)
+        data = one_copy_per_group(gather_object(input_data), world, tp_size, objects=True, pp_size=pp_size)
     else:
-        rows = group_batch_rows(accelerator.gradient_state.active_dataloader, tp_size)
-        data = one_copy_per_group(gather(input_data), world, tp_size, group_rows=rows)
+        rows = group_batch_rows(accelerator.gradient_state.active_dataloader, tp_size * pp_size)
+        data = one_copy_per_group(gather(input_data), world, tp_size, group_rows=rows, pp_size=pp_size)
     state = accelerator.gradient_state
     if state.end_of_dataloader and state.remainder > 0:
         if isinstance(data, list):
@@ -421,6 +450,6 @@ def data_parallel_loader(loader: DataLoader, model: nn.Module, **prepare_kwargs:
     # as accelerate's Accelerator: every epoch starts from rank 0's shuffling state, so the shards agree
     prepare_kwargs.setdefault("rng_types", ["generator"])
     prepared = prepare_data_loader(loader, num_processes=world, process_index=rank, **prepare_kwargs)
-    if info.tp_size > 1:
-        regroup_loader(prepared, tensor_parallel_members(rank, info.tp_size))
+    if info.group_processes > 1:
+        regroup_loader(prepared, group_members(rank, info.tp_size, info.pp_size, info.size))
     return prepared

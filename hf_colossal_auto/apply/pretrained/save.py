@@ -73,6 +73,16 @@ def save_pretrained(
     """
     import torch.distributed as dist
 
+    if hasattr(model, "_hf_colossal_auto_pipeline"):  # pipeline stages: each rank holds its stages' tensors
+        from ..pipeline_save import save_pipeline_pretrained
+
+        if state_dict is not None:
+            raise ValueError(
+                "save_pretrained(state_dict=...) of a pipelined model: each rank holds only its stages; save "
+                "without state_dict on every rank"
+            )
+        save_pipeline_pretrained(model, path, max_shard_size=max_shard_size, write=write)
+        return SaveReport()
     rank = dist.get_rank() if dist.is_initialized() else writer
     tensors = _tensors_to_save(model, state_dict)
     collective = dist.is_initialized() and dist.get_world_size() > 1 and _needs_gather(tensors)

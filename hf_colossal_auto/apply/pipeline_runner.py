@@ -1,0 +1,345 @@
+"""Run a pipelined model's steps: torch's schedule over this rank's stages, behind the model's own forward.
+
+Why behind the forward. The user's loop stays ``loss = model(**batch).loss; loss.backward();
+optimizer.step()``. A pipeline cannot run its forwards and its backwards apart (1F1B interleaves them; the
+activations of a micro-batch are freed by its backward), so a *training* forward runs the whole schedule —
+forwards and backwards of every micro-batch — and keeps the gradients it computed aside. The loss it returns
+is a scalar whose backward adds ``s x`` those gradients to the parameters' ``.grad``, where ``s`` is the
+gradient flowing into the loss. That is the chain rule for any differentiable function of the loss:
+``loss / accumulation_steps``, a gradient scaler's ``loss x scale``, ``loss ** 2`` are all honoured exactly,
+and gradient accumulation over several forwards adds up as it does in one process. Terms computed from the
+parameters themselves (a penalty) reach them through ordinary autograd. Terms on the logits cannot be
+honoured (the logits of a training step are consumed inside the schedule): a training forward returns no
+logits, so such a loss fails with an error instead of training on something else.
+
+An *evaluation* forward (``model.eval()`` or ``torch.no_grad()``) runs torch's forward-only schedule and
+returns the logits (broadcast from the last stage) and, with labels, the loss, on every rank.
+
+The loss. The last stage computes the model's own loss function (transformers' ``ForCausalLMLoss``: labels
+shifted inside, -100 ignored) per micro-batch as a sum over its tokens divided by the token count of the whole
+*global* batch (``num_items_in_batch``: this pipeline's count summed over the data-parallel replicas), and the
+schedule does not rescale (``scale_grads=False``). The micro-batch losses of all replicas add up to one
+process's mean loss over the global batch, and so do the gradients, which are therefore *summed* over the
+data-parallel axis (an all-reduce per step): the result is one process's on the global batch, also when the
+replicas' batches hold different token counts. The loss returned on every rank is that global loss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..pipeline_layout import PipelineLayout
+from ..plan import Plan
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+"""Label value transformers' causal-LM loss ignores."""
+
+BATCH_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
+"""What a pipelined step reads from a batch: ``input_ids`` (first stage), ``labels`` (last stage), and the
+per-token inputs every stage's copy of the model needs."""
+
+IGNORED_KEYS = frozenset({"use_cache", "return_dict"})
+"""Forward keywords a pipelined forward accepts and does not need: the stages never cache, outputs are a
+``ModelOutput``."""
+
+_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+"""The plan's schedule names -> torch.distributed.pipelining's classes."""
+
+
+class PipelineRuntimeError(RuntimeError):
+    """A pipelined model was asked for something the pipeline runtime does not run."""
+
+
+@dataclass
+class _Built:
+    """The torch pipeline objects for one micro-batch shape (torch infers the shapes sent between stages on
+    the first step, so a new shape needs new ones)."""
+
+    key: tuple
+    schedule: Any
+
+
+class _StepGradients(torch.autograd.Function):
+    """The loss of a pipelined training step. Its backward adds ``incoming x`` the step's gradients (computed
+    by the schedule in the forward) to each parameter's ``.grad``; it has no gradient of its own inputs."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, anchor: torch.Tensor, grads: list) -> torch.Tensor:
+        ctx.grads = grads
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, incoming: torch.Tensor) -> tuple[None, None, None]:
+        for param, grad in ctx.grads:
+            add = grad * incoming.to(grad.dtype)
+            if param.grad is None:
+                param.grad = add
+            else:
+                param.grad.add_(add)
+        return None, None, None
+
+
+class PipelineRunner:
+    """This rank's stages of a pipelined model, the schedule that runs them, and the model's forward.
+
+    ``forward(**batch)`` is the cut model's forward (see the module docstring); ``step(batch)`` runs one
+    training step and adds its gradients to ``.grad`` at once, returning the loss (no backward needed)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        layout: PipelineLayout,
+        stages: list[nn.Module],
+        group: dist.ProcessGroup,
+        device: torch.device,
+        tie_group: dist.ProcessGroup | None,
+        tied: list[nn.Parameter],
+        dp_group: dist.ProcessGroup | None = None,
+    ):
+        self.model, self.plan, self.layout, self.stages = model, plan, layout, stages
+        self.group, self.device, self.dp_group = group, device, dp_group
+        self.tie_group, self.tied = tie_group, tied
+        ranks = plan.stage_ranks()
+        self.last_rank = dist.get_global_rank(group, ranks[-1])
+        self.holds_first = any(s.is_first for s in stages)
+        self.holds_last = any(s.is_last for s in stages)
+        self._built: _Built | None = None
+
+    # ----------------------------------------------------------------------------------------- the forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The cut model's forward: a training step (grad enabled, ``model.training``) or an evaluation."""
+        batch = _forward_batch(type(self.model).__name__, args, kwargs)
+        if torch.is_grad_enabled() and self.model.training:
+            return self.training_forward(batch)
+        return self.eval_forward(batch)
+
+    def training_forward(self, batch: Mapping[str, Any]) -> Any:
+        """The schedule's forwards and backwards over ``batch``; the returned output's ``loss`` applies the
+        step's gradients when its backward runs (:class:`_StepGradients`). No logits (see the module)."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        loss, grads = self._train_step(batch)
+        anchor = torch.zeros((), device=loss.device, requires_grad=True)
+        return CausalLMOutputWithPast(loss=_StepGradients.apply(loss, anchor, grads))
+
+    def eval_forward(self, batch: Mapping[str, Any]) -> Any:
+        """Torch's forward-only schedule: the logits (on every rank) and, with labels, the global loss."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        input_ids, labels, kwargs = _split_batch(
+            batch, self.plan.micro_batches, self.device, need_labels=False
+        )
+        schedule = self._schedule(input_ids.shape, kwargs)
+        losses: list[torch.Tensor] = []
+        # torch's last stage computes a loss whenever the schedule has a loss function: without labels it
+        # gets ignored ones (-100) and its value is dropped
+        target = labels if labels is not None else torch.full_like(input_ids, IGNORE_INDEX)
+        count = self._token_count(labels) if labels is not None else torch.ones((), dtype=torch.long)
+        with torch.no_grad():
+            logits = schedule.eval(
+                *((input_ids,) if self.holds_first else ()),
+                target=target if self.holds_last else None,
+                losses=losses if self.holds_last else None,
+                loss_kwargs={"num_items_in_batch": count},
+                **kwargs,
+            )
+            logits = self._broadcast_logits(logits if self.holds_last else None)
+            loss = None if labels is None else self._global_loss(losses)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    # ----------------------------------------------------------------------------------------- steps
+    def step(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """One training step of the pipeline on ``batch`` (the whole batch of this pipeline, the same on every
+        rank of it). Returns the global loss on every rank; the gradients are added to ``.grad`` at once."""
+        loss, grads = self._train_step(batch)
+        for param, grad in grads:
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        return loss
+
+    def _train_step(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, list]:
+        """Run the schedule; returns the global loss and ``(parameter, gradient)`` of the step, summed over the
+        tied copies and the data-parallel replicas, leaving ``.grad`` as it was."""
+        input_ids, labels, kwargs = _split_batch(batch, self.plan.micro_batches, self.device)
+        schedule = self._schedule(input_ids.shape, kwargs)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        saved = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        losses: list[torch.Tensor] | None = [] if self.holds_last else None
+        try:
+            schedule.step(
+                *((input_ids,) if self.holds_first else ()),
+                target=labels if self.holds_last else None,
+                losses=losses,
+                return_outputs=False,
+                loss_kwargs={"num_items_in_batch": self._token_count(labels)},
+                **kwargs,
+            )
+            self._sum_tied_gradients()
+            self._sum_over_replicas(params)
+            grads = [(p, p.grad) for p in params if p.grad is not None]
+        finally:
+            for param, grad in zip(params, saved, strict=True):
+                param.grad = grad
+        return self._global_loss(losses), grads
+
+    def _schedule(self, shape: torch.Size, kwargs: dict[str, torch.Tensor]) -> Any:
+        key = (tuple(shape), tuple(sorted((k, tuple(v.shape)) for k, v in kwargs.items())))
+        if self._built is None or self._built.key != key:
+            self._built = _Built(key, _make_schedule(self, self.plan))
+        return self._built.schedule
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: each rank holds some stages' gradients, so
+        the norm is summed over the pipeline (a tied embedding counted once, on the first stage's rank).
+        Returns the total norm on every rank."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        skip = {id(p) for p in self.tied} if not self.holds_first else set()
+        mine = [p.grad.detach() for p in params if id(p) not in skip]
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            total = max((g.abs().max() for g in mine), default=torch.zeros((), device=self.device)).float()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+        else:
+            total = sum(
+                (g.float().norm(norm_type) ** norm_type for g in mine), torch.zeros((), device=self.device)
+            )
+            dist.all_reduce(total, group=self.group)
+            total = total ** (1.0 / norm_type)
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for param in params:
+            param.grad.detach().mul_(scale.to(param.grad.dtype))
+        return total
+
+    # ----------------------------------------------------------------------------------------- collectives
+    def _token_count(self, labels: torch.Tensor) -> torch.Tensor:
+        """Label tokens of the global batch (after the causal shift): this pipeline's, summed over dp."""
+        count = (labels[..., 1:] != IGNORE_INDEX).sum()
+        if self.dp_group is not None:
+            dist.all_reduce(count, group=self.dp_group)
+        return count
+
+    def _global_loss(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
+        """The last stage's micro-batch losses summed, on every rank of the pipeline, summed over dp."""
+        loss = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        if self.dp_group is not None:
+            dist.all_reduce(loss, group=self.dp_group)
+        return loss
+
+    def _broadcast_logits(self, logits: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's merged logits, on every rank of the pipeline."""
+        meta = [None if logits is None else (tuple(logits.shape), logits.dtype)]
+        dist.broadcast_object_list(meta, src=self.last_rank, group=self.group)
+        shape, dtype = meta[0]
+        if logits is None:
+            logits = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(logits, src=self.last_rank, group=self.group)
+        return logits
+
+    def _sum_tied_gradients(self) -> None:
+        """An embedding tied to the head on another rank: each rank's copy got its own stage's part of the
+        gradient; both need the sum."""
+        if self.tie_group is None:
+            return
+        for param in self.tied:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=self.tie_group)
+
+    def _sum_over_replicas(self, params: list[nn.Parameter]) -> None:
+        """Each replica's gradient is of its rows' share of the global loss: the global gradient is the sum."""
+        if self.dp_group is None:
+            return
+        for param in params:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=self.dp_group)
+
+
+def _forward_batch(model_name: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The batch of a forward call: ``model(input_ids, ...)`` or ``model(**batch)``, the keywords every stage
+    ignores dropped (``return_dict=False`` refused: the output is a ``ModelOutput``)."""
+    if len(args) > 1 or (args and "input_ids" in kwargs):
+        raise PipelineRuntimeError(
+            f"the pipelined {model_name} takes input_ids as its one positional argument and the rest by keyword "
+            "(model(**batch))"
+        )
+    batch = dict(kwargs, input_ids=args[0]) if args else dict(kwargs)
+    if batch.get("return_dict") is False:
+        raise PipelineRuntimeError(
+            f"the pipelined {model_name} returns a ModelOutput; call it without return_dict=False"
+        )
+    if batch.get("use_cache"):
+        raise PipelineRuntimeError(
+            f"the pipelined {model_name} runs without a KV cache (use_cache=True was asked): generate with the "
+            "model loaded in one process (save_pretrained, then from_pretrained)"
+        )
+    return {k: v for k, v in batch.items() if k not in IGNORED_KEYS}
+
+
+def _split_batch(
+    batch: Mapping[str, Any], micro_batches: int, device: torch.device, need_labels: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """``input_ids``, ``labels`` and the per-token keyword inputs of ``batch``, on ``device``; refuses what the
+    pipelined step cannot honour."""
+    unknown = sorted(set(batch) - BATCH_KEYS)
+    if unknown:
+        raise PipelineRuntimeError(
+            f"a pipelined step reads {sorted(BATCH_KEYS)} from the batch; it got {unknown} too, which the stages "
+            "would not see. Drop them from the batch, or train without pipeline stages."
+        )
+    if "input_ids" not in batch or (need_labels and "labels" not in batch):
+        raise PipelineRuntimeError(
+            "a pipelined training step needs input_ids and labels in the batch (the last stage computes the "
+            "loss inside the schedule); without labels, evaluate under model.eval() or torch.no_grad()"
+        )
+    tensors = {k: v.to(device) for k, v in batch.items() if v is not None}
+    rows = tensors["input_ids"].shape[0]
+    if rows < micro_batches:
+        raise PipelineRuntimeError(
+            f"the batch has {rows} rows, fewer than the plan's {micro_batches} micro-batches; the schedule runs "
+            "at least one row per micro-batch"
+        )
+    for key, value in tensors.items():
+        if value.shape[0] != rows:
+            raise PipelineRuntimeError(
+                f"batch[{key!r}] has {value.shape[0]} rows and input_ids {rows}: every input is cut into "
+                "micro-batches along its first dim"
+            )
+    kwargs = {k: v for k, v in tensors.items() if k not in ("input_ids", "labels")}
+    return tensors["input_ids"], tensors.get("labels"), kwargs
+
+
+def _make_schedule(runner: PipelineRunner, plan: Plan) -> Any:
+    """torch's ``PipelineStage`` per held stage and the plan's schedule over them (the loss: the model's own,
+    normalised by the global batch's tokens through ``num_items_in_batch``; no rescaling by the schedule)."""
+    from torch.distributed import pipelining
+
+    stages = [
+        pipelining.PipelineStage(s, s.index, plan.num_stages, runner.device, group=runner.group)
+        for s in runner.stages
+    ]
+    cls = getattr(pipelining, _SCHEDULES[plan.schedule])
+    model, vocab = runner.model, runner.model.config.vocab_size
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return model.loss_function(logits=logits, labels=labels, vocab_size=vocab, **kwargs)
+
+    held = stages[0] if plan.virtual_stages == 1 else stages
+    return cls(held, n_microbatches=plan.micro_batches, loss_fn=loss_fn, scale_grads=False)
