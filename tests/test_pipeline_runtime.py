@@ -142,10 +142,45 @@ def test_models_without_a_causal_lm_layout_are_refused(preset):
         find_layout(build_model(preset))
 
 
-def test_pipeline_with_tensor_or_data_parallelism_is_refused_for_now():
-    plan = _plan(num_devices=4, mesh_shape=(2, 2, 1))
-    with pytest.raises(PipelineRuntimeError, match="dp=2 and tp=1"):
-        check_pipeline_plan(_llama(), plan)
+def test_pipeline_with_tensor_parallelism_or_fsdp_inside_a_stage_is_refused():
+    with pytest.raises(PipelineRuntimeError, match="tp=2"):
+        check_pipeline_plan(_llama(), _plan(num_devices=4, mesh_shape=(2, 1, 2)))
+    with pytest.raises(PipelineRuntimeError, match="dp_mode 'fsdp'"):
+        check_pipeline_plan(_llama(), _plan(num_devices=4, mesh_shape=(2, 2, 1), dp_mode="fsdp"))
+    with pytest.raises(PipelineRuntimeError, match="recompute"):
+        check_pipeline_plan(_llama(), _plan(recompute={"model.layers.0": "full"}))
+    check_pipeline_plan(_llama(), _plan(num_devices=4, mesh_shape=(2, 2, 1)))  # pp x DDP runs
+
+
+def test_forward_keywords_of_a_pipelined_model():
+    from hf_colossal_auto.apply.pipeline_runner import _forward_batch
+
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    assert set(_forward_batch("M", (ids,), {"labels": ids, "use_cache": False, "return_dict": True})) == {
+        "input_ids",
+        "labels",
+    }
+    with pytest.raises(PipelineRuntimeError, match="return_dict=False"):
+        _forward_batch("M", (), {"input_ids": ids, "return_dict": False})
+    with pytest.raises(PipelineRuntimeError, match="KV cache"):
+        _forward_batch("M", (), {"input_ids": ids, "use_cache": True})
+
+
+def test_one_copy_per_group_under_pipeline_stages():
+    """Mesh (pp 2, dp 2, tp 1): ranks 0 and 2 share group 0's rows, 1 and 3 group 1's; a gather keeps each
+    group's once, in group order, as plain accelerate's rank order gives them; values that differ within a
+    group are kept from every rank."""
+    from hf_colossal_auto.integrations.data import group_members, one_copy_per_group
+
+    rows = {0: torch.tensor([[0], [1]]), 1: torch.tensor([[2], [3]])}
+    gathered = torch.cat([rows[0], rows[1], rows[0], rows[1]])  # ranks 0..3: group 0, 1, 0, 1
+    assert one_copy_per_group(gathered, 4, 1, pp_size=2).flatten().tolist() == [0, 1, 2, 3]
+    per_rank = torch.arange(4).reshape(4, 1)
+    assert torch.equal(one_copy_per_group(per_rank, 4, 1, pp_size=2), per_rank)
+    assert one_copy_per_group(["a", "b", "a", "b"], 4, 1, objects=True, pp_size=2) == ["a", "b"]
+    # the processes whose batches each group reads: contiguous, the same for every rank of the group
+    assert [group_members(r, 1, 2, 2) for r in range(4)] == [(0, 1), (2, 3), (0, 1), (2, 3)]
+    assert group_members(3, 2, 1, 2) == (2, 3)  # without a pipeline: the tensor-parallel group
 
 
 def test_batch_keys_the_stages_would_not_see_are_refused():
@@ -205,28 +240,55 @@ def test_offered_schedules_are_the_runtimes():
 
 # --------------------------------------------------------------------------------------------- 2 gloo ranks
 def test_gloo_every_schedule_trains_like_one_process(tmp_path):
-    """Every offered schedule with uneven cuts, a model built on meta, GPT-2's tied head across ranks and on
-    one rank: loss and gradients of one step equal one process (fp32), parameters after two AdamW steps
-    within 1 % of one update (Adam divides by the gradient's size: a near-zero gradient's rounding moves its
-    update by up to its whole size, 1e-3 of one update is what was measured); a cut inside a block and a
-    batch too small for the micro-batches raise the same error on both ranks."""
+    """The user's loop (``model(**batch).loss.backward()``) under every offered schedule with uneven cuts, a
+    model built on meta, GPT-2's tied head across ranks and on one rank: loss, gradients and gradient norm of
+    one step equal one process (fp32), parameters after two AdamW steps within 1 % of one update (Adam divides
+    by the gradient's size: a near-zero gradient's rounding moves its update by up to its whole size, 1e-3 of
+    one update is what was measured); the evaluation forward's logits and loss equal one process's on both
+    ranks; gradient accumulation with a scaled loss; save_pretrained reloads in one process with identical
+    tensors; AutoParallelAccelerator with a pipeline plan file trains like one process on the global batches;
+    a cut inside a block, a batch too small for the micro-batches, a training forward without labels and a
+    consolidated state dict raise on both ranks."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "pipeline.json"
     run_torchrun(str(ROOT / "tests" / "multiproc" / "check_pipeline.py"), "--out", str(out), nproc=2)
     ranks = json.loads(out.read_text())
-    cases = [k for k, v in ranks[0].items() if isinstance(v, dict)]
+    trained = [k for k, v in ranks[0].items() if isinstance(v, dict) and "ref_loss" in v]
     for schedule in PIPELINE_SCHEDULES:
-        assert any(schedule in c.split() for c in cases), f"schedule {schedule} not run"
+        assert any(schedule in c.split() for c in trained), f"schedule {schedule} not run"
     for results in ranks:
-        for case in cases:
+        for case in trained:
             got = results[case]
             assert abs(got["loss"] - got["ref_loss"]) <= 1e-5 * abs(got["ref_loss"]), (case, got)
             assert got["grad_err"] <= 1e-5, (case, got)
             assert got["param_err_lr"] <= 1e-2, (case, got)
+            assert abs(got["norm"] - got["ref_norm"]) <= 1e-5 * got["ref_norm"], (case, got)
+            assert abs(got["eval_loss"] - got["ref_eval_loss"]) <= 1e-5 * got["ref_eval_loss"], (case, got)
+            assert got["eval_logits_err"] <= 1e-5 and got["unlabeled_equal"], (case, got)
+        assert results["accumulation 1f1b"]["grad_err"] <= 1e-5
+        saved = results["save gpt2"]
+        assert saved["equal"] and saved["tied"] and len(saved["files"]) > 1, saved
         assert results["bad cut"].startswith("PipelineLayoutError") and "whole blocks" in results["bad cut"]
         assert results["small batch"].startswith("PipelineRuntimeError")
-    for case in cases:  # each rank holds only its stages' parameters, together all of them
+        assert (
+            results["no labels"].startswith("PipelineRuntimeError") and "model.eval()" in results["no labels"]
+        )
+        assert (
+            results["state dict"].startswith("PipelineRuntimeError")
+            and "save_pretrained" in results["state dict"]
+        )
+        accelerate = results["accelerate"]
+        for got, want in [*zip(accelerate["losses"], accelerate["ref_losses"], strict=True),
+                          *zip(accelerate["norms"], accelerate["ref_norms"], strict=True)]:  # fmt: skip
+            assert abs(got - want) <= 1e-5 * want, accelerate
+        # clipped AdamW steps: a near-zero gradient's rounding moves its update by up to its whole size
+        assert accelerate["param_err_lr"] <= 5e-2, accelerate
+        assert accelerate["gathered_equal"] and accelerate["saved"]["equal"], accelerate
+    # the two ranks of the pipeline read the same rows: both processes' batches, as plain accelerate's step
+    assert ranks[0]["accelerate"]["rows"] == ranks[1]["accelerate"]["rows"]
+    assert len(ranks[0]["accelerate"]["rows"][0]) == 8
+    for case in trained:  # each rank holds only its stages' parameters, together all of them
         held = [set(r[case]["held"]) for r in ranks]
         if "gpt2" not in case:
             assert not held[0] & held[1], case

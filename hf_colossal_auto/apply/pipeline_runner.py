@@ -139,29 +139,63 @@ class PipelineRunner:
         return CausalLMOutputWithPast(loss=_StepGradients.apply(loss, anchor, grads))
 
     def eval_forward(self, batch: Mapping[str, Any]) -> Any:
-        """Torch's forward-only schedule: the logits (on every rank) and, with labels, the global loss."""
+        """A forward-only pass: the logits (on every rank) and, with labels, the global loss.
+
+        Not torch's ``schedule.eval()``: on torch 2.13 it fails under "zbv" (the V's two stages on one rank
+        keep their local backward actions in the list it runs). Each rank runs its stages in stage order over
+        the micro-batches, receiving each micro-batch's input from the previous stage's rank and sending its
+        output to the next (GPipe's forward half: later stages start as soon as the first micro-batch
+        arrives); the last stage computes the logits and the loss, and broadcasts the logits."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         input_ids, labels, kwargs = _split_batch(
             batch, self.plan.micro_batches, self.device, need_labels=False
         )
-        schedule = self._schedule(input_ids.shape, kwargs)
-        losses: list[torch.Tensor] = []
-        # torch's last stage computes a loss whenever the schedule has a loss function: without labels it
-        # gets ignored ones (-100) and its value is dropped
-        target = labels if labels is not None else torch.full_like(input_ids, IGNORE_INDEX)
-        count = self._token_count(labels) if labels is not None else torch.ones((), dtype=torch.long)
+        count = self._token_count(labels) if labels is not None else None
         with torch.no_grad():
-            logits = schedule.eval(
-                *((input_ids,) if self.holds_first else ()),
-                target=target if self.holds_last else None,
-                losses=losses if self.holds_last else None,
-                loss_kwargs={"num_items_in_batch": count},
-                **kwargs,
-            )
-            logits = self._broadcast_logits(logits if self.holds_last else None)
+            logits, losses = self._forward_stages(input_ids, labels, kwargs, count)
+            logits = self._broadcast_logits(logits)
             loss = None if labels is None else self._global_loss(losses)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _forward_stages(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+        kwargs: dict[str, torch.Tensor],
+        count: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """This rank's stages in stage order, each over every micro-batch; returns the merged logits and the
+        micro-batch losses on the last stage's rank (None and [] elsewhere)."""
+        m = self.plan.micro_batches
+        per_token = [{k: v for k, v in zip(kwargs, values, strict=True)}
+                     for values in zip(*(v.tensor_split(m) for v in kwargs.values()), strict=True)] or [{}] * m  # fmt: skip
+        ranks = [dist.get_global_rank(self.group, r) for r in self.plan.stage_ranks()]
+        me = dist.get_rank()
+        held = {stage.index: stage for stage in self.stages}
+        carried = list(input_ids.tensor_split(m))  # the first stage's inputs; then each stage's outputs
+        for index, rank in enumerate(ranks):
+            if rank != me:
+                continue
+            stage = held[index]
+            if index > 0 and ranks[index - 1] != me:
+                carried = [_receive(ranks[index - 1], self.device) for _ in range(m)]
+            carried = [stage(x, **per_token[i]) for i, x in enumerate(carried)]
+            if index + 1 < len(ranks) and ranks[index + 1] != me:
+                for output in carried:
+                    _send(output, ranks[index + 1])
+        if not self.holds_last:
+            return None, []
+        losses = []
+        if labels is not None:
+            vocab = self.model.config.vocab_size
+            for logits, part in zip(carried, labels.tensor_split(m), strict=True):
+                losses.append(
+                    self.model.loss_function(
+                        logits=logits, labels=part, vocab_size=vocab, num_items_in_batch=count
+                    )
+                )
+        return torch.cat(carried), losses
 
     # ----------------------------------------------------------------------------------------- steps
     def step(self, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -270,6 +304,22 @@ class PipelineRunner:
         for param in params:
             if param.grad is not None:
                 dist.all_reduce(param.grad, group=self.dp_group)
+
+
+def _send(tensor: torch.Tensor, dst: int) -> None:
+    """A tensor to rank ``dst``, its shape and dtype first (the receiver allocates from them)."""
+    dist.send_object_list([(tuple(tensor.shape), tensor.dtype)], dst=dst)
+    dist.send(tensor.contiguous(), dst=dst)
+
+
+def _receive(src: int, device: torch.device) -> torch.Tensor:
+    """What :func:`_send` sent from rank ``src``."""
+    meta: list[Any] = [None]
+    dist.recv_object_list(meta, src=src)
+    shape, dtype = meta[0]
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(tensor, src=src)
+    return tensor
 
 
 def _forward_batch(model_name: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:

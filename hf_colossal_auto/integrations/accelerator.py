@@ -319,17 +319,22 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
                 timeout=DEFAULT_TIMEOUT_S if timeout is None else timeout,
                 pretrained=self.auto_parallel_plugin.pretrained,
             )
-        # point optimizers made before prepare() at the new parameters, by name (FSDP replaces them twice)
+        # point optimizers made before prepare() at the new parameters, by name (FSDP replaces them twice); under
+        # pipeline stages only this rank's stages' parameters remain
         new = dict(model.named_parameters())
+        kept = {id(p) for p in new.values()}
         for opt in optimizers:
             raw = _raw_optimizer(opt)
             replaced = {
                 id(p): new[names[id(p)]]
                 for group in raw.param_groups
                 for p in group["params"]
-                if id(p) in names
+                if id(p) in names and names[id(p)] in new
             }
             remap_optimizer(raw, replaced)
+            if plan.pp_size > 1:
+                for group in raw.param_groups:
+                    group["params"] = [p for p in group["params"] if id(p) in kept]
         self._adopt(model, plan)
         if self.is_main_process:
             path = self.auto_parallel_plugin.save_plan_path

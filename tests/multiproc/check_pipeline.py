@@ -1,16 +1,21 @@
-"""Run under torchrun (2 gloo ranks): pipeline plans train like one process.
+"""Run under torchrun (2 gloo ranks): pipeline plans train like one process, in the user's own loop.
 
     torchrun --nproc_per_node 2 tests/multiproc/check_pipeline.py --out result.json
 
 Every schedule the runtime offers (gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble with 2 stages a
 rank, zbv) on a 6-block tiny Llama with uneven cuts, fp32, no dropout, against one process on the same
-batches: the loss and every gradient of the first step, and every parameter after two AdamW steps. The batch
-has padding (an attention mask) and -100 labels spread so that micro-batches carry different token counts
-(equal weights per micro-batch would be wrong). Also: a model built on ``meta`` materialises this rank's stages
-with the whole model's init values; GPT-2, whose head is tied to its embedding, with the tie across ranks
-(1f1b) and on one rank (zbv); a cut the model does not have and a batch smaller than the micro-batch count
-raise the same error on every rank. Each rank compares its own parameters; rank 0 writes every rank's
-results.
+batches, trained with the ordinary loop (``loss = model(**batch).loss; loss.backward(); optimizer.step()``):
+the loss and every gradient of the first step, every parameter after two AdamW steps, the gradient norm the
+runner clips by, and an evaluation forward (``model.eval()``, ``torch.no_grad()``: logits on every rank, the
+loss with labels) after the two steps. The batch has padding (an attention mask) and -100 labels spread so
+that micro-batches carry different token counts (equal weights per micro-batch would be wrong). Also: gradient
+accumulation (``loss / 2`` over two half batches) and a loss scaled by 3 (what a gradient scaler does); a model
+built on ``meta`` materialises this rank's stages with the whole model's init values; GPT-2, whose head is tied
+to its embedding, with the tie across ranks (1f1b) and on one rank (zbv), saved with ``save_pretrained`` and
+reloaded in one process; ``AutoParallelAccelerator`` with a pipeline plan file (``HF_COLOSSAL_AUTO_PLAN_PATH``)
+and gradient accumulation, saving with ``save_model``; a cut the model does not have, a batch smaller than the
+micro-batch count, a training forward without labels and a consolidated state dict raise on every rank.
+Each rank compares its own parameters; rank 0 writes every rank's results.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import tempfile
 import time
 from typing import Any
 
@@ -71,9 +77,15 @@ def build(cfg, device: str, seed: int = 0):
     return build_model(cfg, device=device)
 
 
+def grad_norm(model) -> float:
+    """The total 2-norm of the gradients, each parameter once (a tied one too)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+
+
 def reference(model, data: list[dict]) -> dict[str, Any]:
-    """One process: first step's loss and gradients, parameters after two AdamW steps (by every FQN, tied
-    aliases included)."""
+    """One process: first step's loss, gradients and gradient norm, parameters after two AdamW steps (by every
+    FQN, tied aliases included), then the evaluation outputs on the first batch."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     out: dict[str, Any] = {}
     for i, batch in enumerate(data):
@@ -82,10 +94,29 @@ def reference(model, data: list[dict]) -> dict[str, Any]:
         if i == 0:
             out["loss"] = loss.item()
             out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+            out["norm"] = grad_norm(model)
         optimizer.step()
         optimizer.zero_grad()
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(**data[0])
+    model.train()
+    out["eval_loss"], out["eval_logits"] = evaluated.loss.item(), evaluated.logits
     return out
+
+
+def accumulated_reference(model, batch: dict, scale: float) -> dict[str, torch.Tensor]:
+    """One process: ``loss x scale`` backward on each half of ``batch`` (gradient accumulation with a scaled
+    loss, as accelerate's backward under a gradient scaler does); the summed gradients."""
+    for half in halves(batch):
+        (model(**half).loss * scale).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def halves(batch: dict) -> list[dict]:
+    rows = batch["input_ids"].shape[0] // 2
+    return [{k: v[:rows] for k, v in batch.items()}, {k: v[rows:] for k, v in batch.items()}]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -94,7 +125,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def pipelined(model, plan, data: list[dict], ref: dict[str, Any]) -> dict[str, Any]:
-    """The pipelined model against ``ref``: first-step loss and gradients, parameters after two steps."""
+    """The pipelined model in the user's loop against ``ref``: first-step loss, gradients and norm, parameters
+    after two steps, then an evaluation forward with and without labels."""
     from hf_colossal_auto.apply.pipeline import pipeline_runner
     from hf_colossal_auto.apply.runtime import apply_plan
 
@@ -104,18 +136,46 @@ def pipelined(model, plan, data: list[dict], ref: dict[str, Any]) -> dict[str, A
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     out: dict[str, Any] = {"held": sorted(n for n, _ in model.named_parameters())}
     for i, batch in enumerate(data):
-        loss = runner.step(batch)
+        outputs = model(**batch)
+        assert outputs.logits is None  # a loss built on logits must fail, not train on something else
+        outputs.loss.backward()
         if i == 0:
-            out["loss"], out["ref_loss"] = loss.item(), ref["loss"]
+            out["loss"], out["ref_loss"] = outputs.loss.item(), ref["loss"]
             out["grad_err"] = max(relative(p.grad, ref["grads"][n]) for n, p in model.named_parameters())
+            out["norm"], out["ref_norm"] = float(runner.clip_grad_norm_(1e9)), ref["norm"]
         optimizer.step()
         optimizer.zero_grad()
     # parameters after two steps, the difference in units of the learning rate (one AdamW update's size)
     out["param_err_lr"] = max(
         (p.detach() - ref["params"][n]).abs().max().item() / LR for n, p in model.named_parameters()
     )
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(**data[0])
+    unlabeled = model(input_ids=data[0]["input_ids"], attention_mask=data[0]["attention_mask"])
+    model.train()
+    out["eval_loss"], out["ref_eval_loss"] = evaluated.loss.item(), ref["eval_loss"]
+    out["eval_logits_err"] = relative(evaluated.logits, ref["eval_logits"])
+    out["unlabeled_equal"] = unlabeled.loss is None and torch.equal(unlabeled.logits, evaluated.logits)
     out["seconds"] = time.perf_counter() - started
     return out
+
+
+def accumulation(results: dict, cfg, batch: dict) -> None:
+    """Two half batches, each ``loss x 3 / 2`` (accumulation over 2 with a scaler's factor 3), one optimizer
+    step's gradients: equal to one process's on the same halves and scale."""
+    from hf_colossal_auto.apply.runtime import apply_plan
+    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
+
+    ref = accumulated_reference(build(cfg, "cpu"), batch, 1.5)
+    model = build(cfg, "cpu")
+    plan = hand_pipeline_plan(model, batch, pp_size=2, schedule="1f1b", micro_batches=4)
+    apply_plan(model, plan)
+    for half in halves(batch):
+        (model(**half).loss * 1.5).backward()
+    results["accumulation 1f1b"] = {
+        "grad_err": max(relative(p.grad, ref[n]) for n, p in model.named_parameters())
+    }
 
 
 def every_schedule(results: dict) -> None:
@@ -139,6 +199,7 @@ def every_schedule(results: dict) -> None:
     plan = hand_pipeline_plan(model, data[0], pp_size=2, schedule="1f1b", micro_batches=2)
     torch.manual_seed(0)
     results["llama meta 1f1b"] = pipelined(model, plan, data, reference_from_meta(cfg, data))
+    accumulation(results, cfg, data[0])
 
 
 def reference_from_meta(cfg, data: list[dict]) -> dict[str, Any]:
@@ -151,7 +212,9 @@ def reference_from_meta(cfg, data: list[dict]) -> dict[str, Any]:
     return reference(model, data)
 
 
-def tied_gpt2(results: dict) -> None:
+def tied_gpt2(results: dict, directory: str) -> None:
+    """GPT-2's head tied to its embedding, on two ranks (1f1b) and on one (zbv); the first then saved with
+    ``save_pretrained`` in several files and reloaded in one process: every tensor equal."""
     from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
 
     cfg = config("tiny-gpt2", 4)
@@ -163,11 +226,33 @@ def tied_gpt2(results: dict) -> None:
             model, data[0], pp_size=2, schedule=schedule, micro_batches=4, blocks_per_stage=cut
         )
         results[f"gpt2 tied {schedule}"] = pipelined(model, plan, data, ref)
+        if schedule == "1f1b":
+            model.save_pretrained(directory, max_shard_size="300KB")
+            results["save gpt2"] = reloaded_equal(model, directory)
+
+
+def reloaded_equal(model, directory: str) -> dict[str, Any]:
+    """The checkpoint in ``directory`` loaded in one process: whether each of this rank's tensors is equal,
+    the files written, and whether the reloaded head is tied to the embedding."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(directory)
+    state = loaded.state_dict()
+    mine = dict(model.named_parameters(remove_duplicate=False))
+    return {
+        "equal": all(torch.equal(state[n], p.detach()) for n, p in mine.items()),
+        "compared": len(mine),
+        "files": sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")),
+        "tied": loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight,
+    }
 
 
 def refusals(results: dict) -> None:
-    """A cut inside a block, and a batch with fewer rows than micro-batches: the same error on every rank."""
-    from hf_colossal_auto.apply.pipeline import pipeline_runner
+    """A cut inside a block, a batch with fewer rows than micro-batches, a training forward without labels, a
+    consolidated state dict: the same error on every rank."""
+    from hf_colossal_auto.apply import consolidated_state_dict
     from hf_colossal_auto.apply.runtime import apply_plan
     from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
 
@@ -177,17 +262,99 @@ def refusals(results: dict) -> None:
     plan = hand_pipeline_plan(model, data[0], pp_size=2, schedule="gpipe", micro_batches=2)
     bad = type(plan).from_dict({**plan.to_dict(), "stages": [["model.embed_tokens", "model.layers.0.mlp"],
                                                             plan.stages[1]]})  # fmt: skip
-    try:
-        apply_plan(model, bad)
-        results["bad cut"] = "no error"
-    except Exception as exc:  # noqa: BLE001 - the test reads the type and message
-        results["bad cut"] = f"{type(exc).__name__}: {exc}"
+    results["bad cut"] = error_of(lambda: apply_plan(model, bad))
     apply_plan(model, plan)
+    results["small batch"] = error_of(lambda: model(**{k: v[:1] for k, v in data[0].items()}))
+    results["no labels"] = error_of(lambda: model(input_ids=data[0]["input_ids"]))
+    results["state dict"] = error_of(lambda: consolidated_state_dict(model))
+
+
+def error_of(call) -> str:
     try:
-        pipeline_runner(model).step({k: v[:1] for k, v in data[0].items()})
-        results["small batch"] = "no error"
-    except Exception as exc:  # noqa: BLE001
-        results["small batch"] = f"{type(exc).__name__}: {exc}"
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def accelerator_loop(results: dict, directory: str) -> None:
+    """An ordinary accelerate loop under ``AutoParallelAccelerator`` with a pipeline plan file
+    (``HF_COLOSSAL_AUTO_PLAN_PATH``): per-process batches of 4 rows, gradient accumulation 2, clipping,
+    two optimizer steps; then an evaluation gathered for metrics and ``save_model``. Against one process on
+    the global batches (both processes' rows: the pipeline computes on their union)."""
+    import os
+
+    from accelerate import Accelerator  # noqa: F401 - the state singleton is made by ours
+    from torch.utils.data import DataLoader
+
+    from hf_colossal_auto import AutoParallelAccelerator
+    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
+
+    cfg = config("tiny-llama", 4)
+    rows = [dict(zip(b, values, strict=True)) for b in batches(build(cfg, "meta"), rows=16)
+            for values in zip(*b.values(), strict=True)]  # fmt: skip
+    model = build(cfg, "cpu")
+    plan = hand_pipeline_plan(
+        model, batches(model)[0], pp_size=2, schedule="interleaved-1f1b", micro_batches=4
+    )
+    path = os.path.join(directory, "plan.json")
+    if dist.get_rank() == 0:
+        plan.save(path)
+    dist.barrier()
+    os.environ["HF_COLOSSAL_AUTO_PLAN_PATH"] = path
+    accelerator = AutoParallelAccelerator(cpu=True, gradient_accumulation_steps=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    loader = DataLoader(rows, batch_size=4, collate_fn=torch.utils.data.default_collate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, norms, seen = [], [], []
+    for batch in loader:
+        seen.append(batch["input_ids"][:, 0].tolist())
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        logits = model(**batch).logits
+    gathered = accelerator.gather_for_metrics(logits.argmax(-1))
+    ref = accelerator_reference(cfg, rows)
+    unwrapped = accelerator.unwrap_model(model)
+    accelerator.save_model(model, os.path.join(directory, "accelerate"))
+    results["accelerate"] = {
+        "losses": losses, "ref_losses": ref["losses"], "norms": norms, "ref_norms": ref["norms"],
+        "param_err_lr": max((p.detach() - ref["params"][n]).abs().max().item() / LR
+                            for n, p in unwrapped.named_parameters()),
+        "gathered_equal": torch.equal(gathered, ref["argmax"]), "rows": seen,
+        "saved": reloaded_equal(unwrapped, os.path.join(directory, "accelerate")),
+    }  # fmt: skip
+
+
+def accelerator_reference(cfg, rows: list[dict]) -> dict[str, Any]:
+    """One process: the global batches of 8 rows (both processes' 4), each a half of an accumulated step
+    (``loss / 2``), clipped to 1, two AdamW steps; the last batch's argmax logits."""
+    from torch.utils.data import default_collate
+
+    model = build(cfg, "cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(len(rows) // 8):
+        batch = default_collate(rows[step * 8 : (step + 1) * 8])
+        loss = model(**batch).loss
+        (loss / 2).backward()
+        losses.append(loss.item())
+        if step % 2 == 1:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            optimizer.step()
+            optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        argmax = model(**batch).logits.argmax(-1)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "params": params, "argmax": argmax}
 
 
 def main() -> None:
@@ -197,9 +364,12 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     started = time.perf_counter()
     results: dict[str, Any] = {}
+    directory = [tempfile.mkdtemp(prefix="pipeline-save-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory)
     every_schedule(results)
-    tied_gpt2(results)
+    tied_gpt2(results, directory[0])
     refusals(results)
+    accelerator_loop(results, directory[0])
     results["total_seconds"] = time.perf_counter() - started
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
