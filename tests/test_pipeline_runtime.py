@@ -295,3 +295,33 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
         expected = 6 * 9 + 3 if "llama" in case else None
         if expected:
             assert len(held[0] | held[1]) == expected, case
+
+
+# --------------------------------------------------------------------------------------------- 4 gloo ranks
+def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
+    """pp 2 x dp 2 (Llama under 1f1b, GPT-2 with its tie under zbv): each data-parallel group on its rows of
+    one global batch whose groups hold different token counts; the loss is the global batch's and the
+    gradients, clipping norm, parameters after two AdamW steps and evaluation outputs are one process's on
+    it; save_pretrained reloads with identical tensors; data_parallel_loader gives a pipeline's ranks the
+    same rows and the groups together plain accelerate's rows of each step."""
+    from torchrun_launch import run_torchrun
+
+    out = tmp_path / "pipeline_dp.json"
+    run_torchrun(str(ROOT / "tests" / "multiproc" / "check_pipeline_dp.py"), "--out", str(out), nproc=4)
+    ranks = json.loads(out.read_text())
+    for rank, results in enumerate(ranks):
+        group = rank % 2  # mesh (pp, dp, tp) = (2, 2, 1): rank = pp_index * 2 + dp_index
+        for case in ("llama 1f1b", "gpt2 tied zbv"):
+            got = results[case]
+            assert got["info"] == [group, 2, 1, 2, 4], (rank, got["info"])
+            assert abs(got["loss"] - got["ref_loss"]) <= 1e-5 * got["ref_loss"], (case, got)
+            assert got["grad_err"] <= 1e-5 and got["param_err_lr"] <= 1e-2, (case, got)
+            assert abs(got["norm"] - got["ref_norm"]) <= 1e-5 * got["ref_norm"], (case, got)
+            assert abs(got["eval_loss"] - got["ref_eval_loss"]) <= 1e-5 * got["ref_eval_loss"], (case, got)
+            assert got["eval_logits_err"] <= 1e-5, (case, got)
+        saved = results["gpt2 tied zbv"]["saved"]
+        assert saved["equal"] and saved["tied"], saved
+        assert results["loader rows"] == [
+            [4 * group + i for i in range(4)],
+            [8 + 4 * group + i for i in range(4)],
+        ]
