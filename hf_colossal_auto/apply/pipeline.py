@@ -20,16 +20,17 @@ elsewhere become stand-ins without parameters. ``model.parameters()`` is this ra
 from it trains it. A model built on ``meta`` is materialised for this rank's modules only: the other stages'
 tensors are drawn one module at a time (the init's RNG sequence, so each kept value is the whole model's) and
 left on meta (:func:`.materialize.materialize_meta_model`, ``keep``). A real model starts from rank 0's values
-(broadcast over the pipeline group before the cut).
+(broadcast to every rank before the cut).
 
-The loss. The last stage computes the model's own loss function (transformers' ``ForCausalLMLoss``: labels
-shifted inside, -100 ignored) per micro-batch as a sum over its tokens divided by the token count of the whole
-batch (``num_items_in_batch``), and the schedule does not rescale (``scale_grads=False``): the micro-batch
-losses add up to one process's mean loss over the batch, and so do the gradients. An embedding tied to the
-head on another rank has its two gradient halves summed after each step.
+What the model does then (:mod:`.pipeline_runner`): its forward is the pipeline's. A training forward runs
+the schedule (forwards and backwards of every micro-batch) and returns a loss whose backward applies the
+step's gradients, so the user's loop runs unchanged; an evaluation forward runs the stages forward only and
+returns the logits on every rank. Data parallelism inside a stage is DDP over the mesh's ``dp`` axis (each
+replica a whole pipeline; gradients summed over it, the loss normalised by the global batch's tokens).
+``save_pretrained`` writes every stage from rank 0 (:mod:`.pipeline_save`).
 
-Not yet: tensor or data parallelism inside a stage (a pipeline plan must have dp = tp = 1), recompute, a
-forward-only schedule for evaluation, and the user's loop unchanged (train with :meth:`PipelineRunner.step`).
+Not yet: tensor parallelism, FSDP or recompute inside a stage (refused by name), ``pretrained=`` per stage,
+training-state checkpoints (DCP) and full state dicts (refused by name).
 """
 
 from __future__ import annotations
@@ -310,7 +311,7 @@ def apply_pipeline_plan(
         model, plan, layout, stages, group, device, tie_group, tied if holds_tie else [], dp_group
     )
     setattr(model, _PIPELINE, runner)
-    model.forward = runner.forward  # the model's own would run only this rank's blocks
+    _install_forward(model, runner)
     model._hf_colossal_auto_plan = plan
     model._hf_colossal_auto_mesh = mesh
     install_pipeline_save(model, as_timedelta(timeout or DEFAULT_TIMEOUT_S).total_seconds())
@@ -346,6 +347,17 @@ def _tie_group(plan: Plan, mesh: DeviceMesh, tied: bool) -> dist.ProcessGroup | 
         if dist.get_rank() in members:
             mine = made
     return mine
+
+
+def _install_forward(model: nn.Module, runner: PipelineRunner) -> None:
+    """The model's forward becomes the pipeline's (its own would run only this rank's blocks): a plain
+    function, as the runtime's other forward wrapper, so that accelerate's autocast wrapper (which re-binds a
+    bound method's ``__func__`` to the model) wraps it intact."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return runner.forward(*args, **kwargs)
+
+    model.forward = forward
 
 
 def pipeline_runner(model: nn.Module) -> PipelineRunner:

@@ -86,7 +86,9 @@ def autoparallelize(
             return plan_model(model, global_batch(example_inputs, world), **kwargs)
 
         plan = plan_on_one_rank(make)
-    if plan.micro_batches > 1 and plan.pp_size == 1 and dist.get_rank() == 0:  # a pipeline's are the schedule's
+    if (
+        plan.micro_batches > 1 and plan.pp_size == 1 and dist.get_rank() == 0
+    ):  # a pipeline's are the schedule's
         logger.warning(
             "the plan runs each data-parallel group's batch as %d micro-batches: train with `for micro in "
             "hf_colossal_auto.accumulate(model, batch)` (README, 'Micro-batches'); a training forward of the "

@@ -127,11 +127,11 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def pipelined(model, plan, data: list[dict], ref: dict[str, Any]) -> dict[str, Any]:
     """The pipelined model in the user's loop against ``ref``: first-step loss, gradients and norm, parameters
     after two steps, then an evaluation forward with and without labels."""
+    from hf_colossal_auto import autoparallelize
     from hf_colossal_auto.apply.pipeline import pipeline_runner
-    from hf_colossal_auto.apply.runtime import apply_plan
 
     started = time.perf_counter()
-    apply_plan(model, plan)
+    autoparallelize(model, plan=plan)  # the torchrun entry point with a fixed plan
     runner = pipeline_runner(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     out: dict[str, Any] = {"held": sorted(n for n, _ in model.named_parameters())}
