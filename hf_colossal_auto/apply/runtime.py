@@ -542,10 +542,14 @@ def broadcast_plan(plan: Plan | None, src: int = 0) -> Plan:
     return plan_on_one_rank(sent, src)
 
 
-def plan_on_one_rank(make_plan: Callable[[], Plan], src: int = 0) -> Plan:
+def plan_on_one_rank(
+    make_plan: Callable[[], Plan], src: int = 0, *, limit_s: float | None = None, what: str = "planning"
+) -> Plan:
     """``make_plan()`` on rank ``src``, its plan on every rank — or, when it raises, the same error (type and
-    message) on every rank within seconds, instead of the others waiting out the process-group timeout."""
-    text = run_on_one_rank(lambda: make_plan().to_json(), src=src, what="planning")
+    message) on every rank within seconds, instead of the others waiting out the process-group timeout. The
+    others wait in heartbeats, so a long plan is no collective timeout; past ``limit_s`` every rank raises
+    :class:`~hf_colossal_auto.apply.agree.TookTooLongError` naming ``what`` and where planning was."""
+    text = run_on_one_rank(lambda: make_plan().to_json(), src=src, what=what, limit_s=limit_s)
     return Plan.from_dict(json.loads(text))
 
 
@@ -570,7 +574,8 @@ def autoparallelize(
     defaults to the world size and ``device`` to the running device kind ("cpu" under gloo); other keyword
     arguments go to :func:`~hf_colossal_auto.solve.planner.plan_model`. Optimizers created before this call go
     in ``optimizers``. If planning fails (an impossible budget, a model that cannot be captured), every rank
-    raises the same error. ``timeout`` (seconds) bounds how long a rank waits for a peer that stopped answering.
+    raises the same error. ``timeout`` (seconds) bounds how long a rank waits for a peer that stopped answering,
+    and how long planning may take (past it every rank raises ``TookTooLongError`` naming where planning was).
     ``pretrained`` (a HF safetensors checkpoint directory) fills the sharded model from it, each rank reading its
     own slices: build the model on ``meta`` (``with torch.device("meta"): AutoModel...from_config(config)``) to
     never hold the full model in any process.
@@ -606,7 +611,8 @@ def autoparallelize(
             kwargs.setdefault("devices_per_node", launcher_devices_per_node(world))
             return plan_model(model, global_batch(example_inputs, world), **kwargs)
 
-        plan = plan_on_one_rank(make)
+        limit = as_timedelta(timeout).total_seconds()
+        plan = plan_on_one_rank(make, limit_s=limit, what=f"planning {type(model).__name__}")
     if plan.micro_batches > 1 and dist.get_rank() == 0:
         logger.warning(
             "the plan runs each data-parallel group's batch as %d micro-batches: train with `for micro in "
