@@ -103,6 +103,28 @@ def test_planning_errors_reach_every_rank_with_the_same_type_and_message(plannin
 
 
 @pytest.mark.slow
+def test_planning_past_its_limit_fails_on_every_rank_and_slow_planning_outlives_the_collective_timeout(
+    planning_launch,
+):
+    """``autoparallelize(timeout=0.5)``: every rank raises the same TookTooLongError naming the model and where
+    rank 0's planning was (before: rank 1 timed out in the plan broadcast with a message naming nothing, as
+    xLSTM did in the coverage sweep). And work on rank 0 twice as long as the 2 s collective timeout reaches
+    every rank: the others wait in heartbeats, not in one broadcast."""
+    proc, out = planning_launch
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    limit = [rank["planning_limit"] for rank in ranks]
+    assert limit[0]["type"] == limit[1]["type"] == "TookTooLongError", limit
+    assert limit[0]["message"] == limit[1]["message"]
+    assert "planning LlamaForCausalLM on rank 0 did not finish within 0.5 s" in limit[0]["message"]
+    assert "(it was in hf_colossal_auto/" in limit[0]["message"]
+    for rank in ranks:
+        slow = rank["slow_planning"]
+        assert slow["type"] is None and slow["value"] == "slow plan", slow
+        assert slow["seconds"] >= 4.0, slow
+
+
+@pytest.mark.slow
 def test_every_timeout_setting_reaches_the_process_groups(planning_launch):
     """A saved plan applied through each entry point on 2 gloo ranks: the collective timeout of the default group
     and of the plan's tensor-parallel group, read back from the groups, is ``autoparallelize(timeout=)``,

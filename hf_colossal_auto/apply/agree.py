@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import pickle
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from .._torch_compat import set_group_timeout
@@ -75,26 +80,90 @@ def rebuild_error(description: dict[str, Any], *, source_rank: int, what: str) -
     return error
 
 
-def run_on_one_rank(fn: Callable[[], T], *, src: int = 0, what: str = "planning") -> T:
+HEARTBEAT_S = 10.0
+"""While one rank works for all (:func:`run_on_one_rank`), it tells the waiting ranks it is alive this often: each
+of their waits is one short broadcast, so a long plan never runs into the process group's collective timeout,
+which is left to catch a peer that really stopped answering."""
+
+
+class TookTooLongError(TimeoutError):
+    """The work one rank did for all (planning) did not finish within its limit; every rank raises it."""
+
+
+def run_on_one_rank(
+    fn: Callable[[], T], *, src: int = 0, what: str = "planning", limit_s: float | None = None
+) -> T:
     """``fn()`` on rank ``src``; its result (pickled) or its error reaches every rank.
 
     Every rank returns the same value, or every rank raises the same error: the planning rank its own
-    exception (with its traceback), the others a rebuilt copy of it (same type, same message)."""
+    exception (with its traceback), the others a rebuilt copy of it (same type, same message). ``fn`` runs in a
+    thread of rank ``src`` while its main thread broadcasts a heartbeat every :data:`HEARTBEAT_S` seconds, so
+    the other ranks wait in short collectives however long ``fn`` takes. ``limit_s``: past it, every rank raises
+    :class:`TookTooLongError` naming ``what`` and the function ``fn`` was in (the thread cannot be stopped; it
+    ends with the process)."""
     payload: list[Any] = [None]
     error: BaseException | None = None
     if dist.get_rank() == src:
+        result, error = _run_with_heartbeats(fn, src, what, limit_s)
+        payload[0] = ("ok", result) if error is None else ("error", describe_error(error))
+        dist.broadcast_object_list(payload, src=src)
+        if error is not None:
+            raise error
+        return result
+    while True:
+        dist.broadcast_object_list(payload, src=src)
+        status, value = payload[0]
+        if status == "ok":
+            return value
+        if status == "error":
+            raise rebuild_error(value, source_rank=src, what=what)
+
+
+def _run_with_heartbeats(
+    fn: Callable[[], T], src: int, what: str, limit_s: float | None
+) -> tuple[T | None, BaseException | None]:
+    """On rank ``src``: ``fn()`` in a thread, a heartbeat broadcast every :data:`HEARTBEAT_S` seconds until it
+    ends; its result or its error, or :class:`TookTooLongError` past ``limit_s``."""
+    outcome: dict[str, Any] = {}
+    grad_enabled = torch.is_grad_enabled()  # thread-local: the worker computes as the caller would
+
+    def work() -> None:
         try:
-            payload[0] = ("ok", fn())
-        except Exception as exc:  # every rank must leave the broadcast: send the error instead of a result
-            error = exc
-            payload[0] = ("error", describe_error(exc))
-    dist.broadcast_object_list(payload, src=src)
-    status, value = payload[0]
-    if status == "ok":
-        return value
-    if error is not None:
-        raise error
-    raise rebuild_error(value, source_rank=src, what=what)
+            with torch.set_grad_enabled(grad_enabled):
+                outcome["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - carried to the main thread, which raises it
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=work, name=f"hf_colossal_auto {what}", daemon=True)
+    started = time.monotonic()
+    worker.start()
+    while True:
+        wait = HEARTBEAT_S if limit_s is None else min(HEARTBEAT_S, limit_s - (time.monotonic() - started))
+        worker.join(max(wait, 0.0))
+        if not worker.is_alive():
+            return outcome.get("result"), outcome.get("error")
+        if limit_s is not None and time.monotonic() - started >= limit_s:
+            return None, TookTooLongError(
+                f"{what} on rank {src} did not finish within {limit_s:g} s (it was in {_where(worker)}); raise "
+                "the timeout, fix the mesh with mesh_shape, or plan once offline with hf_colossal_auto.plan_model "
+                "and pass the plan"
+            )
+        dist.broadcast_object_list([("wait", None)], src=src)
+
+
+def _where(thread: threading.Thread) -> str:
+    """The innermost function of this package ``thread`` is running (file:line function), else its innermost."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    innermost = None
+    while frame is not None:
+        code = frame.f_code
+        here = f"{code.co_filename}:{frame.f_lineno} {code.co_name}"
+        innermost = innermost or here
+        if f"{os.sep}hf_colossal_auto{os.sep}" in code.co_filename:
+            package = code.co_filename.rsplit(f"{os.sep}hf_colossal_auto{os.sep}", 1)[1]
+            return f"hf_colossal_auto/{package}:{frame.f_lineno} {code.co_name}"
+        frame = frame.f_back
+    return innermost or "an unknown place"
 
 
 def raise_if_any_rank_failed(error: BaseException | None, *, what: str) -> None:

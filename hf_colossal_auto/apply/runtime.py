@@ -547,8 +547,12 @@ def broadcast_plan(plan: Plan | None, src: int = 0) -> Plan:
     return plan_on_one_rank(sent, src)
 
 
-def plan_on_one_rank(make_plan: Callable[[], Plan], src: int = 0) -> Plan:
+def plan_on_one_rank(
+    make_plan: Callable[[], Plan], src: int = 0, *, limit_s: float | None = None, what: str = "planning"
+) -> Plan:
     """``make_plan()`` on rank ``src``, its plan on every rank — or, when it raises, the same error (type and
-    message) on every rank within seconds, instead of the others waiting out the process-group timeout."""
-    text = run_on_one_rank(lambda: make_plan().to_json(), src=src, what="planning")
+    message) on every rank within seconds, instead of the others waiting out the process-group timeout. The
+    others wait in heartbeats, so a long plan is no collective timeout; past ``limit_s`` every rank raises
+    :class:`~hf_colossal_auto.apply.agree.TookTooLongError` naming ``what`` and where planning was."""
+    text = run_on_one_rank(lambda: make_plan().to_json(), src=src, what=what, limit_s=limit_s)
     return Plan.from_dict(json.loads(text))

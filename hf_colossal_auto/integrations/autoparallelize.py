@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..apply.agree import DEFAULT_TIMEOUT_S
+from ..apply.agree import DEFAULT_TIMEOUT_S, as_timedelta
 from ..apply.data import global_batch
 from ..apply.runtime import apply_plan, plan_on_one_rank
 from ..plan import Plan
@@ -49,7 +49,8 @@ def autoparallelize(
     defaults to the world size and ``device`` to the running device kind ("cpu" under gloo); other keyword
     arguments go to :func:`~hf_colossal_auto.solve.planner.plan_model`. Optimizers created before this call go
     in ``optimizers``. If planning fails (an impossible budget, a model that cannot be captured), every rank
-    raises the same error. ``timeout`` (seconds) bounds how long a rank waits for a peer that stopped answering.
+    raises the same error. ``timeout`` (seconds) bounds how long a rank waits for a peer that stopped answering,
+    and how long planning may take (past it every rank raises ``TookTooLongError`` naming where planning was).
     ``pretrained`` (a HF safetensors checkpoint directory) fills the sharded model from it, each rank reading its
     own slices: build the model on ``meta`` (``with torch.device("meta"): AutoModel...from_config(config)``) to
     never hold the full model in any process.
@@ -85,7 +86,8 @@ def autoparallelize(
             kwargs.setdefault("devices_per_node", launcher_devices_per_node(world))
             return plan_model(model, global_batch(example_inputs, world), **kwargs)
 
-        plan = plan_on_one_rank(make)
+        limit = as_timedelta(timeout).total_seconds()
+        plan = plan_on_one_rank(make, limit_s=limit, what=f"planning {type(model).__name__}")
     if (
         plan.micro_batches > 1 and plan.pp_size == 1 and dist.get_rank() == 0
     ):  # a pipeline's are the schedule's

@@ -3,8 +3,10 @@ runtime does not enforce runs as DTensor's propagation decides, so the ILP may o
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..capture.graph import OpNode, StepGraph, ValueKind
@@ -245,8 +247,6 @@ def _choice_rules(graph, node, name, strats, arrivals, axis, mesh, choose, alike
     """One rule per combination of arrival outcomes (``alike_only``: those where every activation input
     arrives in one placement) and per group of strategies that use the node's parameters alike: every
     strategy of the group DTensor would not run is barred under that combination."""
-    import itertools
-
     from ..strategies.enumerate import _signature
 
     params = [k for k, vid in enumerate(node.inputs) if graph.values[vid].kind is ValueKind.PARAM]
@@ -259,9 +259,9 @@ def _choice_rules(graph, node, name, strats, arrivals, axis, mesh, choose, alike
     signature = _signature(node, graph, tuple(mesh.shape), False)
     hooked = {k for k, vid in enumerate(node.inputs) if k not in params and _enforced_input(graph, node, vid)}
     rules: list[FollowsInputs] = []
-    for combo in itertools.product(*(a.outcomes for a in arrivals)):
-        if alike_only and len({e[1] for placed, _ in combo for e in placed if isinstance(e[0], int)}) > 1:
-            continue
+    for combo in (
+        _alike_combos(arrivals) if alike_only else itertools.product(*(a.outcomes for a in arrivals))
+    ):
         given: dict[int, tuple[str, ...]] = {}
         stored: dict[int, str] = {}
         weight_use: tuple[str, ...] | None = None
@@ -312,6 +312,53 @@ def _choice_rules(graph, node, name, strats, arrivals, axis, mesh, choose, alike
             )
             rules.append(FollowsInputs(name, barred, conditions))
     return rules
+
+
+def _arriving_specs(placed: tuple) -> set:
+    """The placements one arrival outcome gives the op's activation inputs (parameter and weight entries are
+    keyed by a word, activation entries by the input position)."""
+    return {entry[1] for entry in placed if isinstance(entry[0], int)}
+
+
+def _alike_combos(arrivals: Sequence[_Arrival]) -> list[tuple]:
+    """The combinations of arrival outcomes in which every activation input arrives in one placement, in the
+    order ``itertools.product`` lists them, without walking the product: an op reading many producers (a
+    ``stack`` of the per-time-step outputs of a recurrent loop, 16 producers of 3 outcomes each) has
+    billions of combinations, of which only a few are alike.
+
+    Per placement ``p``: each activation arrival contributes its one outcome that gives every input it feeds
+    ``p`` (outcomes are distinct placement tuples), each parameter or weight arrival all of its outcomes; the
+    index tuples of every ``p`` are merged in lexicographic order (``product``'s)."""
+    kinds = [
+        any(isinstance(entry[0], int) for placed, _ in arrival.outcomes for entry in placed)
+        for arrival in arrivals
+    ]
+    if not any(kinds):
+        return list(itertools.product(*(a.outcomes for a in arrivals)))
+    first = kinds.index(True)  # every alike combination gives all inputs one of this arrival's placements
+    candidates = list(
+        dict.fromkeys(
+            spec
+            for placed, _ in arrivals[first].outcomes
+            if len(specs := _arriving_specs(placed)) == 1
+            for spec in specs
+        )
+    )
+    indices: list[tuple[int, ...]] = []
+    for spec in candidates:
+        choices: list[list[int]] = []
+        for arrival, activation in zip(arrivals, kinds, strict=True):
+            if activation:
+                choices.append(
+                    [j for j, (placed, _) in enumerate(arrival.outcomes) if _arriving_specs(placed) == {spec}]
+                )
+            else:
+                choices.append(list(range(len(arrival.outcomes))))
+        indices.extend(itertools.product(*choices))
+    return [
+        tuple(arrival.outcomes[j] for arrival, j in zip(arrivals, index, strict=True))
+        for index in sorted(indices)
+    ]
 
 
 def _same_strategy(planned: Strategy, chosen: Strategy) -> bool:

@@ -5,7 +5,9 @@
 
 ``planning``: an impossible memory budget through ``autoparallelize``, the ``AutoParallelAccelerator`` and the
 ``AutoParallelCallback`` in turn, then a plan that only rank 1's model does not fit. Each rank writes
-``D/rank<r>.json``: per case, the error type and message it caught and the seconds it took. Then a saved 1 x 2
+``D/rank<r>.json``: per case, the error type and message it caught and the seconds it took. Then planning that
+outlives its limit (``autoparallelize(timeout=0.5)``: every rank raises ``TookTooLongError``), and work on rank 0
+that outlives the collective timeout (every rank receives its result: the others wait in heartbeats). Then a saved 1 x 2
 plan applied through every entry point with and without a ``timeout`` setting (``autoparallelize``,
 ``AutoParallelPlugin(timeout=)``, ``HF_COLOSSAL_AUTO_TIMEOUT``, ``AutoParallelCallback(timeout=)``): the
 collective timeout each left on the default group and on the plan's tensor-parallel group, read back from the
@@ -113,6 +115,48 @@ def _foreign_plan_case() -> None:
     apply_plan(model, plan)
 
 
+SLOW_PLANNING_S = 4.0
+"""How long the slow-planning case's work takes: twice the collective timeout it runs under."""
+
+
+def _slow_planning_case() -> dict:
+    """Rank 0 works for all for longer than the default group's collective timeout (2 s, heartbeats every 0.5 s):
+    every rank gets its result, none times out. Returns the value every rank received."""
+    import datetime
+
+    from hf_colossal_auto._torch_compat import set_group_timeout
+    from hf_colossal_auto.apply import agree
+
+    heartbeat, agree.HEARTBEAT_S = agree.HEARTBEAT_S, 0.5
+    set_group_timeout(datetime.timedelta(seconds=2), None)
+    try:
+        got = agree.run_on_one_rank(lambda: time.sleep(SLOW_PLANNING_S) or "slow plan", what="planning")
+    finally:
+        agree.HEARTBEAT_S = heartbeat
+        set_group_timeout(datetime.timedelta(minutes=30), None)
+    return {"value": got}
+
+
+def _planning_limit_case() -> None:
+    """``autoparallelize(timeout=0.5)``: planning tiny-llama takes longer, so every rank raises TookTooLongError
+    naming the model and where rank 0's planning was; rank 0 then waits for its planning thread to end (it
+    cannot be stopped), so the next case runs alone."""
+    import threading
+
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.models import make_example_inputs
+
+    model = _model()
+    try:
+        autoparallelize(
+            model, make_example_inputs(model, 2, 16), mesh_shape=(1, 2), device="cpu", timeout=0.5
+        )
+    finally:
+        for thread in threading.enumerate():
+            if thread.name.startswith("hf_colossal_auto planning"):
+                thread.join()
+
+
 def _timeouts_left(model: torch.nn.Module) -> list[float]:
     """Seconds of the collective timeout of the default group and of the group a sharded parameter of ``model``
     lives on, read back from the process groups; both set back to torch's 30 minutes for the next case."""
@@ -209,11 +253,15 @@ def planning(out: Path) -> None:
         "accelerator": _accelerator_case,
         "callback": lambda: _callback_case(out),
         "foreign_plan": _foreign_plan_case,
+        "planning_limit": _planning_limit_case,
     }
     results = {}
     for name, case in cases.items():
         results[name] = _caught(case)
         dist.barrier()  # the next case starts together on both ranks: each case's time is its own
+    slow: dict = {}
+    results["slow_planning"] = {**_caught(lambda: slow.update(_slow_planning_case())), **slow}
+    dist.barrier()
     results["timeouts"] = timeouts(out)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
