@@ -26,7 +26,7 @@ from ..profile.profiler import _module_list_children, block_units
 from ..strategies import ops_without_dtensor_rule
 from ..strategies.moe import moe_layer_choices
 from .build.builder import BuiltProblem
-from .build.names import EXPERT_DP_NODE, _node_name, _param_node_name
+from .build.names import EXPERT_DP_NODE, MemoryRow, _node_name, _param_node_name, memory_row_name
 from .pricing.collectives import _collective_prediction, _recompute_collectives, _sync_wait
 from .pricing.comm import SHARDED_DP_MODES, AxisComm, boundary_reshardings
 from .problem import Solution, evaluate, memory_usage
@@ -177,15 +177,17 @@ def _make_plan(
         collectives[kind] = round(collectives.get(kind, 0.0) + micro * count, 6)
     param_mem = 0.0
     at_peak_params = 0.0
+    optimizer_row = problem.memory_constraint(memory_row_name(MemoryRow.OPTIMIZER_STEP))
+    peak_row = problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
     for pname in built.param_options:
         node = problem.node(pname)
-        terms = problem.memory_constraints[1].terms.get(pname)
+        terms = optimizer_row.terms.get(pname)
         if terms:
             param_mem += terms[solution.choice[pname]] * node.multiplicity
-        peak_terms = problem.memory_constraints[0].terms.get(pname)
+        peak_terms = peak_row.terms.get(pname)
         if peak_terms:
             at_peak_params += peak_terms[solution.choice[pname]] * node.multiplicity
-    act_mem = memory_usage(problem, solution.choice)["activation-peak"] - at_peak_params
+    act_mem = memory_usage(problem, solution.choice)[peak_row.name] - at_peak_params
     return Plan(
         model_class=graph.model_class,
         num_devices=context.cluster.num_devices,
@@ -262,10 +264,10 @@ def _memory_moments(problem, solution: Solution) -> list[list[Any]]:
     wherever forward and backward peak; then each recomputed block's backward, last block first; then the
     optimizer step)."""
     usage = memory_usage(problem, solution.choice)
-    names = [c.name for c in problem.memory_constraints]
-    order = [n for n in names if n == "activation-peak"]
-    order += [n for n in names if n.startswith(("rerun:", "recompute:"))]
-    order += [n for n in names if n not in order]
+    rows = problem.memory_constraints
+    order = [c.name for c in rows if c.kind == MemoryRow.ACTIVATION_PEAK]
+    order += [c.name for c in rows if c.kind in (MemoryRow.RERUN, MemoryRow.RECOMPUTE)]
+    order += [c.name for c in rows if c.name not in order]
     return [[name, float(usage[name])] for name in order]
 
 
@@ -304,7 +306,7 @@ def _unit_order(model: nn.Module, unit_of) -> list[str]:
 def _activation_per_unit(built, solution, graph, tied, unit_of, tp) -> dict[str, float]:
     """Activation bytes at the peak per depth unit (the recompute choice applied)."""
     out: dict[str, float] = defaultdict(float)
-    constraint = built.problem.memory_constraints[0]
+    constraint = built.problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
 
     def add(name: str, per_copy: float) -> None:
         module = graph.nodes[built.node_of_name[name]].module

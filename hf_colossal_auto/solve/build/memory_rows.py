@@ -15,7 +15,7 @@ from ..problem import (
 )
 from ..recompute import RecomputeOption
 from ..tied import _weighted
-from .names import _node_name
+from .names import MemoryRow, _node_name, memory_row_name
 
 
 class _MemoryRowsPart:
@@ -52,7 +52,7 @@ class _MemoryRowsPart:
         starts (``rerun:<unit>``). See :meth:`_constraint_at`."""
         constant_other = self._constant_bytes()
         constraints: list[MemoryConstraint] = []
-        constraints.append(self._constraint_at("activation-peak", self.peak_snapshot, None))
+        constraints.append(self._constraint_at(MemoryRow.ACTIVATION_PEAK, self.peak_snapshot, None))
         opt_terms = {
             p: [
                 m + g + t
@@ -64,14 +64,23 @@ class _MemoryRowsPart:
         }
         constraints.append(
             MemoryConstraint(
-                "optimizer-step", self.budget, constant_other, opt_terms, apply_multiplicity=True
+                memory_row_name(MemoryRow.OPTIMIZER_STEP),
+                self.budget,
+                constant_other,
+                opt_terms,
+                apply_multiplicity=True,
+                kind=MemoryRow.OPTIMIZER_STEP,
             )
         )
         for u, (unit, snapshot) in enumerate(zip(self.units, self.unit_snapshots, strict=True)):
-            constraints.append(self._constraint_at(f"recompute:{unit.name}", snapshot, u))
+            constraints.append(self._constraint_at(MemoryRow.RECOMPUTE, snapshot, u, unit=unit.name))
             constraints.append(
                 self._constraint_at(
-                    f"rerun:{unit.name}", self.start_snapshots[u], u, self.forward_snapshots[u]
+                    MemoryRow.RERUN,
+                    self.start_snapshots[u],
+                    u,
+                    self.forward_snapshots[u],
+                    unit=unit.name,
                 )
             )
         return constraints
@@ -81,7 +90,13 @@ class _MemoryRowsPart:
         return self.peak_snapshot.by_kind.get("input", 0) + self.peak_snapshot.by_kind.get("buffer", 0)
 
     def _constraint_at(
-        self, name: str, snapshot: _Snapshot, current: int | None, rerun: _Snapshot | None = None
+        self,
+        kind: MemoryRow,
+        snapshot: _Snapshot,
+        current: int | None,
+        rerun: _Snapshot | None = None,
+        *,
+        unit: str | None = None,
     ) -> MemoryConstraint:
         """Per-device bytes at one moment of the step: what forward nodes still hold (kept per the recompute
         choice; inside unit ``current``'s backward, at its highest point, also its recomputed block),
@@ -90,7 +105,8 @@ class _MemoryRowsPart:
 
         ``rerun``: the moment is the recompute of unit ``current``'s block, just as its backward starts; a
         block that reruns holds what it held at its own forward's highest point (``rerun``'s bytes of its
-        nodes: saved outputs and forward temporaries) on top of the gradients arriving from above."""
+        nodes: saved outputs and forward temporaries) on top of the gradients arriving from above. The row is
+        named by ``kind`` and, for a per-unit kind, recompute unit ``unit`` (:func:`~.names.memory_row_name`)."""
         tied = self.tied
         saved = _weighted(tied, snapshot.by_node)
         rerun_alive = _weighted(tied, rerun.by_node) if rerun is not None else {}
@@ -147,7 +163,13 @@ class _MemoryRowsPart:
             if holding and sid not in snapshot.watched_alive:
                 terms[self._hold_node(sid, holding)] = [0.0, float(self.graph.storages[sid].nbytes)]
         return MemoryConstraint(
-            name, self.budget, self._constant_bytes() + transient, terms, edge_terms, apply_multiplicity=True
+            memory_row_name(kind, unit),
+            self.budget,
+            self._constant_bytes() + transient,
+            terms,
+            edge_terms,
+            apply_multiplicity=True,
+            kind=kind,
         )
 
     def _hold_node(self, sid: int, units: tuple[int, ...]) -> str:
