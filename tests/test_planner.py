@@ -13,8 +13,10 @@ from hf_colossal_auto.capture.graph import Phase
 from hf_colossal_auto.hardware import ClusterSpec, get_device
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.plan import Plan
+from hf_colossal_auto.profile.profiler import _module_list_children
 from hf_colossal_auto.solve import InfeasibleError, brute_force, evaluate, solve
 from hf_colossal_auto.solve.build import build_problem
+from hf_colossal_auto.solve.build.names import NodeKind
 from hf_colossal_auto.solve.planner import evaluate_plan, megatron_placements, plan_model, tp_plan_placements
 from hf_colossal_auto.solve.pricing.comm import AxisComm, redistribute
 from hf_colossal_auto.solve.tied import TiedGraph
@@ -48,7 +50,7 @@ class _TinyMLP(nn.Module):
         return {"loss": (y - labels).pow(2).mean()}
 
 
-def _problem(model, batch, mesh, budget=1e12, dp_mode="ddp", fixed=None):
+def _problem(model, batch, mesh, budget=1e12, dp_mode="ddp", fixed=None, recompute_layers=None):
     graph = trace_training_step(model, batch, device_kind="cuda")
     spec = get_device(DEVICE)
     cluster = ClusterSpec(spec, mesh[0] * mesh[1])
@@ -63,6 +65,7 @@ def _problem(model, batch, mesh, budget=1e12, dp_mode="ddp", fixed=None):
         dp_mode=dp_mode,
         budget=budget,
         fixed_params=fixed,
+        recompute_layers=recompute_layers,
     )
 
 
@@ -121,6 +124,22 @@ def test_blocks_are_tied_so_the_ilp_does_not_grow_with_depth():
     p12 = _problem(deep, batch, (1, 2)).problem
     assert len(p6.nodes) == len(p12.nodes)
     assert sum(n.multiplicity for n in p12.nodes) > sum(n.multiplicity for n in p6.nodes)
+
+
+def test_node_kinds_are_fields_that_match_what_each_node_decides():
+    """Every ILP node says what it decides in its ``kind`` field (readers such as the data-parallel overlap tell
+    op nodes by it, never by their names): ops, parameters, recompute units, checkpoint holds."""
+    model = _gpt2_with_layers(4)
+    batch = make_example_inputs(model, 2, 16, device="meta")
+    built = _problem(model, batch, (2, 2), recompute_layers=_module_list_children(model))
+    kinds = {node.name: node.kind for node in built.problem.nodes}
+    expected = {name: NodeKind.OP for name in built.node_of_name}
+    expected.update({name: NodeKind.PARAM for name in built.param_options})
+    expected.update({name: NodeKind.RECOMPUTE for name in built.recompute_units})
+    expected.update({name: NodeKind.HOLD for name in built.hold_nodes})
+    assert built.recompute_units and kinds == expected
+    (overlap,) = built.problem.overlaps
+    assert overlap.compute and all(kinds[name] == NodeKind.OP for name in overlap.compute)
 
 
 def test_tied_graph_weights_count_every_real_block():

@@ -24,6 +24,7 @@ from ..profile.profiler import _module_list_children
 from ..strategies import enumerate_strategies
 from ..units import parse_bytes
 from .build.builder import BuiltProblem, build_problem
+from .build.names import NodeKind
 from .ilp import solve
 from .pricing.comm import AxisComm, HybridComm
 from .problem import InfeasibleError, Solution
@@ -317,7 +318,7 @@ class _Planner:
         )
         fixed = dict(built.problem.fixed)
         for node in built.problem.nodes:
-            decided_by_recompute = node.name in built.recompute_options or node.name in built.hold_nodes
+            decided_by_recompute = node.kind in (NodeKind.RECOMPUTE, NodeKind.HOLD)
             if node.name in sharding and not decided_by_recompute:
                 fixed[node.name] = sharding[node.name]
         built.problem = dataclasses.replace(built.problem, fixed=fixed)

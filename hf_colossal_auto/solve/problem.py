@@ -83,6 +83,10 @@ class DecisionNode:
     costs: list[float]
     labels: list[str]
     multiplicity: int = 1
+    kind: str = ""
+    """What the node decides, as its writer names it (the builder's :class:`~.build.names.NodeKind`: an op's
+    strategy, a parameter's storage, a recompute option...); pricing reads it (the data-parallel overlap hides
+    behind the op nodes' compute). The solvers never read it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

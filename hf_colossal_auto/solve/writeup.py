@@ -26,7 +26,7 @@ from ..profile.profiler import _module_list_children, block_units
 from ..strategies import ops_without_dtensor_rule
 from ..strategies.moe import moe_layer_choices
 from .build.builder import BuiltProblem
-from .build.names import EXPERT_DP_NODE, MemoryRow, _node_name, _param_node_name, memory_row_name
+from .build.names import MemoryRow, NodeKind, _node_name, _param_node_name, memory_row_name
 from .pricing.collectives import _collective_prediction, _recompute_collectives, _sync_wait
 from .pricing.comm import SHARDED_DP_MODES, AxisComm, boundary_reshardings
 from .problem import Solution, evaluate, memory_usage
@@ -79,12 +79,12 @@ def _make_plan(
         i = solution.choice[node.name]
         cost = node.costs[i] * node.multiplicity
         module = built.block_of.get(node.name, "")
-        if node.name == EXPERT_DP_NODE:  # the exchange of expert parallelism over dp, per layer
+        if node.kind == NodeKind.EXPERT_EXCHANGE:  # the exchange of expert parallelism over dp, per layer
             comm += cost
             layers = sum(e.layers for e in built.expert_data_parallel.values())
             for m, exchange in built.expert_data_parallel.items():
                 spread(block_comm, m, cost * exchange.layers / layers)
-        elif node.name in built.param_options:  # its share of the optimizer step
+        elif node.kind == NodeKind.PARAM:  # its share of the optimizer step
             compute += cost
             spread(block_compute, module, cost)
         else:

@@ -15,7 +15,7 @@ from ..problem import (
 )
 from ..recompute import RecomputeOption
 from ..tied import _weighted
-from .names import MemoryRow, _node_name, memory_row_name
+from .names import MemoryRow, NodeKind, _node_name, memory_row_name
 
 
 class _MemoryRowsPart:
@@ -183,7 +183,9 @@ class _MemoryRowsPart:
             return self.hold_nodes[key]
         name = f"hold:{sid}:" + ",".join(self.units[u].name for u in units)
         self.hold_nodes[key] = name
-        self.nodes.append(DecisionNode(name, [0.0, 0.0], ["released", "held"], multiplicity=1))
+        self.nodes.append(
+            DecisionNode(name, [0.0, 0.0], ["released", "held"], multiplicity=1, kind=NodeKind.HOLD)
+        )
         for u in units:
             recomputing = tuple(k for k, o in enumerate(self.unit_options_of[u]) if not o.is_none)
             self.hold_rules.append(FollowsInputs(self.rc_names[u], recomputing, ((name, (0,)),)))

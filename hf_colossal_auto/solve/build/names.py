@@ -9,6 +9,22 @@ from enum import Enum
 from ...strategies.placements import Strategy
 
 
+class NodeKind(str, Enum):
+    """What an ILP node decides (its ``kind``), so that a reader tells an op node from a parameter node by a field,
+    never by its name."""
+
+    OP = "op"
+    """A forward op's strategy on the tensor-parallel axis (``n<i>``)."""
+    PARAM = "param"
+    """A parameter's storage placement (``p:<fqn>``)."""
+    RECOMPUTE = "recompute"
+    """A recompute unit's option (``rc:<unit>``)."""
+    HOLD = "hold"
+    """Whether a checkpoint holds a storage (``hold:<sid>:<units>``)."""
+    EXPERT_EXCHANGE = "expert-exchange"
+    """The collectives of expert parallelism over the data-parallel axis (``expert-dp``)."""
+
+
 class MemoryRow(str, Enum):
     """The moments of the step the builder writes a memory row at (a row's ``kind``). The activation peak and the
     optimizer step are one row each, named by their kind; a recompute unit has a row of each other kind, named
