@@ -27,6 +27,7 @@ from .build.builder import BuiltProblem, build_problem
 from .build.names import NodeKind
 from .ilp import solve
 from .pricing.comm import AxisComm, HybridComm
+from .pricing.memory import StepMemories
 from .problem import InfeasibleError, Solution
 from .writeup import WriteupContext, _make_plan
 
@@ -88,7 +89,8 @@ def _solve_candidate(built: BuiltProblem, time_limit_s: float, what: str) -> Sol
 
 
 class _Planner:
-    """Caches traces (per local batch) and strategies (per trace and tensor-parallel size)."""
+    """Caches traces (per local batch), strategies (per trace and tensor-parallel size) and what the problems
+    built from one trace share of its memory (:class:`~.pricing.memory.StepMemories`)."""
 
     def __init__(
         self,
@@ -119,6 +121,8 @@ class _Planner:
         interpolated from three traces."""
         self._strategies: dict[tuple[int, int], dict] = {}
         """Strategies by (micro-batch rows, tensor-parallel size)."""
+        self._step_memories = StepMemories()
+        """What the problems built from one step share of its memory (timeline, liveness snapshots), per step."""
         self.routing: RoutingLoad | None = None
         """A measured routing load the MoE costs are priced under (:func:`_routing`); None: uniform."""
 
@@ -229,6 +233,7 @@ class _Planner:
             dtensor_rules=dtensor_rules,
             routing=self.routing,
             expert_dp=expert_dp,
+            step_memory=self._step_memories.of(graph),
         )
 
     def axis_comm(self, mesh: tuple[int, int], axis: int) -> AxisComm:

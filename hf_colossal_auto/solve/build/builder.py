@@ -49,7 +49,7 @@ from ...profile.memory import saved_bytes_per_node
 from ...strategies.placements import Strategy
 from ..pricing.comm import AxisComm, HybridComm, data_parallel_overlap, data_parallel_shard_size
 from ..pricing.compute import BackwardRatios, _backward_ratios, _expert_skews
-from ..pricing.memory import _checkpoint_args
+from ..pricing.memory import StepMemory, _checkpoint_args
 from ..problem import (
     ConditionalCost,
     DecisionEdge,
@@ -134,6 +134,7 @@ def build_problem(
     dtensor_rules: bool = True,
     routing: RoutingLoad | None = None,
     expert_dp: bool = False,
+    step_memory: StepMemory | None = None,
 ) -> BuiltProblem:
     """The ILP for one mesh ``(dp, tp)`` and data-parallel mode ("ddp", "fsdp", or "hsdp" with ``dp_comm`` a
     :class:`HybridComm`: FSDP inside its shard group, the shards all-reduced over its replicate group).
@@ -168,6 +169,9 @@ def build_problem(
     with ``E/dp`` experts' weights), and the all-to-alls of the exchange and the sender's own kernels
     (:func:`expert_exchanges`) on the data-parallel link, exposed (the region waits for them).
 
+    ``step_memory``: what problems built from ``graph`` share of its memory (its unrolled timeline and liveness
+    snapshots), for a caller that builds several from one step; None works it out for this problem alone.
+
     The parts of the ILP are priced by the methods of :class:`_ProblemBuilder`.
     """
     return _ProblemBuilder(
@@ -187,6 +191,7 @@ def build_problem(
         dtensor_rules=dtensor_rules,
         routing=routing,
         expert_dp=expert_dp,
+        step_memory=step_memory,
     ).build()
 
 
@@ -224,6 +229,7 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         dtensor_rules: bool = True,
         routing: RoutingLoad | None = None,
         expert_dp: bool = False,
+        step_memory: StepMemory | None = None,
     ) -> None:
         # ------------------------------------------------------------ inputs
         self.graph = graph
@@ -247,6 +253,10 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         self.micro_batches = micro_batches
         self.dtensor_rules = dtensor_rules
         self.routing = routing
+        if step_memory is not None and step_memory.graph is not graph:
+            raise ValueError("build_problem: step_memory belongs to another step than the graph being built")
+        self.step_memory = step_memory if step_memory is not None else StepMemory(graph)
+        """What problems built from this step share of its memory (:class:`StepMemory`)."""
 
         # ------------------------------------------------------------ derived from the graph
         self.tied = TiedGraph.build(graph)

@@ -7,7 +7,7 @@ from ...capture.graph import Phase
 from ...strategies.placements import Strategy
 from ..pricing.comm import shard_factor
 from ..pricing.compute import is_expert_parallel
-from ..pricing.memory import _block_moment, _liveness, _Snapshot, _unrolled
+from ..pricing.memory import _block_moment, _liveness, _Snapshot
 from ..problem import (
     DecisionNode,
     FollowsInputs,
@@ -26,10 +26,11 @@ class _MemoryRowsPart:
         """Live bytes at the moments the memory constraints are written at: the highest point of forward +
         backward, and per recompute unit inside its backward at the highest point, at the start of its backward
         (where a rerun happens) and at the highest point of its forward (what a rerun rebuilds)."""
-        graph, units = self.graph, self.units
+        units = self.units
         # The same graph is built into several problems (data-parallel modes, the planner's relaxations): the
-        # snapshots depend only on it, its units and the storages they are handed, so they are kept on it.
-        cache = graph.__dict__.setdefault("_snapshot_cache", {})
+        # snapshots depend only on it, its units and the storages they are handed, so they are kept with its
+        # StepMemory.
+        cache = self.step_memory.snapshots
         key = (tuple((u.name, tuple(u.nodes)) for u in units), tuple(sorted(self.checkpoint_args)))
         if key not in cache:
             cache[key] = self._snapshots_uncached()
@@ -37,7 +38,7 @@ class _MemoryRowsPart:
 
     def _snapshots_uncached(self) -> tuple[_Snapshot, list[_Snapshot], list[_Snapshot], list[_Snapshot]]:
         graph, units = self.graph, self.units
-        step = _unrolled(graph)
+        step = self.step_memory.unrolled
         moments = [_block_moment(graph, step, unit, Phase.BACKWARD, "peak") for unit in units]
         moments += [_block_moment(graph, step, unit, Phase.BACKWARD, "start") for unit in units]
         moments += [_block_moment(graph, step, unit, Phase.FORWARD, "peak") for unit in units]

@@ -98,7 +98,7 @@ class _NodesPart:
         real_count: dict[str, int] = defaultdict(int)
         for fqn in graph.param_names:
             real_count[tied.canonical_param(fqn)] += 1
-        opt_temp_ratio = _optimizer_temp_ratio(graph)
+        opt_temp_ratio = _optimizer_temp_ratio(graph, self.step_memory.unrolled)
         fsdp_layers = [u.name for u in self.units] if self.dp_mode in SHARDED_DP_MODES and dp > 1 else []
         for fqn in sorted(param_uses):
             shape = graph.param_shapes.get(fqn)
