@@ -198,8 +198,9 @@ def build_problem(
 class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _ExpertExchangePart):
     """Builds the ILP of :func:`build_problem` for one mesh and data-parallel mode, one part per method.
 
-    ``__init__`` holds what every part reads (the graph and its tied copies, the strategies, device and
-    communication models, backward ratios, recompute units and the liveness snapshots); :meth:`build` runs the
+    ``__init__`` holds what every part reads: the inputs (the graph, the strategies, device and communication
+    models), what :meth:`_derive_from_graph` works out of the graph (its tied copies, backward ratios, recompute
+    units and the liveness snapshots) and the empty parts of :meth:`_start_problem`; :meth:`build` runs the
     parts in order, each adding to the decision nodes, edges and the state the later parts read:
 
     1. :meth:`_add_op_nodes`: one node per canonical forward op (its compute time);
@@ -258,9 +259,15 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         self.step_memory = step_memory if step_memory is not None else StepMemory(graph)
         """What problems built from this step share of its memory (:class:`StepMemory`)."""
 
-        # ------------------------------------------------------------ derived from the graph
+        self._derive_from_graph(recompute_layers, expert_dp)
+        self._start_problem()
+
+    def _derive_from_graph(self, recompute_layers: Sequence[str] | None, expert_dp: bool) -> None:
+        """What every part reads of the graph: its tied copies, expert skews and experts over dp, backward
+        ratios, producers and readers, recompute units, checkpoint arguments and the liveness snapshots."""
+        graph = self.graph
         self.tied = TiedGraph.build(graph)
-        self.expert_skews = _expert_skews(graph, self.tied, routing, self.tp)
+        self.expert_skews = _expert_skews(graph, self.tied, self.routing, self.tp)
         """Canonical grouped GEMM -> ((busiest rank's rows / mean rank's, real layers with it), ...) over the MoE
         layers it stands for; empty without a measured routing load."""
         self.expert_dp: dict[str, ExpertExchange] = {}
@@ -271,7 +278,7 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         """Canonical per-expert weights stored E/dp experts per data-parallel rank."""
         if expert_dp:
             self._setup_expert_dp()
-        self.ratios = _backward_ratios(graph, spec)
+        self.ratios = _backward_ratios(graph, self.spec)
         self.producer = forward_producers(graph)
         self.canon_nodes = sorted({self.tied.canonical[i] for i in self.tied.canonical})
         self.readers = value_readers(graph, self.tied)
@@ -296,7 +303,8 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         """Canonical node -> bytes its outputs keep into backward, wherever the peak falls (a T5 decoder block's
         activations are all freed by the time of its step's peak, yet its backward needs them)."""
 
-        # ------------------------------------------------------------ the problem, filled in by the parts
+    def _start_problem(self) -> None:
+        """The problem's parts, empty: filled in by the parts of :meth:`build`."""
         self.nodes: list[DecisionNode] = []
         self.fixed: dict[str, int] = {}
         self.block_of: dict[str, str] = {}
