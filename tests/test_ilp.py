@@ -560,6 +560,18 @@ def test_bad_arguments() -> None:
     assert "highs" in SOLVERS
 
 
+def test_memory_rows_are_read_by_name() -> None:
+    """A row is found by its name whatever its position; an unknown name is an error naming the rows there are."""
+    nodes = [DecisionNode("a", [0.0, 1.0], ["r", "s"])]
+    rows = [
+        MemoryConstraint(n, 10.0, 0.0, {"a": [1.0, 2.0]}, kind=k) for n, k in (("x", "peak"), ("y", "step"))
+    ]
+    problem = Problem(nodes, memory_constraints=rows)
+    assert problem.memory_constraint("y") is rows[1] and problem.memory_constraint("y").kind == "step"
+    with pytest.raises(ValueError, match=r"unknown memory constraint 'z' \(rows: \['x', 'y'\]\)"):
+        problem.memory_constraint("z")
+
+
 @pytest.mark.parametrize("backend", SOLVERS)
 def test_conditional_cost_is_paid_only_under_its_gate(backend: str) -> None:
     """A pairwise cost gated by a third node (the collectives a recomputed block runs again): three free

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,10 +14,13 @@ from hf_colossal_auto.capture.graph import Phase
 from hf_colossal_auto.hardware import ClusterSpec, get_device
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.plan import Plan
+from hf_colossal_auto.profile.profiler import _module_list_children
 from hf_colossal_auto.solve import InfeasibleError, brute_force, evaluate, solve
 from hf_colossal_auto.solve.build import build_problem
+from hf_colossal_auto.solve.build.names import NodeKind
 from hf_colossal_auto.solve.planner import evaluate_plan, megatron_placements, plan_model, tp_plan_placements
 from hf_colossal_auto.solve.pricing.comm import AxisComm, redistribute
+from hf_colossal_auto.solve.pricing.memory import StepMemories
 from hf_colossal_auto.solve.tied import TiedGraph
 from hf_colossal_auto.strategies import enumerate_strategies
 
@@ -48,8 +52,18 @@ class _TinyMLP(nn.Module):
         return {"loss": (y - labels).pow(2).mean()}
 
 
-def _problem(model, batch, mesh, budget=1e12, dp_mode="ddp", fixed=None):
-    graph = trace_training_step(model, batch, device_kind="cuda")
+def _problem(
+    model,
+    batch,
+    mesh,
+    budget=1e12,
+    dp_mode="ddp",
+    fixed=None,
+    recompute_layers=None,
+    graph=None,
+    step_memory=None,
+):
+    graph = graph or trace_training_step(model, batch, device_kind="cuda")
     spec = get_device(DEVICE)
     cluster = ClusterSpec(spec, mesh[0] * mesh[1])
     strategies = enumerate_strategies(graph, (mesh[1],), phases=(Phase.FORWARD,))
@@ -63,6 +77,8 @@ def _problem(model, batch, mesh, budget=1e12, dp_mode="ddp", fixed=None):
         dp_mode=dp_mode,
         budget=budget,
         fixed_params=fixed,
+        recompute_layers=recompute_layers,
+        step_memory=step_memory,
     )
 
 
@@ -121,6 +137,50 @@ def test_blocks_are_tied_so_the_ilp_does_not_grow_with_depth():
     p12 = _problem(deep, batch, (1, 2)).problem
     assert len(p6.nodes) == len(p12.nodes)
     assert sum(n.multiplicity for n in p12.nodes) > sum(n.multiplicity for n in p6.nodes)
+
+
+def test_node_kinds_are_fields_that_match_what_each_node_decides():
+    """Every ILP node says what it decides in its ``kind`` field (readers such as the data-parallel overlap tell
+    op nodes by it, never by their names): ops, parameters, recompute units, checkpoint holds."""
+    model = _gpt2_with_layers(4)
+    batch = make_example_inputs(model, 2, 16, device="meta")
+    built = _problem(model, batch, (2, 2), recompute_layers=_module_list_children(model))
+    kinds = {node.name: node.kind for node in built.problem.nodes}
+    expected = {name: NodeKind.OP for name in built.node_of_name}
+    expected.update({name: NodeKind.PARAM for name in built.param_options})
+    expected.update({name: NodeKind.RECOMPUTE for name in built.recompute_units})
+    expected.update({name: NodeKind.HOLD for name in built.hold_nodes})
+    assert built.recompute_units and kinds == expected
+    (overlap,) = built.problem.overlaps
+    assert overlap.compute and all(kinds[name] == NodeKind.OP for name in overlap.compute)
+
+
+def test_what_problems_share_of_a_step_is_kept_by_the_planning_call_not_on_the_step():
+    """The timeline and liveness snapshots every problem built from one step reads are worked out once, in a
+    StepMemory the caller holds (one per step, by identity), not stashed on the step: a fresh step object (an
+    interpolated one) starts empty, and the problems are those built without it."""
+    model = _gpt2_with_layers(2)
+    batch = make_example_inputs(model, 2, 16, device="meta")
+    graph = trace_training_step(model, batch, device_kind="cuda")
+    attributes = set(vars(graph))
+    memories = StepMemories()
+    memory = memories.of(graph)
+    layers = _module_list_children(model)
+    shared = [
+        _problem(model, batch, (2, 1), dp_mode=m, recompute_layers=layers, graph=graph, step_memory=memory)
+        for m in ("ddp", "fsdp")
+    ]
+    assert memories.of(graph) is memory and len(memory.snapshots) == 1
+    assert set(vars(graph)) == attributes
+    alone = [
+        _problem(model, batch, (2, 1), dp_mode=m, recompute_layers=layers, graph=graph)
+        for m in ("ddp", "fsdp")
+    ]
+    assert [b.problem for b in shared] == [b.problem for b in alone]
+    copy = dataclasses.replace(graph)
+    assert memories.of(copy) is not memory
+    with pytest.raises(ValueError, match="another step"):
+        _problem(model, batch, (2, 1), graph=copy, step_memory=memory)
 
 
 def test_tied_graph_weights_count_every_real_block():

@@ -24,8 +24,10 @@ from ..profile.profiler import _module_list_children
 from ..strategies import enumerate_strategies
 from ..units import parse_bytes
 from .build.builder import BuiltProblem, build_problem
+from .build.names import NodeKind
 from .ilp import solve
 from .pricing.comm import AxisComm, HybridComm
+from .pricing.memory import StepMemories
 from .problem import InfeasibleError, Solution
 from .writeup import WriteupContext, _make_plan
 
@@ -87,7 +89,8 @@ def _solve_candidate(built: BuiltProblem, time_limit_s: float, what: str) -> Sol
 
 
 class _Planner:
-    """Caches traces (per local batch) and strategies (per trace and tensor-parallel size)."""
+    """Caches traces (per local batch), strategies (per trace and tensor-parallel size) and what the problems
+    built from one trace share of its memory (:class:`~.pricing.memory.StepMemories`)."""
 
     def __init__(
         self,
@@ -118,6 +121,8 @@ class _Planner:
         interpolated from three traces."""
         self._strategies: dict[tuple[int, int], dict] = {}
         """Strategies by (micro-batch rows, tensor-parallel size)."""
+        self._step_memories = StepMemories()
+        """What the problems built from one step share of its memory (timeline, liveness snapshots), per step."""
         self.routing: RoutingLoad | None = None
         """A measured routing load the MoE costs are priced under (:func:`_routing`); None: uniform."""
 
@@ -228,6 +233,7 @@ class _Planner:
             dtensor_rules=dtensor_rules,
             routing=self.routing,
             expert_dp=expert_dp,
+            step_memory=self._step_memories.of(graph),
         )
 
     def axis_comm(self, mesh: tuple[int, int], axis: int) -> AxisComm:
@@ -317,7 +323,7 @@ class _Planner:
         )
         fixed = dict(built.problem.fixed)
         for node in built.problem.nodes:
-            decided_by_recompute = node.name in built.recompute_options or node.name in built.hold_nodes
+            decided_by_recompute = node.kind in (NodeKind.RECOMPUTE, NodeKind.HOLD)
             if node.name in sharding and not decided_by_recompute:
                 fixed[node.name] = sharding[node.name]
         built.problem = dataclasses.replace(built.problem, fixed=fixed)

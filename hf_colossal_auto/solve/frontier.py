@@ -294,53 +294,16 @@ def frontier(
         min_feasible: float | None = None
         top: int | None = None
         if bounds_needed:
-            bar.set_description("bounds")
-            try:
-                plan_model(model, inputs, memory_budget=1, **plan_args)
-            except InfeasibleError as exc:
-                min_feasible = exc.min_required
-            bar.update(1)
-            top = plan_model(
-                model, inputs, memory_budget=_UNBOUNDED, recompute="none", **plan_args
-            ).peak_memory_bytes
-            bar.update(1)
+            min_feasible, top = _bounds(model, inputs, plan_args, bar)
         if bounds_needed:
             if min_feasible is None or not math.isfinite(min_feasible):
                 raise ValueError(
                     "could not find the smallest feasible memory of this model; pass budgets explicitly"
                 )
             budget_list = default_budgets(min_feasible, max(top * TOP_MARGIN, min_feasible * 1.01), points)
-        curves: dict[str, list[FrontierPoint]] = {}
-        unavailable: dict[str, str] = {}
-        for name in fixed:
-            bar.set_description(name)
-            baseline, recompute = BASELINE_RECIPES[name]
-            args = dict(eval_args)
-            if baseline == "megatron" and mesh_shape is None:
-                # evaluate_plan picks the tensor-parallel size from the device preset's devices per node and
-                # ignores a devices_per_node override; pick it here from the cluster actually asked for.
-                per_node = plan_kwargs.get("devices_per_node") or spec.devices_per_node
-                tp = _largest_tp(num_devices, per_node, model)
-                args["mesh_shape"] = (num_devices // tp, tp)
-            try:
-                est = evaluate_plan(model, inputs, baseline, recompute=recompute, **args)
-            except ValueError as exc:  # e.g. a batch that does not split over the baseline's replicas
-                unavailable[name] = str(exc)
-                bar.update(1)
-                continue
-            summary = summarize_recompute(est.plan) if est.plan is not None else recompute
-            curves[name] = [
-                FrontierPoint(
-                    b,
-                    est.step_time_s if est.peak_memory_bytes <= b else None,
-                    est.peak_memory_bytes,
-                    tuple(est.mesh_shape),
-                    est.dp_mode,
-                    summary,
-                )
-                for b in budget_list
-            ]
-            bar.update(1)
+        curves, unavailable = _baseline_curves(
+            model, inputs, fixed, budget_list, eval_args, mesh_shape, plan_kwargs, spec, num_devices, bar
+        )
         for name in planned:
             points_of: list[FrontierPoint] = []
             for b in budget_list:
@@ -360,6 +323,71 @@ def frontier(
         min_feasible_bytes=min_feasible,
         no_recompute_peak_bytes=top,
     )
+
+
+def _bounds(
+    model: nn.Module, inputs: Mapping[str, Any], plan_args: Mapping[str, Any], bar: Any
+) -> tuple[float | None, int]:
+    """The default sweep's ends: the smallest memory any joint plan needs (None where planning does not say),
+    and the no-recompute plan's peak."""
+    min_feasible: float | None = None
+    bar.set_description("bounds")
+    try:
+        plan_model(model, inputs, memory_budget=1, **plan_args)
+    except InfeasibleError as exc:
+        min_feasible = exc.min_required
+    bar.update(1)
+    top = plan_model(model, inputs, memory_budget=_UNBOUNDED, recompute="none", **plan_args).peak_memory_bytes
+    bar.update(1)
+    return min_feasible, top
+
+
+def _baseline_curves(
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    fixed: list[str],
+    budget_list: list[int],
+    eval_args: Mapping[str, Any],
+    mesh_shape: tuple[int, ...] | None,
+    plan_kwargs: Mapping[str, Any],
+    spec: DeviceSpec,
+    num_devices: int,
+    bar: Any,
+) -> tuple[dict[str, list[FrontierPoint]], dict[str, str]]:
+    """The baselines' curves (each priced once; it fits the budgets at or above its peak), and the baselines
+    that cannot run here with the reason."""
+    curves: dict[str, list[FrontierPoint]] = {}
+    unavailable: dict[str, str] = {}
+    for name in fixed:
+        bar.set_description(name)
+        baseline, recompute = BASELINE_RECIPES[name]
+        args = dict(eval_args)
+        if baseline == "megatron" and mesh_shape is None:
+            # evaluate_plan picks the tensor-parallel size from the device preset's devices per node and
+            # ignores a devices_per_node override; pick it here from the cluster actually asked for.
+            per_node = plan_kwargs.get("devices_per_node") or spec.devices_per_node
+            tp = _largest_tp(num_devices, per_node, model)
+            args["mesh_shape"] = (num_devices // tp, tp)
+        try:
+            est = evaluate_plan(model, inputs, baseline, recompute=recompute, **args)
+        except ValueError as exc:  # e.g. a batch that does not split over the baseline's replicas
+            unavailable[name] = str(exc)
+            bar.update(1)
+            continue
+        summary = summarize_recompute(est.plan) if est.plan is not None else recompute
+        curves[name] = [
+            FrontierPoint(
+                b,
+                est.step_time_s if est.peak_memory_bytes <= b else None,
+                est.peak_memory_bytes,
+                tuple(est.mesh_shape),
+                est.dp_mode,
+                summary,
+            )
+            for b in budget_list
+        ]
+        bar.update(1)
+    return curves, unavailable
 
 
 def _planned_point(

@@ -20,9 +20,10 @@ Baselines are the same ILP with parameter placements pinned, priced by the same 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from .candidates import (  # noqa: F401 (RECOMPUTE_MODES, PlanningTimeoutError r
 )
 from .ilp import solve
 from .pricing.comm import DP_MODES
-from .problem import InfeasibleError
+from .problem import InfeasibleError, Solution
 from .recompute import parse_option
 from .search import (  # noqa: F401 (EXPERT_DP_KEY and EXPERT_FSDP_KEY re-exported: public names of the planner)
     _EXPERT_KEY_OF_MODE,
@@ -170,9 +171,34 @@ def plan_model(
         recompute,
     )
     planner.routing = _routing(model, routing, example_inputs)
-    spec, budget = planner.spec, planner.budget
     t0 = time.perf_counter()
     search = _Search(planner)
+    _try_meshes(search, model, mesh_shape, dp_modes, micro_batches)
+    if micro_batches is None:
+        search.try_micro_batches()
+    if search.best is None:
+        search.run_deferred(search_micro_batches=micro_batches is None)
+    plan = search.best
+    if plan is None:
+        raise _no_plan_error(model, num_devices, planner, search, recompute, micro_batches)
+    _warn_if_tensor_parallel_repeats(model, plan)
+    plan.alternatives = search.tried
+    plan.solver["total_planning_s"] = time.perf_counter() - t0
+    plan.solver["steps_traced"] = planner._graphs.traced
+    plan.solver["batch_sizes"] = planner._graphs.sizes
+    return plan
+
+
+def _try_meshes(
+    search: _Search,
+    model: nn.Module,
+    mesh_shape: tuple[int, ...] | None,
+    dp_modes: tuple[str, ...],
+    micro_batches: int | None,
+) -> None:
+    """Every mesh in search order, with each data-parallel mode it offers (and HSDP shard group, experts over
+    dp): ruled out or bounded out by floors that need no ILP, else tried (``search.best`` keeps the fastest)."""
+    planner = search.planner
     for mesh in _search_order(planner, _meshes(planner, mesh_shape, micro_batches or 1)):
         for dp_mode in dp_modes if mesh[0] > 1 else ("ddp",):
             named = SearchKey.named(dp_mode)
@@ -194,28 +220,39 @@ def plan_model(
                 if search.bounded_out(mesh, key, micro_batches or 1):
                     continue
                 search.try_candidate(mesh, key, micro_batches or 1)
-    if micro_batches is None:
-        search.try_micro_batches()
-    if search.best is None:
-        search.run_deferred(search_micro_batches=micro_batches is None)
-    best = search.best
-    if best is None:
-        tried_k = sorted({t["micro_batches"] for t in search.tried})
-        raise InfeasibleError(
-            f"No plan for {type(model).__name__} on {num_devices} x {spec.name} fits {format_bytes(budget)} per "
-            f"device: the smallest per-device memory any plan needs is {format_bytes(search.min_required)}"
-            + (
-                " (with full activation recompute where it helps"
-                if recompute != "none"
-                else f" without activation recompute (recompute={recompute!r}"
-            )
-            + _micro_batch_clause(micro_batches, tried_k)
-            + ". Use more devices, a smaller batch or sequence, or a larger budget.",
-            min_required=search.min_required,
-            exact=False,
-            choice=None,
+
+
+def _no_plan_error(
+    model: nn.Module,
+    num_devices: int,
+    planner: _Planner,
+    search: _Search,
+    recompute: str,
+    micro_batches: int | None,
+) -> InfeasibleError:
+    """What no candidate fitting says: the least per-device memory any plan needs, with the recompute and
+    micro-batches it was tried with, and the ways out."""
+    spec, budget = planner.spec, planner.budget
+    tried_k = sorted({t["micro_batches"] for t in search.tried})
+    return InfeasibleError(
+        f"No plan for {type(model).__name__} on {num_devices} x {spec.name} fits {format_bytes(budget)} per "
+        f"device: the smallest per-device memory any plan needs is {format_bytes(search.min_required)}"
+        + (
+            " (with full activation recompute where it helps"
+            if recompute != "none"
+            else f" without activation recompute (recompute={recompute!r}"
         )
-    plan = best
+        + _micro_batch_clause(micro_batches, tried_k)
+        + ". Use more devices, a smaller batch or sequence, or a larger budget.",
+        min_required=search.min_required,
+        exact=False,
+        choice=None,
+    )
+
+
+def _warn_if_tensor_parallel_repeats(model: nn.Module, plan: Plan) -> None:
+    """A plan on a tensor-parallel axis that shards no parameter repeats the same work on its devices: say so,
+    with the model's attention heads (what a tensor-parallel size should divide)."""
     if plan.tp_size > 1 and all(p[1] == "R" for p in plan.param_placements.values()):
         heads = _attention_heads(model)
         logger.warning(
@@ -226,11 +263,6 @@ def plan_model(
             plan.tp_size,
             f" (the model has {heads} attention heads)" if heads else "",
         )
-    plan.alternatives = search.tried
-    plan.solver["total_planning_s"] = time.perf_counter() - t0
-    plan.solver["steps_traced"] = planner._graphs.traced
-    plan.solver["batch_sizes"] = planner._graphs.sizes
-    return plan
 
 
 def evaluate_plan(
@@ -278,16 +310,7 @@ def evaluate_plan(
     ``routing``: the MoE routing load to price under, as for :func:`plan_model` (default: a Plan's own
     measured histogram, ``Plan.moe_routing``, else uniform).
     """
-    if pin_uses and not isinstance(plan_or_baseline, Plan):
-        raise ValueError("pin_uses prices a Plan's own use placements; pass a Plan")
-    if recompute not in (None, "auto"):
-        parse_option(recompute)  # "none", "full", "selective:<classes>"; raises for anything else
-    if isinstance(plan_or_baseline, Plan) and (dp_mode is not None or dp_shard_size is not None):
-        raise ValueError("dp_mode and dp_shard_size are a Plan's own; pass them for a baseline or a tp_plan")
-    if dp_mode is not None and dp_mode not in DP_MODES:
-        raise ValueError(f"dp_mode must be one of {DP_MODES}, got {dp_mode!r}")
-    if dp_shard_size is not None and dp_mode != "hsdp":
-        raise ValueError("dp_shard_size is HSDP's shard group: pass it with dp_mode='hsdp'")
+    _check_estimate_arguments(plan_or_baseline, recompute, dp_mode, dp_shard_size, pin_uses)
     hand_dp_mode = dp_mode
     if isinstance(plan_or_baseline, Plan) and memory_budget is None:
         memory_budget = plan_or_baseline.memory_budget_bytes  # the budget the plan was made for
@@ -305,11 +328,83 @@ def evaluate_plan(
     if routing is None and isinstance(plan_or_baseline, Plan) and plan_or_baseline.moe_routing:
         routing = plan_or_baseline.moe_routing
     planner.routing = _routing(model, routing, example_inputs)
-    cluster, budget = planner.cluster, planner.budget
-    n = num_devices
+    budget = planner.budget
     if micro_batches is None:
         micro_batches = plan_or_baseline.micro_batches if isinstance(plan_or_baseline, Plan) else 1
     k = micro_batches
+    name, mesh, dp_mode, fixed, shard = _configuration(
+        model, plan_or_baseline, planner, num_devices, mesh_shape, hand_dp_mode, dp_shard_size
+    )
+    if planner.batch % (mesh[0] * k):
+        raise ValueError(
+            f"{name}: global batch {planner.batch} does not split over {mesh[0]} data-parallel replicas x {k} "
+            "micro-batches"
+        )
+    # a Plan's experts sharded over the data-parallel axis are priced so (Plan.expert_data_parallel)
+    expert_dp = isinstance(plan_or_baseline, Plan) and bool(plan_or_baseline.expert_data_parallel)
+    tied = TiedGraph.build(planner.graph(mesh[0], k))
+    canonical_fixed = {tied.canonical_param(k): v for k, v in fixed.items()}
+    param_uses = _plan_param_uses(model, plan_or_baseline) if pin_uses else None
+    # Every parameter the baseline does not name stays replicated, as the baseline means; activations are
+    # left to the solver (what a runtime's sharding propagation would do best). The budget is lifted so that a
+    # baseline that does not fit is still priced, and reported as not fitting.
+    if recompute is None:
+        recompute = "none" if not isinstance(plan_or_baseline, Plan) else None
+    pin: str | dict[str, str] | None = recompute if recompute not in (None, "auto") else None
+    if recompute is None:  # a Plan's own per-block choice
+        pin = dict(plan_or_baseline.recompute) or "none"
+    build = functools.partial(
+        planner.build,
+        mesh,
+        dp_mode,
+        canonical_fixed,
+        pin_unlisted=True,
+        micro_batches=k,
+        dp_shard_size=shard,
+        param_uses=param_uses,
+        expert_dp=expert_dp,
+    )
+    built, solution = _priced(
+        build, recompute, pin, isinstance(plan_or_baseline, Plan) or fit_budget, time_limit_s
+    )
+    plan = planner.to_plan(mesh, dp_mode, built, solution)
+    plan.memory_budget_bytes = budget
+    return Estimate(name, plan.step_time_s, plan.peak_memory_bytes, budget, tuple(mesh), dp_mode, plan)
+
+
+def _check_estimate_arguments(
+    plan_or_baseline: Plan | str | Mapping[str, str],
+    recompute: str | None,
+    dp_mode: str | None,
+    dp_shard_size: int | None,
+    pin_uses: bool,
+) -> None:
+    """:func:`evaluate_plan`'s arguments that contradict each other or name nothing, refused before any trace."""
+    if pin_uses and not isinstance(plan_or_baseline, Plan):
+        raise ValueError("pin_uses prices a Plan's own use placements; pass a Plan")
+    if recompute not in (None, "auto"):
+        parse_option(recompute)  # "none", "full", "selective:<classes>"; raises for anything else
+    if isinstance(plan_or_baseline, Plan) and (dp_mode is not None or dp_shard_size is not None):
+        raise ValueError("dp_mode and dp_shard_size are a Plan's own; pass them for a baseline or a tp_plan")
+    if dp_mode is not None and dp_mode not in DP_MODES:
+        raise ValueError(f"dp_mode must be one of {DP_MODES}, got {dp_mode!r}")
+    if dp_shard_size is not None and dp_mode != "hsdp":
+        raise ValueError("dp_shard_size is HSDP's shard group: pass it with dp_mode='hsdp'")
+
+
+def _configuration(
+    model: nn.Module,
+    plan_or_baseline: Plan | str | Mapping[str, str],
+    planner: _Planner,
+    n: int,
+    mesh_shape: tuple[int, ...] | None,
+    hand_dp_mode: str | None,
+    dp_shard_size: int | None,
+) -> tuple[str, tuple[int, int], str, dict[str, str], int | None]:
+    """What :func:`evaluate_plan` prices: its name, mesh, data-parallel mode, pinned tensor-parallel placements
+    (FQN -> placement) and HSDP shard group (None: the cluster's), from a Plan, a named baseline or a tp_plan
+    dict, with a hand configuration's ``dp_mode`` and ``dp_shard_size``."""
+    cluster = planner.cluster
     shard: int | None = None
     """HSDP's shard group: a Plan's own (None: the cluster's)."""
     if isinstance(plan_or_baseline, Plan):
@@ -352,36 +447,23 @@ def evaluate_plan(
                 f"{name}: dp_mode {hand_dp_mode!r} needs a data-parallel axis; mesh {mesh} has none"
             )
         dp_mode, shard = hand_dp_mode, dp_shard_size
-    if planner.batch % (mesh[0] * k):
-        raise ValueError(
-            f"{name}: global batch {planner.batch} does not split over {mesh[0]} data-parallel replicas x {k} "
-            "micro-batches"
-        )
-    # a Plan's experts sharded over the data-parallel axis are priced so (Plan.expert_data_parallel)
-    expert_dp = isinstance(plan_or_baseline, Plan) and bool(plan_or_baseline.expert_data_parallel)
-    tied = TiedGraph.build(planner.graph(mesh[0], k))
-    canonical_fixed = {tied.canonical_param(k): v for k, v in fixed.items()}
-    param_uses = _plan_param_uses(model, plan_or_baseline) if pin_uses else None
-    # Every parameter the baseline does not name stays replicated, as the baseline means; activations are
-    # left to the solver (what a runtime's sharding propagation would do best). The budget is lifted so that a
-    # baseline that does not fit is still priced, and reported as not fitting.
-    if recompute is None:
-        recompute = "none" if not isinstance(plan_or_baseline, Plan) else None
-    pin: str | dict[str, str] | None = recompute if recompute not in (None, "auto") else None
-    if recompute is None:  # a Plan's own per-block choice
-        pin = dict(plan_or_baseline.recompute) or "none"
+    return name, mesh, dp_mode, fixed, shard
+
+
+def _priced(
+    build: Callable[..., BuiltProblem],
+    recompute: str | None,
+    pin: str | dict[str, str] | None,
+    under_budget: bool,
+    time_limit_s: float,
+) -> tuple[BuiltProblem, Solution]:
+    """The problem :func:`evaluate_plan` prices and its solution: with recompute chosen under the budget
+    (``recompute="auto"``), else with it pinned (``pin``) under the budget where ``under_budget`` (a Plan, or
+    ``fit_budget``) and that fits, else with the budget lifted. ``build``: the planner's build with the
+    configuration's placements pinned."""
     built = solution = None
     if recompute == "auto":
-        built = planner.build(
-            mesh,
-            dp_mode,
-            canonical_fixed,
-            pin_unlisted=True,
-            micro_batches=k,
-            dp_shard_size=shard,
-            param_uses=param_uses,
-            expert_dp=expert_dp,
-        )
+        built = build()
         try:
             solution = solve(built.problem, time_limit_s=time_limit_s)
         except InfeasibleError:
@@ -389,20 +471,9 @@ def evaluate_plan(
 
     def build_pinned(budget: int | None = None) -> BuiltProblem:
         """The ILP with every placement and the recompute choice pinned as the plan or baseline has them."""
-        return planner.build(
-            mesh,
-            dp_mode,
-            canonical_fixed,
-            pin_unlisted=True,
-            recompute_pin=pin,
-            micro_batches=k,
-            dp_shard_size=shard,
-            param_uses=param_uses,
-            expert_dp=expert_dp,
-            budget=budget,
-        )
+        return build(recompute_pin=pin, budget=budget)
 
-    if solution is None and (isinstance(plan_or_baseline, Plan) or fit_budget):
+    if solution is None and under_budget:
         # A plan is priced as it was made: under its budget, which its pinned choices fit. With the budget lifted,
         # the activation placements a plan leaves to the solver could trade memory for time, and the estimate
         # would undercut the plan's own prediction.
@@ -414,6 +485,4 @@ def evaluate_plan(
     if solution is None:
         built = build_pinned(LIFTED_BUDGET)
         solution = solve(built.problem, time_limit_s=time_limit_s)
-    plan = planner.to_plan(mesh, dp_mode, built, solution)
-    plan.memory_budget_bytes = budget
-    return Estimate(name, plan.step_time_s, plan.peak_memory_bytes, budget, tuple(mesh), dp_mode, plan)
+    return built, solution

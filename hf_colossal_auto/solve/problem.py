@@ -83,6 +83,10 @@ class DecisionNode:
     costs: list[float]
     labels: list[str]
     multiplicity: int = 1
+    kind: str = ""
+    """What the node decides, as its writer names it (the builder's :class:`~.build.names.NodeKind`: an op's
+    strategy, a parameter's storage, a recompute option...); pricing reads it (the data-parallel overlap hides
+    behind the op nodes' compute). The solvers never read it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -122,6 +126,10 @@ class MemoryConstraint:
     terms: dict[str, list[float]]
     edge_terms: dict[tuple[str, str], list[list[float]]] = field(default_factory=dict)
     apply_multiplicity: bool = True
+    kind: str = ""
+    """What moment of the step the row stands for, as its writer names it (the builder's
+    :class:`~.build.names.MemoryRow`); the write-up reads rows by name (:meth:`Problem.memory_constraint`) and
+    orders them by kind. The solvers never read it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -297,12 +305,12 @@ class Problem:
         self._edge_by_key: dict[tuple[str, str], DecisionEdge] = {}
         for edge in self.edges:
             self._check_edge(edge)
-        names = set()
+        self._constraint_by_name: dict[str, MemoryConstraint] = {}
         for constraint in self.memory_constraints:
-            if constraint.name in names:
+            if constraint.name in self._constraint_by_name:
                 raise ValueError(f"memory constraint {constraint.name!r} is defined twice")
-            names.add(constraint.name)
             self._check_constraint(constraint)
+            self._constraint_by_name[constraint.name] = constraint
         for node_name, value in self.fixed.items():
             node = self._node(node_name, "fixed strategy")
             strategy = _index(value)
@@ -411,6 +419,13 @@ class Problem:
 
     def node(self, name: str) -> DecisionNode:
         return self._node(name, "lookup")
+
+    def memory_constraint(self, name: str) -> MemoryConstraint:
+        """The memory row named ``name`` (rows are read by name, never by position)."""
+        constraint = self._constraint_by_name.get(name)
+        if constraint is None:
+            raise ValueError(f"unknown memory constraint {name!r} (rows: {sorted(self._constraint_by_name)})")
+        return constraint
 
     def edge(self, src: str, dst: str) -> DecisionEdge:
         edge = self._edge_by_key.get((src, dst))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from ..profile.profiler import _module_list_children, block_units
 from ..strategies import ops_without_dtensor_rule
 from ..strategies.moe import moe_layer_choices
 from .build.builder import BuiltProblem
-from .build.names import EXPERT_DP_NODE, _node_name, _param_node_name
+from .build.names import MemoryRow, NodeKind, _node_name, _param_node_name, memory_row_name
 from .pricing.collectives import _collective_prediction, _recompute_collectives, _sync_wait
 from .pricing.comm import SHARDED_DP_MODES, AxisComm, boundary_reshardings
 from .problem import Solution, evaluate, memory_usage
@@ -55,137 +55,25 @@ class WriteupContext:
 def _make_plan(
     context: WriteupContext, mesh: tuple[int, int], dp_mode: str, built: BuiltProblem, solution: Solution
 ) -> Plan:
+    """The Plan of ``solution``: its placements, predicted times (split by :func:`_split_time`), per-block table,
+    memory and the collectives it issues."""
     micro = built.micro_batches
     graph = context.graph
     tied = TiedGraph.build(graph)
     problem = built.problem
     objective, peak, _ = evaluate(problem, solution.choice)
-    tp_comm = context.tp_comm
-    # split the objective into compute and communication
-    compute = 0.0
-    comm = 0.0
-    block_compute: dict[str, float] = defaultdict(float)
-    block_comm: dict[str, float] = defaultdict(float)
-
-    unit_of = _unit_mapper(context.model)
-
-    def spread(target: dict[str, float], module: str, cost: float) -> None:
-        """A tied node's cost is shared by the same module in every block it stands for."""
-        reals = _real_modules(graph, module)
-        for real in reals:
-            target[unit_of(real)] += cost / len(reals)
-
-    for node in problem.nodes:
-        i = solution.choice[node.name]
-        cost = node.costs[i] * node.multiplicity
-        module = built.block_of.get(node.name, "")
-        if node.name == EXPERT_DP_NODE:  # the exchange of expert parallelism over dp, per layer
-            comm += cost
-            layers = sum(e.layers for e in built.expert_data_parallel.values())
-            for m, exchange in built.expert_data_parallel.items():
-                spread(block_comm, m, cost * exchange.layers / layers)
-        elif node.name in built.param_options:  # its share of the optimizer step
-            compute += cost
-            spread(block_compute, module, cost)
-        else:
-            strat = built.strategies[node.name][i] if built.strategies.get(node.name) else None
-            boundary = (
-                micro
-                * node.multiplicity
-                * sum(
-                    t
-                    for t, _, _ in (
-                        boundary_reshardings(
-                            graph, graph.nodes[built.node_of_name[node.name]], strat, 0, tp_comm
-                        )
-                        if strat is not None
-                        else ()
-                    )
-                )
-            )
-            compute += cost - boundary
-            spread(block_compute, module, cost - boundary)
-            comm += boundary
-            spread(block_comm, module, boundary)
-    rerun = 0.0
-    block_rerun: dict[str, float] = defaultdict(float)
-    for edge in problem.edges:
-        c = edge.cost[solution.choice[edge.src]][solution.choice[edge.dst]] * edge.multiplicity
-        if edge.src in built.recompute_options:  # the forward a recomputed node runs again
-            rerun += c
-            spread(block_rerun, built.block_of.get(edge.dst, ""), c)
-        else:
-            comm += c
-            spread(block_comm, built.block_of.get(edge.dst, ""), c)
-    for cond in problem.conditional_costs:  # collectives feeding a recomputed node, run again
-        if solution.choice[cond.when_node] in cond.when:
-            c = cond.cost[solution.choice[cond.src]][solution.choice[cond.dst]]
-            comm += c
-            spread(block_comm, built.block_of.get(cond.dst, ""), c)
-    for shared in problem.shared_costs:  # a value resharded once for all the projections reading it
-        if shared.applies(solution.choice):
-            c = shared.cost[solution.choice[shared.src]]
-            comm += c
-            spread(block_comm, built.block_of.get(shared.members[0][0], ""), c)
-    hidden = 0.0
-    for overlap in problem.overlaps:  # data-parallel synchronisation: what compute does not hide
-        exposed = overlap.exposed(problem, solution.choice)
-        total = sum(problem.node(k).multiplicity * v[solution.choice[k]] for k, v in overlap.comm.items())
-        hidden += total - exposed
-        comm += exposed
-        for k, values in overlap.comm.items():
-            if total > 0:
-                share = problem.node(k).multiplicity * values[solution.choice[k]] / total
-                spread(block_comm, built.block_of.get(k, ""), exposed * share)
+    split = _split_time(context, built, solution)
     recompute = _recompute_choice(built, solution)
     expert_dp = sorted(experts_modules(context.model)) if built.expert_data_parallel else []
-    # placements
-    tp_place: dict[str, str] = {}
-    for pname, fqn in built.param_of_node.items():
-        tp_place[fqn] = built.param_options[pname][solution.choice[pname]]
-    dp_place = "S0" if dp_mode in SHARDED_DP_MODES else "R"
-    param_placements = {}
-    for fqn in graph.param_names:
-        canon = tied.canonical_param(fqn)
-        over_dp = "S0" if canon in built.expert_dp_params else dp_place  # experts sharded over dp
-        param_placements[fqn] = [over_dp, tp_place.get(canon, "R")]
+    param_placements = _param_placements(built, solution, graph, tied, dp_mode)
     activation_placements = _module_output_placements(built, solution, graph, tied, mesh)
-    # per-block table
-    blocks: list[BlockCost] = []
-    per_unit_params: dict[str, dict[str, str]] = defaultdict(dict)
-    for fqn in graph.param_names:
-        per_unit_params[unit_of(fqn.rsplit(".", 1)[0])][fqn] = param_placements[fqn][1]
-    act_per_unit = _activation_per_unit(built, solution, graph, tied, unit_of, mesh[1])
-    for unit in _unit_order(context.model, unit_of):
-        if unit not in block_compute and unit not in block_comm and unit not in per_unit_params:
-            continue
-        blocks.append(
-            BlockCost(
-                name=unit,
-                compute_s=block_compute.get(unit, 0.0),
-                communication_s=block_comm.get(unit, 0.0),
-                memory_bytes=int(act_per_unit.get(unit, 0)),
-                placements=per_unit_params.get(unit, {}),
-                recompute=recompute.get(unit, "none"),
-                recompute_s=block_rerun.get(unit, 0.0),
-            )
-        )
+    blocks = _block_costs(context, built, solution, tied, mesh, split, param_placements, recompute)
     predicted = _collective_prediction(built, solution, graph, tied, mesh, context.tp_comm, dp_mode)
     sync_wait_s = _sync_wait(context.spec, built, solution, graph, tied, mesh, predicted)
     collectives = dict(predicted.counts)
     for kind, count in _recompute_collectives(built, solution, graph, tied, mesh, context.tp_comm).items():
         collectives[kind] = round(collectives.get(kind, 0.0) + micro * count, 6)
-    param_mem = 0.0
-    at_peak_params = 0.0
-    for pname in built.param_options:
-        node = problem.node(pname)
-        terms = problem.memory_constraints[1].terms.get(pname)
-        if terms:
-            param_mem += terms[solution.choice[pname]] * node.multiplicity
-        peak_terms = problem.memory_constraints[0].terms.get(pname)
-        if peak_terms:
-            at_peak_params += peak_terms[solution.choice[pname]] * node.multiplicity
-    act_mem = memory_usage(problem, solution.choice)["activation-peak"] - at_peak_params
+    param_mem, act_mem = _param_and_activation_bytes(built, solution)
     return Plan(
         model_class=graph.model_class,
         num_devices=context.cluster.num_devices,
@@ -225,11 +113,11 @@ def _make_plan(
         micro_batches=micro,
         input_shapes={k: list(v.shape) for k, v in context.inputs.items() if isinstance(v, torch.Tensor)},
         step_time_s=objective + sync_wait_s,
-        compute_time_s=compute,
-        communication_time_s=comm,
-        recompute_time_s=rerun,
+        compute_time_s=split.compute,
+        communication_time_s=split.comm,
+        recompute_time_s=split.rerun,
         memory_moments=_memory_moments(problem, solution),
-        overlapped_communication_s=hidden,
+        overlapped_communication_s=split.hidden,
         sync_wait_s=sync_wait_s,
         peak_memory_bytes=int(peak),
         memory_budget_bytes=context.budget,
@@ -251,6 +139,193 @@ def _make_plan(
     )
 
 
+@dataclass
+class _TimeSplit:
+    """The objective split into compute, exposed communication and recompute, in all and per depth unit, with the
+    synchronisation compute hides; filled in by :func:`_split_time`'s parts in the objective's order."""
+
+    graph: StepGraph
+    unit_of: Callable[[str], str]
+    """Module -> the depth unit (block) it belongs to."""
+    compute: float = 0.0
+    comm: float = 0.0
+    rerun: float = 0.0
+    hidden: float = 0.0
+    block_compute: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    block_comm: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    block_rerun: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def spread(self, target: dict[str, float], module: str, cost: float) -> None:
+        """A tied node's cost is shared by the same module in every block it stands for."""
+        reals = _real_modules(self.graph, module)
+        for real in reals:
+            target[self.unit_of(real)] += cost / len(reals)
+
+
+def _split_time(context: WriteupContext, built: BuiltProblem, solution: Solution) -> _TimeSplit:
+    """Split the objective into compute and communication (and recompute), per block: node costs, then edges and
+    the costs gated on them, then the data-parallel overlap."""
+    split = _TimeSplit(context.graph, _unit_mapper(context.model))
+    _split_nodes(split, built, solution, context.tp_comm)
+    _split_edges(split, built, solution)
+    _split_overlaps(split, built, solution)
+    return split
+
+
+def _split_nodes(split: _TimeSplit, built: BuiltProblem, solution: Solution, tp_comm: AxisComm) -> None:
+    """Node costs: the expert exchange is communication, a parameter's optimizer step compute, an op's cost
+    compute but for the reshardings at its module's boundary."""
+    micro = built.micro_batches
+    graph = split.graph
+    problem = built.problem
+    spread = split.spread
+    block_compute, block_comm = split.block_compute, split.block_comm
+    for node in problem.nodes:
+        i = solution.choice[node.name]
+        cost = node.costs[i] * node.multiplicity
+        module = built.block_of.get(node.name, "")
+        if node.kind == NodeKind.EXPERT_EXCHANGE:  # the exchange of expert parallelism over dp, per layer
+            split.comm += cost
+            layers = sum(e.layers for e in built.expert_data_parallel.values())
+            for m, exchange in built.expert_data_parallel.items():
+                spread(block_comm, m, cost * exchange.layers / layers)
+        elif node.kind == NodeKind.PARAM:  # its share of the optimizer step
+            split.compute += cost
+            spread(block_compute, module, cost)
+        else:
+            strat = built.strategies[node.name][i] if built.strategies.get(node.name) else None
+            boundary = (
+                micro
+                * node.multiplicity
+                * sum(
+                    t
+                    for t, _, _ in (
+                        boundary_reshardings(
+                            graph, graph.nodes[built.node_of_name[node.name]], strat, 0, tp_comm
+                        )
+                        if strat is not None
+                        else ()
+                    )
+                )
+            )
+            split.compute += cost - boundary
+            spread(block_compute, module, cost - boundary)
+            split.comm += boundary
+            spread(block_comm, module, boundary)
+
+
+def _split_edges(split: _TimeSplit, built: BuiltProblem, solution: Solution) -> None:
+    """Edge costs (a recompute decision's edges are the forward it runs again), the collectives a recompute
+    repeats, and the reshardings shared by sibling projections."""
+    problem = built.problem
+    spread = split.spread
+    block_comm, block_rerun = split.block_comm, split.block_rerun
+    for edge in problem.edges:
+        c = edge.cost[solution.choice[edge.src]][solution.choice[edge.dst]] * edge.multiplicity
+        if edge.src in built.recompute_options:  # the forward a recomputed node runs again
+            split.rerun += c
+            spread(block_rerun, built.block_of.get(edge.dst, ""), c)
+        else:
+            split.comm += c
+            spread(block_comm, built.block_of.get(edge.dst, ""), c)
+    for cond in problem.conditional_costs:  # collectives feeding a recomputed node, run again
+        if solution.choice[cond.when_node] in cond.when:
+            c = cond.cost[solution.choice[cond.src]][solution.choice[cond.dst]]
+            split.comm += c
+            spread(block_comm, built.block_of.get(cond.dst, ""), c)
+    for shared in problem.shared_costs:  # a value resharded once for all the projections reading it
+        if shared.applies(solution.choice):
+            c = shared.cost[solution.choice[shared.src]]
+            split.comm += c
+            spread(block_comm, built.block_of.get(shared.members[0][0], ""), c)
+
+
+def _split_overlaps(split: _TimeSplit, built: BuiltProblem, solution: Solution) -> None:
+    """The data-parallel synchronisation: what compute does not hide is communication, the rest hidden."""
+    problem = built.problem
+    for overlap in problem.overlaps:  # data-parallel synchronisation: what compute does not hide
+        exposed = overlap.exposed(problem, solution.choice)
+        total = sum(problem.node(k).multiplicity * v[solution.choice[k]] for k, v in overlap.comm.items())
+        split.hidden += total - exposed
+        split.comm += exposed
+        for k, values in overlap.comm.items():
+            if total > 0:
+                share = problem.node(k).multiplicity * values[solution.choice[k]] / total
+                split.spread(split.block_comm, built.block_of.get(k, ""), exposed * share)
+
+
+def _param_placements(
+    built: BuiltProblem, solution: Solution, graph: StepGraph, tied: TiedGraph, dp_mode: str
+) -> dict[str, list[str]]:
+    """Every parameter's placement ``[over dp, over tp]``: its canonical copy's storage choice on the
+    tensor-parallel axis; sharded over dp under a sharded mode, or as an expert split over dp."""
+    tp_place: dict[str, str] = {}
+    for pname, fqn in built.param_of_node.items():
+        tp_place[fqn] = built.param_options[pname][solution.choice[pname]]
+    dp_place = "S0" if dp_mode in SHARDED_DP_MODES else "R"
+    param_placements = {}
+    for fqn in graph.param_names:
+        canon = tied.canonical_param(fqn)
+        over_dp = "S0" if canon in built.expert_dp_params else dp_place  # experts sharded over dp
+        param_placements[fqn] = [over_dp, tp_place.get(canon, "R")]
+    return param_placements
+
+
+def _block_costs(
+    context: WriteupContext,
+    built: BuiltProblem,
+    solution: Solution,
+    tied: TiedGraph,
+    mesh: tuple[int, int],
+    split: _TimeSplit,
+    param_placements: dict[str, list[str]],
+    recompute: dict[str, str],
+) -> list[BlockCost]:
+    """The per-block table: each depth unit's compute, communication and recompute seconds, activation bytes at
+    the peak, parameter placements and recompute option, in the model's order."""
+    graph, unit_of = context.graph, split.unit_of
+    blocks: list[BlockCost] = []
+    per_unit_params: dict[str, dict[str, str]] = defaultdict(dict)
+    for fqn in graph.param_names:
+        per_unit_params[unit_of(fqn.rsplit(".", 1)[0])][fqn] = param_placements[fqn][1]
+    act_per_unit = _activation_per_unit(built, solution, graph, tied, unit_of, mesh[1])
+    for unit in _unit_order(context.model, unit_of):
+        if unit not in split.block_compute and unit not in split.block_comm and unit not in per_unit_params:
+            continue
+        blocks.append(
+            BlockCost(
+                name=unit,
+                compute_s=split.block_compute.get(unit, 0.0),
+                communication_s=split.block_comm.get(unit, 0.0),
+                memory_bytes=int(act_per_unit.get(unit, 0)),
+                placements=per_unit_params.get(unit, {}),
+                recompute=recompute.get(unit, "none"),
+                recompute_s=split.block_rerun.get(unit, 0.0),
+            )
+        )
+    return blocks
+
+
+def _param_and_activation_bytes(built: BuiltProblem, solution: Solution) -> tuple[float, float]:
+    """Per-device bytes of parameters (with gradients, optimizer state and its temporaries: the optimizer step's
+    row) and of everything else at the activation peak."""
+    problem = built.problem
+    param_mem = 0.0
+    at_peak_params = 0.0
+    optimizer_row = problem.memory_constraint(memory_row_name(MemoryRow.OPTIMIZER_STEP))
+    peak_row = problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
+    for pname in built.param_options:
+        node = problem.node(pname)
+        terms = optimizer_row.terms.get(pname)
+        if terms:
+            param_mem += terms[solution.choice[pname]] * node.multiplicity
+        peak_terms = peak_row.terms.get(pname)
+        if peak_terms:
+            at_peak_params += peak_terms[solution.choice[pname]] * node.multiplicity
+    act_mem = memory_usage(problem, solution.choice)[peak_row.name] - at_peak_params
+    return param_mem, act_mem
+
+
 def _expert_dp_labels(labels: dict[str, str], expert_dp: list[str], dp: int) -> dict[str, str]:
     """The MoE layer labels, those run expert-parallel over the data-parallel axis named so
     (``experts: EP×2 (dp)``)."""
@@ -262,10 +337,10 @@ def _memory_moments(problem, solution: Solution) -> list[list[Any]]:
     wherever forward and backward peak; then each recomputed block's backward, last block first; then the
     optimizer step)."""
     usage = memory_usage(problem, solution.choice)
-    names = [c.name for c in problem.memory_constraints]
-    order = [n for n in names if n == "activation-peak"]
-    order += [n for n in names if n.startswith(("rerun:", "recompute:"))]
-    order += [n for n in names if n not in order]
+    rows = problem.memory_constraints
+    order = [c.name for c in rows if c.kind == MemoryRow.ACTIVATION_PEAK]
+    order += [c.name for c in rows if c.kind in (MemoryRow.RERUN, MemoryRow.RECOMPUTE)]
+    order += [c.name for c in rows if c.name not in order]
     return [[name, float(usage[name])] for name in order]
 
 
@@ -304,7 +379,7 @@ def _unit_order(model: nn.Module, unit_of) -> list[str]:
 def _activation_per_unit(built, solution, graph, tied, unit_of, tp) -> dict[str, float]:
     """Activation bytes at the peak per depth unit (the recompute choice applied)."""
     out: dict[str, float] = defaultdict(float)
-    constraint = built.problem.memory_constraints[0]
+    constraint = built.problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
 
     def add(name: str, per_copy: float) -> None:
         module = graph.nodes[built.node_of_name[name]].module

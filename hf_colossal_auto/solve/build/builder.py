@@ -49,7 +49,7 @@ from ...profile.memory import saved_bytes_per_node
 from ...strategies.placements import Strategy
 from ..pricing.comm import AxisComm, HybridComm, data_parallel_overlap, data_parallel_shard_size
 from ..pricing.compute import BackwardRatios, _backward_ratios, _expert_skews
-from ..pricing.memory import _checkpoint_args
+from ..pricing.memory import StepMemory, _checkpoint_args
 from ..problem import (
     ConditionalCost,
     DecisionEdge,
@@ -134,6 +134,7 @@ def build_problem(
     dtensor_rules: bool = True,
     routing: RoutingLoad | None = None,
     expert_dp: bool = False,
+    step_memory: StepMemory | None = None,
 ) -> BuiltProblem:
     """The ILP for one mesh ``(dp, tp)`` and data-parallel mode ("ddp", "fsdp", or "hsdp" with ``dp_comm`` a
     :class:`HybridComm`: FSDP inside its shard group, the shards all-reduced over its replicate group).
@@ -168,6 +169,9 @@ def build_problem(
     with ``E/dp`` experts' weights), and the all-to-alls of the exchange and the sender's own kernels
     (:func:`expert_exchanges`) on the data-parallel link, exposed (the region waits for them).
 
+    ``step_memory``: what problems built from ``graph`` share of its memory (its unrolled timeline and liveness
+    snapshots), for a caller that builds several from one step; None works it out for this problem alone.
+
     The parts of the ILP are priced by the methods of :class:`_ProblemBuilder`.
     """
     return _ProblemBuilder(
@@ -187,14 +191,16 @@ def build_problem(
         dtensor_rules=dtensor_rules,
         routing=routing,
         expert_dp=expert_dp,
+        step_memory=step_memory,
     ).build()
 
 
 class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _ExpertExchangePart):
     """Builds the ILP of :func:`build_problem` for one mesh and data-parallel mode, one part per method.
 
-    ``__init__`` holds what every part reads (the graph and its tied copies, the strategies, device and
-    communication models, backward ratios, recompute units and the liveness snapshots); :meth:`build` runs the
+    ``__init__`` holds what every part reads: the inputs (the graph, the strategies, device and communication
+    models), what :meth:`_derive_from_graph` works out of the graph (its tied copies, backward ratios, recompute
+    units and the liveness snapshots) and the empty parts of :meth:`_start_problem`; :meth:`build` runs the
     parts in order, each adding to the decision nodes, edges and the state the later parts read:
 
     1. :meth:`_add_op_nodes`: one node per canonical forward op (its compute time);
@@ -224,6 +230,7 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         dtensor_rules: bool = True,
         routing: RoutingLoad | None = None,
         expert_dp: bool = False,
+        step_memory: StepMemory | None = None,
     ) -> None:
         # ------------------------------------------------------------ inputs
         self.graph = graph
@@ -247,10 +254,20 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         self.micro_batches = micro_batches
         self.dtensor_rules = dtensor_rules
         self.routing = routing
+        if step_memory is not None and step_memory.graph is not graph:
+            raise ValueError("build_problem: step_memory belongs to another step than the graph being built")
+        self.step_memory = step_memory if step_memory is not None else StepMemory(graph)
+        """What problems built from this step share of its memory (:class:`StepMemory`)."""
 
-        # ------------------------------------------------------------ derived from the graph
+        self._derive_from_graph(recompute_layers, expert_dp)
+        self._start_problem()
+
+    def _derive_from_graph(self, recompute_layers: Sequence[str] | None, expert_dp: bool) -> None:
+        """What every part reads of the graph: its tied copies, expert skews and experts over dp, backward
+        ratios, producers and readers, recompute units, checkpoint arguments and the liveness snapshots."""
+        graph = self.graph
         self.tied = TiedGraph.build(graph)
-        self.expert_skews = _expert_skews(graph, self.tied, routing, self.tp)
+        self.expert_skews = _expert_skews(graph, self.tied, self.routing, self.tp)
         """Canonical grouped GEMM -> ((busiest rank's rows / mean rank's, real layers with it), ...) over the MoE
         layers it stands for; empty without a measured routing load."""
         self.expert_dp: dict[str, ExpertExchange] = {}
@@ -261,7 +278,7 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         """Canonical per-expert weights stored E/dp experts per data-parallel rank."""
         if expert_dp:
             self._setup_expert_dp()
-        self.ratios = _backward_ratios(graph, spec)
+        self.ratios = _backward_ratios(graph, self.spec)
         self.producer = forward_producers(graph)
         self.canon_nodes = sorted({self.tied.canonical[i] for i in self.tied.canonical})
         self.readers = value_readers(graph, self.tied)
@@ -286,7 +303,8 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         """Canonical node -> bytes its outputs keep into backward, wherever the peak falls (a T5 decoder block's
         activations are all freed by the time of its step's peak, yet its backward needs them)."""
 
-        # ------------------------------------------------------------ the problem, filled in by the parts
+    def _start_problem(self) -> None:
+        """The problem's parts, empty: filled in by the parts of :meth:`build`."""
         self.nodes: list[DecisionNode] = []
         self.fixed: dict[str, int] = {}
         self.block_of: dict[str, str] = {}

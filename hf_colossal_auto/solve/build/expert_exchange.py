@@ -18,7 +18,7 @@ from ..problem import (
     FollowsInputs,
 )
 from ..tied import TiedGraph, differentiable_values
-from .names import EXPERT_DP_NODE, _node_name
+from .names import EXPERT_DP_NODE, NodeKind, _node_name
 
 
 @dataclass
@@ -176,7 +176,14 @@ class _ExpertExchangePart:
             host = host_time(self.spec) * len(exchange.sender_kernels)
             seconds += exchange.layers * (comm + join_host(device, host, self.spec))
         seconds *= self.micro_batches
-        self.nodes.append(DecisionNode(EXPERT_DP_NODE, [seconds], ["all-to-all dispatch and combine"]))
+        self.nodes.append(
+            DecisionNode(
+                EXPERT_DP_NODE,
+                [seconds],
+                ["all-to-all dispatch and combine"],
+                kind=NodeKind.EXPERT_EXCHANGE,
+            )
+        )
         self.block_of[EXPERT_DP_NODE] = next(iter(self.expert_dp))
 
     def _expert_parallel_rules(self) -> list[FollowsInputs]:

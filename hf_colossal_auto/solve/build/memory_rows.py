@@ -7,7 +7,7 @@ from ...capture.graph import Phase
 from ...strategies.placements import Strategy
 from ..pricing.comm import shard_factor
 from ..pricing.compute import is_expert_parallel
-from ..pricing.memory import _block_moment, _liveness, _Snapshot, _unrolled
+from ..pricing.memory import _block_moment, _liveness, _Snapshot
 from ..problem import (
     DecisionNode,
     FollowsInputs,
@@ -15,7 +15,7 @@ from ..problem import (
 )
 from ..recompute import RecomputeOption
 from ..tied import _weighted
-from .names import _node_name
+from .names import MemoryRow, NodeKind, _node_name, memory_row_name
 
 
 class _MemoryRowsPart:
@@ -26,10 +26,11 @@ class _MemoryRowsPart:
         """Live bytes at the moments the memory constraints are written at: the highest point of forward +
         backward, and per recompute unit inside its backward at the highest point, at the start of its backward
         (where a rerun happens) and at the highest point of its forward (what a rerun rebuilds)."""
-        graph, units = self.graph, self.units
+        units = self.units
         # The same graph is built into several problems (data-parallel modes, the planner's relaxations): the
-        # snapshots depend only on it, its units and the storages they are handed, so they are kept on it.
-        cache = graph.__dict__.setdefault("_snapshot_cache", {})
+        # snapshots depend only on it, its units and the storages they are handed, so they are kept with its
+        # StepMemory.
+        cache = self.step_memory.snapshots
         key = (tuple((u.name, tuple(u.nodes)) for u in units), tuple(sorted(self.checkpoint_args)))
         if key not in cache:
             cache[key] = self._snapshots_uncached()
@@ -37,7 +38,7 @@ class _MemoryRowsPart:
 
     def _snapshots_uncached(self) -> tuple[_Snapshot, list[_Snapshot], list[_Snapshot], list[_Snapshot]]:
         graph, units = self.graph, self.units
-        step = _unrolled(graph)
+        step = self.step_memory.unrolled
         moments = [_block_moment(graph, step, unit, Phase.BACKWARD, "peak") for unit in units]
         moments += [_block_moment(graph, step, unit, Phase.BACKWARD, "start") for unit in units]
         moments += [_block_moment(graph, step, unit, Phase.FORWARD, "peak") for unit in units]
@@ -52,7 +53,7 @@ class _MemoryRowsPart:
         starts (``rerun:<unit>``). See :meth:`_constraint_at`."""
         constant_other = self._constant_bytes()
         constraints: list[MemoryConstraint] = []
-        constraints.append(self._constraint_at("activation-peak", self.peak_snapshot, None))
+        constraints.append(self._constraint_at(MemoryRow.ACTIVATION_PEAK, self.peak_snapshot, None))
         opt_terms = {
             p: [
                 m + g + t
@@ -64,14 +65,23 @@ class _MemoryRowsPart:
         }
         constraints.append(
             MemoryConstraint(
-                "optimizer-step", self.budget, constant_other, opt_terms, apply_multiplicity=True
+                memory_row_name(MemoryRow.OPTIMIZER_STEP),
+                self.budget,
+                constant_other,
+                opt_terms,
+                apply_multiplicity=True,
+                kind=MemoryRow.OPTIMIZER_STEP,
             )
         )
         for u, (unit, snapshot) in enumerate(zip(self.units, self.unit_snapshots, strict=True)):
-            constraints.append(self._constraint_at(f"recompute:{unit.name}", snapshot, u))
+            constraints.append(self._constraint_at(MemoryRow.RECOMPUTE, snapshot, u, unit=unit.name))
             constraints.append(
                 self._constraint_at(
-                    f"rerun:{unit.name}", self.start_snapshots[u], u, self.forward_snapshots[u]
+                    MemoryRow.RERUN,
+                    self.start_snapshots[u],
+                    u,
+                    self.forward_snapshots[u],
+                    unit=unit.name,
                 )
             )
         return constraints
@@ -81,7 +91,13 @@ class _MemoryRowsPart:
         return self.peak_snapshot.by_kind.get("input", 0) + self.peak_snapshot.by_kind.get("buffer", 0)
 
     def _constraint_at(
-        self, name: str, snapshot: _Snapshot, current: int | None, rerun: _Snapshot | None = None
+        self,
+        kind: MemoryRow,
+        snapshot: _Snapshot,
+        current: int | None,
+        rerun: _Snapshot | None = None,
+        *,
+        unit: str | None = None,
     ) -> MemoryConstraint:
         """Per-device bytes at one moment of the step: what forward nodes still hold (kept per the recompute
         choice; inside unit ``current``'s backward, at its highest point, also its recomputed block),
@@ -90,7 +106,8 @@ class _MemoryRowsPart:
 
         ``rerun``: the moment is the recompute of unit ``current``'s block, just as its backward starts; a
         block that reruns holds what it held at its own forward's highest point (``rerun``'s bytes of its
-        nodes: saved outputs and forward temporaries) on top of the gradients arriving from above."""
+        nodes: saved outputs and forward temporaries) on top of the gradients arriving from above. The row is
+        named by ``kind`` and, for a per-unit kind, recompute unit ``unit`` (:func:`~.names.memory_row_name`)."""
         tied = self.tied
         saved = _weighted(tied, snapshot.by_node)
         rerun_alive = _weighted(tied, rerun.by_node) if rerun is not None else {}
@@ -147,7 +164,13 @@ class _MemoryRowsPart:
             if holding and sid not in snapshot.watched_alive:
                 terms[self._hold_node(sid, holding)] = [0.0, float(self.graph.storages[sid].nbytes)]
         return MemoryConstraint(
-            name, self.budget, self._constant_bytes() + transient, terms, edge_terms, apply_multiplicity=True
+            memory_row_name(kind, unit),
+            self.budget,
+            self._constant_bytes() + transient,
+            terms,
+            edge_terms,
+            apply_multiplicity=True,
+            kind=kind,
         )
 
     def _hold_node(self, sid: int, units: tuple[int, ...]) -> str:
@@ -161,7 +184,9 @@ class _MemoryRowsPart:
             return self.hold_nodes[key]
         name = f"hold:{sid}:" + ",".join(self.units[u].name for u in units)
         self.hold_nodes[key] = name
-        self.nodes.append(DecisionNode(name, [0.0, 0.0], ["released", "held"], multiplicity=1))
+        self.nodes.append(
+            DecisionNode(name, [0.0, 0.0], ["released", "held"], multiplicity=1, kind=NodeKind.HOLD)
+        )
         for u in units:
             recomputing = tuple(k for k, o in enumerate(self.unit_options_of[u]) if not o.is_none)
             self.hold_rules.append(FollowsInputs(self.rc_names[u], recomputing, ((name, (0,)),)))

@@ -1,9 +1,49 @@
 """ILP node names and labels: ``n<i>`` for a graph op, ``p:<fqn>`` for a parameter, ``rc:<unit>`` for a
-recompute decision, ``expert-dp`` for the exchange of expert parallelism over the data-parallel axis."""
+recompute decision, ``expert-dp`` for the exchange of expert parallelism over the data-parallel axis; memory rows
+by :class:`MemoryRow` (``activation-peak``, ``optimizer-step``, ``recompute:<unit>``, ``rerun:<unit>``)."""
 
 from __future__ import annotations
 
+from enum import Enum
+
 from ...strategies.placements import Strategy
+
+
+class NodeKind(str, Enum):
+    """What an ILP node decides (its ``kind``), so that a reader tells an op node from a parameter node by a field,
+    never by its name."""
+
+    OP = "op"
+    """A forward op's strategy on the tensor-parallel axis (``n<i>``)."""
+    PARAM = "param"
+    """A parameter's storage placement (``p:<fqn>``)."""
+    RECOMPUTE = "recompute"
+    """A recompute unit's option (``rc:<unit>``)."""
+    HOLD = "hold"
+    """Whether a checkpoint holds a storage (``hold:<sid>:<units>``)."""
+    EXPERT_EXCHANGE = "expert-exchange"
+    """The collectives of expert parallelism over the data-parallel axis (``expert-dp``)."""
+
+
+class MemoryRow(str, Enum):
+    """The moments of the step the builder writes a memory row at (a row's ``kind``). The activation peak and the
+    optimizer step are one row each, named by their kind; a recompute unit has a row of each other kind, named
+    ``<kind>:<unit>`` (:func:`memory_row_name`)."""
+
+    ACTIVATION_PEAK = "activation-peak"
+    """The highest point of forward + backward."""
+    OPTIMIZER_STEP = "optimizer-step"
+    """Parameters, gradients, optimizer state and its temporaries, by parameter placement."""
+    RECOMPUTE = "recompute"
+    """Inside a recompute unit's backward, at its highest point."""
+    RERUN = "rerun"
+    """A recompute unit's rerun, as its backward starts."""
+
+
+def memory_row_name(kind: MemoryRow, unit: str | None = None) -> str:
+    """The name of the row of ``kind`` (of recompute unit ``unit`` for the per-unit kinds)."""
+    return kind.value if unit is None else f"{kind.value}:{unit}"
+
 
 EXPERT_DP_NODE = "expert-dp"
 """ILP node (one option) holding the collectives of expert parallelism over the data-parallel axis."""

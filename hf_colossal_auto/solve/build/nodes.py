@@ -15,7 +15,7 @@ from ..problem import (
     DecisionNode,
 )
 from ..tied import view_root, viewed_param
-from .names import _label, _node_name, _param_node_name, param_storage_options
+from .names import NodeKind, _label, _node_name, _param_node_name, param_storage_options
 
 
 class _NodesPart:
@@ -60,7 +60,11 @@ class _NodesPart:
             ]
             self.nodes.append(
                 DecisionNode(
-                    name, costs, [_label(s, axis) for s in strats], multiplicity=self.tied.multiplicity[c]
+                    name,
+                    costs,
+                    [_label(s, axis) for s in strats],
+                    multiplicity=self.tied.multiplicity[c],
+                    kind=NodeKind.OP,
                 )
             )
             self.strat_of[name] = strats
@@ -94,7 +98,7 @@ class _NodesPart:
         real_count: dict[str, int] = defaultdict(int)
         for fqn in graph.param_names:
             real_count[tied.canonical_param(fqn)] += 1
-        opt_temp_ratio = _optimizer_temp_ratio(graph)
+        opt_temp_ratio = _optimizer_temp_ratio(graph, self.step_memory.unrolled)
         fsdp_layers = [u.name for u in self.units] if self.dp_mode in SHARDED_DP_MODES and dp > 1 else []
         for fqn in sorted(param_uses):
             shape = graph.param_shapes.get(fqn)
@@ -124,7 +128,9 @@ class _NodesPart:
                 mterms.append((local + sbytes / shard_factor(opt, tp)) / dp_shard)
                 gterms.append(trained * local / dp_shard)
                 tterms.append(trained * local / dp_shard * opt_temp_ratio)
-            self.nodes.append(DecisionNode(name, costs, options, multiplicity=real_count[fqn]))
+            self.nodes.append(
+                DecisionNode(name, costs, options, multiplicity=real_count[fqn], kind=NodeKind.PARAM)
+            )
             self.param_options[name] = options
             if any(syncs):
                 self.sync_terms[name] = syncs

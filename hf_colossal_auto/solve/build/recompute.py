@@ -11,7 +11,7 @@ from ..problem import (
     DecisionNode,
 )
 from ..recompute import RecomputeOption, RecomputeUnit, parse_option, unit_options
-from .names import _node_name, _recompute_node_name
+from .names import NodeKind, _node_name, _recompute_node_name
 
 
 class _RecomputePart:
@@ -58,7 +58,13 @@ class _RecomputePart:
             rc = _recompute_node_name(unit.name)
             self.rc_names.append(rc)
             self.nodes.append(
-                DecisionNode(rc, [0.0] * len(options), [o.name for o in options], multiplicity=1)
+                DecisionNode(
+                    rc,
+                    [0.0] * len(options),
+                    [o.name for o in options],
+                    multiplicity=1,
+                    kind=NodeKind.RECOMPUTE,
+                )
             )
             self.block_of[rc] = unit.name
             for c in unit.nodes:

@@ -156,9 +156,32 @@ def _collective_prediction(built, solution, graph, tied, mesh, tp_comm, dp_mode)
     its bytes not: they depend on the tensor-parallel shard each replica holds). With k micro-batches the
     tensor-parallel collectives and FSDP's all-gathers run k times, the gradient synchronisation once.
     """
+    dp, tp = mesh
+    counts, nbytes, forward_syncs, backward_syncs = _tensor_parallel_collectives(
+        built, solution, graph, tied, tp_comm, tp
+    )
+    micro = built.micro_batches
+    counts = defaultdict(float, {kind: micro * c for kind, c in counts.items()})
+    nbytes = defaultdict(float, {kind: micro * b for kind, b in nbytes.items()})
+    if dp > 1:
+        _add_data_parallel_collectives(counts, nbytes, built, graph, tied, dp_mode)
+    if dp > 1 and dp_mode == "hsdp":  # HSDP all-reduces each reduce-scattered shard over the replicate group
+        counts["dp_all_reduce"] += counts["dp_reduce_scatter"]
+    return _CollectivePrediction(
+        counts={k: round(v, 6) for k, v in sorted(counts.items())},
+        nbytes={k: round(v, 6) for k, v in sorted(nbytes.items())},
+        forward_syncs=forward_syncs,
+        backward_syncs=backward_syncs,
+    )
+
+
+def _tensor_parallel_collectives(
+    built, solution, graph, tied, tp_comm, tp
+) -> tuple[dict[str, float], dict[str, float], set[int], set[int]]:
+    """One micro-batch's tensor-parallel collectives (:func:`_collective_prediction`): counts and bytes given
+    by kind, and the forward nodes where they synchronise the ranks in forward and in backward."""
     counts: dict[str, float] = defaultdict(float)
     nbytes: dict[str, float] = defaultdict(float)
-    dp, tp = mesh
     producer = forward_producers(graph)
 
     def source(vid: int) -> tuple[str, bool] | None:
@@ -232,29 +255,27 @@ def _collective_prediction(built, solution, graph, tied, mesh, tp_comm, dp_mode)
             nbytes[kind] += w * _given_bytes(kind, graph.values[vid].nbytes, tp)
             if vid in producer:
                 backward_syncs.add(producer[vid][0])
+    return counts, nbytes, forward_syncs, backward_syncs
+
+
+def _add_data_parallel_collectives(
+    counts: dict[str, float], nbytes: dict[str, float], built, graph, tied, dp_mode: str
+) -> None:
+    """Add the step's data-parallel collectives (:func:`_collective_prediction`) to ``counts`` and ``nbytes``:
+    one gradient synchronisation per trained parameter, FSDP's all-gathers per micro-batch, the exchanges of
+    experts sharded over dp."""
     micro = built.micro_batches
-    counts = defaultdict(float, {kind: micro * c for kind, c in counts.items()})
-    nbytes = defaultdict(float, {kind: micro * b for kind, b in nbytes.items()})
-    if dp > 1:
-        # experts sharded over dp are neither all-reduced (DDP) nor gathered and reduce-scattered (FSDP, which
-        # leaves them out): their exchange's collectives instead (with bytes)
-        experts = {fqn for fqn in graph.param_names if tied.canonical_param(fqn) in built.expert_dp_params}
-        n_params = len(graph.param_names) - len(experts)
-        n_trained = sum(1 for fqn in graph.param_names if graph.is_trainable(fqn) and fqn not in experts)
-        if dp_mode in SHARDED_DP_MODES:
-            counts["dp_all_gather"] += 2 * micro * n_params
-            counts["dp_reduce_scatter"] += n_trained
-        else:
-            counts["dp_all_reduce"] += n_trained
-        for exchange in built.expert_data_parallel.values():
-            for kind, given, _priced in exchange.collectives:
-                counts[f"dp_{kind}"] += micro * exchange.layers
-                nbytes[f"dp_{kind}"] += micro * exchange.layers * given
-    if dp > 1 and dp_mode == "hsdp":  # HSDP all-reduces each reduce-scattered shard over the replicate group
-        counts["dp_all_reduce"] += counts["dp_reduce_scatter"]
-    return _CollectivePrediction(
-        counts={k: round(v, 6) for k, v in sorted(counts.items())},
-        nbytes={k: round(v, 6) for k, v in sorted(nbytes.items())},
-        forward_syncs=forward_syncs,
-        backward_syncs=backward_syncs,
-    )
+    # experts sharded over dp are neither all-reduced (DDP) nor gathered and reduce-scattered (FSDP, which
+    # leaves them out): their exchange's collectives instead (with bytes)
+    experts = {fqn for fqn in graph.param_names if tied.canonical_param(fqn) in built.expert_dp_params}
+    n_params = len(graph.param_names) - len(experts)
+    n_trained = sum(1 for fqn in graph.param_names if graph.is_trainable(fqn) and fqn not in experts)
+    if dp_mode in SHARDED_DP_MODES:
+        counts["dp_all_gather"] += 2 * micro * n_params
+        counts["dp_reduce_scatter"] += n_trained
+    else:
+        counts["dp_all_reduce"] += n_trained
+    for exchange in built.expert_data_parallel.values():
+        for kind, given, _priced in exchange.collectives:
+            counts[f"dp_{kind}"] += micro * exchange.layers
+            nbytes[f"dp_{kind}"] += micro * exchange.layers * given

@@ -11,6 +11,7 @@ from ...capture.graph import OpNode, StepGraph
 from ...hardware.catalog import DeviceSpec, LinkSpec
 from ...hardware.comm import collective_time
 from ...strategies.placements import Strategy, is_partial, is_shard
+from ..build.names import NodeKind
 from ..problem import (
     DecisionNode,
     Overlap,
@@ -211,7 +212,7 @@ def data_parallel_overlap(
         return []
     compute: dict[str, list[float]] = {}
     for node in nodes:
-        if node.name in sync_terms or not node.name.startswith("n"):
+        if node.name in sync_terms or node.kind != NodeKind.OP:
             continue
         share = 1.0
         if dp_mode not in SHARDED_DP_MODES:

@@ -4,7 +4,9 @@ recompute unit's moments), the arguments a checkpoint holds, and the optimizer's
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 from ...capture.graph import Phase, StepGraph, ValueKind
 from ...profile.memory import UnrolledStep, unroll
@@ -126,17 +128,49 @@ def _block_moment(
     return (best_pos, "max")
 
 
-def _unrolled(graph: StepGraph) -> UnrolledStep:
-    """``unroll(graph)``, kept on the graph: every problem built from one step (data-parallel modes, the
-    planner's relaxations) reads the same full-depth timeline, and a captured step does not change."""
-    if "_unrolled" not in graph.__dict__:
-        graph.__dict__["_unrolled"] = unroll(graph)
-    return graph.__dict__["_unrolled"]
+class StepMemory:
+    """What every problem built from one captured step reads of its memory, worked out once: the full-depth
+    timeline (``unroll``) and the liveness snapshots the memory rows are written at, per set of recompute units
+    and checkpoint arguments (:meth:`~..build.memory_rows._MemoryRowsPart._snapshots`).
+
+    Why an object: one step is built into several problems (data-parallel modes, the planner's relaxations and
+    bounds), and a captured step does not change, so each is worked out once per step. Whoever builds those
+    problems owns it (the candidate planner, through :class:`StepMemories`); nothing is kept on the step itself,
+    so a step interpolated at other rows (a fresh object) never reads another step's figures."""
+
+    def __init__(self, graph: StepGraph) -> None:
+        self.graph = graph
+        self._unrolled: UnrolledStep | None = None
+        self.snapshots: dict[Hashable, Any] = {}
+        """Snapshots by what they depend on besides the step (the builder's key)."""
+
+    @property
+    def unrolled(self) -> UnrolledStep:
+        """``unroll(graph)``, made on first use."""
+        if self._unrolled is None:
+            self._unrolled = unroll(self.graph)
+        return self._unrolled
 
 
-def _optimizer_temp_ratio(graph: StepGraph) -> float:
-    """The optimizer step's temporary bytes at their peak, per byte of trainable parameter."""
-    step = _unrolled(graph)
+class StepMemories:
+    """One :class:`StepMemory` per step, by the step's identity: what a planning call holds for the steps it
+    builds problems from. Each entry holds its step, so an identity is never reused while its entry lives, and
+    the entries go with the planning call."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, StepMemory] = {}
+
+    def of(self, graph: StepGraph) -> StepMemory:
+        memory = self._by_id.get(id(graph))
+        if memory is None:
+            memory = self._by_id[id(graph)] = StepMemory(graph)
+        return memory
+
+
+def _optimizer_temp_ratio(graph: StepGraph, step: UnrolledStep | None = None) -> float:
+    """The optimizer step's temporary bytes at their peak, per byte of trainable parameter (``step``: the step's
+    unrolled timeline, if at hand)."""
+    step = unroll(graph) if step is None else step
     opt_positions = [pos for pos, i in enumerate(step.order) if graph.nodes[i].phase is Phase.OPTIMIZER]
     if not opt_positions:
         return 0.0
