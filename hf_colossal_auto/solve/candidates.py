@@ -193,6 +193,7 @@ class _Planner:
         param_uses: Mapping[str, str] | None = None,
         expert_dp: bool = False,
         budget: int | None = None,
+        replicated: bool = False,
     ) -> BuiltProblem:
         """The ILP of one mesh (under ``budget``, default the planner's; :data:`LIFTED_BUDGET` to price what does
         not fit); recompute is a decision unless ``recompute_pin`` (or the planner's mode "none" /
@@ -201,20 +202,28 @@ class _Planner:
         False builds the relaxation without DTensor's own choices (:func:`build_problem`). ``param_uses``
         (canonical parameter FQN -> tensor-parallel placement) pins where every op that reads a parameter reads
         it (:func:`_pin_param_uses`). ``expert_dp``: every MoE layer expert-parallel over the data-parallel
-        axis (:func:`build_problem`)."""
+        axis (:func:`build_problem`). ``replicated``: every parameter and op replicated on the tensor-parallel
+        axis, the plan that shards nothing.
+
+        A candidate whose every choice shards nothing — DDP on a ``(dp, 1)`` mesh, or ``replicated`` — runs on
+        ordinary tensors (:attr:`~hf_colossal_auto.plan.Plan.shards_nothing`,
+        :mod:`hf_colossal_auto.apply.data_parallel`): its ops are priced without DTensor's per-op host cost."""
         if recompute_pin is None and self.recompute in ("none", "full"):
             recompute_pin = self.recompute
         dp, tp = mesh
         graph = self.graph(dp, micro_batches)
         tp_comm = self.axis_comm(mesh, 1)
         dp_comm = self.hybrid_comm(mesh, dp_shard_size) if dp_mode == "hsdp" else self.axis_comm(mesh, 0)
-        strategies = self.strategies(dp, tp, micro_batches)
+        strategies = {} if replicated else self.strategies(dp, tp, micro_batches)
+        if replicated:
+            fixed_params, pin_unlisted, param_uses = {}, True, None
         if param_uses:
             strategies = _pin_param_uses(graph, strategies, param_uses)
+        plain = replicated or (tp == 1 and dp_mode == "ddp" and not expert_dp)
         return build_problem(
             graph,
             strategies,
-            spec=self.spec,
+            spec=self.plain_spec if plain else self.spec,
             mesh_shape=mesh,
             tp_comm=tp_comm,
             dp_comm=dp_comm,
@@ -229,6 +238,11 @@ class _Planner:
             routing=self.routing,
             expert_dp=expert_dp,
         )
+
+    @property
+    def plain_spec(self) -> DeviceSpec:
+        """The device as a plan on ordinary tensors runs on it: no DTensor host cost per op."""
+        return self.spec.with_overrides(dtensor_overhead_s=0.0)
 
     def axis_comm(self, mesh: tuple[int, int], axis: int) -> AxisComm:
         """Collective pricing on one mesh axis. A tensor-parallel resharding is a DTensor redistribution (the
@@ -283,7 +297,35 @@ class _Planner:
             dp_shard_size=dp_shard_size,
             expert_dp=expert_dp,
         )
-        return built, _solve_candidate(built, self.time_limit_s, self._candidate_name(mesh, dp_mode))
+        solution = _solve_candidate(built, self.time_limit_s, self._candidate_name(mesh, dp_mode))
+        replicated = (
+            None if fixed_params is not None or expert_dp else self.replicated(mesh, dp_mode, micro_batches)
+        )
+        if replicated is not None and replicated[1].objective_s < solution.objective_s:
+            return replicated
+        return built, solution
+
+    def replicated(
+        self, mesh: tuple[int, int], dp_mode: str, micro_batches: int = 1
+    ) -> tuple[BuiltProblem, Solution] | None:
+        """The plan of a tensor-parallel mesh under DDP that shards nothing, built and solved apart from the
+        mesh's ILP: that ILP prices every choice on DTensors, but the plan that replicates everything runs on
+        ordinary tensors (:meth:`build`), so its price is only known apart. It wins where the model is so small
+        that its step is host-bound: the ``tp`` ranks of a group repeat the same work at no cost and spare the
+        data-parallel all-reduce over them. None on a ``(dp, 1)`` mesh, under FSDP/HSDP, where the model's
+        state alone, whole on every rank, exceeds the budget, or where nothing fits."""
+        dp, tp = mesh
+        if tp == 1 or dp_mode != "ddp":
+            return None
+        graph = self.graph(dp, micro_batches)
+        if graph.total_param_bytes + graph.total_optimizer_state_bytes > self.budget:
+            return None
+        built = self.build(mesh, dp_mode, micro_batches=micro_batches, replicated=True)
+        try:
+            solution = solve(built.problem, time_limit_s=self.time_limit_s)
+        except InfeasibleError:
+            return None
+        return (built, solution) if solution.choice else None
 
     def _two_stage(
         self,
