@@ -193,7 +193,6 @@ class _Planner:
         param_uses: Mapping[str, str] | None = None,
         expert_dp: bool = False,
         budget: int | None = None,
-        replicated: bool = False,
     ) -> BuiltProblem:
         """The ILP of one mesh (under ``budget``, default the planner's; :data:`LIFTED_BUDGET` to price what does
         not fit); recompute is a decision unless ``recompute_pin`` (or the planner's mode "none" /
@@ -202,24 +201,23 @@ class _Planner:
         False builds the relaxation without DTensor's own choices (:func:`build_problem`). ``param_uses``
         (canonical parameter FQN -> tensor-parallel placement) pins where every op that reads a parameter reads
         it (:func:`_pin_param_uses`). ``expert_dp``: every MoE layer expert-parallel over the data-parallel
-        axis (:func:`build_problem`). ``replicated``: every parameter and op replicated on the tensor-parallel
-        axis, the plan that shards nothing.
+        axis (:func:`build_problem`).
 
-        A candidate whose every choice shards nothing — DDP on a ``(dp, 1)`` mesh, or ``replicated`` — runs on
-        ordinary tensors (:attr:`~hf_colossal_auto.plan.Plan.shards_nothing`,
-        :mod:`hf_colossal_auto.apply.data_parallel`): its ops are priced without DTensor's per-op host cost."""
+        DDP on a ``(dp, 1)`` mesh shards nothing, so it runs on ordinary tensors
+        (:attr:`~hf_colossal_auto.plan.Plan.shards_nothing`, :mod:`hf_colossal_auto.apply.data_parallel`): its
+        ops are priced without DTensor's per-op host cost. A tensor-parallel mesh's ILP prices every choice on
+        DTensors, the one that replicates everything too (which the runtime also runs on ordinary tensors: an
+        over-prediction the ILP cannot avoid without a variable for "anything sharded")."""
         if recompute_pin is None and self.recompute in ("none", "full"):
             recompute_pin = self.recompute
         dp, tp = mesh
         graph = self.graph(dp, micro_batches)
         tp_comm = self.axis_comm(mesh, 1)
         dp_comm = self.hybrid_comm(mesh, dp_shard_size) if dp_mode == "hsdp" else self.axis_comm(mesh, 0)
-        strategies = {} if replicated else self.strategies(dp, tp, micro_batches)
-        if replicated:
-            fixed_params, pin_unlisted, param_uses = {}, True, None
+        strategies = self.strategies(dp, tp, micro_batches)
         if param_uses:
             strategies = _pin_param_uses(graph, strategies, param_uses)
-        plain = replicated or (tp == 1 and dp_mode == "ddp" and not expert_dp)
+        plain = tp == 1 and (dp_mode == "ddp" or dp == 1) and not expert_dp  # as Plan.shards_nothing
         return build_problem(
             graph,
             strategies,
@@ -297,35 +295,7 @@ class _Planner:
             dp_shard_size=dp_shard_size,
             expert_dp=expert_dp,
         )
-        solution = _solve_candidate(built, self.time_limit_s, self._candidate_name(mesh, dp_mode))
-        replicated = (
-            None if fixed_params is not None or expert_dp else self.replicated(mesh, dp_mode, micro_batches)
-        )
-        if replicated is not None and replicated[1].objective_s < solution.objective_s:
-            return replicated
-        return built, solution
-
-    def replicated(
-        self, mesh: tuple[int, int], dp_mode: str, micro_batches: int = 1
-    ) -> tuple[BuiltProblem, Solution] | None:
-        """The plan of a tensor-parallel mesh under DDP that shards nothing, built and solved apart from the
-        mesh's ILP: that ILP prices every choice on DTensors, but the plan that replicates everything runs on
-        ordinary tensors (:meth:`build`), so its price is only known apart. It wins where the model is so small
-        that its step is host-bound: the ``tp`` ranks of a group repeat the same work at no cost and spare the
-        data-parallel all-reduce over them. None on a ``(dp, 1)`` mesh, under FSDP/HSDP, where the model's
-        state alone, whole on every rank, exceeds the budget, or where nothing fits."""
-        dp, tp = mesh
-        if tp == 1 or dp_mode != "ddp":
-            return None
-        graph = self.graph(dp, micro_batches)
-        if graph.total_param_bytes + graph.total_optimizer_state_bytes > self.budget:
-            return None
-        built = self.build(mesh, dp_mode, micro_batches=micro_batches, replicated=True)
-        try:
-            solution = solve(built.problem, time_limit_s=self.time_limit_s)
-        except InfeasibleError:
-            return None
-        return (built, solution) if solution.choice else None
+        return built, _solve_candidate(built, self.time_limit_s, self._candidate_name(mesh, dp_mode))
 
     def _two_stage(
         self,

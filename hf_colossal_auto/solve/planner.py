@@ -362,8 +362,6 @@ def evaluate_plan(
     tied = TiedGraph.build(planner.graph(mesh[0], k))
     canonical_fixed = {tied.canonical_param(k): v for k, v in fixed.items()}
     param_uses = _plan_param_uses(model, plan_or_baseline) if pin_uses else None
-    # a plan that shards nothing on a tensor-parallel mesh runs on ordinary tensors, and is priced so
-    replicated = isinstance(plan_or_baseline, Plan) and plan_or_baseline.shards_nothing and mesh[1] > 1
     # Every parameter the baseline does not name stays replicated, as the baseline means; activations are
     # left to the solver (what a runtime's sharding propagation would do best). The budget is lifted so that a
     # baseline that does not fit is still priced, and reported as not fitting.
@@ -383,7 +381,6 @@ def evaluate_plan(
             dp_shard_size=shard,
             param_uses=param_uses,
             expert_dp=expert_dp,
-            replicated=replicated,
         )
         try:
             solution = solve(built.problem, time_limit_s=time_limit_s)
@@ -403,7 +400,6 @@ def evaluate_plan(
             param_uses=param_uses,
             expert_dp=expert_dp,
             budget=budget,
-            replicated=replicated,
         )
 
     if solution is None and (isinstance(plan_or_baseline, Plan) or fit_budget):

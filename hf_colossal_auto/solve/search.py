@@ -109,12 +109,6 @@ class _Search:
                 mesh, mode, micro_batches=micro_batches, dp_shard_size=shard, dtensor_rules=False
             )
             bound = self._relaxed_optimum(relaxed)
-            # the relaxation prices every choice on DTensors; the plan that shards nothing runs without them
-            replicated = (
-                self.planner.replicated(mesh, mode, micro_batches) if self.best.step_time_s <= bound else None
-            )
-            if replicated is not None:
-                bound = min(bound, replicated[1].objective_s)
         if self.best.step_time_s > bound:
             return False
         logger.debug("mesh %s %s skipped: its relaxation takes %.3g s", mesh, dp_mode, bound)
