@@ -461,6 +461,7 @@ def apply_plan(
     *,
     timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
     pretrained: str | os.PathLike | None = None,
+    dtensors: bool | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place per ``plan`` on ``mesh`` (built from the running job when None).
 
@@ -470,7 +471,9 @@ def apply_plan(
     becomes the collective timeout of the groups the plan runs on. ``pretrained``: a HF safetensors checkpoint
     (directory, or a repository in the local HF cache) each rank loads its own shards from once the model is
     sharded (:func:`.pretrained.load_pretrained`, strict) — for a model built on ``meta``, instead of initialising
-    the weights.
+    the weights. ``dtensors``: None runs a plan that shards nothing on ordinary parameters
+    (:mod:`.data_parallel`) and any other on DTensors; True forces DTensors (what the calibration times: the
+    per-op cost of a plan that shards).
     """
     world = dist.get_world_size() if dist.is_initialized() else None
     _validate_on_every_rank(model, plan, world)
@@ -483,7 +486,9 @@ def apply_plan(
         mesh = build_mesh(plan)
     originals = list(model.named_parameters(remove_duplicate=False))
     on_meta = is_meta_model(model)
-    plain = plan.shards_nothing  # ordinary parameters, DDP's averaging (apply/data_parallel.py)
+    plain = (
+        plan.shards_nothing and not dtensors
+    )  # ordinary parameters, DDP's averaging (apply/data_parallel.py)
     if plain:
         keep_plain_parameters(model, mesh, broadcast=_processes_are_real())
         wrap_plain_forward(model)
