@@ -264,6 +264,26 @@ class Plan:
         return stage_ranks(self.schedule, self.num_stages, self.pp_size)
 
     @property
+    def shards_nothing(self) -> bool:
+        """Whether every rank runs on whole tensors: no FSDP/HSDP over more than one replica, no experts split
+        over the data-parallel axis, and on a tensor-parallel axis of more than one rank every parameter (stored
+        and used) and module output replicated, with no tensor-parallel collective predicted (a plan that splits
+        only activations, to save their memory, has some). The runtime runs such a plan on ordinary tensors
+        (:mod:`hf_colossal_auto.apply.data_parallel`) and the planner prices it without DTensor's per-op cost."""
+        if self.dp_mode in ("fsdp", "hsdp") and self.dp_size > 1:
+            return False
+        if self.expert_data_parallel:
+            return False
+        if self.tp_size == 1:
+            return True
+        axis = list(self.mesh_axis_names).index("tp")
+        placed = [*self.param_placements.values(), *self.param_use_placements.values()]
+        placed += list(self.activation_placements.values())
+        if any(len(p) > axis and p[axis] != "R" for p in placed):
+            return False
+        return not any(count > 0 for kind, count in self.collectives.items() if not kind.startswith("dp_"))
+
+    @property
     def dp_replicate_size(self) -> int:
         """Replicas of each parameter shard over the data-parallel axis (dp under DDP, 1 under FSDP)."""
         return self.dp_size // self.dp_shard_size

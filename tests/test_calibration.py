@@ -124,22 +124,29 @@ def test_calibrate_cli_writes_a_spec_every_entry_point_reads(tmp_path):
 
 
 def test_planned_step_time_carries_the_per_op_overheads():
-    """A one-device plan's predicted time grows by the DTensor overhead once per op of the step, and full
-    recompute (which reruns the forward) is predicted slower than none."""
+    """A tensor-parallel plan's predicted time grows by the DTensor overhead once per op of the step (its ops
+    run on DTensors), a one-device plan's not at all (it shards nothing: ordinary tensors), and full recompute
+    (which reruns the forward) is predicted slower than none."""
     from hf_colossal_auto.capture.tracer import trace_training_step
     from hf_colossal_auto.models import build_model, make_example_inputs
-    from hf_colossal_auto.solve.planner import plan_model
+    from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
 
     model = build_model("tiny-llama", device="meta")
     batch = make_example_inputs(model, 2, 16, device="meta")
     ops = sum(trace_training_step(model, batch).repeat_of_node())
     base = STATIC_CPU_SPEC.with_overrides(dtensor_overhead_s=50e-6)
     more = base.with_overrides(dtensor_overhead_s=150e-6)
-    t_base = plan_model(model, batch, num_devices=1, device=base).step_time_s
-    t_more = plan_model(model, batch, num_devices=1, device=more).step_time_s
-    assert t_more - t_base == pytest.approx(100e-6 * ops, rel=0.05)
+
+    def megatron(spec) -> float:
+        return evaluate_plan(
+            model, batch, "megatron", num_devices=2, device=spec, mesh_shape=(1, 2)
+        ).step_time_s
+
+    assert megatron(more) - megatron(base) == pytest.approx(100e-6 * ops, rel=0.05)
+    t_one = plan_model(model, batch, num_devices=1, device=base).step_time_s
+    assert plan_model(model, batch, num_devices=1, device=more).step_time_s == t_one
     full = plan_model(model, batch, num_devices=1, device=base, recompute="full").step_time_s
-    assert full > t_base
+    assert full > t_one
 
 
 def test_elementwise_math_is_bound_by_its_rate_not_bandwidth():

@@ -58,21 +58,26 @@ ACCELERATE_SCRIPTS = Path(__import__("accelerate").__file__).parent / "test_util
 
 
 def test_accelerates_own_test_scripts_under_the_runner():
-    """accelerate's test_ops.py passes under the runner, and test_sync.py passes whole under a data-parallel
-    plan (2x1: the model planned from its first call, inside ``no_sync``; gradients compared with
-    ``torch.allclose`` against ordinary tensors). test_script.py, under the planner's choice, passes all its
-    data-loader checks (loaders prepared before and without a model, seedable samplers, dataloader breaks) and
-    trains; its check that then compares the trained RegressionModel's parameters with ordinary tensors through
-    ``torch.testing.assert_close`` is out of reach (torch refuses DTensor against plain tensors there, and
-    planned parameters are DTensors), so that run is checked up to there. Under a 1x2 plan test_sync's own
-    premise (each process computes on its own batch) cannot hold."""
+    """accelerate's own distributed test scripts (what ``accelerate test`` runs) pass whole under the runner with
+    the planner's own choice: test_ops.py; test_script.py — its data-loader checks (loaders prepared before and
+    without a model, seedable samplers, dataloader breaks), then its trainings of the RegressionModel planned
+    from the model's first call (``model(batch["x"])``), DDP on 2x1, whose parameters, ordinary tensors since
+    the plan shards nothing, it compares with one process's through ``torch.testing.assert_close`` (which
+    refuses DTensors); and test_sync.py, whose premise (each process computes on its own batch, so gradients
+    differ until synchronised) the DDP plan keeps: the model planned inside ``no_sync``, ``accumulate``,
+    ``trigger_sync_in_backward``."""
     ops = _launch(str(ACCELERATE_SCRIPTS / "test_ops.py"), env=_env(), runner=True)
     assert ops.returncode == 0, ops.stderr[-3000:]
     script = _launch(str(ACCELERATE_SCRIPTS / "test_script.py"), env=_env(), runner=True)
-    assert "**Training integration test**" in script.stdout, script.stdout[-2000:] + script.stderr[-3000:]
-    assert "Plan for RegressionModel" in script.stdout  # planned from the model's first call
-    sync = _launch(
-        str(ACCELERATE_SCRIPTS / "test_sync.py"), env=_env(HF_COLOSSAL_AUTO_MESH_SHAPE="2x1"), runner=True
+    assert script.returncode == 0, script.stdout[-2000:] + script.stderr[-3000:]
+    assert (
+        "Training yielded the same results on one CPU or distributed setup with batch split." in script.stdout
     )
+    assert "**Test reinstantiated state**" in script.stdout  # its last section
+    assert (
+        "Plan for RegressionModel on 2 x cpu: mesh dp=2 x tp=1" in script.stdout
+    )  # planned from the first call
+    sync = _launch(str(ACCELERATE_SCRIPTS / "test_sync.py"), env=_env(), runner=True)
     assert sync.returncode == 0, sync.stdout[-2000:] + sync.stderr[-3000:]
     assert "**Test Distributed `no_sync` context manager with multiple forwards**" in sync.stdout
+    assert "Plan for RegressionModel on 2 x cpu: mesh dp=2 x tp=1" in sync.stdout

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchrun_launch import run_torchrun
 
 from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
@@ -88,7 +89,10 @@ def test_tensor_parallel_matches_single_process(preset, plan_kind):
             for (name, p_ref), (_, p) in zip(
                 reference.named_parameters(), model.named_parameters(), strict=True
             ):
-                torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, atol=1e-5, rtol=1e-5, msg=name)
+                # a plan that shards nothing (the auto plan of T5 here) keeps ordinary parameters
+                grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                grad = grad.reconcile() if hasattr(grad, "reconcile") else grad
+                torch.testing.assert_close(grad, p_ref.grad, atol=1e-5, rtol=1e-5, msg=name)
     finally:
         dist.destroy_process_group()
 

@@ -48,6 +48,12 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from .._torch_compat import allow_implicit_replication, queue_backward_callback, tree_map
 from ..plan import Plan
 from .agree import DEFAULT_TIMEOUT_S, as_timedelta, raise_if_any_rank_failed, run_on_one_rank, set_timeout
+from .data_parallel import (
+    keep_plain_parameters,
+    mesh_device,
+    register_plain_gradient_sync,
+    wrap_plain_forward,
+)
 from .dtensor_rules import register_replicated_fallbacks, register_runtime_rules
 from .enforce import ReducePartialGradientsAtProducers, enforce_plan
 from .materialize import is_meta_model, materialize_meta_model
@@ -454,6 +460,7 @@ def apply_plan(
     *,
     timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
     pretrained: str | os.PathLike | None = None,
+    dtensors: bool | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place per ``plan`` on ``mesh`` (built from the running job when None).
 
@@ -463,7 +470,9 @@ def apply_plan(
     becomes the collective timeout of the groups the plan runs on. ``pretrained``: a HF safetensors checkpoint
     (directory, or a repository in the local HF cache) each rank loads its own shards from once the model is
     sharded (:func:`.pretrained.load_pretrained`, strict) — for a model built on ``meta``, instead of initialising
-    the weights.
+    the weights. ``dtensors``: None runs a plan that shards nothing on ordinary parameters
+    (:mod:`.data_parallel`) and any other on DTensors; True forces DTensors (what the calibration times: the
+    per-op cost of a plan that shards).
     """
     if (
         plan.pp_size > 1
@@ -482,12 +491,14 @@ def apply_plan(
         mesh = build_mesh(plan)
     originals = list(model.named_parameters(remove_duplicate=False))
     on_meta = is_meta_model(model)
-    distribute_parameters(model, plan, mesh)
-    wrap_forward(model, mesh)
-    install_expert_parallel_regions(model, plan)  # experts split on the expert dim (apply/moe.py)
-    install_expert_data_parallel_regions(model, plan, mesh)  # experts split over the data-parallel axis
-    register_embedding_reduction(model)
-    enforce_plan(model, plan)
+    plain = (
+        plan.shards_nothing and not dtensors
+    )  # ordinary parameters, DDP's averaging (apply/data_parallel.py)
+    if plain:
+        keep_plain_parameters(model, mesh, broadcast=_processes_are_real())
+        wrap_plain_forward(model)
+    else:
+        _distribute(model, plan, mesh)
     # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP
     recomputed = apply_recompute(model, plan)
     install_tensor_parallel_rng(model, mesh, recomputed=bool(recomputed))
@@ -498,12 +509,16 @@ def apply_plan(
         experts = {p for fqn, p in model.named_parameters() if fqn in over_dp}
         _fully_shard(model, model._hf_colossal_auto_dp_mesh, ignored=experts)
     # after FSDP, so that each rank allocates (and reads) only its data- and tensor-parallel shards
+    device = mesh_device(mesh) if plain else None  # a plain parameter on meta has no mesh to say where
     if pretrained is not None:
         # what each rank read, kept for logs and tests
-        model._hf_colossal_auto_load_report = load_pretrained(model, pretrained)
+        model._hf_colossal_auto_load_report = load_pretrained(model, pretrained, device=device)
     elif on_meta:
-        materialize_meta_model(model)
-    register_gradient_sync(model, mesh, average_over_dp=not fsdp)
+        materialize_meta_model(model, device)
+    if plain:
+        register_plain_gradient_sync(model, mesh)
+    else:
+        register_gradient_sync(model, mesh, average_over_dp=not fsdp)
     if optimizers:  # by name, after every replacement (FSDP replaces the DTensor parameters once more)
         final = dict(model.named_parameters(remove_duplicate=False))
         replaced = {id(p): final[fqn] for fqn, p in originals if fqn in final}
@@ -520,6 +535,17 @@ def apply_plan(
         set_timeout(timeout, (mesh.get_group(axis) for axis in range(mesh.ndim)))
     logger.info("applied plan: mesh %s, %s on the data-parallel axis", tuple(plan.mesh_shape), plan.dp_mode)
     return model
+
+
+def _distribute(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+    """The DTensor runtime of a plan that shards something: DTensor parameters, the forward on DTensors, the
+    expert regions, the plan's placements enforced."""
+    distribute_parameters(model, plan, mesh)
+    wrap_forward(model, mesh)
+    install_expert_parallel_regions(model, plan)  # experts split on the expert dim (apply/moe.py)
+    install_expert_data_parallel_regions(model, plan, mesh)  # experts split over the data-parallel axis
+    register_embedding_reduction(model)
+    enforce_plan(model, plan)
 
 
 def release_freed_memory() -> None:

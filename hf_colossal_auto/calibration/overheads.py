@@ -65,7 +65,7 @@ def _one_device_group() -> tuple[Any, bool]:
 
 def measure_overheads(kind: str, spec: DeviceSpec | None = None, steps: int = 15) -> tuple[float, float]:
     """``(host_overhead_s, dtensor_overhead_s)``: seconds per op of a tiny model's training step, eager, and
-    what our runtime (a one-device plan: every op on DTensors, the plan's hooks) adds per op."""
+    what our DTensor runtime (a one-device plan forced onto DTensors, the plan's hooks) adds per op."""
     from ..apply import apply_plan
     from ..capture.tracer import trace_training_step
     from ..models import build_model, load_config, make_example_inputs
@@ -87,7 +87,8 @@ def measure_overheads(kind: str, spec: DeviceSpec | None = None, steps: int = 15
             ops = sum(trace_training_step(model, batch).repeat_of_node())
             eager = _step_seconds(model, batch, device, steps)
             plan = evaluate_plan(model, batch, "ddp", num_devices=1, device=spec or base_spec(kind)).plan
-            planned = apply_plan(copy.deepcopy(model), plan)
+            # on DTensors although one device shards nothing: the cost a plan that shards pays per op
+            planned = apply_plan(copy.deepcopy(model), plan, dtensors=True)
             runtime = _step_seconds(planned, batch, device, steps)
             eager_per_op.append(eager / ops)
             extra_per_op.append(max(0.0, runtime - eager) / ops)

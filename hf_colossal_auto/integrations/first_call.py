@@ -113,6 +113,8 @@ class TensorParallelBatch:
 
         def cut(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == total and rows:
+                if value.requires_grad:
+                    return _OwnRows.apply(value, self.rank, rows, self.size, self.group)
                 return value[self.rank * rows : (self.rank + 1) * rows]
             return value
 
@@ -121,6 +123,28 @@ class TensorParallelBatch:
                 output[key] = tree_map(cut, output[key])
             return output
         return tree_map(cut, output)
+
+
+class _OwnRows(torch.autograd.Function):
+    """This rank's rows of a group output; backward hands every rank the group's gradient: the gradients of
+    every rank's rows, all-gathered in rank order, divided by the group's size.
+
+    Why: a loss the loop computes from its own rows (``mse_loss(model(x), y)`` on this process's batch) differs
+    per rank, and so would the replicated parameters' gradients (each only its rows'), parting the group's
+    copies of the model. With the gathered gradient every rank of the group gets the mean over its ranks of their
+    losses' gradients — what DDP's average over those processes is; the data-parallel average then completes
+    DDP's over the job."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, rank: int, rows: int, size: int, group: Any) -> torch.Tensor:
+        ctx.size, ctx.group = size, group
+        return value[rank * rows : (rank + 1) * rows].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        parts = [torch.empty_like(grad) for _ in range(ctx.size)]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts).div_(ctx.size), None, None, None, None
 
 
 def plan_on_first_call(model: nn.Module, parallelize: Callable[[nn.Module, dict[str, Any]], None]) -> None:

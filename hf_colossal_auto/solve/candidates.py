@@ -206,7 +206,13 @@ class _Planner:
         False builds the relaxation without DTensor's own choices (:func:`build_problem`). ``param_uses``
         (canonical parameter FQN -> tensor-parallel placement) pins where every op that reads a parameter reads
         it (:func:`_pin_param_uses`). ``expert_dp``: every MoE layer expert-parallel over the data-parallel
-        axis (:func:`build_problem`)."""
+        axis (:func:`build_problem`).
+
+        DDP on a ``(dp, 1)`` mesh shards nothing, so it runs on ordinary tensors
+        (:attr:`~hf_colossal_auto.plan.Plan.shards_nothing`, :mod:`hf_colossal_auto.apply.data_parallel`): its
+        ops are priced without DTensor's per-op host cost. A tensor-parallel mesh's ILP prices every choice on
+        DTensors, the one that replicates everything too (which the runtime also runs on ordinary tensors: an
+        over-prediction the ILP cannot avoid without a variable for "anything sharded")."""
         if recompute_pin is None and self.recompute in ("none", "full"):
             recompute_pin = self.recompute
         dp, tp = mesh
@@ -216,10 +222,11 @@ class _Planner:
         strategies = self.strategies(dp, tp, micro_batches)
         if param_uses:
             strategies = _pin_param_uses(graph, strategies, param_uses)
+        plain = tp == 1 and (dp_mode == "ddp" or dp == 1) and not expert_dp  # as Plan.shards_nothing
         return build_problem(
             graph,
             strategies,
-            spec=self.spec,
+            spec=self.plain_spec if plain else self.spec,
             mesh_shape=mesh,
             tp_comm=tp_comm,
             dp_comm=dp_comm,
@@ -235,6 +242,11 @@ class _Planner:
             expert_dp=expert_dp,
             step_memory=self._step_memories.of(graph),
         )
+
+    @property
+    def plain_spec(self) -> DeviceSpec:
+        """The device as a plan on ordinary tensors runs on it: no DTensor host cost per op."""
+        return self.spec.with_overrides(dtensor_overhead_s=0.0)
 
     def axis_comm(self, mesh: tuple[int, int], axis: int) -> AxisComm:
         """Collective pricing on one mesh axis. A tensor-parallel resharding is a DTensor redistribution (the

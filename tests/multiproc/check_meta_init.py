@@ -28,6 +28,7 @@ CASES = (
     ("tiny-gpt2", (1, 2), "ddp"),  # tied lm_head / wte
     ("tiny-llama", (2, 1), "fsdp"),
     ("tiny-gpt2", (2, 1), "fsdp"),
+    ("tiny-llama", (2, 1), "ddp"),  # shards nothing: ordinary parameters, full tensors on every rank
 )
 SEED = 1234
 
@@ -74,7 +75,7 @@ def _replicated_identical(model, plan) -> bool:
     for fqn, param in model.named_parameters():
         if plan.param_placements[fqn][1] != "R" or plan.dp_mode == "fsdp":
             continue
-        local = param.to_local().detach().contiguous()
+        local = (param.to_local() if isinstance(param, DTensor) else param).detach().contiguous()
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)
         ok &= all(torch.equal(g, gathered[0]) for g in gathered)
@@ -124,6 +125,11 @@ def run_case(preset: str, mesh: tuple[int, int], dp_mode: str) -> dict:
         "expected_local_bytes": expected,
         "full_bytes": full_bytes,
         "all_dtensors": all(isinstance(p, DTensor) and not p.is_meta for p in model.parameters()),
+        "all_plain": all(
+            type(p) is torch.nn.Parameter and not isinstance(p, DTensor) and not p.is_meta
+            for p in model.parameters()
+        ),
+        "shards_nothing": plan.shards_nothing,
         "replicated_identical": _replicated_identical(model, plan),
         "sharded_params": sum(1 for v in plan.param_placements.values() if "S" in "".join(v)),
     }

@@ -260,7 +260,12 @@ def _refuse(
 
 
 def load_pretrained(
-    model: nn.Module, path: str | Path, *, strict: bool = True, ignore_mismatched_sizes: bool = False
+    model: nn.Module,
+    path: str | Path,
+    *,
+    strict: bool = True,
+    ignore_mismatched_sizes: bool = False,
+    device: torch.device | str | None = None,
 ) -> LoadReport:
     """Fill ``model`` from the safetensors checkpoint at ``path``, each rank reading only its own slices.
 
@@ -268,14 +273,15 @@ def load_pretrained(
     allocated first — this rank's shards only — and only what the checkpoint lacks (non-persistent buffers such
     as rotary tables, or missing keys with ``strict=False``) is initialised by the model's own init. Values are
     cast to each tensor's dtype. Call it on every rank of a planned model (a model on ``meta`` is materialised
-    collectively); the checks run before anything is read, identically on every rank.
+    collectively); the checks run before anything is read, identically on every rank. ``device``: where a
+    plain tensor on ``meta`` is allocated (default: :func:`.materialize.materialize_meta_model`'s).
     """
     directory, files = checkpoint_files(path)
     sources = _read_headers(directory, files)
     matching = _match(model, sources)
     _refuse(model, path, matching, strict, ignore_mismatched_sizes)
     if is_meta_model(model):
-        materialize_meta_model(model, loaded=matching.loaded_names)
+        materialize_meta_model(model, device, loaded=matching.loaded_names)
     report = LoadReport(
         files=files,
         missing=matching.missing,

@@ -1,0 +1,164 @@
+"""Plans that shard nothing run on ordinary parameters (apply/data_parallel.py) and are priced so."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_colossal_auto.models import build_model, make_example_inputs
+from hf_colossal_auto.plan import Plan
+from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
+
+
+def _regression_model() -> torch.nn.Module:
+    from accelerate.test_utils.training import RegressionModel
+
+    return RegressionModel(a=1, b=2)
+
+
+def test_data_parallel_plans_are_priced_on_ordinary_tensors():
+    """accelerate's 2-parameter RegressionModel on 2 CPU processes: DDP on 2x1 shards nothing, runs on ordinary
+    tensors and is priced without DTensor's per-op host cost (its time does not move with it), so it beats the
+    1x2 plan that repeats the whole batch on DTensors (priced with that cost: the ILP of a tensor-parallel mesh
+    prices every choice so) although it pays a gradient all-reduce the 1x2 plan does not."""
+    from hf_colossal_auto.hardware import get_device
+
+    model, batch = _regression_model(), {"x": torch.randn(16)}
+    plan = plan_model(model, batch, num_devices=2, device="cpu")
+    assert tuple(plan.mesh_shape) == (2, 1) and plan.dp_mode == "ddp" and plan.shards_nothing
+    assert plan.communication_time_s > 0
+    tensor_parallel = plan_model(model, batch, num_devices=2, device="cpu", mesh_shape=(1, 2))
+    assert tensor_parallel.shards_nothing and tensor_parallel.communication_time_s == 0
+    assert plan.step_time_s < tensor_parallel.step_time_s
+    costlier = get_device("cpu").with_overrides(dtensor_overhead_s=10 * get_device("cpu").dtensor_overhead_s)
+    again = plan_model(model, batch, num_devices=2, device=costlier, mesh_shape=(2, 1))
+    assert again.step_time_s == pytest.approx(plan.step_time_s, rel=1e-12)
+    dearer = plan_model(model, batch, num_devices=2, device=costlier, mesh_shape=(1, 2))
+    assert dearer.step_time_s > tensor_parallel.step_time_s
+
+
+def _all_replicated(plan: Plan) -> Plan:
+    """``plan`` with every placement replicated and no tensor-parallel collective (a plan that shards nothing on
+    its tensor-parallel mesh)."""
+    out = copy.deepcopy(plan)
+    out.param_placements = {fqn: ["R", "R"] for fqn in plan.param_placements}
+    out.param_use_placements = {}
+    out.activation_placements = {m: ["R", "R"] for m in plan.activation_placements}
+    out.collectives = {k: v for k, v in plan.collectives.items() if k.startswith("dp_")}
+    return out
+
+
+def _own_rows_gradient_diff(model, reference, batch: dict, rank: int) -> float:
+    """Largest gap between one process's gradient of ``mean(logits**2)`` over the batch and the planned model's,
+    fed per-process rows as a model planned from its first call is in its first epoch (the group's batch
+    gathered, this rank's rows of the logits handed back) with the loss taken from those rows only."""
+    from hf_colossal_auto.integrations.first_call import TensorParallelBatch
+
+    params = list(reference.parameters())
+    wanted = torch.autograd.grad(reference(**batch).logits.pow(2).mean(), params)
+    model.zero_grad()
+    group = TensorParallelBatch(model)
+    mine = {k: v[rank * 2 : (rank + 1) * 2] for k, v in batch.items()}
+    gathered, rows = group.gather(mine)
+    group.own_rows(model(**gathered), rows).logits.pow(2).mean().backward()
+    names = [n for n, _ in reference.named_parameters()]
+    planned = dict(model.named_parameters())
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+    return max(float((full(planned[n].grad) - g).abs().max()) for n, g in zip(names, wanted, strict=True))
+
+
+def _worker(rank: int, store: str, plans: list[str], results: dict) -> None:
+    """Each plan applied to tiny-llama built from this rank's own seed (DDP must start every replica from rank
+    0's weights); one backward on the rank's rows of the global batch; then, for DDP, a backward inside
+    ``no_sync`` and one after it."""
+    from hf_colossal_auto.apply import apply_plan, build_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        out = []
+        for text in plans:
+            plan = Plan.from_dict(json.loads(text))
+            torch.manual_seed(0)
+            reference = build_model("tiny-llama", device="cpu").eval()
+            torch.manual_seed(rank)
+            model = build_model("tiny-llama", device="cpu").eval()
+            batch = make_example_inputs(reference, 4, 16, seed=3)
+            reference(**batch).loss.backward()
+            apply_plan(model, plan, build_mesh(plan, "cpu"))
+            rows = 4 // plan.dp_size
+            local = {
+                k: v[rank * rows : (rank + 1) * rows] if plan.dp_size > 1 else v for k, v in batch.items()
+            }
+            model(**local).loss.backward()
+            params = dict(model.named_parameters())
+
+            def full(t: torch.Tensor) -> torch.Tensor:
+                return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+            diff = max(
+                float((full(params[n].grad) - p.grad).abs().max()) for n, p in reference.named_parameters()
+            )
+            result = {
+                "plain": not any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()),
+                "parameter_type": {type(p).__name__ for p in params.values()} == {"Parameter"},
+                "grad_diff": diff,
+            }
+            if plan.tp_size > 1:  # a loss from this rank's rows of the group's output: the group's gradient
+                result["own_rows_diff"] = _own_rows_gradient_diff(model, reference, batch, rank)
+            if plan.dp_size > 1:
+                model.zero_grad()
+                with model.no_sync():
+                    model(**local).loss.backward()
+                local_diff = max(
+                    float((params[n].grad - p.grad).abs().max()) for n, p in reference.named_parameters()
+                )
+                model(**local).loss.backward()  # synchronises what accumulated: twice the batch's gradient
+                synced = max(
+                    float((params[n].grad - 2 * p.grad).abs().max()) for n, p in reference.named_parameters()
+                )
+                result.update(no_sync_diff=local_diff, synced_diff=synced)
+            out.append(result)
+            del model
+            dist.barrier()
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_pure_data_parallel_keeps_plain_parameters_and_one_process_gradients(tmp_path: Path) -> None:
+    """2 gloo processes, tiny-llama: DDP on 2x1 and a 1x2 plan that replicates everything leave ordinary
+    ``nn.Parameter`` tensors, Megatron on 1x2 DTensors; each gives one process's gradients on the global batch,
+    although every rank built its model from its own seed (DDP's broadcast of rank 0's weights); and under DDP
+    a backward inside ``no_sync`` keeps each rank's own gradient, the next one averages what accumulated. On
+    the 1x2 plans, per-process rows gathered into the group's batch (a model planned from its first call, in its
+    first epoch) with a loss each rank takes from its own rows of the output give one process's gradient of
+    the batch's mean loss (without the gathered gradient each rank got only its rows')."""
+    from torchrun_launch import spawn_ranks
+
+    model = build_model("tiny-llama", device="cpu")
+    batch = make_example_inputs(model, 4, 16)
+    ddp = evaluate_plan(model, batch, "ddp", num_devices=2, device="cpu").plan
+    megatron = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+    replicated = _all_replicated(megatron)
+    assert ddp.shards_nothing and replicated.shards_nothing and not megatron.shards_nothing
+    plans = [p.to_json() for p in (ddp, megatron, replicated)]
+    results = spawn_ranks(_worker, str(tmp_path / "store"), plans, timeout=240, what="plain-parameter ranks")
+    for rank in (0, 1):
+        ddp_run, megatron_run, replicated_run = results[rank]
+        assert ddp_run["plain"] and ddp_run["parameter_type"] and replicated_run["plain"], rank
+        assert not megatron_run["plain"], rank
+        for run in (ddp_run, megatron_run, replicated_run):
+            assert run["grad_diff"] < 1e-5, (rank, run)
+        for run in (megatron_run, replicated_run):  # each rank's own rows' loss: the group's gradient
+            assert run["own_rows_diff"] < 1e-5, (rank, run)
+        assert ddp_run["no_sync_diff"] > 1e-3, ddp_run  # this rank's rows only
+        assert ddp_run["synced_diff"] < 1e-5, ddp_run
