@@ -113,7 +113,7 @@ def _worker(rank: int, store: str, plans: list[str], results: dict) -> None:
             }
             if plan.tp_size > 1:  # a loss from this rank's rows of the group's output: the group's gradient
                 result["own_rows_diff"] = _own_rows_gradient_diff(model, reference, batch, rank)
-            if plan.dp_size > 1:
+            if plan.dp_size > 1 and plan.shards_nothing:
                 model.zero_grad()
                 with model.no_sync():
                     model(**local).loss.backward()
@@ -137,7 +137,8 @@ def _worker(rank: int, store: str, plans: list[str], results: dict) -> None:
 def test_pure_data_parallel_keeps_plain_parameters_and_one_process_gradients(tmp_path: Path) -> None:
     """2 gloo processes, tiny-llama: DDP on 2x1 and a 1x2 plan that replicates everything leave ordinary
     ``nn.Parameter`` tensors, Megatron on 1x2 DTensors; each gives one process's gradients on the global batch,
-    although every rank built its model from its own seed (DDP's broadcast of rank 0's weights); and under DDP
+    although every rank built its model from its own seed (DDP's broadcast of rank 0's weights; FSDP on 2x1 too:
+    the DTensor runtime broadcasts them before sharding); and under DDP
     a backward inside ``no_sync`` keeps each rank's own gradient, the next one averages what accumulated. On
     the 1x2 plans, per-process rows gathered into the group's batch (a model planned from its first call, in its
     first epoch) with a loss each rank takes from its own rows of the output give one process's gradient of
@@ -149,14 +150,16 @@ def test_pure_data_parallel_keeps_plain_parameters_and_one_process_gradients(tmp
     ddp = evaluate_plan(model, batch, "ddp", num_devices=2, device="cpu").plan
     megatron = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
     replicated = _all_replicated(megatron)
+    fsdp = evaluate_plan(model, batch, "fsdp", num_devices=2, device="cpu").plan
     assert ddp.shards_nothing and replicated.shards_nothing and not megatron.shards_nothing
-    plans = [p.to_json() for p in (ddp, megatron, replicated)]
+    assert not fsdp.shards_nothing
+    plans = [p.to_json() for p in (ddp, megatron, replicated, fsdp)]
     results = spawn_ranks(_worker, str(tmp_path / "store"), plans, timeout=240, what="plain-parameter ranks")
     for rank in (0, 1):
-        ddp_run, megatron_run, replicated_run = results[rank]
+        ddp_run, megatron_run, replicated_run, fsdp_run = results[rank]
         assert ddp_run["plain"] and ddp_run["parameter_type"] and replicated_run["plain"], rank
-        assert not megatron_run["plain"], rank
-        for run in (ddp_run, megatron_run, replicated_run):
+        assert not megatron_run["plain"] and not fsdp_run["plain"], rank
+        for run in (ddp_run, megatron_run, replicated_run, fsdp_run):  # every runtime starts from rank 0's
             assert run["grad_diff"] < 1e-5, (rank, run)
         for run in (megatron_run, replicated_run):  # each rank's own rows' loss: the group's gradient
             assert run["own_rows_diff"] < 1e-5, (rank, run)

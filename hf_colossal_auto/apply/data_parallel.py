@@ -68,10 +68,18 @@ def keep_plain_parameters(model: nn.Module, mesh: DeviceMesh, broadcast: bool) -
         module_name, _, attr = fqn.rpartition(".")
         setattr(model.get_submodule(module_name), attr, done[id(param)])
     if broadcast:
-        with torch.no_grad():
-            for param in _distinct_real(done.values()):
-                dist.broadcast(param.data, src=0)
+        broadcast_from_rank_zero(done.values())
     return done
+
+
+def broadcast_from_rank_zero(params: Any) -> None:
+    """Set every real parameter in ``params`` to global rank 0's values, in place (DDP's broadcast at
+    construction): replicas built from different seeds (``set_seed(..., device_specific=True)``) start alike,
+    as under plain accelerate, whatever the plan. Parameters on ``meta`` are skipped (materialisation draws
+    them alike)."""
+    with torch.no_grad():
+        for param in _distinct_real(params):
+            dist.broadcast(param.data, src=0)
 
 
 def _distinct_real(params: Any) -> Iterator[nn.Parameter]:

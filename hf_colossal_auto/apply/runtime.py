@@ -49,6 +49,7 @@ from .._torch_compat import allow_implicit_replication, queue_backward_callback,
 from ..plan import Plan
 from .agree import DEFAULT_TIMEOUT_S, as_timedelta, raise_if_any_rank_failed, run_on_one_rank, set_timeout
 from .data_parallel import (
+    broadcast_from_rank_zero,
     keep_plain_parameters,
     mesh_device,
     register_plain_gradient_sync,
@@ -539,13 +540,30 @@ def apply_plan(
 
 def _distribute(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
     """The DTensor runtime of a plan that shards something: DTensor parameters, the forward on DTensors, the
-    expert regions, the plan's placements enforced."""
+    expert regions, the plan's placements enforced. Every rank first takes global rank 0's values, as DDP
+    does: sharding then splits one model (FSDP keeps no replica that would otherwise show the difference)."""
+    if _processes_are_real():
+        broadcast_from_rank_zero(_on_mesh_device(model, mesh))
     distribute_parameters(model, plan, mesh)
     wrap_forward(model, mesh)
     install_expert_parallel_regions(model, plan)  # experts split on the expert dim (apply/moe.py)
     install_expert_data_parallel_regions(model, plan, mesh)  # experts split over the data-parallel axis
     register_embedding_reduction(model)
     enforce_plan(model, plan)
+
+
+def _on_mesh_device(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
+    """``model``'s parameters, each real one moved to the mesh's device first when it is elsewhere (NCCL
+    broadcasts only device tensors; distribution moves them there anyway)."""
+    device = mesh_device(mesh)
+    for _, param in list(model.named_parameters(remove_duplicate=False)):
+        if not param.is_meta and param.device.type != device.type:
+            moved = nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
+            for name, other in list(model.named_parameters(remove_duplicate=False)):  # ties stay tied
+                if other is param:
+                    owner, _, leaf = name.rpartition(".")
+                    setattr(model.get_submodule(owner), leaf, moved)
+    return list(model.parameters())
 
 
 def release_freed_memory() -> None:
