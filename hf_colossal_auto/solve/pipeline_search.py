@@ -40,13 +40,13 @@ from typing import Any
 from ..hardware import ClusterSpec
 from ..pipeline_layout import PipelineLayout, PipelineLayoutError, find_layout, hand_pipeline_plan
 from ..plan import PIPELINE_SCHEDULES, BlockCost, PipelinePlanError, Plan
+from ..units import format_bytes
 from .build.builder import BuiltProblem
 from .build.names import MemoryRow, NodeKind, memory_row_name
 from .candidates import LIFTED_BUDGET, _first_rows, _Planner
 from .ilp import solve
 from .pricing.comm import data_parallel_sync_time
 from .pricing.pipeline_schedule import Link, ScheduleSimulation, StageCost, simulate_schedule
-from ..units import format_bytes
 from .problem import InfeasibleError, Solution
 from .tied import TiedGraph
 from .writeup import _activation_per_unit, _real_modules, _unit_mapper, _unit_order

@@ -45,8 +45,8 @@ from .candidates import (  # noqa: F401 (RECOMPUTE_MODES, PlanningTimeoutError r
     _routing,
 )
 from .ilp import solve
-from .pricing.comm import DP_MODES
 from .pipeline_search import with_pipelines
+from .pricing.comm import DP_MODES
 from .problem import InfeasibleError, Solution
 from .recompute import parse_option
 from .search import (  # noqa: F401 (EXPERT_DP_KEY and EXPERT_FSDP_KEY re-exported: public names of the planner)
