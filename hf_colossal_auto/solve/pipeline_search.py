@@ -34,12 +34,13 @@ import dataclasses
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..hardware import ClusterSpec
 from ..pipeline_layout import PipelineLayout, PipelineLayoutError, find_layout, hand_pipeline_plan
-from ..plan import PIPELINE_SCHEDULES, BlockCost, PipelinePlanError, Plan
+from ..plan import PIPELINE_SCHEDULES, BlockCost, PipelinePlanError, Plan, stage_ranks
 from ..units import format_bytes
 from .build.builder import BuiltProblem
 from .build.names import MemoryRow, NodeKind, memory_row_name
@@ -110,10 +111,18 @@ def _stage_extras(costs: ModelCosts, num_stages: int, index: int) -> UnitCost:
     return extra
 
 
-def cut_blocks(block_s: list[float], num_stages: int, first_s: float = 0.0, last_s: float = 0.0) -> list[int]:
+def cut_blocks(
+    block_s: list[float],
+    num_stages: int,
+    first_s: float = 0.0,
+    last_s: float = 0.0,
+    fits: Callable[[int, int, int], bool] | None = None,
+) -> list[int] | None:
     """Blocks per stage (each at least one, contiguous, in order) minimising the slowest stage's seconds, the
     first stage also paying ``first_s`` and the last ``last_s``; among cuts as good, the one whose stages are
-    most even (least sum of squares). Dynamic programming over prefix lengths: O(stages x blocks^2)."""
+    most even (least sum of squares). ``fits(stage, first_block, end_block)``: whether a stage may hold those
+    blocks (its memory); None when no cut meets it. Dynamic programming over prefix lengths:
+    O(stages x blocks^2)."""
     n = len(block_s)
     if not 1 <= num_stages <= n:
         raise ValueError(f"{n} blocks cannot be cut into {num_stages} stages of at least one block each")
@@ -124,23 +133,29 @@ def cut_blocks(block_s: list[float], num_stages: int, first_s: float = 0.0, last
     def stage_time(s: int, i: int, j: int) -> float:
         return prefix[j] - prefix[i] + (first_s if s == 0 else 0.0) + (last_s if s == num_stages - 1 else 0.0)
 
+    def allowed(s: int, i: int, j: int) -> bool:
+        return fits is None or fits(s, i, j)
+
     inf = (math.inf, math.inf)
     # best[s][j]: (slowest, sum of squares) of the first j blocks in s + 1 stages; back[s][j]: where stage s starts
     best = [[inf] * (n + 1) for _ in range(num_stages)]
     back = [[0] * (n + 1) for _ in range(num_stages)]
     for j in range(1, n + 1):
-        t = stage_time(0, 0, j)
-        best[0][j] = (t, t * t)
+        if allowed(0, 0, j):
+            t = stage_time(0, 0, j)
+            best[0][j] = (t, t * t)
     for s in range(1, num_stages):
         for j in range(s + 1, n + 1):
             for i in range(s, j):
                 prev = best[s - 1][i]
-                if prev[0] == math.inf:
+                if prev[0] == math.inf or not allowed(s, i, j):
                     continue
                 t = stage_time(s, i, j)
                 candidate = (max(prev[0], t), prev[1] + t * t)
                 if candidate < best[s][j]:
                     best[s][j], back[s][j] = candidate, i
+    if best[num_stages - 1][n][0] == math.inf:
+        return None
     counts = []
     j = n
     for s in range(num_stages - 1, 0, -1):
@@ -338,26 +353,50 @@ def simulate_candidate(
     virtual: int,
     micro_batches: int,
     link: Link,
+    budget: float = math.inf,
 ) -> PipelineCandidate:
-    """Cut the blocks for ``schedule`` and simulate one step (see the module docstring)."""
+    """Cut the blocks for ``schedule`` and simulate one step (see the module docstring). The cut balances the
+    stages' seconds; where a rank then exceeds ``budget``, the blocks are cut again under each stage's memory
+    (its state and its activations times the micro-batches the first simulation keeps in flight on it, within
+    ``budget / virtual``), and that cut is kept when it needs less."""
     num_stages = pp * virtual
     per_block = [b.forward_s + b.backward_s for b in costs.blocks]
-    first = _stage_extras(costs, num_stages, 0)
-    last = _stage_extras(costs, num_stages, num_stages - 1)
-    counts = cut_blocks(
-        per_block,
-        num_stages,
-        first.forward_s + first.backward_s - costs.every.forward_s - costs.every.backward_s,
-        last.forward_s + last.backward_s - costs.every.forward_s - costs.every.backward_s,
-    )
-    stages: list[UnitCost] = []
-    start = 0
-    for index, count in enumerate(counts):
-        stage = _stage_extras(costs, num_stages, index)
-        for block in costs.blocks[start : start + count]:
-            stage.add(block)
-        stages.append(stage)
-        start += count
+    first = costs.first.forward_s + costs.first.backward_s
+    last = costs.last.forward_s + costs.last.backward_s
+    counts = cut_blocks(per_block, num_stages, first, last)
+    assert counts is not None  # no memory condition: a cut always exists
+    candidate = _simulate_cut(costs, pp, dp, schedule, virtual, micro_batches, link, counts)
+    if candidate.peak_bytes <= budget:
+        return candidate
+    in_flight = candidate.simulation.max_in_flight
+    state = [b.state_bytes for b in costs.blocks]
+    act = [b.activation_bytes for b in costs.blocks]
+
+    def fits(s: int, i: int, j: int) -> bool:
+        extra = _stage_extras(costs, num_stages, s)
+        held = extra.state_bytes + sum(state[i:j]) + in_flight[s] * (extra.activation_bytes + sum(act[i:j]))
+        return held <= budget / virtual
+
+    counts = cut_blocks(per_block, num_stages, first, last, fits)
+    if counts is None:
+        return candidate
+    by_memory = _simulate_cut(costs, pp, dp, schedule, virtual, micro_batches, link, counts)
+    return by_memory if by_memory.peak_bytes < candidate.peak_bytes else candidate
+
+
+def _simulate_cut(
+    costs: ModelCosts,
+    pp: int,
+    dp: int,
+    schedule: str,
+    virtual: int,
+    micro_batches: int,
+    link: Link,
+    counts: list[int],
+) -> PipelineCandidate:
+    """One cut's step simulated, with each rank's state and peak memory."""
+    num_stages = pp * virtual
+    stages = _stages(costs, counts)
     stage_costs = [
         StageCost(
             forward_s=s.forward_s,
@@ -369,8 +408,6 @@ def simulate_candidate(
         )
         for s in stages
     ]
-    from ..plan import stage_ranks
-
     owner = stage_ranks(schedule, num_stages, pp)
     rank_optimizer = [0.0] * pp
     rank_state = [0.0] * pp
@@ -383,6 +420,19 @@ def simulate_candidate(
         pp, dp, schedule, virtual, micro_batches, counts, simulation, rank_state, peaks,
         [s.forward_s + s.backward_s for s in stages], costs,
     )  # fmt: skip
+
+
+def _stages(costs: ModelCosts, counts: list[int]) -> list[UnitCost]:
+    """Each stage's cost: its blocks (``counts[s]`` of them, in order) and what it runs besides."""
+    stages: list[UnitCost] = []
+    start = 0
+    for index, count in enumerate(counts):
+        stage = _stage_extras(costs, len(counts), index)
+        for block in costs.blocks[start : start + count]:
+            stage.add(block)
+        stages.append(stage)
+        start += count
+    return stages
 
 
 def p2p_link(cluster: ClusterSpec, pp: int) -> Link:
@@ -429,7 +479,7 @@ def search_pipelines(
                     continue
                 costs = costs or price_model(planner, layout, pp, m)
                 try:
-                    candidate = simulate_candidate(costs, pp, dp, schedule, virtual, m, link)
+                    candidate = simulate_candidate(costs, pp, dp, schedule, virtual, m, link, planner.budget)
                 except ValueError as exc:  # a schedule torch cannot lay out for these counts
                     logger.debug("pp %d %s m=%d not simulated: %s", pp, schedule, m, exc)
                     continue
@@ -478,15 +528,8 @@ def pipeline_plan(planner: _Planner, candidate: PipelineCandidate, tried: list[P
     stage_sync = [0.0] * candidate.pp
     compute = [0.0] * candidate.pp
     costs = candidate.costs
-    from ..plan import stage_ranks
-
     owner = stage_ranks(candidate.schedule, len(candidate.blocks_per_stage), candidate.pp)
-    start = 0
-    for index, count in enumerate(candidate.blocks_per_stage):
-        stage = _stage_extras(costs, len(candidate.blocks_per_stage), index)
-        for block in costs.blocks[start : start + count]:
-            stage.add(block)
-        start += count
+    for index, stage in enumerate(_stages(costs, candidate.blocks_per_stage)):
         stage_sync[owner[index]] += stage.sync_s
         compute[owner[index]] += m * (stage.forward_s + stage.backward_s) + stage.optimizer_s
     slowest = max(range(candidate.pp), key=lambda r: sim.busy_s[r])
