@@ -47,7 +47,7 @@ def main() -> None:
     apply_plan(model, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, seconds = [], []
-    for step in range(STEPS):
+    for _ in range(STEPS):
         dist.barrier()
         started = time.perf_counter()
         loss = model(**batch).loss
