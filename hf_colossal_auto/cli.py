@@ -116,7 +116,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.frontier:
         return _print_frontier(args, model, batch, mesh, common)
     with _Stage(f"planning for {args.devices} x {spec.name} (capture, strategies, ILP per mesh)", args.quiet):
-        plan = plan_model(model, batch, mesh_shape=mesh, **common)
+        pipeline = None if args.pipeline == "auto" else int(args.pipeline)
+        plan = plan_model(model, batch, mesh_shape=mesh, pipeline=pipeline, **common)
     print(plan.summary())
     print("\nmeshes tried:")
     for alt in plan.alternatives:
@@ -362,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-budget", default=None, help="per-device budget, e.g. 40GiB (default: memory - margin)"
     )
     p.add_argument("--mesh", default=None, help="force a mesh, e.g. 2x4 (dp x tp) or 8 (tp only)")
+    p.add_argument(
+        "--pipeline",
+        default="1",
+        help="pipeline stages (pp x DDP): 1 none (default), 'auto' searches pp degrees against plans without "
+        "stages, an int >= 2 fixes the pp degree",
+    )
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh, seconds")
     p.add_argument("--no-baselines", action="store_true", help="skip pricing ddp/fsdp/megatron")
     p.add_argument("--out", metavar="PATH", help="write the plan JSON here")

@@ -45,6 +45,7 @@ from .candidates import (  # noqa: F401 (RECOMPUTE_MODES, PlanningTimeoutError r
     _routing,
 )
 from .ilp import solve
+from .pipeline_search import with_pipelines
 from .pricing.comm import DP_MODES
 from .problem import InfeasibleError, Solution
 from .recompute import parse_option
@@ -126,6 +127,7 @@ def plan_model(
     recompute: str = "auto",
     micro_batches: int | None = None,
     routing: RoutingLoad | str | Path | None = None,
+    pipeline: int | None = 1,
 ) -> Plan:
     """Plan data + tensor parallelism for ``model`` on ``num_devices`` devices of kind ``device``.
 
@@ -147,7 +149,12 @@ def plan_model(
     or ``"measure"``: counted on ``example_inputs`` by one forward of ``model``, which then needs real weights
     and a real batch); expert parallelism is then priced by each layer's busiest rank. None assumes routing
     uniform over experts.
+    ``pipeline``: pipeline stages (pp x DDP, what the pipeline runtime runs: :mod:`.pipeline_search`). 1 (the
+    default for now) plans without them; None also searches every pp degree and returns the faster of the best
+    plans with and without stages; an int >= 2 fixes the pp degree (only pipeline plans). ``micro_batches``
+    is then the schedule's count when fixed.
     """
+    _check_pipeline_argument(pipeline, mesh_shape, dp_modes)
     unknown = sorted(set(dp_modes) - {*DP_MODES, *EXPERT_DP_KEYS})
     if unknown or not dp_modes:
         raise ValueError(
@@ -173,16 +180,20 @@ def plan_model(
     planner.routing = _routing(model, routing, example_inputs)
     t0 = time.perf_counter()
     search = _Search(planner)
-    _try_meshes(search, model, mesh_shape, dp_modes, micro_batches)
-    if micro_batches is None:
-        search.try_micro_batches()
-    if search.best is None:
-        search.run_deferred(search_micro_batches=micro_batches is None)
+    if pipeline is None or pipeline == 1:
+        _try_meshes(search, model, mesh_shape, dp_modes, micro_batches)
+        if micro_batches is None:
+            search.try_micro_batches()
+        if search.best is None:
+            search.run_deferred(search_micro_batches=micro_batches is None)
+        if search.best is not None:
+            search.best.alternatives = search.tried
     plan = search.best
+    if pipeline != 1 and not (pipeline is None and (mesh_shape is not None or "ddp" not in dp_modes)):
+        plan = with_pipelines(planner, plan, pipeline, micro_batches)
     if plan is None:
         raise _no_plan_error(model, num_devices, planner, search, recompute, micro_batches)
     _warn_if_tensor_parallel_repeats(model, plan)
-    plan.alternatives = search.tried
     plan.solver["total_planning_s"] = time.perf_counter() - t0
     plan.solver["steps_traced"] = planner._graphs.traced
     plan.solver["batch_sizes"] = planner._graphs.sizes
@@ -220,6 +231,27 @@ def _try_meshes(
                 if search.bounded_out(mesh, key, micro_batches or 1):
                     continue
                 search.try_candidate(mesh, key, micro_batches or 1)
+
+
+def _check_pipeline_argument(
+    pipeline: int | None, mesh_shape: tuple[int, ...] | None, dp_modes: tuple[str, ...]
+) -> None:
+    """``pipeline`` is None, 1 or a pp degree >= 2, and does not contradict the other settings: pipeline
+    stages run pp x DDP (so "ddp" among ``dp_modes``) on a mesh the search lays out (no ``mesh_shape``)."""
+    if pipeline is not None and (not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1):
+        raise ValueError(
+            f"pipeline must be None (searched), 1 (no stages) or a pp degree >= 2, got {pipeline!r}"
+        )
+    if pipeline is not None and pipeline > 1:
+        if mesh_shape is not None:
+            raise ValueError(
+                f"pipeline={pipeline} lays out the mesh (pp, dp, 1) itself; drop mesh_shape={mesh_shape!r}"
+            )
+        if "ddp" not in dp_modes:
+            raise ValueError(
+                f"pipeline={pipeline}: the pipeline runtime runs DDP inside a stage; dp_modes={dp_modes!r} leaves "
+                "'ddp' out. Add 'ddp', or plan with pipeline=1."
+            )
 
 
 def _no_plan_error(
