@@ -1,18 +1,18 @@
 """Run under torchrun: sequence parallelism (issue 28, item 1) chosen by the planner, applied and measured.
 
-    torchrun --nproc_per_node 2 tests/multiproc/check_sequence_parallel.py --out r.json
+    torchrun --nproc_per_node 2 tests/multiproc/check_sequence_parallel.py --case tiny-llama:0.8 \
+        --case tiny-gpt2:0.7:dropout --out r.json
 
-Rank 0 plans tiny-llama (one sequence of 128 tokens: no batch dim to split) on a 1 x 2 mesh, without recompute,
-under ``--fraction`` of the peak of the plan made with the budget lifted: the planner fits it by running blocks
+For each ``--case``, rank 0 plans the model (one sequence of 128 tokens: no batch dim to split) on a 1 x 2 mesh,
+without recompute, under the case's fraction of the peak of the plan made with the budget lifted: the planner fits it by running blocks
 sequence-parallel. Its twin is the same plan (the same parameter placements) priced again with the budget
 lifted, which does not. Every rank applies each plan to a fresh copy of one seeded model and runs one forward +
 backward under ``torch.profiler`` (c10d's records of every collective: counts and bytes against the plan's
 prediction), compares loss and gradients with the model run in one process, takes one AdamW step and measures
 the next step's peak with MemTracker. ``<out>.rank<r>`` holds each plan's result.
 
-``--dropout``: the same with the model in train mode at attention and hidden dropout 0.1 (random ops on the
-sequence-sharded values must draw one process's masks): tiny-gpt2, whose residual dropouts run on the residual
-stream.
+A case flagged ``dropout`` runs the model in train mode at attention and hidden dropout 0.1: random ops on
+sequence-sharded values must draw one process's masks (tiny-gpt2's residual dropouts run on the residual stream).
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def run_plan(name: str, plan, model: torch.nn.Module, batch: dict) -> dict:
         "rank": dist.get_rank(),
         "sequence_parallel_blocks": plan.sequence_parallel_blocks,
         "summary": plan.summary(),
+        "activation_placements": {k: v[1] for k, v in plan.activation_placements.items()},
         "loss": loss.item(),
         "ref_loss": ref_loss.item(),
         "max_grad_err": max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads),
@@ -115,30 +116,38 @@ def run_plan(name: str, plan, model: torch.nn.Module, batch: dict) -> dict:
     return result
 
 
-def main() -> None:
+def run_case(spec: str, seq: int) -> list[dict]:
+    """``preset:fraction[:dropout]``: both plans of one model, planned on rank 0, run on every rank."""
     from hf_colossal_auto import Plan
     from hf_colossal_auto.apply.agree import run_on_one_rank
     from hf_colossal_auto.models import make_example_inputs
 
+    preset, fraction, *flags = spec.split(":")
+    dropout = "dropout" in flags
+    model = _model(preset, dropout)
+    batch = make_example_inputs(model, 1, seq, seed=0)
+    texts = json.loads(
+        run_on_one_rank(lambda: json.dumps(make_plans(model, batch, float(fraction))), what="planning")
+    )
+    results = []
+    for name, text in zip(("sequence-parallel", "twin"), texts, strict=True):
+        result = run_plan(name, Plan.from_dict(json.loads(text)), _model(preset, dropout), batch)
+        results.append({"case": spec, **result})
+    return results
+
+
+def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="tiny-llama")
+    parser.add_argument(
+        "--case", action="append", required=True, help="preset:budget fraction[:dropout]; repeat for several"
+    )
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--fraction", type=float, default=0.8)
-    parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    model = _model(args.preset, args.dropout)
-    batch = make_example_inputs(model, 1, args.seq, seed=0)
-    texts = json.loads(
-        run_on_one_rank(lambda: json.dumps(make_plans(model, batch, args.fraction)), what="planning")
-    )
-    results = []
-    for name, text in zip(("sequence-parallel", "twin"), texts, strict=True):
-        plan = Plan.from_dict(json.loads(text))
-        results.append(run_plan(name, plan, _model(args.preset, args.dropout), batch))
+    results = [r for spec in args.case for r in run_case(spec, args.seq)]
     with open(f"{args.out}.rank{dist.get_rank()}", "w") as f:
         json.dump(results, f)
     dist.barrier()
