@@ -99,14 +99,17 @@ _ELEMENTWISE = frozenset(
 
 
 def _gradients_to_sources(func: Any, args: tuple) -> tuple:
-    """The args of an elementwise op reading DTensors sharded on different dims, each sharded one wrapped so its
-    gradient returns to its own placement at this use (:class:`_GradientToSource`).
+    """The args of an elementwise op reading DTensors placed differently, each sharded or replicated one wrapped
+    so its gradient returns to its own placement at this use (:class:`_GradientToSource`).
 
     Why: the planner prices each use's gradient back to the producer's placement on its own. Left alone, the
     op's gradient for the input DTensor redistributed comes back in the op's placement and autograd sums it
     with the value's other uses first, converting each later contribution to that placement (a residual
     stream sharded on the hidden dim read batch-sharded by the residual add: its RMSNorm's two uses'
-    gradients are each moved to the batch shard, two collectives the plan does not price)."""
+    gradients are each moved to the batch shard, two collectives the plan does not price). A replicated input
+    read by an op that runs sharded (BERT's residual ``hidden_states + input_tensor`` after a row-parallel output
+    reduce-scattered to the batch shard) gets its shard of the gradient gathered at this use: summed first with
+    another use's partial gradient, DTensor would reduce-scatter that one instead of all-reducing it."""
     if func not in _ELEMENTWISE:
         return args
     placed = [a.placements for a in args if isinstance(a, DTensor) and a.device_mesh.ndim == 1]
@@ -117,7 +120,7 @@ def _gradients_to_sources(func: Any, args: tuple) -> tuple:
         if isinstance(a, DTensor)
         and a.device_mesh.ndim == 1
         and a.requires_grad
-        and isinstance(a.placements[0], Shard)
+        and isinstance(a.placements[0], (Shard, Replicate))
         else a
         for a in args
     )
