@@ -8,7 +8,7 @@
   of 128 tokens under a tight budget runs both blocks sequence-parallel; its collectives are the plan's (c10d's
   records, counts and bytes), its loss and gradients one process's, and its measured peak falls against the same
   parameter placements planned without the budget (no sequence parallelism) by about what the planner predicts;
-  tiny-gpt2 in train mode with dropout on sequence-sharded values gives one process's loss and gradients.
+  dropout on a sequence-sharded value draws each rank's part of one process's mask.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_a_mean_loss_over_row_split_logits_is_one_process_mean():
     assert _row_sharded_mean(F.cross_entropy, (classes, labels), {}) is None  # split over the classes
 
 
-CASES = ("tiny-llama:0.8", "tiny-gpt2:0.7:dropout")
+CASES = ("tiny-llama:0.8",)
 
 
 @pytest.fixture(scope="module")
@@ -164,12 +164,9 @@ def test_the_measured_peak_falls_as_predicted(two_rank_results):
         assert 0.8 * predicted <= measured <= 1.5 * predicted, (predicted, measured)
 
 
-def test_dropout_on_sequence_sharded_values_draws_one_process_masks(two_rank_results):
-    """tiny-gpt2 in train mode (dropout 0.1) with a block sequence-parallel (its MLP's dropout on the sequence
-    shard): one process's loss and gradients, each shard its part of one process's mask."""
+def test_dropout_on_a_sequence_shard_draws_one_process_mask(two_rank_results):
+    """Dropout on a value sharded on the sequence dim: every rank's shard is its part of one process's mask."""
     for rank in (0, 1):
-        sp = two_rank_results[("tiny-gpt2:0.7:dropout", "sequence-parallel", rank)]
-        assert sp["sequence_parallel_blocks"], sp["summary"]
-        assert any(p == "S1" for m, p in sp["activation_placements"].items() if m.endswith("dropout"))
-        assert abs(sp["loss"] - sp["ref_loss"]) <= 1e-6 * abs(sp["ref_loss"])
-        assert sp["max_grad_err"] < 1e-6
+        r = two_rank_results[("dropout", "none", rank)]
+        assert r["dropout_placement"] in ("S(1)", "Shard(dim=1)")
+        assert r["dropout_err"] == 0.0

@@ -284,15 +284,17 @@ def _keep(strategy: Strategy, allow_partial: bool) -> bool:
     return True
 
 
-PARTIAL_VIEWS: frozenset[str] = frozenset({"aten.view.default", "aten._unsafe_view.default"})
+PARTIAL_VIEWS: frozenset[str] = frozenset({"aten._unsafe_view.default"})
 """Views offered with a partial sum carried through them (``(P) -> (P)``), as DTensor runs them.
 
-Why: a row-parallel linear's sum is made on the flattened ``[batch * seq, hidden]`` rows and unflattened by one
-of these to ``[batch, seq, hidden]``. Reduced before the unflatten, it can only be scattered over the
+Why: a row-parallel linear's sum is made on the flattened ``[batch * seq, hidden]`` rows and unflattened by
+``_unsafe_view`` (what ``F.linear`` ends with) to ``[batch, seq, hidden]``. Reduced before the unflatten, it can only be scattered over the
 flattened rows (``S0`` there is the batch dim after it); the sequence shard of Megatron's sequence
 parallelism (``S1`` of ``[batch, seq, hidden]``) is a strided shard of the flattened rows, which has no
 spelling here. Carried through the view, the sum is reduced after it, where a reduce-scatter onto ``S1`` is
-an ordinary resharding the planner prices."""
+an ordinary resharding the planner prices. Not ``view``: DTensor's rules then make every view of a partial carry
+it (flattening views included), and plans at the time-fidelity benchmark's shape parted from their run (see
+docs/ARCHITECTURE.md, "Sequence parallelism")."""
 
 
 def _carries_partial(op: torch._ops.OpOverload) -> bool:

@@ -1,7 +1,6 @@
 """Run under torchrun: sequence parallelism (issue 28, item 1) chosen by the planner, applied and measured.
 
-    torchrun --nproc_per_node 2 tests/multiproc/check_sequence_parallel.py --case tiny-llama:0.8 \
-        --case tiny-gpt2:0.7:dropout --out r.json
+    torchrun --nproc_per_node 2 tests/multiproc/check_sequence_parallel.py --case tiny-llama:0.8 --out r.json
 
 For each ``--case``, rank 0 plans the model (one sequence of 128 tokens: no batch dim to split) on a 1 x 2 mesh,
 without recompute, under the case's fraction of the peak of the plan made with the budget lifted: the planner fits it by running blocks
@@ -11,8 +10,9 @@ backward under ``torch.profiler`` (c10d's records of every collective: counts an
 prediction), compares loss and gradients with the model run in one process, takes one AdamW step and measures
 the next step's peak with MemTracker. ``<out>.rank<r>`` holds each plan's result.
 
-A case flagged ``dropout`` runs the model in train mode at attention and hidden dropout 0.1: random ops on
-sequence-sharded values must draw one process's masks (tiny-gpt2's residual dropouts run on the residual stream).
+A case flagged ``dropout`` runs the model in train mode at attention and hidden dropout 0.1. Last, dropout on a
+value sharded on the sequence dim against one process's draw (random ops on sequence shards draw the shard's part
+of one process's mask).
 """
 
 from __future__ import annotations
@@ -136,6 +136,30 @@ def run_case(spec: str, seq: int) -> list[dict]:
     return results
 
 
+def sequence_sharded_dropout() -> dict:
+    """Dropout on a ``[batch, seq, hidden]`` value sharded on the sequence dim, after a plan has registered the
+    runtime's random-op handlers (``apply/rng.py``): each rank's shard of the result is its part of the mask one
+    process draws from the same generator state (the largest difference over the whole value)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hf_colossal_auto.apply.rng import register_random_op_handlers
+
+    register_random_op_handlers()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    x = torch.randn(2, 128, 64)
+    torch.manual_seed(1)
+    expected = F.dropout(x, 0.1, training=True)
+    torch.manual_seed(1)
+    got = F.dropout(distribute_tensor(x, mesh, [Shard(1)]), 0.1, training=True)
+    return {
+        "dropout_placement": str(got.placements[0]),
+        "dropout_err": float((got.full_tensor() - expected).abs().max()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -148,6 +172,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     results = [r for spec in args.case for r in run_case(spec, args.seq)]
+    results.append({"case": "dropout", "plan": "none", **sequence_sharded_dropout()})
     with open(f"{args.out}.rank{dist.get_rank()}", "w") as f:
         json.dump(results, f)
     dist.barrier()
