@@ -98,8 +98,8 @@ def _view_of_contiguous_shard(op, args, kwargs):
     if isinstance(x, DTensor) and not x._local_tensor.is_contiguous():
         try:  # most strided shards still view fine; a copy here would be saved for backward next to its base
             return default_dtensor_dispatch(op, args, kwargs)
-        except RuntimeError as error:
-            if "view size is not compatible" not in str(error):
+        except (RuntimeError, ValueError) as error:  # eager says RuntimeError, fake tensors ValueError
+            if "view size is not compatible" not in str(error) and "Cannot view a tensor" not in str(error):
                 raise
         x = DTensor.from_local(
             x._local_tensor.contiguous(),

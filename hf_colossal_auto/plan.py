@@ -98,6 +98,11 @@ class Plan:
     param_use_placements: dict[str, list[str]] = field(default_factory=dict)
     """``<module FQN>.<attr>`` -> placement per mesh axis a parameter is redistributed to where that module
     uses it, when it differs from its storage placement (e.g. a sharded weight gathered for use)."""
+    block_input_placements: dict[str, list[str]] = field(default_factory=dict)
+    """Block FQN -> placement per mesh axis its first input (the hidden states) is redistributed to on entry, for
+    the blocks of a folded run (:func:`hf_colossal_auto.solve.boundaries.block_input_placements`): the first
+    block enters as the ones after it, which read their predecessor's output. Empty when no run is folded (and
+    in plans written before it existed); left out of the JSON then."""
     collective_bytes: dict[str, float] = field(default_factory=dict)
     """Predicted bytes per step by collective kind (the tensor each collective is given), for the fidelity
     check; same keys as ``collectives``."""
@@ -210,6 +215,10 @@ class Plan:
         ):  # a plan without a pipeline writes exactly what it wrote before pipelines existed
             for name in PIPELINE_FIELDS:
                 data.pop(name)
+        if (
+            not self.block_input_placements
+        ):  # plans with no folded run write what they wrote before it existed
+            data.pop("block_input_placements")
         return data
 
     @classmethod
@@ -299,6 +308,22 @@ class Plan:
         return self.dp_mode
 
     @property
+    def sequence_parallel_blocks(self) -> list[str]:
+        """The blocks (numbered children of a ``ModuleList``) that run sequence-parallel (Megatron-LM's sequence
+        parallelism): the block's own output or a direct child's (its norms, attention and MLP outputs) is sharded on dim 1 over the tensor-parallel axis —
+        the sequence dim of the ``[batch, seq, hidden]`` hidden states between tensor-parallel regions."""
+        if "tp" not in self.mesh_axis_names or self.tp_size == 1:
+            return []
+        tp = self.mesh_axis_names.index("tp")
+        seq = {m for m, p in self.activation_placements.items() if len(p) > tp and p[tp] == "S1"}
+        parents = {m.rpartition(".")[0] for m in seq}
+        return [
+            b.name
+            for b in self.blocks
+            if b.name.rpartition(".")[2].isdigit() and (b.name in seq or b.name in parents)
+        ]
+
+    @property
     def fits(self) -> bool:
         return self.peak_memory_bytes <= self.memory_budget_bytes
 
@@ -351,6 +376,7 @@ class Plan:
             f"{format_bytes(self.param_memory_bytes)}, activations {format_bytes(self.activation_memory_bytes)})",
         ]
         lines.extend(_pipeline_lines(self))
+        lines.extend(_sequence_parallel_lines(self.sequence_parallel_blocks))
         lines.extend(_moe_lines(self.moe_layers))
         if self.moe_load:
             lines.append(
@@ -502,6 +528,14 @@ def _micro_batch_note(global_batch: int, dp: int, k: int) -> str:
     if k <= 1:
         return ""
     return f", {k} micro-batches of {global_batch // max(dp, 1) // k} per replica (gradients synced once)"
+
+
+def _sequence_parallel_lines(blocks: list[str]) -> list[str]:
+    """One summary line naming the blocks that run sequence-parallel (runs of numbered blocks collapsed)."""
+    if not blocks:
+        return []
+    names = ", ".join(row[0] for row in _collapse_repeats([(b,) for b in blocks]))
+    return [f"sequence parallel     {names} (hidden states sharded on the sequence dim between TP regions)"]
 
 
 def _compact_placements(placements: dict[str, str]) -> str:

@@ -223,7 +223,7 @@ def _arrivals(graph, tied, strategies, param_options, producer, name, node, axis
         if made is None or made[0] not in tied.canonical:
             continue  # a model input or buffer: replicated
         src = _node_name(tied.canonical[made[0]])
-        if src == name or src not in strategies:
+        if src == name or src not in strategies or _enters_run(tied, node.index, made[0]):
             return None
         positions[src].append((k, made[1]))
         if graph.module_types.get(node.module) in PROJECTION_TYPES and _enforced_input(graph, node, vid):
@@ -241,6 +241,18 @@ def _arrivals(graph, tied, strategies, param_options, producer, name, node, axis
             outcomes[(("weight", spec),)].append(j)
         out.append(_Arrival(w_name, tuple((key, tuple(ids)) for key, ids in outcomes.items())))
     return out
+
+
+def _enters_run(tied: TiedGraph, reader: int, made: int) -> bool:
+    """Whether ``reader``, in a traced copy of a folded run other than the representative, reads a value made
+    before the run (the first block's hidden states: the embeddings). The runtime brings that input to what the
+    representative receives from its predecessor (``Plan.block_input_placements``), so the copy asks DTensor
+    nothing the representative does not."""
+    copy = tied.copy_prefix.get(reader)
+    if copy is None or copy[0] == copy[1]:
+        return False
+    source = tied.copy_prefix.get(made)
+    return source is None or source[1] != copy[1]
 
 
 def _choice_rules(graph, node, name, strats, arrivals, axis, mesh, choose, alike_only) -> list[FollowsInputs]:

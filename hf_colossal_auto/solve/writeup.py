@@ -25,6 +25,7 @@ from ..plan import BlockCost, Plan
 from ..profile.profiler import _module_list_children, block_units
 from ..strategies import ops_without_dtensor_rule
 from ..strategies.moe import moe_layer_choices
+from .boundaries import block_input_placements, reduced_where_read
 from .build.builder import BuiltProblem
 from .build.names import MemoryRow, NodeKind, _node_name, _param_node_name, memory_row_name
 from .pricing.collectives import _collective_prediction, _recompute_collectives, _sync_wait
@@ -89,6 +90,7 @@ def _make_plan(
             if fqn in param_placements
         },
         activation_placements=activation_placements,
+        block_input_placements=block_input_placements(graph, activation_placements),
         moe_layers=_expert_dp_labels(
             moe_layer_choices(
                 context.model,
@@ -437,8 +439,11 @@ def _module_output_placements(built, solution, graph, tied, mesh) -> dict[str, l
             continue
         strat = built.strategies[name][solution.choice[name]]
         if strat.output_placements:
+            tp_place = reduced_where_read(
+                built, solution, graph, tied, module, i, strat.output_placements[0][0]
+            )
             for real in _real_modules(graph, module):
-                out[real] = [dp_place, strat.output_placements[0][0]]
+                out[real] = [dp_place, tp_place]
     return out
 
 

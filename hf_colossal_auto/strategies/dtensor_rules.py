@@ -255,7 +255,9 @@ def _single_dim(
     if not any(ins == replicate[0] and outs == replicate[1] for ins, outs in rules):
         rules.insert(0, replicate)
     strategies = [
-        s for s in expand_single_dim_rules(rules, len(mesh_shape), "dtensor") if _keep(s, allow_partial)
+        s
+        for s in expand_single_dim_rules(rules, len(mesh_shape), "dtensor")
+        if _keep(s, allow_partial or _carries_partial(op))
     ]
     if _is_inplace(op):
         # The output *is* the first input: DTensor rejects strategies that would change its placement.
@@ -282,6 +284,24 @@ def _keep(strategy: Strategy, allow_partial: bool) -> bool:
     return True
 
 
+PARTIAL_VIEWS: frozenset[str] = frozenset({"aten._unsafe_view.default"})
+"""Views offered with a partial sum carried through them (``(P) -> (P)``), as DTensor runs them.
+
+Why: a row-parallel linear's sum is made on the flattened ``[batch * seq, hidden]`` rows and unflattened by
+``_unsafe_view`` (what ``F.linear`` ends with) to ``[batch, seq, hidden]``. Reduced before the unflatten, it can only be scattered over the
+flattened rows (``S0`` there is the batch dim after it); the sequence shard of Megatron's sequence
+parallelism (``S1`` of ``[batch, seq, hidden]``) is a strided shard of the flattened rows, which has no
+spelling here. Carried through the view, the sum is reduced after it, where a reduce-scatter onto ``S1`` is
+an ordinary resharding the planner prices. Not ``view``: DTensor's rules then make every view of a partial carry
+it (flattening views included), and plans at the time-fidelity benchmark's shape parted from their run (see
+docs/ARCHITECTURE.md, "Sequence parallelism")."""
+
+
+def _carries_partial(op: torch._ops.OpOverload) -> bool:
+    """Whether ``op`` is one of :data:`PARTIAL_VIEWS` (a partial input kept partial is offered for it)."""
+    return str(op) in PARTIAL_VIEWS or f"{op}.default" in PARTIAL_VIEWS
+
+
 def _is_inplace(op: torch._ops.OpOverload) -> bool:
     base = op.name().split("::")[-1].split(".")[0]
     return base.endswith("_") and not base.endswith("__")
@@ -293,6 +313,7 @@ def _op_strategy(call: _Call, sp: Any, mesh: Any, allow_partial: bool) -> list[S
     func = sp.op_strategy_funcs[op]
     mesh_shape = tuple(mesh.shape)
     schema_info = sp.op_to_schema_info.get(op)
+    allow_partial = allow_partial or _carries_partial(op)
     cands = [candidate_specs(s, mesh_shape, include_partial=allow_partial) for s in call.in_shapes]
     replicated = tuple(REPLICATE for _ in mesh_shape)
 

@@ -28,9 +28,9 @@ from typing import Any
 from .._torch_compat import detached_device_mesh, fake_process_group
 from ..capture.graph import OpNode, Phase, StepGraph, TensorRef, ValueKind
 from .custom_rules import custom_strategies, extra_strategies
-from .dtensor_rules import dtensor_rule_kind, dtensor_strategies, resolve_op
+from .dtensor_rules import PARTIAL_VIEWS, dtensor_rule_kind, dtensor_strategies, resolve_op
 from .moe import add_expert_region_strategies
-from .placements import Strategy, evenly_sharded, replicate_strategy
+from .placements import Strategy, evenly_sharded, is_partial, replicate_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -250,9 +250,30 @@ def enumerate_strategies(
             "" if count == 1 else "s",
             shape,
         )
+    _partial_views_read_once(graph, result)
     if Phase.FORWARD in wanted:
         add_expert_region_strategies(graph, result, shape)
     return result
+
+
+def _partial_views_read_once(graph: StepGraph, result: dict[int, list[Strategy]]) -> None:
+    """Keep a view's ``(P) -> (P)`` strategies (:data:`.dtensor_rules.PARTIAL_VIEWS`) only where one forward op
+    reads the view: the planner prices a reduction per reader, and a partial sum read by several (the gelu of a
+    row-parallel ``c_fc``: five elementwise ops) is reduced once at run time, where it is made."""
+    readers: dict[int, int] = {}
+    for node in graph.nodes:
+        if node.phase is Phase.FORWARD:
+            for vid in set(node.inputs):
+                readers[vid] = readers.get(vid, 0) + 1
+    for index, strategies in result.items():
+        node = graph.nodes[index]
+        if node.op not in PARTIAL_VIEWS or not node.outputs or readers.get(node.outputs[0], 0) == 1:
+            continue
+        kept = [
+            st for st in strategies if not any(spec and is_partial(spec[0]) for spec in st.input_placements)
+        ]
+        if kept:
+            result[index] = kept
 
 
 def fallback_ops(strategies: dict[int, list[Strategy]], graph: StepGraph) -> list[str]:

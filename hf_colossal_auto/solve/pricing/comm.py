@@ -153,8 +153,10 @@ def boundary_reshardings(
 
     * An output the model returns (its loss, its logits) is handed to the caller as an ordinary tensor, so a
       sharded or partial one is gathered or reduced in forward (the runtime's ``wrap_forward``).
-    * ``nll_loss`` with mean reduction: DTensor's backward kernel needs the total weight replicated, so a
-      partial total weight (a batch- or class-sharded loss) is all-reduced in backward.
+    * ``nll_loss`` with mean reduction and class weights: DTensor's backward kernel needs the total weight
+      replicated, so a partial total weight (a batch- or sequence-sharded loss) is all-reduced in backward.
+      Without class weights the runtime computes the mean as a sum over the count of targets
+      (``apply/enforce.py::_exact_mean_loss``), which needs no total weight.
     """
     out: list[tuple[float, str, float]] = []
     returned = set(graph.output_values)
@@ -167,7 +169,10 @@ def boundary_reshardings(
     if node.op.startswith("aten.nll_loss") and "forward" in node.op and len(strat.output_placements) > 1:
         args = node.args[0] if isinstance(node.args, tuple) and node.args else ()
         reduction = args[3] if len(args) > 3 else _MEAN_REDUCTION
-        if reduction == _MEAN_REDUCTION:
+        weighted = len(args) > 2 and args[2] is not None
+        # unweighted: the runtime sums over split rows and divides by the targets' count
+        # (apply/enforce.py::_exact_mean_loss), so no total weight is reduced
+        if reduction == _MEAN_REDUCTION and weighted:
             nbytes = float(graph.values[node.outputs[1]].nbytes)
             seconds, kind = redistribute(strat.output_placements[1][axis], "R", nbytes, comm)
             if kind:
