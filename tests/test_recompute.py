@@ -100,7 +100,8 @@ def test_a_folded_run_is_one_decision_for_all_its_blocks():
     model = build_model(config, device="meta")
     batch = make_example_inputs(model, 8, 64)
     budget = int(_free_peak(model, batch) * 0.6)
-    plan = plan_model(model, batch, memory_budget=budget, **_cpu_plan_kwargs())
+    # one piece: micro-batches can meet the budget as well, and this test is about recompute
+    plan = plan_model(model, batch, memory_budget=budget, micro_batches=1, **_cpu_plan_kwargs())
     assert sorted(plan.recompute) == [f"transformer.h.{i}" for i in range(7)]
     assert len(set(plan.recompute.values())) == 1 and plan.recompute["transformer.h.0"] != "none"
     assert plan.peak_memory_bytes <= budget
