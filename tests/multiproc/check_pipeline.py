@@ -371,10 +371,15 @@ def main() -> None:
     refusals(results)
     accelerator_loop(results, directory[0])
     results["total_seconds"] = time.perf_counter() - started
+    write_every_rank_and_close(results, args.out)
+
+
+def write_every_rank_and_close(results: dict[str, Any], out: str) -> None:
+    """Every rank's ``results`` in one JSON list written by rank 0, then the group torn down in order."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(gathered, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()

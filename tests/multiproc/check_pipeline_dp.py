@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import tempfile
@@ -27,7 +26,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_pipeline import LR, batches, build, config, grad_norm, reloaded_equal  # noqa: E402
+from check_pipeline import (  # noqa: E402
+    LR,
+    batches,
+    build,
+    config,
+    grad_norm,
+    relative,
+    reloaded_equal,
+    write_every_rank_and_close,
+)
 
 
 def reference(model, batch: dict, steps: int = 2) -> dict[str, Any]:
@@ -49,11 +57,6 @@ def reference(model, batch: dict, steps: int = 2) -> dict[str, Any]:
         evaluated = model(**batch)
     out["eval_loss"], out["eval_logits"] = evaluated.loss.item(), evaluated.logits
     return out
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = b.abs().max().item()
-    return (a - b).abs().max().item() / scale if scale else (a - b).abs().max().item()
 
 
 def pipelined(preset: str, schedule: str, cut: list[int], directory: str | None) -> dict[str, Any]:
@@ -134,13 +137,7 @@ def main() -> None:
     }
     loader_rows(results)
     results["total_seconds"] = time.perf_counter() - started
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(gathered, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_every_rank_and_close(results, args.out)
 
 
 if __name__ == "__main__":
