@@ -116,7 +116,8 @@ class AutoParallelCallback(TrainerCallback):
         save_plan_path: where the main process writes the plan it applied (JSON).
         time_limit_s: the ILP solver's time limit per mesh.
         timeout: seconds a rank waits in a collective for a peer that stopped answering before it fails
-            (replaces the process group's timeout, ``TrainingArguments.ddp_timeout``, once the plan is applied).
+            (replaces the process group's timeout, ``TrainingArguments.ddp_timeout``, once the plan is applied),
+            and how long planning may take: past it every rank raises ``TookTooLongError`` naming where it was.
         pretrained: a HF safetensors checkpoint (directory) each rank loads its own shards from once the plan is
             applied (:func:`~hf_colossal_auto.apply.pretrained.load_pretrained`), so that a model built on
             ``meta`` is never whole in any process; in a single process the whole checkpoint is loaded. Give the
@@ -266,7 +267,8 @@ class AutoParallelCallback(TrainerCallback):
             logger.info("AutoParallelCallback plan:\n%s", made.summary())
             return made
 
-        return plan_on_one_rank(make)
+        limit = as_timedelta(self.timeout).total_seconds()
+        return plan_on_one_rank(make, limit_s=limit, what=f"planning {type(trainer.model).__name__}")
 
 
 def callback_from_plugin(plugin: Any = None) -> AutoParallelCallback:
