@@ -236,13 +236,17 @@ def reloaded_equal(model, directory: str) -> dict[str, Any]:
     the files written, and whether the reloaded head is tied to the embedding."""
     import os
 
+    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(directory)
     state = loaded.state_dict()
-    mine = dict(model.named_parameters(remove_duplicate=False))
+    mine = {
+        n: p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+        for n, p in model.named_parameters(remove_duplicate=False)
+    }
     return {
-        "equal": all(torch.equal(state[n], p.detach()) for n, p in mine.items()),
+        "equal": all(torch.equal(state[n], p) for n, p in mine.items()),
         "compared": len(mine),
         "files": sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")),
         "tied": loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight,
