@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._torch_compat import tensor_is_view
 from ..pipeline_layout import PipelineLayout, PipelineLayoutError, find_layout
 from ..plan import Plan
+from ..recompute_options import parse_option
 from .agree import DEFAULT_TIMEOUT_S, as_timedelta, raise_if_any_rank_failed, set_timeout
 from .materialize import is_meta_model, materialize_meta_model
 from .pipeline_runner import _SCHEDULES, BATCH_KEYS, PipelineRunner, PipelineRuntimeError, _split_batch
@@ -270,6 +271,17 @@ def check_pipeline_plan(model: nn.Module, plan: Plan) -> PipelineLayout:
             "does not apply inside a stage yet; plan without them (dp_modes without 'ddp-ep'/'fsdp-ep'), or "
             "without pipeline stages"
         )
+    selective = sorted(
+        fqn for fqn, text in plan.recompute.items() if not (o := parse_option(text)).is_none and not o.is_full
+    )
+    if selective and plan.schedule in _SPLIT_BACKWARD:
+        raise PipelineRuntimeError(
+            f"the plan recomputes {len(selective)} blocks selectively ({selective[0]}: "
+            f"{plan.recompute[selective[0]]!r}) under the {plan.schedule!r} schedule, which runs each backward "
+            "in two passes (input gradients, then weight gradients); torch's selective checkpoint allows one "
+            "backward through a recomputed region. Plan with recompute 'full' or 'none' for those blocks, or "
+            "with schedule 'gpipe', '1f1b' or 'interleaved-1f1b'."
+        )
     layout = find_layout(model)
     layout.block_ranges(plan.stages)
     ranks = plan.stage_ranks()
@@ -282,6 +294,10 @@ def check_pipeline_plan(model: nn.Module, plan: Plan) -> PipelineLayout:
             "embeddings."
         )
     return layout
+
+
+_SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv")
+"""Schedules that split each backward into an input-gradient and a weight-gradient pass."""
 
 
 def _fsdp(plan: Plan) -> bool:

@@ -1,15 +1,18 @@
-"""Run under torchrun (4 gloo ranks): pipeline stages x DDP (mesh pp 2 x dp 2) train like one process.
+"""Run under torchrun (4 gloo ranks): pipeline stages x data or tensor parallelism train like one process.
 
     torchrun --nproc_per_node 4 tests/multiproc/check_pipeline_dp.py --out result.json
 
-A 6-block tiny Llama under 1f1b and GPT-2 (head tied to the embedding, a tie group per pipeline) under zbv,
-fp32, no dropout, in the user's loop: each data-parallel group reads its rows of one global batch
-(``shard_batch``), whose label token counts differ between the groups (the loss is normalised by the global
-batch's tokens, the gradients summed over dp). Against one process on the global batch: the loss and every
-gradient of the first step, the clipping norm, every parameter after two AdamW steps, the evaluation logits
-(the group's rows) and loss; GPT-2 then saved with ``save_pretrained`` (only the first replica's pipeline
-sends) and reloaded in one process. Also ``data_parallel_loader``: the two ranks of a pipeline read the same
-rows, the two groups together plain accelerate's rows of each step. Rank 0 writes every rank's results.
+Mesh pp 2 x dp 2 under DDP: a 6-block tiny Llama under 1f1b and GPT-2 (head tied to the embedding, a tie
+group per pipeline) under zbv; pp 2 x dp 2 under FSDP inside each stage (Llama, 1f1b); pp 2 x tp 2 (Llama,
+1f1b) with the planner's Megatron-LM placements of mesh (dp 1, tp 2) and full recompute
+(``evaluate_plan`` + ``pipeline_plan_from``). fp32, no dropout, in the user's loop: each data-parallel group
+reads its rows of one global batch (``shard_batch``), whose label token counts differ between the groups (the
+loss is normalised by the global batch's tokens, the gradients summed over dp). Against one process on the
+global batch: the loss and every gradient of the first step, the clipping norm, every parameter after two
+AdamW steps, the evaluation logits (the group's rows) and loss; then saved with ``save_pretrained`` (only the
+first replica's pipeline sends; sharded stages gathered) and reloaded in one process. Also
+``data_parallel_loader``: the two ranks of a pipeline read the same rows, the two groups together plain
+accelerate's rows of each step. Rank 0 writes every rank's results.
 """
 
 from __future__ import annotations
@@ -72,7 +75,9 @@ def stage_plan(cfg, batch: dict, inside: str, schedule: str, cut: list[int]):
         return hand_pipeline_plan(model, batch, dp_size=2, dp_mode=inside, **stages)
 
     def planned():
-        inner = evaluate_plan(model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+        inner = evaluate_plan(
+            model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2), recompute="full"
+        ).plan
         return pipeline_plan_from(inner, model, **stages)
 
     return plan_on_one_rank(planned, what="pricing the Megatron-LM stage plan")
@@ -83,6 +88,15 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_fraction(model) -> float:
+    """The share of this rank's stage parameters' elements it stores (1: all whole; FSDP over 2: about 1/2)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    return local / sum(p.numel() for p in params)
 
 
 def pipelined(
@@ -112,7 +126,10 @@ def pipelined(
             out["grad_err"] = max(
                 relative(whole(p.grad), ref["grads"][n]) for n, p in model.named_parameters()
             )
-            out["sharded"] = sorted({type(p).__name__ for p in model.parameters()})
+            out["recomputed"] = sum(
+                bool(getattr(m, "_hf_colossal_auto_recompute", None)) for m in model.modules()
+            )
+            out["local_fraction"] = local_fraction(model)
             out["norm"], out["ref_norm"] = float(pipeline_runner(model).clip_grad_norm_(1e9)), ref["norm"]
         optimizer.step()
         optimizer.zero_grad()
@@ -158,13 +175,15 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     started = time.perf_counter()
-    directory = [tempfile.mkdtemp(prefix="pipeline-dp-save-") if dist.get_rank() == 0 else None for _ in "ab"]
+    directory = [
+        tempfile.mkdtemp(prefix="pipeline-dp-save-") if dist.get_rank() == 0 else None for _ in "abc"
+    ]
     dist.broadcast_object_list(directory)
     results: dict[str, Any] = {
         "llama 1f1b": pipelined("tiny-llama", "1f1b", [4, 2], None),
         "gpt2 tied zbv": pipelined("tiny-gpt2", "zbv", [1, 1, 1, 1], directory[0]),
         "llama fsdp 1f1b": pipelined("tiny-llama", "1f1b", [2, 1], directory[1], inside="fsdp"),
-        "llama tp 1f1b": pipelined("tiny-llama", "1f1b", [1, 2], None, inside="tp"),
+        "llama tp 1f1b": pipelined("tiny-llama", "1f1b", [1, 2], directory[2], inside="tp"),
     }
     loader_rows(results)
     results["total_seconds"] = time.perf_counter() - started
