@@ -22,15 +22,24 @@ tensors are drawn one module at a time (the init's RNG sequence, so each kept va
 left on meta (:func:`.materialize.materialize_meta_model`, ``keep``). A real model starts from rank 0's values
 (broadcast to every rank before the cut).
 
+What runs inside a stage (:func:`_run_plan_in_stages`): the plan's tensor parallelism, FSDP/HSDP and
+per-block recompute, keyed by the whole model's names as in a plan without stages, on the ``(dp, tp)``
+sub-mesh of this rank's pp coordinate, by the runtime's own pieces (:mod:`.runtime`, :mod:`.recompute`). What
+the runtime installs on a whole model's *top* forward (inputs as DTensors, the planned forward's context,
+outputs back to tensors) each :class:`StageModule` does around its own forward, since stages run the model's
+inner forwards; and each stage is its own FSDP root, as torchtitan shards each model part.
+
 What the model does then (:mod:`.pipeline_runner`): its forward is the pipeline's. A training forward runs
 the schedule (forwards and backwards of every micro-batch) and returns a loss whose backward applies the
 step's gradients, so the user's loop runs unchanged; an evaluation forward runs the stages forward only and
 returns the logits on every rank. Data parallelism inside a stage is DDP over the mesh's ``dp`` axis (each
-replica a whole pipeline; gradients summed over it, the loss normalised by the global batch's tokens).
-``save_pretrained`` writes every stage from rank 0 (:mod:`.pipeline_save`).
+replica a whole pipeline; gradients summed over it, the loss normalised by the global batch's tokens) or
+FSDP/HSDP (gradients reduce-scattered as sums). ``save_pretrained`` writes every stage from rank 0
+(:mod:`.pipeline_save`).
 
-Not yet: tensor parallelism, FSDP or recompute inside a stage (refused by name), ``pretrained=`` per stage,
-training-state checkpoints (DCP) and full state dicts (refused by name).
+Not yet (refused by name): experts split over the data-parallel axis inside a stage, selective recompute under
+the split-backward schedules (zero bubble), FSDP of a tied embedding held twice on one rank, ``pretrained=``
+per stage, training-state checkpoints (DCP) and full state dicts.
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ shifted inside, -100 ignored) per micro-batch as a sum over its tokens divided b
 schedule does not rescale (``scale_grads=False``). The micro-batch losses of all replicas add up to one
 process's mean loss over the global batch, and so do the gradients, which are therefore *summed* over the
 data-parallel axis (an all-reduce per step): the result is one process's on the global batch, also when the
-replicas' batches hold different token counts. The loss returned on every rank is that global loss.
+replicas' batches hold different token counts (under FSDP the reduce-scatter sums them). The loss returned on
+every rank is that global loss. Gradients of DTensor parameters (tensor parallelism, FSDP) are the
+parameters' placements; the norm :meth:`PipelineRunner.clip_grad_norm_` clips by is the whole model's.
 """
 
 from __future__ import annotations
