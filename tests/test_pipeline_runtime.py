@@ -356,7 +356,8 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
 
 # --------------------------------------------------------------------------------------------- 4 gloo ranks
 def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
-    """pp 2 x dp 2 (Llama under 1f1b, GPT-2 with its tie under zbv) under DDP, pp 2 x dp 2 under FSDP (Llama),
+    """pp 2 x dp 2 (Llama under 1f1b, GPT-2 with its tie under zbv) under DDP, pp 2 x dp 2 under FSDP (Llama;
+    GPT-2 with its tie across ranks),
     pp 2 x tp 2 (Llama, the planner's Megatron-LM placements and full recompute inside the stages): each
     data-parallel group on its rows of one global batch whose groups hold different token counts; the loss is
     the global batch's and the gradients, clipping norm, parameters after two AdamW steps and evaluation
@@ -374,6 +375,7 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
             "gpt2 tied zbv": [group, 2, 1, 2, 4],
             "llama fsdp 1f1b": [group, 2, 1, 2, 4],
             "llama tp 1f1b": [0, 1, 2, 2, 4],  # mesh (2, 1, 2): the tensor-parallel pair reads the same rows
+            "gpt2 tied fsdp 1f1b": [group, 2, 1, 2, 4],
         }
         for case, info in cases.items():
             got = results[case]
@@ -390,7 +392,7 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
         assert 0.5 < results["llama tp 1f1b"]["local_fraction"] < 0.9, results["llama tp 1f1b"]
         assert results["llama tp 1f1b"]["recomputed"] == 1 + rank // 2
         assert results["llama fsdp 1f1b"]["recomputed"] == 0
-        for case in ("gpt2 tied zbv", "llama fsdp 1f1b", "llama tp 1f1b"):
+        for case in ("gpt2 tied zbv", "llama fsdp 1f1b", "llama tp 1f1b", "gpt2 tied fsdp 1f1b"):
             saved = results[case]["saved"]
             assert saved["equal"] and saved["tied"] == ("gpt2" in case), (case, saved)
         assert results["loader rows"] == [

@@ -50,7 +50,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -309,12 +309,30 @@ _SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv")
 """Schedules that split each backward into an input-gradient and a weight-gradient pass."""
 
 
+def _held_part(plan: Plan, held: dict[str, nn.Module], tied_names: Sequence[tuple[str, str]]) -> Plan:
+    """``plan`` as this rank's cut model reads it: recompute of the blocks it holds only (the others' are not
+    missing), and a head tied to the embedding placed as the embedding (the plan lists a tie once, under the
+    embedding's name, which the last stage's rank does not hold)."""
+    placements = dict(plan.param_placements)
+    for embedding, head in tied_names:
+        if embedding in placements:
+            placements.setdefault(head, placements[embedding])
+    recompute = {fqn: option for fqn, option in plan.recompute.items() if fqn in held}
+    return dataclasses.replace(plan, param_placements=placements, recompute=recompute)
+
+
 def _fsdp(plan: Plan) -> bool:
     """Whether the plan shards over its data-parallel axis with FSDP (or HSDP) inside each stage."""
     return plan.dp_mode in ("fsdp", "hsdp") and plan.dp_size > 1
 
 
-def _run_plan_in_stages(model: nn.Module, stages: list[StageModule], plan: Plan, mesh: DeviceMesh) -> None:
+def _run_plan_in_stages(
+    model: nn.Module,
+    stages: list[StageModule],
+    plan: Plan,
+    mesh: DeviceMesh,
+    tied_names: Sequence[tuple[str, str]] = (),
+) -> None:
     """The plan's placements, recompute and data-parallel mode on this rank's stages, by the runtime's own
     pieces (:mod:`.runtime`), on the ``(dp, tp)`` sub-mesh of this rank's pp coordinate. ``model`` is already
     cut to this rank's modules (their FQNs the full model's, as the plan keys them); the stages share them.
@@ -346,14 +364,14 @@ def _run_plan_in_stages(model: nn.Module, stages: list[StageModule], plan: Plan,
     )
 
     sharded = not plan.shards_nothing
+    held = dict(model.named_modules())
+    plan = _held_part(plan, held, tied_names)
     if sharded:
         install_dtensor_rules(plan)
         distribute_parameters(model, plan, mesh)
         install_placement_hooks(model, plan, mesh)
         install_sdpa_mask_placement()
-    held = dict(model.named_modules())
-    recompute = {fqn: option for fqn, option in plan.recompute.items() if fqn in held}
-    recomputed = apply_recompute(model, dataclasses.replace(plan, recompute=recompute))
+    recomputed = apply_recompute(model, plan)
     install_tensor_parallel_rng(model, mesh, recomputed=bool(recomputed))
     for stage in stages:
         stage.tp_mesh = tensor_parallel_mesh(mesh) if sharded else None
@@ -433,7 +451,7 @@ def apply_pipeline_plan(
     stages = [StageModule(model, layout, s, plan.num_stages, ranges[s]) for s in mine]
     record_saved_names(model)  # what save_pretrained writes, read off the whole model
     _cut_model(model, layout, blocks, held)
-    _run_plan_in_stages(model, stages, plan, mesh)
+    _run_plan_in_stages(model, stages, plan, mesh, tied_names)
     tied = _held_tied(model, tied_names)  # after distributing and FSDP, which replace the parameters
     dp_group = mesh.get_group("dp") if plan.dp_size > 1 else None
     runner = PipelineRunner(

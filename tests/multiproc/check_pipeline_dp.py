@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 4 tests/multiproc/check_pipeline_dp.py --out result.json
 
 Mesh pp 2 x dp 2 under DDP: a 6-block tiny Llama under 1f1b and GPT-2 (head tied to the embedding, a tie
-group per pipeline) under zbv; pp 2 x dp 2 under FSDP inside each stage (Llama, 1f1b); pp 2 x tp 2 (Llama,
+group per pipeline) under zbv; pp 2 x dp 2 under FSDP inside each stage (Llama, and GPT-2 with its tie
+across ranks: both copies sharded alike, 1f1b); pp 2 x tp 2 (Llama,
 1f1b) with the planner's Megatron-LM placements of mesh (dp 1, tp 2) and full recompute
 (``evaluate_plan`` + ``pipeline_plan_from``). fp32, no dropout, in the user's loop: each data-parallel group
 reads its rows of one global batch (``shard_batch``), whose label token counts differ between the groups (the
@@ -175,8 +176,9 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     started = time.perf_counter()
+    saving = ("gpt2 tied zbv", "llama fsdp 1f1b", "llama tp 1f1b", "gpt2 tied fsdp 1f1b")
     directory = [
-        tempfile.mkdtemp(prefix="pipeline-dp-save-") if dist.get_rank() == 0 else None for _ in "abc"
+        tempfile.mkdtemp(prefix="pipeline-dp-save-") if dist.get_rank() == 0 else None for _ in saving
     ]
     dist.broadcast_object_list(directory)
     results: dict[str, Any] = {
@@ -184,6 +186,7 @@ def main() -> None:
         "gpt2 tied zbv": pipelined("tiny-gpt2", "zbv", [1, 1, 1, 1], directory[0]),
         "llama fsdp 1f1b": pipelined("tiny-llama", "1f1b", [2, 1], directory[1], inside="fsdp"),
         "llama tp 1f1b": pipelined("tiny-llama", "1f1b", [1, 2], directory[2], inside="tp"),
+        "gpt2 tied fsdp 1f1b": pipelined("tiny-gpt2", "1f1b", [1, 1], directory[3], inside="fsdp"),
     }
     loader_rows(results)
     results["total_seconds"] = time.perf_counter() - started
