@@ -21,7 +21,9 @@ shifted inside, -100 ignored) per micro-batch as a sum over its tokens divided b
 schedule does not rescale (``scale_grads=False``). The micro-batch losses of all replicas add up to one
 process's mean loss over the global batch, and so do the gradients, which are therefore *summed* over the
 data-parallel axis (an all-reduce per step): the result is one process's on the global batch, also when the
-replicas' batches hold different token counts. The loss returned on every rank is that global loss.
+replicas' batches hold different token counts (under FSDP the reduce-scatter sums them). The loss returned on
+every rank is that global loss. Gradients of DTensor parameters (tensor parallelism, FSDP) are the
+parameters' placements; the norm :meth:`PipelineRunner.clip_grad_norm_` clips by is the whole model's.
 """
 
 from __future__ import annotations
@@ -111,9 +113,12 @@ class PipelineRunner:
         tie_group: dist.ProcessGroup | None,
         tied: list[nn.Parameter],
         dp_group: dist.ProcessGroup | None = None,
+        *,
+        fsdp: bool = False,
     ):
         self.model, self.plan, self.layout, self.stages = model, plan, layout, stages
         self.group, self.device, self.dp_group = group, device, dp_group
+        self.fsdp = fsdp  # FSDP reduces the gradients over dp itself (summed: apply/pipeline.py)
         self.tie_group, self.tied = tie_group, tied
         ranks = plan.stage_ranks()
         self.last_rank = dist.get_global_rank(group, ranks[-1])
@@ -153,7 +158,10 @@ class PipelineRunner:
         )
         count = self._token_count(labels) if labels is not None else None
         with torch.no_grad():
-            logits, losses = self._forward_stages(input_ids, labels, kwargs, count)
+            try:
+                logits, losses = self._forward_stages(input_ids, labels, kwargs, count)
+            finally:
+                self._reshard()
             logits = self._broadcast_logits(logits)
             loss = None if labels is None else self._global_loss(losses)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
@@ -225,6 +233,7 @@ class PipelineRunner:
                 loss_kwargs={"num_items_in_batch": self._token_count(labels)},
                 **kwargs,
             )
+            _gradients_to_placements(params)
             self._sum_tied_gradients()
             self._sum_over_replicas(params)
             grads = [(p, p.grad) for p in params if p.grad is not None]
@@ -248,11 +257,14 @@ class PipelineRunner:
         mine = [p.grad.detach() for p in params if id(p) not in skip]
         norm_type = float(norm_type)
         if norm_type == float("inf"):
-            total = max((g.abs().max() for g in mine), default=torch.zeros((), device=self.device)).float()
+            total = max(
+                (_whole(g.abs().max()) for g in mine), default=torch.zeros((), device=self.device)
+            ).float()
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
         else:
             total = sum(
-                (g.float().norm(norm_type) ** norm_type for g in mine), torch.zeros((), device=self.device)
+                (_whole(g.float().norm(norm_type)) ** norm_type for g in mine),
+                torch.zeros((), device=self.device),
             )
             dist.all_reduce(total, group=self.group)
             total = total ** (1.0 / norm_type)
@@ -295,15 +307,59 @@ class PipelineRunner:
         for param in self.tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=self.tie_group)
+            # both copies are sharded alike (the same plan, the same dp/tp coordinates): shards add up
+            dist.all_reduce(_local(param.grad), group=self.tie_group)
 
     def _sum_over_replicas(self, params: list[nn.Parameter]) -> None:
-        """Each replica's gradient is of its rows' share of the global loss: the global gradient is the sum."""
-        if self.dp_group is None:
+        """Each replica's gradient is of its rows' share of the global loss: the global gradient is the sum
+        (FSDP's reduce-scatter already summed it)."""
+        if self.dp_group is None or self.fsdp:
             return
         for param in params:
             if param.grad is not None:
-                dist.all_reduce(param.grad, group=self.dp_group)
+                dist.all_reduce(_local(param.grad), group=self.dp_group)
+
+    def _reshard(self) -> None:
+        """FSDP: free the blocks an evaluation forward gathered (kept gathered after forward, for backward),
+        so that the model's parameters are the sharded ones again."""
+        if not self.fsdp:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for stage in self.stages:
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (sharing its storage: collectives on it act on the DTensor), a tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A reduction of a DTensor gradient (its norm) as the whole tensor's, a plain value itself."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _gradients_to_placements(params: list[nn.Parameter]) -> None:
+    """Each DTensor gradient in its parameter's placements (a tensor-parallel gradient may come out partial:
+    the runtime's hook does this per backward; the zero-bubble schedules' weight gradients are set outside
+    autograd's accumulation, where no hook runs). FSDP's gradients are already the parameters'."""
+    from torch.distributed.tensor import DTensor
+
+    for param in params:
+        grad = param.grad
+        moved = isinstance(grad, DTensor) and isinstance(param, DTensor)
+        if moved and tuple(grad.placements) != tuple(param.placements):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def _send(tensor: torch.Tensor, dst: int) -> None:
