@@ -373,12 +373,17 @@ def is_pipelined(model: nn.Module) -> bool:
     return getattr(model, _PIPELINE, None) is not None
 
 
-def refuse_if_pipelined(model: nn.Module, what: str) -> None:
-    """Training-state checkpoints (DCP) and full state dicts are not taken per stage yet: refused by name
-    instead of holding or writing one stage as if it were the model."""
+def refuse_if_pipelined(model: nn.Module, what: str, instead: str | None = None) -> None:
+    """What a pipelined model cannot do (each rank holds only its stages), refused by name instead of taking one
+    stage for the model; ``instead``: what to do (default: export with save_pretrained, checkpoint training
+    state with save_state / save_checkpoint)."""
     if is_pipelined(model):
         raise PipelineRuntimeError(
-            f"{what} of the pipelined {type(model).__name__} is not done per pipeline stage yet (each rank holds "
-            "only its stages). Export the model with save_pretrained / accelerator.save_model (every stage is "
-            "written), or train without pipeline stages to checkpoint training state."
+            f"{what} of the pipelined {type(model).__name__} is not done per pipeline stage (each rank holds "
+            "only its stages). "
+            + (
+                instead
+                or "Export the model with save_pretrained / accelerator.save_model (every stage is written), and "
+                "checkpoint training state with accelerator.save_state or save_checkpoint (each rank its stages)."
+            )
         )

@@ -1,0 +1,160 @@
+"""Run under torchrun (2 gloo ranks): training-state checkpoints of pipeline stages resume under another plan.
+
+    torchrun --nproc_per_node 2 tests/multiproc/check_pipeline_checkpoint.py --dir D --out result.json
+
+A 4-block tiny Llama and a 2-block GPT-2 (head tied to the embedding, the tie across the two ranks), fp32, no
+dropout. The uninterrupted run: two AdamW steps, then the loss of a third step and the loss of a fourth batch
+after it (the "next loss", which depends on AdamW's moments and step count). Per model:
+
+* ``pp``: a pipeline plan (pp 2, 1f1b) trains two steps, ``save_checkpoint`` writes ``D/<model>/pp`` (each
+  rank its stages), then goes on: its third and next losses.
+* ``tp``: a tensor-parallel plan (mesh 1 x 2) trains two steps and writes ``D/<model>/tp`` (nested optimizer
+  state, as every plan without stages writes it).
+* ``pp <- tp`` and ``tp <- pp``: a fresh model (other initial weights) under the one plan loads the other's
+  checkpoint into a new AdamW, then its third and next losses; ``pp <- pp`` too, and a control that loads the
+  pp checkpoint's weights with a fresh AdamW (it must differ).
+* ``accelerate``: ``AutoParallelAccelerator`` with the pipeline plan file saves its state after two steps,
+  another accelerator over a fresh model loads it: the next losses.
+
+The test compares each with one process's uninterrupted run (in the test's process, which also resumes
+``D/<model>/pp`` in one process without a plan). Rank 0 writes every rank's results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_pipeline import LR, build, config, write_every_rank_and_close  # noqa: E402
+
+MODELS = {"tiny-llama": 4, "tiny-gpt2": 2}
+"""Preset -> blocks (two stages of equal blocks)."""
+
+
+def data(cfg) -> list[dict[str, torch.Tensor]]:
+    """Four seeded batches of 8 rows."""
+    from hf_colossal_auto.models import make_example_inputs
+
+    model = build(cfg, "meta")
+    return [make_example_inputs(model, 8, 16, seed=seed) for seed in range(4)]
+
+
+def step(model, optimizer, batch: dict) -> float:
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss)
+
+
+def next_losses(model, optimizer, batches: list[dict]) -> dict[str, float]:
+    """The third step's loss and the loss of the fourth batch after it."""
+    third = step(model, optimizer, batches[2])
+    return {"loss": third, "next_loss": float(model(**batches[3]).loss)}
+
+
+def pp_plan(model, batch: dict):
+    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
+
+    return hand_pipeline_plan(model, batch, pp_size=2, schedule="1f1b", micro_batches=4)
+
+
+def tp_plan(preset: str, batch: dict):
+    from hf_colossal_auto.models import build_model
+    from hf_colossal_auto.solve.planner import evaluate_plan
+
+    planning = build_model(config(preset, MODELS[preset]), device="meta")
+    return evaluate_plan(planning, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+
+
+def planned(cfg, plan, seed: int):
+    from hf_colossal_auto.apply.runtime import apply_plan
+
+    model = build(cfg, "cpu", seed=seed)
+    apply_plan(model, plan)
+    return model
+
+
+def one_model(preset: str, root: Path) -> dict[str, Any]:
+    from hf_colossal_auto.apply.checkpoint import load_checkpoint, save_checkpoint
+
+    started = time.perf_counter()
+    cfg = config(preset, MODELS[preset])
+    batches = data(cfg)
+    plans = {"pp": pp_plan(build(cfg, "meta"), batches[0]), "tp": tp_plan(preset, batches[0])}
+    out: dict[str, Any] = {}
+    for name, plan in plans.items():  # two steps, save, go on
+        model = planned(cfg, plan, seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        for batch in batches[:2]:
+            step(model, optimizer, batch)
+        save_checkpoint(model, optimizer, root / preset / name)
+        out[name] = next_losses(model, optimizer, batches)
+        del model, optimizer
+    for target, source in (("pp", "tp"), ("tp", "pp"), ("pp", "pp")):
+        model = planned(cfg, plans[target], seed=1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        load_checkpoint(model, optimizer, root / preset / source)
+        out[f"{target} <- {source}"] = next_losses(model, optimizer, batches)
+    model = planned(cfg, plans["pp"], seed=1)  # control: the weights without the optimizer's state
+    load_checkpoint(model, None, root / preset / "pp")
+    out["fresh optimizer"] = next_losses(model, torch.optim.AdamW(model.parameters(), lr=LR), batches)
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def accelerate_state(root: Path) -> dict[str, Any]:
+    """``save_state`` after two steps under a pipeline plan file, ``load_state`` into a fresh model and
+    optimizer under a second accelerator: the next losses."""
+    from hf_colossal_auto import AutoParallelAccelerator
+
+    cfg = config("tiny-llama", MODELS["tiny-llama"])
+    batches = data(cfg)
+    path = root / "plan.json"
+    if dist.get_rank() == 0:
+        pp_plan(build(cfg, "meta"), batches[0]).save(path)
+    dist.barrier()
+    os.environ["HF_COLOSSAL_AUTO_PLAN_PATH"] = str(path)
+    out: dict[str, Any] = {}
+    for phase, seed in (("saved", 0), ("resumed", 1)):
+        accelerator = AutoParallelAccelerator(cpu=True)
+        model = build(cfg, "cpu", seed=seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        if phase == "saved":
+            for batch in batches[:2]:
+                step(model, optimizer, batch)
+            accelerator.save_state(str(root / "accelerate"))
+        else:
+            accelerator.load_state(str(root / "accelerate"))
+        out[phase] = next_losses(model, optimizer, batches)
+        del model, optimizer, accelerator
+    del os.environ["HF_COLOSSAL_AUTO_PLAN_PATH"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    started = time.perf_counter()
+    root = Path(args.dir)
+    results: dict[str, Any] = {preset: one_model(preset, root) for preset in MODELS}
+    results["accelerate"] = accelerate_state(root)
+    results["total_seconds"] = time.perf_counter() - started
+    write_every_rank_and_close(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
