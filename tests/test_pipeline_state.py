@@ -46,7 +46,10 @@ def test_pipeline_checkpoint_resumes_under_another_plan_and_the_reverse(tmp_path
     stages; resumed under tensor parallelism, under the same pipeline plan and in one process without a plan,
     and a tensor-parallel checkpoint resumed under pp, each gives the uninterrupted run's third and next
     losses (one process's); AutoParallelAccelerator's save_state/load_state under a pipeline plan file too. A
-    control loading the weights with a fresh AdamW differs (the optimizer state is what makes them equal)."""
+    control loading the weights with a fresh AdamW differs (the optimizer state is what makes them equal).
+    Then ``apply_plan(model on meta, pipeline plan, pretrained=dir)``: each rank reads only its stages' bytes
+    of a local save_pretrained checkpoint (several files), its tensors equal from_pretrained's in one
+    process (GPT-2's tied head from the embedding's key), its evaluation logits too."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "result.json"
@@ -69,3 +72,12 @@ def test_pipeline_checkpoint_resumes_under_another_plan_and_the_reverse(tmp_path
     for phase in ("saved", "resumed"):
         for key in ("loss", "next_loss"):
             assert accelerate[phase][key] == pytest.approx(want[key], rel=1e-6), (phase, accelerate, want)
+    for results in ranks:
+        for preset, got in results["pretrained"].items():
+            assert got["equal"] and not got["on_meta"] and got["files"] > 1, (preset, got)
+            assert got["logits_err"] == 0.0, (preset, got)
+            # this rank's stages only: what it holds, about half the checkpoint
+            assert got["bytes_read"] == got["held_bytes"] < 0.8 * got["checkpoint_bytes"], (preset, got)
+    for preset, got in ranks[0]["pretrained"].items():  # together the ranks hold every parameter (tie: both)
+        held = sum(r["pretrained"][preset]["held"] for r in ranks)
+        assert held == got["reference_params"], (preset, held, got)

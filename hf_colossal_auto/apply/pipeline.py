@@ -20,7 +20,9 @@ elsewhere become stand-ins without parameters. ``model.parameters()`` is this ra
 from it trains it. A model built on ``meta`` is materialised for this rank's modules only: the other stages'
 tensors are drawn one module at a time (the init's RNG sequence, so each kept value is the whole model's) and
 left on meta (:func:`.materialize.materialize_meta_model`, ``keep``). A real model starts from rank 0's values
-(broadcast to every rank before the cut).
+(broadcast to every rank before the cut). With ``pretrained=`` a checkpoint's tensors are read instead, this
+rank's stages' only (:func:`.pretrained.load_pretrained`, ``keep``: on ``meta`` nothing else is allocated;
+the whole model's keys are checked against the checkpoint first).
 
 What the model does then (:mod:`.pipeline_runner`): its forward is the pipeline's. A training forward runs
 the schedule (forwards and backwards of every micro-batch) and returns a loss whose backward applies the
@@ -29,8 +31,11 @@ returns the logits on every rank. Data parallelism inside a stage is DDP over th
 replica a whole pipeline; gradients summed over it, the loss normalised by the global batch's tokens).
 ``save_pretrained`` writes every stage from rank 0 (:mod:`.pipeline_save`).
 
-Not yet: tensor parallelism, FSDP or recompute inside a stage (refused by name), ``pretrained=`` per stage,
-training-state checkpoints (DCP) and full state dicts (refused by name).
+Training-state checkpoints (DCP: ``accelerator.save_state``, the Trainer's, ``save_checkpoint``) are written
+per stage and read under any plan (:mod:`.pipeline_checkpoint`).
+
+Not yet: tensor parallelism, FSDP or recompute inside a stage, full state dicts and one-process optimizer
+files (refused by name).
 """
 
 from __future__ import annotations
@@ -266,11 +271,6 @@ def apply_pipeline_plan(
     anything is allocated."""
     from .runtime import _processes_are_real, _validate_on_every_rank, build_mesh
 
-    if pretrained is not None:
-        raise PipelineRuntimeError(
-            "pretrained= is not run under pipeline stages yet: apply the plan to a model built with its weights "
-            "(from_pretrained on one device), or plan without pipeline stages"
-        )
     world = dist.get_world_size() if dist.is_initialized() else None
     if world is None:
         raise PipelineRuntimeError(
@@ -295,7 +295,15 @@ def apply_pipeline_plan(
     ranges = layout.block_ranges(plan.stages)
     blocks = [i for s in mine for i in ranges[s]]
     device = _device(mesh)
-    if is_meta_model(model):
+    if pretrained is not None:  # this rank's stages' tensors only, read from the checkpoint's files
+        from .pretrained import load_pretrained
+
+        on_meta = is_meta_model(model)
+        keep = _keeps(held, layout.shared)
+        model._hf_colossal_auto_load_report = load_pretrained(model, pretrained, device=device, keep=keep)
+        if not on_meta:
+            model.to(device)
+    elif is_meta_model(model):
         materialize_meta_model(model, device, keep=_keeps(held, layout.shared))
     else:
         _broadcast_real_model(model)

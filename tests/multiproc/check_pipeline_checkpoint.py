@@ -15,6 +15,9 @@ after it (the "next loss", which depends on AdamW's moments and step count). Per
   pp checkpoint's weights with a fresh AdamW (it must differ).
 * ``accelerate``: ``AutoParallelAccelerator`` with the pipeline plan file saves its state after two steps,
   another accelerator over a fresh model loads it: the next losses.
+* ``pretrained``: rank 0 saves a model with ``save_pretrained`` (several files); a model built on ``meta``
+  under the pipeline plan with ``pretrained=`` that directory reads only its stages' tensors, equal to
+  ``from_pretrained``'s in one process (the tied head from the embedding's key), and evaluates to its logits.
 
 The test compares each with one process's uninterrupted run (in the test's process, which also resumes
 ``D/<model>/pp`` in one process without a plan). Rank 0 writes every rank's results.
@@ -142,6 +145,45 @@ def accelerate_state(root: Path) -> dict[str, Any]:
     return out
 
 
+def pretrained_stages(root: Path) -> dict[str, Any]:
+    """``apply_plan(model on meta, pipeline plan, pretrained=dir)`` of a checkpoint rank 0 wrote with
+    ``save_pretrained`` (several files): each rank's tensors equal ``from_pretrained``'s in one process, it
+    read only its stages' bytes, and the evaluation logits equal the one-process model's."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_colossal_auto.apply.runtime import apply_plan
+
+    out: dict[str, Any] = {}
+    for preset in MODELS:
+        cfg = config(preset, MODELS[preset])
+        batch = data(cfg)[0]
+        directory = root / f"pretrained-{preset}"
+        if dist.get_rank() == 0:
+            build(cfg, "cpu", seed=2).save_pretrained(directory, max_shard_size="200KB")
+        dist.barrier()
+        reference = AutoModelForCausalLM.from_pretrained(directory)
+        model = build(cfg, "meta")
+        apply_plan(model, pp_plan(model, batch), pretrained=directory)
+        state = reference.state_dict()
+        report = model._hf_colossal_auto_load_report
+        model.eval()
+        reference.eval()
+        with torch.no_grad():
+            logits, want = model(**batch).logits, reference(**batch).logits
+        out[preset] = {
+            "equal": all(torch.equal(p, state[n]) for n, p in model.named_parameters(remove_duplicate=False)),
+            "on_meta": [n for n, p in model.named_parameters() if p.is_meta],
+            "held": len(list(model.parameters())),
+            "reference_params": len(list(reference.named_parameters(remove_duplicate=False))),
+            "files": len(report.files),
+            "bytes_read": report.bytes_read,
+            "checkpoint_bytes": report.checkpoint_bytes,
+            "held_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "logits_err": (logits - want).abs().max().item(),
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
@@ -152,6 +194,7 @@ def main() -> None:
     root = Path(args.dir)
     results: dict[str, Any] = {preset: one_model(preset, root) for preset in MODELS}
     results["accelerate"] = accelerate_state(root)
+    results["pretrained"] = pretrained_stages(root)
     results["total_seconds"] = time.perf_counter() - started
     write_every_rank_and_close(results, args.out)
 
