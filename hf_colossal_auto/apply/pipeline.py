@@ -41,6 +41,7 @@ files (refused by name).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 from datetime import timedelta
@@ -360,8 +361,10 @@ def _tie_group(plan: Plan, mesh: DeviceMesh, tied: bool) -> dist.ProcessGroup | 
 def _install_forward(model: nn.Module, runner: PipelineRunner) -> None:
     """The model's forward becomes the pipeline's (its own would run only this rank's blocks): a plain
     function, as the runtime's other forward wrapper, so that accelerate's autocast wrapper (which re-binds a
-    bound method's ``__func__`` to the model) wraps it intact."""
+    bound method's ``__func__`` to the model) wraps it intact. It carries the model's own signature
+    (``functools.wraps``): the Trainer keeps the dataset columns the forward names."""
 
+    @functools.wraps(model.forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
         return runner.forward(*args, **kwargs)
 

@@ -22,6 +22,11 @@ schedule does not rescale (``scale_grads=False``). The micro-batch losses of all
 process's mean loss over the global batch, and so do the gradients, which are therefore *summed* over the
 data-parallel axis (an all-reduce per step): the result is one process's on the global batch, also when the
 replicas' batches hold different token counts. The loss returned on every rank is that global loss.
+
+A caller that passes ``num_items_in_batch`` (transformers' Trainer, counting the label tokens of every process
+over its gradient-accumulation window) follows DDP's contract instead: the loss is normalised by that count,
+the value returned is this pipeline's (not summed over dp), and the gradients are *averaged* over dp — the
+Trainer multiplies the loss by the data-parallel replicas itself, as it does for DDP's averaging.
 """
 
 from __future__ import annotations
@@ -125,20 +130,21 @@ class PipelineRunner:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The cut model's forward: a training step (grad enabled, ``model.training``) or an evaluation."""
         batch = _forward_batch(type(self.model).__name__, args, kwargs)
+        items = batch.pop("num_items_in_batch", None)  # the Trainer's count (see the module docstring)
         if torch.is_grad_enabled() and self.model.training:
-            return self.training_forward(batch)
-        return self.eval_forward(batch)
+            return self.training_forward(batch, items)
+        return self.eval_forward(batch, items)
 
-    def training_forward(self, batch: Mapping[str, Any]) -> Any:
+    def training_forward(self, batch: Mapping[str, Any], num_items: Any = None) -> Any:
         """The schedule's forwards and backwards over ``batch``; the returned output's ``loss`` applies the
         step's gradients when its backward runs (:class:`_StepGradients`). No logits (see the module)."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        loss, grads = self._train_step(batch)
+        loss, grads = self._train_step(batch, num_items)
         anchor = torch.zeros((), device=loss.device, requires_grad=True)
         return CausalLMOutputWithPast(loss=_StepGradients.apply(loss, anchor, grads))
 
-    def eval_forward(self, batch: Mapping[str, Any]) -> Any:
+    def eval_forward(self, batch: Mapping[str, Any], num_items: Any = None) -> Any:
         """A forward-only pass: the logits (on every rank) and, with labels, the global loss.
 
         Not torch's ``schedule.eval()``: on torch 2.13 it fails under "zbv" (the V's two stages on one rank
@@ -151,11 +157,11 @@ class PipelineRunner:
         input_ids, labels, kwargs = _split_batch(
             batch, self.plan.micro_batches, self.device, need_labels=False
         )
-        count = self._token_count(labels) if labels is not None else None
+        count = self._count(labels, num_items) if labels is not None else None
         with torch.no_grad():
             logits, losses = self._forward_stages(input_ids, labels, kwargs, count)
             logits = self._broadcast_logits(logits)
-            loss = None if labels is None else self._global_loss(losses)
+            loss = None if labels is None else self._global_loss(losses, over_dp=num_items is None)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def _forward_stages(
@@ -206,7 +212,7 @@ class PipelineRunner:
             param.grad = grad if param.grad is None else param.grad.add_(grad)
         return loss
 
-    def _train_step(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, list]:
+    def _train_step(self, batch: Mapping[str, Any], num_items: Any = None) -> tuple[torch.Tensor, list]:
         """Run the schedule; returns the global loss and ``(parameter, gradient)`` of the step, summed over the
         tied copies and the data-parallel replicas, leaving ``.grad`` as it was."""
         input_ids, labels, kwargs = _split_batch(batch, self.plan.micro_batches, self.device)
@@ -222,16 +228,16 @@ class PipelineRunner:
                 target=labels if self.holds_last else None,
                 losses=losses,
                 return_outputs=False,
-                loss_kwargs={"num_items_in_batch": self._token_count(labels)},
+                loss_kwargs={"num_items_in_batch": self._count(labels, num_items)},
                 **kwargs,
             )
             self._sum_tied_gradients()
-            self._sum_over_replicas(params)
+            self._sum_over_replicas(params, average=num_items is not None)
             grads = [(p, p.grad) for p in params if p.grad is not None]
         finally:
             for param, grad in zip(params, saved, strict=True):
                 param.grad = grad
-        return self._global_loss(losses), grads
+        return self._global_loss(losses, over_dp=num_items is None), grads
 
     def _schedule(self, shape: torch.Size, kwargs: dict[str, torch.Tensor]) -> Any:
         key = (tuple(shape), tuple(sorted((k, tuple(v.shape)) for k, v in kwargs.items())))
@@ -269,11 +275,19 @@ class PipelineRunner:
             dist.all_reduce(count, group=self.dp_group)
         return count
 
-    def _global_loss(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
-        """The last stage's micro-batch losses summed, on every rank of the pipeline, summed over dp."""
+    def _count(self, labels: torch.Tensor, num_items: Any) -> Any:
+        """What the loss is normalised by: the caller's ``num_items_in_batch`` when given, else the global
+        batch's label tokens."""
+        if num_items is None:
+            return self._token_count(labels)
+        return num_items.to(self.device) if isinstance(num_items, torch.Tensor) else num_items
+
+    def _global_loss(self, losses: list[torch.Tensor] | None, over_dp: bool = True) -> torch.Tensor:
+        """The last stage's micro-batch losses summed, on every rank of the pipeline, summed over dp (else
+        this pipeline's)."""
         loss = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
-        if self.dp_group is not None:
+        if over_dp and self.dp_group is not None:
             dist.all_reduce(loss, group=self.dp_group)
         return loss
 
@@ -297,13 +311,16 @@ class PipelineRunner:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=self.tie_group)
 
-    def _sum_over_replicas(self, params: list[nn.Parameter]) -> None:
-        """Each replica's gradient is of its rows' share of the global loss: the global gradient is the sum."""
+    def _sum_over_replicas(self, params: list[nn.Parameter], average: bool = False) -> None:
+        """Each replica's gradient is of its rows' share of the global loss: the global gradient is the sum
+        (``average``: DDP's mean, for a caller that scales the loss by the replicas itself)."""
         if self.dp_group is None:
             return
         for param in params:
             if param.grad is not None:
                 dist.all_reduce(param.grad, group=self.dp_group)
+                if average:
+                    param.grad.div_(self.plan.dp_size)
 
 
 def _send(tensor: torch.Tensor, dst: int) -> None:
