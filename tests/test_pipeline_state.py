@@ -81,3 +81,69 @@ def test_pipeline_checkpoint_resumes_under_another_plan_and_the_reverse(tmp_path
     for preset, got in ranks[0]["pretrained"].items():  # together the ranks hold every parameter (tie: both)
         held = sum(r["pretrained"][preset]["held"] for r in ranks)
         assert held == got["reference_params"], (preset, held, got)
+
+
+def _trainer(*args: str, nproc: int | None) -> None:
+    """``check_trainer.py args`` on ``nproc`` gloo ranks (None: one plain process)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_COLOSSAL_AUTO_NO_CALIBRATE": "1"}
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc
+        else [sys.executable]
+    )
+    script = str(ROOT / "tests" / "multiproc" / "check_trainer.py")
+    proc = subprocess.run([*launcher, script, *args], env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+@pytest.mark.slow
+def test_trainer_under_a_pipeline_plan_trains_checkpoints_and_resumes_like_one_process(tmp_path):
+    """The Trainer with AutoParallelCallback(plan_path=) of a pp 2 plan (1f1b, 2 micro-batches) on 2 gloo ranks,
+    per-device batch 2, gradient accumulation 2, clipping at 1 (the Trainer's default), a checkpoint every 2
+    steps, save_model at the end: its four losses, learning rates, tokens seen, FLOs and eval loss equal the
+    plain one-process Trainer's with batch 4 (the Trainer's token-count normalisation and loss scaling,
+    clipping over both stages). The export loads with from_pretrained in one process to the same eval loss;
+    checkpoint-2 (DCP, each rank its stage) resumed by a fresh model under the same pipeline plan and by one
+    process without a plan continues with the uninterrupted losses and learning rates."""
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
+
+    model = build_model("tiny-llama", device="meta")
+    plan = hand_pipeline_plan(
+        model, make_example_inputs(model, 4, 16), pp_size=2, schedule="1f1b", micro_batches=2
+    )
+    plan.save(tmp_path / "pp.json")
+    run, resumed, ref = (tmp_path / name for name in ("run", "resumed", "ref"))
+    common = ["--model", "tiny-llama", "--steps", "4", "--grad-accum", "2"]
+    _trainer(
+        *common, "--plan", str(tmp_path / "pp.json"), "--out", f"{run}.json", "--output-dir", str(run),
+        "--save-steps", "2", "--export", f"{run}-export", "--then-resume", f"{run}/checkpoint-2",
+        nproc=2,
+    )  # fmt: skip
+    _trainer(
+        *common, "--per-device", "4", "--out", f"{ref}.json", "--output-dir", str(ref),
+        "--eval-export", f"{run}-export", "--then-resume", f"{run}/checkpoint-2",
+        nproc=None,
+    )  # fmt: skip
+    got, want = (json.loads(Path(f"{p}.json").read_text()) for p in (run, ref))
+    assert got["mesh"] == [2, 1, 1]
+    assert sorted(got["losses"], key=int) == ["1", "2", "3", "4"]
+    for step, loss in want["losses"].items():
+        assert got["losses"][step] == pytest.approx(loss, abs=1e-5), step
+        assert got["learning_rates"][step] == pytest.approx(want["learning_rates"][step], rel=1e-6), step
+    assert got["tokens_seen"] == want["tokens_seen"]
+    assert got["total_flos"] == pytest.approx(want["total_flos"])
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-5)
+    assert want["export_eval_loss"] == pytest.approx(got["eval_loss"], abs=1e-5)
+    assert (run / "checkpoint-2" / "hf_colossal_auto_state").is_dir()
+    continued = {
+        "pp -> pp": (got["then_resumed_losses"], got["then_resumed_learning_rates"]),
+        "pp -> one process": (want["then_resumed_losses"], want["then_resumed_learning_rates"]),
+    }
+    for case, (losses, rates) in continued.items():
+        for step in ("3", "4"):
+            assert losses[step] == pytest.approx(got["losses"][step], abs=1e-5), (case, step)
+            assert rates[step] == pytest.approx(got["learning_rates"][step], rel=1e-6), (case, step)
