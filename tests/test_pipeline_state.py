@@ -49,7 +49,8 @@ def test_pipeline_checkpoint_resumes_under_another_plan_and_the_reverse(tmp_path
     control loading the weights with a fresh AdamW differs (the optimizer state is what makes them equal).
     Then ``apply_plan(model on meta, pipeline plan, pretrained=dir)``: each rank reads only its stages' bytes
     of a local save_pretrained checkpoint (several files), its tensors equal from_pretrained's in one
-    process (GPT-2's tied head from the embedding's key), its evaluation logits too."""
+    process (GPT-2's tied head from the embedding's key), its evaluation logits too; the Trainer's
+    consolidated load (load_best_model_at_end) into a pipelined model gives the same tensors."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "result.json"
@@ -75,6 +76,7 @@ def test_pipeline_checkpoint_resumes_under_another_plan_and_the_reverse(tmp_path
     for results in ranks:
         for preset, got in results["pretrained"].items():
             assert got["equal"] and not got["on_meta"] and got["files"] > 1, (preset, got)
+            assert got["consolidated_equal"], (preset, got)
             assert got["logits_err"] == 0.0, (preset, got)
             # this rank's stages only: what it holds, about half the checkpoint
             assert got["bytes_read"] == got["held_bytes"] < 0.8 * got["checkpoint_bytes"], (preset, got)

@@ -151,15 +151,12 @@ def load_full_optimizer_state(
     tensor of another shape than the parameter it is matched to, is an error that says so."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    from .pipeline import refuse_if_pipelined
+    from .pipeline import is_pipelined
+    from .pipeline_checkpoint import load_positional_optimizer_state
 
-    refuse_if_pipelined(
-        model,
-        f"loading a one-process optimizer state ({source}, matched to parameters by position)",
-        "Resume from a checkpoint written by a planned job (its optimizer state is keyed by parameter name: "
-        "accelerator.save_state, a Trainer with AutoParallelCallback, save_checkpoint), or load this one "
-        "without pipeline stages and save it that way first.",
-    )
+    if is_pipelined(model):  # this rank's stages' parameters, matched through the whole model's order
+        load_positional_optimizer_state(model, optimizer, saved, source)
+        return
     names = {id(p): n for n, p in model.named_parameters()}
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # a DTensor's shape is the global one
     groups, saved_groups = optimizer.param_groups, saved.get("param_groups", [])

@@ -34,8 +34,7 @@ replica a whole pipeline; gradients summed over it, the loss normalised by the g
 Training-state checkpoints (DCP: ``accelerator.save_state``, the Trainer's, ``save_checkpoint``) are written
 per stage and read under any plan (:mod:`.pipeline_checkpoint`).
 
-Not yet: tensor parallelism, FSDP or recompute inside a stage, full state dicts and one-process optimizer
-files (refused by name).
+Not yet: tensor parallelism, FSDP or recompute inside a stage, full state dicts (refused by name).
 """
 
 from __future__ import annotations

@@ -146,3 +146,107 @@ def saved_format(path: str | Path, prefix: str = "optimizer") -> str | None:
     if any(_FLAT_KEY.match(k) or k.startswith("state.") for k in mine):
         return FLAT
     return None
+
+
+def load_stage_weights(model: nn.Module, path: str | Path) -> Any:
+    """Fill a pipelined ``model`` (already cut to this rank's stages) from a ``save_pretrained`` directory
+    (what the Trainer's ``load_best_model_at_end`` and a ``save_only_model`` resume read): each rank reads its
+    stages' tensors only. Strict: the checkpoint must hold exactly the names the whole model saves (read off it
+    before the cut); a head tied to the embedding on a rank without the embedding is read from the embedding's
+    key, which is where a checkpoint keeps a tie. Returns the loader's report."""
+    from .pipeline_save import _SAVED
+    from .pretrained.load import PretrainedLoadError, _read_headers, checkpoint_files, load_pretrained
+
+    names = getattr(model, _SAVED, None)
+    directory, files = checkpoint_files(path)
+    keys = set(_read_headers(directory, files))
+    if isinstance(names, list) and keys != set(names):
+        missing, unexpected = sorted(set(names) - keys), sorted(keys - set(names))
+        raise PretrainedLoadError(
+            f"the checkpoint {path} does not hold the names {type(model).__name__} saves (missing {missing[:6]}, "
+            f"unexpected {unexpected[:6]}); a pipelined model loads checkpoints of its own architecture as "
+            "save_pretrained writes them. Load it without pipeline stages, or convert it with from_pretrained "
+            "and save_pretrained first."
+        )
+    report = load_pretrained(model, directory, strict=False)
+    tied = optimizer_renames(model)  # head name -> embedding name, where the embedding is not here
+    left = [n for n in report.missing if n not in tied]
+    if left:
+        raise PretrainedLoadError(f"the checkpoint {path} lacks {left[:6]}, which this pipeline rank holds")
+    _fill_tied_head(model, directory, files, tied)
+    return report
+
+
+def _fill_tied_head(model: nn.Module, directory: Path, files: list[str], tied: dict[str, str]) -> None:
+    """The tied head's values from the embedding's key (read whole: it is this rank's tensor)."""
+    from .pretrained.load import _read_headers
+    from .safetensors_io import SafetensorsFile
+
+    if not tied:
+        return
+    sources = _read_headers(directory, files)
+    params = dict(model.named_parameters())
+    for head, embedding in tied.items():
+        with SafetensorsFile(directory / sources[embedding].file) as opened, torch.no_grad():
+            value = opened.get_slice(embedding)[...]
+            params[head].copy_(value.to(dtype=params[head].dtype))
+
+
+def load_positional_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict, source: str
+) -> None:
+    """A one-process ``optimizer.state_dict()`` (parameters numbered in the order of its param groups: the
+    Trainer's ``optimizer.pt``, accelerate's ``optimizer.bin``) into this pipeline rank's ``optimizer``.
+
+    A one-process optimizer built by the same code as this one holds, in each group, the whole model's
+    parameters that this job's ranks hold in that group, in model order. So the pipeline's ranks share which of
+    their parameters (by name, the tied head under the embedding's) each group holds; the union, in the whole
+    model's parameter order (recorded before the cut), is the saved group's list, position by position. A group
+    of another length or a state tensor of another shape is an error that says so."""
+    from .pipeline import pipeline_runner
+
+    runner = pipeline_runner(model)
+    renames = optimizer_renames(model)
+    names = {id(p): renames.get(n, n) for n, p in model.named_parameters()}
+    shapes = {names[id(p)]: tuple(p.shape) for p in model.parameters()}
+    mine = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    every: list[Any] = [None] * torch.distributed.get_world_size(runner.group)
+    torch.distributed.all_gather_object(every, mine, group=runner.group)
+    order = {n: i for i, n in enumerate(model._hf_colossal_auto_parameter_order)}
+    saved_groups = saved.get("param_groups", [])
+    if any(len(g) != len(saved_groups) for g in every):
+        raise ValueError(
+            f"{source} has {len(saved_groups)} param groups, this job's optimizer {len(mine)}: it can only be "
+            "matched to an optimizer built the same way (same groups, same parameter order)"
+        )
+    state: dict[int, Any] = {}
+    local_groups = []
+    number = 0
+    for g, saved_group in enumerate(saved_groups):
+        union = sorted({n for ranks in every for n in ranks[g]}, key=lambda n: order.get(n, len(order)))
+        if len(union) != len(saved_group["params"]):
+            raise ValueError(
+                f"{source} has a param group of {len(saved_group['params'])} parameters where the whole model "
+                f"built this way has {len(union)}: build the optimizer as the saving job did"
+            )
+        position = dict(zip(union, saved_group["params"], strict=True))
+        local = []
+        for fqn in mine[g]:
+            entry = saved.get("state", {}).get(position[fqn])
+            if entry is not None:
+                for key, value in entry.items():
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and value.dim() > 0
+                        and tuple(value.shape) != shapes[fqn]
+                    ):
+                        raise ValueError(
+                            f"{source}: {key} of parameter #{position[fqn]} has shape {tuple(value.shape)}, but "
+                            f"the parameter in that place, {fqn}, has {shapes[fqn]}; build the optimizer as the "
+                            "saving job did"
+                        )
+                state[number] = entry
+            local.append(number)
+            number += 1
+        local_groups.append({**saved_group, "params": local})
+    optimizer.load_state_dict({"state": state, "param_groups": local_groups})

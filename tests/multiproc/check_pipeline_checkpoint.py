@@ -12,12 +12,15 @@ after it (the "next loss", which depends on AdamW's moments and step count). Per
   state, as every plan without stages writes it).
 * ``pp <- tp`` and ``tp <- pp``: a fresh model (other initial weights) under the one plan loads the other's
   checkpoint into a new AdamW, then its third and next losses; ``pp <- pp`` too, and a control that loads the
-  pp checkpoint's weights with a fresh AdamW (it must differ).
+  pp checkpoint's weights with a fresh AdamW (it must differ). ``pp <- one-process optimizer``: a one-process
+  run's positional ``optimizer.state_dict()`` (two param groups, as the Trainer's ``optimizer.pt``) loaded under
+  the pipeline plan.
 * ``accelerate``: ``AutoParallelAccelerator`` with the pipeline plan file saves its state after two steps,
   another accelerator over a fresh model loads it: the next losses.
 * ``pretrained``: rank 0 saves a model with ``save_pretrained`` (several files); a model built on ``meta``
   under the pipeline plan with ``pretrained=`` that directory reads only its stages' tensors, equal to
-  ``from_pretrained``'s in one process (the tied head from the embedding's key), and evaluates to its logits.
+  ``from_pretrained``'s in one process (the tied head from the embedding's key), and evaluates to its logits;
+  the Trainer's consolidated load (``load_best_model_at_end``) into a pipelined model too.
 
 The test compares each with one process's uninterrupted run (in the test's process, which also resumes
 ``D/<model>/pp`` in one process without a plan). Rank 0 writes every rank's results.
@@ -87,6 +90,29 @@ def planned(cfg, plan, seed: int):
     return model
 
 
+def two_groups(model) -> list[dict]:
+    """Two AdamW param groups split as the Trainer splits them (matrices, the rest), with AdamW's default
+    hyper-parameters (the uninterrupted run's single group trains the same)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2]}]
+
+
+def positional(cfg, plan, batches: list[dict]) -> dict[str, float]:
+    """A one-process run's ``optimizer.state_dict()`` (parameters numbered by position, as the Trainer's
+    ``optimizer.pt``) with its weights into a fresh model under ``plan``: the next losses."""
+    from hf_colossal_auto.apply.checkpoint import load_full_optimizer_state
+
+    plain = build(cfg, "cpu", seed=0)
+    plain_optimizer = torch.optim.AdamW(two_groups(plain), lr=LR)
+    for batch in batches[:2]:
+        step(plain, plain_optimizer, batch)
+    model = planned(cfg, plan, seed=1)
+    model.load_state_dict(plain.state_dict(), strict=False)  # this rank's stages' entries
+    optimizer = torch.optim.AdamW(two_groups(model), lr=LR)
+    load_full_optimizer_state(model, optimizer, plain_optimizer.state_dict(), source="optimizer.pt")
+    return next_losses(model, optimizer, batches)
+
+
 def one_model(preset: str, root: Path) -> dict[str, Any]:
     from hf_colossal_auto.apply.checkpoint import load_checkpoint, save_checkpoint
 
@@ -108,6 +134,7 @@ def one_model(preset: str, root: Path) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         load_checkpoint(model, optimizer, root / preset / source)
         out[f"{target} <- {source}"] = next_losses(model, optimizer, batches)
+    out["pp <- one-process optimizer"] = positional(cfg, plans["pp"], batches)
     model = planned(cfg, plans["pp"], seed=1)  # control: the weights without the optimizer's state
     load_checkpoint(model, None, root / preset / "pp")
     out["fresh optimizer"] = next_losses(model, torch.optim.AdamW(model.parameters(), lr=LR), batches)
@@ -152,6 +179,7 @@ def pretrained_stages(root: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from hf_colossal_auto.apply.runtime import apply_plan
+    from hf_colossal_auto.integrations.trainer_checkpoints import load_consolidated
 
     out: dict[str, Any] = {}
     for preset in MODELS:
@@ -170,8 +198,13 @@ def pretrained_stages(root: Path) -> dict[str, Any]:
         reference.eval()
         with torch.no_grad():
             logits, want = model(**batch).logits, reference(**batch).logits
+        again = planned(cfg, pp_plan(build(cfg, "meta"), batch), seed=3)  # the Trainer's best-model load
+        load_consolidated(again, directory)
         out[preset] = {
             "equal": all(torch.equal(p, state[n]) for n, p in model.named_parameters(remove_duplicate=False)),
+            "consolidated_equal": all(
+                torch.equal(p, state[n]) for n, p in again.named_parameters(remove_duplicate=False)
+            ),
             "on_meta": [n for n, p in model.named_parameters() if p.is_meta],
             "held": len(list(model.parameters())),
             "reference_params": len(list(reference.named_parameters(remove_duplicate=False))),
