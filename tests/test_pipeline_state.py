@@ -50,7 +50,9 @@ def test_pipeline_checkpoint_resumes_under_another_plan_and_the_reverse(tmp_path
     Then ``apply_plan(model on meta, pipeline plan, pretrained=dir)``: each rank reads only its stages' bytes
     of a local save_pretrained checkpoint (several files), its tensors equal from_pretrained's in one
     process (GPT-2's tied head from the embedding's key), its evaluation logits too; the Trainer's
-    consolidated load (load_best_model_at_end) into a pipelined model gives the same tensors."""
+    consolidated load (load_best_model_at_end) into a pipelined model gives the same tensors. A one-process
+    positional optimizer state (two param groups, as optimizer.pt) under pp; AutoParallelAccelerator with
+    mixed_precision="bf16" under the pp plan gives one process's bf16 losses on the same micro-batches."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "result.json"
@@ -80,6 +82,11 @@ def test_pipeline_checkpoint_resumes_under_another_plan_and_the_reverse(tmp_path
             assert got["logits_err"] == 0.0, (preset, got)
             # this rank's stages only: what it holds, about half the checkpoint
             assert got["bytes_read"] == got["held_bytes"] < 0.8 * got["checkpoint_bytes"], (preset, got)
+    for results in ranks:  # every stage under accelerate's bf16 autocast: one process's micro-batched losses
+        bf16 = results["bf16"]
+        for got, want in zip(bf16["losses"], bf16["ref_losses"], strict=True):
+            assert got == pytest.approx(want, rel=1e-6), bf16
+        assert abs(bf16["losses"][0] - bf16["fp32_first_loss"]) > 1e-5, bf16  # the control: fp32 differs
     for preset, got in ranks[0]["pretrained"].items():  # together the ranks hold every parameter (tie: both)
         held = sum(r["pretrained"][preset]["held"] for r in ranks)
         assert held == got["reference_params"], (preset, held, got)

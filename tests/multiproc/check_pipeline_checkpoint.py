@@ -22,6 +22,9 @@ after it (the "next loss", which depends on AdamW's moments and step count). Per
   ``from_pretrained``'s in one process (the tied head from the embedding's key), and evaluates to its logits;
   the Trainer's consolidated load (``load_best_model_at_end``) into a pipelined model too.
 
+* ``bf16``: ``AutoParallelAccelerator(mixed_precision="bf16")`` with the pipeline plan file: two steps' losses
+  against one process under bf16 autocast on the same micro-batches.
+
 The test compares each with one process's uninterrupted run (in the test's process, which also resumes
 ``D/<model>/pp`` in one process without a plan). Rank 0 writes every rank's results.
 """
@@ -217,6 +220,61 @@ def pretrained_stages(root: Path) -> dict[str, Any]:
     return out
 
 
+def micro_batched_bf16(cfg, batches: list[dict], micro: int) -> list[float]:
+    """One process under bf16 autocast, each batch as ``micro`` accumulated micro-batches normalised by the
+    batch's label tokens (what the pipeline computes), an AdamW step per batch: the batches' losses."""
+    model = build(cfg, "cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for batch in batches:
+        count = (batch["labels"][:, 1:] != -100).sum()
+        total = 0.0
+        for part in zip(*(v.tensor_split(micro) for v in batch.values()), strict=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**dict(zip(batch, part, strict=True)), num_items_in_batch=count).loss
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def mixed_precision(root: Path) -> dict[str, Any]:
+    """``AutoParallelAccelerator(mixed_precision="bf16")`` with a pipeline plan file: accelerate's autocast
+    wraps the pipelined forward, so every stage computes under it. Two steps' losses against one process under
+    bf16 autocast on the same micro-batches, and the fp32 loss of the first batch (the control)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from hf_colossal_auto import AutoParallelAccelerator
+
+    cfg = config("tiny-llama", MODELS["tiny-llama"])
+    batches = data(cfg)[:2]
+    path = root / "plan-bf16.json"
+    if dist.get_rank() == 0:
+        pp_plan(build(cfg, "meta"), batches[0]).save(path)
+    dist.barrier()
+    os.environ["HF_COLOSSAL_AUTO_PLAN_PATH"] = str(path)
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    accelerator = AutoParallelAccelerator(cpu=True, mixed_precision="bf16")
+    model = build(cfg, "cpu")
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    del os.environ["HF_COLOSSAL_AUTO_PLAN_PATH"], model, optimizer, accelerator
+    return {
+        "losses": losses,
+        "ref_losses": micro_batched_bf16(cfg, batches, micro=4),
+        "fp32_first_loss": float(build(cfg, "cpu")(**batches[0]).loss),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
@@ -228,6 +286,7 @@ def main() -> None:
     results: dict[str, Any] = {preset: one_model(preset, root) for preset in MODELS}
     results["accelerate"] = accelerate_state(root)
     results["pretrained"] = pretrained_stages(root)
+    results["bf16"] = mixed_precision(root)
     results["total_seconds"] = time.perf_counter() - started
     write_every_rank_and_close(results, args.out)
 
