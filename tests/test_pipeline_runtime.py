@@ -306,7 +306,9 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
     one global batch whose groups hold different token counts; the loss is the global batch's and the
     gradients, clipping norm, parameters after two AdamW steps and evaluation outputs are one process's on
     it; save_pretrained reloads with identical tensors; data_parallel_loader gives a pipeline's ranks the
-    same rows and the groups together plain accelerate's rows of each step."""
+    same rows and the groups together plain accelerate's rows of each step. Accumulation with a micro-step
+    inside model.no_sync() defers the dp all-reduce to the last backward (each gradient reduced once) and
+    gives one process's gradients."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "pipeline_dp.json"
@@ -324,6 +326,10 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
             assert got["eval_logits_err"] <= 1e-5, (case, got)
         saved = results["gpt2 tied zbv"]["saved"]
         assert saved["equal"] and saved["tied"], saved
+        deferred = results["deferred accumulation"]  # no_sync: nothing reduced over dp, nothing in .grad yet
+        assert deferred["during_no_sync"] == [0, 0], deferred
+        assert deferred["reduced"] == deferred["params"], deferred  # then each gradient once
+        assert deferred["grad_err"] <= 1e-5, deferred
         assert results["loader rows"] == [
             [4 * group + i for i in range(4)],
             [8 + 4 * group + i for i in range(4)],

@@ -42,6 +42,7 @@ from torch import nn
 
 from ..pipeline_layout import PipelineLayout
 from ..plan import Plan
+from .pipeline_sync import ReplicaSync
 
 logger = logging.getLogger(__name__)
 
@@ -84,19 +85,24 @@ class _StepGradients(torch.autograd.Function):
     by the schedule in the forward) to each parameter's ``.grad``; it has no gradient of its own inputs."""
 
     @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, anchor: torch.Tensor, grads: list) -> torch.Tensor:
-        ctx.grads = grads
+    def forward(
+        ctx: Any, loss: torch.Tensor, anchor: torch.Tensor, grads: list, sink: Any = None
+    ) -> torch.Tensor:
+        ctx.grads, ctx.sink = grads, sink
         return loss.detach().clone()
 
     @staticmethod
-    def backward(ctx: Any, incoming: torch.Tensor) -> tuple[None, None, None]:
+    def backward(ctx: Any, incoming: torch.Tensor) -> tuple[None, None, None, None]:
+        if ctx.sink is not None:  # the dp reduction deferred (:mod:`.pipeline_sync`)
+            ctx.sink(ctx.grads, incoming)
+            return None, None, None, None
         for param, grad in ctx.grads:
             add = grad * incoming.to(grad.dtype)
             if param.grad is None:
                 param.grad = add
             else:
                 param.grad.add_(add)
-        return None, None, None
+        return None, None, None, None
 
 
 class PipelineRunner:
@@ -120,6 +126,7 @@ class PipelineRunner:
         self.model, self.plan, self.layout, self.stages = model, plan, layout, stages
         self.group, self.device, self.dp_group = group, device, dp_group
         self.tie_group, self.tied = tie_group, tied
+        self.replica_sync = ReplicaSync(model, dp_group, plan.dp_size)  # no_sync defers the dp reduction
         ranks = plan.stage_ranks()
         self.last_rank = dist.get_global_rank(group, ranks[-1])
         self.holds_first = any(s.is_first for s in stages)
@@ -140,9 +147,11 @@ class PipelineRunner:
         step's gradients when its backward runs (:class:`_StepGradients`). No logits (see the module)."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        loss, grads = self._train_step(batch, num_items)
+        defer = self.replica_sync.deferring()
+        loss, grads = self._train_step(batch, num_items, reduce=not defer)
+        sink = self.replica_sync.receiver(average=num_items is not None) if defer else None
         anchor = torch.zeros((), device=loss.device, requires_grad=True)
-        return CausalLMOutputWithPast(loss=_StepGradients.apply(loss, anchor, grads))
+        return CausalLMOutputWithPast(loss=_StepGradients.apply(loss, anchor, grads, sink))
 
     def eval_forward(self, batch: Mapping[str, Any], num_items: Any = None) -> Any:
         """A forward-only pass: the logits (on every rank) and, with labels, the global loss.
@@ -212,7 +221,9 @@ class PipelineRunner:
             param.grad = grad if param.grad is None else param.grad.add_(grad)
         return loss
 
-    def _train_step(self, batch: Mapping[str, Any], num_items: Any = None) -> tuple[torch.Tensor, list]:
+    def _train_step(
+        self, batch: Mapping[str, Any], num_items: Any = None, reduce: bool = True
+    ) -> tuple[torch.Tensor, list]:
         """Run the schedule; returns the global loss and ``(parameter, gradient)`` of the step, summed over the
         tied copies and the data-parallel replicas, leaving ``.grad`` as it was."""
         input_ids, labels, kwargs = _split_batch(batch, self.plan.micro_batches, self.device)
@@ -232,7 +243,8 @@ class PipelineRunner:
                 **kwargs,
             )
             self._sum_tied_gradients()
-            self._sum_over_replicas(params, average=num_items is not None)
+            if reduce:  # else deferred to the backward (:mod:`.pipeline_sync`)
+                self._sum_over_replicas(params, average=num_items is not None)
             grads = [(p, p.grad) for p in params if p.grad is not None]
         finally:
             for param, grad in zip(params, saved, strict=True):
