@@ -308,7 +308,8 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
     it; save_pretrained reloads with identical tensors; data_parallel_loader gives a pipeline's ranks the
     same rows and the groups together plain accelerate's rows of each step. Accumulation with a micro-step
     inside model.no_sync() defers the dp all-reduce to the last backward (each gradient reduced once) and
-    gives one process's gradients."""
+    gives one process's gradients; so does the Trainer's contract (num_items_in_batch of the window, loss x dp),
+    whose logged loss is one process's."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "pipeline_dp.json"
@@ -330,6 +331,9 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
         assert deferred["during_no_sync"] == [0, 0], deferred
         assert deferred["reduced"] == deferred["params"], deferred  # then each gradient once
         assert deferred["grad_err"] <= 1e-5, deferred
+        contract = results["trainer contract"]  # num_items_in_batch and loss x dp, as the Trainer runs it
+        assert contract["grad_err"] <= 1e-5, contract
+        assert abs(contract["logged"] - contract["ref_loss"]) <= 1e-5 * contract["ref_loss"], contract
         assert results["loader rows"] == [
             [4 * group + i for i in range(4)],
             [8 + 4 * group + i for i in range(4)],
