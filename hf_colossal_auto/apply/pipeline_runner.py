@@ -225,7 +225,8 @@ class PipelineRunner:
         self, batch: Mapping[str, Any], num_items: Any = None, reduce: bool = True
     ) -> tuple[torch.Tensor, list]:
         """Run the schedule; returns the global loss and ``(parameter, gradient)`` of the step, summed over the
-        tied copies and the data-parallel replicas, leaving ``.grad`` as it was."""
+        tied copies and (unless ``reduce`` is False: deferred) the data-parallel replicas, leaving ``.grad`` as
+        it was. ``num_items``: the caller's ``num_items_in_batch`` (see the module docstring)."""
         input_ids, labels, kwargs = _split_batch(batch, self.plan.micro_batches, self.device)
         schedule = self._schedule(input_ids.shape, kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
