@@ -357,12 +357,14 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
 # --------------------------------------------------------------------------------------------- 4 gloo ranks
 def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
     """pp 2 x dp 2 (Llama under 1f1b, GPT-2 with its tie under zbv) under DDP, pp 2 x dp 2 under FSDP (Llama;
-    GPT-2 with its tie across ranks),
-    pp 2 x tp 2 (Llama, the planner's Megatron-LM placements and full recompute inside the stages): each
-    data-parallel group on its rows of one global batch whose groups hold different token counts; the loss is
-    the global batch's and the gradients, clipping norm, parameters after two AdamW steps and evaluation
-    outputs are one process's on it; save_pretrained reloads with identical tensors; data_parallel_loader gives
-    a pipeline's ranks the same rows and the groups together plain accelerate's rows of each step."""
+    GPT-2 with its tie across ranks), pp 2 x tp 2 (Llama, the planner's Megatron-LM placements and full
+    recompute inside the stages): each data-parallel group on its rows of one global batch whose groups hold
+    different token counts; the loss is the global batch's and the gradients, clipping norm, parameters after
+    two AdamW steps and evaluation outputs are one process's on it; save_pretrained reloads with identical
+    tensors; data_parallel_loader gives a pipeline's ranks the same rows and the groups together plain
+    accelerate's rows of each step. Accumulation with a micro-step inside model.no_sync() defers the dp
+    all-reduce to the last backward (each gradient reduced once) and gives one process's gradients; so does the
+    Trainer's contract (num_items_in_batch of the window, loss x dp), whose logged loss is one process's."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "pipeline_dp.json"
@@ -395,6 +397,13 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
         for case in ("gpt2 tied zbv", "llama fsdp 1f1b", "llama tp 1f1b", "gpt2 tied fsdp 1f1b"):
             saved = results[case]["saved"]
             assert saved["equal"] and saved["tied"] == ("gpt2" in case), (case, saved)
+        deferred = results["deferred accumulation"]  # no_sync: nothing reduced over dp, nothing in .grad yet
+        assert deferred["during_no_sync"] == [0, 0], deferred
+        assert deferred["reduced"] == deferred["params"], deferred  # then each gradient once
+        assert deferred["grad_err"] <= 1e-5, deferred
+        contract = results["trainer contract"]  # num_items_in_batch and loss x dp, as the Trainer runs it
+        assert contract["grad_err"] <= 1e-5, contract
+        assert abs(contract["logged"] - contract["ref_loss"]) <= 1e-5 * contract["ref_loss"], contract
         assert results["loader rows"] == [
             [4 * group + i for i in range(4)],
             [8 + 4 * group + i for i in range(4)],

@@ -20,7 +20,9 @@ elsewhere become stand-ins without parameters. ``model.parameters()`` is this ra
 from it trains it. A model built on ``meta`` is materialised for this rank's modules only: the other stages'
 tensors are drawn one module at a time (the init's RNG sequence, so each kept value is the whole model's) and
 left on meta (:func:`.materialize.materialize_meta_model`, ``keep``). A real model starts from rank 0's values
-(broadcast to every rank before the cut).
+(broadcast to every rank before the cut). With ``pretrained=`` a checkpoint's tensors are read instead, this
+rank's stages' only (:func:`.pretrained.load_pretrained`, ``keep``: on ``meta`` nothing else is allocated;
+the whole model's keys are checked against the checkpoint first).
 
 What runs inside a stage (:func:`_run_plan_in_stages`): the plan's tensor parallelism, FSDP/HSDP and
 per-block recompute, keyed by the whole model's names as in a plan without stages, on the ``(dp, tp)``
@@ -37,9 +39,11 @@ replica a whole pipeline; gradients summed over it, the loss normalised by the g
 FSDP/HSDP (gradients reduce-scattered as sums). ``save_pretrained`` writes every stage from rank 0
 (:mod:`.pipeline_save`).
 
+Training-state checkpoints (DCP: ``accelerator.save_state``, the Trainer's, ``save_checkpoint``) are written
+per stage and read under any plan (:mod:`.pipeline_checkpoint`).
+
 Not yet (refused by name): experts split over the data-parallel axis inside a stage, selective recompute under
-the split-backward schedules (zero bubble), FSDP of a tied embedding held twice on one rank, ``pretrained=``
-per stage, training-state checkpoints (DCP) and full state dicts.
+the split-backward schedules (zero bubble), FSDP of a tied embedding held twice on one rank, full state dicts.
 """
 
 from __future__ import annotations
@@ -410,11 +414,6 @@ def apply_pipeline_plan(
         remap_optimizers_by_name,
     )
 
-    if pretrained is not None:
-        raise PipelineRuntimeError(
-            "pretrained= is not run under pipeline stages yet: apply the plan to a model built with its weights "
-            "(from_pretrained on one device), or plan without pipeline stages"
-        )
     world = dist.get_world_size() if dist.is_initialized() else None
     if world is None:
         raise PipelineRuntimeError(
@@ -440,7 +439,15 @@ def apply_pipeline_plan(
     ranges = layout.block_ranges(plan.stages)
     blocks = [i for s in mine for i in ranges[s]]
     device = _device(mesh)
-    if is_meta_model(model):
+    if pretrained is not None:  # this rank's stages' tensors only, read from the checkpoint's files
+        from .pretrained import load_pretrained
+
+        on_meta = is_meta_model(model)
+        keep = _keeps(held, layout.shared)
+        model._hf_colossal_auto_load_report = load_pretrained(model, pretrained, device=device, keep=keep)
+        if not on_meta:
+            model.to(device)
+    elif is_meta_model(model):
         materialize_meta_model(model, device, keep=_keeps(held, layout.shared))
     else:
         _broadcast_real_model(model)
@@ -504,8 +511,10 @@ def _tie_group(plan: Plan, mesh: DeviceMesh, tied: bool) -> dist.ProcessGroup | 
 def _install_forward(model: nn.Module, runner: PipelineRunner) -> None:
     """The model's forward becomes the pipeline's (its own would run only this rank's blocks): a plain
     function, as the runtime's other forward wrapper, so that accelerate's autocast wrapper (which re-binds a
-    bound method's ``__func__`` to the model) wraps it intact."""
+    bound method's ``__func__`` to the model) wraps it intact. It carries the model's own signature
+    (``functools.wraps``): the Trainer keeps the dataset columns the forward names."""
 
+    @functools.wraps(model.forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
         return runner.forward(*args, **kwargs)
 
@@ -525,12 +534,17 @@ def is_pipelined(model: nn.Module) -> bool:
     return getattr(model, _PIPELINE, None) is not None
 
 
-def refuse_if_pipelined(model: nn.Module, what: str) -> None:
-    """Training-state checkpoints (DCP) and full state dicts are not taken per stage yet: refused by name
-    instead of holding or writing one stage as if it were the model."""
+def refuse_if_pipelined(model: nn.Module, what: str, instead: str | None = None) -> None:
+    """What a pipelined model cannot do (each rank holds only its stages), refused by name instead of taking one
+    stage for the model; ``instead``: what to do (default: export with save_pretrained, checkpoint training
+    state with save_state / save_checkpoint)."""
     if is_pipelined(model):
         raise PipelineRuntimeError(
-            f"{what} of the pipelined {type(model).__name__} is not done per pipeline stage yet (each rank holds "
-            "only its stages). Export the model with save_pretrained / accelerator.save_model (every stage is "
-            "written), or train without pipeline stages to checkpoint training state."
+            f"{what} of the pipelined {type(model).__name__} is not done per pipeline stage (each rank holds "
+            "only its stages). "
+            + (
+                instead
+                or "Export the model with save_pretrained / accelerator.save_model (every stage is written), and "
+                "checkpoint training state with accelerator.save_state or save_checkpoint (each rank its stages)."
+            )
         )

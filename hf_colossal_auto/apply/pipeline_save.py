@@ -52,6 +52,8 @@ def record_saved_names(model: nn.Module) -> None:
         setattr(model, _SAVED, f"{type(model).__name__}'s checkpoint format converts its weights on save")
     else:
         setattr(model, _SAVED, names)
+    # the whole model's parameters in its order (ties once): a one-process optimizer's positions
+    model._hf_colossal_auto_parameter_order = [n for n, _ in model.named_parameters()]
 
 
 def install_pipeline_save(model: nn.Module, timeout_s: float) -> None:

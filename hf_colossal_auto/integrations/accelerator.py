@@ -487,6 +487,7 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
 
         model = self._auto_model
         if model is not None and is_pipelined(model):
+            self.unscale_gradients()  # a gradient scaler's, as accelerate's own clipping does first
             return pipeline_runner(model).clip_grad_norm_(max_norm, norm_type)
         return super().clip_grad_norm_(parameters, max_norm, norm_type)
 

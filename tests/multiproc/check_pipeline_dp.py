@@ -13,12 +13,15 @@ global batch: the loss and every gradient of the first step, the clipping norm, 
 AdamW steps, the evaluation logits (the group's rows) and loss; then saved with ``save_pretrained`` (only the
 first replica's pipeline sends; sharded stages gathered) and reloaded in one process. Also
 ``data_parallel_loader``: the two ranks of a pipeline read the same rows, the two groups together plain
-accelerate's rows of each step. Rank 0 writes every rank's results.
+accelerate's rows of each step. Also gradient accumulation with the first micro-step inside ``model.no_sync()``:
+the dp all-reduce deferred to the last backward, the gradients one process's; and the Trainer's contract
+(``num_items_in_batch`` of the window, the loss times dp). Rank 0 writes every rank's results.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
@@ -170,6 +173,92 @@ def loader_rows(results: dict) -> None:
     results["loader rows"] = [next(steps).tolist() for _ in range(2)]
 
 
+def deferred_accumulation(results: dict) -> None:
+    """Gradient accumulation over two micro-steps, the first inside ``model.no_sync()`` (what
+    ``accelerator.accumulate`` enters): no gradient is all-reduced over dp until the second step's backward,
+    which reduces both; the gradients equal one process's on the same global halves (``loss / 2`` each)."""
+    from hf_colossal_auto import data_parallel_info, pipeline_runner, shard_batch
+    from hf_colossal_auto.apply.runtime import apply_plan
+    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
+
+    cfg = config("tiny-llama", 4)
+    batch = batches(build(cfg, "meta"))[0]
+    model = build(cfg, "cpu")
+    plan = hand_pipeline_plan(model, batch, pp_size=2, dp_size=2, schedule="1f1b", micro_batches=2)
+    apply_plan(model, plan)
+    info, runner = data_parallel_info(model), pipeline_runner(model)
+    local = shard_batch(batch, model)
+    rows = local["input_ids"].shape[0] // 2
+    halves = [{k: v[:rows] for k, v in local.items()}, {k: v[rows:] for k, v in local.items()}]
+    # one process on the global halves: half i is every replica's local half i, in replica order
+    size = batch["input_ids"].shape[0] // info.size
+    reference = build(cfg, "cpu")
+    for i in range(2):
+        picked = [g * size + i * rows + r for g in range(info.size) for r in range(rows)]
+        (reference(**{k: v[picked] for k, v in batch.items()}).loss / 2).backward()
+    want = dict(reference.named_parameters())
+    reduced: list[int] = []
+    all_reduce = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):  # gradient-sized all-reduces over dp
+        if kwargs.get("group") is runner.dp_group and tensor.dim() > 0:
+            reduced.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        with model.no_sync():
+            (model(**halves[0]).loss / 2).backward()
+        unsynced = (len(reduced), sum(p.grad is not None for p in model.parameters()))
+        (model(**halves[1]).loss / 2).backward()
+    finally:
+        dist.all_reduce = all_reduce
+    results["deferred accumulation"] = {
+        "during_no_sync": unsynced,
+        "reduced": len(reduced),
+        "params": len(list(model.parameters())),
+        "grad_err": max(relative(p.grad, want[n].grad) for n, p in model.named_parameters()),
+    }
+
+
+def trainer_contract(results: dict) -> None:
+    """What transformers' Trainer does under a pp x dp plan: ``num_items_in_batch`` = the label tokens of the
+    whole accumulation window over every replica, each micro-step's loss multiplied by the replicas (DDP's
+    averaging undone), the first micro-step inside ``no_sync``. The gradients equal one process's on the global
+    batch, and the replicas' mean of the summed micro-step losses is its loss (what the Trainer logs)."""
+    from hf_colossal_auto import data_parallel_info, shard_batch
+    from hf_colossal_auto.apply.runtime import apply_plan
+    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
+
+    cfg = config("tiny-llama", 4)
+    batch = batches(build(cfg, "meta"))[1]
+    reference = build(cfg, "cpu")
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    want = dict(reference.named_parameters())
+    model = build(cfg, "cpu")
+    plan = hand_pipeline_plan(model, batch, pp_size=2, dp_size=2, schedule="gpipe", micro_batches=2)
+    apply_plan(model, plan)
+    dp = data_parallel_info(model).size
+    local = shard_batch(batch, model)
+    rows = local["input_ids"].shape[0] // 2
+    halves = [{k: v[:rows] for k, v in local.items()}, {k: v[rows:] for k, v in local.items()}]
+    count = (batch["labels"][:, 1:] != -100).sum()  # the Trainer gathers it from every process
+    logged = torch.zeros(())
+    for i, half in enumerate(halves):
+        context = model.no_sync() if i == 0 else contextlib.nullcontext()
+        with context:
+            loss = model(**half, num_items_in_batch=count).loss * dp
+            loss.backward()
+        logged += loss.detach()
+    dist.all_reduce(logged)  # the Trainer's mean over processes: each replica's value on its pp ranks
+    results["trainer contract"] = {
+        "logged": logged.item() / dist.get_world_size(),
+        "ref_loss": ref_loss.item(),
+        "grad_err": max(relative(p.grad, want[n].grad) for n, p in model.named_parameters()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -189,6 +278,8 @@ def main() -> None:
         "gpt2 tied fsdp 1f1b": pipelined("tiny-gpt2", "1f1b", [1, 1], directory[3], inside="fsdp"),
     }
     loader_rows(results)
+    deferred_accumulation(results)
+    trainer_contract(results)
     results["total_seconds"] = time.perf_counter() - started
     write_every_rank_and_close(results, args.out)
 
