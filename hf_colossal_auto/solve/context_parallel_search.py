@@ -417,6 +417,8 @@ def with_context_parallel(
         return best
     found: list[Plan] = []
     least = math.inf
+    per_degree: dict[str, dict[str, Any]] = {}
+    """cp degree -> its fastest plan's figures, or the least memory any of its plans needs."""
     for c in degrees:
         inner_mesh = None if mesh_shape is None else _inner_mesh(mesh_shape, c, planner.cluster.num_devices)
         try:
@@ -429,10 +431,12 @@ def with_context_parallel(
             return best
         except InfeasibleError as exc:
             least = min(least, exc.min_required or math.inf)
+            per_degree[str(c)] = {"fits": False, "min_required_bytes": exc.min_required}
             logger.info("context_parallel=%d: no plan fits (%s)", c, exc)
             continue
         if plan is not None:
             found.append(plan)
+            per_degree[str(c)] = _figures(plan)
             logger.info("context_parallel=%d: best %.4g s on mesh %s", c, plan.step_time_s, plan.mesh_shape)
     if fixed and not found:
         raise InfeasibleError(
@@ -446,11 +450,26 @@ def with_context_parallel(
         )
     chosen = min(found, key=lambda p: p.step_time_s, default=None)
     if chosen is None or (best is not None and best.step_time_s <= chosen.step_time_s):
+        if best is not None:
+            best.solver["context_parallel_degrees"] = per_degree
         return best
     if best is not None:
         chosen.solver["best_without_cp_s"] = best.step_time_s
-    chosen.solver["cp_degrees_tried"] = degrees
+    chosen.solver["context_parallel_degrees"] = per_degree
     return chosen
+
+
+def _figures(plan: Plan) -> dict[str, Any]:
+    """What :attr:`Plan.solver` records of each cp degree's fastest plan."""
+    return {
+        "fits": True,
+        "step_time_s": plan.step_time_s,
+        "peak_memory_bytes": plan.peak_memory_bytes,
+        "mesh": list(plan.mesh_shape),
+        "dp_mode": plan.dp_mode,
+        "micro_batches": plan.micro_batches,
+        "recompute": sorted(set(plan.recompute.values())) or ["none"],
+    }
 
 
 def _inner_mesh(mesh_shape: tuple[int, ...], cp: int, n: int) -> tuple[int, int]:
