@@ -7,15 +7,15 @@ For a preset, a global batch of sequences and a cluster, prints
 * the plan with the cp degree searched (``context_parallel=None``), and each cp degree's fastest plan or the
   least memory it needs;
 * torchtitan's published long-context configuration (docs/performance.md, Table 2: Llama 3.1 8B on 8 H100,
-  FSDP 2 x CP 4, local batch 1, full activation checkpointing, 131,072 tokens; on more devices the same layout
-  replicated: FSDP n/4 x CP 4) priced by the same model, its budget lifted so that its peak is reported whether
-  or not it fits.
+  FSDP 2 x CP 4, local batch 1 — a global batch of 2 sequences —, full activation checkpointing, 131,072 tokens;
+  on more devices the same layout replicated: FSDP n/4 x CP 4, n/4 sequences) priced by the same model at its
+  own batch, its budget lifted so that its peak is reported whether or not it fits.
 
 MFU: 6 x parameters + 6 x layers x hidden x sequence FLOPs per token (``scripts/bench_planner.py``'s count)
 over the devices' dense bf16 peak. Usage::
 
-    python scripts/bench_context_parallel.py                       # llama3-8b, 2 x 131072 tokens on 8 h100-80gb
-    python scripts/bench_context_parallel.py --devices 64 --batch 16
+    python scripts/bench_context_parallel.py                       # llama3-8b, 1 x 131072 tokens on 8 h100-80gb
+    python scripts/bench_context_parallel.py --devices 64          # 8 x 131072 tokens on 64
     python scripts/bench_context_parallel.py --model tiny-llama --seq 128 --batch 2 --devices 4 --max-positions 128
 """
 
@@ -51,7 +51,7 @@ def _layout(plan) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3-8b")
-    p.add_argument("--batch", type=int, default=None, help="global batch of sequences (default devices / 4)")
+    p.add_argument("--batch", type=int, default=None, help="global batch of sequences (default devices / 8)")
     p.add_argument("--seq", type=int, default=131072)
     p.add_argument("--max-positions", type=int, default=None, help="raise the config's max positions to this")
     p.add_argument("--devices", type=int, default=8)
@@ -76,9 +76,9 @@ def main() -> int:
     config = load_config(args.model)
     config.max_position_embeddings = max(args.max_positions or args.seq, config.max_position_embeddings)
     model = build_model(config, device="meta")
-    batch = args.batch or max(1, args.devices // TORCHTITAN_CP)
+    batch = args.batch or max(1, args.devices // 8)
     inputs = make_example_inputs(model, batch, args.seq, device="meta")
-    flops = _model_flops_per_token(model, args.seq) * batch * args.seq
+    per_sequence = _model_flops_per_token(model, args.seq) * args.seq
     peak = spec.peak_flops["bfloat16"]
     budget = parse_bytes(args.budget) if args.budget else memory_budget_default(spec)
     common = dict(
@@ -101,7 +101,7 @@ def main() -> int:
     }
 
     def row(label: str, plan, seconds: float) -> None:
-        mfu = flops / (plan.step_time_s * args.devices * peak)
+        mfu = per_sequence * plan.global_batch_size / (plan.step_time_s * args.devices * peak)
         cp = plan.solver.get("context_parallel", {})
         kv = cp.get("kv_all_gather_s", 0.0) + cp.get("kv_reduce_scatter_s", 0.0)
         print(
@@ -132,7 +132,7 @@ def main() -> int:
         degrees = plan.solver.get("context_parallel_degrees", {})
         for c, figures in sorted(degrees.items(), key=lambda kv: int(kv[0])):
             if figures["fits"]:
-                mfu = flops / (figures["step_time_s"] * args.devices * peak)
+                mfu = per_sequence * batch / (figures["step_time_s"] * args.devices * peak)
                 print(
                     f"    cp {c:>3s}: mesh {figures['mesh']} {figures['dp_mode']} k={figures['micro_batches']} "
                     f"recompute {'/'.join(figures['recompute'])}  step {figures['step_time_s']:.2f} s  MFU "
@@ -144,12 +144,12 @@ def main() -> int:
                 )
         if degrees:
             out[label]["per_degree"] = degrees
-    if args.devices % TORCHTITAN_CP == 0 and batch % (args.devices // TORCHTITAN_CP) == 0:
+    if args.devices % TORCHTITAN_CP == 0:
         dp = args.devices // TORCHTITAN_CP
         t0 = time.perf_counter()
         plan = plan_model(
             model,
-            inputs,
+            make_example_inputs(model, dp, args.seq, device="meta"),
             memory_budget=1 << 50,
             context_parallel=TORCHTITAN_CP,
             mesh_shape=(dp, 1),
@@ -158,7 +158,7 @@ def main() -> int:
             micro_batches=1,
             **common,
         )
-        row(f"torchtitan FSDP {dp} x CP {TORCHTITAN_CP}", plan, time.perf_counter() - t0)
+        row(f"torchtitan FSDP {dp}xCP {TORCHTITAN_CP}, {dp} seq", plan, time.perf_counter() - t0)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
