@@ -21,9 +21,8 @@ from hf_colossal_auto.solve.context_parallel_search import (
     ATTENTION_FORWARD_KERNELS,
     ContextParallelPlanner,
     context_parallel_degrees,
-    kv_wire_bytes,
 )
-from hf_colossal_auto.solve.planner import plan_model
+from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
 from hf_colossal_auto.solve.problem import InfeasibleError
 
 DEVICE = "h100-80gb"
@@ -112,7 +111,7 @@ def test_kv_collectives_priced_on_the_cp_link():
     record = plan.solver["context_parallel"]
     assert plan.collectives["cp_all_gather"] == plan.collectives["cp_reduce_scatter"] == 2 * layers
     assert plan.collective_bytes["cp_all_gather"] == pytest.approx(layers * 2 * k_bytes / split)
-    assert kv_wire_bytes(2 * k_bytes, cp) == pytest.approx(2 * k_bytes * (cp - 1) / cp)
+    assert record["kv_wire_bytes"] == pytest.approx(layers * 2 * k_bytes * (cp - 1) / cp)  # received per rank
     spec = get_device(DEVICE)
     link = ClusterSpec(spec, 4).axis_link((dp, cp, tp), 1)
     overhead = spec.kernel_overhead_s + host_time(spec, dtensor=False)
@@ -123,6 +122,10 @@ def test_kv_collectives_priced_on_the_cp_link():
     )
     assert plan.communication_time_s >= record["kv_all_gather_s"] + record["kv_reduce_scatter_s"]
     assert Plan.from_dict(plan.to_dict()).cp_size == 2
+    plan.summary()  # renders with the cp axis
+    again = evaluate_plan(model, batch, plan, num_devices=4, device=DEVICE, mixed_precision="bf16")
+    assert again.step_time_s == pytest.approx(plan.step_time_s, rel=1e-6)
+    assert again.peak_memory_bytes == plan.peak_memory_bytes and again.plan.cp_size == 2
     without = dataclasses.replace(plan, cp_size=1, mesh_shape=(4, 1), mesh_axis_names=("dp", "tp"))
     assert "cp_size" not in without.to_dict() and Plan.from_dict(without.to_dict()).cp_size == 1
 

@@ -336,6 +336,7 @@ def context_parallel_plan(
         "kv_all_gather_s": gather_s,
         "kv_reduce_scatter_s": scatter_s,
         "kv_gathered_bytes": nbytes,
+        "kv_wire_bytes": kv_wire_bytes(nbytes, cp),
         "attention_layers": sum(multiplicity[n] for n in kv),
         "gradient_group": dp,
     }

@@ -44,7 +44,7 @@ from .candidates import (  # noqa: F401 (RECOMPUTE_MODES, PlanningTimeoutError r
     _Planner,
     _routing,
 )
-from .context_parallel_search import with_context_parallel
+from .context_parallel_search import ContextParallelPlanner, with_context_parallel
 from .ilp import solve
 from .pipeline_search import with_pipelines
 from .pricing.comm import DP_MODES
@@ -401,6 +401,8 @@ def evaluate_plan(
         optimizer,
         time_limit_s,
     )
+    if isinstance(plan_or_baseline, Plan) and plan_or_baseline.cp_size > 1:  # priced as it was planned
+        planner = ContextParallelPlanner(planner, plan_or_baseline.cp_size)
     if routing is None and isinstance(plan_or_baseline, Plan) and plan_or_baseline.moe_routing:
         routing = plan_or_baseline.moe_routing
     planner.routing = _routing(model, routing, example_inputs)
@@ -485,10 +487,13 @@ def _configuration(
     """HSDP's shard group: a Plan's own (None: the cluster's)."""
     if isinstance(plan_or_baseline, Plan):
         plan = plan_or_baseline
-        mesh = (plan.dp_size, plan.tp_size)
+        mesh = (
+            plan.dp_size * plan.cp_size,
+            plan.tp_size,
+        )  # a cp plan's (dp x cp, tp): see ContextParallelPlanner
         dp_mode = plan.dp_mode
         shard = plan.dp_shard_size if dp_mode == "hsdp" else None
-        fixed = {fqn: placements[1] for fqn, placements in plan.param_placements.items()}
+        fixed = {fqn: placements[-1] for fqn, placements in plan.param_placements.items()}  # the tp axis
         name = "plan"
     elif isinstance(plan_or_baseline, str):
         name = plan_or_baseline
