@@ -39,8 +39,9 @@ def _planner(model, batch, devices: int) -> _Planner:
 
 
 def test_degrees_offered_and_refused():
-    """None offers every degree dividing the devices and splitting the sequence into 2 cp chunks; a fixed degree
-    that does neither, a bad value, or one beside fixed pipeline stages is refused with what would do."""
+    """None offers every degree dividing the devices and splitting the sequence into 2 cp chunks (none over a fixed
+    mesh); a fixed degree that does neither, a bad value, one beside fixed pipeline stages or with a mesh_shape
+    that is not the (dp, tp) part is refused with what would do."""
     model = _llama()
     assert context_parallel_degrees(_planner(model, make_example_inputs(model, 2, 128), 4), None) == [2, 4]
     assert context_parallel_degrees(_planner(model, make_example_inputs(model, 1, 40), 8), None) == [2, 4]
@@ -55,6 +56,12 @@ def test_degrees_offered_and_refused():
         plan_model(model, batch, context_parallel=0, **common)
     with pytest.raises(ValueError, match="not planned together"):
         plan_model(model, batch, context_parallel=2, pipeline=2, **common)
+    with pytest.raises(ValueError, match=r"give the \(dp, tp\) part"):
+        plan_model(model, make_example_inputs(model, 2, 32), context_parallel=2, mesh_shape=(2, 2), **common)
+    fixed_mesh = plan_model(
+        model, make_example_inputs(model, 2, 32), context_parallel=None, mesh_shape=(2, 2), **common
+    )
+    assert fixed_mesh.cp_size == 1 and fixed_mesh.mesh_shape == (2, 2)  # a fixed mesh is not searched over cp
 
 
 def test_step_made_a_cp_ranks():

@@ -158,8 +158,8 @@ def plan_model(
     ``context_parallel``: context parallelism (each sequence's tokens split over a "cp" mesh axis, K/V
     all-gathered per attention layer: :mod:`.context_parallel_search`). 1 (the default for now) plans without
     it; None also searches every cp degree that divides the devices and the sequence (in ``2 x cp`` chunks) and
-    returns the fastest plan; an int >= 2 fixes the degree (only plans with it; ``mesh_shape`` is then the
-    ``(dp, tp)`` part). Not combined with pipeline stages.
+    returns the fastest plan (not with ``mesh_shape``, which fixes the mesh); an int >= 2 fixes the degree (only
+    plans with it; ``mesh_shape`` is then the ``(dp, tp)`` part). Not combined with fixed pipeline stages.
     """
     _check_pipeline_argument(pipeline, mesh_shape, dp_modes)
     _check_context_parallel_argument(context_parallel, pipeline)
@@ -191,7 +191,9 @@ def plan_model(
     if (pipeline is None or pipeline == 1) and context_parallel in (None, 1):
         _search(search, mesh_shape, dp_modes, micro_batches)
     plan = search.best
-    if context_parallel != 1:
+    if context_parallel is None and mesh_shape is not None:
+        logger.info("context parallelism not searched: mesh_shape %s fixes the mesh", mesh_shape)
+    elif context_parallel != 1:
 
         def search_meshes(
             cp_planner: _Planner, inner_mesh: tuple[int, ...] | None, modes: tuple[str, ...]
