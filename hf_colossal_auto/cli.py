@@ -117,7 +117,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _print_frontier(args, model, batch, mesh, common)
     with _Stage(f"planning for {args.devices} x {spec.name} (capture, strategies, ILP per mesh)", args.quiet):
         pipeline = None if args.pipeline == "auto" else int(args.pipeline)
-        plan = plan_model(model, batch, mesh_shape=mesh, pipeline=pipeline, **common)
+        cp = None if args.context_parallel == "auto" else int(args.context_parallel)
+        plan = plan_model(model, batch, mesh_shape=mesh, pipeline=pipeline, context_parallel=cp, **common)
     print(plan.summary())
     print("\nmeshes tried:")
     for alt in plan.alternatives:
@@ -368,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="1",
         help="pipeline stages (pp x DDP): 1 none (default), 'auto' searches pp degrees against plans without "
         "stages, an int >= 2 fixes the pp degree",
+    )
+    p.add_argument(
+        "--context-parallel",
+        default="1",
+        help="context parallelism (each sequence split over a cp axis): 1 none (default), 'auto' searches cp "
+        "degrees against plans without it, an int >= 2 fixes the cp degree (--mesh is then dp x tp)",
     )
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh, seconds")
     p.add_argument("--no-baselines", action="store_true", help="skip pricing ddp/fsdp/megatron")

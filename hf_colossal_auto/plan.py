@@ -164,6 +164,9 @@ class Plan:
     """The pipeline schedule, a key of :data:`PIPELINE_SCHEDULES`; empty without a pipeline."""
     virtual_stages: int = 1
     """Stages per pp rank: 1 for "gpipe" and "1f1b", at least 2 for the interleaved schedules, 2 for "zbv"."""
+    cp_size: int = 1
+    """Context-parallel ranks: the mesh axis ``"cp"`` (mesh ``("dp", "cp", "tp")``), each running ``seq / cp``
+    tokens of every sequence. 1 (no context parallelism) in plans written before it existed."""
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -215,6 +218,8 @@ class Plan:
         ):  # a plan without a pipeline writes exactly what it wrote before pipelines existed
             for name in PIPELINE_FIELDS:
                 data.pop(name)
+        if self.cp_size == 1:  # a plan without context parallelism writes what it wrote before it existed
+            data.pop("cp_size")
         if (
             not self.block_input_placements
         ):  # plans with no folded run write what they wrote before it existed

@@ -179,6 +179,10 @@ class _Planner:
             self._strategies[key] = enumerate_strategies(graph, (tp,), phases=(Phase.FORWARD,))
         return self._strategies[key]
 
+    def offers_mesh(self, mesh: tuple[int, int]) -> bool:
+        """Whether the search tries ``mesh`` (every mesh here; a context-parallel planner narrows it)."""
+        return True
+
     def micro_batch_options(self, dp: int) -> list[int]:
         """Micro-batch counts k > 1 a replica's batch splits into evenly (the divisors of global / dp), fewest
         first: each costs a trace at a smaller shape, so they are tried in order and only when needed."""

@@ -44,6 +44,7 @@ from .candidates import (  # noqa: F401 (RECOMPUTE_MODES, PlanningTimeoutError r
     _Planner,
     _routing,
 )
+from .context_parallel_search import ContextParallelPlanner, with_context_parallel
 from .ilp import solve
 from .pipeline_search import with_pipelines
 from .pricing.comm import DP_MODES
@@ -128,6 +129,7 @@ def plan_model(
     micro_batches: int | None = None,
     routing: RoutingLoad | str | Path | None = None,
     pipeline: int | None = 1,
+    context_parallel: int | None = 1,
 ) -> Plan:
     """Plan data + tensor parallelism for ``model`` on ``num_devices`` devices of kind ``device``.
 
@@ -153,8 +155,14 @@ def plan_model(
     default for now) plans without them; None also searches every pp degree and returns the faster of the best
     plans with and without stages; an int >= 2 fixes the pp degree (only pipeline plans). ``micro_batches``
     is then the schedule's count when fixed.
+    ``context_parallel``: context parallelism (each sequence's tokens split over a "cp" mesh axis, K/V
+    all-gathered per attention layer: :mod:`.context_parallel_search`). 1 (the default for now) plans without
+    it; None also searches every cp degree that divides the devices and the sequence (in ``2 x cp`` chunks) and
+    returns the fastest plan (not with ``mesh_shape``, which fixes the mesh); an int >= 2 fixes the degree (only
+    plans with it; ``mesh_shape`` is then the ``(dp, tp)`` part). Not combined with fixed pipeline stages.
     """
     _check_pipeline_argument(pipeline, mesh_shape, dp_modes)
+    _check_context_parallel_argument(context_parallel, pipeline)
     unknown = sorted(set(dp_modes) - {*DP_MODES, *EXPERT_DP_KEYS})
     if unknown or not dp_modes:
         raise ValueError(
@@ -180,15 +188,23 @@ def plan_model(
     planner.routing = _routing(model, routing, example_inputs)
     t0 = time.perf_counter()
     search = _Search(planner)
-    if pipeline is None or pipeline == 1:
-        _try_meshes(search, model, mesh_shape, dp_modes, micro_batches)
-        if micro_batches is None:
-            search.try_micro_batches()
-        if search.best is None:
-            search.run_deferred(search_micro_batches=micro_batches is None)
-        if search.best is not None:
-            search.best.alternatives = search.tried
+    if (pipeline is None or pipeline == 1) and context_parallel in (None, 1):
+        _search(search, mesh_shape, dp_modes, micro_batches)
     plan = search.best
+    if context_parallel is None and mesh_shape is not None:
+        logger.info("context parallelism not searched: mesh_shape %s fixes the mesh", mesh_shape)
+    elif context_parallel != 1:
+
+        def search_meshes(
+            cp_planner: _Planner, inner_mesh: tuple[int, ...] | None, modes: tuple[str, ...]
+        ) -> Plan | None:
+            cp_search = _Search(cp_planner)
+            _search(cp_search, inner_mesh, modes, micro_batches)
+            if cp_search.best is None and cp_search.tried:
+                raise _no_plan_error(model, num_devices, cp_planner, cp_search, recompute, micro_batches)
+            return cp_search.best
+
+        plan = with_context_parallel(planner, plan, context_parallel, mesh_shape, dp_modes, search_meshes)
     if pipeline != 1 and not (pipeline is None and (mesh_shape is not None or "ddp" not in dp_modes)):
         plan = with_pipelines(planner, plan, pipeline, micro_batches)
     if plan is None:
@@ -198,6 +214,36 @@ def plan_model(
     plan.solver["steps_traced"] = planner._graphs.traced
     plan.solver["batch_sizes"] = planner._graphs.sizes
     return plan
+
+
+def _search(
+    search: _Search, mesh_shape: tuple[int, ...] | None, dp_modes: tuple[str, ...], micro_batches: int | None
+) -> None:
+    """The search without pipeline stages: every mesh and mode, then micro-batches and the candidates set aside
+    (``search.best``: the fastest that fits, its ``alternatives`` everything tried)."""
+    _try_meshes(search, search.planner.model, mesh_shape, dp_modes, micro_batches)
+    if micro_batches is None:
+        search.try_micro_batches()
+    if search.best is None:
+        search.run_deferred(search_micro_batches=micro_batches is None)
+    if search.best is not None:
+        search.best.alternatives = search.tried
+
+
+def _check_context_parallel_argument(context_parallel: int | None, pipeline: int | None) -> None:
+    """``context_parallel`` is None, 1 or a cp degree >= 2, and not fixed beside fixed pipeline stages (the
+    runtime does not run pp x cp; both None searches each alone)."""
+    cp = context_parallel
+    if cp is not None and (not isinstance(cp, int) or isinstance(cp, bool) or cp < 1):
+        raise ValueError(
+            f"context_parallel must be None (searched), 1 (none) or a cp degree >= 2, got {context_parallel!r}"
+        )
+    fixed_cp, fixed_pp = cp not in (None, 1), pipeline not in (None, 1)
+    if (fixed_cp and pipeline != 1) or (fixed_pp and cp != 1):
+        raise ValueError(
+            f"context_parallel={cp!r} with pipeline={pipeline!r}: pipeline stages and context parallelism are not "
+            "planned together; set the other to 1"
+        )
 
 
 def _try_meshes(
@@ -357,6 +403,8 @@ def evaluate_plan(
         optimizer,
         time_limit_s,
     )
+    if isinstance(plan_or_baseline, Plan) and plan_or_baseline.cp_size > 1:  # priced as it was planned
+        planner = ContextParallelPlanner(planner, plan_or_baseline.cp_size)
     if routing is None and isinstance(plan_or_baseline, Plan) and plan_or_baseline.moe_routing:
         routing = plan_or_baseline.moe_routing
     planner.routing = _routing(model, routing, example_inputs)
@@ -441,10 +489,13 @@ def _configuration(
     """HSDP's shard group: a Plan's own (None: the cluster's)."""
     if isinstance(plan_or_baseline, Plan):
         plan = plan_or_baseline
-        mesh = (plan.dp_size, plan.tp_size)
+        mesh = (
+            plan.dp_size * plan.cp_size,
+            plan.tp_size,
+        )  # a cp plan's (dp x cp, tp): see ContextParallelPlanner
         dp_mode = plan.dp_mode
         shard = plan.dp_shard_size if dp_mode == "hsdp" else None
-        fixed = {fqn: placements[1] for fqn, placements in plan.param_placements.items()}
+        fixed = {fqn: placements[-1] for fqn, placements in plan.param_placements.items()}  # the tp axis
         name = "plan"
     elif isinstance(plan_or_baseline, str):
         name = plan_or_baseline

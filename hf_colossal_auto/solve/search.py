@@ -373,6 +373,8 @@ def _meshes(
         candidates = [(n // t, t) for t in range(1, n + 1) if n % t == 0]
     usable = []
     for dp, tp in candidates:
+        if not planner.offers_mesh((dp, tp)):
+            continue
         if planner.batch % (dp * micro_batches):
             logger.info(
                 "mesh (%d, %d) skipped: global batch %d does not split over %d replicas x %d micro-batches",

@@ -1,0 +1,484 @@
+"""Context parallelism as a planned axis (issue 28, item 3): the cp degree searched beside the mesh, priced as a
+transform of the problem.
+
+What is priced is what the context-parallel runtime runs: a mesh ``("dp", "cp", "tp")``; every token-wise op on
+``seq / cp`` tokens of each sequence (load-balanced head + tail chunks, so that causal attention work is even
+over the cp ranks); per attention layer the K and V of the rank's tokens all-gathered over cp and its local
+queries computed against every key (masked causally by global positions), the K/V gradients reduce-scattered
+over cp in backward; parameters replicated over cp, their gradients averaged over ``dp x cp`` ranks (the
+gradient synchronisation and FSDP's group are ``dp x cp`` ranks). A plan's per-op placements are those of the
+``(dp, tp)`` part; the cp axis's entry is ``"R"`` (the token split is the runtime's, by ``Plan.cp_size``).
+
+How a cp degree ``c`` is priced (:class:`ContextParallelPlanner`): the batch of ``B`` sequences of ``S`` tokens
+is planned as ``B x c`` sequences of ``S / c`` tokens on all ``N`` devices, with only the meshes ``(dp', tp)``
+whose data-parallel size ``dp'`` is a multiple of ``c`` (``dp' = dp x c``). Every token-wise op of a rank then
+has its real shapes, the data-parallel axis is the ``dp x cp`` group the gradients are synchronised (and FSDP
+shards) over, on the link that group crosses, and the rest of the search (recompute, micro-batches, FSDP) is the
+ordinary one. What the reshaped batch gets wrong is attention, corrected in the traced step
+(:func:`context_parallel_step`) and the ILP (:func:`add_kv_collectives`):
+
+* FLOPs: a rank's queries meet ``S`` keys, not ``S / c``: under the balanced layout its share of the causal
+  attention is ``1 / c`` of the whole, ``c`` times what the reshaped step traced (whose chunk is causal on its
+  own); each attention kernel's FLOPs (forward and backward) and K/V reads are scaled so;
+* memory: the gathered K and V (``c - 1`` more chunks, the heads as attention reads them) are kept for backward
+  by the attention kernel, unless its block is recomputed: they are added to what the kernel keeps alive until
+  its backward (its log-sum-exp output's storage, produced by the kernel and freed by its backward, so that
+  recompute frees them with the block);
+* communication: per attention layer, forward all-gathers of K and of V over cp (each the full ``S``-token
+  tensor at the model's K/V heads, ``(c - 1) / c`` of it crossing the link), backward reduce-scatters of their
+  gradients, on the link the cp axis crosses (``(dp, cp, tp)`` row-major: inside a node when ``cp x tp`` fits
+  one), added to the attention op's cost per strategy (a strategy splitting heads over tp gathers ``1 / tp``).
+  Priced exposed (not overlapped with the attention), and not again for a recomputed block's rerun.
+
+Offered only where the traced step's attention is a fused SDPA kernel without an explicit mask (the runtime
+gathers K and V, not masks): eager attention, a padding mask or an unknown kernel leaves cp out, with a log line
+naming why (an error when the cp degree is fixed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..capture.graph import StepGraph
+from ..hardware.roofline import host_time
+from ..plan import Plan
+from ..units import format_bytes
+from .build.builder import BuiltProblem
+from .build.names import NodeKind
+from .candidates import _Planner
+from .pricing.comm import AxisComm
+from .problem import InfeasibleError, Solution
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_FORWARD_KERNELS = (
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+)
+"""SDPA kernels whose (query, key, value) are their first three inputs and whose second output is the log-sum-exp
+kept for backward: the attention context parallelism knows how to price."""
+
+ATTENTION_BACKWARD_KERNELS = tuple(
+    op.replace(".default", "_backward.default") for op in ATTENTION_FORWARD_KERNELS
+)
+
+CP_MODES = ("ddp", "fsdp")
+"""Data-parallel modes offered with context parallelism: the gradient group is ``dp x cp`` ranks, which HSDP's
+node-sized shard groups and expert parallelism over the data-parallel axis do not describe yet."""
+
+
+class ContextParallelUnsupported(ValueError):
+    """The model or batch cannot be planned with context parallelism (the message says why)."""
+
+
+# ------------------------------------------------------------------------------------------- the batch
+def sequence_length(example_inputs: Mapping[str, Any]) -> int:
+    """Tokens per sequence of the batch: dim 1 of ``input_ids`` (else of the first tensor with two dims)."""
+    ids = example_inputs.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        ids = next((v for v in example_inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
+    if ids is None or ids.dim() < 2:
+        raise ContextParallelUnsupported(
+            "the batch has no [batch, sequence] tensor (input_ids) to split over cp"
+        )
+    return int(ids.shape[1])
+
+
+def chunked_inputs(example_inputs: Mapping[str, Any], cp: int) -> dict[str, Any]:
+    """The batch as one cp rank's token-wise ops see it: each of ``B`` sequences of ``S`` tokens as ``cp``
+    sequences of ``S / cp`` (``[B, S, ...]`` -> ``[B x cp, S / cp, ...]``). Any tensor without the sequence dim
+    is refused: its split over cp is not known."""
+    seq = sequence_length(example_inputs)
+    out: dict[str, Any] = {}
+    for key, value in example_inputs.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            out[key] = value
+            continue
+        if value.dim() < 2 or value.shape[1] != seq:
+            raise ContextParallelUnsupported(
+                f"input {key!r} of shape {tuple(value.shape)} has no sequence dim of {seq} tokens after the batch "
+                "dim; context parallelism splits every input's sequence"
+            )
+        out[key] = value.reshape(value.shape[0] * cp, seq // cp, *value.shape[2:])
+    return out
+
+
+def kv_head_ratio(model: nn.Module) -> float:
+    """K/V heads over attention heads (grouped-query attention gathers the K/V heads, before they repeat for the
+    queries); 1 where the config does not say."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not heads or not kv_heads:
+        return 1.0
+    return kv_heads / heads
+
+
+# ----------------------------------------------------------------------------------------- the step
+@dataclass(frozen=True)
+class AttentionKernel:
+    """A forward attention kernel of the step and the K/V a cp rank gathers for it."""
+
+    index: int
+    """Graph node index of the forward kernel."""
+    gathered_bytes: tuple[float, float]
+    """K and V as gathered: all ``S`` tokens of the rank's rows at the K/V heads, heads unsplit by tp."""
+
+
+def attention_kernels(graph: StepGraph, cp: int, kv_ratio: float) -> list[AttentionKernel]:
+    """The step's forward attention kernels (see :data:`ATTENTION_FORWARD_KERNELS`) with the K/V each gathers
+    (``cp x`` the traced chunk, at ``kv_ratio`` of the heads its key input has). Refused where there are none
+    (eager attention: its matmul + softmax is not recognised) or a kernel is given a mask."""
+    kernels = []
+    for node in graph.nodes:
+        if node.op not in ATTENTION_FORWARD_KERNELS:
+            continue
+        k, v = node.inputs[1:3]
+        if _has_mask(graph, node):
+            raise ContextParallelUnsupported(
+                f"attention in {node.module or type(graph).__name__} ({node.op}) is given a mask tensor; context "
+                "parallelism gathers K and V only (causal attention without a padding mask)"
+            )
+        gathered = tuple(float(graph.values[x].nbytes) * cp * kv_ratio for x in (k, v))
+        kernels.append(AttentionKernel(node.index, gathered))  # type: ignore[arg-type]
+    if not kernels:
+        raise ContextParallelUnsupported(
+            f"no fused attention kernel (scaled_dot_product_attention) in the traced step of {graph.model_class}: "
+            "its attention (eager, or a custom implementation) is not one context parallelism can price; load "
+            "the model with attn_implementation='sdpa'"
+        )
+    return kernels
+
+
+def _has_mask(graph: StepGraph, node) -> bool:
+    """Whether an attention kernel gets a tensor besides q, k, v (a mask or bias)."""
+    return any(len(graph.values[x].shape) >= 2 for x in node.inputs[3:] if x in graph.values)
+
+
+def context_parallel_step(graph: StepGraph, cp: int, kv_ratio: float) -> StepGraph:
+    """``graph`` (the step traced on the cp-chunked batch) made what a cp rank runs, in place: each attention
+    kernel's FLOPs (forward and backward) ``cp`` times (its queries meet all keys), its K/V reads those of the
+    gathered K/V, and the gathered K/V's ``cp - 1`` extra chunks (at the heads the kernel reads, split as its
+    log-sum-exp is) kept from the forward kernel to its backward, on its log-sum-exp's storage."""
+    kernels = attention_kernels(graph, cp, kv_ratio)
+    grown: dict[int, int] = {}
+    for kernel in kernels:
+        node = graph.nodes[kernel.index]
+        traced_kv = sum(graph.values[x].nbytes for x in node.inputs[1:3])
+        node.flops *= cp
+        node.bytes_read += (cp - 1) * traced_kv
+        lse = graph.values[node.outputs[1]]
+        extra = (cp - 1) * traced_kv
+        grown[lse.storage_id] = grown.get(lse.storage_id, 0) + extra
+        graph.values[lse.id] = dataclasses.replace(lse, nbytes=lse.nbytes + extra)
+    backward = [n for n in graph.nodes if n.op in ATTENTION_BACKWARD_KERNELS]
+    for node in backward:
+        node.flops *= cp
+        node.bytes_read += (cp - 1) * sum(graph.values[x].nbytes for x in node.inputs[2:4])
+    for sid, extra in grown.items():
+        storage = graph.storages[sid]
+        graph.storages[sid] = dataclasses.replace(storage, nbytes=storage.nbytes + extra)
+    events = []
+    for event in graph.memory_events:
+        extra = grown.get(event.storage_id, 0)
+        if extra:
+            event = dataclasses.replace(event, delta=event.delta + (extra if event.delta > 0 else -extra))
+        events.append(event)
+    graph.memory_events = events
+    return graph
+
+
+# ------------------------------------------------------------------------------------- the collectives
+@dataclass
+class KvCollectives:
+    """Per strategy of one attention node: seconds and bytes (the gathered tensors, as collectives are given)
+    of its K/V all-gathers (forward) and reduce-scatters (backward), per step of one copy of the node."""
+
+    gather_s: list[float]
+    scatter_s: list[float]
+    nbytes: list[float]
+    count: int
+    """Collectives of each kind per step of one copy (K and V, times the micro-batches)."""
+
+
+def kv_wire_bytes(gathered_bytes: float, cp: int) -> float:
+    """Bytes one rank receives in the ring all-gather of a ``gathered_bytes`` tensor over ``cp`` ranks (and sends
+    in the reduce-scatter of its gradient): ``(cp - 1) / cp`` of it."""
+    return gathered_bytes * (cp - 1) / cp
+
+
+def add_kv_collectives(
+    built: BuiltProblem, graph: StepGraph, cp_comm: AxisComm, cp: int, kv_ratio: float, tp: int
+) -> dict[str, KvCollectives]:
+    """Every attention op node of ``built`` costs, per strategy and micro-batch, the all-gathers of its K and V
+    over cp and the reduce-scatters of their gradients (:func:`attention_kernels`; a strategy that splits the
+    key input over tp gathers ``1 / tp``). Returns them by ILP node name, for the plan's figures."""
+    micro = built.micro_batches
+    kernels = {k.index: k for k in attention_kernels(graph, cp, kv_ratio)}
+    added: dict[str, KvCollectives] = {}
+    for name, index in built.node_of_name.items():
+        kernel = kernels.get(index)
+        if kernel is None:
+            continue
+        node = next(n for n in built.problem.nodes if n.name == name and n.kind == NodeKind.OP)
+        strategies = built.strategies.get(name) or [None] * len(node.costs)
+        record = KvCollectives([], [], [], 2 * micro)
+        for choice, strategy in enumerate(strategies):
+            split = 1
+            if strategy is not None and strategy.input_placements[1] is not None:
+                split = tp if strategy.input_placements[1][0].startswith("S") else 1
+            local = [b / split for b in kernel.gathered_bytes]
+            gather = micro * sum(cp_comm.time("all_gather", b) for b in local)
+            scatter = micro * sum(cp_comm.time("reduce_scatter", b) for b in local)
+            node.costs[choice] += gather + scatter
+            record.gather_s.append(gather)
+            record.scatter_s.append(scatter)
+            record.nbytes.append(micro * sum(local))
+        added[name] = record
+    return added
+
+
+# ----------------------------------------------------------------------------------------- the planner
+class ContextParallelPlanner(_Planner):
+    """The planner of one cp degree: the batch chunked over cp (:func:`chunked_inputs`) on every device, meshes
+    whose data-parallel size is ``dp x cp``, traces made cp ranks' steps (:func:`context_parallel_step`), ILPs
+    with the K/V collectives (:func:`add_kv_collectives`), and Plans written on the mesh ``(dp, cp, tp)``."""
+
+    def __init__(self, outer: _Planner, cp: int) -> None:
+        super().__init__(
+            outer.model,
+            chunked_inputs(outer.inputs, cp),
+            outer.cluster,
+            outer.budget,
+            outer.mixed_precision,
+            outer.optimizer,
+            outer.time_limit_s,
+            outer.recompute,
+        )
+        self.routing = outer.routing
+        self.cp = cp
+        self.kv_ratio = kv_head_ratio(outer.model)
+        self.outer = outer
+        self._kv: dict[int, dict[str, KvCollectives]] = {}
+        """id of a built problem -> its attention nodes' K/V collectives."""
+
+    def _trace(self, rows: int) -> StepGraph:
+        return context_parallel_step(super()._trace(rows), self.cp, self.kv_ratio)
+
+    def offers_mesh(self, mesh: tuple[int, int]) -> bool:
+        """Only meshes whose data-parallel size is ``dp x cp`` for a whole dp."""
+        return mesh[0] % self.cp == 0
+
+    def cp_comm(self, mesh: tuple[int, int]) -> AxisComm:
+        """The cp axis's collectives on mesh ``(dp, cp, tp)``: plain collectives (an eager op and a launch)."""
+        full = (mesh[0] // self.cp, self.cp, mesh[1])
+        overhead = self.spec.kernel_overhead_s + host_time(self.spec, dtensor=False)
+        return AxisComm(self.cp, self.cluster.axis_link(full, 1), self.spec.kind, overhead)
+
+    def build(self, mesh: tuple[int, int], dp_mode: str, *args: Any, **kwargs: Any) -> BuiltProblem:
+        built = super().build(mesh, dp_mode, *args, **kwargs)
+        graph = self.graph(mesh[0], built.micro_batches)
+        self._kv[id(built)] = add_kv_collectives(
+            built, graph, self.cp_comm(mesh), self.cp, self.kv_ratio, mesh[1]
+        )
+        return built
+
+    def to_plan(self, mesh: tuple[int, int], dp_mode: str, built: BuiltProblem, solution: Solution) -> Plan:
+        plan = super().to_plan(mesh, dp_mode, built, solution)
+        kv = self._kv.get(id(built), {})
+        return context_parallel_plan(plan, self.outer, self.cp, kv, built, solution)
+
+
+def _with_cp_axis(placements: dict[str, list[str]]) -> dict[str, list[str]]:
+    """``[dp, tp]`` placements with the cp axis's ``"R"`` between them."""
+    return {k: [p[0], "R", *p[1:]] for k, p in placements.items()}
+
+
+def context_parallel_plan(
+    plan: Plan,
+    outer: _Planner,
+    cp: int,
+    kv: Mapping[str, KvCollectives],
+    built: BuiltProblem,
+    solution: Solution,
+) -> Plan:
+    """The Plan of a chunked-batch solution on mesh ``(dp x cp, tp)`` as the runtime runs it: mesh
+    ``(dp, cp, tp)``, the cp axis ``"R"`` in every placement, the user's batch, ``cp_size``, and the K/V
+    collectives moved from compute to communication (``cp_all_gather`` / ``cp_reduce_scatter``)."""
+    multiplicity = {n.name: n.multiplicity for n in built.problem.nodes}
+    gather_s = scatter_s = nbytes = count = 0.0
+    for name, record in kv.items():
+        choice = solution.choice[name]
+        m = multiplicity[name]
+        gather_s += m * record.gather_s[choice]
+        scatter_s += m * record.scatter_s[choice]
+        nbytes += m * record.nbytes[choice]
+        count += m * record.count
+    dp, tp = plan.mesh_shape
+    collectives = dict(plan.collectives)
+    collective_bytes = dict(plan.collective_bytes)
+    for kind in ("cp_all_gather", "cp_reduce_scatter"):
+        collectives[kind] = count
+        collective_bytes[kind] = nbytes
+    solver = dict(plan.solver)
+    solver["context_parallel"] = {
+        "cp": cp,
+        "kv_all_gather_s": gather_s,
+        "kv_reduce_scatter_s": scatter_s,
+        "kv_gathered_bytes": nbytes,
+        "kv_wire_bytes": kv_wire_bytes(nbytes, cp),
+        "attention_layers": sum(multiplicity[n] for n in kv),
+        "gradient_group": dp,
+    }
+    return dataclasses.replace(
+        plan,
+        mesh_shape=(dp // cp, cp, tp),
+        mesh_axis_names=("dp", "cp", "tp"),
+        cp_size=cp,
+        param_placements=_with_cp_axis(plan.param_placements),
+        activation_placements=_with_cp_axis(plan.activation_placements),
+        param_use_placements=_with_cp_axis(plan.param_use_placements),
+        block_input_placements=_with_cp_axis(plan.block_input_placements),
+        global_batch_size=outer.batch,
+        input_shapes={k: list(v.shape) for k, v in outer.inputs.items() if isinstance(v, torch.Tensor)},
+        compute_time_s=plan.compute_time_s - gather_s - scatter_s,
+        communication_time_s=plan.communication_time_s + gather_s + scatter_s,
+        collectives=collectives,
+        collective_bytes=collective_bytes,
+        solver=solver,
+    )
+
+
+# ------------------------------------------------------------------------------------------ the search
+def context_parallel_degrees(planner: _Planner, context_parallel: int | None) -> list[int]:
+    """The cp degrees to try: ``context_parallel`` itself (checked: it divides the devices, and twice it the
+    sequence, the balanced layout's head and tail chunk per rank), or (None) every one from 2 that does."""
+    n = planner.cluster.num_devices
+    seq = sequence_length(planner.inputs)
+    if context_parallel is not None:
+        c = context_parallel
+        if n % c:
+            raise ValueError(
+                f"context_parallel={c} does not divide the {n} devices; use a cp degree that divides them"
+            )
+        if seq % (2 * c):
+            raise ValueError(
+                f"context_parallel={c}: the sequence of {seq} tokens does not split into {2 * c} equal chunks "
+                f"(a head and a tail chunk per cp rank, for balanced causal attention); use a sequence length "
+                f"divisible by {2 * c} or another cp degree"
+            )
+        return [c]
+    return [c for c in range(2, n + 1) if n % c == 0 and seq % (2 * c) == 0]
+
+
+SearchMeshes = Callable[[_Planner, tuple[int, ...] | None, tuple[str, ...]], Plan | None]
+"""The planner's search without pipeline stages (meshes, modes, micro-batches, recompute): the fastest plan that
+fits, or None; given the planner, the (dp, tp) mesh_shape to fix (None: searched) and the data-parallel modes."""
+
+
+def with_context_parallel(
+    planner: _Planner,
+    best: Plan | None,
+    context_parallel: int | None,
+    mesh_shape: tuple[int, ...] | None,
+    dp_modes: tuple[str, ...],
+    search_meshes: SearchMeshes,
+) -> Plan | None:
+    """The plan :func:`~.planner.plan_model` returns once cp degrees are searched: ``best`` (the fastest plan
+    without cp, None if none fits or it was not searched) against the fastest plan of each cp degree, by
+    predicted step time. ``context_parallel`` None searches every degree (a model or batch cp cannot price is
+    logged and left out), an int >= 2 fixes it (errors say why it cannot be planned). ``mesh_shape`` fixes the
+    ``(dp, tp)`` part."""
+    fixed = context_parallel is not None
+    try:
+        degrees = context_parallel_degrees(planner, context_parallel)
+    except ContextParallelUnsupported as exc:
+        if fixed:
+            raise ValueError(f"context_parallel={context_parallel}: {exc}") from exc
+        logger.info("context parallelism not searched: %s", exc)
+        return best
+    modes = tuple(m for m in dp_modes if m in CP_MODES)
+    if not modes:
+        if fixed:
+            raise ValueError(
+                f"context_parallel={context_parallel} is planned with {CP_MODES} over the dp x cp gradient group; "
+                f"dp_modes={dp_modes!r} has neither"
+            )
+        logger.info("context parallelism not searched: dp_modes %s has none of %s", dp_modes, CP_MODES)
+        return best
+    found: list[Plan] = []
+    least = math.inf
+    per_degree: dict[str, dict[str, Any]] = {}
+    """cp degree -> its fastest plan's figures, or the least memory any of its plans needs."""
+    for c in degrees:
+        inner_mesh = None if mesh_shape is None else _inner_mesh(mesh_shape, c, planner.cluster.num_devices)
+        try:
+            cp_planner = ContextParallelPlanner(planner, c)
+            plan = search_meshes(cp_planner, inner_mesh, modes)
+        except ContextParallelUnsupported as exc:
+            if fixed:
+                raise ValueError(f"context_parallel={c}: {exc}") from exc
+            logger.info("context parallelism not searched: %s", exc)
+            return best
+        except InfeasibleError as exc:
+            least = min(least, exc.min_required or math.inf)
+            per_degree[str(c)] = {"fits": False, "min_required_bytes": exc.min_required}
+            logger.info("context_parallel=%d: no plan fits (%s)", c, exc)
+            continue
+        if plan is not None:
+            found.append(plan)
+            per_degree[str(c)] = _figures(plan)
+            logger.info("context_parallel=%d: best %.4g s on mesh %s", c, plan.step_time_s, plan.mesh_shape)
+    if fixed and not found:
+        raise InfeasibleError(
+            f"No plan with context_parallel={context_parallel} for {type(planner.model).__name__} on "
+            f"{planner.cluster.num_devices} x {planner.spec.name} fits {format_bytes(planner.budget)} per device"
+            + (f": the least any needs is {format_bytes(least)}" if least < math.inf else "")
+            + ". Use a larger cp degree, more devices, or context_parallel=None.",
+            min_required=least if least < math.inf else None,
+            exact=False,
+            choice=None,
+        )
+    chosen = min(found, key=lambda p: p.step_time_s, default=None)
+    if chosen is None or (best is not None and best.step_time_s <= chosen.step_time_s):
+        if best is not None:
+            best.solver["context_parallel_degrees"] = per_degree
+        return best
+    if best is not None:
+        chosen.solver["best_without_cp_s"] = best.step_time_s
+    chosen.solver["context_parallel_degrees"] = per_degree
+    return chosen
+
+
+def _figures(plan: Plan) -> dict[str, Any]:
+    """What :attr:`Plan.solver` records of each cp degree's fastest plan."""
+    return {
+        "fits": True,
+        "step_time_s": plan.step_time_s,
+        "peak_memory_bytes": plan.peak_memory_bytes,
+        "mesh": list(plan.mesh_shape),
+        "dp_mode": plan.dp_mode,
+        "micro_batches": plan.micro_batches,
+        "recompute": sorted(set(plan.recompute.values())) or ["none"],
+    }
+
+
+def _inner_mesh(mesh_shape: tuple[int, ...], cp: int, n: int) -> tuple[int, int]:
+    """A fixed ``(dp, tp)`` (or ``(tp,)``) mesh as the chunked problem's ``(dp x cp, tp)``."""
+    shape = (1, *mesh_shape) if len(mesh_shape) == 1 else tuple(mesh_shape)
+    if len(shape) != 2 or shape[0] * shape[1] * cp != n:
+        raise ValueError(
+            f"mesh_shape {tuple(mesh_shape)} with context_parallel={cp}: give the (dp, tp) part, dp x cp x tp = "
+            f"{n} devices"
+        )
+    return (shape[0] * cp, shape[1])

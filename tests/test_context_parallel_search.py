@@ -1,0 +1,167 @@
+"""Context parallelism as a planned axis (issue 28, item 3): the cp degrees offered and refused, the traced step
+made a cp rank's (attention FLOPs, gathered K/V kept for backward), the K/V all-gathers and reduce-scatters priced
+on the cp link, and cp chosen where only it fits. Symbolic (meta models, no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from hf_colossal_auto.capture.graph import Phase
+from hf_colossal_auto.hardware import ClusterSpec, get_device
+from hf_colossal_auto.hardware.comm import collective_time
+from hf_colossal_auto.hardware.roofline import host_time
+from hf_colossal_auto.models import build_model, load_config, make_example_inputs
+from hf_colossal_auto.plan import Plan
+from hf_colossal_auto.solve.candidates import _Planner
+from hf_colossal_auto.solve.context_parallel_search import (
+    ATTENTION_BACKWARD_KERNELS,
+    ATTENTION_FORWARD_KERNELS,
+    ContextParallelPlanner,
+    context_parallel_degrees,
+)
+from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
+from hf_colossal_auto.solve.problem import InfeasibleError
+
+DEVICE = "h100-80gb"
+
+
+def _llama(max_positions: int = 128, attn_implementation: str = "sdpa"):
+    config = load_config("tiny-llama")
+    config.max_position_embeddings = max_positions
+    return build_model(config, attn_implementation=attn_implementation)
+
+
+def _planner(model, batch, devices: int) -> _Planner:
+    return _Planner.for_devices(model, batch, devices, DEVICE, None, None, "bf16", "adamw", 30.0)
+
+
+def test_degrees_offered_and_refused():
+    """None offers every degree dividing the devices and splitting the sequence into 2 cp chunks (none over a fixed
+    mesh); a fixed degree that does neither, a bad value, one beside fixed pipeline stages or with a mesh_shape
+    that is not the (dp, tp) part is refused with what would do."""
+    model = _llama()
+    assert context_parallel_degrees(_planner(model, make_example_inputs(model, 2, 128), 4), None) == [2, 4]
+    assert context_parallel_degrees(_planner(model, make_example_inputs(model, 1, 40), 8), None) == [2, 4]
+    assert context_parallel_degrees(_planner(model, make_example_inputs(model, 1, 40), 8), 4) == [4]
+    batch = make_example_inputs(model, 2, 36)
+    common = dict(num_devices=4, device=DEVICE, mixed_precision="bf16")
+    with pytest.raises(ValueError, match="context_parallel=3 does not divide the 4 devices"):
+        plan_model(model, batch, context_parallel=3, **common)
+    with pytest.raises(ValueError, match="36 tokens does not split into 8 equal chunks"):
+        plan_model(model, batch, context_parallel=4, **common)
+    with pytest.raises(ValueError, match="context_parallel must be None"):
+        plan_model(model, batch, context_parallel=0, **common)
+    with pytest.raises(ValueError, match="not planned together"):
+        plan_model(model, batch, context_parallel=2, pipeline=2, **common)
+    with pytest.raises(ValueError, match=r"give the \(dp, tp\) part"):
+        plan_model(model, make_example_inputs(model, 2, 32), context_parallel=2, mesh_shape=(2, 2), **common)
+    fixed_mesh = plan_model(
+        model, make_example_inputs(model, 2, 32), context_parallel=None, mesh_shape=(2, 2), **common
+    )
+    assert fixed_mesh.cp_size == 1 and fixed_mesh.mesh_shape == (2, 2)  # a fixed mesh is not searched over cp
+
+
+def test_step_made_a_cp_ranks():
+    """The chunked step's attention kernels run ``cp`` times the FLOPs (forward and backward) and keep the
+    gathered K/V's ``cp - 1`` extra chunks until their backward; nothing else changes."""
+    model = _llama()
+    batch = make_example_inputs(model, 2, 128)
+    outer = _planner(model, batch, 4)
+    cp = ContextParallelPlanner(outer, 2)
+    rows = cp.batch // 2
+    plain = _Planner._trace(cp, rows)  # the chunked step as traced
+    made = cp._trace(rows)
+    assert [n.op for n in plain.nodes] == [n.op for n in made.nodes]
+    forward = [n.index for n in plain.nodes if n.op in ATTENTION_FORWARD_KERNELS]
+    backward = [n.index for n in plain.nodes if n.op in ATTENTION_BACKWARD_KERNELS]
+    assert len(forward) == len(backward) == model.config.num_hidden_layers
+    for a, b in zip(plain.nodes, made.nodes, strict=True):
+        assert b.flops == (2 * a.flops if a.index in forward + backward else a.flops)
+    for i in forward:
+        node = plain.nodes[i]
+        kv = sum(plain.values[x].nbytes for x in node.inputs[1:3])
+        lse = plain.values[node.outputs[1]].storage_id
+        assert made.storages[lse].nbytes == plain.storages[lse].nbytes + kv
+        grown = [e for e in made.memory_events if e.storage_id == lse]
+        assert sorted(e.delta for e in grown) == [-made.storages[lse].nbytes, made.storages[lse].nbytes]
+    assert sum(e.delta for e in made.memory_events) == sum(e.delta for e in plain.memory_events)
+    assert {n.phase for n in made.nodes if n.index in backward} == {Phase.BACKWARD}
+
+
+def test_kv_collectives_priced_on_the_cp_link():
+    """A fixed cp degree: per attention layer, all-gathers of the whole sequence's K and V at the K/V heads (each
+    rank receiving 2 x K/V bytes x (cp - 1) / cp) and their gradients' reduce-scatters, priced on the cp axis's
+    link (mesh_shape fixing the (dp, tp) part); cp_size in the plan (and its JSON), left out of a plan without it."""
+    model = _llama()
+    cfg = model.config
+    batch = make_example_inputs(model, 2, 128)
+    plan = plan_model(
+        model,
+        batch,
+        num_devices=4,
+        device=DEVICE,
+        mixed_precision="bf16",
+        context_parallel=2,
+        mesh_shape=(2, 1),
+    )
+    assert plan.cp_size == 2 and plan.mesh_axis_names == ("dp", "cp", "tp") and plan.mesh_shape == (2, 2, 1)
+    dp, cp, tp = plan.mesh_shape
+    assert all(p[1] == "R" and len(p) == 3 for p in plan.param_placements.values())
+    layers = cfg.num_hidden_layers
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    # one of K, V as gathered: this replica's sequences, all 128 tokens, the K/V heads (bf16)
+    k_bytes = (2 // dp) * 128 * cfg.num_key_value_heads * head_dim * 2
+    split = 1  # no tensor parallelism: every rank gathers all K/V heads
+    record = plan.solver["context_parallel"]
+    assert plan.collectives["cp_all_gather"] == plan.collectives["cp_reduce_scatter"] == 2 * layers
+    assert plan.collective_bytes["cp_all_gather"] == pytest.approx(layers * 2 * k_bytes / split)
+    assert record["kv_wire_bytes"] == pytest.approx(layers * 2 * k_bytes * (cp - 1) / cp)  # received per rank
+    spec = get_device(DEVICE)
+    link = ClusterSpec(spec, 4).axis_link((dp, cp, tp), 1)
+    overhead = spec.kernel_overhead_s + host_time(spec, dtensor=False)
+    one = collective_time("all_gather", k_bytes / split, cp, link) + overhead
+    assert record["kv_all_gather_s"] == pytest.approx(2 * layers * one)
+    assert record["kv_reduce_scatter_s"] == pytest.approx(
+        2 * layers * (collective_time("reduce_scatter", k_bytes / split, cp, link) + overhead)
+    )
+    assert plan.communication_time_s >= record["kv_all_gather_s"] + record["kv_reduce_scatter_s"]
+    assert Plan.from_dict(plan.to_dict()).cp_size == 2
+    plan.summary()  # renders with the cp axis
+    again = evaluate_plan(model, batch, plan, num_devices=4, device=DEVICE, mixed_precision="bf16")
+    assert again.step_time_s == pytest.approx(plan.step_time_s, rel=1e-6)
+    assert again.peak_memory_bytes == plan.peak_memory_bytes and again.plan.cp_size == 2
+    without = dataclasses.replace(plan, cp_size=1, mesh_shape=(4, 1), mesh_axis_names=("dp", "tp"))
+    assert "cp_size" not in without.to_dict() and Plan.from_dict(without.to_dict()).cp_size == 1
+
+
+def test_cp_chosen_where_only_it_fits():
+    """A long sequence under a budget below the least any plan without cp needs: context_parallel=None finds a
+    cp plan that fits; 1 forbids it (no plan)."""
+    model = _llama(max_positions=2048)
+    batch = make_example_inputs(model, 1, 1024)
+    common = dict(num_devices=2, device=DEVICE, mixed_precision="bf16", recompute="none", micro_batches=1)
+    with pytest.raises(InfeasibleError) as info:
+        plan_model(model, batch, memory_budget=1000, **common)
+    budget = int(0.95 * info.value.min_required)
+    with pytest.raises(InfeasibleError):
+        plan_model(model, batch, memory_budget=budget, context_parallel=1, **common)
+    plan = plan_model(model, batch, memory_budget=budget, context_parallel=None, **common)
+    assert plan.cp_size == 2 and plan.peak_memory_bytes <= budget
+    assert plan.global_batch_size == 1 and plan.input_shapes["input_ids"] == [1, 1024]
+
+
+def test_unknown_attention_not_offered(caplog):
+    """Eager attention (no fused kernel in the step): a fixed cp degree is refused naming why; None plans
+    without cp and logs why."""
+    model = _llama(attn_implementation="eager")
+    batch = make_example_inputs(model, 2, 64)
+    common = dict(num_devices=2, device=DEVICE, mixed_precision="bf16")
+    with pytest.raises(ValueError, match="no fused attention kernel"):
+        plan_model(model, batch, context_parallel=2, **common)
+    with caplog.at_level(logging.INFO, logger="hf_colossal_auto.solve.context_parallel_search"):
+        plan = plan_model(model, batch, context_parallel=None, **common)
+    assert plan.cp_size == 1
+    assert "context parallelism not searched" in caplog.text and "no fused attention kernel" in caplog.text
