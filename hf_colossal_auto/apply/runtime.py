@@ -47,8 +47,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from .._torch_compat import allow_implicit_replication, queue_backward_callback, tree_map
 from ..plan import Plan
-from .context_parallel import check_context_parallel_model, gradient_group, install_context_parallel
 from .agree import DEFAULT_TIMEOUT_S, as_timedelta, raise_if_any_rank_failed, run_on_one_rank, set_timeout
+from .context_parallel import check_context_parallel_model, gradient_group, install_context_parallel
 from .data_parallel import (
     broadcast_from_rank_zero,
     keep_plain_parameters,
