@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-from .._torch_compat import allow_implicit_replication, queue_backward_callback, tree_map
+from .._torch_compat import allow_implicit_replication, flatten_mesh_axes, queue_backward_callback, tree_map
 from ..plan import Plan
 from .agree import DEFAULT_TIMEOUT_S, as_timedelta, raise_if_any_rank_failed, run_on_one_rank, set_timeout
 from .context_parallel import check_context_parallel_model, gradient_group, install_context_parallel
@@ -178,6 +178,17 @@ def tensor_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     free to slice it on that axis and gather it back; gradients are averaged over it explicitly."""
     names = mesh.mesh_dim_names or ()
     return mesh["tp"] if "tp" in names and mesh.ndim > 1 else mesh
+
+
+def batch_group_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that compute on one data-parallel replica's rows (one pipeline stage's): the tensor-parallel
+    sub-mesh, or with context parallelism its ``cp x tp`` ranks flattened (consecutive in the row-major mesh)."""
+    names = mesh.mesh_dim_names or ()
+    if "cp" not in names or mesh.size(names.index("cp")) == 1:
+        return tensor_parallel_mesh(mesh)
+    if "tp" not in names or mesh.size(names.index("tp")) == 1:
+        return mesh["cp"]
+    return flatten_mesh_axes(mesh, ("cp", "tp"), "cp_tp")
 
 
 def distribute_parameters(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> dict[int, nn.Parameter]:

@@ -20,6 +20,8 @@ import argparse
 import copy
 import json
 import os
+import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -170,11 +172,116 @@ def refused(name: str, tp: int, seq: int, what: str) -> dict:
     return {"refusal": what, "messages": messages}
 
 
+def first_call_batches(tp: int) -> dict:
+    """The batch a replica computes on when a plan is made from the model's first call: every rank's own rows
+    gathered over the replica's cp x tp ranks (``TensorParallelBatch``), whole sequences."""
+    from hf_colossal_auto.apply import apply_plan, broadcast_plan
+    from hf_colossal_auto.apply.context_parallel import with_context_parallel
+    from hf_colossal_auto.integrations.first_call import TensorParallelBatch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = build("tiny-llama")
+    batch = make_batch(model, 2, 16, "plain")
+    plan = broadcast_plan(
+        with_context_parallel(base_plan(model, batch, tp), world // tp) if rank == 0 else None
+    )
+    apply_plan(model, plan)
+    mine = {"input_ids": batch["input_ids"] + rank, "labels": batch["labels"] + rank}
+    gathered, rows = TensorParallelBatch(model).gather(mine)
+    again, _ = TensorParallelBatch(model).gather(mine)  # a second group over the same mesh
+    expected = torch.cat([batch["input_ids"] + r for r in range(world)])
+    del model
+    dist.barrier()
+    return {
+        "first_call_rows": rows,
+        "first_call_union": torch.equal(gathered["input_ids"], expected)
+        and torch.equal(again["input_ids"], expected),
+    }
+
+
+LR = 1e-2
+
+
+def accelerator_loop(directory: str) -> dict:
+    """An ordinary accelerate loop under ``AutoParallelAccelerator`` with a cp plan file
+    (``HF_COLOSSAL_AUTO_PLAN_PATH``): per-process batches of 2 rows of 16 tokens, gradient accumulation 2,
+    clipping, two optimizer steps, an evaluation gathered for metrics; against one process on the union of
+    the processes' batches (what the replica's cp ranks compute on)."""
+    from torch.utils.data import DataLoader, default_collate
+
+    from hf_colossal_auto import AutoParallelAccelerator
+    from hf_colossal_auto.apply.context_parallel import with_context_parallel
+
+    world = dist.get_world_size()
+    model = build("tiny-llama")
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (16, 16), generator=torch.Generator().manual_seed(2))
+    rows = [{"input_ids": r, "labels": r.clone()} for r in ids]
+    path = os.path.join(directory, "plan.json")
+    if dist.get_rank() == 0:
+        with_context_parallel(base_plan(model, default_collate(rows[:2]), 1), world).save(path)
+    dist.barrier()
+    os.environ["HF_COLOSSAL_AUTO_PLAN_PATH"] = path
+    reference = copy.deepcopy(model)
+    accelerator = AutoParallelAccelerator(cpu=True, gradient_accumulation_steps=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    loader = DataLoader(rows, batch_size=2, collate_fn=default_collate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, norms, seen = [], [], []
+    for batch in loader:
+        seen.append(batch["input_ids"][:, 0].tolist())
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        argmax = accelerator.gather_for_metrics(model(**batch).logits.argmax(-1))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    ref_losses, ref_norms = [], []
+    group = 2 * world
+    for step in range(len(rows) // group):
+        ref_batch = default_collate(rows[step * group : (step + 1) * group])
+        loss = reference(**ref_batch).loss
+        (loss / 2).backward()
+        ref_losses.append(loss.item())
+        if step % 2 == 1:
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)))
+            ref_opt.step()
+            ref_opt.zero_grad()
+    reference.eval()
+    with torch.no_grad():
+        ref_argmax = reference(**ref_batch).logits.argmax(-1)
+    unwrapped = accelerator.unwrap_model(model)
+    ref_params = dict(reference.named_parameters())
+    result = {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "param_err_lr": max(
+            float((p.detach() - ref_params[n]).abs().max()) / LR for n, p in unwrapped.named_parameters()
+        ),
+        "gathered_equal": torch.equal(argmax, ref_argmax),
+        "rows": seen,
+        "plan_cp": accelerator.auto_plan.cp_size,
+    }
+    del model, optimizer, loader, unwrapped
+    accelerator.wait_for_everyone()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--refusals", action="store_true")
+    parser.add_argument("--cases", default="all", help="'all' or a comma list of indices into the cases")
+    parser.add_argument("--accelerate", action="store_true", help="also the AutoParallelAccelerator loop")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -185,11 +292,20 @@ def main() -> None:
         ("tiny-qwen2-window", "plain", "sdpa"),
         ("tiny-qwen2", "padded", "eager"),
     ]
+    if args.cases != "all":
+        cases = [cases[int(i)] for i in args.cases.split(",")]
+    started = time.perf_counter()
     results = [run_case(name, kind, attention, args.tp, args.seq) for name, kind, attention in cases]
+    results.append(first_call_batches(args.tp))
     if args.refusals:
         for what, seq in (("odd-length", args.seq - 2), ("flash", args.seq), ("offsets", args.seq)):
             results.append(refused("tiny-llama", args.tp, seq, what))
         results.append(refused("tiny-llama", args.tp, args.seq, "one-rank-odd"))
+    if args.accelerate:
+        directory = [tempfile.mkdtemp(prefix="cp-plan-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(directory)
+        results.append({"accelerate": accelerator_loop(directory[0])})
+    results.append({"total_seconds": time.perf_counter() - started})
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
