@@ -78,12 +78,12 @@ def make_batch(model, rows: int, seq: int, kind: str) -> dict[str, torch.Tensor]
     return batch
 
 
-def base_plan(model, batch, tp: int):
+def base_plan(model, batch, tp: int, dp: int = 1):
     from hf_colossal_auto.solve.planner import evaluate_plan
 
     batch = {k: v for k, v in batch.items() if k != "position_ids"}  # the plan is the same for packed rows
     if tp == 1:
-        return evaluate_plan(model, batch, "ddp", num_devices=1, device="cpu").plan
+        return evaluate_plan(model, batch, "ddp", num_devices=dp, device="cpu").plan
     return evaluate_plan(model, batch, "megatron", num_devices=tp, device="cpu", mesh_shape=(1, tp)).plan
 
 
@@ -91,28 +91,34 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def run_case(name: str, kind: str, attention: str, tp: int, seq: int) -> dict:
+def run_case(name: str, kind: str, attention: str, tp: int, seq: int, dp: int = 1) -> dict:
+    """One model on a ``dp x cp x tp`` mesh: each replica's loss, logits and the gradients (DDP's: the mean of
+    the replicas' losses) against one process on the replica's or the global rows."""
+    from common import ddp_reference_loss  # here: this script's folder is on the path under torchrun
+
     from hf_colossal_auto.apply import apply_plan, broadcast_plan
     from hf_colossal_auto.apply.context_parallel import balanced_positions, with_context_parallel
     from hf_colossal_auto.apply.data import data_parallel_info, shard_batch
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    cp = world // tp
+    cp = world // (tp * dp)
     model = build(name, attention)
-    batch = make_batch(model, 2, seq, kind)
+    batch = make_batch(model, 2 * dp, seq, kind)
     reference = copy.deepcopy(model)
-    ref = reference(**batch)
-    windowless = None
-    if name.endswith("-window"):  # the window changes one process's result, so the test sees it
-        windowless = float((build("tiny-qwen2", attention)(**batch).logits - ref.logits).abs().max())
-    ref.loss.backward()
-    plan = with_context_parallel(base_plan(model, batch, tp), cp) if rank == 0 else None
+    plan = with_context_parallel(base_plan(model, batch, tp, dp), cp) if rank == 0 else None
     plan = broadcast_plan(plan)
     apply_plan(model, plan)
     info = data_parallel_info(model)
-    assert (info.size, info.cp_size, info.tp_size, info.group_processes) == (1, cp, tp, world), info
-    assert all(torch.equal(shard_batch(batch, model)[k], v) for k, v in batch.items())  # cp ranks: same rows
-    out = model(**batch)
+    assert (info.size, info.cp_size, info.tp_size, info.group_processes) == (dp, cp, tp, cp * tp), info
+    assert info.rank == rank // (cp * tp), info
+    mine = shard_batch(batch, model)  # the replica's rows, whole sequences, on each of its cp x tp ranks
+    assert all(torch.equal(v, batch[k][2 * info.rank : 2 * info.rank + 2]) for k, v in mine.items())
+    ref = reference(**mine)
+    windowless = None
+    if name.endswith("-window"):  # the window changes one process's result, so the test sees it
+        windowless = float((build("tiny-qwen2", attention)(**mine).logits - ref.logits).abs().max())
+    ddp_reference_loss(reference, batch, dp).backward()
+    out = model(**mine)
     out.loss.backward()
     grad_diff = max(
         float((full(p.grad) - p_ref.grad).abs().max())
@@ -278,6 +284,7 @@ def accelerator_loop(directory: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dp-case", action="store_true", help="also Llama (padded) on dp 2 x cp (world / 2)")
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--refusals", action="store_true")
     parser.add_argument("--cases", default="all", help="'all' or a comma list of indices into the cases")
@@ -296,6 +303,8 @@ def main() -> None:
         cases = [cases[int(i)] for i in args.cases.split(",")]
     started = time.perf_counter()
     results = [run_case(name, kind, attention, args.tp, args.seq) for name, kind, attention in cases]
+    if args.dp_case:
+        results.append(run_case("tiny-llama", "padded", "sdpa", 1, args.seq, dp=2))
     results.append(first_call_batches(args.tp))
     if args.refusals:
         for what, seq in (("odd-length", args.seq - 2), ("flash", args.seq), ("offsets", args.seq)):
