@@ -167,6 +167,7 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
             [4, 5, 6, 7, 8, 9, 10, 11],
         ]
     assert cases[3]["window_effect"] > 1e-3  # the window changes one process's logits: it was masked
+    assert cases[2]["recomputed"] == ["model.layers.0", "model.layers.1"]
     refusals = {r["refusal"]: r["messages"] for r in results if "refusal" in r}
     assert all("sequence length of 14 does not divide" in m for m in refusals["odd-length"])
     assert all("'flash_attention_2' cannot take" in m for m in refusals["flash"])

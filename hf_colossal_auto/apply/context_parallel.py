@@ -29,7 +29,8 @@ Refused by name, on every rank (the forward raises before any collective): a seq
 does not divide, attention implementations that take no global-position mask (flash attention, flex
 attention), models whose loss is not transformers' causal-LM loss, models with other sequence-mixing layers
 (convolutions), encoder-decoders, a 4-D attention mask, flash attention's packed-sequence arguments
-(``cu_seq_lens_*``), a KV cache (generation), pipeline stages, FSDP/HSDP and mixture-of-experts plans.
+(``cu_seq_lens_*``), a KV cache (generation), ``output_attentions``, pipeline stages, FSDP/HSDP and
+mixture-of-experts plans.
 """
 
 from __future__ import annotations
@@ -457,6 +458,11 @@ def split_inputs(
             f"{name}: packed sequences given by {flash[0]} (flash attention's offsets) have no per-position "
             "document ids for the global-position mask; pass position_ids that restart at 0 for each document "
             "instead (DataCollatorWithFlattening(return_position_ids=True), no cu_seq_lens)"
+        )
+    if kwargs.get("output_attentions"):
+        raise ContextParallelError(
+            f"{name}: output_attentions under context parallelism would return each rank's rows of the weights "
+            "only; ask for them without the cp plan"
         )
     rows, length = _sequence_shape(model, kwargs)
     check_sequence_length(length, cp.size)

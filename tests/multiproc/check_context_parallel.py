@@ -9,7 +9,8 @@ ranks (:func:`~hf_colossal_auto.apply.context_parallel.with_context_parallel`), 
 whole rows, as the batch rule says. Rank 0 writes per case: the loss, the one-process loss, the largest
 logits and gradient differences (the gathered logits include the chunk-boundary tokens), the per-rank
 positions. Cases: GPT-2 (learned positions, tied head), Llama (RoPE, GQA) with padding and labels ignored
-around the chunk boundaries, Llama on packed sequences (position ids that restart), Qwen2 (GQA) with a
+around the chunk boundaries, Llama on packed sequences (position ids that restart) with every block
+recomputed (attention reruns in backward), Qwen2 (GQA) with a
 sliding window shorter than the sequence, eager attention; then the refusals (a sequence the balanced layout
 cannot cut, flash attention's packed offsets), each raised on every rank.
 """
@@ -91,7 +92,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def run_case(name: str, kind: str, attention: str, tp: int, seq: int, dp: int = 1) -> dict:
+def run_case(
+    name: str, kind: str, attention: str, tp: int, seq: int, dp: int = 1, recompute: bool = False
+) -> dict:
     """One model on a ``dp x cp x tp`` mesh: each replica's loss, logits and the gradients (DDP's: the mean of
     the replicas' losses) against one process on the replica's or the global rows."""
     from common import ddp_reference_loss  # here: this script's folder is on the path under torchrun
@@ -107,6 +110,8 @@ def run_case(name: str, kind: str, attention: str, tp: int, seq: int, dp: int = 
     reference = copy.deepcopy(model)
     plan = with_context_parallel(base_plan(model, batch, tp, dp), cp) if rank == 0 else None
     plan = broadcast_plan(plan)
+    if recompute:  # every block checkpointed: attention reruns in backward, K/V gathered again
+        plan.recompute = {f"model.layers.{i}": "full" for i in range(model.config.num_hidden_layers)}
     apply_plan(model, plan)
     info = data_parallel_info(model)
     assert (info.size, info.cp_size, info.tp_size, info.group_processes) == (dp, cp, tp, cp * tp), info
@@ -138,6 +143,9 @@ def run_case(name: str, kind: str, attention: str, tp: int, seq: int, dp: int = 
         "positions": balanced_positions(seq, cp, cp_rank).tolist(),
         "sharded_params": sum(isinstance(p, DTensor) for p in model.parameters()),
         "window_effect": windowless,
+        "recomputed": sorted(
+            n for n, m in model.named_modules() if getattr(m, "_hf_colossal_auto_recompute", None)
+        ),
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
@@ -292,17 +300,20 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    cases = [
-        ("tiny-gpt2", "plain", "sdpa"),
-        ("tiny-llama", "padded", "sdpa"),
-        ("tiny-llama", "packed", "sdpa"),
-        ("tiny-qwen2-window", "plain", "sdpa"),
-        ("tiny-qwen2", "padded", "eager"),
+    cases = [  # model, inputs, attention, every block recomputed
+        ("tiny-gpt2", "plain", "sdpa", False),
+        ("tiny-llama", "padded", "sdpa", False),
+        ("tiny-llama", "packed", "sdpa", True),
+        ("tiny-qwen2-window", "plain", "sdpa", False),
+        ("tiny-qwen2", "padded", "eager", False),
     ]
     if args.cases != "all":
         cases = [cases[int(i)] for i in args.cases.split(",")]
     started = time.perf_counter()
-    results = [run_case(name, kind, attention, args.tp, args.seq) for name, kind, attention in cases]
+    results = [
+        run_case(name, kind, attention, args.tp, args.seq, recompute=recompute)
+        for name, kind, attention, recompute in cases
+    ]
     if args.dp_case:
         results.append(run_case("tiny-llama", "padded", "sdpa", 1, args.seq, dp=2))
     results.append(first_call_batches(args.tp))
