@@ -179,7 +179,7 @@ class StepLayout:
     documents: torch.Tensor | None
     """Packed sequences: the document index of each position of the whole sequence, or None."""
     masks: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
-    """Masks built so far this step, by (window, causal, kind, dtype): every layer shares one."""
+    """Masks built so far this step, by (window, causal, dtype): every layer shares one."""
     attention_calls: int = 0
 
 
@@ -198,12 +198,15 @@ class ContextParallel:
 
 
 # ------------------------------------------------------------------------------------------- attention
-def _mask(cp: ContextParallel, module: nn.Module, window: int | None, kind: str, dtype: torch.dtype):
-    """This step's attention mask ``[batch or 1, 1, local queries, all keys]`` for ``module``: causal in
-    global positions, the sliding window, padding and documents; boolean for sdpa, additive for eager."""
+def _mask(cp: ContextParallel, module: nn.Module, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """This step's additive attention mask ``[batch or 1, 1, local queries, all keys]`` for ``module``: causal
+    in global positions, the sliding window, padding and documents (0 where a query attends, the dtype's
+    lowest value elsewhere). Additive, in the queries' dtype, for sdpa too: sdpa converts a boolean mask to
+    that on every call and its CPU kernel saves the copy for backward, one per layer; one tensor made here is
+    shared by every layer of the step."""
     layout = cp.layout
     causal = bool(getattr(module, "is_causal", True))
-    key = (window, causal, kind, dtype)
+    key = (window, causal, dtype)
     if key in layout.masks:
         return layout.masks[key]
     q = layout.query_positions[:, None]
@@ -218,11 +221,8 @@ def _mask(cp: ContextParallel, module: nn.Module, window: int | None, kind: str,
         docs = layout.documents
         same = docs[:, layout.query_positions][:, :, None] == docs[:, layout.key_positions][:, None, :]
         allowed = allowed & same[:, None]
-    if kind == "eager":
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
-    else:
-        mask = allowed
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask = mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     layout.masks[key] = mask
     return mask
 
@@ -247,11 +247,9 @@ def context_parallel_attention(
     cp.layout.attention_calls += 1
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     key, value = _gather_kv(key, cp.group), _gather_kv(value, cp.group)
-    kind = cp.base_attention
-    dtype = query.dtype
-    mask = _mask(cp, module, window, kind, dtype)
+    mask = _mask(cp, module, window, _local(query).dtype)
     kwargs.pop("sliding_window", None)
-    attention = _base_attention(module, kind)
+    attention = _base_attention(module, cp.base_attention)
     return attention(module, query, key, value, mask, *args, **kwargs)
 
 
