@@ -25,6 +25,7 @@ from hf_colossal_auto.apply.context_parallel import (
     ContextParallelError,
     balanced_positions,
     check_context_parallel_model,
+    hand_context_parallel_plan,
     with_context_parallel,
 )
 from hf_colossal_auto.apply.data import DataParallelInfo
@@ -97,6 +98,21 @@ def test_balanced_layout_gives_every_rank_a_head_and_a_tail_chunk():
     assert balanced_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     with pytest.raises(ContextParallelError, match="sequence length of 18 does not divide"):
         balanced_positions(18, 2, 0)
+
+
+def test_hand_context_parallel_plan_replicates_everything_on_a_dp_cp_mesh():
+    from hf_colossal_auto.models import build_model, make_example_inputs
+
+    model = build_model("tiny-llama")
+    plan = hand_context_parallel_plan(
+        model, make_example_inputs(model, 4, 16, device="meta"), cp_size=2, dp_size=2
+    )
+    assert (
+        plan.mesh_axis_names == ("dp", "cp", "tp") and plan.mesh_shape == (2, 2, 1) and plan.num_devices == 4
+    )
+    assert plan.shards_nothing and plan.cp_size == 2 and plan.global_batch_size == 4
+    assert {tuple(p) for p in plan.param_placements.values()} == {("R", "R", "R")}
+    assert Plan.from_dict(json.loads(plan.to_json())).cp_size == 2
 
 
 def test_data_parallel_info_counts_cp_ranks_in_a_group():

@@ -579,6 +579,45 @@ def gather_outputs(output: Any, cp: ContextParallel, length: int, rows: int) -> 
 
 
 # ------------------------------------------------------------------------------------------- plans
+def hand_context_parallel_plan(
+    model: nn.Module, batch: Mapping[str, Any], *, cp_size: int, dp_size: int = 1
+) -> Plan:
+    """A context-parallel plan written by hand for ``model``: ``dp_size`` DDP replicas of ``cp_size`` ranks
+    each (mesh ``(dp, cp, 1)``), every parameter replicated. ``batch`` is one step's rows (its shapes are
+    recorded). For running context parallelism before the planner prices it, like
+    :func:`~hf_colossal_auto.pipeline_layout.hand_pipeline_plan`: its predictions are 0 and
+    ``solver["status"]`` says so. With tensor parallelism: :func:`with_context_parallel` on a ``(dp, tp)`` plan."""
+    if cp_size < 2 or dp_size < 1:
+        raise ContextParallelError(
+            f"hand_context_parallel_plan needs cp_size >= 2 and dp_size >= 1, got {cp_size} and {dp_size}"
+        )
+    params = dict(model.named_parameters())
+    shapes = {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    rows = next(iter(shapes.values()))[0] if shapes else 0
+    return Plan(
+        model_class=type(model).__name__,
+        num_devices=dp_size * cp_size,
+        device="hand-made",
+        mesh_shape=(dp_size, cp_size, 1),
+        mesh_axis_names=("dp", "cp", "tp"),
+        dp_mode="ddp",
+        param_placements={fqn: ["R", "R", "R"] for fqn in params},
+        activation_placements={},
+        global_batch_size=rows,
+        input_shapes=shapes,
+        step_time_s=0.0,
+        compute_time_s=0.0,
+        communication_time_s=0.0,
+        peak_memory_bytes=0,
+        memory_budget_bytes=0,
+        param_memory_bytes=0,
+        activation_memory_bytes=0,
+        solver={"status": "hand-made context-parallel plan, not priced"},
+        param_shapes={fqn: list(p.shape) for fqn, p in params.items()},
+        cp_size=cp_size,
+    )
+
+
 def with_context_parallel(plan: Plan, cp_size: int) -> Plan:
     """``plan`` (a ``(dp, tp)`` plan) with a ``cp`` axis of ``cp_size`` ranks added before ``tp``: the same
     placements on the other axes, replicated on cp, ``cp_size`` times the devices and rows per step (each

@@ -3,10 +3,10 @@
     torchrun --nproc_per_node 2 tests/multiproc/check_context_parallel.py --tp 1 --out result.json
     torchrun --nproc_per_node 4 tests/multiproc/check_context_parallel.py --tp 2 --out result.json
 
-The world is ``cp x tp`` (one data-parallel replica). Every rank builds the same seeded model, a plan for the
-``(1, tp)`` part (DDP on one device, or the Megatron placements on ``tp``) gets a cp axis of ``world / tp``
-ranks (:func:`~hf_colossal_auto.apply.context_parallel.with_context_parallel`), and every rank is fed the same
-whole rows, as the batch rule says. Rank 0 writes per case: the loss, the one-process loss, the largest
+The world is ``cp x tp`` (one data-parallel replica; ``--dp-case`` adds dp 2 x cp). Every rank builds the same
+seeded model; the plan is ``hand_context_parallel_plan`` without tp, or the Megatron placements on ``tp`` with a
+cp axis of ``world / tp`` ranks added (``with_context_parallel``); every rank of a replica is fed the same whole
+rows, as the batch rule says. Rank 0 writes per case: the loss, the one-process loss, the largest
 logits and gradient differences (the gathered logits include the chunk-boundary tokens), the per-rank
 positions. Cases: GPT-2 (learned positions, tied head), Llama (RoPE, GQA) with padding and labels ignored
 around the chunk boundaries, Llama on packed sequences (position ids that restart) with every block
@@ -79,13 +79,20 @@ def make_batch(model, rows: int, seq: int, kind: str) -> dict[str, torch.Tensor]
     return batch
 
 
-def base_plan(model, batch, tp: int, dp: int = 1):
+def base_plan(model, batch, tp: int):
     from hf_colossal_auto.solve.planner import evaluate_plan
 
     batch = {k: v for k, v in batch.items() if k != "position_ids"}  # the plan is the same for packed rows
-    if tp == 1:
-        return evaluate_plan(model, batch, "ddp", num_devices=dp, device="cpu").plan
     return evaluate_plan(model, batch, "megatron", num_devices=tp, device="cpu", mesh_shape=(1, tp)).plan
+
+
+def cp_plan(model, batch, tp: int, cp: int, dp: int = 1):
+    """Without tp the hand-made plan (no trace); with it the Megatron placements on tp, a cp axis added."""
+    from hf_colossal_auto.apply.context_parallel import hand_context_parallel_plan, with_context_parallel
+
+    if tp == 1:
+        return hand_context_parallel_plan(model, batch, cp_size=cp, dp_size=dp)
+    return with_context_parallel(base_plan(model, batch, tp), cp)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +107,7 @@ def run_case(
     from common import ddp_reference_loss  # here: this script's folder is on the path under torchrun
 
     from hf_colossal_auto.apply import apply_plan, broadcast_plan
-    from hf_colossal_auto.apply.context_parallel import balanced_positions, with_context_parallel
+    from hf_colossal_auto.apply.context_parallel import balanced_positions
     from hf_colossal_auto.apply.data import data_parallel_info, shard_batch
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -108,7 +115,7 @@ def run_case(
     model = build(name, attention)
     batch = make_batch(model, 2 * dp, seq, kind)
     reference = copy.deepcopy(model)
-    plan = with_context_parallel(base_plan(model, batch, tp, dp), cp) if rank == 0 else None
+    plan = cp_plan(model, batch, tp, cp, dp) if rank == 0 else None
     plan = broadcast_plan(plan)
     if recompute:  # every block checkpointed: attention reruns in backward, K/V gathered again
         plan.recompute = {f"model.layers.{i}": "full" for i in range(model.config.num_hidden_layers)}
@@ -157,14 +164,11 @@ def run_case(
 def refused(name: str, tp: int, seq: int, what: str) -> dict:
     """Apply a cp plan and feed (or set) what must be refused; every rank's error message."""
     from hf_colossal_auto.apply import apply_plan, broadcast_plan
-    from hf_colossal_auto.apply.context_parallel import with_context_parallel
 
     world = dist.get_world_size()
     model = build(name)
     batch = make_batch(model, 2, seq, "plain")
-    plan = broadcast_plan(
-        with_context_parallel(base_plan(model, batch, tp), world // tp) if dist.get_rank() == 0 else None
-    )
+    plan = broadcast_plan(cp_plan(model, batch, tp, world // tp) if dist.get_rank() == 0 else None)
     message = None
     try:
         if what == "flash":
@@ -190,15 +194,12 @@ def first_call_batches(tp: int) -> dict:
     """The batch a replica computes on when a plan is made from the model's first call: every rank's own rows
     gathered over the replica's cp x tp ranks (``TensorParallelBatch``), whole sequences."""
     from hf_colossal_auto.apply import apply_plan, broadcast_plan
-    from hf_colossal_auto.apply.context_parallel import with_context_parallel
     from hf_colossal_auto.integrations.first_call import TensorParallelBatch
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model = build("tiny-llama")
     batch = make_batch(model, 2, 16, "plain")
-    plan = broadcast_plan(
-        with_context_parallel(base_plan(model, batch, tp), world // tp) if rank == 0 else None
-    )
+    plan = broadcast_plan(cp_plan(model, batch, tp, world // tp) if rank == 0 else None)
     apply_plan(model, plan)
     mine = {"input_ids": batch["input_ids"] + rank, "labels": batch["labels"] + rank}
     gathered, rows = TensorParallelBatch(model).gather(mine)
@@ -224,7 +225,6 @@ def accelerator_loop(directory: str) -> dict:
     from torch.utils.data import DataLoader, default_collate
 
     from hf_colossal_auto import AutoParallelAccelerator
-    from hf_colossal_auto.apply.context_parallel import with_context_parallel
 
     world = dist.get_world_size()
     model = build("tiny-llama")
@@ -233,7 +233,7 @@ def accelerator_loop(directory: str) -> dict:
     rows = [{"input_ids": r, "labels": r.clone()} for r in ids]
     path = os.path.join(directory, "plan.json")
     if dist.get_rank() == 0:
-        with_context_parallel(base_plan(model, default_collate(rows[:2]), 1), world).save(path)
+        cp_plan(model, default_collate(rows[: 2 * world]), 1, world).save(path)
     dist.barrier()
     os.environ["HF_COLOSSAL_AUTO_PLAN_PATH"] = path
     reference = copy.deepcopy(model)
