@@ -220,36 +220,36 @@ def hand_pipeline_plan(
     virtual_stages: int | None = None,
     blocks_per_stage: list[int] | None = None,
     dp_size: int = 1,
+    dp_mode: str = "ddp",
+    recompute: str = "none",
 ) -> Plan:
-    """A pipeline plan written by hand for ``model`` (``pp_size`` ranks, times ``dp_size`` DDP replicas of the
-    pipeline; no tensor parallelism):
+    """A pipeline plan written by hand for ``model`` (``pp_size`` ranks, times ``dp_size`` data-parallel
+    replicas of the pipeline under ``dp_mode`` "ddp" or "fsdp"; no tensor parallelism):
     ``blocks_per_stage`` (default: as even as the blocks divide) over ``pp_size x virtual_stages`` stages
-    (default: the fewest ``schedule`` runs), every parameter replicated on its stage.
+    (default: the fewest ``schedule`` runs), every parameter replicated on its stage (sharded on dim 0 over
+    the data-parallel axis under FSDP, as the planner writes it), ``recompute`` ("none", "full",
+    "selective:<classes>") on every block. For tensor parallelism inside the stages, give a planned plan its
+    stages with :func:`pipeline_plan_from`.
 
     For running a chosen layout and for tests until the planner searches pipeline stages: its predicted
     figures (step time, memory) are not computed — they are 0 and ``solver["status"]`` says so."""
-    from .plan import PIPELINE_SCHEDULES, Plan
+    from .plan import Plan
 
-    if schedule not in PIPELINE_SCHEDULES:
-        raise PipelineLayoutError(f"unknown schedule {schedule!r}; one of {', '.join(PIPELINE_SCHEDULES)}")
-    virtual = virtual_stages or PIPELINE_SCHEDULES[schedule][0]
+    if dp_mode not in ("ddp", "fsdp"):
+        raise PipelineLayoutError(f"hand_pipeline_plan writes dp_mode 'ddp' or 'fsdp', not {dp_mode!r}")
     layout = find_layout(model)
-    stages = (
-        layout.even_cut(pp_size * virtual)
-        if blocks_per_stage is None
-        else layout.stage_modules(list(blocks_per_stage))
-    )
     params = dict(model.named_parameters())
     shapes = {k: list(v.shape) for k, v in batch.items() if hasattr(v, "shape")}
     rows = next(iter(shapes.values()))[0] if shapes else 0
-    return Plan(
+    sharded = dp_mode == "fsdp" and dp_size > 1
+    inner = Plan(
         model_class=layout.model_class,
-        num_devices=pp_size * dp_size,
+        num_devices=dp_size,
         device="hand-made",
-        mesh_shape=(pp_size, dp_size, 1),
-        mesh_axis_names=("pp", "dp", "tp"),
-        dp_mode="ddp",
-        param_placements={fqn: ["R", "R", "R"] for fqn in params},
+        mesh_shape=(dp_size, 1),
+        mesh_axis_names=("dp", "tp"),
+        dp_mode=dp_mode,
+        param_placements={fqn: ["S0" if sharded else "R", "R"] for fqn in params},
         activation_placements={},
         global_batch_size=rows,
         input_shapes=shapes,
@@ -260,8 +260,72 @@ def hand_pipeline_plan(
         memory_budget_bytes=0,
         param_memory_bytes=0,
         activation_memory_bytes=0,
+        recompute={layout.block(i): recompute for i in range(layout.num_blocks)}
+        if recompute != "none"
+        else {},
         solver={"status": "hand-made pipeline plan, not priced"},
         param_shapes={fqn: list(p.shape) for fqn, p in params.items()},
+    )
+    return pipeline_plan_from(
+        inner,
+        model,
+        pp_size=pp_size,
+        schedule=schedule,
+        micro_batches=micro_batches,
+        virtual_stages=virtual_stages,
+        blocks_per_stage=blocks_per_stage,
+    )
+
+
+def pipeline_plan_from(
+    plan: Plan,
+    model: nn.Module,
+    *,
+    pp_size: int,
+    schedule: str,
+    micro_batches: int,
+    virtual_stages: int | None = None,
+    blocks_per_stage: list[int] | None = None,
+) -> Plan:
+    """``plan`` (a plan without pipeline stages, mesh ``(dp, tp)``: what every stage runs on its pp
+    coordinate) with ``pp_size`` pipeline ranks in front: mesh ``("pp", "dp", "tp")`` over ``pp_size`` times
+    its devices, every placement with the pp axis's ``"R"`` first (a stage's parameters live on its pp rank
+    only; the runtime reads the ``(dp, tp)`` entries), and the pipeline fields — ``blocks_per_stage`` (default:
+    as even as the blocks divide) over ``pp_size x virtual_stages`` stages (default: the fewest ``schedule``
+    runs), ``micro_batches`` a step. Keys (parameter FQNs, module paths, recompute per block) stay the whole
+    model's. Its predicted figures stay ``plan``'s, which priced no pipeline."""
+    import dataclasses
+
+    from .plan import PIPELINE_SCHEDULES
+
+    if plan.pp_size > 1:
+        raise PipelineLayoutError("pipeline_plan_from takes a plan without pipeline stages")
+    if tuple(plan.mesh_axis_names) != ("dp", "tp"):
+        raise PipelineLayoutError(
+            f"pipeline_plan_from takes a plan on a (dp, tp) mesh, not {tuple(plan.mesh_axis_names)}"
+        )
+    if schedule not in PIPELINE_SCHEDULES:
+        raise PipelineLayoutError(f"unknown schedule {schedule!r}; one of {', '.join(PIPELINE_SCHEDULES)}")
+    virtual = virtual_stages or PIPELINE_SCHEDULES[schedule][0]
+    layout = find_layout(model)
+    stages = (
+        layout.even_cut(pp_size * virtual)
+        if blocks_per_stage is None
+        else layout.stage_modules(list(blocks_per_stage))
+    )
+
+    def lead(placements: dict[str, list[str]]) -> dict[str, list[str]]:
+        return {key: ["R", *value] for key, value in placements.items()}
+
+    return dataclasses.replace(
+        plan,
+        num_devices=pp_size * plan.num_devices,
+        mesh_shape=(pp_size, *plan.mesh_shape),
+        mesh_axis_names=("pp", "dp", "tp"),
+        param_placements=lead(plan.param_placements),
+        activation_placements=lead(plan.activation_placements),
+        param_use_placements=lead(plan.param_use_placements),
+        block_input_placements=lead(plan.block_input_placements),
         micro_batches=micro_batches,
         pp_size=pp_size,
         stages=stages,

@@ -145,14 +145,62 @@ def test_models_without_a_causal_lm_layout_are_refused(preset):
         find_layout(build_model(preset))
 
 
-def test_pipeline_with_tensor_parallelism_or_fsdp_inside_a_stage_is_refused():
-    with pytest.raises(PipelineRuntimeError, match="tp=2"):
-        check_pipeline_plan(_llama(), _plan(num_devices=4, mesh_shape=(2, 1, 2)))
-    with pytest.raises(PipelineRuntimeError, match="dp_mode 'fsdp'"):
-        check_pipeline_plan(_llama(), _plan(num_devices=4, mesh_shape=(2, 2, 1), dp_mode="fsdp"))
-    with pytest.raises(PipelineRuntimeError, match="recompute"):
-        check_pipeline_plan(_llama(), _plan(recompute={"model.layers.0": "full"}))
-    check_pipeline_plan(_llama(), _plan(num_devices=4, mesh_shape=(2, 2, 1)))  # pp x DDP runs
+def test_what_runs_inside_a_stage_and_what_is_refused():
+    """Tensor parallelism, FSDP/HSDP and recompute inside a stage pass the check; experts split over the
+    data-parallel axis, selective recompute under a split-backward schedule and FSDP of a tie held twice on
+    one rank are refused by name, with what to do."""
+    llama = _llama()
+    check_pipeline_plan(llama, _plan(num_devices=4, mesh_shape=(2, 1, 2)))
+    check_pipeline_plan(llama, _plan(num_devices=4, mesh_shape=(2, 2, 1), dp_mode="fsdp"))
+    check_pipeline_plan(
+        llama, _plan(recompute={"model.layers.0": "full", "model.layers.3": "selective:pointwise"})
+    )
+    check_pipeline_plan(llama, _plan(num_devices=4, mesh_shape=(2, 2, 1)))  # pp x DDP
+    with pytest.raises(PipelineRuntimeError, match="experts split over the data-parallel axis"):
+        check_pipeline_plan(llama, _plan(expert_data_parallel=["model.layers.0.mlp"]))
+    zbv = {"schedule": "zbv", "virtual_stages": 2, "stages": _llama_cut(4)}
+    check_pipeline_plan(llama, _plan(**zbv, recompute={"model.layers.0": "full"}))
+    with pytest.raises(PipelineRuntimeError, match="selectively .* schedule 'gpipe', '1f1b'"):
+        check_pipeline_plan(llama, _plan(**zbv, recompute={"model.layers.0": "selective:pointwise"}))
+    config = load_config("tiny-gpt2")
+    config.n_layer = 4  # zbv: 2 stages on each of 2 ranks
+    gpt2 = build_model(config, device="meta")
+    batch = make_example_inputs(gpt2, 8, 16, device="meta")
+    tied = dict(pp_size=2, dp_size=2, schedule="zbv", micro_batches=4)
+    check_pipeline_plan(gpt2, hand_pipeline_plan(gpt2, batch, **tied))  # DDP: the tie is one parameter
+    with pytest.raises(PipelineRuntimeError, match="tied to its embedding.*dp_mode 'ddp'"):
+        check_pipeline_plan(gpt2, hand_pipeline_plan(gpt2, batch, **tied, dp_mode="fsdp"))
+    check_pipeline_plan(gpt2, hand_pipeline_plan(gpt2, batch, **{**tied, "schedule": "1f1b"}, dp_mode="fsdp"))
+
+
+def test_pipeline_plan_from_a_stage_plan_keeps_its_placements():
+    """pipeline_plan_from: a (dp, tp) plan's placements, recompute and data-parallel mode under a leading pp
+    axis, keyed by the whole model's names; the hand plan's FSDP placements are the planner's ("S0" on dp)."""
+    from hf_colossal_auto.pipeline_layout import pipeline_plan_from
+
+    model = _llama()
+    plan = _plan(num_devices=4, mesh_shape=(2, 2, 1))
+    inner = dataclasses.replace(
+        plan, num_devices=2, mesh_shape=(1, 2), mesh_axis_names=("dp", "tp"), pp_size=1, stages=[], schedule="",
+        virtual_stages=1, micro_batches=1,
+        param_placements={k: ["R", "S0" if k.endswith("q_proj.weight") else "R"] for k in plan.param_placements},
+        activation_placements={"model.layers.0.self_attn": ["R", "R"]}, recompute={"model.layers.1": "full"},
+    )  # fmt: skip
+    piped = pipeline_plan_from(
+        inner, model, pp_size=2, schedule="1f1b", micro_batches=2, blocks_per_stage=[1, 5]
+    )
+    assert piped.mesh_axis_names == ("pp", "dp", "tp") and piped.mesh_shape == (2, 1, 2)
+    assert piped.num_devices == 4 and piped.tp_size == 2 and piped.pp_size == 2
+    assert piped.param_placements["model.layers.0.self_attn.q_proj.weight"] == ["R", "R", "S0"]
+    assert piped.activation_placements == {"model.layers.0.self_attn": ["R", "R", "R"]}
+    assert piped.recompute == {"model.layers.1": "full"} and piped.stages[0][-1] == "model.layers.0"
+    check_pipeline_plan(model, piped)
+    fsdp = hand_pipeline_plan(
+        model, make_example_inputs(model, 8, 16, device="meta"), pp_size=2, dp_size=2, dp_mode="fsdp",
+        schedule="gpipe", micro_batches=2, recompute="full",
+    )  # fmt: skip
+    assert fsdp.dp_mode == "fsdp" and set(map(tuple, fsdp.param_placements.values())) == {("R", "S0", "R")}
+    assert fsdp.recompute == {f"model.layers.{i}": "full" for i in range(6)}
 
 
 def test_forward_keywords_of_a_pipelined_model():
@@ -270,6 +318,8 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
             assert abs(got["eval_loss"] - got["ref_eval_loss"]) <= 1e-5 * got["ref_eval_loss"], (case, got)
             assert got["eval_logits_err"] <= 1e-5 and got["unlabeled_equal"], (case, got)
         assert results["accumulation 1f1b"]["grad_err"] <= 1e-5
+        for case in ("llama recompute 1f1b selective:pointwise", "llama recompute zbv full"):
+            assert case in trained and results[case]["recomputed"], case
         saved = results["save gpt2"]
         assert saved["equal"] and saved["tied"] and len(saved["files"]) > 1, saved
         assert results["bad cut"].startswith("PipelineLayoutError") and "whole blocks" in results["bad cut"]
@@ -298,15 +348,23 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
         expected = 6 * 9 + 3 if "llama" in case else None
         if expected:
             assert len(held[0] | held[1]) == expected, case
+        if "recompute" in case:  # every block recomputed, each on the rank that holds it
+            recomputed = [set(r[case]["recomputed"]) for r in ranks]
+            assert recomputed[0] | recomputed[1] == {f"model.layers.{i}" for i in range(6)}, case
+            assert not recomputed[0] & recomputed[1], case
 
 
 # --------------------------------------------------------------------------------------------- 4 gloo ranks
 def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
-    """pp 2 x dp 2 (Llama under 1f1b, GPT-2 with its tie under zbv): each data-parallel group on its rows of
-    one global batch whose groups hold different token counts; the loss is the global batch's and the
-    gradients, clipping norm, parameters after two AdamW steps and evaluation outputs are one process's on
-    it; save_pretrained reloads with identical tensors; data_parallel_loader gives a pipeline's ranks the
-    same rows and the groups together plain accelerate's rows of each step."""
+    """pp 2 x dp 2 (Llama under 1f1b, GPT-2 with its tie under zbv) under DDP, pp 2 x dp 2 under FSDP (Llama;
+    GPT-2 with its tie across ranks), pp 2 x tp 2 (Llama, the planner's Megatron-LM placements and full
+    recompute inside the stages): each data-parallel group on its rows of one global batch whose groups hold
+    different token counts; the loss is the global batch's and the gradients, clipping norm, parameters after
+    two AdamW steps and evaluation outputs are one process's on it; save_pretrained reloads with identical
+    tensors; data_parallel_loader gives a pipeline's ranks the same rows and the groups together plain
+    accelerate's rows of each step. Accumulation with a micro-step inside model.no_sync() defers the dp
+    all-reduce to the last backward (each gradient reduced once) and gives one process's gradients; so does the
+    Trainer's contract (num_items_in_batch of the window, loss x dp), whose logged loss is one process's."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "pipeline_dp.json"
@@ -314,16 +372,38 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
     ranks = json.loads(out.read_text())
     for rank, results in enumerate(ranks):
         group = rank % 2  # mesh (pp, dp, tp) = (2, 2, 1): rank = pp_index * 2 + dp_index
-        for case in ("llama 1f1b", "gpt2 tied zbv"):
+        cases = {  # data_parallel_info: (dp rank, dp size, tp size, pp size, world)
+            "llama 1f1b": [group, 2, 1, 2, 4],
+            "gpt2 tied zbv": [group, 2, 1, 2, 4],
+            "llama fsdp 1f1b": [group, 2, 1, 2, 4],
+            "llama tp 1f1b": [0, 1, 2, 2, 4],  # mesh (2, 1, 2): the tensor-parallel pair reads the same rows
+            "gpt2 tied fsdp 1f1b": [group, 2, 1, 2, 4],
+        }
+        for case, info in cases.items():
             got = results[case]
-            assert got["info"] == [group, 2, 1, 2, 4], (rank, got["info"])
+            assert got["info"] == info, (rank, case, got["info"])
             assert abs(got["loss"] - got["ref_loss"]) <= 1e-5 * got["ref_loss"], (case, got)
             assert got["grad_err"] <= 1e-5 and got["param_err_lr"] <= 1e-2, (case, got)
             assert abs(got["norm"] - got["ref_norm"]) <= 1e-5 * got["ref_norm"], (case, got)
             assert abs(got["eval_loss"] - got["ref_eval_loss"]) <= 1e-5 * got["ref_eval_loss"], (case, got)
             assert got["eval_logits_err"] <= 1e-5, (case, got)
-        saved = results["gpt2 tied zbv"]["saved"]
-        assert saved["equal"] and saved["tied"], saved
+        # what each rank stores: whole stages under DDP, about half under FSDP over 2, the Megatron-LM
+        # projections' halves under tp 2; recompute on the tp case's blocks (1 on pp rank 0, 2 on pp rank 1)
+        assert results["llama 1f1b"]["local_fraction"] == 1.0
+        assert 0.45 <= results["llama fsdp 1f1b"]["local_fraction"] <= 0.55, results["llama fsdp 1f1b"]
+        assert 0.5 < results["llama tp 1f1b"]["local_fraction"] < 0.9, results["llama tp 1f1b"]
+        assert results["llama tp 1f1b"]["recomputed"] == 1 + rank // 2
+        assert results["llama fsdp 1f1b"]["recomputed"] == 0
+        for case in ("gpt2 tied zbv", "llama fsdp 1f1b", "llama tp 1f1b", "gpt2 tied fsdp 1f1b"):
+            saved = results[case]["saved"]
+            assert saved["equal"] and saved["tied"] == ("gpt2" in case), (case, saved)
+        deferred = results["deferred accumulation"]  # no_sync: nothing reduced over dp, nothing in .grad yet
+        assert deferred["during_no_sync"] == [0, 0], deferred
+        assert deferred["reduced"] == deferred["params"], deferred  # then each gradient once
+        assert deferred["grad_err"] <= 1e-5, deferred
+        contract = results["trainer contract"]  # num_items_in_batch and loss x dp, as the Trainer runs it
+        assert contract["grad_err"] <= 1e-5, contract
+        assert abs(contract["logged"] - contract["ref_loss"]) <= 1e-5 * contract["ref_loss"], contract
         assert results["loader rows"] == [
             [4 * group + i for i in range(4)],
             [8 + 4 * group + i for i in range(4)],

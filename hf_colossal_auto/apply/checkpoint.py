@@ -29,7 +29,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import dcp_metadata_path
@@ -105,11 +104,15 @@ def one_process_is_fine() -> Iterator[None]:
         yield
 
 
-def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    from .pipeline import refuse_if_pipelined
+def _training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, form: str | None = None
+) -> dict:
+    """DCP's state of ``model`` (and ``optimizer``) as a checkpoint holds it, whatever the plan (pipeline
+    stages included: :func:`.pipeline_checkpoint.checkpoint_state`); ``form``: the optimizer state's form to
+    read (a checkpoint's), default the one to write."""
+    from .pipeline_checkpoint import checkpoint_state
 
-    refuse_if_pipelined(model, "a training-state checkpoint")
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    model_sd, optim_sd = checkpoint_state(model, [optimizer] if optimizer is not None else [], form)
     state = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optim_sd
@@ -117,20 +120,22 @@ def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -
 
 
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
-    """Write the sharded model (and optimizer) state under ``path`` (a directory), one file per rank."""
+    """Write the sharded model (and optimizer) state under ``path`` (a directory), one file per rank (under
+    pipeline stages each rank its stages' tensors)."""
     dcp.save(_training_state(model, optimizer), checkpoint_id=str(path))
 
 
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
     """Load what :func:`save_checkpoint` wrote, into a model parallelized with the same plan or another one
-    (or not at all: one process, plain tensors). DCP reshards: each rank reads the slices its tensors cover."""
-    state = _training_state(model, optimizer)
+    (pipeline stages or not), or not at all (one process, plain tensors). DCP reshards: each rank reads the
+    slices its tensors cover."""
+    from .pipeline_checkpoint import restore_state, saved_format
+
+    form = saved_format(path) if optimizer is not None else None
+    state = _training_state(model, optimizer, form)
     load_sharded(state, path)
-    set_state_dict(
-        model,
-        optimizer if optimizer is not None else [],
-        model_state_dict=state["model"],
-        optim_state_dict=state.get("optimizer", {}),
+    restore_state(
+        model, [optimizer] if optimizer is not None else [], state["model"], state.get("optimizer", {})
     )
 
 
@@ -146,6 +151,12 @@ def load_full_optimizer_state(
     tensor of another shape than the parameter it is matched to, is an error that says so."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    from .pipeline import is_pipelined
+    from .pipeline_checkpoint import load_positional_optimizer_state
+
+    if is_pipelined(model):  # this rank's stages' parameters, matched through the whole model's order
+        load_positional_optimizer_state(model, optimizer, saved, source)
+        return
     names = {id(p): n for n, p in model.named_parameters()}
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # a DTensor's shape is the global one
     groups, saved_groups = optimizer.param_groups, saved.get("param_groups", [])

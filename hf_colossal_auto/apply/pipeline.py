@@ -20,24 +20,41 @@ elsewhere become stand-ins without parameters. ``model.parameters()`` is this ra
 from it trains it. A model built on ``meta`` is materialised for this rank's modules only: the other stages'
 tensors are drawn one module at a time (the init's RNG sequence, so each kept value is the whole model's) and
 left on meta (:func:`.materialize.materialize_meta_model`, ``keep``). A real model starts from rank 0's values
-(broadcast to every rank before the cut).
+(broadcast to every rank before the cut). With ``pretrained=`` a checkpoint's tensors are read instead, this
+rank's stages' only (:func:`.pretrained.load_pretrained`, ``keep``: on ``meta`` nothing else is allocated;
+the whole model's keys are checked against the checkpoint first).
+
+What runs inside a stage (:func:`_run_plan_in_stages`): the plan's tensor parallelism, FSDP/HSDP and
+per-block recompute, keyed by the whole model's names as in a plan without stages, on the ``(dp, tp)``
+sub-mesh of this rank's pp coordinate, by the runtime's own pieces (:mod:`.runtime`, :mod:`.recompute`). What
+the runtime installs on a whole model's *top* forward (inputs as DTensors, the planned forward's context,
+outputs back to tensors) each :class:`StageModule` does around its own forward, since stages run the model's
+inner forwards; and each stage is its own FSDP root, as torchtitan shards each model part.
 
 What the model does then (:mod:`.pipeline_runner`): its forward is the pipeline's. A training forward runs
 the schedule (forwards and backwards of every micro-batch) and returns a loss whose backward applies the
 step's gradients, so the user's loop runs unchanged; an evaluation forward runs the stages forward only and
 returns the logits on every rank. Data parallelism inside a stage is DDP over the mesh's ``dp`` axis (each
-replica a whole pipeline; gradients summed over it, the loss normalised by the global batch's tokens).
-``save_pretrained`` writes every stage from rank 0 (:mod:`.pipeline_save`).
+replica a whole pipeline; gradients summed over it, the loss normalised by the global batch's tokens) or
+FSDP/HSDP (gradients reduce-scattered as sums). ``save_pretrained`` writes every stage from rank 0
+(:mod:`.pipeline_save`).
 
-Not yet: tensor parallelism, FSDP or recompute inside a stage (refused by name), ``pretrained=`` per stage,
-training-state checkpoints (DCP) and full state dicts (refused by name).
+Training-state checkpoints (DCP: ``accelerator.save_state``, the Trainer's, ``save_checkpoint``) are written
+per stage and read under any plan (:mod:`.pipeline_checkpoint`).
+
+Not yet (refused by name): experts split over the data-parallel axis inside a stage, selective recompute under
+the split-backward schedules (zero bubble), FSDP of a tied embedding held twice on one rank, full state dicts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import functools
 import logging
 import os
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._torch_compat import tensor_is_view
 from ..pipeline_layout import PipelineLayout, PipelineLayoutError, find_layout
 from ..plan import Plan
+from ..recompute_options import parse_option
 from .agree import DEFAULT_TIMEOUT_S, as_timedelta, raise_if_any_rank_failed, set_timeout
 from .materialize import is_meta_model, materialize_meta_model
 from .pipeline_runner import _SCHEDULES, BATCH_KEYS, PipelineRunner, PipelineRuntimeError, _split_batch
@@ -163,14 +181,32 @@ class StageModule(nn.Module):
             root._modules[layout.base] = base
             self.root = root
 
+        self.tp_mesh: DeviceMesh | None = None
+        """Set by :func:`_run_plan_in_stages` when the plan shards: the stage then runs on DTensors."""
+        self.forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        """Around each forward: the planned model's (:func:`.runtime.planned_forward`)."""
+
     def forward(self, x: torch.Tensor, **per_token: torch.Tensor) -> torch.Tensor:
+        """The stage's part of the model's forward. Under tensor parallelism its inputs (the rank's whole
+        micro-batch, or the hidden states received whole) become DTensors replicated over the tensor-parallel
+        group, as the runtime's forward does for a whole model, and its output comes back whole: what is sent
+        to the next stage is the hidden states every rank of the group holds alike."""
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
-        out = self.root(**inputs, **per_token, use_cache=False)
-        if self.is_last:
-            return out.logits
-        hidden = out.last_hidden_state
-        # a view (GPT-2 reshapes its output) cannot be detached in place, as torch's stages do after backward
-        return hidden.clone() if tensor_is_view(hidden) else hidden
+        inputs.update(per_token)
+        if self.tp_mesh is not None:
+            from .runtime import inputs_on_mesh
+
+            inputs = inputs_on_mesh(inputs, self.tp_mesh)
+        with self.forward_context():
+            out = self.root(**inputs, use_cache=False)
+        result = out.logits if self.is_last else out.last_hidden_state
+        if self.tp_mesh is not None:
+            from .runtime import local_outputs
+
+            result = local_outputs(result)
+        # a view (GPT-2 reshapes its output; a replicated DTensor's local tensor) cannot be detached in place,
+        # as torch's stages do after backward
+        return result.clone() if tensor_is_view(result) else result
 
 
 # --------------------------------------------------------------------------------------------- the cut
@@ -211,6 +247,25 @@ def _tied_parameters(model: nn.Module, layout: PipelineLayout) -> list[nn.Parame
     return [p for p in model.get_submodule(layout.head).parameters() if id(p) in embedding]
 
 
+def _tied_names(model: nn.Module, layout: PipelineLayout) -> list[tuple[str, str]]:
+    """``(embedding FQN, head FQN)`` of each head parameter that is the embedding's own, read off the whole
+    model: after the cut a rank holds one of the two names, or both."""
+    embedding = {
+        id(p): f"{layout.embedding}.{n}" for n, p in model.get_submodule(layout.embedding).named_parameters()
+    }
+    return [
+        (embedding[id(p)], f"{layout.head}.{n}")
+        for n, p in model.get_submodule(layout.head).named_parameters()
+        if id(p) in embedding
+    ]
+
+
+def _held_tied(model: nn.Module, names: list[tuple[str, str]]) -> list[nn.Parameter]:
+    """This rank's tied parameters (:func:`_tied_names`) as the cut, planned model holds them now."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return [params[a] if a in params else params[b] for a, b in names if a in params or b in params]
+
+
 def _device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -219,35 +274,122 @@ def _device(mesh: DeviceMesh) -> torch.device:
 
 def check_pipeline_plan(model: nn.Module, plan: Plan) -> PipelineLayout:
     """The model's layout, after checking that the plan's stages cut it whole and that the runtime runs the
-    plan (pp x DDP, no tensor parallelism, no FSDP inside a stage, no recompute for now). Raises
+    plan inside a stage: tensor parallelism, DDP/FSDP/HSDP and recompute run; experts split over the
+    data-parallel axis, and FSDP of an embedding tied to a head on the same rank, do not. Raises
     :class:`PipelineLayoutError` or :class:`PipelineRuntimeError`."""
-    if plan.tp_size > 1:
+    if plan.expert_data_parallel:
         raise PipelineRuntimeError(
-            f"the plan runs pipeline stages with tp={plan.tp_size}; the pipeline runtime runs no tensor "
-            "parallelism inside a stage yet. Plan with mesh (pp, dp, 1), or without pipeline stages."
+            f"the plan runs pipeline stages with experts split over the data-parallel axis "
+            f"({len(plan.expert_data_parallel)} MoE layers in expert_data_parallel), which the pipeline runtime "
+            "does not apply inside a stage yet; plan without them (dp_modes without 'ddp-ep'/'fsdp-ep'), or "
+            "without pipeline stages"
         )
-    if plan.dp_size > 1 and plan.dp_mode != "ddp":
+    selective = sorted(
+        fqn for fqn, text in plan.recompute.items() if not (o := parse_option(text)).is_none and not o.is_full
+    )
+    if selective and plan.schedule in _SPLIT_BACKWARD:
         raise PipelineRuntimeError(
-            f"the plan runs pipeline stages with dp_mode {plan.dp_mode!r}; inside a stage the pipeline runtime "
-            "runs DDP only (FSDP/HSDP are not applied to a stage's blocks yet). Plan with dp_mode 'ddp', or "
-            "without pipeline stages."
-        )
-    unsupported = [
-        name
-        for name, value in (
-            ("recompute", any(option != "none" for option in plan.recompute.values())),
-            ("expert_data_parallel", bool(plan.expert_data_parallel)),
-        )
-        if value
-    ]
-    if unsupported:
-        raise PipelineRuntimeError(
-            f"the plan runs pipeline stages with {', '.join(unsupported)}, which the pipeline runtime does not "
-            "apply inside a stage yet; plan without them, or without pipeline stages"
+            f"the plan recomputes {len(selective)} blocks selectively ({selective[0]}: "
+            f"{plan.recompute[selective[0]]!r}) under the {plan.schedule!r} schedule, which runs each backward "
+            "in two passes (input gradients, then weight gradients); torch's selective checkpoint allows one "
+            "backward through a recomputed region. Plan with recompute 'full' or 'none' for those blocks, or "
+            "with schedule 'gpipe', '1f1b' or 'interleaved-1f1b'."
         )
     layout = find_layout(model)
     layout.block_ranges(plan.stages)
+    ranks = plan.stage_ranks()
+    if _fsdp(plan) and ranks[0] == ranks[-1] and _tied_parameters(model, layout):
+        raise PipelineRuntimeError(
+            f"the plan runs the first and the last pipeline stage of {type(model).__name__} on one rank "
+            f"(schedule {plan.schedule!r}) under {plan.dp_mode.upper()}, and its head is tied to its embedding: "
+            "both stages would shard that one parameter as their own, which FSDP does not do. Plan with "
+            "dp_mode 'ddp', another schedule (the first and last stages on different ranks), or untied "
+            "embeddings."
+        )
     return layout
+
+
+_SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv")
+"""Schedules that split each backward into an input-gradient and a weight-gradient pass."""
+
+
+def _held_part(plan: Plan, held: dict[str, nn.Module], tied_names: Sequence[tuple[str, str]]) -> Plan:
+    """``plan`` as this rank's cut model reads it: recompute of the blocks it holds only (the others' are not
+    missing), and a head tied to the embedding placed as the embedding (the plan lists a tie once, under the
+    embedding's name, which the last stage's rank does not hold)."""
+    placements = dict(plan.param_placements)
+    for embedding, head in tied_names:
+        if embedding in placements:
+            placements.setdefault(head, placements[embedding])
+    recompute = {fqn: option for fqn, option in plan.recompute.items() if fqn in held}
+    return dataclasses.replace(plan, param_placements=placements, recompute=recompute)
+
+
+def _fsdp(plan: Plan) -> bool:
+    """Whether the plan shards over its data-parallel axis with FSDP (or HSDP) inside each stage."""
+    return plan.dp_mode in ("fsdp", "hsdp") and plan.dp_size > 1
+
+
+def _run_plan_in_stages(
+    model: nn.Module,
+    stages: list[StageModule],
+    plan: Plan,
+    mesh: DeviceMesh,
+    tied_names: Sequence[tuple[str, str]] = (),
+) -> None:
+    """The plan's placements, recompute and data-parallel mode on this rank's stages, by the runtime's own
+    pieces (:mod:`.runtime`), on the ``(dp, tp)`` sub-mesh of this rank's pp coordinate. ``model`` is already
+    cut to this rank's modules (their FQNs the full model's, as the plan keys them); the stages share them.
+
+    * a plan that shards (:attr:`~hf_colossal_auto.plan.Plan.shards_nothing` false): parameters become
+      DTensors on the tensor-parallel sub-mesh (:func:`.runtime.distribute_parameters`), the plan's module
+      hooks are installed (:func:`.runtime.install_placement_hooks`), and each stage's forward runs on
+      DTensors (:class:`StageModule`) inside the planned forward's context (the tensor-parallel group's
+      generators, partial gradients reduced where they are made);
+    * recompute per block (:func:`.recompute.apply_recompute`, the blocks this rank holds), inside FSDP's
+      units as in the runtime;
+    * FSDP/HSDP: each stage is an FSDP2 root over its blocks' units (:func:`.runtime._fully_shard`), as
+      torchtitan shards each model part, kept gathered from forward to backward (``reshard_after_forward``
+      False: a stage runs several micro-batches' forwards before their backwards); torch's ``PipelineStage``
+      defers the gradient reduction to the last micro-batch. Gradients are reduce-scattered as *sums* (divide
+      factor 1): each replica's loss is its share of the global batch's, normalised by the global token count
+      (:mod:`.pipeline_runner`), so the global gradient is their sum, as DDP's all-reduce makes it."""
+    from .recompute import apply_recompute
+    from .rng import agreed_forward, install_tensor_parallel_rng
+    from .runtime import (
+        _fully_shard,
+        data_parallel_shard_mesh,
+        distribute_parameters,
+        install_dtensor_rules,
+        install_placement_hooks,
+        install_sdpa_mask_placement,
+        planned_forward,
+        tensor_parallel_mesh,
+    )
+
+    sharded = not plan.shards_nothing
+    held = dict(model.named_modules())
+    plan = _held_part(plan, held, tied_names)
+    if sharded:
+        install_dtensor_rules(plan)
+        distribute_parameters(model, plan, mesh)
+        install_placement_hooks(model, plan, mesh)
+        install_sdpa_mask_placement()
+    recomputed = apply_recompute(model, plan)
+    install_tensor_parallel_rng(model, mesh, recomputed=bool(recomputed))
+    for stage in stages:
+        stage.tp_mesh = tensor_parallel_mesh(mesh) if sharded else None
+        stage.forward_context = functools.partial(planned_forward if sharded else agreed_forward, model)
+    if _fsdp(plan):
+        from torch.distributed.fsdp import FSDPModule
+
+        dp_mesh = data_parallel_shard_mesh(plan, mesh)
+        for stage in stages:
+            _fully_shard(stage, dp_mesh, reshard_after_forward=False)
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):  # a plain sum (gloo has no pre-multiplied sum)
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)
 
 
 def apply_pipeline_plan(
@@ -264,19 +406,21 @@ def apply_pipeline_plan(
     ``pp_size > 1``, with the same arguments. Collective over the job. The plan is checked against the model
     (names, shapes, world size, the stages' cut) on every rank first: each rank raises the same error, before
     anything is allocated."""
-    from .runtime import _processes_are_real, _validate_on_every_rank, build_mesh
+    from .runtime import (
+        _processes_are_real,
+        _validate_on_every_rank,
+        build_mesh,
+        release_freed_memory,
+        remap_optimizers_by_name,
+    )
 
-    if pretrained is not None:
-        raise PipelineRuntimeError(
-            "pretrained= is not run under pipeline stages yet: apply the plan to a model built with its weights "
-            "(from_pretrained on one device), or plan without pipeline stages"
-        )
     world = dist.get_world_size() if dist.is_initialized() else None
     if world is None:
         raise PipelineRuntimeError(
             "a pipeline plan runs in a torch.distributed job (torchrun), one rank a stage"
         )
     _validate_on_every_rank(model, plan, world)
+    originals = list(model.named_parameters(remove_duplicate=False))
     if mesh is None:
         mesh = build_mesh(plan)
     if timeout is not None and _processes_are_real():
@@ -295,35 +439,50 @@ def apply_pipeline_plan(
     ranges = layout.block_ranges(plan.stages)
     blocks = [i for s in mine for i in ranges[s]]
     device = _device(mesh)
-    if is_meta_model(model):
+    if pretrained is not None:  # this rank's stages' tensors only, read from the checkpoint's files
+        from .pretrained import load_pretrained
+
+        on_meta = is_meta_model(model)
+        keep = _keeps(held, layout.shared)
+        model._hf_colossal_auto_load_report = load_pretrained(model, pretrained, device=device, keep=keep)
+        if not on_meta:
+            model.to(device)
+    elif is_meta_model(model):
         materialize_meta_model(model, device, keep=_keeps(held, layout.shared))
     else:
         _broadcast_real_model(model)
         model.to(device)
-    tied = _tied_parameters(model, layout)  # after materialising: it makes new parameters
-    tie_group = _tie_group(plan, mesh, bool(tied))
+    tied_names = _tied_names(model, layout)
+    tie_group = _tie_group(plan, mesh, bool(tied_names))
     holds_tie = 0 in mine or plan.num_stages - 1 in mine
     stages = [StageModule(model, layout, s, plan.num_stages, ranges[s]) for s in mine]
     record_saved_names(model)  # what save_pretrained writes, read off the whole model
     _cut_model(model, layout, blocks, held)
+    _run_plan_in_stages(model, stages, plan, mesh, tied_names)
+    tied = _held_tied(model, tied_names)  # after distributing and FSDP, which replace the parameters
     dp_group = mesh.get_group("dp") if plan.dp_size > 1 else None
     runner = PipelineRunner(
-        model, plan, layout, stages, group, device, tie_group, tied if holds_tie else [], dp_group
-    )
+        model, plan, layout, stages, group, device, tie_group, tied if holds_tie else [], dp_group,
+        fsdp=_fsdp(plan),
+    )  # fmt: skip
     setattr(model, _PIPELINE, runner)
     _install_forward(model, runner)
     model._hf_colossal_auto_plan = plan
     model._hf_colossal_auto_mesh = mesh
     install_pipeline_save(model, as_timedelta(timeout or DEFAULT_TIMEOUT_S).total_seconds())
+    remap_optimizers_by_name(model, originals, optimizers)
+    release_freed_memory()
     kept = {id(p) for p in model.parameters()}
     for optimizer in optimizers:  # an optimizer made before: only this rank's parameters remain
         for param_group in optimizer.param_groups:
             param_group["params"] = [p for p in param_group["params"] if id(p) in kept]
     logger.info(
-        "pipeline rank %d of %d (dp %d): stages %s (blocks %s), schedule %s, %d micro-batches",
+        "pipeline rank %d of %d (dp %d %s, tp %d): stages %s (blocks %s), schedule %s, %d micro-batches",
         rank,
         plan.pp_size,
         plan.dp_size,
+        plan.dp_mode,
+        plan.tp_size,
         mine,
         blocks,
         plan.schedule,
@@ -352,8 +511,10 @@ def _tie_group(plan: Plan, mesh: DeviceMesh, tied: bool) -> dist.ProcessGroup | 
 def _install_forward(model: nn.Module, runner: PipelineRunner) -> None:
     """The model's forward becomes the pipeline's (its own would run only this rank's blocks): a plain
     function, as the runtime's other forward wrapper, so that accelerate's autocast wrapper (which re-binds a
-    bound method's ``__func__`` to the model) wraps it intact."""
+    bound method's ``__func__`` to the model) wraps it intact. It carries the model's own signature
+    (``functools.wraps``): the Trainer keeps the dataset columns the forward names."""
 
+    @functools.wraps(model.forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
         return runner.forward(*args, **kwargs)
 
@@ -373,12 +534,17 @@ def is_pipelined(model: nn.Module) -> bool:
     return getattr(model, _PIPELINE, None) is not None
 
 
-def refuse_if_pipelined(model: nn.Module, what: str) -> None:
-    """Training-state checkpoints (DCP) and full state dicts are not taken per stage yet: refused by name
-    instead of holding or writing one stage as if it were the model."""
+def refuse_if_pipelined(model: nn.Module, what: str, instead: str | None = None) -> None:
+    """What a pipelined model cannot do (each rank holds only its stages), refused by name instead of taking one
+    stage for the model; ``instead``: what to do (default: export with save_pretrained, checkpoint training
+    state with save_state / save_checkpoint)."""
     if is_pipelined(model):
         raise PipelineRuntimeError(
-            f"{what} of the pipelined {type(model).__name__} is not done per pipeline stage yet (each rank holds "
-            "only its stages). Export the model with save_pretrained / accelerator.save_model (every stage is "
-            "written), or train without pipeline stages to checkpoint training state."
+            f"{what} of the pipelined {type(model).__name__} is not done per pipeline stage (each rank holds "
+            "only its stages). "
+            + (
+                instead
+                or "Export the model with save_pretrained / accelerator.save_model (every stage is written), and "
+                "checkpoint training state with accelerator.save_state or save_checkpoint (each rank its stages)."
+            )
         )

@@ -21,7 +21,14 @@ shifted inside, -100 ignored) per micro-batch as a sum over its tokens divided b
 schedule does not rescale (``scale_grads=False``). The micro-batch losses of all replicas add up to one
 process's mean loss over the global batch, and so do the gradients, which are therefore *summed* over the
 data-parallel axis (an all-reduce per step): the result is one process's on the global batch, also when the
-replicas' batches hold different token counts. The loss returned on every rank is that global loss.
+replicas' batches hold different token counts (under FSDP the reduce-scatter sums them). The loss returned on
+every rank is that global loss. Gradients of DTensor parameters (tensor parallelism, FSDP) are the
+parameters' placements; the norm :meth:`PipelineRunner.clip_grad_norm_` clips by is the whole model's.
+
+A caller that passes ``num_items_in_batch`` (transformers' Trainer, counting the label tokens of every process
+over its gradient-accumulation window) follows DDP's contract instead: the loss is normalised by that count,
+the value returned is this pipeline's (not summed over dp), and the gradients are *averaged* over dp — the
+Trainer multiplies the loss by the data-parallel replicas itself, as it does for DDP's averaging.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from torch import nn
 
 from ..pipeline_layout import PipelineLayout
 from ..plan import Plan
+from .pipeline_sync import ReplicaSync
 
 logger = logging.getLogger(__name__)
 
@@ -79,19 +87,24 @@ class _StepGradients(torch.autograd.Function):
     by the schedule in the forward) to each parameter's ``.grad``; it has no gradient of its own inputs."""
 
     @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, anchor: torch.Tensor, grads: list) -> torch.Tensor:
-        ctx.grads = grads
+    def forward(
+        ctx: Any, loss: torch.Tensor, anchor: torch.Tensor, grads: list, sink: Any = None
+    ) -> torch.Tensor:
+        ctx.grads, ctx.sink = grads, sink
         return loss.detach().clone()
 
     @staticmethod
-    def backward(ctx: Any, incoming: torch.Tensor) -> tuple[None, None, None]:
+    def backward(ctx: Any, incoming: torch.Tensor) -> tuple[None, None, None, None]:
+        if ctx.sink is not None:  # the dp reduction deferred (:mod:`.pipeline_sync`)
+            ctx.sink(ctx.grads, incoming)
+            return None, None, None, None
         for param, grad in ctx.grads:
             add = grad * incoming.to(grad.dtype)
             if param.grad is None:
                 param.grad = add
             else:
                 param.grad.add_(add)
-        return None, None, None
+        return None, None, None, None
 
 
 class PipelineRunner:
@@ -111,10 +124,15 @@ class PipelineRunner:
         tie_group: dist.ProcessGroup | None,
         tied: list[nn.Parameter],
         dp_group: dist.ProcessGroup | None = None,
+        *,
+        fsdp: bool = False,
     ):
         self.model, self.plan, self.layout, self.stages = model, plan, layout, stages
         self.group, self.device, self.dp_group = group, device, dp_group
+        self.fsdp = fsdp  # FSDP reduces the gradients over dp itself (summed: apply/pipeline.py)
         self.tie_group, self.tied = tie_group, tied
+        # no_sync defers the dp reduction (not FSDP's, which reduce-scatters each step itself)
+        self.replica_sync = ReplicaSync(model, None if fsdp else dp_group, plan.dp_size)
         ranks = plan.stage_ranks()
         self.last_rank = dist.get_global_rank(group, ranks[-1])
         self.holds_first = any(s.is_first for s in stages)
@@ -125,20 +143,23 @@ class PipelineRunner:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The cut model's forward: a training step (grad enabled, ``model.training``) or an evaluation."""
         batch = _forward_batch(type(self.model).__name__, args, kwargs)
+        items = batch.pop("num_items_in_batch", None)  # the Trainer's count (see the module docstring)
         if torch.is_grad_enabled() and self.model.training:
-            return self.training_forward(batch)
-        return self.eval_forward(batch)
+            return self.training_forward(batch, items)
+        return self.eval_forward(batch, items)
 
-    def training_forward(self, batch: Mapping[str, Any]) -> Any:
+    def training_forward(self, batch: Mapping[str, Any], num_items: Any = None) -> Any:
         """The schedule's forwards and backwards over ``batch``; the returned output's ``loss`` applies the
         step's gradients when its backward runs (:class:`_StepGradients`). No logits (see the module)."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        loss, grads = self._train_step(batch)
+        defer = self.replica_sync.deferring()
+        loss, grads = self._train_step(batch, num_items, reduce=not defer)
+        sink = self.replica_sync.receiver(average=num_items is not None) if defer else None
         anchor = torch.zeros((), device=loss.device, requires_grad=True)
-        return CausalLMOutputWithPast(loss=_StepGradients.apply(loss, anchor, grads))
+        return CausalLMOutputWithPast(loss=_StepGradients.apply(loss, anchor, grads, sink))
 
-    def eval_forward(self, batch: Mapping[str, Any]) -> Any:
+    def eval_forward(self, batch: Mapping[str, Any], num_items: Any = None) -> Any:
         """A forward-only pass: the logits (on every rank) and, with labels, the global loss.
 
         Not torch's ``schedule.eval()``: on torch 2.13 it fails under "zbv" (the V's two stages on one rank
@@ -151,11 +172,14 @@ class PipelineRunner:
         input_ids, labels, kwargs = _split_batch(
             batch, self.plan.micro_batches, self.device, need_labels=False
         )
-        count = self._token_count(labels) if labels is not None else None
+        count = self._count(labels, num_items) if labels is not None else None
         with torch.no_grad():
-            logits, losses = self._forward_stages(input_ids, labels, kwargs, count)
+            try:
+                logits, losses = self._forward_stages(input_ids, labels, kwargs, count)
+            finally:
+                self._reshard()
             logits = self._broadcast_logits(logits)
-            loss = None if labels is None else self._global_loss(losses)
+            loss = None if labels is None else self._global_loss(losses, over_dp=num_items is None)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def _forward_stages(
@@ -206,9 +230,12 @@ class PipelineRunner:
             param.grad = grad if param.grad is None else param.grad.add_(grad)
         return loss
 
-    def _train_step(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, list]:
+    def _train_step(
+        self, batch: Mapping[str, Any], num_items: Any = None, reduce: bool = True
+    ) -> tuple[torch.Tensor, list]:
         """Run the schedule; returns the global loss and ``(parameter, gradient)`` of the step, summed over the
-        tied copies and the data-parallel replicas, leaving ``.grad`` as it was."""
+        tied copies and (unless ``reduce`` is False: deferred) the data-parallel replicas, leaving ``.grad`` as
+        it was. ``num_items``: the caller's ``num_items_in_batch`` (see the module docstring)."""
         input_ids, labels, kwargs = _split_batch(batch, self.plan.micro_batches, self.device)
         schedule = self._schedule(input_ids.shape, kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -222,16 +249,18 @@ class PipelineRunner:
                 target=labels if self.holds_last else None,
                 losses=losses,
                 return_outputs=False,
-                loss_kwargs={"num_items_in_batch": self._token_count(labels)},
+                loss_kwargs={"num_items_in_batch": self._count(labels, num_items)},
                 **kwargs,
             )
+            _gradients_to_placements(params)
             self._sum_tied_gradients()
-            self._sum_over_replicas(params)
+            if reduce:  # else deferred to the backward (:mod:`.pipeline_sync`)
+                self._sum_over_replicas(params, average=num_items is not None)
             grads = [(p, p.grad) for p in params if p.grad is not None]
         finally:
             for param, grad in zip(params, saved, strict=True):
                 param.grad = grad
-        return self._global_loss(losses), grads
+        return self._global_loss(losses, over_dp=num_items is None), grads
 
     def _schedule(self, shape: torch.Size, kwargs: dict[str, torch.Tensor]) -> Any:
         key = (tuple(shape), tuple(sorted((k, tuple(v.shape)) for k, v in kwargs.items())))
@@ -248,11 +277,14 @@ class PipelineRunner:
         mine = [p.grad.detach() for p in params if id(p) not in skip]
         norm_type = float(norm_type)
         if norm_type == float("inf"):
-            total = max((g.abs().max() for g in mine), default=torch.zeros((), device=self.device)).float()
+            total = max(
+                (_whole(g.abs().max()) for g in mine), default=torch.zeros((), device=self.device)
+            ).float()
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
         else:
             total = sum(
-                (g.float().norm(norm_type) ** norm_type for g in mine), torch.zeros((), device=self.device)
+                (_whole(g.float().norm(norm_type)) ** norm_type for g in mine),
+                torch.zeros((), device=self.device),
             )
             dist.all_reduce(total, group=self.group)
             total = total ** (1.0 / norm_type)
@@ -269,11 +301,19 @@ class PipelineRunner:
             dist.all_reduce(count, group=self.dp_group)
         return count
 
-    def _global_loss(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
-        """The last stage's micro-batch losses summed, on every rank of the pipeline, summed over dp."""
+    def _count(self, labels: torch.Tensor, num_items: Any) -> Any:
+        """What the loss is normalised by: the caller's ``num_items_in_batch`` when given, else the global
+        batch's label tokens."""
+        if num_items is None:
+            return self._token_count(labels)
+        return num_items.to(self.device) if isinstance(num_items, torch.Tensor) else num_items
+
+    def _global_loss(self, losses: list[torch.Tensor] | None, over_dp: bool = True) -> torch.Tensor:
+        """The last stage's micro-batch losses summed, on every rank of the pipeline, summed over dp (else
+        this pipeline's)."""
         loss = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
-        if self.dp_group is not None:
+        if over_dp and self.dp_group is not None:
             dist.all_reduce(loss, group=self.dp_group)
         return loss
 
@@ -295,15 +335,64 @@ class PipelineRunner:
         for param in self.tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=self.tie_group)
+            # both copies are sharded alike (the same plan, the same dp/tp coordinates): shards add up
+            dist.all_reduce(_local(param.grad), group=self.tie_group)
 
-    def _sum_over_replicas(self, params: list[nn.Parameter]) -> None:
-        """Each replica's gradient is of its rows' share of the global loss: the global gradient is the sum."""
+    def _sum_over_replicas(self, params: list[nn.Parameter], average: bool = False) -> None:
+        """Each replica's gradient is of its rows' share of the global loss: the global gradient is the sum
+        (FSDP's reduce-scatter already summed it; ``average``: DDP's mean, for a caller that scales the loss by
+        the replicas itself)."""
         if self.dp_group is None:
             return
         for param in params:
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=self.dp_group)
+            if param.grad is None:
+                continue
+            if not self.fsdp:
+                dist.all_reduce(_local(param.grad), group=self.dp_group)
+            if average:
+                param.grad.div_(self.plan.dp_size)
+
+    def _reshard(self) -> None:
+        """FSDP: free the blocks an evaluation forward gathered (kept gathered after forward, for backward),
+        so that the model's parameters are the sharded ones again."""
+        if not self.fsdp:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for stage in self.stages:
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (sharing its storage: collectives on it act on the DTensor), a tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A reduction of a DTensor gradient (its norm) as the whole tensor's, a plain value itself."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _gradients_to_placements(params: list[nn.Parameter]) -> None:
+    """Each DTensor gradient in its parameter's placements (a tensor-parallel gradient may come out partial:
+    the runtime's hook does this per backward; the zero-bubble schedules' weight gradients are set outside
+    autograd's accumulation, where no hook runs). FSDP's gradients are already the parameters'."""
+    from torch.distributed.tensor import DTensor
+
+    for param in params:
+        grad = param.grad
+        moved = isinstance(grad, DTensor) and isinstance(param, DTensor)
+        if moved and tuple(grad.placements) != tuple(param.placements):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def _send(tensor: torch.Tensor, dst: int) -> None:

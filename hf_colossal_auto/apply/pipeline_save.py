@@ -52,6 +52,8 @@ def record_saved_names(model: nn.Module) -> None:
         setattr(model, _SAVED, f"{type(model).__name__}'s checkpoint format converts its weights on save")
     else:
         setattr(model, _SAVED, names)
+    # the whole model's parameters in its order (ties once): a one-process optimizer's positions
+    model._hf_colossal_auto_parameter_order = [n for n, _ in model.named_parameters()]
 
 
 def install_pipeline_save(model: nn.Module, timeout_s: float) -> None:
@@ -110,7 +112,7 @@ def save_pipeline_pretrained(
     first_pipeline = [int(r) for r in mesh.mesh.reshape(runner.plan.pp_size, -1)[:, 0]]
     rank = dist.get_rank()
     writer = first_pipeline[0]
-    local = _model_tensors(model)
+    local = _whole_tensors(_model_tensors(model))
     sizes: list[Any] = [None] * len(first_pipeline)
     held = {n: (tuple(t.shape), t.dtype) for n, t in local.items() if n in set(names)}
     if rank in first_pipeline:
@@ -141,6 +143,24 @@ def save_pipeline_pretrained(
             _write_index(directory, split, stand_ins, SAFE_WEIGHTS_INDEX_NAME)
     dist.barrier()
     return files if rank == writer and write else []
+
+
+def _whole_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each DTensor (a stage sharded by tensor parallelism or FSDP) gathered whole, a tied one
+    once. Collective over the stage's ``(dp, tp)`` group: its ranks hold the same names, in the same order.
+    The stage is then whole on each of its ranks while it is written."""
+    from torch.distributed.tensor import DTensor
+
+    gathered: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        if isinstance(tensor, DTensor):
+            if id(tensor) not in gathered:
+                gathered[id(tensor)] = tensor.detach().full_tensor()
+            out[name] = gathered[id(tensor)]
+        else:
+            out[name] = tensor
+    return out
 
 
 def _stream_file(

@@ -257,6 +257,22 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Par
     optimizer.state.update(state)
 
 
+def remap_optimizers_by_name(
+    model: nn.Module,
+    originals: list[tuple[str, nn.Parameter]],
+    optimizers: tuple[torch.optim.Optimizer, ...] | list[torch.optim.Optimizer],
+) -> None:
+    """Point optimizers made before parallelization at ``model``'s parameters now, matched by name
+    (``originals``: ``named_parameters(remove_duplicate=False)`` before): after every replacement (FSDP
+    replaces the DTensor parameters once more)."""
+    if not optimizers:
+        return
+    final = dict(model.named_parameters(remove_duplicate=False))
+    replaced = {id(p): final[fqn] for fqn, p in originals if fqn in final}
+    for optimizer in optimizers:
+        remap_optimizer(optimizer, replaced)
+
+
 def _to_dtensor(value: Any, mesh: DeviceMesh, placements: list[Placement]) -> Any:
     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
         return DTensor.from_local(value, mesh, placements, run_check=False)
@@ -319,7 +335,6 @@ def wrap_forward(model: nn.Module, mesh: DeviceMesh) -> None:
     replicas' losses.
     """
     mesh = tensor_parallel_mesh(mesh)
-    placements = [Replicate()]
     original = model.forward
     install_sdpa_mask_placement()
     install_aux_loss_region(model)  # MoE: the load-balancing loss runs on full local tensors (apply/moe.py)
@@ -327,19 +342,37 @@ def wrap_forward(model: nn.Module, mesh: DeviceMesh) -> None:
     @functools.wraps(original)
     def forward(*args, **kwargs):
         check_micro_batch_rows(model, args, kwargs)  # a k > 1 plan fed its whole batch: refused, by name
-        args = tree_map(lambda v: _to_dtensor(v, mesh, placements), args)
-        kwargs = tree_map(lambda v: _to_dtensor(v, mesh, placements), kwargs)
-        # the tensor-parallel group draws random numbers as one process (apply/rng.py)
-        with agreed_forward(model), ReducePartialGradientsAtProducers():
-            output = original(*args, **kwargs)
-        if isinstance(output, Mapping):  # HF ModelOutput is an OrderedDict subclass: keep its class
-            for key in list(output.keys()):
-                output[key] = tree_map(_from_dtensor, output[key])
-            return output
-        return tree_map(_from_dtensor, output)
+        with planned_forward(model):
+            output = original(*inputs_on_mesh(args, mesh), **inputs_on_mesh(kwargs, mesh))
+        return local_outputs(output)
 
     model.forward = forward
     model._hf_colossal_auto_original_forward = original
+
+
+def inputs_on_mesh(value: Any, mesh: DeviceMesh) -> Any:
+    """``value`` (a pytree) with every tensor of one dim or more a DTensor replicated on the tensor-parallel
+    ``mesh`` (the rank's own tensor, not copied: the group's ranks hold the same one)."""
+    return tree_map(lambda v: _to_dtensor(v, mesh, [Replicate()]), value)
+
+
+def local_outputs(output: Any) -> Any:
+    """A forward's outputs as ordinary tensors: replicated DTensors locally, sharded ones gathered; a HF
+    ``ModelOutput`` keeps its class."""
+    if isinstance(output, Mapping):  # HF ModelOutput is an OrderedDict subclass: keep its class
+        for key in list(output.keys()):
+            output[key] = tree_map(_from_dtensor, output[key])
+        return output
+    return tree_map(_from_dtensor, output)
+
+
+@contextlib.contextmanager
+def planned_forward(model: nn.Module) -> Any:
+    """Around one forward of (a part of) a planned ``model``: the tensor-parallel group draws as one process
+    (:mod:`.rng`), and partial gradients are reduced where the plan makes their values
+    (:class:`.enforce.ReducePartialGradientsAtProducers`)."""
+    with agreed_forward(model), ReducePartialGradientsAtProducers():
+        yield
 
 
 def _reduce_partial_output(module: nn.Module, args: Any, output: Any) -> Any:
@@ -413,12 +446,21 @@ def data_parallel_shard_mesh(plan: Plan, mesh: DeviceMesh) -> DeviceMesh:
     return hybrid["dp_replicate", "dp_shard"]
 
 
-def _fully_shard(model: nn.Module, dp_mesh: DeviceMesh, ignored: set[nn.Parameter] | None = None) -> None:
+def _fully_shard(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    ignored: set[nn.Parameter] | None = None,
+    *,
+    reshard_after_forward: bool = True,
+) -> None:
     """FSDP on the data-parallel axis (FSDP2 ``fully_shard`` per block, then the root): parameters, gradients
     and optimizer state sharded over the replicas (over the shard group under HSDP), gathered per block for
     compute (the next block's gather started by the current block's forward), gradients reduce-scattered.
     ``ignored``: parameters FSDP leaves alone in every unit (the experts sharded over the data-parallel axis,
-    already split over it: never gathered nor reduce-scattered)."""
+    already split over it: never gathered nor reduce-scattered). ``reshard_after_forward``: False keeps each
+    block gathered from its forward to its backward (a pipeline stage runs several micro-batches' forwards
+    before their backwards: resharding would gather every block again per micro-batch, as torchtitan avoids).
+    ``model`` may be a pipeline stage: its blocks and whatever else it holds (embedding, head) are sharded."""
     from torch.distributed.fsdp import fully_shard
 
     ignored = ignored or None
@@ -432,12 +474,14 @@ def _fully_shard(model: nn.Module, dp_mesh: DeviceMesh, ignored: set[nn.Paramete
             blocks = list(module)
             sharded += [f"{name}.{i}" if name else str(i) for i in range(len(blocks))]
             for block in blocks:
-                fully_shard(block, mesh=dp_mesh, ignored_params=ignored)
+                fully_shard(
+                    block, mesh=dp_mesh, ignored_params=ignored, reshard_after_forward=reshard_after_forward
+                )
             # each block's forward starts the next block's all-gather, so that it runs behind this block's
             # compute, as the planner prices it (FSDP2 prefetches in backward by itself)
             for block, following in zip(blocks, blocks[1:], strict=False):
                 block.set_modules_to_forward_prefetch([following])
-    fully_shard(model, mesh=dp_mesh, ignored_params=ignored)
+    fully_shard(model, mesh=dp_mesh, ignored_params=ignored, reshard_after_forward=reshard_after_forward)
 
 
 _EXPERTS_OVER_DP = "_hf_colossal_auto_experts_over_dp"
@@ -497,9 +541,7 @@ def apply_plan(
     if plan.cp_size > 1:  # before any collective: the same model refuses on every rank
         check_context_parallel_model(model, plan)
     fsdp = plan.dp_mode in ("fsdp", "hsdp") and plan.dp_size > 1
-    register_runtime_rules()
-    register_replicated_fallbacks(plan.replicated_ops)
-    allow_implicit_replication(True)
+    install_dtensor_rules(plan)
     if mesh is None:
         mesh = build_mesh(plan)
     originals = list(model.named_parameters(remove_duplicate=False))
@@ -534,11 +576,7 @@ def apply_plan(
         register_plain_gradient_sync(model, mesh)
     else:
         register_gradient_sync(model, mesh, average_over_dp=not fsdp)
-    if optimizers:  # by name, after every replacement (FSDP replaces the DTensor parameters once more)
-        final = dict(model.named_parameters(remove_duplicate=False))
-        replaced = {id(p): final[fqn] for fqn, p in originals if fqn in final}
-        for optimizer in optimizers:
-            remap_optimizer(optimizer, replaced)
+    remap_optimizers_by_name(model, originals, optimizers)
     release_freed_memory()
     model._hf_colossal_auto_plan = plan
     model._hf_colossal_auto_mesh = mesh
@@ -552,6 +590,15 @@ def apply_plan(
     return model
 
 
+def install_dtensor_rules(plan: Plan) -> None:
+    """What DTensor needs, for the whole process, to run planned models: our sharding rules, the plan's ops
+    without one run replicated, and plain tensors the model makes itself (masks, positions, rotary tables: the
+    same on every rank) taken as replicated."""
+    register_runtime_rules()
+    register_replicated_fallbacks(plan.replicated_ops)
+    allow_implicit_replication(True)
+
+
 def _distribute(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
     """The DTensor runtime of a plan that shards something: DTensor parameters, the forward on DTensors, the
     expert regions, the plan's placements enforced. Every rank first takes global rank 0's values, as DDP
@@ -560,6 +607,13 @@ def _distribute(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
         broadcast_from_rank_zero(_on_mesh_device(model, mesh))
     distribute_parameters(model, plan, mesh)
     wrap_forward(model, mesh)
+    install_placement_hooks(model, plan, mesh)
+
+
+def install_placement_hooks(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+    """The module hooks that run the plan's placements on ``model`` (its parameters already DTensors): the
+    expert regions, the vocab-sharded embedding's reduction, the plan's enforced placements. Keyed by module
+    FQN: on a pipeline stage's cut model only its own modules are hooked."""
     install_expert_parallel_regions(model, plan)  # experts split on the expert dim (apply/moe.py)
     install_expert_data_parallel_regions(model, plan, mesh)  # experts split over the data-parallel axis
     register_embedding_reduction(model)

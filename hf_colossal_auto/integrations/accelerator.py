@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..apply import PlanMismatchError, apply_plan, build_mesh, consolidated_state_dict, remap_optimizer
-from ..apply.agree import DEFAULT_TIMEOUT_S
+from ..apply.agree import DEFAULT_TIMEOUT_S, as_timedelta
 from ..apply.data import global_batch
 from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
@@ -288,7 +288,9 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
                 ("the DataLoader's batch_size", "Accelerator(gradient_accumulation_steps)"),
             )
 
-        return plan_on_one_rank(make)
+        timeout = self.auto_parallel_plugin.timeout
+        limit = as_timedelta(DEFAULT_TIMEOUT_S if timeout is None else timeout).total_seconds()
+        return plan_on_one_rank(make, limit_s=limit, what=f"planning {type(model).__name__}")
 
     def _device_kind(self) -> str:
         if self.device.type == "cuda":
@@ -486,6 +488,7 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
 
         model = self._auto_model
         if model is not None and is_pipelined(model):
+            self.unscale_gradients()  # a gradient scaler's, as accelerate's own clipping does first
             return pipeline_runner(model).clip_grad_norm_(max_norm, norm_type)
         return super().clip_grad_norm_(parameters, max_norm, norm_type)
 

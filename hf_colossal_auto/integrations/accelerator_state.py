@@ -27,7 +27,6 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 from ..apply.checkpoint import load_sharded
-from ..apply.pipeline import refuse_if_pipelined
 
 DCP_DIR = "distributed_checkpoint"
 """Sub-directory of a ``save_state`` folder holding the torch.distributed.checkpoint shards."""
@@ -42,16 +41,19 @@ def _raw_optimizer(opt: Any) -> torch.optim.Optimizer:
 class CheckpointState:
     """The checkpoint methods of ``AutoParallelAccelerator`` (a base class before ``accelerate.Accelerator``)."""
 
-    def _training_state(self) -> tuple[dict[str, Any], list[tuple[nn.Module, list[torch.optim.Optimizer]]]]:
-        """DCP state of every prepared model with the optimizers over its parameters."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def _training_state(
+        self, checkpoint: str | None = None
+    ) -> tuple[dict[str, Any], list[tuple[nn.Module, list[torch.optim.Optimizer]]]]:
+        """DCP state of every prepared model with the optimizers over its parameters, as a checkpoint holds it
+        (pipeline stages included: :func:`~hf_colossal_auto.apply.pipeline_checkpoint.checkpoint_state`);
+        ``checkpoint``: the DCP directory to read, whose optimizer state's form the templates take."""
+        from ..apply.pipeline_checkpoint import checkpoint_state, saved_format
 
         optimizers = [_raw_optimizer(o) for o in self._optimizers]
         owner: dict[int, int] = {}
         pairs = []
         for i, model in enumerate(self._models):
             module = self.unwrap_model(model, keep_torch_compile=False)
-            refuse_if_pipelined(module, "accelerator.save_state / load_state")
             ids = {id(p) for p in module.parameters()}
             mine = [o for o in optimizers if all(id(p) in ids for g in o.param_groups for p in g["params"])]
             owner.update({id(o): i for o in mine})
@@ -64,7 +66,8 @@ class CheckpointState:
             )
         state: dict[str, Any] = {}
         for i, (module, mine) in enumerate(pairs):
-            model_sd, optim_sd = get_state_dict(module, mine)
+            form = saved_format(checkpoint, f"optimizer_{i}") if checkpoint is not None and mine else None
+            model_sd, optim_sd = checkpoint_state(module, mine, form)
             state[f"model_{i}"] = model_sd
             if mine:
                 state[f"optimizer_{i}"] = optim_sd
@@ -205,7 +208,7 @@ class CheckpointState:
         sharded = resolved is not None and os.path.isdir(os.path.join(resolved, DCP_DIR))
         if self._auto_model is None and not sharded:
             return super().load_state(input_dir, load_kwargs, **kwargs)
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from ..apply.pipeline_checkpoint import restore_state
 
         if resolved is None:
             raise ValueError(
@@ -214,16 +217,11 @@ class CheckpointState:
         input_dir = resolved
         for hook in self._load_model_state_pre_hook.values():
             hook(self._models, input_dir)
-        state, pairs = self._training_state()
+        state, pairs = self._training_state(os.path.join(input_dir, DCP_DIR) if sharded else None)
         if sharded:
             load_sharded(state, os.path.join(input_dir, DCP_DIR))
             for i, (module, mine) in enumerate(pairs):
-                set_state_dict(
-                    module,
-                    mine,
-                    model_state_dict=state[f"model_{i}"],
-                    optim_state_dict=state.get(f"optimizer_{i}", {}),
-                )
+                restore_state(module, mine, state[f"model_{i}"], state.get(f"optimizer_{i}", {}))
         else:
             self._load_single_process_files(input_dir, pairs, load_kwargs)
         index = self.state.process_index

@@ -185,7 +185,7 @@ class AutoParallelPlugin:
         default=None,
         metadata={
             "help": "seconds a rank waits in a collective for a peer that stopped answering before the job "
-            "fails (default 300; torch's own default is 1800)"
+            "fails, and how long planning may take (default 300; torch's own default is 1800)"
         },
     )
     plan_kwargs: dict[str, Any] | None = field(

@@ -116,7 +116,8 @@ class AutoParallelCallback(TrainerCallback):
         save_plan_path: where the main process writes the plan it applied (JSON).
         time_limit_s: the ILP solver's time limit per mesh.
         timeout: seconds a rank waits in a collective for a peer that stopped answering before it fails
-            (replaces the process group's timeout, ``TrainingArguments.ddp_timeout``, once the plan is applied).
+            (replaces the process group's timeout, ``TrainingArguments.ddp_timeout``, once the plan is applied),
+            and how long planning may take: past it every rank raises ``TookTooLongError`` naming where it was.
         pretrained: a HF safetensors checkpoint (directory) each rank loads its own shards from once the plan is
             applied (:func:`~hf_colossal_auto.apply.pretrained.load_pretrained`), so that a model built on
             ``meta`` is never whole in any process; in a single process the whole checkpoint is loaded. Give the
@@ -266,7 +267,8 @@ class AutoParallelCallback(TrainerCallback):
             logger.info("AutoParallelCallback plan:\n%s", made.summary())
             return made
 
-        return plan_on_one_rank(make)
+        limit = as_timedelta(self.timeout).total_seconds()
+        return plan_on_one_rank(make, limit_s=limit, what=f"planning {type(trainer.model).__name__}")
 
 
 def callback_from_plugin(plugin: Any = None) -> AutoParallelCallback:
@@ -446,6 +448,10 @@ def _patch_trainer(trainer: Trainer, plan: Plan) -> None:
     # manage their own parallelism). Gradient sync is the runtime's, after every micro-batch.
     trainer.is_distributed_loading_by_transformers = True
     trainer._defer_fsdp_gradient_reduction = contextlib.nullcontext
+    if plan.pp_size > 1:
+        # transformers broadcasts every plain trainable parameter from rank 0 and averages its gradient over all
+        # ranks (for adapters next to FSDP2's DTensors); a pipeline rank holds other parameters than rank 0
+        trainer._sync_replicated_trainable_parameters = lambda model: None
     _follow_batch_rule(trainer, plan)
 
     trainer._save = _consolidated_save(trainer, trainer._save)
@@ -489,21 +495,26 @@ def _follow_batch_rule(trainer: Trainer, plan: Plan) -> None:
     if isinstance(accelerator, AutoParallelAccelerator):  # under the runner: it adopts the plan and re-cuts
         accelerator._adopt(trainer.model, plan)
     else:
-        follow_plan(accelerator, plan.tp_size)
+        follow_plan(accelerator, plan.tp_size, plan.pp_size, plan.dp_size)
     # the Trainer bound accelerator.gather_for_metrics at construction (and rebinds it after each evaluation)
     trainer.gather_function = functools.partial(
         accelerator.gather_for_metrics, use_gather_object=trainer.args.eval_use_gather_object
     )
-    if plan.tp_size > 1:
-        _trainer_accounting_of_shared_batches(trainer)
-        _count_batches_once_per_tp_group(trainer, plan.tp_size)
+    shared = plan.tp_size * plan.pp_size  # processes computing on one batch
+    if shared > 1:
+        _trainer_accounting_of_shared_batches(trainer, shared)
+        _count_batches_once_per_tp_group(trainer, plan.tp_size, plan.pp_size)
+    if plan.pp_size > 1:
+        _clip_over_every_stage(trainer)
 
 
-def _trainer_accounting_of_shared_batches(trainer: Trainer) -> None:
-    """The Trainer's own tensor-parallel arithmetic (it reads the model's ``_tp_size``): the label count it
-    normalises the loss by is gathered from every process and divided by ``tp``, and the loss scaled by
-    ``processes / tp`` — right for our batches too (each process holds its group's batch), given accelerate's
-    plain gather, not the one-copy-per-group gather scripts get. Its global batch size is the plain Trainer's
+def _trainer_accounting_of_shared_batches(trainer: Trainer, shared: int) -> None:
+    """The Trainer's own tensor-parallel arithmetic (``get_tp_size()``, which reads the model's ``_tp_size``;
+    here the processes sharing one batch, ``tp x pp``): the label count it normalises the loss by is gathered
+    from every process and divided by ``shared``, and the loss scaled by ``processes / shared`` — right for our
+    batches too (each process holds its group's batch), given accelerate's plain gather, not the
+    one-copy-per-group gather scripts get; a pipelined model honours that count and averages its gradients
+    over dp as DDP does (:mod:`..apply.pipeline_runner`). Its global batch size is the plain Trainer's
     (per-device batch x processes), as the plan keeps it, not ``x dp``."""
     from accelerate.utils import gather
 
@@ -527,16 +538,40 @@ def _trainer_accounting_of_shared_batches(trainer: Trainer) -> None:
     def get_total_train_batch_size(args: TrainingArguments) -> int:
         return trainer._train_batch_size * args.gradient_accumulation_steps * args.world_size
 
+    trainer.get_tp_size = lambda: shared
     trainer._get_num_items_in_batch = with_plain_gather(trainer._get_num_items_in_batch)
     trainer._track_num_input_tokens = with_plain_gather(trainer._track_num_input_tokens)
     trainer.get_total_train_batch_size = get_total_train_batch_size
 
 
-def _count_batches_once_per_tp_group(trainer: Trainer, tp_size: int) -> None:
-    """Tokens seen and FLOs are summed over all processes by the Trainer; the ranks of a tensor-parallel group
-    share one batch, so each group's count is taken once (the sum divided by ``tp``)."""
+def _clip_over_every_stage(trainer: Trainer) -> None:
+    """The Trainer clips (and logs the norm) with ``accelerator.clip_grad_norm_(model.parameters(), ...)``: under
+    pipeline stages each rank holds some stages' gradients, so the norm must span the pipeline
+    (:meth:`.pipeline_runner.PipelineRunner.clip_grad_norm_`); a gradient scaler's gradients are unscaled first,
+    as accelerate does. ``AutoParallelAccelerator`` (under the runner) does this itself."""
+    from ..apply.pipeline import pipeline_runner
+    from .accelerator import AutoParallelAccelerator
 
-    def once(method, attribute: str):
+    accelerator = trainer.accelerator
+    if isinstance(accelerator, AutoParallelAccelerator):
+        return
+    runner = pipeline_runner(trainer.model)
+
+    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        accelerator.unscale_gradients()
+        return runner.clip_grad_norm_(max_norm, norm_type)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+def _count_batches_once_per_tp_group(trainer: Trainer, tp_size: int, pp_size: int = 1) -> None:
+    """Tokens seen and FLOs are summed over all processes by the Trainer; the ranks of a data-parallel group
+    (its tensor-parallel ranks and pipeline stages) share one batch, so each group's tokens are taken once (the
+    sum divided by ``tp x pp``) and its FLOs once per tensor-parallel group (divided by ``tp``): each pipeline
+    stage counts its own parameters' FLOs (``model.num_parameters()`` holds this rank's stages), which add up
+    to the model's."""
+
+    def once(method, attribute: str, copies: int):
         @functools.wraps(method)
         def counted(*args: Any, **kwargs: Any) -> Any:
             before = getattr(trainer.state, attribute)
@@ -545,11 +580,13 @@ def _count_batches_once_per_tp_group(trainer: Trainer, tp_size: int) -> None:
             setattr(
                 trainer.state,
                 attribute,
-                before + (added // tp_size if isinstance(added, int) else added / tp_size),
+                before + (added // copies if isinstance(added, int) else added / copies),
             )
             return result
 
         return counted
 
-    trainer._track_num_input_tokens = once(trainer._track_num_input_tokens, "num_input_tokens_seen")
-    trainer.store_flos = once(trainer.store_flos, "total_flos")
+    tokens = once(trainer._track_num_input_tokens, "num_input_tokens_seen", tp_size * pp_size)
+    trainer._track_num_input_tokens = tokens
+    if tp_size > 1:
+        trainer.store_flos = once(trainer.store_flos, "total_flos", tp_size)

@@ -146,6 +146,8 @@ def load_consolidated(model: nn.Module, directory: str | os.PathLike) -> None:
     rank reading only the slices its placements cover (:func:`~hf_colossal_auto.apply.pretrained.load_pretrained`:
     no rank holds the full model; missing or mis-shaped keys are errors naming them). Collective: call on every
     rank."""
+    from ..apply.pipeline import is_pipelined
+    from ..apply.pipeline_checkpoint import load_stage_weights
     from ..apply.pretrained import load_pretrained
 
     directory = Path(directory)
@@ -160,4 +162,7 @@ def load_consolidated(model: nn.Module, directory: str | os.PathLike) -> None:
             "save_pretrained directory and start from it with AutoParallelCallback(pretrained=...) instead of "
             "resume_from_checkpoint"
         )
-    load_pretrained(model, directory)
+    if is_pipelined(model):  # cut to this rank's stages: their tensors only, the tied head from its key
+        load_stage_weights(model, directory)
+    else:
+        load_pretrained(model, directory)

@@ -137,12 +137,18 @@ def _slow_planning_case() -> dict:
     return {"value": got}
 
 
-def _planning_limit_case() -> None:
-    """``autoparallelize(timeout=0.5)``: planning tiny-llama takes longer, so every rank raises TookTooLongError
-    naming the model and where rank 0's planning was; rank 0 then waits for its planning thread to end (it
-    cannot be stopped), so the next case runs alone."""
+def _join_planning_threads() -> None:
+    """Rank 0's planning thread cannot be stopped past its limit: wait for it, so the next case runs alone."""
     import threading
 
+    for thread in threading.enumerate():
+        if thread.name.startswith("hf_colossal_auto planning"):
+            thread.join()
+
+
+def _planning_limit_case() -> None:
+    """``autoparallelize(timeout=0.5)``: planning tiny-llama takes longer, so every rank raises TookTooLongError
+    naming the model and where rank 0's planning was."""
     from hf_colossal_auto import autoparallelize
     from hf_colossal_auto.models import make_example_inputs
 
@@ -152,9 +158,50 @@ def _planning_limit_case() -> None:
             model, make_example_inputs(model, 2, 16), mesh_shape=(1, 2), device="cpu", timeout=0.5
         )
     finally:
-        for thread in threading.enumerate():
-            if thread.name.startswith("hf_colossal_auto planning"):
-                thread.join()
+        _join_planning_threads()
+
+
+def _accelerator_limit_case() -> None:
+    """``AutoParallelPlugin(timeout=0.5)`` bounds the accelerator's planning as autoparallelize's does."""
+    from torch.utils.data import DataLoader
+
+    from hf_colossal_auto import AutoParallelAccelerator, AutoParallelPlugin
+    from hf_colossal_auto.models import make_example_inputs
+
+    model = _model()
+    batch = make_example_inputs(model, 4, 16)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(4)]
+    plugin = AutoParallelPlugin(mesh_shape=(1, 2), device="cpu", timeout=0.5)
+    try:
+        AutoParallelAccelerator(auto_parallel_plugin=plugin, cpu=True).prepare(
+            model, torch.optim.AdamW(model.parameters()), DataLoader(rows, batch_size=2)
+        )
+    finally:
+        _join_planning_threads()
+
+
+def _callback_limit_case(out: Path) -> None:
+    """``AutoParallelCallback(timeout=0.5)`` bounds the Trainer's planning as autoparallelize's does."""
+    import transformers
+
+    from hf_colossal_auto import AutoParallelCallback
+    from hf_colossal_auto.models import make_example_inputs
+
+    model = _model()
+    batch = make_example_inputs(model, 4, 16)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(4)]
+    args = transformers.TrainingArguments(
+        output_dir=str(out / "trainer_limit"),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+    )
+    callback = AutoParallelCallback(mesh_shape=(1, 2), device="cpu", timeout=0.5)
+    try:
+        transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
+    finally:
+        _join_planning_threads()
 
 
 def _timeouts_left(model: torch.nn.Module) -> list[float]:
@@ -254,6 +301,8 @@ def planning(out: Path) -> None:
         "callback": lambda: _callback_case(out),
         "foreign_plan": _foreign_plan_case,
         "planning_limit": _planning_limit_case,
+        "accelerator_limit": _accelerator_limit_case,
+        "callback_limit": lambda: _callback_limit_case(out),
     }
     results = {}
     for name, case in cases.items():

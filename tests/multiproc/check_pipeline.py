@@ -9,6 +9,7 @@ the loss and every gradient of the first step, every parameter after two AdamW s
 runner clips by, and an evaluation forward (``model.eval()``, ``torch.no_grad()``: logits on every rank, the
 loss with labels) after the two steps. The batch has padding (an attention mask) and -100 labels spread so
 that micro-batches carry different token counts (equal weights per micro-batch would be wrong). Also: gradient
+recompute inside the stages (full under zbv, selective under 1f1b); gradient
 accumulation (``loss / 2`` over two half batches) and a loss scaled by 3 (what a gradient scaler does); a model
 built on ``meta`` materialises this rank's stages with the whole model's init values; GPT-2, whose head is tied
 to its embedding, with the tie across ranks (1f1b) and on one rank (zbv), saved with ``save_pretrained`` and
@@ -194,6 +195,20 @@ def every_schedule(results: dict) -> None:
         )  # fmt: skip
         plan = type(plan).from_dict(json.loads(plan.to_json()))  # the plan as a file carries it
         results[f"llama {schedule} {cut}"] = pipelined(model, plan, data, ref)
+    # recompute inside the stages: full under zbv (its split backward: input gradients first, weight gradients
+    # later, each through the recomputed blocks), selective under 1f1b
+    for schedule, cut, option in (("zbv", [2, 1, 1, 2], "full"), ("1f1b", [4, 2], "selective:pointwise")):
+        model = build(cfg, "cpu")
+        plan = hand_pipeline_plan(
+            model, data[0], pp_size=2, schedule=schedule, micro_batches=4, blocks_per_stage=cut,
+            recompute=option,
+        )  # fmt: skip
+        results[f"llama recompute {schedule} {option}"] = pipelined(model, plan, data, ref)
+        results[f"llama recompute {schedule} {option}"]["recomputed"] = sorted(
+            name
+            for name, module in model.named_modules()
+            if getattr(module, "_hf_colossal_auto_recompute", None)
+        )
     # built on meta: this rank's stages get the values the whole model's init gives (rank 0's RNG state)
     model = build(cfg, "meta")
     plan = hand_pipeline_plan(model, data[0], pp_size=2, schedule="1f1b", micro_batches=2)
@@ -236,13 +251,17 @@ def reloaded_equal(model, directory: str) -> dict[str, Any]:
     the files written, and whether the reloaded head is tied to the embedding."""
     import os
 
+    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(directory)
     state = loaded.state_dict()
-    mine = dict(model.named_parameters(remove_duplicate=False))
+    mine = {
+        n: p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+        for n, p in model.named_parameters(remove_duplicate=False)
+    }
     return {
-        "equal": all(torch.equal(state[n], p.detach()) for n, p in mine.items()),
+        "equal": all(torch.equal(state[n], p) for n, p in mine.items()),
         "compared": len(mine),
         "files": sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")),
         "tied": loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight,

@@ -1,20 +1,27 @@
-"""Run under torchrun (4 gloo ranks): pipeline stages x DDP (mesh pp 2 x dp 2) train like one process.
+"""Run under torchrun (4 gloo ranks): pipeline stages x data or tensor parallelism train like one process.
 
     torchrun --nproc_per_node 4 tests/multiproc/check_pipeline_dp.py --out result.json
 
-A 6-block tiny Llama under 1f1b and GPT-2 (head tied to the embedding, a tie group per pipeline) under zbv,
-fp32, no dropout, in the user's loop: each data-parallel group reads its rows of one global batch
-(``shard_batch``), whose label token counts differ between the groups (the loss is normalised by the global
-batch's tokens, the gradients summed over dp). Against one process on the global batch: the loss and every
-gradient of the first step, the clipping norm, every parameter after two AdamW steps, the evaluation logits
-(the group's rows) and loss; GPT-2 then saved with ``save_pretrained`` (only the first replica's pipeline
-sends) and reloaded in one process. Also ``data_parallel_loader``: the two ranks of a pipeline read the same
-rows, the two groups together plain accelerate's rows of each step. Rank 0 writes every rank's results.
+Mesh pp 2 x dp 2 under DDP: a 6-block tiny Llama under 1f1b and GPT-2 (head tied to the embedding, a tie
+group per pipeline) under zbv; pp 2 x dp 2 under FSDP inside each stage (Llama, and GPT-2 with its tie
+across ranks: both copies sharded alike, 1f1b); pp 2 x tp 2 (Llama,
+1f1b) with the planner's Megatron-LM placements of mesh (dp 1, tp 2) and full recompute
+(``evaluate_plan`` + ``pipeline_plan_from``). fp32, no dropout, in the user's loop: each data-parallel group
+reads its rows of one global batch (``shard_batch``), whose label token counts differ between the groups (the
+loss is normalised by the global batch's tokens, the gradients summed over dp). Against one process on the
+global batch: the loss and every gradient of the first step, the clipping norm, every parameter after two
+AdamW steps, the evaluation logits (the group's rows) and loss; then saved with ``save_pretrained`` (only the
+first replica's pipeline sends; sharded stages gathered) and reloaded in one process. Also
+``data_parallel_loader``: the two ranks of a pipeline read the same rows, the two groups together plain
+accelerate's rows of each step. Also gradient accumulation with the first micro-step inside ``model.no_sync()``:
+the dp all-reduce deferred to the last backward, the gradients one process's; and the Trainer's contract
+(``num_items_in_batch`` of the window, the loss times dp). Rank 0 writes every rank's results.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
@@ -59,20 +66,57 @@ def reference(model, batch: dict, steps: int = 2) -> dict[str, Any]:
     return out
 
 
-def pipelined(preset: str, schedule: str, cut: list[int], directory: str | None) -> dict[str, Any]:
-    """The pp 2 x dp 2 model in the user's loop on its group's rows, against one process."""
+def stage_plan(cfg, batch: dict, inside: str, schedule: str, cut: list[int]):
+    """The pp 2 plan of the case: ``inside`` each stage "ddp" or "fsdp" over dp 2 (hand-made), or "tp": the
+    planner's Megatron-LM plan of mesh (dp 1, tp 2) (``evaluate_plan``, on rank 0) given the stages."""
+    from hf_colossal_auto.apply.runtime import plan_on_one_rank
+    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan, pipeline_plan_from
+    from hf_colossal_auto.solve.planner import evaluate_plan
+
+    model = build(cfg, "meta")
+    stages = {"pp_size": 2, "schedule": schedule, "micro_batches": len(cut), "blocks_per_stage": cut}
+    if inside != "tp":
+        return hand_pipeline_plan(model, batch, dp_size=2, dp_mode=inside, **stages)
+
+    def planned():
+        inner = evaluate_plan(
+            model, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2), recompute="full"
+        ).plan
+        return pipeline_plan_from(inner, model, **stages)
+
+    return plan_on_one_rank(planned, what="pricing the Megatron-LM stage plan")
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (a parameter sharded by tensor parallelism or FSDP) gathered; a tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_fraction(model) -> float:
+    """The share of this rank's stage parameters' elements it stores (1: all whole; FSDP over 2: about 1/2)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    return local / sum(p.numel() for p in params)
+
+
+def pipelined(
+    preset: str, schedule: str, cut: list[int], directory: str | None, inside: str = "ddp"
+) -> dict[str, Any]:
+    """The pp 2 model (x dp 2 under DDP or FSDP, x tp 2) in the user's loop on its group's rows, against one
+    process."""
     from hf_colossal_auto import data_parallel_info, pipeline_runner, shard_batch
     from hf_colossal_auto.apply.runtime import apply_plan
-    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
 
     started = time.perf_counter()
     cfg = config(preset, sum(cut))
     batch = batches(build(cfg, "meta"))[0]
     ref = reference(build(cfg, "cpu"), batch)
     model = build(cfg, "cpu")
-    plan = hand_pipeline_plan(
-        model, batch, pp_size=2, dp_size=2, schedule=schedule, micro_batches=len(cut), blocks_per_stage=cut
-    )
+    plan = stage_plan(cfg, batch, inside, schedule, cut)
     apply_plan(model, plan)
     info = data_parallel_info(model)
     local = shard_batch(batch, model)
@@ -83,12 +127,18 @@ def pipelined(preset: str, schedule: str, cut: list[int], directory: str | None)
         loss.backward()
         if i == 0:
             out["loss"], out["ref_loss"] = loss.item(), ref["loss"]
-            out["grad_err"] = max(relative(p.grad, ref["grads"][n]) for n, p in model.named_parameters())
+            out["grad_err"] = max(
+                relative(whole(p.grad), ref["grads"][n]) for n, p in model.named_parameters()
+            )
+            out["recomputed"] = sum(
+                bool(getattr(m, "_hf_colossal_auto_recompute", None)) for m in model.modules()
+            )
+            out["local_fraction"] = local_fraction(model)
             out["norm"], out["ref_norm"] = float(pipeline_runner(model).clip_grad_norm_(1e9)), ref["norm"]
         optimizer.step()
         optimizer.zero_grad()
     out["param_err_lr"] = max(
-        (p.detach() - ref["params"][n]).abs().max().item() / LR for n, p in model.named_parameters()
+        (whole(p.detach()) - ref["params"][n]).abs().max().item() / LR for n, p in model.named_parameters()
     )
     model.eval()
     with torch.no_grad():
@@ -123,19 +173,113 @@ def loader_rows(results: dict) -> None:
     results["loader rows"] = [next(steps).tolist() for _ in range(2)]
 
 
+def deferred_accumulation(results: dict) -> None:
+    """Gradient accumulation over two micro-steps, the first inside ``model.no_sync()`` (what
+    ``accelerator.accumulate`` enters): no gradient is all-reduced over dp until the second step's backward,
+    which reduces both; the gradients equal one process's on the same global halves (``loss / 2`` each)."""
+    from hf_colossal_auto import data_parallel_info, pipeline_runner, shard_batch
+    from hf_colossal_auto.apply.runtime import apply_plan
+    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
+
+    cfg = config("tiny-llama", 4)
+    batch = batches(build(cfg, "meta"))[0]
+    model = build(cfg, "cpu")
+    plan = hand_pipeline_plan(model, batch, pp_size=2, dp_size=2, schedule="1f1b", micro_batches=2)
+    apply_plan(model, plan)
+    info, runner = data_parallel_info(model), pipeline_runner(model)
+    local = shard_batch(batch, model)
+    rows = local["input_ids"].shape[0] // 2
+    halves = [{k: v[:rows] for k, v in local.items()}, {k: v[rows:] for k, v in local.items()}]
+    # one process on the global halves: half i is every replica's local half i, in replica order
+    size = batch["input_ids"].shape[0] // info.size
+    reference = build(cfg, "cpu")
+    for i in range(2):
+        picked = [g * size + i * rows + r for g in range(info.size) for r in range(rows)]
+        (reference(**{k: v[picked] for k, v in batch.items()}).loss / 2).backward()
+    want = dict(reference.named_parameters())
+    reduced: list[int] = []
+    all_reduce = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):  # gradient-sized all-reduces over dp
+        if kwargs.get("group") is runner.dp_group and tensor.dim() > 0:
+            reduced.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        with model.no_sync():
+            (model(**halves[0]).loss / 2).backward()
+        unsynced = (len(reduced), sum(p.grad is not None for p in model.parameters()))
+        (model(**halves[1]).loss / 2).backward()
+    finally:
+        dist.all_reduce = all_reduce
+    results["deferred accumulation"] = {
+        "during_no_sync": unsynced,
+        "reduced": len(reduced),
+        "params": len(list(model.parameters())),
+        "grad_err": max(relative(p.grad, want[n].grad) for n, p in model.named_parameters()),
+    }
+
+
+def trainer_contract(results: dict) -> None:
+    """What transformers' Trainer does under a pp x dp plan: ``num_items_in_batch`` = the label tokens of the
+    whole accumulation window over every replica, each micro-step's loss multiplied by the replicas (DDP's
+    averaging undone), the first micro-step inside ``no_sync``. The gradients equal one process's on the global
+    batch, and the replicas' mean of the summed micro-step losses is its loss (what the Trainer logs)."""
+    from hf_colossal_auto import data_parallel_info, shard_batch
+    from hf_colossal_auto.apply.runtime import apply_plan
+    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
+
+    cfg = config("tiny-llama", 4)
+    batch = batches(build(cfg, "meta"))[1]
+    reference = build(cfg, "cpu")
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    want = dict(reference.named_parameters())
+    model = build(cfg, "cpu")
+    plan = hand_pipeline_plan(model, batch, pp_size=2, dp_size=2, schedule="gpipe", micro_batches=2)
+    apply_plan(model, plan)
+    dp = data_parallel_info(model).size
+    local = shard_batch(batch, model)
+    rows = local["input_ids"].shape[0] // 2
+    halves = [{k: v[:rows] for k, v in local.items()}, {k: v[rows:] for k, v in local.items()}]
+    count = (batch["labels"][:, 1:] != -100).sum()  # the Trainer gathers it from every process
+    logged = torch.zeros(())
+    for i, half in enumerate(halves):
+        context = model.no_sync() if i == 0 else contextlib.nullcontext()
+        with context:
+            loss = model(**half, num_items_in_batch=count).loss * dp
+            loss.backward()
+        logged += loss.detach()
+    dist.all_reduce(logged)  # the Trainer's mean over processes: each replica's value on its pp ranks
+    results["trainer contract"] = {
+        "logged": logged.item() / dist.get_world_size(),
+        "ref_loss": ref_loss.item(),
+        "grad_err": max(relative(p.grad, want[n].grad) for n, p in model.named_parameters()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     started = time.perf_counter()
-    directory = [tempfile.mkdtemp(prefix="pipeline-dp-save-") if dist.get_rank() == 0 else None]
+    saving = ("gpt2 tied zbv", "llama fsdp 1f1b", "llama tp 1f1b", "gpt2 tied fsdp 1f1b")
+    directory = [
+        tempfile.mkdtemp(prefix="pipeline-dp-save-") if dist.get_rank() == 0 else None for _ in saving
+    ]
     dist.broadcast_object_list(directory)
     results: dict[str, Any] = {
         "llama 1f1b": pipelined("tiny-llama", "1f1b", [4, 2], None),
         "gpt2 tied zbv": pipelined("tiny-gpt2", "zbv", [1, 1, 1, 1], directory[0]),
+        "llama fsdp 1f1b": pipelined("tiny-llama", "1f1b", [2, 1], directory[1], inside="fsdp"),
+        "llama tp 1f1b": pipelined("tiny-llama", "1f1b", [1, 2], directory[2], inside="tp"),
+        "gpt2 tied fsdp 1f1b": pipelined("tiny-gpt2", "1f1b", [1, 1], directory[3], inside="fsdp"),
     }
     loader_rows(results)
+    deferred_accumulation(results)
+    trainer_contract(results)
     results["total_seconds"] = time.perf_counter() - started
     write_every_rank_and_close(results, args.out)
 

@@ -80,7 +80,10 @@ def measured_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch
     from hf_colossal_auto._torch_compat import MemTracker
 
     tracker = MemTracker()
-    tracker.track_external(model, optimizer)
+    # The batch is in memory during the step (the planner counts it), but was made before the tracker: name it,
+    # or only a runtime that happens to view it (DTensor's from_local) gets it counted.
+    inputs = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    tracker.track_external(model, optimizer, *inputs)
     with tracker:
         loss = model(**batch).loss
         loss.backward()

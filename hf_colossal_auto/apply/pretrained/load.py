@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,6 +266,7 @@ def load_pretrained(
     strict: bool = True,
     ignore_mismatched_sizes: bool = False,
     device: torch.device | str | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> LoadReport:
     """Fill ``model`` from the safetensors checkpoint at ``path``, each rank reading only its own slices.
 
@@ -275,13 +276,18 @@ def load_pretrained(
     cast to each tensor's dtype. Call it on every rank of a planned model (a model on ``meta`` is materialised
     collectively); the checks run before anything is read, identically on every rank. ``device``: where a
     plain tensor on ``meta`` is allocated (default: :func:`.materialize.materialize_meta_model`'s).
+
+    ``keep``: the names of the tensors this rank holds (a pipeline stage's, before the model is cut to them);
+    only those are allocated and read — a tensor any of whose names it accepts, so a head tied to the
+    embedding is filled from the embedding's key on the last stage. The checks still cover the whole model.
     """
     directory, files = checkpoint_files(path)
     sources = _read_headers(directory, files)
     matching = _match(model, sources)
     _refuse(model, path, matching, strict, ignore_mismatched_sizes)
     if is_meta_model(model):
-        materialize_meta_model(model, device, loaded=matching.loaded_names)
+        loaded = [n for n in matching.loaded_names if keep is None or keep(n)]
+        materialize_meta_model(model, device, loaded=loaded, keep=keep)
     report = LoadReport(
         files=files,
         missing=matching.missing,
@@ -290,8 +296,10 @@ def load_pretrained(
         checkpoint_bytes=sum(s.nbytes for s in sources.values()),
     )
     tensors = _model_tensors(model)
+    held = {id(t) for n, t in tensors.items() if keep is None or keep(n)}
+    targets = [t for t in matching.targets if id(tensors[t.name]) in held]
     with _OpenFiles(directory) as opened, torch.no_grad():
-        for target in sorted(matching.targets, key=lambda t: t.sources[0][0].file):  # each file opened once
+        for target in sorted(targets, key=lambda t: t.sources[0][0].file):  # each file opened once
             live = tensors[target.name]
             if target.converter is None:
                 source = target.sources[0][0]
@@ -299,9 +307,10 @@ def load_pretrained(
             else:
                 for name, local, read in _convert(target, opened, model, tensors):
                     report.bytes_read += read
-                    _store(name, tensors[name], local)
+                    if id(tensors[name]) in held:
+                        _store(name, tensors[name], local)
             report.loaded += 1
-    report.local_bytes = _local_bytes(tensors[n] for n in matching.loaded_names)
+    report.local_bytes = _local_bytes(tensors[n] for n in matching.loaded_names if id(tensors[n]) in held)
     if hasattr(model, "config"):  # as from_pretrained records them: a later save reverts what matched
         model._weight_conversions = matching.conversions
     logger.info(
