@@ -436,3 +436,9 @@ def pipeline_schedule_actions(
         ]
         for rank in ops
     ]
+
+
+def flatten_mesh_axes(mesh, names: tuple[str, ...], flat_name: str):
+    """The 1-D mesh over the ranks of ``mesh``'s axes ``names`` (row-major), with its process group: torch's
+    private ``DeviceMesh._flatten`` (every rank must call it, in the same order)."""
+    return mesh[names]._flatten(flat_name)

@@ -40,6 +40,15 @@ class PipelinePlanError(ValueError):
     """A plan's pipeline fields cannot be run: they contradict each other, the mesh or the schedule."""
 
 
+MESH_AXIS_ORDER = ("pp", "dp", "cp", "tp")
+"""The order of the mesh axes a plan may have (row-major: the last varies fastest); absent axes are left out
+(``("dp", "tp")``, ``("pp", "dp", "tp")``, ``("dp", "cp", "tp")``...)."""
+
+
+class ContextParallelPlanError(ValueError):
+    """A plan's context-parallel degree contradicts its mesh."""
+
+
 @dataclass
 class BlockCost:
     """Predicted cost of one depth unit (an embedding, a transformer block, the head) per training step."""
@@ -165,14 +174,20 @@ class Plan:
     virtual_stages: int = 1
     """Stages per pp rank: 1 for "gpipe" and "1f1b", at least 2 for the interleaved schedules, 2 for "zbv"."""
     cp_size: int = 1
-    """Context-parallel ranks: the mesh axis ``"cp"`` (mesh ``("dp", "cp", "tp")``), each running ``seq / cp``
-    tokens of every sequence. 1 (no context parallelism) in plans written before it existed."""
+    """Context-parallel ranks: the mesh axis ``"cp"`` (mesh ``("dp", "cp", "tp")``, after ``"pp"`` when there is
+    one). The ``cp`` ranks of a data-parallel replica hold the same rows and each computes a balanced part of
+    their sequence (a head chunk and a tail chunk; :mod:`hf_colossal_auto.apply.context_parallel`): every
+    token-wise activation is split on the sequence dim over the axis (implicitly: placements name only the
+    plan's dp and tp axes' choices, and read ``"R"`` on the cp axis), attention all-gathers keys and values
+    over it, parameters are replicated over it and their gradients summed over it (and averaged over dp). 1 (no
+    context parallelism) in plans written before it existed, and then left out of the JSON."""
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
         """Fills in ``dp_shard_size`` for plans written before it existed and refuses one HSDP cannot run, or
         pipeline fields that cannot run together."""
         self._check_pipeline()
+        self._check_context_parallel()
         dp = self.dp_size
         if self.dp_mode != "hsdp":  # the mode's own: a dp_mode set by hand agrees again once read (broadcast)
             self.dp_shard_size = dp if self.dp_mode == "fsdp" else 1
@@ -208,6 +223,30 @@ class Plan:
         _check_stage_lists(self.stages, pp * self.virtual_stages, pp, self.virtual_stages)
         _check_pipeline_micro_batches(self.schedule, self.micro_batches, len(self.stages), pp)
 
+    def _check_context_parallel(self) -> None:
+        """Refuse a cp degree that is not the mesh's ``"cp"`` axis, or axes out of :data:`MESH_AXIS_ORDER`."""
+        cp = self.cp_size
+        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+            raise ContextParallelPlanError(f"Plan: cp_size must be a whole number >= 1, got {cp!r}")
+        names = tuple(self.mesh_axis_names)
+        if cp == 1:
+            if "cp" in names:
+                raise ContextParallelPlanError(
+                    "Plan: a mesh with a 'cp' axis needs cp_size > 1 (leave the axis out without context "
+                    "parallelism)"
+                )
+            return
+        if "cp" not in names or self.mesh_shape[names.index("cp")] != cp:
+            raise ContextParallelPlanError(
+                f"Plan: context parallelism over {cp} ranks needs a mesh axis 'cp' of size {cp} (mesh "
+                f"{dict(zip(names, self.mesh_shape, strict=False))}); e.g. mesh_axis_names ('dp', 'cp', 'tp')"
+            )
+        order = [MESH_AXIS_ORDER.index(n) for n in names if n in MESH_AXIS_ORDER]
+        if len(order) != len(names) or order != sorted(order):
+            raise ContextParallelPlanError(
+                f"Plan: mesh axes {names} are not in the order {MESH_AXIS_ORDER} (absent ones left out)"
+            )
+
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -218,7 +257,7 @@ class Plan:
         ):  # a plan without a pipeline writes exactly what it wrote before pipelines existed
             for name in PIPELINE_FIELDS:
                 data.pop(name)
-        if self.cp_size == 1:  # a plan without context parallelism writes what it wrote before it existed
+        if self.cp_size == 1:  # a plan without context parallelism writes what it wrote before cp existed
             data.pop("cp_size")
         if (
             not self.block_input_placements
@@ -265,6 +304,12 @@ class Plan:
     @property
     def dp_size(self) -> int:
         return self.mesh_shape[self.mesh_axis_names.index("dp")] if "dp" in self.mesh_axis_names else 1
+
+    @property
+    def batch_group_size(self) -> int:
+        """Processes that compute on one data-parallel replica's rows within one pipeline stage: its
+        tensor-parallel ranks times its context-parallel ranks, consecutive ranks in the row-major mesh."""
+        return self.tp_size * self.cp_size
 
     @property
     def num_stages(self) -> int:
@@ -381,6 +426,11 @@ class Plan:
             f"{format_bytes(self.param_memory_bytes)}, activations {format_bytes(self.activation_memory_bytes)})",
         ]
         lines.extend(_pipeline_lines(self))
+        if self.cp_size > 1:
+            lines.append(
+                f"context parallel      {self.cp_size} ranks per replica split each sequence (a head and a tail "
+                "chunk each); attention all-gathers keys and values over them"
+            )
         lines.extend(_sequence_parallel_lines(self.sequence_parallel_blocks))
         lines.extend(_moe_lines(self.moe_layers))
         if self.moe_load:

@@ -59,9 +59,8 @@ def test_plan_without_pipeline_writes_and_reads_as_before():
     )  # fmt: skip
     data = plain.to_dict()
     assert not set(PIPELINE_FIELDS) & set(data)
-    omitted_when_empty = {
-        "block_input_placements"
-    }  # sequence parallelism's field, absent from older plans too
+    # sequence parallelism's field and context parallelism's degree (at 1), absent from older plans too
+    omitted_when_empty = {"block_input_placements", "cp_size"}
     assert set(data) == {f.name for f in dataclasses.fields(Plan)} - set(PIPELINE_FIELDS) - omitted_when_empty
     old = Plan.from_dict(json.loads(json.dumps(data)))
     assert old.pp_size == 1 and old.stages == [] and old.schedule == "" and old.num_stages == 1

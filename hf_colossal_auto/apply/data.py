@@ -4,7 +4,9 @@
 the example batch a process passes is *one process's batch as plain DDP would feed it*, and the global batch
 of a step is that times the number of processes, whatever mesh the planner picks. The planner sees that
 global batch; on a ``dp x tp`` mesh each data-parallel group — the ``tp`` ranks that compute together —
-consumes ``tp`` processes' batches, and the ``dp`` groups consume disjoint parts.
+consumes ``tp`` processes' batches, and the ``dp`` groups consume disjoint parts. On a ``dp x cp x tp`` mesh
+(context parallelism) a group is its ``cp x tp`` ranks: each holds the group's rows, whole sequences, and the
+model keeps its part of each sequence (:mod:`.context_parallel`).
 
 A torchrun script does not know the mesh before planning, so it asks the planned model:
 :func:`data_parallel_info` (which group this rank is in, how many there are), :func:`shard_batch` (this
@@ -31,9 +33,12 @@ class DataParallelInfo:
             of one group read the same batch.
         size: number of data-parallel groups (the mesh's ``dp``).
         tp_size: processes per group (the mesh's ``tp``): a group's batch is ``tp_size`` per-process batches.
-        world_size: processes in the job (``size * tp_size * pp_size``).
+        world_size: processes in the job (``size * tp_size * cp_size * pp_size``).
         pp_size: pipeline stages' ranks (the mesh's ``pp``): a group's batch is also shared by the ranks of its
             pipeline, so it is ``tp_size x pp_size`` per-process batches.
+        cp_size: context-parallel ranks (the mesh's ``cp``): they too read the group's rows, whole sequences
+            (the model keeps each rank's part of them), so a group's batch is ``tp_size x cp_size x pp_size``
+            per-process batches.
     """
 
     rank: int
@@ -41,11 +46,12 @@ class DataParallelInfo:
     tp_size: int
     world_size: int
     pp_size: int = 1
+    cp_size: int = 1
 
     @property
     def group_processes(self) -> int:
-        """Processes that compute on one group's batch (``tp_size x pp_size``)."""
-        return self.tp_size * self.pp_size
+        """Processes that compute on one group's batch (``tp_size x cp_size x pp_size``)."""
+        return self.tp_size * self.cp_size * self.pp_size
 
     def group_batch_size(self, per_process_batch_size: int) -> int:
         """Samples one group reads per step when each process was meant to read ``per_process_batch_size``."""
@@ -80,13 +86,19 @@ def data_parallel_info(model: nn.Module) -> DataParallelInfo:
     names = tuple(mesh.mesh_dim_names or ())
     rank = mesh.get_local_rank("dp") if "dp" in names and mesh.ndim > 1 else 0
     return DataParallelInfo(
-        rank=rank, size=plan.dp_size, tp_size=plan.tp_size, world_size=mesh.size(), pp_size=plan.pp_size
+        rank=rank,
+        size=plan.dp_size,
+        tp_size=plan.tp_size,
+        world_size=mesh.size(),
+        pp_size=plan.pp_size,
+        cp_size=plan.cp_size,
     )
 
 
 def shard_batch(batch: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
     """This process's data-parallel group's rows of a *global* batch (every tensor split along dim 0 into
-    ``dp`` equal parts). The global batch must be the same on every rank (same data, same order)."""
+    ``dp`` equal parts). The global batch must be the same on every rank (same data, same order). Under context
+    parallelism the rows keep their whole sequences: the model cuts this rank's part of them itself."""
     info = data_parallel_info(model)
     out: dict[str, Any] = {}
     for key, value in batch.items():

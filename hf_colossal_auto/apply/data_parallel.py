@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._torch_compat import queue_backward_callback
+from .context_parallel import gradient_group
 from .micro_batch import GradientSyncControl, check_micro_batch_rows, no_gradient_sync
 from .rng import agreed_forward
 
@@ -108,12 +109,9 @@ def wrap_plain_forward(model: nn.Module) -> None:
 
 
 def _data_parallel_group(mesh: DeviceMesh) -> tuple[dist.ProcessGroup | None, int]:
-    """The data-parallel group of ``mesh`` and its size (None, 1 without one or with one rank)."""
-    names = mesh.mesh_dim_names or ()
-    if "dp" not in names or mesh.size(names.index("dp")) < 2:
-        return None, 1
-    axis = names.index("dp")
-    return mesh.get_group(axis), mesh.size(axis)
+    """The data-parallel group of ``mesh`` and what its gradient sums are divided by (None, 1 without one or
+    with one rank)."""
+    return gradient_group(mesh)  # with context parallelism the dp x cp ranks, divided by dp
 
 
 def plain_gradient_hook(group: dist.ProcessGroup, size: int, control: GradientSyncControl):

@@ -45,9 +45,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-from .._torch_compat import allow_implicit_replication, queue_backward_callback, tree_map
+from .._torch_compat import allow_implicit_replication, flatten_mesh_axes, queue_backward_callback, tree_map
 from ..plan import Plan
 from .agree import DEFAULT_TIMEOUT_S, as_timedelta, raise_if_any_rank_failed, run_on_one_rank, set_timeout
+from .context_parallel import check_context_parallel_model, gradient_group, install_context_parallel
 from .data_parallel import (
     broadcast_from_rank_zero,
     keep_plain_parameters,
@@ -177,6 +178,17 @@ def tensor_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     free to slice it on that axis and gather it back; gradients are averaged over it explicitly."""
     names = mesh.mesh_dim_names or ()
     return mesh["tp"] if "tp" in names and mesh.ndim > 1 else mesh
+
+
+def batch_group_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that compute on one data-parallel replica's rows (one pipeline stage's): the tensor-parallel
+    sub-mesh, or with context parallelism its ``cp x tp`` ranks flattened (consecutive in the row-major mesh)."""
+    names = mesh.mesh_dim_names or ()
+    if "cp" not in names or mesh.size(names.index("cp")) == 1:
+        return tensor_parallel_mesh(mesh)
+    if "tp" not in names or mesh.size(names.index("tp")) == 1:
+        return mesh["cp"]
+    return flatten_mesh_axes(mesh, ("cp", "tp"), "cp_tp")
 
 
 def distribute_parameters(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> dict[int, nn.Parameter]:
@@ -385,10 +397,8 @@ def _make_sync_hook(mesh: DeviceMesh, control: GradientSyncControl | None = None
     device's calibration measured). The reductions are waited for, and the gradients set, when backward ends.
     While ``control`` is disabled (micro-batches before the last: :func:`.micro_batch.accumulate`) the gradient
     only accumulates locally; the next synchronising backward all-reduces the sum, once per step."""
-    names = mesh.mesh_dim_names or ()
-    dp_axis = names.index("dp") if "dp" in names and mesh.size(names.index("dp")) > 1 else None
-    dp_group = mesh.get_group(dp_axis) if dp_axis is not None else None
-    dp_size = mesh.size(dp_axis) if dp_axis is not None else 1
+    # the data-parallel group, or with context parallelism the dp x cp ranks (summed over cp, divided by dp)
+    dp_group, dp_size = gradient_group(mesh)
     pending: list[tuple[nn.Parameter, torch.Tensor, Any, DTensor]] = []
 
     def finish() -> None:
@@ -528,6 +538,8 @@ def apply_plan(
     world = dist.get_world_size() if dist.is_initialized() else None
     _validate_on_every_rank(model, plan, world)
     check_expert_data_parallel(model, plan)
+    if plan.cp_size > 1:  # before any collective: the same model refuses on every rank
+        check_context_parallel_model(model, plan)
     fsdp = plan.dp_mode in ("fsdp", "hsdp") and plan.dp_size > 1
     install_dtensor_rules(plan)
     if mesh is None:
@@ -542,6 +554,8 @@ def apply_plan(
         wrap_plain_forward(model)
     else:
         _distribute(model, plan, mesh)
+    if plan.cp_size > 1:  # sequences split over the cp axis (the outermost forward wrapper)
+        install_context_parallel(model, plan, mesh)
     # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP
     recomputed = apply_recompute(model, plan)
     install_tensor_parallel_rng(model, mesh, recomputed=bool(recomputed))

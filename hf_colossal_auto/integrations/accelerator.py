@@ -353,8 +353,9 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
 
     def _regroup(self, loader: Any) -> None:
         plan = self.auto_plan
-        if plan is not None and plan.tp_size * plan.pp_size > 1 and self._parallel:
-            members = group_members(self.process_index, plan.tp_size, plan.pp_size, plan.dp_size)
+        if plan is not None and plan.batch_group_size * plan.pp_size > 1 and self._parallel:
+            # a replica's tp x cp ranks are consecutive in the row-major mesh: they read one union of batches
+            members = group_members(self.process_index, plan.batch_group_size, plan.pp_size, plan.dp_size)
             regroup_loader(loader, members)
 
     def _is_other_model(self, model: nn.Module) -> bool:
@@ -458,10 +459,10 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
 
     # ----------------------------------------------------------------------------------- metrics
     def _tensor_parallel_copies(self) -> tuple[int, int]:
-        """The plan's ``(tp, pp)``: how many processes hold each batch is their product ((1, 1) without a plan
-        or in one process)."""
+        """The plan's ``(tp x cp, pp)``: how many processes hold each batch is their product ((1, 1) without a
+        plan or in one process)."""
         plan = self.auto_plan
-        return (plan.tp_size, plan.pp_size) if self._parallel and plan is not None else (1, 1)
+        return (plan.batch_group_size, plan.pp_size) if self._parallel and plan is not None else (1, 1)
 
     def gather(self, tensor: Any) -> Any:
         """Accelerate's, each sample once: what the processes of a data-parallel group (its tensor-parallel

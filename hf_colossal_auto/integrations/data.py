@@ -452,5 +452,5 @@ def data_parallel_loader(loader: DataLoader, model: nn.Module, **prepare_kwargs:
     prepare_kwargs.setdefault("rng_types", ["generator"])
     prepared = prepare_data_loader(loader, num_processes=world, process_index=rank, **prepare_kwargs)
     if info.group_processes > 1:
-        regroup_loader(prepared, group_members(rank, info.tp_size, info.pp_size, info.size))
+        regroup_loader(prepared, group_members(rank, info.tp_size * info.cp_size, info.pp_size, info.size))
     return prepared

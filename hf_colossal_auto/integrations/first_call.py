@@ -32,7 +32,7 @@ from torch import nn
 
 from .._torch_compat import tree_map
 from ..apply.micro_batch import set_gradient_sync
-from ..apply.runtime import tensor_parallel_mesh
+from ..apply.runtime import batch_group_mesh
 from .data import batch_is_per_process
 
 NOT_PER_SAMPLE = frozenset({"cache_position"})
@@ -75,7 +75,9 @@ class TensorParallelBatch:
     passed on as they are)."""
 
     def __init__(self, model: nn.Module) -> None:
-        mesh = tensor_parallel_mesh(model._hf_colossal_auto_mesh)
+        mesh = batch_group_mesh(
+            model._hf_colossal_auto_mesh
+        )  # tp ranks, or cp x tp under context parallelism
         self.group = mesh.get_group()
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
@@ -172,7 +174,7 @@ def plan_on_first_call(model: nn.Module, parallelize: Callable[[nn.Module, dict[
                     parallelize(model, named)
                 state["planned"] = model.forward
                 plan = model._hf_colossal_auto_plan
-                state["batch"] = TensorParallelBatch(model) if plan.tp_size > 1 else None
+                state["batch"] = TensorParallelBatch(model) if plan.batch_group_size > 1 else None
                 if state["no_sync"]:  # planned inside no_sync(): this backward accumulates locally too
                     set_gradient_sync(model, False)
             finally:

@@ -485,6 +485,12 @@ def _follow_batch_rule(trainer: Trainer, plan: Plan) -> None:
     gathered once per group, and tokens and FLOs are counted once per group (:mod:`.data`)."""
     from .accelerator import AutoParallelAccelerator
 
+    if plan.cp_size > 1:  # its label counts and loss scaling are the tensor-parallel ones, not cp's
+        raise ValueError(
+            f"AutoParallelCallback: the plan runs context parallelism (cp_size={plan.cp_size}), which the Trainer "
+            "integration does not run yet; train it with AutoParallelAccelerator or hf_colossal_auto."
+            "autoparallelize, or use a plan without cp"
+        )
     accelerator = trainer.accelerator
     if isinstance(accelerator, AutoParallelAccelerator):  # under the runner: it adopts the plan and re-cuts
         accelerator._adopt(trainer.model, plan)

@@ -1,0 +1,338 @@
+"""Run under torchrun: context parallelism (a ``cp`` mesh axis) against one process, several models per launch.
+
+    torchrun --nproc_per_node 2 tests/multiproc/check_context_parallel.py --tp 1 --out result.json
+    torchrun --nproc_per_node 4 tests/multiproc/check_context_parallel.py --tp 2 --out result.json
+
+The world is ``cp x tp`` (one data-parallel replica; ``--dp-case`` adds dp 2 x cp). Every rank builds the same
+seeded model; the plan is ``hand_context_parallel_plan`` without tp, or the Megatron placements on ``tp`` with a
+cp axis of ``world / tp`` ranks added (``with_context_parallel``); every rank of a replica is fed the same whole
+rows, as the batch rule says. Rank 0 writes per case: the loss, the one-process loss, the largest
+logits and gradient differences (the gathered logits include the chunk-boundary tokens), the per-rank
+positions. Cases: GPT-2 (learned positions, tied head), Llama (RoPE, GQA) with padding and labels ignored
+around the chunk boundaries, Llama on packed sequences (position ids that restart) with every block
+recomputed (attention reruns in backward), Qwen2 (GQA) with a
+sliding window shorter than the sequence, eager attention; then the refusals (a sequence the balanced layout
+cannot cut, flash attention's packed offsets), each raised on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def qwen2_config(**extra):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        use_cache=False,
+        **extra,
+    )
+
+
+def build(name: str, attention: str = "sdpa"):
+    from hf_colossal_auto.models import build_model
+
+    torch.manual_seed(0)
+    if name == "tiny-qwen2-window":  # the second layer slides a 6-token window over 16 tokens
+        config = qwen2_config(use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    elif name == "tiny-qwen2":
+        config = qwen2_config()
+    else:
+        config = name
+    model = build_model(config, device="cpu", attn_implementation=attention)
+    model.eval()  # no dropout: the comparison is exact
+    return model
+
+
+def make_batch(model, rows: int, seq: int, kind: str) -> dict[str, torch.Tensor]:
+    """Token ids and labels; ``padded``: the second row right-padded, labels ignored on both sides of every
+    chunk boundary of the first row; ``packed``: documents of 5, 7 and 4 tokens in one row (position ids
+    restart, no padding mask)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (rows, seq), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if kind == "padded":
+        mask = torch.ones_like(ids)
+        mask[1, seq - 5 :] = 0
+        batch["labels"][1, seq - 5 :] = -100
+        batch["labels"][0, [3, 4, 7, 8]] = -100
+        batch["attention_mask"] = mask
+    elif kind == "packed":
+        lengths = [5, 7, seq - 12]
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None].expand(rows, seq)
+    return batch
+
+
+def base_plan(model, batch, tp: int):
+    from hf_colossal_auto.solve.planner import evaluate_plan
+
+    batch = {k: v for k, v in batch.items() if k != "position_ids"}  # the plan is the same for packed rows
+    return evaluate_plan(model, batch, "megatron", num_devices=tp, device="cpu", mesh_shape=(1, tp)).plan
+
+
+def cp_plan(model, batch, tp: int, cp: int, dp: int = 1):
+    """Without tp the hand-made plan (no trace); with it the Megatron placements on tp, a cp axis added."""
+    from hf_colossal_auto.apply.context_parallel import hand_context_parallel_plan, with_context_parallel
+
+    if tp == 1:
+        return hand_context_parallel_plan(model, batch, cp_size=cp, dp_size=dp)
+    return with_context_parallel(base_plan(model, batch, tp), cp)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def run_case(
+    name: str, kind: str, attention: str, tp: int, seq: int, dp: int = 1, recompute: bool = False
+) -> dict:
+    """One model on a ``dp x cp x tp`` mesh: each replica's loss, logits and the gradients (DDP's: the mean of
+    the replicas' losses) against one process on the replica's or the global rows."""
+    from common import ddp_reference_loss  # here: this script's folder is on the path under torchrun
+
+    from hf_colossal_auto.apply import apply_plan, broadcast_plan
+    from hf_colossal_auto.apply.context_parallel import balanced_positions
+    from hf_colossal_auto.apply.data import data_parallel_info, shard_batch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cp = world // (tp * dp)
+    model = build(name, attention)
+    batch = make_batch(model, 2 * dp, seq, kind)
+    reference = copy.deepcopy(model)
+    plan = cp_plan(model, batch, tp, cp, dp) if rank == 0 else None
+    plan = broadcast_plan(plan)
+    if recompute:  # every block checkpointed: attention reruns in backward, K/V gathered again
+        plan.recompute = {f"model.layers.{i}": "full" for i in range(model.config.num_hidden_layers)}
+    apply_plan(model, plan)
+    info = data_parallel_info(model)
+    assert (info.size, info.cp_size, info.tp_size, info.group_processes) == (dp, cp, tp, cp * tp), info
+    assert info.rank == rank // (cp * tp), info
+    mine = shard_batch(batch, model)  # the replica's rows, whole sequences, on each of its cp x tp ranks
+    assert all(torch.equal(v, batch[k][2 * info.rank : 2 * info.rank + 2]) for k, v in mine.items())
+    ref = reference(**mine)
+    windowless = None
+    if name.endswith("-window"):  # the window changes one process's result, so the test sees it
+        windowless = float((build("tiny-qwen2", attention)(**mine).logits - ref.logits).abs().max())
+    ddp_reference_loss(reference, batch, dp).backward()
+    out = model(**mine)
+    out.loss.backward()
+    grad_diff = max(
+        float((full(p.grad) - p_ref.grad).abs().max())
+        for p, p_ref in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    cp_rank = model._hf_colossal_auto_mesh.get_local_rank("cp")
+    result = {
+        "model": name,
+        "kind": kind,
+        "attention": attention,
+        "mesh": list(plan.mesh_shape),
+        "loss": float(out.loss),
+        "reference_loss": float(ref.loss),
+        "logits_diff": float((out.logits - ref.logits).abs().max()),
+        "logits_shape": list(out.logits.shape),
+        "max_grad_diff": grad_diff,
+        "positions": balanced_positions(seq, cp, cp_rank).tolist(),
+        "sharded_params": sum(isinstance(p, DTensor) for p in model.parameters()),
+        "window_effect": windowless,
+        "recomputed": sorted(
+            n for n, m in model.named_modules() if getattr(m, "_hf_colossal_auto_recompute", None)
+        ),
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    del model, reference, out, ref
+    dist.barrier()
+    return {**gathered[0], "ranks": gathered}
+
+
+def refused(name: str, tp: int, seq: int, what: str) -> dict:
+    """Apply a cp plan and feed (or set) what must be refused; every rank's error message."""
+    from hf_colossal_auto.apply import apply_plan, broadcast_plan
+
+    world = dist.get_world_size()
+    model = build(name)
+    batch = make_batch(model, 2, seq, "plain")
+    plan = broadcast_plan(cp_plan(model, batch, tp, world // tp) if dist.get_rank() == 0 else None)
+    message = None
+    try:
+        if what == "flash":
+            model.config._attn_implementation = "flash_attention_2"
+            apply_plan(model, plan)
+        else:
+            apply_plan(model, plan)
+            if what == "offsets":
+                batch["cu_seq_lens_q"] = torch.tensor([0, seq])
+            elif what == "one-rank-odd" and dist.get_rank() == 1:  # only rank 1's are cut: all must stop
+                batch = {k: v[:, :-1] for k, v in batch.items()}
+            model(**batch)
+    except ValueError as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    messages = [None] * world
+    dist.all_gather_object(messages, message)
+    del model
+    dist.barrier()
+    return {"refusal": what, "messages": messages}
+
+
+def first_call_batches(tp: int) -> dict:
+    """The batch a replica computes on when a plan is made from the model's first call: every rank's own rows
+    gathered over the replica's cp x tp ranks (``TensorParallelBatch``), whole sequences."""
+    from hf_colossal_auto.apply import apply_plan, broadcast_plan
+    from hf_colossal_auto.integrations.first_call import TensorParallelBatch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = build("tiny-llama")
+    batch = make_batch(model, 2, 16, "plain")
+    plan = broadcast_plan(cp_plan(model, batch, tp, world // tp) if rank == 0 else None)
+    apply_plan(model, plan)
+    mine = {"input_ids": batch["input_ids"] + rank, "labels": batch["labels"] + rank}
+    gathered, rows = TensorParallelBatch(model).gather(mine)
+    again, _ = TensorParallelBatch(model).gather(mine)  # a second group over the same mesh
+    expected = torch.cat([batch["input_ids"] + r for r in range(world)])
+    del model
+    dist.barrier()
+    return {
+        "first_call_rows": rows,
+        "first_call_union": torch.equal(gathered["input_ids"], expected)
+        and torch.equal(again["input_ids"], expected),
+    }
+
+
+LR = 1e-2
+
+
+def accelerator_loop(directory: str) -> dict:
+    """An ordinary accelerate loop under ``AutoParallelAccelerator`` with a cp plan file
+    (``HF_COLOSSAL_AUTO_PLAN_PATH``): per-process batches of 2 rows of 16 tokens, gradient accumulation 2,
+    clipping, two optimizer steps, an evaluation gathered for metrics; against one process on the union of
+    the processes' batches (what the replica's cp ranks compute on)."""
+    from torch.utils.data import DataLoader, default_collate
+
+    from hf_colossal_auto import AutoParallelAccelerator
+
+    world = dist.get_world_size()
+    model = build("tiny-llama")
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (16, 16), generator=torch.Generator().manual_seed(2))
+    rows = [{"input_ids": r, "labels": r.clone()} for r in ids]
+    path = os.path.join(directory, "plan.json")
+    if dist.get_rank() == 0:
+        cp_plan(model, default_collate(rows[: 2 * world]), 1, world).save(path)
+    dist.barrier()
+    os.environ["HF_COLOSSAL_AUTO_PLAN_PATH"] = path
+    reference = copy.deepcopy(model)
+    accelerator = AutoParallelAccelerator(cpu=True, gradient_accumulation_steps=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    loader = DataLoader(rows, batch_size=2, collate_fn=default_collate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, norms, seen = [], [], []
+    for batch in loader:
+        seen.append(batch["input_ids"][:, 0].tolist())
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        argmax = accelerator.gather_for_metrics(model(**batch).logits.argmax(-1))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    ref_losses, ref_norms = [], []
+    group = 2 * world
+    for step in range(len(rows) // group):
+        ref_batch = default_collate(rows[step * group : (step + 1) * group])
+        loss = reference(**ref_batch).loss
+        (loss / 2).backward()
+        ref_losses.append(loss.item())
+        if step % 2 == 1:
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)))
+            ref_opt.step()
+            ref_opt.zero_grad()
+    reference.eval()
+    with torch.no_grad():
+        ref_argmax = reference(**ref_batch).logits.argmax(-1)
+    unwrapped = accelerator.unwrap_model(model)
+    ref_params = dict(reference.named_parameters())
+    result = {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "param_err_lr": max(
+            float((p.detach() - ref_params[n]).abs().max()) / LR for n, p in unwrapped.named_parameters()
+        ),
+        "gathered_equal": torch.equal(argmax, ref_argmax),
+        "rows": seen,
+        "plan_cp": accelerator.auto_plan.cp_size,
+    }
+    del model, optimizer, loader, unwrapped
+    accelerator.wait_for_everyone()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dp-case", action="store_true", help="also Llama (padded) on dp 2 x cp (world / 2)")
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--refusals", action="store_true")
+    parser.add_argument("--cases", default="all", help="'all' or a comma list of indices into the cases")
+    parser.add_argument("--accelerate", action="store_true", help="also the AutoParallelAccelerator loop")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    cases = [  # model, inputs, attention, every block recomputed
+        ("tiny-gpt2", "plain", "sdpa", False),
+        ("tiny-llama", "padded", "sdpa", False),
+        ("tiny-llama", "packed", "sdpa", True),
+        ("tiny-qwen2-window", "plain", "sdpa", False),
+        ("tiny-qwen2", "padded", "eager", False),
+    ]
+    if args.cases != "all":
+        cases = [cases[int(i)] for i in args.cases.split(",")]
+    started = time.perf_counter()
+    results = [
+        run_case(name, kind, attention, args.tp, args.seq, recompute=recompute)
+        for name, kind, attention, recompute in cases
+    ]
+    if args.dp_case:
+        results.append(run_case("tiny-llama", "padded", "sdpa", 1, args.seq, dp=2))
+    results.append(first_call_batches(args.tp))
+    if args.refusals:
+        for what, seq in (("odd-length", args.seq - 2), ("flash", args.seq), ("offsets", args.seq)):
+            results.append(refused("tiny-llama", args.tp, seq, what))
+        results.append(refused("tiny-llama", args.tp, args.seq, "one-rank-odd"))
+    if args.accelerate:
+        directory = [tempfile.mkdtemp(prefix="cp-plan-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(directory)
+        results.append({"accelerate": accelerator_loop(directory[0])})
+    results.append({"total_seconds": time.perf_counter() - started})
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_COLOSSAL_AUTO_NO_CALIBRATE", "1")
+    main()
