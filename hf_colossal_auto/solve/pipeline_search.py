@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import logging
 import math
 from collections import defaultdict
@@ -80,10 +81,10 @@ from .pricing.pipeline_schedule import (
     Link,
     ScheduleSimulation,
     StageCost,
-    schedule_actions,
+    _cached_actions,
     simulate_schedule,
 )
-from .problem import InfeasibleError, Solution
+from .problem import InfeasibleError, Solution, memory_usage
 from .tied import TiedGraph
 from .writeup import _activation_per_unit, _real_modules, _unit_mapper, _unit_order
 
@@ -103,6 +104,10 @@ MAX_ROW_OPTIONS = 2
 """Rows per micro-batch tried per stage layout (the fewest first: 1, then 2, ...): more micro-batches shrink the
 bubble, and under 1F1B and the interleaved schedules the activations held do not grow with them; each row count
 costs an ILP per layout."""
+
+EFFICIENT_MICRO_BATCH_TOKENS = 4096
+"""Tokens of a micro-batch past which more rows per micro-batch are not tried: the matmuls of a micro-batch that
+size run near their peak (more rows would only grow the bubble), and every row count costs an ILP per layout."""
 
 
 @dataclass
@@ -139,11 +144,14 @@ class StageLayout:
     dp: int
     dp_mode: str
     shard: int
+    lean: bool = False
+    """Its tensor-parallel activation placements chosen to keep activations small (:func:`_lean_budgets`: the
+    ILP then shards the kept activations, sequence parallelism among them) rather than for speed alone."""
 
     @property
     def label(self) -> str:
         mode = f"hsdp {self.dp // self.shard}x{self.shard}" if self.dp_mode == "hsdp" else self.dp_mode
-        return f"{self.dp}x{self.tp} {mode}"
+        return f"{self.dp}x{self.tp} {mode}" + (", lean activations" if self.lean else "")
 
     @property
     def plain(self) -> bool:
@@ -219,15 +227,20 @@ def cut_blocks(
             t = stage_time(0, 0, j)
             best[0][j] = (t, t * t)
     for s in range(1, num_stages):
+        extra = last_s if s == num_stages - 1 else 0.0
+        before, row, rows_back = best[s - 1], best[s], back[s]
         for j in range(s + 1, n + 1):
-            for i in range(s, j):
-                prev = best[s - 1][i]
-                if prev[0] == math.inf or not allowed(s, i, j):
+            top = prefix[j] + extra
+            for i in range(j - 1, s - 1, -1):  # the stage grows as i falls: past the best, nothing better
+                t = top - prefix[i]
+                if t > row[j][0]:
+                    break
+                prev = before[i]
+                if prev[0] == math.inf or (fits is not None and not fits(s, i, j)):
                     continue
-                t = stage_time(s, i, j)
-                candidate = (max(prev[0], t), prev[1] + t * t)
-                if candidate < best[s][j]:
-                    best[s][j], back[s][j] = candidate, i
+                candidate = (prev[0] if prev[0] > t else t, prev[1] + t * t)
+                if candidate < row[j] or (candidate == row[j] and i < rows_back[j]):
+                    row[j], rows_back[j] = candidate, i
     if best[num_stages - 1][n][0] == math.inf:
         return None
     counts = []
@@ -290,20 +303,25 @@ class _Pricer:
         self._costs: dict[tuple, ModelCosts] = {}
         self.ilps = 0
 
-    def inner(self, tp: int, rows: int, option: str, plain: bool) -> InnerPricing:
-        key = (tp, rows, option, plain)
+    def inner(self, tp: int, rows: int, option: str, plain: bool, lean: bool = False) -> InnerPricing:
+        key = (tp, rows, option, plain, lean)
         if key not in self._inner:
             fixed = self.fixed_params
-            if option != "none":
+            budgets = [LIFTED_BUDGET]
+            if option != "none" or lean:
                 fixed = self.inner(tp, rows, "none", plain).param_choice  # the same layout under every option
-            self._inner[key] = self._solve(tp, rows, option, plain, fixed)
+            if lean:
+                budgets = _lean_budgets(self.inner(tp, rows, option, plain), tp) + budgets
+            self._inner[key] = self._solve(tp, rows, option, plain, fixed, budgets)
         return self._inner[key]
 
     def _solve(
-        self, tp: int, rows: int, option: str, plain: bool, fixed: dict[str, str] | None
+        self, tp: int, rows: int, option: str, plain: bool, fixed: dict[str, str] | None, budgets: list[int]
     ) -> InnerPricing:
         """The ILP of one replica's micro-batch on an inner mesh: ``(1, tp)`` (``(2, 1)`` under FSDP where tp = 1,
-        so that its ops are priced on DTensors as a sharded stage runs them), budget lifted, recompute pinned."""
+        so that its ops are priced on DTensors as a sharded stage runs them), recompute pinned, its activation
+        peak under the first of ``budgets`` a choice meets (lean ones, :func:`_lean_budgets`, then lifted), its
+        other memory rows lifted (a stage's state is priced by :func:`_data_parallel_side`)."""
         planner = self.planner
         dp = 2 if tp == 1 and not plain else 1
         mode = "fsdp" if dp > 1 else "ddp"
@@ -325,8 +343,17 @@ class _Pricer:
         inner.routing = planner.routing
         mesh = (dp, tp)
         built = inner.build(mesh, mode, fixed_params=fixed, recompute_pin=option, budget=LIFTED_BUDGET)
-        solution = solve(built.problem, time_limit_s=planner.time_limit_s)
-        self.ilps += 1
+        peak = built.problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
+        solution = None
+        for budget in budgets:
+            peak.budget = budget
+            self.ilps += 1
+            try:
+                solution = solve(built.problem, time_limit_s=planner.time_limit_s)
+                break
+            except InfeasibleError:  # the next, looser budget
+                continue
+        assert solution is not None  # the last budget is lifted
         graph = inner.graph(dp)
         units = _unit_costs(planner, built, solution, graph)
         params, choice = _param_shares(planner, built, solution, graph, tp, dp if mode == "fsdp" else 1)
@@ -340,18 +367,57 @@ class _Pricer:
         key = (pp, stage, micro_batches, options)
         if key not in self._costs:
             rows = self.planner.batch // (stage.dp * micro_batches)
-            none = self.inner(stage.tp, rows, "none", stage.plain)
+            none = self.inner(stage.tp, rows, "none", stage.plain, stage.lean)
             param_side = _data_parallel_side(self.planner, none.params, pp, stage)
             costs = _with_param_side(none, param_side, self.planner, self.layout)
             costs.options["none"] = costs.blocks
             for option in options:
                 if option != "none":
-                    priced = self.inner(stage.tp, rows, option, stage.plain)
+                    priced = self.inner(stage.tp, rows, option, stage.plain, stage.lean)
                     costs.options[option] = _with_param_side(
                         priced, param_side, self.planner, self.layout
                     ).blocks
             self._costs[key] = costs
         return self._costs[key]
+
+
+LEAN_FRACTIONS = (0.125, 0.25, 0.5)
+"""Shares of the lifted solution's activations a lean pricing asks for, in turn, until one can be met."""
+
+
+def _lean_budgets(lifted: InnerPricing, tp: int) -> list[int]:
+    """Budgets for the inner ILP's activation-peak row (the other rows lifted) that make it keep its activations
+    small, tightest first: the lifted solution's peak with its activations (what the row holds beyond the
+    parameters' terms) cut to 1/tp — what sharding every kept activation over the tensor-parallel ranks
+    (sequence parallelism) would reach — then to the larger shares of :data:`LEAN_FRACTIONS`."""
+    problem, choice = lifted.built.problem, lifted.solution.choice
+    usage = memory_usage(problem, choice)
+    peak_row = memory_row_name(MemoryRow.ACTIVATION_PEAK)
+    row = problem.memory_constraint(peak_row)
+    state = sum(
+        row.terms[n.name][choice[n.name]] * n.multiplicity
+        for n in problem.nodes
+        if n.kind == NodeKind.PARAM and n.name in row.terms
+    )
+    activations = max(usage[peak_row] - state, 0.0)
+    shares = sorted({1 / tp, *(f for f in LEAN_FRACTIONS if f > 1 / tp)})
+    return [int(state + activations * f) for f in shares]
+
+
+_UNIT_MAPS: dict[int, tuple[Any, Callable[[str], str], dict[str, int]]] = {}
+
+
+def _units_of(model) -> tuple[Callable[[str], str], dict[str, int]]:
+    """(module -> its depth unit, unit -> its position in model order) for ``model``, computed once per model
+    (reading the module tree is slow on a 126-block model)."""
+    cached = _UNIT_MAPS.get(id(model))
+    if cached is None or cached[0] is not model:
+        unit_of = functools.lru_cache(maxsize=None)(_unit_mapper(model))
+        order = {u: i for i, u in enumerate(_unit_order(model, unit_of))}
+        if len(_UNIT_MAPS) > 8:
+            _UNIT_MAPS.clear()
+        cached = _UNIT_MAPS[id(model)] = (model, unit_of, order)
+    return cached[1], cached[2]
 
 
 def _unit_costs(planner: _Planner, built: BuiltProblem, solution: Solution, graph) -> dict[str, UnitCost]:
@@ -360,7 +426,7 @@ def _unit_costs(planner: _Planner, built: BuiltProblem, solution: Solution, grap
     their module's backward share; reruns of recompute (edges from a recompute node) and the reshardings a rerun
     repeats are backward. Parameter nodes (optimizer, data-parallel sync, state) are priced by
     :func:`_data_parallel_side`."""
-    unit_of = _unit_mapper(planner.model)
+    unit_of, _ = _units_of(planner.model)
     units: dict[str, UnitCost] = defaultdict(UnitCost)
     problem = built.problem
     ratios = built.backward_ratios
@@ -401,7 +467,7 @@ def _param_shares(
     """Every real parameter's bytes and optimizer seconds on one device after tensor parallelism (from the
     solution's storage placement; the optimizer's temporaries from the optimizer step's memory row), and the
     canonical FQN -> tensor-parallel placement chosen."""
-    unit_of = _unit_mapper(planner.model)
+    unit_of, _ = _units_of(planner.model)
     problem = built.problem
     row = problem.memory_constraint(memory_row_name(MemoryRow.OPTIMIZER_STEP))
     shares: list[_ParamShare] = []
@@ -491,10 +557,9 @@ def _with_param_side(
 ) -> ModelCosts:
     """One inner pricing's units with the data-parallel figures added, grouped by where a pipeline runs them."""
     names = set(priced.units) | set(param_side)
-    unit_of = _unit_mapper(planner.model)
-    order = _unit_order(planner.model, unit_of)
+    _, order = _units_of(planner.model)
     ordered: dict[str, UnitCost] = {}
-    for name in sorted(names, key=lambda u: order.index(u) if u in order else len(order)):
+    for name in sorted(names, key=lambda u: order.get(u, len(order))):
         cost = UnitCost()
         if name in priced.units:
             cost.add(priced.units[name])
@@ -553,12 +618,13 @@ def stage_layouts(
         dp = devices // tp
         if planner.batch % dp:
             continue
-        if "ddp" in dp_modes:
-            out.append(StageLayout(tp, dp, "ddp", 1))
-        if dp > 1 and "fsdp" in dp_modes:
-            out.append(StageLayout(tp, dp, "fsdp", dp))
+        modes = [
+            (m, 1 if m == "ddp" else dp) for m in ("ddp", "fsdp") if m in dp_modes and (m == "ddp" or dp > 1)
+        ]
         if dp > 1 and "hsdp" in dp_modes:
-            out.extend(StageLayout(tp, dp, "hsdp", shard) for _, shard in _hsdp_candidates(inner, (dp, tp)))
+            modes.extend(("hsdp", shard) for _, shard in _hsdp_candidates(inner, (dp, tp)))
+        for lean in (False, True) if tp > 1 else (False,):
+            out.extend(StageLayout(tp, dp, mode, shard, lean) for mode, shard in modes)
     return out
 
 
@@ -653,12 +719,24 @@ def _schedules_for(num_blocks: int, pp: int, schedules: tuple[str, ...]) -> list
     return out
 
 
-def _micro_batch_options(local_batch: int, least: int) -> list[int]:
+def _micro_batch_options(local_batch: int, least: int, row_tokens: int = 1) -> list[int]:
     """Micro-batch counts for a replica's batch of ``local_batch`` rows: divisors of it, at least ``least``
-    (the pp degree: one per stage of a one-stage-a-rank schedule), the fewest rows per micro-batch first
-    (:data:`MAX_ROW_OPTIONS` of them)."""
-    counts = [m for m in range(least, local_batch + 1) if local_batch % m == 0]
-    return counts[::-1][:MAX_ROW_OPTIONS]
+    (the pp degree: one per stage of a one-stage-a-rank schedule), the fewest rows per micro-batch first: up to
+    :data:`MAX_ROW_OPTIONS`, and more rows than the fewest only while a micro-batch is under
+    :data:`EFFICIENT_MICRO_BATCH_TOKENS` tokens (``row_tokens`` a row)."""
+    counts = [m for m in range(least, local_batch + 1) if local_batch % m == 0][::-1]
+    out = counts[:1]
+    for m in counts[1:MAX_ROW_OPTIONS]:
+        if (local_batch // out[-1]) * row_tokens >= EFFICIENT_MICRO_BATCH_TOKENS:
+            break
+        out.append(m)
+    return out
+
+
+def _row_tokens(inputs) -> int:
+    """Tokens in one row of the batch (its sequence length; 1 for inputs without one)."""
+    dims = [v.shape[1] for v in inputs.values() if hasattr(v, "shape") and len(v.shape) > 1]
+    return max(dims, default=1)
 
 
 def _valid_micro_batches(schedule: str, micro_batches: int, num_stages: int, pp: int) -> bool:
@@ -674,9 +752,10 @@ def _valid_micro_batches(schedule: str, micro_batches: int, num_stages: int, pp:
 
 @functools.lru_cache(maxsize=512)
 def _in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> tuple[int, ...]:
-    """Per stage, the most micro-batches whose activations it holds at once along the schedule's action list
-    (what the simulation's memory walk counts; it does not depend on the stages' costs)."""
-    actions = schedule_actions(schedule, pp, micro_batches, virtual)
+    """Per stage, the most micro-batches whose activations it holds at once along the schedule's action list (as
+    the simulation's memory walk holds them: until the full backward, or under the input/weight split until the
+    weight gradient; it does not depend on the stages' costs)."""
+    actions = _cached_actions(schedule, pp, micro_batches, virtual)
     most = [0] * (pp * virtual)
     for rank in actions:
         count = [0] * (pp * virtual)
@@ -684,7 +763,7 @@ def _in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> tupl
             if kind == "F":
                 count[s] += 1
                 most[s] = max(most[s], count[s])
-            elif kind in ("B", "I"):
+            elif kind in ("B", "W"):  # under the input/weight split the weight gradient frees them
                 count[s] -= 1
     return tuple(most)
 
@@ -778,29 +857,45 @@ def _memory_cut(
     balancing time without recompute; None when there is none."""
     most = costs.options[costs.block_options()[-1]]
     per_block = [_block_seconds(b) for b in costs.blocks]
-    state = [b.state_bytes for b in costs.blocks]
-    act = [b.activation_bytes for b in most]
-    delta = [costs.blocks[i].activation_bytes - most[i].activation_bytes for i in range(len(most))]
+    state = _prefix([b.state_bytes for b in costs.blocks])
+    act = _prefix([b.activation_bytes for b in most])
+    delta = max(
+        (b.activation_bytes - f.activation_bytes for b, f in zip(costs.blocks, most, strict=True)), default=0
+    )
+    extras = [_stage_extras(costs, num_stages, s) for s in range(num_stages)]
 
     def fits(s: int, i: int, j: int) -> bool:
-        extra = _stage_extras(costs, num_stages, s)
-        held = in_flight[s] * (extra.activation_bytes + sum(act[i:j])) + max(delta[i:j], default=0.0)
-        return extra.state_bytes + sum(state[i:j]) + held <= budget / virtual
+        extra = extras[s]
+        held = in_flight[s] * (extra.activation_bytes + act[j] - act[i]) + delta
+        return extra.state_bytes + state[j] - state[i] + held <= budget / virtual
 
     first = _block_seconds(costs.first)
     last = _block_seconds(costs.last)
     return cut_blocks(per_block, num_stages, first, last, fits)
 
 
+def _prefix(values: list[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
 def _time_cut(costs: ModelCosts, num_stages: int) -> list[int]:
-    """The cut balancing the stages' seconds without recompute (cached on ``costs``)."""
-    cache = costs.__dict__.setdefault("_cuts", {})
-    if num_stages not in cache:
-        per_block = [_block_seconds(b) for b in costs.blocks]
-        counts = cut_blocks(per_block, num_stages, _block_seconds(costs.first), _block_seconds(costs.last))
+    """The cut balancing the stages' seconds without recompute (cached by the blocks' seconds: layouts that
+    differ in their data-parallel mode only share it)."""
+    per_block = tuple(_block_seconds(b) for b in costs.blocks)
+    key = (per_block, _block_seconds(costs.first), _block_seconds(costs.last), num_stages)
+    if key not in _TIME_CUTS:
+        counts = cut_blocks(list(per_block), num_stages, key[1], key[2])
         assert counts is not None  # no memory condition: a cut always exists
-        cache[num_stages] = counts
-    return list(cache[num_stages])
+        if len(_TIME_CUTS) > 4096:
+            _TIME_CUTS.clear()
+        _TIME_CUTS[key] = counts
+    return list(_TIME_CUTS[key])
+
+
+_TIME_CUTS: dict[tuple, list[int]] = {}
 
 
 def simulate_candidate(
@@ -816,24 +911,59 @@ def simulate_candidate(
     levels: list[int] | None = None,
 ) -> PipelineCandidate:
     """Cut the blocks for ``schedule`` (``counts`` when given), choose recompute per block under ``budget``
-    (``levels`` when given: per block an index into ``costs.block_options()``) and simulate one step (see the
-    module docstring). Where no recompute choice fits, the blocks are cut again under each stage's memory with
-    the most recompute; where nothing fits, every block takes the most recompute (priced, not fitting)."""
+    (``levels`` when given: per block an index into ``costs.block_options()``; see :func:`cut_and_recompute`)
+    and simulate one step (see the module docstring)."""
+    if counts is None or levels is None:
+        counts, levels = cut_and_recompute(costs, pp, schedule, virtual, micro_batches, budget, counts)
+    in_flight = _in_flight(schedule, pp, micro_batches, virtual)
+    return _simulate_cut(costs, pp, stage, schedule, virtual, micro_batches, link, counts, levels, in_flight)
+
+
+def cut_and_recompute(
+    costs: ModelCosts,
+    pp: int,
+    schedule: str,
+    virtual: int,
+    micro_batches: int,
+    budget: float,
+    counts: list[int] | None = None,
+) -> tuple[list[int], list[int]]:
+    """The cut (``counts`` when given, else balancing the stages' seconds without recompute) and per block its
+    recompute level (:func:`choose_recompute`). Where no recompute choice fits the time-balanced cut, the blocks
+    are cut again under each stage's memory with the most recompute; where nothing fits, every block takes the
+    most recompute (priced, not fitting)."""
     num_stages = pp * virtual
     owner = stage_ranks(schedule, num_stages, pp)
     in_flight = _in_flight(schedule, pp, micro_batches, virtual)
+    levels = None
     if counts is None:
         counts = _time_cut(costs, num_stages)
-        if (
-            levels is None
-            and choose_recompute(costs, counts, owner, in_flight, budget, micro_batches) is None
-        ):
+        levels = choose_recompute(costs, counts, owner, in_flight, budget, micro_batches)
+        if levels is None:
             counts = _memory_cut(costs, num_stages, virtual, in_flight, budget) or counts
     if levels is None:
         levels = choose_recompute(costs, counts, owner, in_flight, budget, micro_batches)
-        if levels is None:
-            levels = [len(costs.block_options()) - 1] * len(costs.blocks)
-    return _simulate_cut(costs, pp, stage, schedule, virtual, micro_batches, link, counts, levels, in_flight)
+    if levels is None:
+        levels = [len(costs.block_options()) - 1] * len(costs.blocks)
+    return counts, levels
+
+
+def _refined_bound(
+    costs: ModelCosts, pp: int, schedule: str, micro_batches: int, counts: list[int], levels: list[int]
+) -> float:
+    """No simulation of this cut and recompute choice is faster: per rank, the stages before its first one
+    (micro-batch 0 reaches it through them, and its last gradient goes back through them) plus all its own work
+    of the step; and its busy time (compute, gradient synchronisation, optimizer)."""
+    stages, _ = _stages(costs, counts, levels)
+    owner = stage_ranks(schedule, len(stages), pp)
+    bound = 0.0
+    for rank in range(pp):
+        mine = [i for i in range(len(stages)) if owner[i] == rank]
+        work = sum(micro_batches * _block_seconds(stages[i]) for i in mine)
+        before = sum(_block_seconds(stages[i]) for i in range(min(mine)))
+        busy = work + sum(stages[i].optimizer_s + stages[i].sync_s for i in mine)
+        bound = max(bound, before + work, busy)
+    return bound
 
 
 def _simulate_cut(
@@ -980,15 +1110,26 @@ def _search(
     bound, until the bound is no faster than ``cutoff_s`` or (unless ``exhaustive``) the best found."""
     planner = pricer.planner
     entries = _entries(planner, pricer.layout, pricer, pipeline, schedules, micro_batches, dp_modes)
-    entries.sort(key=lambda e: (e.bound_s, e.pp, e.stage.tp, e.micro_batches))
+    heap: list[tuple[float, int, int]] = [(e.bound_s, i, 0) for i, e in enumerate(entries)]
+    heapq.heapify(heap)
+    prepared: dict[int, tuple[ModelCosts, list[int], list[int]]] = {}
     tried: list[PipelineCandidate] = []
     best: PipelineCandidate | None = None
-    for entry in entries:
-        if entry.bound_s >= cutoff_s:
+    while heap:
+        bound, index, phase = heapq.heappop(heap)
+        if bound >= cutoff_s or (not exhaustive and best is not None and bound >= best.step_time_s):
             break
-        if not exhaustive and best is not None and entry.bound_s >= best.step_time_s:
-            break
-        candidate = _evaluate(pricer, entry, planner.budget)
+        entry = entries[index]
+        if phase == 0:  # cut and recompute chosen: a tighter bound, then back in line
+            prepared[index] = _prepare(pricer, entry, planner.budget)
+            refined = _refined_bound(prepared[index][0], entry.pp, entry.schedule, entry.micro_batches,
+                                     *prepared[index][1:])  # fmt: skip
+            heapq.heappush(heap, (max(bound, refined), index, 1))
+            continue
+        costs, counts, levels = prepared.pop(index)
+        candidate = simulate_candidate(costs, entry.pp, entry.stage, entry.schedule, entry.virtual,
+                                       entry.micro_batches, entry.link, planner.budget, counts, levels)  # fmt: skip
+        candidate.rows = planner.batch // (entry.stage.dp * entry.micro_batches)
         tried.append(candidate)
         logger.debug("pipeline candidate %s", candidate.record(planner.budget))
         if candidate.peak_bytes <= planner.budget and (
@@ -996,8 +1137,9 @@ def _search(
         ):
             best = candidate
     logger.info(
-        "pipeline search: %d candidates bounded, %d simulated, %d ILPs", len(entries), len(tried), pricer.ilps
-    )
+        "pipeline search: %d candidates bounded, %d cut, %d simulated, %d ILPs",
+        len(entries), len(tried) + len(prepared), len(tried), pricer.ilps,
+    )  # fmt: skip
     return best, tried
 
 
@@ -1027,32 +1169,37 @@ def _entries(
             if _state_floor(planner, pp, stage) > planner.budget:
                 continue
             local = planner.batch // stage.dp
-            options = [micro_batches] if micro_batches is not None else _micro_batch_options(local, pp)
+            options = (
+                [micro_batches]
+                if micro_batches is not None
+                else _micro_batch_options(local, pp, _row_tokens(planner.inputs))
+            )
             for m in options:
                 if m < 1 or local % m:
                     continue
                 for schedule, virtual in _schedules_for(layout.num_blocks, pp, schedules):
                     if not _valid_micro_batches(schedule, m, pp * virtual, pp):
                         continue
-                    costs = pricer.costs(pp, stage, m, ("none",))
+                    # a lean layout is no faster than the same layout for speed alone: bound by that one
+                    costs = pricer.costs(pp, dataclasses.replace(stage, lean=False), m, ("none",))
                     bound = _lower_bound(costs, pp, virtual, m)
                     entries.append(_Entry(bound, pp, stage, m, schedule, virtual, link))
     return entries
 
 
-def _evaluate(pricer: _Pricer, entry: _Entry, budget: float) -> PipelineCandidate:
-    """One entry simulated: without recompute where that fits, else with the recompute options priced too."""
-    pp, stage, m = entry.pp, entry.stage, entry.micro_batches
-    costs = pricer.costs(pp, stage, m, ("none",))
+def _prepare(pricer: _Pricer, entry: _Entry, budget: float) -> tuple[ModelCosts, list[int], list[int]]:
+    """One entry's costs, cut and recompute per block: without recompute where that fits, else with the
+    recompute options priced too (their ILPs solved only now)."""
+    pp, m = entry.pp, entry.micro_batches
+    costs = pricer.costs(pp, entry.stage, m, ("none",))
     num_stages = pp * entry.virtual
     owner = stage_ranks(entry.schedule, num_stages, pp)
     in_flight = _in_flight(entry.schedule, pp, m, entry.virtual)
     counts = _time_cut(costs, num_stages)
     if choose_recompute(costs, counts, owner, in_flight, budget, m) is None:
-        costs = pricer.costs(pp, stage, m, RECOMPUTE_OFFERED)
-    candidate = simulate_candidate(costs, pp, stage, entry.schedule, entry.virtual, m, entry.link, budget)
-    candidate.rows = pricer.planner.batch // (stage.dp * m)
-    return candidate
+        costs = pricer.costs(pp, entry.stage, m, RECOMPUTE_OFFERED)
+    counts, levels = cut_and_recompute(costs, pp, entry.schedule, entry.virtual, m, budget)
+    return costs, counts, levels
 
 
 def _check_degree(planner: _Planner, layout: PipelineLayout, pp: int) -> None:
@@ -1076,7 +1223,7 @@ def pipeline_plan(
     predictions: the simulated step, the worst rank's memory (state + activations at its peak), per-block costs
     of one step, per-stage figures in ``solver``."""
     stage = candidate.stage
-    priced = pricer.inner(stage.tp, candidate.rows, "none", stage.plain)
+    priced = pricer.inner(stage.tp, candidate.rows, "none", stage.plain, stage.lean)
     flat = priced.planner.to_plan(priced.mesh, priced.dp_mode, priced.built, priced.solution)
     base = hand_pipeline_plan(
         planner.model,
@@ -1095,6 +1242,7 @@ def pipeline_plan(
     recompute = {layout.block(i): option for i, option in enumerate(candidate.recompute)}
     plan = dataclasses.replace(
         base,
+        num_devices=candidate.pp * stage.dp * stage.tp,
         mesh_shape=(candidate.pp, stage.dp, stage.tp),
         dp_mode=stage.dp_mode if stage.dp > 1 else "ddp",
         dp_shard_size=stage.shard if stage.dp > 1 else 1,
