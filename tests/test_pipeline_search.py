@@ -158,8 +158,8 @@ def test_pipeline_argument_refusals():
         plan_model(model, inputs, num_devices=2, pipeline=0)
     with pytest.raises(ValueError, match="drop mesh_shape"):
         plan_model(model, inputs, num_devices=2, pipeline=2, mesh_shape=(2, 1))
-    with pytest.raises(ValueError, match="runs DDP inside a stage"):
-        plan_model(model, inputs, num_devices=2, pipeline=2, dp_modes=("fsdp",))
+    with pytest.raises(ValueError, match="has none of them"):
+        plan_model(model, inputs, num_devices=2, pipeline=2, dp_modes=("ddp-ep",))
     with pytest.raises(ValueError, match="fewer than the stages"):
         plan_model(model, inputs, num_devices=4, pipeline=4)
 

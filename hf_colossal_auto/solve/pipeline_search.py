@@ -179,7 +179,10 @@ class ModelCosts:
     """Recompute option -> per block its cost under it (``"none"`` is :attr:`blocks`); only the options priced."""
 
     def block_options(self) -> list[str]:
-        return [o for o in RECOMPUTE_OFFERED if o in self.options]
+        """The options priced, least recompute first (a hand configuration's own option last)."""
+        return [o for o in RECOMPUTE_OFFERED if o in self.options] + [
+            o for o in self.options if o not in RECOMPUTE_OFFERED
+        ]
 
 
 def _stage_extras(costs: ModelCosts, num_stages: int, index: int) -> UnitCost:
@@ -294,11 +297,16 @@ class _Pricer:
     pins a hand configuration's placements in every ILP."""
 
     def __init__(
-        self, planner: _Planner, layout: PipelineLayout, fixed_params: dict[str, str] | None = None
+        self,
+        planner: _Planner,
+        layout: PipelineLayout,
+        fixed_params: dict[str, str] | None = None,
+        pin_unlisted: bool = False,
     ) -> None:
         self.planner = planner
         self.layout = layout
         self.fixed_params = fixed_params
+        self.pin_unlisted = pin_unlisted
         self._inner: dict[tuple, InnerPricing] = {}
         self._costs: dict[tuple, ModelCosts] = {}
         self.ilps = 0
@@ -342,7 +350,14 @@ class _Pricer:
         inner._strategies = planner._strategies
         inner.routing = planner.routing
         mesh = (dp, tp)
-        built = inner.build(mesh, mode, fixed_params=fixed, recompute_pin=option, budget=LIFTED_BUDGET)
+        built = inner.build(
+            mesh,
+            mode,
+            fixed_params=fixed,
+            pin_unlisted=self.pin_unlisted,
+            recompute_pin=option,
+            budget=LIFTED_BUDGET,
+        )
         peak = built.problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
         solution = None
         for budget in budgets:
@@ -1324,7 +1339,11 @@ def _stage_of_blocks(counts: list[int]) -> list[int]:
 
 
 def with_pipelines(
-    planner: _Planner, best: Plan | None, pipeline: int | None, micro_batches: int | None
+    planner: _Planner,
+    best: Plan | None,
+    pipeline: int | None,
+    micro_batches: int | None,
+    dp_modes: tuple[str, ...] = STAGE_DP_MODES,
 ) -> Plan | None:
     """The plan :func:`~.planner.plan_model` returns once pipelines are searched: ``best`` (the fastest plan
     without pipeline stages, None if none fits) against the fastest pipeline plan that fits, by predicted step
@@ -1367,3 +1386,85 @@ def with_pipelines(
         plan.alternatives = list(best.alternatives)
         plan.solver["best_without_pipeline_s"] = best.step_time_s
     return plan
+
+
+# ---------------------------------------------------------------------------------------- hand configurations
+def price_pipeline(
+    planner: _Planner,
+    *,
+    pp: int,
+    stage: StageLayout,
+    schedule: str,
+    micro_batches: int,
+    virtual_stages: int | None = None,
+    blocks_per_stage: list[int] | None = None,
+    recompute: str | list[str] = "none",
+    fixed_params: dict[str, str] | None = None,
+) -> Plan:
+    """A pipeline configuration written by hand (torchtitan's FSDP x TP x PP, Llama 3's 4-D layout without
+    context parallelism, or a pipeline Plan to re-price) priced by the same model as the search: ``stage`` inside
+    each of ``pp`` stages, ``schedule`` with ``virtual_stages`` stages per rank (default: the fewest it runs),
+    ``blocks_per_stage`` (default: as even as the blocks divide, as torchtitan and Llama 3 split),
+    ``recompute`` one option for every block, a list (one per block), or "auto" (chosen per block under the
+    budget as the search does), ``fixed_params`` the tensor-parallel placements (FQN -> placement; unlisted
+    parameters replicated). Its Plan carries the predictions (``fits`` says whether it meets the budget)."""
+    layout = find_layout(planner.model)
+    _check_degree(planner, layout, pp)
+    virtual = virtual_stages or PIPELINE_SCHEDULES[schedule][0]
+    num_stages = pp * virtual
+    if planner.cluster.num_devices != pp * stage.dp * stage.tp:
+        raise ValueError(
+            f"pipeline {pp} x mesh ({stage.dp}, {stage.tp}) holds {pp * stage.dp * stage.tp} devices, the cluster "
+            f"{planner.cluster.num_devices}"
+        )
+    if planner.batch % (stage.dp * micro_batches):
+        raise ValueError(
+            f"the global batch of {planner.batch} does not split over {stage.dp} data-parallel replicas x "
+            f"{micro_batches} micro-batches"
+        )
+    if not _valid_micro_batches(schedule, micro_batches, num_stages, pp):
+        raise PipelinePlanError(
+            f"schedule {schedule!r} with {num_stages} stages on {pp} ranks cannot run {micro_batches} micro-batches"
+        )
+    if blocks_per_stage is None:
+        base, extra = divmod(layout.num_blocks, num_stages)
+        blocks_per_stage = [base + (s < extra) for s in range(num_stages)]
+    per_block = [recompute] * layout.num_blocks if isinstance(recompute, str) else list(recompute)
+    auto = per_block == ["auto"] * layout.num_blocks
+    options = RECOMPUTE_OFFERED if auto else tuple(dict.fromkeys(["none", *per_block]))
+    if fixed_params is not None:
+        tied = TiedGraph.build(planner.any_graph(1))
+        fixed_params = {tied.canonical_param(k): v for k, v in fixed_params.items()}
+    pricer = _Pricer(planner, layout, fixed_params, pin_unlisted=fixed_params is not None)
+    costs = pricer.costs(pp, stage, micro_batches, options)
+    link = p2p_link(planner.cluster, pp)
+    if auto:
+        counts, levels = cut_and_recompute(
+            costs, pp, schedule, virtual, micro_batches, planner.budget, list(blocks_per_stage)
+        )
+    else:
+        order = costs.block_options()
+        counts, levels = list(blocks_per_stage), [order.index(o) for o in per_block]
+    candidate = simulate_candidate(
+        costs, pp, stage, schedule, virtual, micro_batches, link, planner.budget, counts, levels
+    )
+    candidate.rows = planner.batch // (stage.dp * micro_batches)
+    return pipeline_plan(planner, candidate, [candidate], pricer)
+
+
+def pipeline_configuration(planner: _Planner, plan: Plan) -> dict[str, Any]:
+    """:func:`price_pipeline`'s arguments that re-price a pipeline Plan as it is: its stage layout,
+    schedule, cut, recompute per block and tensor-parallel placements."""
+    layout = find_layout(planner.model)
+    ranges = layout.block_ranges(plan.stages)
+    shard = plan.dp_shard_size if plan.dp_mode == "hsdp" else (plan.dp_size if plan.dp_mode == "fsdp" else 1)
+    return dict(
+        pp=plan.pp_size,
+        stage=StageLayout(plan.tp_size, plan.dp_size, plan.dp_mode, shard),
+        schedule=plan.schedule,
+        micro_batches=plan.micro_batches,
+        virtual_stages=plan.virtual_stages,
+        blocks_per_stage=[len(r) for r in ranges],
+        recompute=[plan.recompute.get(layout.block(i), "none") for i in range(layout.num_blocks)],
+        fixed_params={fqn: p[-1] for fqn, p in plan.param_placements.items()},
+    )
