@@ -251,7 +251,7 @@ def test_choose_recompute_is_none_only_when_full_recompute_cannot_fit():
 
 def _tiny_llama_planner(budget=None, devices=4):
     model = _llama(4)
-    inputs = make_example_inputs(model, 8, 64, device="meta")
+    inputs = make_example_inputs(model, 8, 32, device="meta")
     planner = _Planner.for_devices(model, inputs, devices, "a100-80gb", 4, budget, None, "adamw", 60.0)
     return model, inputs, planner
 
@@ -275,8 +275,10 @@ def test_stage_layout_with_sharding_or_recompute_chosen_where_only_it_fits():
     best, _ = search_pipelines(tight, 2)
     assert best is not None and best.peak_bytes <= budget
     assert best.stage.tp > 1 or best.stage.dp_mode != "ddp" or set(best.recompute) != {"none"}
-    plan = plan_model(model, inputs, num_devices=4, devices_per_node=4, pipeline=2, memory_budget=budget)
-    assert plan.fits and plan.pp_size == 2 and plan.mesh_axis_names == ("pp", "dp", "tp")
+    plan = with_pipelines(
+        tight, None, 2, None
+    )  # what plan_model(pipeline=2) returns, without the flat search
+    assert plan is not None and plan.fits and plan.pp_size == 2 and plan.mesh_axis_names == ("pp", "dp", "tp")
     assert plan.tp_size > 1 or plan.dp_mode != "ddp" or set(plan.recompute.values()) != {"none"}
     assert len(plan.solver["stage_peak_memory_bytes"]) == plan.num_stages
     assert Plan.from_dict(plan.to_dict()) == plan
