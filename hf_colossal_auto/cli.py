@@ -169,11 +169,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _print_frontier(args: argparse.Namespace, model, batch, mesh, common: dict) -> int:
     """``plan --frontier``: step time vs budget for auto and the baselines, as a table (and a PNG)."""
-    from .solve.frontier import DEFAULT_APPROACHES, PlotUnavailableError, frontier
+    from .solve.frontier import DEFAULT_APPROACHES, PIPELINE_RECIPES, PlotUnavailableError, frontier
 
     kwargs = {k: v for k, v in common.items() if k != "memory_budget"}
     title = f"{args.model}, batch {args.batch_size}x{args.seq_len}, {args.devices} x {common['device'].name}"
     approaches = ("auto",) if args.no_baselines else DEFAULT_APPROACHES
+    if (
+        getattr(args, "pipeline", "1") != "1"
+    ):  # pipeline stages searched: the pipeline hand configurations too
+        kwargs["pipeline"] = None if args.pipeline == "auto" else int(args.pipeline)
+        if not args.no_baselines:
+            approaches = (*approaches, *PIPELINE_RECIPES)
     front = frontier(
         model,
         batch,
@@ -367,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pipeline",
         default="1",
-        help="pipeline stages (pp x DDP): 1 none (default), 'auto' searches pp degrees against plans without "
+        help="pipeline stages (tp, DDP/FSDP/HSDP, recompute inside a stage): 1 none (default), 'auto' searches pp degrees against plans without "
         "stages, an int >= 2 fixes the pp degree",
     )
     p.add_argument(

@@ -535,14 +535,29 @@ def _check_pipeline_micro_batches(schedule: str, micro_batches: int, num_stages:
 
 
 def _pipeline_lines(plan: Plan) -> list[str]:
-    """The summary's pipeline line: stages, what each holds, the schedule and its micro-batches."""
+    """The summary's pipeline lines: stages, what each holds, the schedule and its micro-batches; where the
+    planner priced it, the predicted bubble and each stage's seconds per micro-batch and peak memory."""
     if plan.pp_size == 1:
         return []
     held = ", ".join(f"{len(modules)}" for modules in plan.stages)
-    return [
+    lines = [
         f"pipeline              {plan.num_stages} stages on {plan.pp_size} ranks ({plan.virtual_stages} per "
         f"rank), schedule {plan.schedule}, {plan.micro_batches} micro-batches; modules per stage: {held}"
     ]
+    seconds = plan.solver.get("stage_s_per_micro_batch")
+    peaks = plan.solver.get("stage_peak_memory_bytes")
+    if "bubble_fraction" in plan.solver:
+        lines.append(
+            f"pipeline bubble       {plan.solver['bubble_fraction'] * 100:.1f} % of the ranks' time (predicted)"
+        )
+    if seconds and peaks:
+        lines.append(
+            "per stage             ms per micro-batch: "
+            + ", ".join(f"{s * 1e3:.3g}" for s in seconds)
+            + "; peak memory: "
+            + ", ".join(format_bytes(b) for b in peaks)
+        )
+    return lines
 
 
 def _moe_lines(moe_layers: dict[str, str]) -> list[str]:

@@ -65,8 +65,15 @@ def plot_plan(plan: Plan, path: str | Path, title: str | None = None) -> Path:
     time_ax.legend(fontsize=8)
 
     mesh = "x".join(map(str, plan.mesh_shape))
+    stages = ""
+    if plan.pp_size > 1:  # the memory panel's moments are the pp ranks' peaks (the planner writes them so)
+        bubble = plan.solver.get("bubble_fraction")
+        stages = f", {plan.num_stages} stages, {plan.schedule} x{plan.micro_batches}" + (
+            f", bubble {bubble * 100:.0f}%" if bubble is not None else ""
+        )
     fig.suptitle(
-        title or f"{plan.model_class} on {plan.num_devices} x {plan.device}: mesh {mesh}, {plan.dp_mode}"
+        title
+        or f"{plan.model_class} on {plan.num_devices} x {plan.device}: mesh {mesh}, {plan.dp_mode}{stages}"
     )
     fig.tight_layout()
     out = Path(path)

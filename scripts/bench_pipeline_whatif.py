@@ -1,6 +1,7 @@
 """What-if: the planner with pipeline stages searched (``pipeline=None``) against without (``pipeline=1``), on
-a model preset at cluster scale, and the best pipeline candidate of each pp degree whether it fits or not (what
-pp x DDP — the pipeline runtime's scope, no FSDP, tensor parallelism or recompute inside a stage — needs).
+a model preset at cluster scale, and the fastest and leanest pipeline candidate of each pp degree the search
+simulated (stage layouts with tensor parallelism, DDP/FSDP/HSDP and recompute inside a stage; candidates whose
+lower bound is no faster than the best found are not simulated).
 
     python scripts/bench_pipeline_whatif.py                       # llama3-70b, 1024 x 4096 on 1024 h100-80gb
     python scripts/bench_pipeline_whatif.py --model tiny-llama --batch 8 --seq 16 --devices 2 --device a100-80gb

@@ -98,6 +98,19 @@ SCALE_TARGET_S = 30.0
 SCALE_TP = 8
 SCALE_MAX_MICRO_BATCHES = 4
 """Hand configurations try 1, 2, ... micro-batches (divisors of the replica's batch) up to this many tries."""
+SCALE_PIPELINE: str | None = "auto"
+"""``plan_model``'s pipeline for the scale cases: "auto" (None: pipeline stages searched beside the plans
+without) or "1" (no stages), from ``--scale-pipeline``."""
+PP_HAND = {
+    # name: (pp degree, schedule, data-parallel mode inside a stage, recompute options tried in turn)
+    "fsdp-tp-pp8-1f1b": (8, "1f1b", "fsdp", ("full",)),
+    "fsdp-tp-pp8-interleaved": (8, "interleaved-1f1b", "fsdp", ("full",)),
+    "llama3-4d": (16, "interleaved-1f1b", "fsdp", ("none", "selective:pointwise", "full")),
+}
+"""Pipeline hand configurations at scale, tensor parallelism 8 inside a node (Megatron's placements) and one
+sequence per micro-batch: torchtitan's FSDP x TP x PP (pp 8, 1F1B and interleaved 1F1B, full recompute) and
+Llama 3's 4-D layout without context parallelism (tp 8, pp 16, data parallel over the rest with parameters not
+resharded after forward, interleaved 1F1B), the least recompute that fits."""
 REL_TOL = 1e-6
 """Relative slack of the ``auto<=best`` check (the ILP is solved to a zero gap; this only absorbs rounding)."""
 
@@ -591,7 +604,8 @@ def _scale_child(case: str, time_limit_s: float) -> dict:
         "loadavg_1m_before": os.getloadavg()[0],
     }
     t0, c0 = time.perf_counter(), time.process_time()
-    plan = plan_model(model, inputs, **common)
+    pipeline = None if SCALE_PIPELINE == "auto" else int(SCALE_PIPELINE or 1)
+    plan = plan_model(model, inputs, pipeline=pipeline, **common)
     planning_s, planning_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     auto = _estimate_row(
         Estimate(
@@ -603,6 +617,7 @@ def _scale_child(case: str, time_limit_s: float) -> dict:
         budget,
     )
     auto.update(planning_s=planning_s, planning_cpu_s=planning_cpu_s, ilps_tried=len(plan.alternatives))
+    auto.update(_pipeline_fields(plan))
     out["auto"] = auto
     out["loadavg_1m_after_planning"] = os.getloadavg()[0]
     print(
@@ -670,6 +685,41 @@ def _scale_child(case: str, time_limit_s: float) -> dict:
             file=sys.stderr,
             flush=True,
         )
+    for name, (pp, schedule, mode, options) in PP_HAND.items():
+        t0 = time.perf_counter()
+        tries = []
+        for option in options:
+            try:
+                est = evaluate_plan(
+                    model,
+                    inputs,
+                    "megatron",
+                    pipeline=pp,
+                    mesh_shape=(devices // (pp * tp), tp),
+                    dp_mode=mode,
+                    schedule=schedule,
+                    recompute=option,
+                    micro_batches=batch // (devices // (pp * tp)),
+                    **common,
+                )
+                row = _estimate_row(est, flops, devices, peak, budget)
+                row.update(_pipeline_fields(est.plan))
+            except Exception as exc:  # noqa: BLE001 - one configuration's error is one row
+                row = {"error": _err(exc), "recompute": option}
+            tries.append(row)
+            if row.get("fits"):
+                break
+        priced = [r for r in tries if "error" not in r]
+        chosen = next((r for r in tries if r.get("fits")), None) or min(
+            priced, key=lambda r: r["peak_memory_bytes"], default=tries[-1]
+        )
+        chosen = dict(chosen, pricing_s=time.perf_counter() - t0)
+        out["hand"][name] = chosen
+        print(
+            f"  [{case}] {name}: {_scale_text(chosen)} ({chosen['pricing_s']:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     fitting = [r["step_time_s"] for r in out["hand"].values() if r.get("fits")]
     out["best_hand_s"] = min(fitting) if fitting else None
     out["auto_le_best"] = out["best_hand_s"] is None or auto["step_time_s"] <= out["best_hand_s"] * (
@@ -682,20 +732,40 @@ def _scale_child(case: str, time_limit_s: float) -> dict:
     return out
 
 
+def _pipeline_fields(plan) -> dict:
+    """A pipeline plan's schedule, stages and predicted bubble (empty for a plan without stages)."""
+    if plan.pp_size == 1:
+        return {}
+    return {
+        "pp": plan.pp_size,
+        "schedule": plan.schedule,
+        "virtual_stages": plan.virtual_stages,
+        "blocks_per_stage": [len(s) for s in plan.stages],
+        "bubble_fraction": plan.solver.get("bubble_fraction"),
+        "stage_layout": plan.solver.get("stage_layout"),
+    }
+
+
 def _scale_text(row: dict) -> str:
     if "error" in row:
         return f"ERROR {row['error']}"
+    pp = (
+        f"pp {row['pp']} {row['schedule']} bubble {row['bubble_fraction'] * 100:.0f}% "
+        if row.get("pp")
+        else ""
+    )
     return (
-        f"{'x'.join(map(str, row['mesh']))} {row['dp_label']} k={row['micro_batches']} {row['recompute']} "
+        f"{pp}{'x'.join(map(str, row['mesh']))} {row['dp_label']} k={row['micro_batches']} {row['recompute']} "
         f"{row['step_time_s']:.3f} s {_gib(row['peak_memory_bytes'])} {'fits' if row['fits'] else 'DOES NOT FIT'} "
         f"MFU {row['mfu'] * 100:.1f}%"
     )
 
 
-def run_scale(cases: tuple[str, ...], time_limit_s: float) -> list[dict]:
+def run_scale(cases: tuple[str, ...], time_limit_s: float, pipeline: str = "auto") -> list[dict]:
     results = []
     for case in cases:
         cmd = [sys.executable, __file__, f"--_scale-child={case}", "--time-limit", str(time_limit_s)]
+        cmd += ["--scale-pipeline", pipeline]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         sys.stderr.write(proc.stderr[-4000:] if proc.returncode else proc.stderr)
@@ -760,10 +830,17 @@ def main(argv: list[str] | None = None) -> int:
         "--scale", action="store_true", help="Llama-3 70B/405B at 1024/8192 H100: auto vs hand configs"
     )
     p.add_argument("--scale-cases", type=_csv, default=tuple(SCALE_CASES), help="comma-separated scale cases")
+    p.add_argument(
+        "--scale-pipeline",
+        default="auto",
+        help='plan_model pipeline at scale: "auto" (stages searched, the default) or "1" (no stages)',
+    )
     p.add_argument("--_timing-child", dest="timing_child", help=argparse.SUPPRESS)
     p.add_argument("--_scale-child", dest="scale_child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
+    global SCALE_PIPELINE
+    SCALE_PIPELINE = args.scale_pipeline
     if args.scale_child:
         print(json.dumps(_scale_child(args.scale_child, args.time_limit), default=str))
         return 0
@@ -802,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
         print_grid(out["grid"])
     if args.scale:
         print(f"\n== scale: {', '.join(args.scale_cases)} (one fresh process each) ==")
-        out["scale"] = run_scale(args.scale_cases, args.time_limit)
+        out["scale"] = run_scale(args.scale_cases, args.time_limit, args.scale_pipeline)
         print_scale(out["scale"])
     out["loadavg_1m_start_end"] = [load_start, os.getloadavg()[0]]
     print(f"\n1-minute load average: {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end (2 cores)")

@@ -14,15 +14,23 @@ from torchrun_launch import run_torchrun
 
 from hf_colossal_auto.apply.pipeline import check_pipeline_plan
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
-from hf_colossal_auto.plan import Plan
+from hf_colossal_auto.plan import Plan, stage_ranks
 from hf_colossal_auto.solve.candidates import _Planner
 from hf_colossal_auto.solve.pipeline_search import (
     OFFERED_SCHEDULES,
+    ModelCosts,
+    StageLayout,
+    UnitCost,
+    _in_flight,
+    _stage_of_blocks,
+    choose_recompute,
     cut_blocks,
     search_pipelines,
+    simulate_candidate,
     with_pipelines,
 )
-from hf_colossal_auto.solve.planner import plan_model
+from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
+from hf_colossal_auto.solve.pricing.pipeline_schedule import Link
 from hf_colossal_auto.solve.problem import InfeasibleError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +128,7 @@ def test_pipeline_search_prices_every_schedule_and_micro_batch_count():
     model = _llama(4)
     inputs = make_example_inputs(model, 8, 16, device="meta")
     planner = _Planner.for_devices(model, inputs, 2, "a100-80gb", None, None, None, "adamw", 60.0, "none")
-    best, tried = search_pipelines(planner, 2)
+    best, tried = search_pipelines(planner, 2, exhaustive=True)
     assert best is not None and best in tried
     assert {c.schedule for c in tried} == set(OFFERED_SCHEDULES)
     assert all(c.micro_batches >= c.pp * c.virtual and 8 % c.micro_batches == 0 for c in tried)
@@ -158,8 +166,8 @@ def test_pipeline_argument_refusals():
         plan_model(model, inputs, num_devices=2, pipeline=0)
     with pytest.raises(ValueError, match="drop mesh_shape"):
         plan_model(model, inputs, num_devices=2, pipeline=2, mesh_shape=(2, 1))
-    with pytest.raises(ValueError, match="runs DDP inside a stage"):
-        plan_model(model, inputs, num_devices=2, pipeline=2, dp_modes=("fsdp",))
+    with pytest.raises(ValueError, match="has none of them"):
+        plan_model(model, inputs, num_devices=2, pipeline=2, dp_modes=("ddp-ep",))
     with pytest.raises(ValueError, match="fewer than the stages"):
         plan_model(model, inputs, num_devices=4, pipeline=4)
 
@@ -175,3 +183,125 @@ def test_planned_pipeline_runs_on_two_gloo_ranks(tmp_path):
     assert result["losses"][-1] < result["losses"][0]
     ratio = result["measured_step_s"] / result["predicted_step_s"]
     assert 0.05 < ratio < 20, result
+
+
+# ------------------------------------------------------------------ stage layouts: tp, FSDP, recompute inside
+def _synthetic_costs(blocks: int, act_none: float, act_full: float, state: float) -> ModelCosts:
+    """A model of identical blocks priced under "none" and "full" recompute (full: a third more seconds)."""
+    none = [UnitCost(forward_s=1.0, backward_s=2.0, state_bytes=state, activation_bytes=act_none)
+            for _ in range(blocks)]  # fmt: skip
+    full = [UnitCost(forward_s=1.0, backward_s=3.0, state_bytes=state, activation_bytes=act_full)
+            for _ in range(blocks)]  # fmt: skip
+    costs = ModelCosts(none, UnitCost(), UnitCost(), UnitCost(), 8, {})
+    costs.options.update(none=none, full=full)
+    return costs
+
+
+@pytest.mark.parametrize("schedule", OFFERED_SCHEDULES)
+def test_per_stage_memory_is_checked_exactly_per_schedule(schedule):
+    """The micro-batches a stage holds at once (GPipe: all; 1F1B: stages - index; the split schedules until the
+    weight gradient, as the simulation's memory walk holds their activations) are the simulation's own; recompute is chosen per rank where the schedule holds most; each
+    rank's predicted peak is its state + the simulation's activation peak + its largest rematerialised block, and
+    it fits the budget the choice was made for."""
+    pp, m = 2, 4
+    virtual = 2 if schedule not in ("gpipe", "1f1b") else 1
+    costs = _synthetic_costs(8, act_none=100.0, act_full=10.0, state=50.0)
+    stage = StageLayout(1, 1, "ddp", 1)
+    free = simulate_candidate(costs, pp, stage, schedule, virtual, m, Link(), budget=float("inf"))
+    in_flight = _in_flight(schedule, pp, m, virtual)
+    if schedule in (
+        "interleaved-zero-bubble",
+        "zbv",
+    ):  # held until the weight gradient, counted until the input's
+        assert all(a >= b for a, b in zip(in_flight, free.simulation.max_in_flight, strict=True))
+    else:
+        assert list(in_flight) == free.simulation.max_in_flight
+    if schedule == "gpipe":
+        assert list(in_flight) == [m, m]
+    if schedule == "1f1b":
+        assert list(in_flight) == [2, 1]
+    assert all(option == "none" for option in free.recompute)
+    budget = max(free.rank_peak_bytes) * 0.8  # no rank fits without recompute where it holds most
+    tight = simulate_candidate(costs, pp, stage, schedule, virtual, m, Link(), budget=budget)
+    assert tight.peak_bytes <= budget and "full" in tight.recompute and "none" in tight.recompute
+    assert tight.step_time_s > free.step_time_s
+    for rank in range(pp):
+        blocks = [b for b, s in enumerate(_stage_of_blocks(tight.blocks_per_stage))
+                  if tight.simulation.max_in_flight and stage_ranks(schedule, pp * virtual, pp)[s] == rank]  # fmt: skip
+        transient = 90.0 if any(tight.recompute[b] == "full" for b in blocks) else 0.0
+        expected = tight.rank_state_bytes[rank] + tight.simulation.peak_activation_bytes[rank] + transient
+        assert tight.rank_peak_bytes[rank] == pytest.approx(expected)
+    # the ranks holding most micro-batches recompute at least as many blocks
+    if schedule == "1f1b":
+        first, second = tight.blocks_per_stage[0], tight.blocks_per_stage[1]
+        assert tight.recompute[:first].count("full") / first >= tight.recompute[first:].count("full") / second
+    # nothing fits: every block at full recompute, priced and reported as not fitting
+    hopeless = simulate_candidate(costs, pp, stage, schedule, virtual, m, Link(), budget=1.0)
+    assert hopeless.peak_bytes > 1.0 and set(hopeless.recompute) == {"full"}
+
+
+def test_choose_recompute_is_none_only_when_full_recompute_cannot_fit():
+    costs = _synthetic_costs(4, act_none=100.0, act_full=10.0, state=50.0)
+    owner = [0, 1]
+    assert choose_recompute(costs, [2, 2], owner, (2, 1), 1e9, 4) == [0, 0, 0, 0]
+    levels = choose_recompute(costs, [2, 2], owner, (2, 1), 2 * 50 + 2 * (100 + 10) + 90, 4)
+    assert levels == [1, 0, 0, 0]  # rank 0 holds 2 micro-batches: one block of it recomputes
+    assert choose_recompute(costs, [2, 2], owner, (2, 1), 2 * 50 + 2 * 20 - 1, 4) is None
+
+
+def _tiny_llama_planner(budget=None, devices=4):
+    model = _llama(4)
+    inputs = make_example_inputs(model, 8, 32, device="meta")
+    planner = _Planner.for_devices(model, inputs, devices, "a100-80gb", 4, budget, None, "adamw", 60.0)
+    return model, inputs, planner
+
+
+def test_stage_layout_with_sharding_or_recompute_chosen_where_only_it_fits():
+    """pp 2 on 4 devices (stage meshes 2 x 1 DDP / FSDP, 1 x 2 tensor parallel, lean or not, recompute per
+    block): under a budget below every DDP-without-recompute candidate's peak but above another layout's, the
+    search returns a fitting candidate with FSDP, tensor parallelism or recompute inside its stages, and the plan
+    says so in its fields."""
+    model, inputs, planner = _tiny_llama_planner()
+    _, tried = search_pipelines(planner, 2, exhaustive=True)
+    assert {(c.stage.tp, c.stage.dp_mode) for c in tried} >= {(1, "ddp"), (1, "fsdp"), (2, "ddp")}
+    plain = [
+        c for c in tried if c.stage.tp == 1 and c.stage.dp_mode == "ddp" and set(c.recompute) == {"none"}
+    ]
+    floor = min(c.peak_bytes for c in plain)
+    others = [c.peak_bytes for c in tried if c.peak_bytes < floor]
+    assert others, "no other layout needs less memory than plain DDP: the test's premise"
+    budget = int((floor + max(others)) / 2)
+    _, _, tight = _tiny_llama_planner(budget)
+    best, _ = search_pipelines(tight, 2)
+    assert best is not None and best.peak_bytes <= budget
+    assert best.stage.tp > 1 or best.stage.dp_mode != "ddp" or set(best.recompute) != {"none"}
+    plan = with_pipelines(
+        tight, None, 2, None
+    )  # what plan_model(pipeline=2) returns, without the flat search
+    assert plan is not None and plan.fits and plan.pp_size == 2 and plan.mesh_axis_names == ("pp", "dp", "tp")
+    assert plan.tp_size > 1 or plan.dp_mode != "ddp" or set(plan.recompute.values()) != {"none"}
+    assert len(plan.solver["stage_peak_memory_bytes"]) == plan.num_stages
+    assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def test_hand_pipeline_configurations_priced_by_the_same_model():
+    """torchtitan's FSDP x TP x PP (interleaved 1F1B, full recompute) on 8 devices as a hand configuration: the
+    plan has its layout, every block recomputed, tensor-parallel placements Megatron's; a searched pipeline plan
+    re-priced by evaluate_plan gives its own prediction back."""
+    model = _llama(4)
+    inputs = make_example_inputs(model, 8, 16, device="meta")
+    common = dict(num_devices=8, devices_per_node=4)
+    hand = evaluate_plan(model, inputs, "megatron", pipeline=2, mesh_shape=(2, 2), dp_mode="fsdp",
+                         schedule="interleaved-1f1b", recompute="full", micro_batches=4, **common)  # fmt: skip
+    plan = hand.plan
+    assert plan.pp_size == 2 and tuple(plan.mesh_shape) == (2, 2, 2) and plan.dp_mode == "fsdp"
+    assert plan.schedule == "interleaved-1f1b" and plan.virtual_stages == 2 and plan.micro_batches == 4
+    assert set(plan.recompute.values()) == {"full"} and hand.step_time_s == plan.step_time_s > 0
+    assert plan.param_placements["model.layers.0.mlp.down_proj.weight"] == ["R", "S0", "S1"]
+    cheaper = evaluate_plan(model, inputs, "megatron", pipeline=2, mesh_shape=(2, 2), dp_mode="fsdp",
+                            schedule="interleaved-1f1b", recompute="none", micro_batches=4, **common)  # fmt: skip
+    assert cheaper.step_time_s < hand.step_time_s  # recompute costs time
+    searched = plan_model(model, inputs, pipeline=2, num_devices=2)
+    again = evaluate_plan(model, inputs, searched, num_devices=2)
+    assert again.step_time_s == pytest.approx(searched.step_time_s, rel=1e-9)
+    assert again.peak_memory_bytes == searched.peak_memory_bytes

@@ -48,7 +48,16 @@ BASELINE_RECIPES: dict[str, tuple[str, str]] = {
     "fsdp": ("fsdp", "none"),
 }
 """Fixed recipes -> (``evaluate_plan`` baseline, recompute for every block)."""
-APPROACHES = tuple(PLANNED) + tuple(BASELINE_RECIPES)
+PIPELINE_RECIPES: dict[str, tuple[int, str, str, str]] = {
+    "fsdp-tp-pp": (8, "interleaved-1f1b", "fsdp", "full"),
+    "llama3-4d": (16, "interleaved-1f1b", "fsdp", "selective:pointwise"),
+}
+"""Pipeline hand configurations -> (pp degree wanted, schedule, data-parallel mode inside a stage, recompute for
+every block), tensor parallelism the largest that fits a node with Megatron's placements, one row per
+micro-batch: torchtitan's FSDP x TP x PP (pp 8, interleaved 1F1B, full recompute) and Llama 3's 4-D layout
+without context parallelism (tp 8, pp 16, data parallel the rest, interleaved 1F1B). On a smaller cluster the pp
+degree is the largest power of two up to the one wanted that the devices, the blocks and the batch allow."""
+APPROACHES = tuple(PLANNED) + tuple(BASELINE_RECIPES) + tuple(PIPELINE_RECIPES)
 DEFAULT_APPROACHES = ("auto", "tp-only", "tp+full-recompute", "fsdp+full-recompute")
 TOP_MARGIN = 1.1
 """The default sweep ends at the fastest (no-recompute) plan's peak times this, so its last point is slack."""
@@ -274,7 +283,7 @@ def frontier(
         raise ValueError(f"unknown frontier approaches {unknown}; choose from {list(APPROACHES)}")
     spec = get_device(device)
     plan_args = dict(num_devices=num_devices, device=spec, mesh_shape=mesh_shape, **plan_kwargs)
-    eval_args = _kwargs_for(evaluate_plan, plan_args)
+    eval_args = {k: v for k, v in _kwargs_for(evaluate_plan, plan_args).items() if k != "pipeline"}
     plan_args = _kwargs_for(plan_model, plan_args)
     bounds_needed = budgets is None
     budget_list = sorted({parse_bytes(b) for b in budgets}) if budgets is not None else []
@@ -283,7 +292,7 @@ def frontier(
             "budgets is empty: give at least one per-device budget, or None for the default sweep"
         )
     planned = [a for a in approaches if a in PLANNED]
-    fixed = [a for a in approaches if a in BASELINE_RECIPES]
+    fixed = [a for a in approaches if a in BASELINE_RECIPES or a in PIPELINE_RECIPES]
     total = (
         (2 if bounds_needed else 0)
         + len(fixed)
@@ -360,9 +369,18 @@ def _baseline_curves(
     unavailable: dict[str, str] = {}
     for name in fixed:
         bar.set_description(name)
-        baseline, recompute = BASELINE_RECIPES[name]
-        args = dict(eval_args)
-        if baseline == "megatron" and mesh_shape is None:
+        if name in PIPELINE_RECIPES:
+            try:
+                args = _pipeline_recipe_args(model, inputs, name, eval_args, plan_kwargs, spec, num_devices)
+            except ValueError as exc:  # no pp degree fits this model and cluster
+                unavailable[name] = str(exc)
+                bar.update(1)
+                continue
+            baseline, recompute = "megatron", args.pop("recompute")
+        else:
+            baseline, recompute = BASELINE_RECIPES[name]
+            args = dict(eval_args)
+        if baseline == "megatron" and mesh_shape is None and name not in PIPELINE_RECIPES:
             # evaluate_plan picks the tensor-parallel size from the device preset's devices per node and
             # ignores a devices_per_node override; pick it here from the cluster actually asked for.
             per_node = plan_kwargs.get("devices_per_node") or spec.devices_per_node
@@ -388,6 +406,39 @@ def _baseline_curves(
         ]
         bar.update(1)
     return curves, unavailable
+
+
+def _pipeline_recipe_args(
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    name: str,
+    eval_args: Mapping[str, Any],
+    plan_kwargs: Mapping[str, Any],
+    spec: DeviceSpec,
+    num_devices: int,
+) -> dict[str, Any]:
+    """:func:`evaluate_plan`'s arguments for a pipeline recipe on this cluster (see :data:`PIPELINE_RECIPES`);
+    a ValueError names why it cannot run here."""
+    from ..pipeline_layout import find_layout
+    from .candidates import _global_batch
+
+    want, schedule, dp_mode, recompute = PIPELINE_RECIPES[name]
+    per_node = plan_kwargs.get("devices_per_node") or spec.devices_per_node
+    blocks = find_layout(model).num_blocks
+    batch = _global_batch(inputs)
+    pp = want
+    while pp >= 2:
+        tp = _largest_tp(num_devices // pp, per_node, model) if num_devices % pp == 0 else 0
+        if tp and pp * 2 <= blocks and batch % (num_devices // (pp * tp)) == 0:
+            break
+        pp //= 2
+    if pp < 2:
+        raise ValueError(f"{name}: no pp degree of at least 2 fits {num_devices} devices and {blocks} blocks")
+    dp = num_devices // (pp * tp)
+    args = dict(eval_args)
+    args.update(pipeline=pp, mesh_shape=(dp, tp), schedule=schedule, recompute=recompute,
+                dp_mode=dp_mode if dp > 1 else "ddp", micro_batches=batch // dp)  # fmt: skip
+    return args
 
 
 def _planned_point(

@@ -31,7 +31,7 @@ from typing import Any
 from torch import nn
 
 from ..capture.moe import RoutingLoad
-from ..hardware import DeviceSpec
+from ..hardware import ClusterSpec, DeviceSpec
 from ..plan import Plan
 from ..units import format_bytes
 from .baselines import _attention_heads, _largest_tp, megatron_placements, tp_plan_placements
@@ -46,7 +46,13 @@ from .candidates import (  # noqa: F401 (RECOMPUTE_MODES, PlanningTimeoutError r
 )
 from .context_parallel_search import ContextParallelPlanner, with_context_parallel
 from .ilp import solve
-from .pipeline_search import with_pipelines
+from .pipeline_search import (
+    STAGE_DP_MODES,
+    StageLayout,
+    pipeline_configuration,
+    price_pipeline,
+    with_pipelines,
+)
 from .pricing.comm import DP_MODES
 from .problem import InfeasibleError, Solution
 from .recompute import parse_option
@@ -151,7 +157,8 @@ def plan_model(
     or ``"measure"``: counted on ``example_inputs`` by one forward of ``model``, which then needs real weights
     and a real batch); expert parallelism is then priced by each layer's busiest rank. None assumes routing
     uniform over experts.
-    ``pipeline``: pipeline stages (pp x DDP, what the pipeline runtime runs: :mod:`.pipeline_search`). 1 (the
+    ``pipeline``: pipeline stages (with tensor parallelism, DDP/FSDP/HSDP and recompute inside a stage:
+    :mod:`.pipeline_search`). 1 (the
     default for now) plans without them; None also searches every pp degree and returns the faster of the best
     plans with and without stages; an int >= 2 fixes the pp degree (only pipeline plans). ``micro_batches``
     is then the schedule's count when fixed.
@@ -205,8 +212,9 @@ def plan_model(
             return cp_search.best
 
         plan = with_context_parallel(planner, plan, context_parallel, mesh_shape, dp_modes, search_meshes)
-    if pipeline != 1 and not (pipeline is None and (mesh_shape is not None or "ddp" not in dp_modes)):
-        plan = with_pipelines(planner, plan, pipeline, micro_batches)
+    stage_modes = tuple(m for m in STAGE_DP_MODES if m in dp_modes)
+    if pipeline != 1 and not (pipeline is None and (mesh_shape is not None or not stage_modes)):
+        plan = with_pipelines(planner, plan, pipeline, micro_batches, stage_modes)
     if plan is None:
         raise _no_plan_error(model, num_devices, planner, search, recompute, micro_batches)
     _warn_if_tensor_parallel_repeats(model, plan)
@@ -283,7 +291,8 @@ def _check_pipeline_argument(
     pipeline: int | None, mesh_shape: tuple[int, ...] | None, dp_modes: tuple[str, ...]
 ) -> None:
     """``pipeline`` is None, 1 or a pp degree >= 2, and does not contradict the other settings: pipeline
-    stages run pp x DDP (so "ddp" among ``dp_modes``) on a mesh the search lays out (no ``mesh_shape``)."""
+    stages run DDP, FSDP or HSDP inside a stage (one of them among ``dp_modes``) on a mesh the search lays out
+    (no ``mesh_shape``)."""
     if pipeline is not None and (not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1):
         raise ValueError(
             f"pipeline must be None (searched), 1 (no stages) or a pp degree >= 2, got {pipeline!r}"
@@ -291,12 +300,12 @@ def _check_pipeline_argument(
     if pipeline is not None and pipeline > 1:
         if mesh_shape is not None:
             raise ValueError(
-                f"pipeline={pipeline} lays out the mesh (pp, dp, 1) itself; drop mesh_shape={mesh_shape!r}"
+                f"pipeline={pipeline} lays out the mesh (pp, dp, tp) itself; drop mesh_shape={mesh_shape!r}"
             )
-        if "ddp" not in dp_modes:
+        if not set(dp_modes) & set(STAGE_DP_MODES):
             raise ValueError(
-                f"pipeline={pipeline}: the pipeline runtime runs DDP inside a stage; dp_modes={dp_modes!r} leaves "
-                "'ddp' out. Add 'ddp', or plan with pipeline=1."
+                f"pipeline={pipeline}: a stage runs {', '.join(STAGE_DP_MODES)} over its data-parallel ranks; "
+                f"dp_modes={dp_modes!r} has none of them. Add one, or plan with pipeline=1."
             )
 
 
@@ -363,6 +372,10 @@ def evaluate_plan(
     fit_budget: bool = False,
     pin_uses: bool = False,
     routing: RoutingLoad | str | Path | None = None,
+    pipeline: int | None = None,
+    schedule: str | None = None,
+    virtual_stages: int | None = None,
+    blocks_per_stage: list[int] | None = None,
 ) -> Estimate:
     """Price a Plan, a HF-style tp_plan dict or a named baseline ("ddp", "fsdp", "megatron") under our model.
 
@@ -387,7 +400,23 @@ def evaluate_plan(
 
     ``routing``: the MoE routing load to price under, as for :func:`plan_model` (default: a Plan's own
     measured histogram, ``Plan.moe_routing``, else uniform).
+
+    Pipeline stages (:func:`~.pipeline_search.price_pipeline`, the search's own pricing): a Plan with
+    ``pp_size > 1`` is re-priced as it is; a baseline or tp_plan with ``pipeline`` (the pp degree >= 2) is a
+    hand pipeline: ``mesh_shape`` (dp, tp) inside each stage, ``dp_mode`` / ``dp_shard_size`` as above,
+    ``schedule`` (default "1f1b"), ``virtual_stages``, ``blocks_per_stage`` (default even), ``micro_batches``
+    (the schedule's; default one row each), ``recompute`` for every block (or "auto").
+    E.g. torchtitan's FSDP x TP x PP: ``evaluate_plan(model, batch, "megatron", pipeline=8,
+    mesh_shape=(dp, 8), dp_mode="fsdp", schedule="interleaved-1f1b", recompute="full", ...)``.
     """
+    if pipeline is not None or (isinstance(plan_or_baseline, Plan) and plan_or_baseline.pp_size > 1):
+        return _evaluate_pipeline(
+            model, example_inputs, plan_or_baseline, num_devices=num_devices, device=device,
+            memory_budget=memory_budget, mesh_shape=mesh_shape, devices_per_node=devices_per_node,
+            mixed_precision=mixed_precision, optimizer=optimizer, time_limit_s=time_limit_s, recompute=recompute,
+            micro_batches=micro_batches, dp_mode=dp_mode, dp_shard_size=dp_shard_size, pipeline=pipeline,
+            schedule=schedule, virtual_stages=virtual_stages, blocks_per_stage=blocks_per_stage,
+        )  # fmt: skip
     _check_estimate_arguments(plan_or_baseline, recompute, dp_mode, dp_shard_size, pin_uses)
     hand_dp_mode = dp_mode
     if isinstance(plan_or_baseline, Plan) and memory_budget is None:
@@ -450,6 +479,115 @@ def evaluate_plan(
     plan = planner.to_plan(mesh, dp_mode, built, solution)
     plan.memory_budget_bytes = budget
     return Estimate(name, plan.step_time_s, plan.peak_memory_bytes, budget, tuple(mesh), dp_mode, plan)
+
+
+def _evaluate_pipeline(
+    model: nn.Module,
+    example_inputs: Mapping[str, Any],
+    plan_or_baseline: Plan | str | Mapping[str, str],
+    *,
+    num_devices: int,
+    device: str | DeviceSpec,
+    memory_budget: int | str | None,
+    mesh_shape: tuple[int, ...] | None,
+    devices_per_node: int | None,
+    mixed_precision: str | None,
+    optimizer: str | None,
+    time_limit_s: float,
+    recompute: str | None,
+    micro_batches: int | None,
+    dp_mode: str | None,
+    dp_shard_size: int | None,
+    pipeline: int | None,
+    schedule: str | None,
+    virtual_stages: int | None,
+    blocks_per_stage: list[int] | None,
+) -> Estimate:
+    """:func:`evaluate_plan` of a pipeline Plan or a hand pipeline configuration (see there)."""
+    if isinstance(plan_or_baseline, Plan) and memory_budget is None:
+        memory_budget = plan_or_baseline.memory_budget_bytes
+    planner = _Planner.for_devices(
+        model, example_inputs, num_devices, device, devices_per_node, memory_budget, mixed_precision, optimizer,
+        time_limit_s,
+    )  # fmt: skip
+    if isinstance(plan_or_baseline, Plan):
+        config = pipeline_configuration(planner, plan_or_baseline)
+        name = "plan"
+    else:
+        config = _hand_pipeline(
+            model, plan_or_baseline, planner, pipeline, mesh_shape, dp_mode, dp_shard_size
+        )
+        config.update(
+            schedule=schedule or "1f1b",
+            virtual_stages=virtual_stages,
+            blocks_per_stage=blocks_per_stage,
+            recompute=recompute or "none",
+        )
+        stage = config["stage"]
+        config["micro_batches"] = micro_batches or planner.batch // stage.dp
+        name = plan_or_baseline if isinstance(plan_or_baseline, str) else "tp_plan"
+    plan = price_pipeline(planner, **config)
+    return Estimate(
+        name,
+        plan.step_time_s,
+        plan.peak_memory_bytes,
+        planner.budget,
+        tuple(plan.mesh_shape),
+        plan.dp_mode,
+        plan,
+    )
+
+
+def _hand_pipeline(
+    model: nn.Module,
+    baseline: str | Mapping[str, str],
+    planner: _Planner,
+    pipeline: int | None,
+    mesh_shape: tuple[int, ...] | None,
+    dp_mode: str | None,
+    dp_shard_size: int | None,
+) -> dict[str, Any]:
+    """A hand pipeline's pp degree, stage layout and tensor-parallel placements: ``baseline`` "ddp" / "fsdp"
+    (tp = 1), "megatron" (Megatron's placements on tp = ``mesh_shape[-1]``, default the largest that fits a node)
+    or a tp_plan dict, inside each of ``pipeline`` stages."""
+    if pipeline is None or pipeline < 2:
+        raise ValueError(f"pipeline must be a pp degree >= 2 for a hand pipeline, got {pipeline!r}")
+    n = planner.cluster.num_devices
+    if n % pipeline:
+        raise ValueError(f"pipeline={pipeline} does not divide the {n} devices")
+    inner = n // pipeline
+    if isinstance(baseline, str) and baseline in ("ddp", "fsdp"):
+        tp, fixed, mode = 1, {}, baseline
+    elif baseline == "megatron" or not isinstance(baseline, str):
+        tp = mesh_shape[-1] if mesh_shape else _largest_tp(inner, planner.cluster.devices_per_node, model)
+        placements = (
+            megatron_placements(model) if baseline == "megatron" else tp_plan_placements(model, baseline)
+        )
+        fixed, mode = (placements if tp > 1 else {}), "ddp"
+    else:
+        raise ValueError(f"Unknown baseline {baseline!r}; use one of {BASELINES}, a Plan, or a tp_plan dict.")
+    if inner % tp:
+        raise ValueError(f"tensor parallelism {tp} does not divide the {inner} devices of a pipeline stage")
+    dp = inner // tp
+    mode = dp_mode or mode
+    if mode not in DP_MODES:
+        raise ValueError(f"dp_mode must be one of {DP_MODES}, got {mode!r}")
+    if mode == "hsdp":
+        from .search import _hsdp_candidates
+
+        shards = [
+            s
+            for _, s in _hsdp_candidates(
+                ClusterSpec(planner.spec, inner, min(planner.cluster.devices_per_node, inner)), (dp, tp)
+            )
+        ]
+        shard = dp_shard_size or (shards[0] if shards else 0)
+        if not shard or dp % shard:
+            raise ValueError(f"HSDP needs a shard group dividing the {dp} data-parallel ranks of a stage")
+    else:
+        shard = dp if mode == "fsdp" else 1
+    return dict(pp=pipeline, stage=StageLayout(tp, dp, mode if dp > 1 else "ddp", shard if dp > 1 else 1),
+                fixed_params=fixed)  # fmt: skip
 
 
 def _check_estimate_arguments(

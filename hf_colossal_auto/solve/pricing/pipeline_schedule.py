@@ -31,6 +31,7 @@ Units: seconds and bytes.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass, field
 
@@ -145,9 +146,16 @@ def simulate_schedule(
     virtual = len(stages) // pp_size
     if virtual * pp_size != len(stages):
         raise ValueError(f"{len(stages)} stages do not spread over {pp_size} pp ranks evenly")
-    actions = schedule_actions(schedule, pp_size, micro_batches, virtual)
+    actions = _cached_actions(schedule, pp_size, micro_batches, virtual)
     owner = stage_ranks(schedule, len(stages), pp_size)
     return _Simulator(stages, owner, link or Link(), micro_batches).run(actions, optimizer_s)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_actions(schedule: str, pp_size: int, micro_batches: int, virtual: int) -> list[list[Action]]:
+    """:func:`schedule_actions`, computed once per configuration (torch's multi-stage lists are slow to build);
+    callers must not modify the lists."""
+    return schedule_actions(schedule, pp_size, micro_batches, virtual)
 
 
 class _Simulator:
@@ -204,6 +212,9 @@ class _Simulator:
         self.arrival[(kind, target, m)] = end
 
     def run(self, actions: list[list[Action]], optimizer_s: float) -> ScheduleSimulation:
+        """Each step starts the action that can start earliest (ties: the lowest rank). A rank's readiness only
+        changes when it runs an action or a send reaches one of its stages, so only those ranks are looked at
+        again (a heap of ranks keyed by their next action's start; stale entries are skipped)."""
         ranks = len(actions)
         position = [0] * ranks
         free = [0.0] * ranks
@@ -211,17 +222,29 @@ class _Simulator:
         timeline: list[tuple[int, Action, float, float]] = []
         remaining = {s: sum(1 for rank in actions for a in rank if a[1] == s and a[0] in "BW") for s in
                      range(len(self.stages))}  # fmt: skip
-        while any(position[r] < len(actions[r]) for r in range(ranks)):
-            heap = []
-            for r in range(ranks):
-                if position[r] < len(actions[r]):
-                    ready = self._ready(actions[r][position[r]])
-                    if ready is not None:
-                        heapq.heappush(heap, (max(ready, free[r]), r))
+        heap: list[tuple[float, int]] = []
+        start_of: list[float | None] = [None] * ranks
+
+        def refresh(r: int) -> None:
+            if position[r] >= len(actions[r]):
+                start_of[r] = None
+                return
+            ready = self._ready(actions[r][position[r]])
+            start_of[r] = None if ready is None else max(ready, free[r])
+            if start_of[r] is not None:
+                heapq.heappush(heap, (start_of[r], r))
+
+        for r in range(ranks):
+            refresh(r)
+        left = sum(len(a) for a in actions)
+        while left:
+            while heap and start_of[heap[0][1]] != heap[0][0]:
+                heapq.heappop(heap)  # stale: the rank moved on or its start changed
             if not heap:
                 stuck = {r: actions[r][position[r]] for r in range(ranks) if position[r] < len(actions[r])}
                 raise ValueError(f"the schedule's actions wait on each other: next actions {stuck}")
             start, r = heapq.heappop(heap)
+            start_of[r] = None
             action = actions[r][position[r]]
             kind, s, m = action
             end = start + self._duration(action)
@@ -232,11 +255,19 @@ class _Simulator:
             busy[r] += end - start + extra
             free[r] = end + extra
             position[r] += 1
+            left -= 1
             timeline.append((r, action, start, end))
+            touched = {r}
             if kind == "F":
                 self._send("act", s, m, end)
+                if s + 1 < len(self.stages):
+                    touched.add(self.owner[s + 1])
             elif kind in ("B", "I"):
                 self._send("grad", s, m, end)
+                if s > 0:
+                    touched.add(self.owner[s - 1])
+            for t in touched:
+                refresh(t)
         for r in range(ranks):
             free[r] += optimizer_s
             busy[r] += optimizer_s
