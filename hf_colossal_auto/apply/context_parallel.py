@@ -287,10 +287,11 @@ def check_context_parallel_model(model: nn.Module, plan: Plan) -> str:
         raise ContextParallelError(
             "Plan: context parallelism (cp_size > 1) with pipeline stages is not run yet; plan one or the other"
         )
-    if plan.dp_mode != "ddp":
+    if plan.dp_mode not in ("ddp", "fsdp"):
         raise ContextParallelError(
-            f"Plan: context parallelism runs with dp_mode 'ddp' (parameters replicated over dp x cp); the plan "
-            f"has {plan.dp_mode!r}"
+            f"Plan: context parallelism runs with dp_mode 'ddp' (parameters replicated over dp x cp) or 'fsdp' "
+            f"(sharded over dp x cp); the plan has {plan.dp_mode!r}, whose node-sized shard groups are not "
+            "laid out over the cp axis yet: plan with dp_modes=('ddp', 'fsdp')"
         )
     if plan.moe_layers or plan.expert_data_parallel:
         raise ContextParallelError(

@@ -161,6 +161,126 @@ def run_case(
     return {**gathered[0], "ranks": gathered}
 
 
+def _step_batch(model, rows: int, seq: int, step: int) -> dict[str, torch.Tensor]:
+    """Step ``step``'s rows: the padded batch with other tokens each step (so AdamW's second step differs)."""
+    batch = make_batch(model, rows, seq, "padded")
+    batch["input_ids"] = (batch["input_ids"] + 7 * step) % model.config.vocab_size
+    batch["labels"] = torch.where(batch["labels"] == -100, -100, batch["input_ids"])
+    return batch
+
+
+def _shard_layout(model) -> dict:
+    """This rank's share of every parameter under FSDP: the largest fraction of a parameter's elements it
+    stores, and its local elements per parameter (summed over ranks by the caller)."""
+    fractions, local = [], {}
+    for name, p in model.named_parameters():
+        mine = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+        local[name] = mine
+        fractions.append(mine / p.numel())
+    return {"max_fraction": max(fractions), "local_numel": local}
+
+
+def run_fsdp_case(seq: int, dp: int, steps: int = 2, lr: float = 1e-2) -> dict:
+    """Llama (padded rows) under FSDP over the ``dp x cp`` ranks (the hand-made cp plan with dp_mode "fsdp"):
+    ``steps`` AdamW steps; each step's loss and gradients, and the parameters after, against one process on the
+    global rows (DDP's loss: the mean of the replicas' mean losses); how much of each parameter a rank stores."""
+    from dataclasses import replace
+
+    from common import ddp_reference_loss
+
+    from hf_colossal_auto.apply import apply_plan, broadcast_plan
+    from hf_colossal_auto.apply.data import shard_batch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cp = world // dp
+    model = build("tiny-llama")
+    reference = copy.deepcopy(model)
+    first = _step_batch(model, 2 * dp, seq, 0)
+    plan = cp_plan(model, first, 1, cp, dp) if rank == 0 else None
+    plan = broadcast_plan(replace(plan, dp_mode="fsdp") if plan is not None else None)
+    apply_plan(model, plan)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=lr)
+    layout = _shard_layout(model)
+    losses, ref_losses, grad_diffs = [], [], []
+    for step in range(steps):
+        batch = _step_batch(model, 2 * dp, seq, step)
+        out = model(**shard_batch(batch, model))
+        out.loss.backward()
+        ref_loss = ddp_reference_loss(reference, batch, dp)
+        ref_loss.backward()
+        grad_diffs.append(
+            max(
+                float((full(p.grad) - p_ref.grad).abs().max())
+                for p, p_ref in zip(model.parameters(), reference.parameters(), strict=True)
+            )
+        )
+        # the replica's loss (every cp rank's is the replica's): its mean over dp is the reference's
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss)
+        losses.append(float(loss) / cp / dp)
+        ref_losses.append(float(ref_loss))
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    param_diff = max(
+        float((full(p.detach()) - p_ref.detach()).abs().max())
+        for p, p_ref in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    result = {
+        "fsdp_mesh": list(plan.mesh_shape),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "grad_diffs": grad_diffs,
+        "param_diff": param_diff,
+        "max_fraction": layout["max_fraction"],
+        "numel": {n: p.numel() for n, p in model.named_parameters()},
+        "local_numel": layout["local_numel"],
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    del model, reference, optimizer, ref_optimizer, out
+    dist.barrier()
+    return {**gathered[0], "ranks": gathered}
+
+
+def planned_fsdp_case(seq: int) -> dict:
+    """A plan the planner makes with cp over every rank and FSDP only (``plan_model(context_parallel=world,
+    dp_modes=("fsdp",))``), applied: one process's loss and gradients."""
+    from hf_colossal_auto.apply import apply_plan
+    from hf_colossal_auto.apply.runtime import plan_on_one_rank
+    from hf_colossal_auto.apply.data import shard_batch
+    from hf_colossal_auto.solve.planner import plan_model
+
+    world = dist.get_world_size()
+    model = build("tiny-llama")
+    reference = copy.deepcopy(model)
+    batch = make_batch(model, 2, seq, "plain")
+    plan = plan_on_one_rank(
+        lambda: plan_model(
+            copy.deepcopy(model), batch, num_devices=world, device="cpu", context_parallel=world, dp_modes=("fsdp",)
+        )
+    )
+    apply_plan(model, plan)
+    out = model(**shard_batch(batch, model))
+    out.loss.backward()
+    ref = reference(**batch)
+    ref.loss.backward()
+    result = {
+        "planned": {"mesh": list(plan.mesh_shape), "dp_mode": plan.dp_mode, "cp": plan.cp_size},
+        "loss": float(out.loss),
+        "reference_loss": float(ref.loss),
+        "max_grad_diff": max(
+            float((full(p.grad) - p_ref.grad).abs().max())
+            for p, p_ref in zip(model.parameters(), reference.parameters(), strict=True)
+        ),
+        "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+    }
+    del model, reference, out
+    dist.barrier()
+    return result
+
+
 def refused(name: str, tp: int, seq: int, what: str) -> dict:
     """Apply a cp plan and feed (or set) what must be refused; every rank's error message."""
     from hf_colossal_auto.apply import apply_plan, broadcast_plan
@@ -297,6 +417,8 @@ def main() -> None:
     parser.add_argument("--refusals", action="store_true")
     parser.add_argument("--cases", default="all", help="'all' or a comma list of indices into the cases")
     parser.add_argument("--accelerate", action="store_true", help="also the AutoParallelAccelerator loop")
+    parser.add_argument("--fsdp-dp", type=int, default=0, help="also Llama under FSDP on dp N x cp (world / N)")
+    parser.add_argument("--planned-fsdp", action="store_true", help="also a planner-made cp plan under FSDP")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -308,7 +430,7 @@ def main() -> None:
         ("tiny-qwen2", "padded", "eager", False),
     ]
     if args.cases != "all":
-        cases = [cases[int(i)] for i in args.cases.split(",")]
+        cases = [cases[int(i)] for i in args.cases.split(",") if i]
     started = time.perf_counter()
     results = [
         run_case(name, kind, attention, args.tp, args.seq, recompute=recompute)
@@ -316,6 +438,10 @@ def main() -> None:
     ]
     if args.dp_case:
         results.append(run_case("tiny-llama", "padded", "sdpa", 1, args.seq, dp=2))
+    if args.fsdp_dp:
+        results.append({"fsdp": run_fsdp_case(args.seq, args.fsdp_dp)})
+    if args.planned_fsdp:
+        results.append(planned_fsdp_case(args.seq))
     results.append(first_call_batches(args.tp))
     if args.refusals:
         for what, seq in (("odd-length", args.seq - 2), ("flash", args.seq), ("offsets", args.seq)):
