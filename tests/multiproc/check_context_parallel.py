@@ -170,18 +170,23 @@ def _step_batch(model, rows: int, seq: int, step: int) -> dict[str, torch.Tensor
 
 
 def _shard_layout(model) -> dict:
-    """This rank's share of every parameter under FSDP: the largest fraction of a parameter's elements it
-    stores, and its local elements per parameter (summed over ranks by the caller)."""
-    fractions, local = [], {}
+    """This rank's share of every parameter under FSDP: per parameter, the fraction of its tensor-parallel part
+    (the whole parameter, or its shard on tp) this rank stores, and its local elements."""
+    fractions, local = {}, {}
     for name, p in model.named_parameters():
         mine = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+        names = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+        tp_split = 1
+        if "tp" in names and p.placements[names.index("tp")].is_shard():
+            tp_split = p.device_mesh.size(names.index("tp"))
         local[name] = mine
-        fractions.append(mine / p.numel())
-    return {"max_fraction": max(fractions), "local_numel": local}
+        fractions[name] = mine * tp_split / p.numel()
+    return {"fractions": fractions, "local_numel": local}
 
 
-def run_fsdp_case(seq: int, dp: int, steps: int = 2, lr: float = 1e-2) -> dict:
-    """Llama (padded rows) under FSDP over the ``dp x cp`` ranks (the hand-made cp plan with dp_mode "fsdp"):
+def run_fsdp_case(seq: int, dp: int, tp: int = 1, steps: int = 2, lr: float = 1e-2, eps: float = 1e-6) -> dict:
+    """Llama (padded rows) under FSDP over the ``dp x cp`` ranks (:func:`cp_plan` with dp_mode "fsdp"; with
+    ``tp`` > 1 the parameters are 2-D DTensors, FSDP's over dp x cp and the Megatron placements on tp):
     ``steps`` AdamW steps; each step's loss and gradients, and the parameters after, against one process on the
     global rows (DDP's loss: the mean of the replicas' mean losses); how much of each parameter a rank stores."""
     from dataclasses import replace
@@ -192,15 +197,16 @@ def run_fsdp_case(seq: int, dp: int, steps: int = 2, lr: float = 1e-2) -> dict:
     from hf_colossal_auto.apply.data import shard_batch
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    cp = world // dp
+    cp = world // (dp * tp)
     model = build("tiny-llama")
     reference = copy.deepcopy(model)
     first = _step_batch(model, 2 * dp, seq, 0)
-    plan = cp_plan(model, first, 1, cp, dp) if rank == 0 else None
+    plan = cp_plan(model, first, tp, cp, dp) if rank == 0 else None
     plan = broadcast_plan(replace(plan, dp_mode="fsdp") if plan is not None else None)
     apply_plan(model, plan)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=lr)
+    # AdamW's eps above fp32's rounding of near-zero gradients, which its first step would blow up to +-lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=lr, eps=eps)
     layout = _shard_layout(model)
     losses, ref_losses, grad_diffs = [], [], []
     for step in range(steps):
@@ -218,13 +224,13 @@ def run_fsdp_case(seq: int, dp: int, steps: int = 2, lr: float = 1e-2) -> dict:
         # the replica's loss (every cp rank's is the replica's): its mean over dp is the reference's
         loss = out.loss.detach().clone()
         dist.all_reduce(loss)
-        losses.append(float(loss) / cp / dp)
+        losses.append(float(loss) / world)
         ref_losses.append(float(ref_loss))
         for opt in (optimizer, ref_optimizer):
             opt.step()
             opt.zero_grad()
-    param_diff = max(
-        float((full(p.detach()) - p_ref.detach()).abs().max())
+    param_diff_lr = max(  # in units of the learning rate (what one step may move a parameter)
+        float((full(p.detach()) - p_ref.detach()).abs().max()) / lr
         for p, p_ref in zip(model.parameters(), reference.parameters(), strict=True)
     )
     result = {
@@ -232,8 +238,8 @@ def run_fsdp_case(seq: int, dp: int, steps: int = 2, lr: float = 1e-2) -> dict:
         "losses": losses,
         "ref_losses": ref_losses,
         "grad_diffs": grad_diffs,
-        "param_diff": param_diff,
-        "max_fraction": layout["max_fraction"],
+        "param_diff_lr": param_diff_lr,
+        "fractions": layout["fractions"],
         "numel": {n: p.numel() for n, p in model.named_parameters()},
         "local_numel": layout["local_numel"],
     }
@@ -417,7 +423,9 @@ def main() -> None:
     parser.add_argument("--refusals", action="store_true")
     parser.add_argument("--cases", default="all", help="'all' or a comma list of indices into the cases")
     parser.add_argument("--accelerate", action="store_true", help="also the AutoParallelAccelerator loop")
-    parser.add_argument("--fsdp-dp", type=int, default=0, help="also Llama under FSDP on dp N x cp (world / N)")
+    parser.add_argument(
+        "--fsdp", default="", help="also Llama under FSDP: a comma list of DP:TP meshes (cp: the rest of the world)"
+    )
     parser.add_argument("--planned-fsdp", action="store_true", help="also a planner-made cp plan under FSDP")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -438,8 +446,9 @@ def main() -> None:
     ]
     if args.dp_case:
         results.append(run_case("tiny-llama", "padded", "sdpa", 1, args.seq, dp=2))
-    if args.fsdp_dp:
-        results.append({"fsdp": run_fsdp_case(args.seq, args.fsdp_dp)})
+    for mesh in filter(None, args.fsdp.split(",")):
+        dp, tp = (int(n) for n in mesh.split(":"))
+        results.append({"fsdp": run_fsdp_case(args.seq, dp, tp)})
     if args.planned_fsdp:
         results.append(planned_fsdp_case(args.seq))
     results.append(first_call_batches(args.tp))
