@@ -210,7 +210,9 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
     assert fsdp["fsdp_mesh"] == [1, 2, 1]
     _fsdp_close(fsdp, 2)
     planned = next(r for r in results if "planned" in r)
-    assert planned["planned"] == {"mesh": [1, 2, 1], "dp_mode": "fsdp", "cp": 2} and planned["sharded"], planned
+    assert planned["planned"] == {"mesh": [1, 2, 1], "dp_mode": "fsdp", "cp": 2} and planned["sharded"], (
+        planned
+    )
     assert abs(planned["loss"] - planned["reference_loss"]) <= 1e-5 * planned["reference_loss"], planned
     assert planned["max_grad_diff"] <= 1e-5, planned
     loop = next(r["accelerate"] for r in results if "accelerate" in r)

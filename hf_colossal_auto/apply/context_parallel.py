@@ -24,12 +24,15 @@ kernel, the CPU's included, and composes with the plan's tensor parallelism):
   sees one process's tensors.
 * **Gradients**: parameters are replicated over cp; each rank's gradient is its tokens' share, so they are
   summed over cp and averaged over dp — one all-reduce over the ``dp x cp`` ranks (:func:`gradient_group`).
+  Under FSDP the parameters are sharded over the ``dp x cp`` ranks instead (FSDP2 over the flattened mesh,
+  :func:`.runtime.data_parallel_shard_mesh`), their gradients reduce-scattered as the same sum over cp divided
+  by dp (:func:`.runtime.set_context_parallel_gradient_sum`).
 
 Refused by name, on every rank (the forward raises before any collective): a sequence length that ``2 cp``
 does not divide, attention implementations that take no global-position mask (flash attention, flex
 attention), models whose loss is not transformers' causal-LM loss, models with other sequence-mixing layers
 (convolutions), encoder-decoders, a 4-D attention mask, flash attention's packed-sequence arguments
-(``cu_seq_lens_*``), a KV cache (generation), ``output_attentions``, pipeline stages, FSDP/HSDP and
+(``cu_seq_lens_*``), a KV cache (generation), ``output_attentions``, pipeline stages, HSDP and
 mixture-of-experts plans.
 """
 

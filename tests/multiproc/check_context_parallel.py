@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import tempfile
@@ -184,7 +185,9 @@ def _shard_layout(model) -> dict:
     return {"fractions": fractions, "local_numel": local}
 
 
-def run_fsdp_case(seq: int, dp: int, tp: int = 1, steps: int = 2, lr: float = 1e-2, eps: float = 1e-6) -> dict:
+def run_fsdp_case(
+    seq: int, dp: int, tp: int = 1, steps: int = 2, lr: float = 1e-2, eps: float = 1e-6
+) -> dict:
     """Llama (padded rows) under FSDP over the ``dp x cp`` ranks (:func:`cp_plan` with dp_mode "fsdp"; with
     ``tp`` > 1 the parameters are 2-D DTensors, FSDP's over dp x cp and the Megatron placements on tp):
     ``steps`` AdamW steps; each step's loss and gradients, and the parameters after, against one process on the
@@ -254,19 +257,19 @@ def planned_fsdp_case(seq: int) -> dict:
     """A plan the planner makes with cp over every rank and FSDP only (``plan_model(context_parallel=world,
     dp_modes=("fsdp",))``), applied: one process's loss and gradients."""
     from hf_colossal_auto.apply import apply_plan
-    from hf_colossal_auto.apply.runtime import plan_on_one_rank
     from hf_colossal_auto.apply.data import shard_batch
+    from hf_colossal_auto.apply.runtime import plan_on_one_rank
     from hf_colossal_auto.solve.planner import plan_model
 
     world = dist.get_world_size()
     model = build("tiny-llama")
     reference = copy.deepcopy(model)
     batch = make_batch(model, 2, seq, "plain")
-    plan = plan_on_one_rank(
-        lambda: plan_model(
-            copy.deepcopy(model), batch, num_devices=world, device="cpu", context_parallel=world, dp_modes=("fsdp",)
-        )
-    )
+    make = functools.partial(  # a copy: the model applied stays as built (plan_model traces its own)
+        plan_model, copy.deepcopy(model), batch, num_devices=world, device="cpu", context_parallel=world,
+        dp_modes=("fsdp",),
+    )  # fmt: skip
+    plan = plan_on_one_rank(make)
     apply_plan(model, plan)
     out = model(**shard_batch(batch, model))
     out.loss.backward()
@@ -424,7 +427,9 @@ def main() -> None:
     parser.add_argument("--cases", default="all", help="'all' or a comma list of indices into the cases")
     parser.add_argument("--accelerate", action="store_true", help="also the AutoParallelAccelerator loop")
     parser.add_argument(
-        "--fsdp", default="", help="also Llama under FSDP: a comma list of DP:TP meshes (cp: the rest of the world)"
+        "--fsdp",
+        default="",
+        help="also Llama under FSDP: a comma list of DP:TP meshes (cp: the rest of the world)",
     )
     parser.add_argument("--planned-fsdp", action="store_true", help="also a planner-made cp plan under FSDP")
     parser.add_argument("--out", required=True)
