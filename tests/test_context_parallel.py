@@ -173,7 +173,7 @@ def _fsdp_close(result: dict, shards: int) -> None:
 
 
 def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
-    """cp = 2 on 2 ranks (~90 s): five model cases, FSDP over the cp ranks (a hand-made plan, two AdamW steps;
+    """cp = 2 on 2 ranks (~25-45 s): five model cases, FSDP over the cp ranks (a hand-made plan, two AdamW steps;
     and the planner's cp FSDP plan), the refusals, and an accelerate loop from a plan file."""
     out = tmp_path / "cp2.json"
     run_torchrun(
@@ -225,7 +225,7 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
 def test_gloo_cp_times_tp_and_dp_times_cp_equal_one_process(tmp_path):
     """cp 2 x tp 2 on 4 ranks (GPT-2, Llama with padding, Qwen2 GQA eager; DTensor tensor parallelism inside
     each cp rank) and dp 2 x cp 2 (gradients summed over cp, averaged over dp); FSDP over dp 2 x cp 2 and over
-    cp 2 (x tp 2: 2-D parameters), two AdamW steps each: ~130 s."""
+    cp 2 (x tp 2: 2-D parameters), two AdamW steps each: ~55-75 s."""
     out = tmp_path / "cp4.json"
     run_torchrun(
         CHECK, "--tp", "2", "--cases", "0,1,4", "--dp-case", "--fsdp", "2:1,1:2", "--out", str(out), nproc=4,
