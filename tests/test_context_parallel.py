@@ -173,11 +173,11 @@ def _fsdp_close(result: dict, shards: int) -> None:
 
 
 def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
-    """cp = 2 on 2 ranks (~25-45 s): five model cases, FSDP over the cp ranks (a hand-made plan, two AdamW steps;
-    and the planner's cp FSDP plan), the refusals, and an accelerate loop from a plan file."""
+    """cp = 2 on 2 ranks (~30-50 s): five model cases, FSDP over the cp ranks (a hand-made plan, two AdamW steps;
+    and the planner's cp FSDP plan), the refusals, and an accelerate loop from a plan file, DDP and FSDP."""
     out = tmp_path / "cp2.json"
     run_torchrun(
-        CHECK, "--refusals", "--accelerate", "--fsdp", "1:1", "--planned-fsdp", "--out", str(out), nproc=2,
+        CHECK, "--refusals", "--accelerate", "ddp,fsdp", "--fsdp", "1:1", "--planned-fsdp", "--out", str(out), nproc=2,
         timeout=600,
     )  # fmt: skip
     results = json.loads(out.read_text())
@@ -215,11 +215,15 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
     )
     assert abs(planned["loss"] - planned["reference_loss"]) <= 1e-5 * planned["reference_loss"], planned
     assert planned["max_grad_diff"] <= 1e-5, planned
-    loop = next(r["accelerate"] for r in results if "accelerate" in r)
-    assert loop["plan_cp"] == 2 and loop["gathered_equal"], loop
-    for got, ref in zip(loop["losses"] + loop["norms"], loop["ref_losses"] + loop["ref_norms"], strict=True):
-        assert abs(got - ref) <= 1e-5 * abs(ref), loop
-    assert loop["param_err_lr"] <= 1e-2, loop
+    loops = [r["accelerate"] for r in results if "accelerate" in r]
+    assert [loop["plan_dp_mode"] for loop in loops] == ["ddp", "fsdp"]
+    for loop in loops:
+        assert loop["plan_cp"] == 2 and loop["gathered_equal"], loop
+        for got, ref in zip(
+            loop["losses"] + loop["norms"], loop["ref_losses"] + loop["ref_norms"], strict=True
+        ):
+            assert abs(got - ref) <= 1e-5 * abs(ref), loop
+        assert loop["param_err_lr"] <= 1e-2, loop
 
 
 def test_gloo_cp_times_tp_and_dp_times_cp_equal_one_process(tmp_path):

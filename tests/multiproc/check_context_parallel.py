@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -346,11 +347,12 @@ def first_call_batches(tp: int) -> dict:
 LR = 1e-2
 
 
-def accelerator_loop(directory: str) -> dict:
+def accelerator_loop(directory: str, dp_mode: str = "ddp") -> dict:
     """An ordinary accelerate loop under ``AutoParallelAccelerator`` with a cp plan file
     (``HF_COLOSSAL_AUTO_PLAN_PATH``): per-process batches of 2 rows of 16 tokens, gradient accumulation 2,
     clipping, two optimizer steps, an evaluation gathered for metrics; against one process on the union of
-    the processes' batches (what the replica's cp ranks compute on)."""
+    the processes' batches (what the replica's cp ranks compute on). ``dp_mode``: the plan's (FSDP: sharded
+    over the cp ranks, accumulation by FSDP2's deferred gradient sync)."""
     from torch.utils.data import DataLoader, default_collate
 
     from hf_colossal_auto import AutoParallelAccelerator
@@ -362,7 +364,8 @@ def accelerator_loop(directory: str) -> dict:
     rows = [{"input_ids": r, "labels": r.clone()} for r in ids]
     path = os.path.join(directory, "plan.json")
     if dist.get_rank() == 0:
-        cp_plan(model, default_collate(rows[: 2 * world]), 1, world).save(path)
+        plan = cp_plan(model, default_collate(rows[: 2 * world]), 1, world)
+        dataclasses.replace(plan, dp_mode=dp_mode).save(path)
     dist.barrier()
     os.environ["HF_COLOSSAL_AUTO_PLAN_PATH"] = path
     reference = copy.deepcopy(model)
@@ -412,6 +415,7 @@ def accelerator_loop(directory: str) -> dict:
         "gathered_equal": torch.equal(argmax, ref_argmax),
         "rows": seen,
         "plan_cp": accelerator.auto_plan.cp_size,
+        "plan_dp_mode": accelerator.auto_plan.dp_mode,
     }
     del model, optimizer, loader, unwrapped
     accelerator.wait_for_everyone()
@@ -425,7 +429,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--refusals", action="store_true")
     parser.add_argument("--cases", default="all", help="'all' or a comma list of indices into the cases")
-    parser.add_argument("--accelerate", action="store_true", help="also the AutoParallelAccelerator loop")
+    parser.add_argument(
+        "--accelerate",
+        default="",
+        help="also the AutoParallelAccelerator loop, per dp_mode in this comma list (ddp, fsdp)",
+    )
     parser.add_argument(
         "--fsdp",
         default="",
@@ -461,10 +469,10 @@ def main() -> None:
         for what, seq in (("odd-length", args.seq - 2), ("flash", args.seq), ("offsets", args.seq)):
             results.append(refused("tiny-llama", args.tp, seq, what))
         results.append(refused("tiny-llama", args.tp, args.seq, "one-rank-odd"))
-    if args.accelerate:
+    for dp_mode in filter(None, args.accelerate.split(",")):
         directory = [tempfile.mkdtemp(prefix="cp-plan-") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(directory)
-        results.append({"accelerate": accelerator_loop(directory[0])})
+        results.append({"accelerate": accelerator_loop(directory[0], dp_mode)})
     results.append({"total_seconds": time.perf_counter() - started})
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
