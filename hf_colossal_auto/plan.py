@@ -324,12 +324,13 @@ class Plan:
 
     @property
     def shards_nothing(self) -> bool:
-        """Whether every rank runs on whole tensors: no FSDP/HSDP over more than one replica, no experts split
-        over the data-parallel axis, and on a tensor-parallel axis of more than one rank every parameter (stored
-        and used) and module output replicated, with no tensor-parallel collective predicted (a plan that splits
-        only activations, to save their memory, has some). The runtime runs such a plan on ordinary tensors
-        (:mod:`hf_colossal_auto.apply.data_parallel`) and the planner prices it without DTensor's per-op cost."""
-        if self.dp_mode in ("fsdp", "hsdp") and self.dp_size > 1:
+        """Whether every rank runs on whole tensors: no FSDP/HSDP over more than one rank (of dp x cp), no
+        experts split over the data-parallel axis, and on a tensor-parallel axis of more than one rank every
+        parameter (stored and used) and module output replicated, with no tensor-parallel collective predicted
+        (a plan that splits only activations, to save their memory, has some). The runtime runs such a plan on
+        ordinary tensors (:mod:`hf_colossal_auto.apply.data_parallel`) and the planner prices it without
+        DTensor's per-op cost."""
+        if self.dp_mode in ("fsdp", "hsdp") and self.dp_size * self.cp_size > 1:  # FSDP shards over dp x cp
             return False
         if self.expert_data_parallel:
             return False

@@ -140,7 +140,7 @@ def _cp_plan(model, **fields) -> Plan:
         ("tiny-llama", "flash", "flash_attention_2' cannot take the global-position mask"),
         ("tiny-bert", None, "needs a causal LM"),
         ("tiny-t5", None, "not an encoder-decoder"),
-        ("tiny-llama", "fsdp", "dp_mode 'ddp'"),
+        ("tiny-llama", "hsdp", "the plan has 'hsdp'"),
     ],
 )
 def test_refusals_name_the_setting(preset, change, words):
@@ -150,8 +150,8 @@ def test_refusals_name_the_setting(preset, change, words):
     fields = {}
     if change == "flash":
         model.config._attn_implementation = "flash_attention_2"
-    if change == "fsdp":
-        fields = dict(dp_mode="fsdp", mesh_shape=(2, 2, 1), num_devices=4)
+    if change == "hsdp":
+        fields = dict(dp_mode="hsdp", dp_shard_size=2, mesh_shape=(4, 2, 1), num_devices=8)
     with pytest.raises(ContextParallelError, match=words):
         check_context_parallel_model(model, _cp_plan(model, **fields))
 
@@ -162,10 +162,24 @@ def _close(case: dict) -> None:
         assert result["logits_diff"] <= 1e-5 and result["max_grad_diff"] <= 1e-5, result
 
 
+def _fsdp_close(result: dict, shards: int) -> None:
+    """FSDP over ``shards`` = dp x cp ranks: two AdamW steps' losses, gradients and the parameters after equal
+    one process's; every rank stores ``1 / shards`` of each parameter's tensor-parallel part."""
+    for got, ref in zip(result["losses"], result["ref_losses"], strict=True):
+        assert abs(got - ref) <= 1e-5 * ref, result
+    assert max(result["grad_diffs"]) <= 1e-5 and result["param_diff_lr"] <= 1e-2, result
+    for rank in result["ranks"]:
+        assert set(rank["fractions"].values()) == {1 / shards}, rank["fractions"]
+
+
 def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
-    """cp = 2 on 2 ranks (~70 s): five model cases, the refusals, and an accelerate loop from a plan file."""
+    """cp = 2 on 2 ranks (~30-50 s): five model cases, FSDP over the cp ranks (a hand-made plan, two AdamW steps;
+    and the planner's cp FSDP plan), the refusals, and an accelerate loop from a plan file, DDP and FSDP."""
     out = tmp_path / "cp2.json"
-    run_torchrun(CHECK, "--refusals", "--accelerate", "--out", str(out), nproc=2, timeout=600)
+    run_torchrun(
+        CHECK, "--refusals", "--accelerate", "ddp,fsdp", "--fsdp", "1:1", "--planned-fsdp", "--out", str(out), nproc=2,
+        timeout=600,
+    )  # fmt: skip
     results = json.loads(out.read_text())
     cases = [r for r in results if "model" in r]
     assert [(c["model"], c["kind"]) for c in cases] == [
@@ -192,18 +206,35 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
     assert "sequence length of 15" in odd[1] and "another rank's inputs were refused" in odd[0], odd
     first = next(r for r in results if "first_call_union" in r)
     assert first["first_call_union"] and first["first_call_rows"] == 2
-    loop = next(r["accelerate"] for r in results if "accelerate" in r)
-    assert loop["plan_cp"] == 2 and loop["gathered_equal"], loop
-    for got, ref in zip(loop["losses"] + loop["norms"], loop["ref_losses"] + loop["ref_norms"], strict=True):
-        assert abs(got - ref) <= 1e-5 * abs(ref), loop
-    assert loop["param_err_lr"] <= 1e-2, loop
+    fsdp = next(r["fsdp"] for r in results if "fsdp" in r)
+    assert fsdp["fsdp_mesh"] == [1, 2, 1]
+    _fsdp_close(fsdp, 2)
+    planned = next(r for r in results if "planned" in r)
+    assert planned["planned"] == {"mesh": [1, 2, 1], "dp_mode": "fsdp", "cp": 2} and planned["sharded"], (
+        planned
+    )
+    assert abs(planned["loss"] - planned["reference_loss"]) <= 1e-5 * planned["reference_loss"], planned
+    assert planned["max_grad_diff"] <= 1e-5, planned
+    loops = [r["accelerate"] for r in results if "accelerate" in r]
+    assert [loop["plan_dp_mode"] for loop in loops] == ["ddp", "fsdp"]
+    for loop in loops:
+        assert loop["plan_cp"] == 2 and loop["gathered_equal"], loop
+        for got, ref in zip(
+            loop["losses"] + loop["norms"], loop["ref_losses"] + loop["ref_norms"], strict=True
+        ):
+            assert abs(got - ref) <= 1e-5 * abs(ref), loop
+        assert loop["param_err_lr"] <= 1e-2, loop
 
 
 def test_gloo_cp_times_tp_and_dp_times_cp_equal_one_process(tmp_path):
     """cp 2 x tp 2 on 4 ranks (GPT-2, Llama with padding, Qwen2 GQA eager; DTensor tensor parallelism inside
-    each cp rank) and dp 2 x cp 2 (gradients summed over cp, averaged over dp): ~90 s."""
+    each cp rank) and dp 2 x cp 2 (gradients summed over cp, averaged over dp); FSDP over dp 2 x cp 2 and over
+    cp 2 (x tp 2: 2-D parameters), two AdamW steps each: ~55-75 s."""
     out = tmp_path / "cp4.json"
-    run_torchrun(CHECK, "--tp", "2", "--cases", "0,1,4", "--dp-case", "--out", str(out), nproc=4, timeout=600)
+    run_torchrun(
+        CHECK, "--tp", "2", "--cases", "0,1,4", "--dp-case", "--fsdp", "2:1,1:2", "--out", str(out), nproc=4,
+        timeout=600,
+    )  # fmt: skip
     results = json.loads(out.read_text())
     cases = [r for r in results if "model" in r]
     assert [(c["model"], c["mesh"]) for c in cases] == [
@@ -215,5 +246,9 @@ def test_gloo_cp_times_tp_and_dp_times_cp_equal_one_process(tmp_path):
     for case in cases:
         _close(case)
     assert all(c["sharded_params"] > 0 for c in cases[:3])  # tensor parallelism really split the weights
+    fsdp = [r["fsdp"] for r in results if "fsdp" in r]
+    assert [f["fsdp_mesh"] for f in fsdp] == [[2, 2, 1], [1, 2, 2]]
+    _fsdp_close(fsdp[0], 4)
+    _fsdp_close(fsdp[1], 2)
     first = next(r for r in results if "first_call_union" in r)
     assert first["first_call_union"]

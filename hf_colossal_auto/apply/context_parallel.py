@@ -24,12 +24,15 @@ kernel, the CPU's included, and composes with the plan's tensor parallelism):
   sees one process's tensors.
 * **Gradients**: parameters are replicated over cp; each rank's gradient is its tokens' share, so they are
   summed over cp and averaged over dp — one all-reduce over the ``dp x cp`` ranks (:func:`gradient_group`).
+  Under FSDP the parameters are sharded over the ``dp x cp`` ranks instead (FSDP2 over the flattened mesh,
+  :func:`.runtime.data_parallel_shard_mesh`), their gradients reduce-scattered as the same sum over cp divided
+  by dp (:func:`.runtime.set_context_parallel_gradient_sum`).
 
 Refused by name, on every rank (the forward raises before any collective): a sequence length that ``2 cp``
 does not divide, attention implementations that take no global-position mask (flash attention, flex
 attention), models whose loss is not transformers' causal-LM loss, models with other sequence-mixing layers
 (convolutions), encoder-decoders, a 4-D attention mask, flash attention's packed-sequence arguments
-(``cu_seq_lens_*``), a KV cache (generation), ``output_attentions``, pipeline stages, FSDP/HSDP and
+(``cu_seq_lens_*``), a KV cache (generation), ``output_attentions``, pipeline stages, HSDP and
 mixture-of-experts plans.
 """
 
@@ -287,10 +290,11 @@ def check_context_parallel_model(model: nn.Module, plan: Plan) -> str:
         raise ContextParallelError(
             "Plan: context parallelism (cp_size > 1) with pipeline stages is not run yet; plan one or the other"
         )
-    if plan.dp_mode != "ddp":
+    if plan.dp_mode not in ("ddp", "fsdp"):
         raise ContextParallelError(
-            f"Plan: context parallelism runs with dp_mode 'ddp' (parameters replicated over dp x cp); the plan "
-            f"has {plan.dp_mode!r}"
+            f"Plan: context parallelism runs with dp_mode 'ddp' (parameters replicated over dp x cp) or 'fsdp' "
+            f"(sharded over dp x cp); the plan has {plan.dp_mode!r}, whose node-sized shard groups are not "
+            "laid out over the cp axis yet: plan with dp_modes=('ddp', 'fsdp')"
         )
     if plan.moe_layers or plan.expert_data_parallel:
         raise ContextParallelError(

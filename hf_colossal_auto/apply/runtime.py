@@ -438,7 +438,11 @@ def data_parallel_shard_mesh(plan: Plan, mesh: DeviceMesh) -> DeviceMesh:
     ``(dp_replicate, dp_shard)`` (row-major, so a shard group is consecutive ranks: one node's data-parallel
     ranks, as the plan priced it), on which ``fully_shard`` reduce-scatters in the shard group and all-reduces
     the shards in the replicate group. Unflattened from the plan's mesh, so that it shares its root with the
-    tensor-parallel sub-mesh the parameters live on (FSDP2 requires it)."""
+    tensor-parallel sub-mesh the parameters live on (FSDP2 requires it). With context parallelism (FSDP only)
+    the ``dp x cp`` ranks flattened: each of them holds ``1 / (dp x cp)`` of every parameter, as the planner
+    prices it (:func:`set_context_parallel_gradient_sum` makes their reduce-scatter a sum over cp)."""
+    if plan.cp_size > 1:
+        return flatten_mesh_axes(mesh, ("dp", "cp"), "dp_cp")
     if plan.dp_mode != "hsdp":
         return mesh["dp"]
     sizes = (plan.dp_replicate_size, plan.dp_shard_size)
@@ -482,6 +486,20 @@ def _fully_shard(
             for block, following in zip(blocks, blocks[1:], strict=False):
                 block.set_modules_to_forward_prefetch([following])
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored, reshard_after_forward=reshard_after_forward)
+
+
+def set_context_parallel_gradient_sum(model: nn.Module, dp_size: int) -> None:
+    """FSDP over ``dp x cp`` ranks (:func:`data_parallel_shard_mesh`): reduce-scatter each gradient as a sum
+    divided by ``dp`` only, not FSDP's mean over the ``dp x cp`` group. Each cp rank's loss is its share of its
+    replica's mean loss (:mod:`.context_parallel`), so a replica's gradient is the sum over its cp ranks, and the
+    replicas' gradients are averaged, as under DDP (:func:`.context_parallel.gradient_group`). Forced to a plain
+    sum then a division (gloo has no pre-multiplied sum), as the pipeline runtime does."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(dp_size))
+            module.set_force_sum_reduction_for_comms(True)
 
 
 _EXPERTS_OVER_DP = "_hf_colossal_auto_experts_over_dp"
@@ -540,7 +558,7 @@ def apply_plan(
     check_expert_data_parallel(model, plan)
     if plan.cp_size > 1:  # before any collective: the same model refuses on every rank
         check_context_parallel_model(model, plan)
-    fsdp = plan.dp_mode in ("fsdp", "hsdp") and plan.dp_size > 1
+    fsdp = plan.dp_mode in ("fsdp", "hsdp") and plan.dp_size * plan.cp_size > 1  # FSDP shards over dp x cp
     install_dtensor_rules(plan)
     if mesh is None:
         mesh = build_mesh(plan)
@@ -565,6 +583,8 @@ def apply_plan(
         setattr(model, _EXPERTS_OVER_DP, over_dp)
         experts = {p for fqn, p in model.named_parameters() if fqn in over_dp}
         _fully_shard(model, model._hf_colossal_auto_dp_mesh, ignored=experts)
+        if plan.cp_size > 1:
+            set_context_parallel_gradient_sum(model, plan.dp_size)
     # after FSDP, so that each rank allocates (and reads) only its data- and tensor-parallel shards
     device = mesh_device(mesh) if plain else None  # a plain parameter on meta has no mesh to say where
     if pretrained is not None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -161,6 +163,134 @@ def run_case(
     return {**gathered[0], "ranks": gathered}
 
 
+def _step_batch(model, rows: int, seq: int, step: int) -> dict[str, torch.Tensor]:
+    """Step ``step``'s rows: the padded batch with other tokens each step (so AdamW's second step differs)."""
+    batch = make_batch(model, rows, seq, "padded")
+    batch["input_ids"] = (batch["input_ids"] + 7 * step) % model.config.vocab_size
+    batch["labels"] = torch.where(batch["labels"] == -100, -100, batch["input_ids"])
+    return batch
+
+
+def _shard_layout(model) -> dict:
+    """This rank's share of every parameter under FSDP: per parameter, the fraction of its tensor-parallel part
+    (the whole parameter, or its shard on tp) this rank stores, and its local elements."""
+    fractions, local = {}, {}
+    for name, p in model.named_parameters():
+        mine = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+        names = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+        tp_split = 1
+        if "tp" in names and p.placements[names.index("tp")].is_shard():
+            tp_split = p.device_mesh.size(names.index("tp"))
+        local[name] = mine
+        fractions[name] = mine * tp_split / p.numel()
+    return {"fractions": fractions, "local_numel": local}
+
+
+def run_fsdp_case(
+    seq: int, dp: int, tp: int = 1, steps: int = 2, lr: float = 1e-2, eps: float = 1e-6
+) -> dict:
+    """Llama (padded rows) under FSDP over the ``dp x cp`` ranks (:func:`cp_plan` with dp_mode "fsdp"; with
+    ``tp`` > 1 the parameters are 2-D DTensors, FSDP's over dp x cp and the Megatron placements on tp):
+    ``steps`` AdamW steps; each step's loss and gradients, and the parameters after, against one process on the
+    global rows (DDP's loss: the mean of the replicas' mean losses); how much of each parameter a rank stores."""
+    from dataclasses import replace
+
+    from common import ddp_reference_loss
+
+    from hf_colossal_auto.apply import apply_plan, broadcast_plan
+    from hf_colossal_auto.apply.data import shard_batch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cp = world // (dp * tp)
+    model = build("tiny-llama")
+    reference = copy.deepcopy(model)
+    first = _step_batch(model, 2 * dp, seq, 0)
+    plan = cp_plan(model, first, tp, cp, dp) if rank == 0 else None
+    plan = broadcast_plan(replace(plan, dp_mode="fsdp") if plan is not None else None)
+    apply_plan(model, plan)
+    # AdamW's eps above fp32's rounding of near-zero gradients, which its first step would blow up to +-lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=lr, eps=eps)
+    layout = _shard_layout(model)
+    losses, ref_losses, grad_diffs = [], [], []
+    for step in range(steps):
+        batch = _step_batch(model, 2 * dp, seq, step)
+        out = model(**shard_batch(batch, model))
+        out.loss.backward()
+        ref_loss = ddp_reference_loss(reference, batch, dp)
+        ref_loss.backward()
+        grad_diffs.append(
+            max(
+                float((full(p.grad) - p_ref.grad).abs().max())
+                for p, p_ref in zip(model.parameters(), reference.parameters(), strict=True)
+            )
+        )
+        # the replica's loss (every cp rank's is the replica's): its mean over dp is the reference's
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss)
+        losses.append(float(loss) / world)
+        ref_losses.append(float(ref_loss))
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    param_diff_lr = max(  # in units of the learning rate (what one step may move a parameter)
+        float((full(p.detach()) - p_ref.detach()).abs().max()) / lr
+        for p, p_ref in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    result = {
+        "fsdp_mesh": list(plan.mesh_shape),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "grad_diffs": grad_diffs,
+        "param_diff_lr": param_diff_lr,
+        "fractions": layout["fractions"],
+        "numel": {n: p.numel() for n, p in model.named_parameters()},
+        "local_numel": layout["local_numel"],
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    del model, reference, optimizer, ref_optimizer, out
+    dist.barrier()
+    return {**gathered[0], "ranks": gathered}
+
+
+def planned_fsdp_case(seq: int) -> dict:
+    """A plan the planner makes with cp over every rank and FSDP only (``plan_model(context_parallel=world,
+    dp_modes=("fsdp",))``), applied: one process's loss and gradients."""
+    from hf_colossal_auto.apply import apply_plan
+    from hf_colossal_auto.apply.data import shard_batch
+    from hf_colossal_auto.apply.runtime import plan_on_one_rank
+    from hf_colossal_auto.solve.planner import plan_model
+
+    world = dist.get_world_size()
+    model = build("tiny-llama")
+    reference = copy.deepcopy(model)
+    batch = make_batch(model, 2, seq, "plain")
+    make = functools.partial(  # a copy: the model applied stays as built (plan_model traces its own)
+        plan_model, copy.deepcopy(model), batch, num_devices=world, device="cpu", context_parallel=world,
+        dp_modes=("fsdp",),
+    )  # fmt: skip
+    plan = plan_on_one_rank(make)
+    apply_plan(model, plan)
+    out = model(**shard_batch(batch, model))
+    out.loss.backward()
+    ref = reference(**batch)
+    ref.loss.backward()
+    result = {
+        "planned": {"mesh": list(plan.mesh_shape), "dp_mode": plan.dp_mode, "cp": plan.cp_size},
+        "loss": float(out.loss),
+        "reference_loss": float(ref.loss),
+        "max_grad_diff": max(
+            float((full(p.grad) - p_ref.grad).abs().max())
+            for p, p_ref in zip(model.parameters(), reference.parameters(), strict=True)
+        ),
+        "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+    }
+    del model, reference, out
+    dist.barrier()
+    return result
+
+
 def refused(name: str, tp: int, seq: int, what: str) -> dict:
     """Apply a cp plan and feed (or set) what must be refused; every rank's error message."""
     from hf_colossal_auto.apply import apply_plan, broadcast_plan
@@ -217,11 +347,12 @@ def first_call_batches(tp: int) -> dict:
 LR = 1e-2
 
 
-def accelerator_loop(directory: str) -> dict:
+def accelerator_loop(directory: str, dp_mode: str = "ddp") -> dict:
     """An ordinary accelerate loop under ``AutoParallelAccelerator`` with a cp plan file
     (``HF_COLOSSAL_AUTO_PLAN_PATH``): per-process batches of 2 rows of 16 tokens, gradient accumulation 2,
     clipping, two optimizer steps, an evaluation gathered for metrics; against one process on the union of
-    the processes' batches (what the replica's cp ranks compute on)."""
+    the processes' batches (what the replica's cp ranks compute on). ``dp_mode``: the plan's (FSDP: sharded
+    over the cp ranks, accumulation by FSDP2's deferred gradient sync)."""
     from torch.utils.data import DataLoader, default_collate
 
     from hf_colossal_auto import AutoParallelAccelerator
@@ -233,7 +364,8 @@ def accelerator_loop(directory: str) -> dict:
     rows = [{"input_ids": r, "labels": r.clone()} for r in ids]
     path = os.path.join(directory, "plan.json")
     if dist.get_rank() == 0:
-        cp_plan(model, default_collate(rows[: 2 * world]), 1, world).save(path)
+        plan = cp_plan(model, default_collate(rows[: 2 * world]), 1, world)
+        dataclasses.replace(plan, dp_mode=dp_mode).save(path)
     dist.barrier()
     os.environ["HF_COLOSSAL_AUTO_PLAN_PATH"] = path
     reference = copy.deepcopy(model)
@@ -283,6 +415,7 @@ def accelerator_loop(directory: str) -> dict:
         "gathered_equal": torch.equal(argmax, ref_argmax),
         "rows": seen,
         "plan_cp": accelerator.auto_plan.cp_size,
+        "plan_dp_mode": accelerator.auto_plan.dp_mode,
     }
     del model, optimizer, loader, unwrapped
     accelerator.wait_for_everyone()
@@ -296,7 +429,17 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--refusals", action="store_true")
     parser.add_argument("--cases", default="all", help="'all' or a comma list of indices into the cases")
-    parser.add_argument("--accelerate", action="store_true", help="also the AutoParallelAccelerator loop")
+    parser.add_argument(
+        "--accelerate",
+        default="",
+        help="also the AutoParallelAccelerator loop, per dp_mode in this comma list (ddp, fsdp)",
+    )
+    parser.add_argument(
+        "--fsdp",
+        default="",
+        help="also Llama under FSDP: a comma list of DP:TP meshes (cp: the rest of the world)",
+    )
+    parser.add_argument("--planned-fsdp", action="store_true", help="also a planner-made cp plan under FSDP")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -308,7 +451,7 @@ def main() -> None:
         ("tiny-qwen2", "padded", "eager", False),
     ]
     if args.cases != "all":
-        cases = [cases[int(i)] for i in args.cases.split(",")]
+        cases = [cases[int(i)] for i in args.cases.split(",") if i]
     started = time.perf_counter()
     results = [
         run_case(name, kind, attention, args.tp, args.seq, recompute=recompute)
@@ -316,15 +459,20 @@ def main() -> None:
     ]
     if args.dp_case:
         results.append(run_case("tiny-llama", "padded", "sdpa", 1, args.seq, dp=2))
+    for mesh in filter(None, args.fsdp.split(",")):
+        dp, tp = (int(n) for n in mesh.split(":"))
+        results.append({"fsdp": run_fsdp_case(args.seq, dp, tp)})
+    if args.planned_fsdp:
+        results.append(planned_fsdp_case(args.seq))
     results.append(first_call_batches(args.tp))
     if args.refusals:
         for what, seq in (("odd-length", args.seq - 2), ("flash", args.seq), ("offsets", args.seq)):
             results.append(refused("tiny-llama", args.tp, seq, what))
         results.append(refused("tiny-llama", args.tp, args.seq, "one-rank-odd"))
-    if args.accelerate:
+    for dp_mode in filter(None, args.accelerate.split(",")):
         directory = [tempfile.mkdtemp(prefix="cp-plan-") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(directory)
-        results.append({"accelerate": accelerator_loop(directory[0])})
+        results.append({"accelerate": accelerator_loop(directory[0], dp_mode)})
     results.append({"total_seconds": time.perf_counter() - started})
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
