@@ -186,8 +186,9 @@ def context_parallel_step(
     (all ``S`` tokens at the query heads, :attr:`AttentionKernel.held_bytes`) from the forward kernel to its
     backward, on its log-sum-exp's storage; the step's one additive mask, on the first kernel's (freed by the
     last backward kernel, where the runtime's lives to the next forward); and the logits all-gathered to the
-    whole sequence (``cp`` times the traced chunk's), on the traced logits' storage (``logits_module``: the
-    output embeddings' name)."""
+    whole sequence (``cp`` times the traced chunk's) and put in sequence order (an ``index_select``: a second
+    copy), both made while the chunk's are still held (the step's peak where the LM head is large), on the traced
+    logits' storage (``logits_module``: the output embeddings' name)."""
     kernels = attention_kernels(graph, cp, kv_heads)
     grown: dict[int, int] = {}
     for i, kernel in enumerate(kernels):
@@ -203,7 +204,7 @@ def context_parallel_step(
         node.bytes_read += (cp - 1) * sum(graph.values[x].nbytes for x in node.inputs[2:4])
     logits = logits_value(graph, logits_module)
     if logits is not None:
-        _grow(graph, logits, (cp - 1) * graph.values[logits].nbytes, grown)
+        _grow(graph, logits, 2 * cp * graph.values[logits].nbytes, grown)
     for sid, extra in grown.items():
         storage = graph.storages[sid]
         graph.storages[sid] = dataclasses.replace(storage, nbytes=storage.nbytes + extra)
@@ -313,9 +314,9 @@ class StepExtras:
 
 def step_extras(graph: StepGraph, cp: int, logits_module: str | None, micro_batches: int) -> StepExtras:
     """:class:`StepExtras` of a cp rank's step ``graph`` (made by :func:`context_parallel_step`, whose logits
-    value already has the gathered size)."""
+    value holds the chunk's, the gathered ones and their copy in sequence order: ``2 cp + 1`` chunks)."""
     logits = logits_value(graph, logits_module)
-    gathered = float(graph.values[logits].nbytes) if logits is not None else 0.0
+    gathered = float(graph.values[logits].nbytes) * cp / (2 * cp + 1) if logits is not None else 0.0
     modules = tuple(graph.nodes[k.index].module for k in attention_kernels(graph, cp, None))
     return StepExtras(gathered, modules, micro_batches)
 

@@ -87,6 +87,17 @@ def make_plans(fraction: float) -> list[str]:
     return [free.to_json(), tight.to_json()]
 
 
+def _redispatched(event) -> bool:
+    """A c10d record under a record of the same op: a selective checkpoint's dispatch mode (recording the
+    recomputed block's ops) running the op it intercepted; one collective, recorded twice."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == event.name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def count_collectives(prof) -> tuple[dict[str, int], dict[str, int]]:
     """Counts per kind (``cp_all_gather``, ``cp_reduce_scatter``, ``all_reduce``) and bytes (the gathered tensors)
     from c10d's records."""
@@ -94,6 +105,8 @@ def count_collectives(prof) -> tuple[dict[str, int], dict[str, int]]:
     nbytes: dict[str, int] = defaultdict(int)
     for event in prof.events():
         name = event.name
+        if _redispatched(event):
+            continue
         if name in _GATHERS or name in _SCATTERS:
             kind = "cp_all_gather" if name in _GATHERS else "cp_reduce_scatter"
             at = (_GATHERS | _SCATTERS)[name]
