@@ -20,15 +20,19 @@ ordinary one. What the reshaped batch gets wrong is attention, corrected in the 
 * FLOPs: a rank's queries meet ``S`` keys, not ``S / c``: under the balanced layout its share of the causal
   attention is ``1 / c`` of the whole, ``c`` times what the reshaped step traced (whose chunk is causal on its
   own); each attention kernel's FLOPs (forward and backward) and K/V reads are scaled so;
-* memory: the gathered K and V (``c - 1`` more chunks, the heads as attention reads them) are kept for backward
-  by the attention kernel, unless its block is recomputed: they are added to what the kernel keeps alive until
-  its backward (its log-sum-exp output's storage, produced by the kernel and freed by its backward, so that
-  recompute frees them with the block);
+* memory (checked against MemTracker on 2 gloo ranks, ``tests/multiproc/check_context_parallel_costs.py``): the
+  runtime's attention keeps K and V of all ``S`` tokens at the query heads (with a mask transformers' sdpa
+  repeats grouped K/V heads), and the first layer the step's additive mask ``[1, 1, S / c, S]``, unless its
+  block is recomputed: added to what the kernel keeps alive until its backward (its log-sum-exp output's
+  storage, produced by the kernel and freed by its backward, so that recompute frees them with the block); the
+  logits gathered into the whole sequence and copied into sequence order beside the chunk's, on the LM head's
+  output;
 * communication: per attention layer, forward all-gathers of K and of V over cp (each the full ``S``-token
   tensor at the model's K/V heads, ``(c - 1) / c`` of it crossing the link), backward reduce-scatters of their
   gradients, on the link the cp axis crosses (``(dp, cp, tp)`` row-major: inside a node when ``cp x tp`` fits
   one), added to the attention op's cost per strategy (a strategy splitting heads over tp gathers ``1 / tp``).
-  Priced exposed (not overlapped with the attention), and not again for a recomputed block's rerun.
+  Priced exposed (not overlapped with the attention). Added to the plan after the solve: the recomputed blocks'
+  K/V gathers again, the logits' all-gather and two small all-reduces per forward (inputs' agreement, loss).
 
 Offered only where the traced step's attention is a fused SDPA kernel without an explicit mask (the runtime
 gathers K and V, not masks): eager attention, a padding mask or an unknown kernel leaves cp out, with a log line
