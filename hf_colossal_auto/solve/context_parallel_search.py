@@ -20,15 +20,19 @@ ordinary one. What the reshaped batch gets wrong is attention, corrected in the 
 * FLOPs: a rank's queries meet ``S`` keys, not ``S / c``: under the balanced layout its share of the causal
   attention is ``1 / c`` of the whole, ``c`` times what the reshaped step traced (whose chunk is causal on its
   own); each attention kernel's FLOPs (forward and backward) and K/V reads are scaled so;
-* memory: the gathered K and V (``c - 1`` more chunks, the heads as attention reads them) are kept for backward
-  by the attention kernel, unless its block is recomputed: they are added to what the kernel keeps alive until
-  its backward (its log-sum-exp output's storage, produced by the kernel and freed by its backward, so that
-  recompute frees them with the block);
+* memory (checked against MemTracker on 2 gloo ranks, ``tests/multiproc/check_context_parallel_costs.py``): the
+  runtime's attention keeps K and V of all ``S`` tokens at the query heads (with a mask transformers' sdpa
+  repeats grouped K/V heads), and the first layer the step's additive mask ``[1, 1, S / c, S]``, unless its
+  block is recomputed: added to what the kernel keeps alive until its backward (its log-sum-exp output's
+  storage, produced by the kernel and freed by its backward, so that recompute frees them with the block); the
+  logits gathered into the whole sequence and copied into sequence order beside the chunk's, on the LM head's
+  output;
 * communication: per attention layer, forward all-gathers of K and of V over cp (each the full ``S``-token
   tensor at the model's K/V heads, ``(c - 1) / c`` of it crossing the link), backward reduce-scatters of their
   gradients, on the link the cp axis crosses (``(dp, cp, tp)`` row-major: inside a node when ``cp x tp`` fits
   one), added to the attention op's cost per strategy (a strategy splitting heads over tp gathers ``1 / tp``).
-  Priced exposed (not overlapped with the attention), and not again for a recomputed block's rerun.
+  Priced exposed (not overlapped with the attention). Added to the plan after the solve: the recomputed blocks'
+  K/V gathers again, the logits' all-gather and two small all-reduces per forward (inputs' agreement, loss).
 
 Offered only where the traced step's attention is a fused SDPA kernel without an explicit mask (the runtime
 gathers K and V, not masks): eager attention, a padding mask or an unknown kernel leaves cp out, with a log line
@@ -47,7 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capture.graph import StepGraph
+from ..capture.graph import Phase, StepGraph
 from ..hardware.roofline import host_time
 from ..plan import Plan
 from ..units import format_bytes
@@ -113,15 +117,12 @@ def chunked_inputs(example_inputs: Mapping[str, Any], cp: int) -> dict[str, Any]
     return out
 
 
-def kv_head_ratio(model: nn.Module) -> float:
-    """K/V heads over attention heads (grouped-query attention gathers the K/V heads, before they repeat for the
-    queries); 1 where the config does not say."""
+def kv_head_count(model: nn.Module) -> int | None:
+    """The model's K/V heads (grouped-query attention gathers them, before they repeat for the queries); None
+    where the config does not say."""
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if not heads or not kv_heads:
-        return 1.0
-    return kv_heads / heads
+    return getattr(config, "num_key_value_heads", None) or heads
 
 
 # ----------------------------------------------------------------------------------------- the step
@@ -133,24 +134,39 @@ class AttentionKernel:
     """Graph node index of the forward kernel."""
     gathered_bytes: tuple[float, float]
     """K and V as gathered: all ``S`` tokens of the rank's rows at the K/V heads, heads unsplit by tp."""
+    held_bytes: tuple[float, float]
+    """K and V as the runtime's attention keeps them for backward: all ``S`` tokens at the *query* heads (with a
+    mask, transformers' sdpa takes no grouped-query attention: ``repeat_kv`` copies them to every query head)."""
+    mask_bytes: float
+    """The runtime's additive mask ``[1, 1, S / cp, S]`` in the queries' dtype (one per step, every layer's)."""
 
 
-def attention_kernels(graph: StepGraph, cp: int, kv_ratio: float) -> list[AttentionKernel]:
+def attention_kernels(graph: StepGraph, cp: int, kv_heads: int | None) -> list[AttentionKernel]:
     """The step's forward attention kernels (see :data:`ATTENTION_FORWARD_KERNELS`) with the K/V each gathers
-    (``cp x`` the traced chunk, at ``kv_ratio`` of the heads its key input has). Refused where there are none
-    (eager attention: its matmul + softmax is not recognised) or a kernel is given a mask."""
+    (``cp x`` the traced chunk, at ``kv_heads`` heads: the traced key input may have them already, the trace
+    runs sdpa's grouped-query attention without a mask, or repeated to the query heads) and keeps. Refused where
+    there are none (eager attention: its matmul + softmax is not recognised) or a kernel is given a mask."""
     kernels = []
     for node in graph.nodes:
         if node.op not in ATTENTION_FORWARD_KERNELS:
             continue
-        k, v = node.inputs[1:3]
+        q, k, v = node.inputs[:3]
         if _has_mask(graph, node):
             raise ContextParallelUnsupported(
                 f"attention in {node.module or type(graph).__name__} ({node.op}) is given a mask tensor; context "
                 "parallelism gathers K and V only (causal attention without a padding mask)"
             )
-        gathered = tuple(float(graph.values[x].nbytes) * cp * kv_ratio for x in (k, v))
-        kernels.append(AttentionKernel(node.index, gathered))  # type: ignore[arg-type]
+        query = graph.values[q]
+        traced_heads = graph.values[k].shape[1] if len(graph.values[k].shape) == 4 else None
+        query_heads = query.shape[1] if len(query.shape) == 4 else None
+        gather_ratio = kv_heads / traced_heads if kv_heads and traced_heads else 1.0
+        held_ratio = query_heads / traced_heads if query_heads and traced_heads else 1.0
+        gathered = tuple(float(graph.values[x].nbytes) * cp * gather_ratio for x in (k, v))
+        held = tuple(float(graph.values[x].nbytes) * cp * held_ratio for x in (k, v))
+        numel = math.prod(query.shape) or 1
+        local = query.shape[-2] if len(query.shape) >= 2 else 0
+        mask = float(local * local * cp * (query.nbytes / numel))
+        kernels.append(AttentionKernel(node.index, gathered, held, mask))  # type: ignore[arg-type]
     if not kernels:
         raise ContextParallelUnsupported(
             f"no fused attention kernel (scaled_dot_product_attention) in the traced step of {graph.model_class}: "
@@ -165,26 +181,34 @@ def _has_mask(graph: StepGraph, node) -> bool:
     return any(len(graph.values[x].shape) >= 2 for x in node.inputs[3:] if x in graph.values)
 
 
-def context_parallel_step(graph: StepGraph, cp: int, kv_ratio: float) -> StepGraph:
+def context_parallel_step(
+    graph: StepGraph, cp: int, kv_heads: int | None, logits_module: str | None = None
+) -> StepGraph:
     """``graph`` (the step traced on the cp-chunked batch) made what a cp rank runs, in place: each attention
     kernel's FLOPs (forward and backward) ``cp`` times (its queries meet all keys), its K/V reads those of the
-    gathered K/V, and the gathered K/V's ``cp - 1`` extra chunks (at the heads the kernel reads, split as its
-    log-sum-exp is) kept from the forward kernel to its backward, on its log-sum-exp's storage."""
-    kernels = attention_kernels(graph, cp, kv_ratio)
+    gathered K/V, and what the runtime holds beyond the trace (:func:`_grow`): per kernel the K/V it keeps
+    (all ``S`` tokens at the query heads, :attr:`AttentionKernel.held_bytes`) from the forward kernel to its
+    backward, on its log-sum-exp's storage; the step's one additive mask, on the first kernel's (freed by the
+    last backward kernel, where the runtime's lives to the next forward); and the logits all-gathered to the
+    whole sequence (``cp`` times the traced chunk's) and put in sequence order (an ``index_select``: a second
+    copy), both made while the chunk's are still held (the step's peak where the LM head is large), on the traced
+    logits' storage (``logits_module``: the output embeddings' name)."""
+    kernels = attention_kernels(graph, cp, kv_heads)
     grown: dict[int, int] = {}
-    for kernel in kernels:
+    for i, kernel in enumerate(kernels):
         node = graph.nodes[kernel.index]
         traced_kv = sum(graph.values[x].nbytes for x in node.inputs[1:3])
         node.flops *= cp
         node.bytes_read += (cp - 1) * traced_kv
-        lse = graph.values[node.outputs[1]]
-        extra = (cp - 1) * traced_kv
-        grown[lse.storage_id] = grown.get(lse.storage_id, 0) + extra
-        graph.values[lse.id] = dataclasses.replace(lse, nbytes=lse.nbytes + extra)
+        extra = int(sum(kernel.held_bytes)) - traced_kv + (int(kernel.mask_bytes) if i == 0 else 0)
+        _grow(graph, graph.values[node.outputs[1]].id, extra, grown)
     backward = [n for n in graph.nodes if n.op in ATTENTION_BACKWARD_KERNELS]
     for node in backward:
         node.flops *= cp
         node.bytes_read += (cp - 1) * sum(graph.values[x].nbytes for x in node.inputs[2:4])
+    logits = logits_value(graph, logits_module)
+    if logits is not None:
+        _grow(graph, logits, 2 * cp * graph.values[logits].nbytes, grown)
     for sid, extra in grown.items():
         storage = graph.storages[sid]
         graph.storages[sid] = dataclasses.replace(storage, nbytes=storage.nbytes + extra)
@@ -196,6 +220,34 @@ def context_parallel_step(graph: StepGraph, cp: int, kv_ratio: float) -> StepGra
         events.append(event)
     graph.memory_events = events
     return graph
+
+
+def _grow(graph: StepGraph, value: int, extra: int, grown: dict[int, int]) -> None:
+    """Record ``extra`` bytes more on ``value``'s storage (applied to storages and events by the caller)."""
+    info = graph.values[value]
+    grown[info.storage_id] = grown.get(info.storage_id, 0) + extra
+    graph.values[value] = dataclasses.replace(info, nbytes=info.nbytes + extra)
+
+
+def logits_value(graph: StepGraph, module: str | None) -> int | None:
+    """The value id of the logits: the last forward output of the output embeddings ``module`` (None if the
+    step has none; the runtime all-gathers them over cp, the caller sees the whole sequence's)."""
+    if not module:
+        return None
+    found = None
+    for node in graph.nodes:
+        if node.module == module and node.phase == Phase.FORWARD and not node.is_view and node.outputs:
+            found = node.outputs[0]
+    return found
+
+
+def output_embeddings_name(model: nn.Module) -> str | None:
+    """The name of ``model``'s output embeddings (the LM head), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        return None
+    return next((name for name, m in model.named_modules() if m is head), None)
 
 
 # ------------------------------------------------------------------------------------- the collectives
@@ -218,13 +270,13 @@ def kv_wire_bytes(gathered_bytes: float, cp: int) -> float:
 
 
 def add_kv_collectives(
-    built: BuiltProblem, graph: StepGraph, cp_comm: AxisComm, cp: int, kv_ratio: float, tp: int
+    built: BuiltProblem, graph: StepGraph, cp_comm: AxisComm, cp: int, kv_heads: int | None, tp: int
 ) -> dict[str, KvCollectives]:
     """Every attention op node of ``built`` costs, per strategy and micro-batch, the all-gathers of its K and V
     over cp and the reduce-scatters of their gradients (:func:`attention_kernels`; a strategy that splits the
     key input over tp gathers ``1 / tp``). Returns them by ILP node name, for the plan's figures."""
     micro = built.micro_batches
-    kernels = {k.index: k for k in attention_kernels(graph, cp, kv_ratio)}
+    kernels = {k.index: k for k in attention_kernels(graph, cp, kv_heads)}
     added: dict[str, KvCollectives] = {}
     for name, index in built.node_of_name.items():
         kernel = kernels.get(index)
@@ -248,6 +300,38 @@ def add_kv_collectives(
     return added
 
 
+SMALL_ALL_REDUCE_BYTES = (8, 4)
+"""The runtime's two small all-reduces per forward: the one-integer (int64) agreement that every rank's inputs
+were accepted (over the job), and the scalar float32 loss summed over cp."""
+
+
+@dataclass(frozen=True)
+class StepExtras:
+    """What the runtime runs per micro-batch besides the K/V collectives the ILP prices, from the traced step."""
+
+    logits_gathered_bytes: float
+    """The logits all-gathered into the whole sequence (``cp`` times the traced chunk's), 0 without an LM head."""
+    attention_modules: tuple[str, ...]
+    """The module of each attention kernel: a block recomputed in backward gathers its K and V again."""
+    micro_batches: int
+
+
+def step_extras(graph: StepGraph, cp: int, logits_module: str | None, micro_batches: int) -> StepExtras:
+    """:class:`StepExtras` of a cp rank's step ``graph`` (made by :func:`context_parallel_step`, whose logits
+    value holds the chunk's, the gathered ones and their copy in sequence order: ``2 cp + 1`` chunks)."""
+    logits = logits_value(graph, logits_module)
+    gathered = float(graph.values[logits].nbytes) * cp / (2 * cp + 1) if logits is not None else 0.0
+    modules = tuple(graph.nodes[k.index].module for k in attention_kernels(graph, cp, None))
+    return StepExtras(gathered, modules, micro_batches)
+
+
+def recomputed_attention_layers(extras: StepExtras, recompute: Mapping[str, str]) -> int:
+    """Attention layers inside a block the plan recomputes (fully or selectively: both rerun the block's forward,
+    the K/V all-gathers included)."""
+    blocks = [b for b, option in recompute.items() if option != "none"]
+    return sum(any(m == b or m.startswith(b + ".") for b in blocks) for m in extras.attention_modules)
+
+
 # ----------------------------------------------------------------------------------------- the planner
 class ContextParallelPlanner(_Planner):
     """The planner of one cp degree: the batch chunked over cp (:func:`chunked_inputs`) on every device, meshes
@@ -267,13 +351,16 @@ class ContextParallelPlanner(_Planner):
         )
         self.routing = outer.routing
         self.cp = cp
-        self.kv_ratio = kv_head_ratio(outer.model)
+        self.kv_heads = kv_head_count(outer.model)
+        self.logits_module = output_embeddings_name(outer.model)
         self.outer = outer
         self._kv: dict[int, dict[str, KvCollectives]] = {}
         """id of a built problem -> its attention nodes' K/V collectives."""
+        self._extras: dict[int, StepExtras] = {}
+        """id of a built problem -> the step's other cp collectives and the attention layers by module."""
 
     def _trace(self, rows: int) -> StepGraph:
-        return context_parallel_step(super()._trace(rows), self.cp, self.kv_ratio)
+        return context_parallel_step(super()._trace(rows), self.cp, self.kv_heads, self.logits_module)
 
     def offers_mesh(self, mesh: tuple[int, int]) -> bool:
         """Only meshes whose data-parallel size is ``dp x cp`` for a whole dp."""
@@ -289,14 +376,18 @@ class ContextParallelPlanner(_Planner):
         built = super().build(mesh, dp_mode, *args, **kwargs)
         graph = self.graph(mesh[0], built.micro_batches)
         self._kv[id(built)] = add_kv_collectives(
-            built, graph, self.cp_comm(mesh), self.cp, self.kv_ratio, mesh[1]
+            built, graph, self.cp_comm(mesh), self.cp, self.kv_heads, mesh[1]
         )
+        self._extras[id(built)] = step_extras(graph, self.cp, self.logits_module, built.micro_batches)
         return built
 
     def to_plan(self, mesh: tuple[int, int], dp_mode: str, built: BuiltProblem, solution: Solution) -> Plan:
         plan = super().to_plan(mesh, dp_mode, built, solution)
         kv = self._kv.get(id(built), {})
-        return context_parallel_plan(plan, self.outer, self.cp, kv, built, solution)
+        extras = self._extras.get(id(built))
+        return context_parallel_plan(
+            plan, self.outer, self.cp, kv, built, solution, extras, self.cp_comm(mesh)
+        )
 
 
 def _with_cp_axis(placements: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -311,10 +402,15 @@ def context_parallel_plan(
     kv: Mapping[str, KvCollectives],
     built: BuiltProblem,
     solution: Solution,
+    extras: StepExtras | None = None,
+    cp_comm: AxisComm | None = None,
 ) -> Plan:
     """The Plan of a chunked-batch solution on mesh ``(dp x cp, tp)`` as the runtime runs it: mesh
     ``(dp, cp, tp)``, the cp axis ``"R"`` in every placement, the user's batch, ``cp_size``, and the K/V
-    collectives moved from compute to communication (``cp_all_gather`` / ``cp_reduce_scatter``)."""
+    collectives moved from compute to communication (``cp_all_gather`` / ``cp_reduce_scatter``). Added after
+    the solve (``extras``, priced on ``cp_comm``; the ILP does not see them): per micro-batch the logits'
+    all-gather and the two small all-reduces (``cp_all_reduce``: the inputs' agreement, the loss), and the K/V
+    all-gathers again for each attention layer of a recomputed block."""
     multiplicity = {n.name: n.multiplicity for n in built.problem.nodes}
     gather_s = scatter_s = nbytes = count = 0.0
     for name, record in kv.items():
@@ -324,12 +420,28 @@ def context_parallel_plan(
         scatter_s += m * record.scatter_s[choice]
         nbytes += m * record.nbytes[choice]
         count += m * record.count
+    layers = sum(multiplicity[n] for n in kv)
     dp, tp = plan.mesh_shape
     collectives = dict(plan.collectives)
     collective_bytes = dict(plan.collective_bytes)
-    for kind in ("cp_all_gather", "cp_reduce_scatter"):
-        collectives[kind] = count
-        collective_bytes[kind] = nbytes
+    collectives["cp_reduce_scatter"], collective_bytes["cp_reduce_scatter"] = count, nbytes
+    added_s, rerun = 0.0, 0
+    gathers, gathered = count, nbytes
+    if extras is not None and cp_comm is not None:
+        micro = extras.micro_batches
+        rerun = recomputed_attention_layers(extras, plan.recompute)
+        if rerun and layers:  # a recomputed layer gathers its K and V again (the mean layer's bytes and time)
+            gathers += count * rerun / layers
+            gathered += nbytes * rerun / layers
+            added_s += gather_s * rerun / layers
+        if extras.logits_gathered_bytes:
+            gathers += micro
+            gathered += micro * extras.logits_gathered_bytes
+            added_s += micro * cp_comm.time("all_gather", extras.logits_gathered_bytes)
+        collectives["cp_all_reduce"] = micro * len(SMALL_ALL_REDUCE_BYTES)
+        collective_bytes["cp_all_reduce"] = micro * sum(SMALL_ALL_REDUCE_BYTES)
+        added_s += micro * sum(cp_comm.time("all_reduce", b) for b in SMALL_ALL_REDUCE_BYTES)
+    collectives["cp_all_gather"], collective_bytes["cp_all_gather"] = gathers, gathered
     solver = dict(plan.solver)
     solver["context_parallel"] = {
         "cp": cp,
@@ -337,7 +449,9 @@ def context_parallel_plan(
         "kv_reduce_scatter_s": scatter_s,
         "kv_gathered_bytes": nbytes,
         "kv_wire_bytes": kv_wire_bytes(nbytes, cp),
-        "attention_layers": sum(multiplicity[n] for n in kv),
+        "attention_layers": layers,
+        "recomputed_attention_layers": rerun,
+        "added_after_solve_s": added_s,
         "gradient_group": dp,
     }
     return dataclasses.replace(
@@ -351,8 +465,9 @@ def context_parallel_plan(
         block_input_placements=_with_cp_axis(plan.block_input_placements),
         global_batch_size=outer.batch,
         input_shapes={k: list(v.shape) for k, v in outer.inputs.items() if isinstance(v, torch.Tensor)},
+        step_time_s=plan.step_time_s + added_s,
         compute_time_s=plan.compute_time_s - gather_s - scatter_s,
-        communication_time_s=plan.communication_time_s + gather_s + scatter_s,
+        communication_time_s=plan.communication_time_s + gather_s + scatter_s + added_s,
         collectives=collectives,
         collective_bytes=collective_bytes,
         solver=solver,

@@ -1,0 +1,187 @@
+"""Run under torchrun (2 ranks): a planner-made context-parallel plan's costs against a measured step.
+
+    torchrun --nproc_per_node 2 tests/multiproc/check_context_parallel_costs.py --out r.json
+
+A Llama at hidden 128 (grouped-query attention: 4 query heads, 2 K/V heads), 2 rows of 512 tokens, so that
+activations dominate. Rank 0 plans it with ``context_parallel=2`` on 2 CPU devices, DDP over the ``dp x cp``
+group, twice: with the budget lifted and no recompute, and under a budget of a fraction of that plan's peak with
+recompute chosen by the solver (it must recompute to fit). Every rank applies each plan to a fresh copy of the
+seeded model and runs one forward + backward under ``torch.profiler``: c10d's own records of every collective
+(counts, and the bytes of the tensors handed to the all-gathers and reduce-scatters) against the plan's
+``collectives`` / ``collective_bytes``; then one AdamW step and MemTracker's peak of the next step against
+``plan.peak_memory_bytes``. ``<out>.rank<r>`` holds each rank's results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.profiler import ProfilerActivity, profile
+
+SEQ = 512
+ROWS = 2
+
+# c10d's records -> the kinds compared; the all-gather and reduce-scatter's tensors are recorded with shapes
+# (output, input, ...): the bytes are the gathered tensor (the all-gather's output, the reduce-scatter's input)
+_GATHERS = {"c10d::_allgather_base_": 0, "c10d::allgather_into_tensor_coalesced_": 0}
+_SCATTERS = {"c10d::_reduce_scatter_base_": 1, "c10d::reduce_scatter_tensor_coalesced_": 1}
+_REDUCES = ("c10d::allreduce_", "c10d::allreduce_coalesced_")
+_ELEMENT_BYTES = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
+
+
+def model_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
+
+
+def build():
+    from hf_colossal_auto.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(model_config(), device="cpu", attn_implementation="sdpa")
+    return model.eval()
+
+
+def make_batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 512, (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def make_plans(fraction: float) -> list[str]:
+    """The cp = 2 plan with the budget lifted (no recompute) and under ``fraction`` of its peak (recompute
+    chosen), as JSON."""
+    from hf_colossal_auto.solve.planner import plan_model
+
+    model, batch = build(), make_batch()
+    common = dict(
+        num_devices=2,
+        device="cpu",
+        mesh_shape=(1, 1),
+        dp_modes=("ddp",),
+        micro_batches=1,
+        context_parallel=2,
+    )
+    free = plan_model(model, batch, memory_budget=1 << 40, recompute="none", **common)
+    tight = plan_model(
+        model, batch, memory_budget=int(free.peak_memory_bytes * fraction), recompute="auto", **common
+    )
+    return [free.to_json(), tight.to_json()]
+
+
+def _redispatched(event) -> bool:
+    """A c10d record under a record of the same op: a selective checkpoint's dispatch mode (recording the
+    recomputed block's ops) running the op it intercepted; one collective, recorded twice."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == event.name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def count_collectives(prof) -> tuple[dict[str, int], dict[str, int]]:
+    """Counts per kind (``cp_all_gather``, ``cp_reduce_scatter``, ``all_reduce``) and bytes (the gathered tensors)
+    from c10d's records."""
+    counts: dict[str, int] = defaultdict(int)
+    nbytes: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        name = event.name
+        if _redispatched(event):
+            continue
+        if name in _GATHERS or name in _SCATTERS:
+            kind = "cp_all_gather" if name in _GATHERS else "cp_reduce_scatter"
+            at = (_GATHERS | _SCATTERS)[name]
+            shape, dtype = event.input_shapes[at], event.input_dtypes[at]
+            n = 1
+            for d in shape:
+                n *= d
+            counts[kind] += 1
+            nbytes[kind] += n * _ELEMENT_BYTES[dtype]
+        elif name in _REDUCES:
+            counts["all_reduce"] += 1
+    return dict(counts), dict(nbytes)
+
+
+def run_plan(name: str, text: str) -> dict:
+    from common import measured_step_peak
+
+    from hf_colossal_auto import Plan
+    from hf_colossal_auto.apply import apply_plan
+
+    plan = Plan.from_dict(json.loads(text))
+    model, batch = build(), make_batch()
+    apply_plan(model, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        loss = model(**batch).loss
+        loss.backward()
+    counted, counted_bytes = count_collectives(prof)
+    del prof, loss
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    measured = measured_step_peak(model, opt, batch)
+    result = {
+        "plan": name,
+        "rank": dist.get_rank(),
+        "recompute": sorted(set(plan.recompute.values())),
+        "recomputed_blocks": sorted(plan.recompute),
+        "predicted": {k: round(v) for k, v in plan.collectives.items() if v},
+        "predicted_bytes": {k: round(v) for k, v in plan.collective_bytes.items() if v},
+        "counted": counted,
+        "counted_bytes": counted_bytes,
+        "predicted_peak": plan.peak_memory_bytes,
+        "measured_peak": measured,
+        "budget": plan.memory_budget_bytes,
+        "param_memory_bytes": plan.param_memory_bytes,
+        "activation_memory_bytes": plan.activation_memory_bytes,
+    }
+    del model, opt
+    dist.barrier()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fraction", type=float, default=0.75)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    from hf_colossal_auto.apply.agree import run_on_one_rank
+
+    started = time.perf_counter()
+    texts = json.loads(run_on_one_rank(lambda: json.dumps(make_plans(args.fraction)), what="planning"))
+    planned = time.perf_counter()
+    results = [run_plan(name, text) for name, text in zip(("free", "tight"), texts, strict=True)]
+    results.append({"plan_seconds": planned - started, "total_seconds": time.perf_counter() - started})
+    with open(f"{args.out}.rank{dist.get_rank()}", "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_COLOSSAL_AUTO_NO_CALIBRATE", "1")
+    main()
