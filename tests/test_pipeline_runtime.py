@@ -415,3 +415,31 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
             [4 * group + i for i in range(4)],
             [8 + 4 * group + i for i in range(4)],
         ]
+
+
+@pytest.mark.parametrize(
+    ("preset", "changes", "message"),
+    [
+        ("tiny-mixtral", {}, None),  # the router aux loss is split over the stages
+        ("tiny-qwen2-moe", {}, None),  # the same load_balancing_loss_func
+        ("tiny-mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+        ("tiny-mixtral", {"router_jitter_noise": 0.1, "output_router_logits": False}, None),  # no aux loss
+        ("tiny-mixtral", {"router_jitter_noise": 0.1, "router_aux_loss_coef": 0.0}, None),
+    ],
+)
+def test_moe_router_aux_loss_under_pipeline_stages(preset, changes, message):
+    """An MoE model's load-balancing loss runs under pipeline stages (its expert counts from a forward pass
+    before the schedule's); random ops in a training forward with it on are refused with what to do."""
+    config = load_config(preset)
+    config.num_hidden_layers = 2
+    for key, value in changes.items():
+        setattr(config, key, value)
+    model = build_model(config, device="meta")
+    plan = hand_pipeline_plan(
+        model, make_example_inputs(model, 8, 16, device="meta"), pp_size=2, schedule="1f1b", micro_batches=4
+    )
+    if message is None:
+        check_pipeline_plan(model, plan)
+    else:
+        with pytest.raises(PipelineRuntimeError, match=f"{message}.*output_router_logits=False"):
+            check_pipeline_plan(model, plan)
