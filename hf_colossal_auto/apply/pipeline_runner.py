@@ -23,7 +23,9 @@ process's mean loss over the global batch, and so do the gradients, which are th
 data-parallel axis (an all-reduce per step): the result is one process's on the global batch, also when the
 replicas' batches hold different token counts (under FSDP the reduce-scatter sums them). The loss returned on
 every rank is that global loss. Gradients of DTensor parameters (tensor parallelism, FSDP) are the
-parameters' placements; the norm :meth:`PipelineRunner.clip_grad_norm_` clips by is the whole model's.
+parameters' placements; the norm :meth:`PipelineRunner.clip_grad_norm_` clips by is the whole model's. An MoE
+model's router load-balancing term (over every layer, on every stage) is added as one process adds it
+(:mod:`.pipeline_aux`: a forward-only counting pass, then each stage's term attached to its output's backward).
 
 A caller that passes ``num_items_in_batch`` (transformers' Trainer, counting the label tokens of every process
 over its gradient-accumulation window) follows DDP's contract instead: the loss is normalised by that count,
