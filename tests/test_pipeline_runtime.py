@@ -371,7 +371,8 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
     tensors; data_parallel_loader gives a pipeline's ranks the same rows and the groups together plain
     accelerate's rows of each step. Accumulation with a micro-step inside model.no_sync() defers the dp
     all-reduce to the last backward (each gradient reduced once) and gives one process's gradients; so does the
-    Trainer's contract (num_items_in_batch of the window, loss x dp), whose logged loss is one process's."""
+    Trainer's contract (num_items_in_batch of the window, loss x dp), whose logged loss is one process's. A tiny
+    Mixtral with its router load-balancing loss under pp 2 x FSDP 2 (interleaved zero bubble) too."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "pipeline_dp.json"
@@ -385,6 +386,7 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
             "llama fsdp 1f1b": [group, 2, 1, 2, 4],
             "llama tp 1f1b": [0, 1, 2, 2, 4],  # mesh (2, 1, 2): the tensor-parallel pair reads the same rows
             "gpt2 tied fsdp 1f1b": [group, 2, 1, 2, 4],
+            "mixtral fsdp interleaved-zero-bubble": [group, 2, 1, 2, 4],  # with its router aux loss
         }
         for case, info in cases.items():
             got = results[case]

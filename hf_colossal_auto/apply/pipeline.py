@@ -367,6 +367,7 @@ def _run_plan_in_stages(
       defers the gradient reduction to the last micro-batch. Gradients are reduce-scattered as *sums* (divide
       factor 1): each replica's loss is its share of the global batch's, normalised by the global token count
       (:mod:`.pipeline_runner`), so the global gradient is their sum, as DDP's all-reduce makes it."""
+    from .moe import install_aux_loss_region
     from .recompute import apply_recompute
     from .rng import agreed_forward, install_tensor_parallel_rng
     from .runtime import (
@@ -388,6 +389,7 @@ def _run_plan_in_stages(
         distribute_parameters(model, plan, mesh)
         install_placement_hooks(model, plan, mesh)
         install_sdpa_mask_placement()
+        install_aux_loss_region(model)  # MoE: the last stage's copy of the model computes the aux loss too
     recomputed = apply_recompute(model, plan)
     install_tensor_parallel_rng(model, mesh, recomputed=bool(recomputed))
     for stage in stages:
