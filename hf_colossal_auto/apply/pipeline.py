@@ -42,6 +42,8 @@ FSDP/HSDP (gradients reduce-scattered as sums). ``save_pretrained`` writes every
 Training-state checkpoints (DCP: ``accelerator.save_state``, the Trainer's, ``save_checkpoint``) are written
 per stage and read under any plan (:mod:`.pipeline_checkpoint`).
 
+An MoE model's router load-balancing loss spans the stages; :mod:`.pipeline_aux` adds it as one process does.
+
 Not yet (refused by name): experts split over the data-parallel axis inside a stage, selective recompute under
 the split-backward schedules (zero bubble), FSDP of a tied embedding held twice on one rank, full state dicts.
 """
