@@ -297,6 +297,8 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
     one update is what was measured); the evaluation forward's logits and loss equal one process's on both
     ranks; gradient accumulation with a scaled loss; save_pretrained reloads in one process with identical
     tensors; AutoParallelAccelerator with a pipeline plan file trains like one process on the global batches;
+    a tiny Mixtral (1f1b, interleaved zero bubble, zbv; uneven cuts) with its router load-balancing loss, whose
+    layers are on both ranks, and without it, trains like one process; router jitter with that loss is refused;
     a cut inside a block, a batch too small for the micro-batches, a training forward without labels and a
     consolidated state dict raise on both ranks."""
     from torchrun_launch import run_torchrun
@@ -317,6 +319,11 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
             assert abs(got["eval_loss"] - got["ref_eval_loss"]) <= 1e-5 * got["ref_eval_loss"], (case, got)
             assert got["eval_logits_err"] <= 1e-5 and got["unlabeled_equal"], (case, got)
         assert results["accumulation 1f1b"]["grad_err"] <= 1e-5
+        moe = [c for c in trained if c.startswith("mixtral aux")]  # the routers' term is a visible part
+        assert len(moe) == 3 and all(results[c]["ref_aux"] > 1e-3 for c in moe), moe
+        assert any(c.startswith("mixtral no-aux") for c in trained)
+        jitter = results["mixtral jitter"]
+        assert jitter.startswith("PipelineRuntimeError") and "router_jitter_noise" in jitter, jitter
         for case in ("llama recompute 1f1b selective:pointwise", "llama recompute zbv full"):
             assert case in trained and results[case]["recomputed"], case
         saved = results["save gpt2"]
@@ -344,7 +351,7 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
         held = [set(r[case]["held"]) for r in ranks]
         if "gpt2" not in case:
             assert not held[0] & held[1], case
-        expected = 6 * 9 + 3 if "llama" in case else None
+        expected = 6 * 9 + 3 if "llama" in case else 5 * 9 + 3 if "mixtral" in case else None
         if expected:
             assert len(held[0] | held[1]) == expected, case
         if "recompute" in case:  # every block recomputed, each on the rank that holds it
@@ -363,7 +370,8 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
     tensors; data_parallel_loader gives a pipeline's ranks the same rows and the groups together plain
     accelerate's rows of each step. Accumulation with a micro-step inside model.no_sync() defers the dp
     all-reduce to the last backward (each gradient reduced once) and gives one process's gradients; so does the
-    Trainer's contract (num_items_in_batch of the window, loss x dp), whose logged loss is one process's."""
+    Trainer's contract (num_items_in_batch of the window, loss x dp), whose logged loss is one process's. A tiny
+    Mixtral with its router load-balancing loss under pp 2 x FSDP 2 (interleaved zero bubble) too."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "pipeline_dp.json"
@@ -377,6 +385,7 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
             "llama fsdp 1f1b": [group, 2, 1, 2, 4],
             "llama tp 1f1b": [0, 1, 2, 2, 4],  # mesh (2, 1, 2): the tensor-parallel pair reads the same rows
             "gpt2 tied fsdp 1f1b": [group, 2, 1, 2, 4],
+            "mixtral fsdp interleaved-zero-bubble": [group, 2, 1, 2, 4],  # with its router aux loss
         }
         for case, info in cases.items():
             got = results[case]
@@ -407,3 +416,31 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
             [4 * group + i for i in range(4)],
             [8 + 4 * group + i for i in range(4)],
         ]
+
+
+@pytest.mark.parametrize(
+    ("preset", "changes", "message"),
+    [
+        ("tiny-mixtral", {}, None),  # the router aux loss is split over the stages
+        ("tiny-qwen2-moe", {}, None),  # the same load_balancing_loss_func
+        ("tiny-mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+        ("tiny-mixtral", {"router_jitter_noise": 0.1, "output_router_logits": False}, None),  # no aux loss
+        ("tiny-mixtral", {"router_jitter_noise": 0.1, "router_aux_loss_coef": 0.0}, None),
+    ],
+)
+def test_moe_router_aux_loss_under_pipeline_stages(preset, changes, message):
+    """An MoE model's load-balancing loss runs under pipeline stages (its expert counts from a forward pass
+    before the schedule's); random ops in a training forward with it on are refused with what to do."""
+    config = load_config(preset)
+    config.num_hidden_layers = 2
+    for key, value in changes.items():
+        setattr(config, key, value)
+    model = build_model(config, device="meta")
+    plan = hand_pipeline_plan(
+        model, make_example_inputs(model, 8, 16, device="meta"), pp_size=2, schedule="1f1b", micro_batches=4
+    )
+    if message is None:
+        check_pipeline_plan(model, plan)
+    else:
+        with pytest.raises(PipelineRuntimeError, match=f"{message}.*output_router_logits=False"):
+            check_pipeline_plan(model, plan)

@@ -42,6 +42,8 @@ FSDP/HSDP (gradients reduce-scattered as sums). ``save_pretrained`` writes every
 Training-state checkpoints (DCP: ``accelerator.save_state``, the Trainer's, ``save_checkpoint``) are written
 per stage and read under any plan (:mod:`.pipeline_checkpoint`).
 
+An MoE model's router load-balancing loss spans the stages; :mod:`.pipeline_aux` adds it as one process does.
+
 Not yet (refused by name): experts split over the data-parallel axis inside a stage, selective recompute under
 the split-backward schedules (zero bubble), FSDP of a tied embedding held twice on one rank, full state dicts.
 """
@@ -69,6 +71,7 @@ from ..plan import Plan
 from ..recompute_options import parse_option
 from .agree import DEFAULT_TIMEOUT_S, as_timedelta, raise_if_any_rank_failed, set_timeout
 from .materialize import is_meta_model, materialize_meta_model
+from .pipeline_aux import RouterAuxError, RouterBalance, router_balance
 from .pipeline_runner import _SCHEDULES, BATCH_KEYS, PipelineRunner, PipelineRuntimeError, _split_batch
 from .pipeline_save import install_pipeline_save, record_saved_names
 
@@ -185,6 +188,9 @@ class StageModule(nn.Module):
         """Set by :func:`_run_plan_in_stages` when the plan shards: the stage then runs on DTensors."""
         self.forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         """Around each forward: the planned model's (:func:`.runtime.planned_forward`)."""
+        self.router_balance: RouterBalance | None = None
+        """Set by :func:`apply_pipeline_plan` when the model's loss has a router load-balancing term: it reads
+        the stage's router logits (:mod:`.pipeline_aux`)."""
 
     def forward(self, x: torch.Tensor, **per_token: torch.Tensor) -> torch.Tensor:
         """The stage's part of the model's forward. Under tensor parallelism its inputs (the rank's whole
@@ -206,7 +212,12 @@ class StageModule(nn.Module):
             result = local_outputs(result)
         # a view (GPT-2 reshapes its output; a replicated DTensor's local tensor) cannot be detached in place,
         # as torch's stages do after backward
-        return result.clone() if tensor_is_view(result) else result
+        result = result.clone() if tensor_is_view(result) else result
+        if self.router_balance is not None:
+            result = self.router_balance.on_stage_output(
+                result, getattr(out, "router_logits", None), per_token.get("attention_mask")
+            )
+        return result
 
 
 # --------------------------------------------------------------------------------------------- the cut
@@ -297,6 +308,10 @@ def check_pipeline_plan(model: nn.Module, plan: Plan) -> PipelineLayout:
         )
     layout = find_layout(model)
     layout.block_ranges(plan.stages)
+    try:
+        router_balance(model)
+    except RouterAuxError as exc:
+        raise PipelineRuntimeError(str(exc)) from exc
     ranks = plan.stage_ranks()
     if _fsdp(plan) and ranks[0] == ranks[-1] and _tied_parameters(model, layout):
         raise PipelineRuntimeError(
@@ -354,6 +369,7 @@ def _run_plan_in_stages(
       defers the gradient reduction to the last micro-batch. Gradients are reduce-scattered as *sums* (divide
       factor 1): each replica's loss is its share of the global batch's, normalised by the global token count
       (:mod:`.pipeline_runner`), so the global gradient is their sum, as DDP's all-reduce makes it."""
+    from .moe import install_aux_loss_region
     from .recompute import apply_recompute
     from .rng import agreed_forward, install_tensor_parallel_rng
     from .runtime import (
@@ -375,6 +391,7 @@ def _run_plan_in_stages(
         distribute_parameters(model, plan, mesh)
         install_placement_hooks(model, plan, mesh)
         install_sdpa_mask_placement()
+        install_aux_loss_region(model)  # MoE: the last stage's copy of the model computes the aux loss too
     recomputed = apply_recompute(model, plan)
     install_tensor_parallel_rng(model, mesh, recomputed=bool(recomputed))
     for stage in stages:
@@ -456,6 +473,9 @@ def apply_pipeline_plan(
     tie_group = _tie_group(plan, mesh, bool(tied_names))
     holds_tie = 0 in mine or plan.num_stages - 1 in mine
     stages = [StageModule(model, layout, s, plan.num_stages, ranges[s]) for s in mine]
+    balance = router_balance(model)  # checked above
+    for stage in stages:
+        stage.router_balance = balance
     record_saved_names(model)  # what save_pretrained writes, read off the whole model
     _cut_model(model, layout, blocks, held)
     _run_plan_in_stages(model, stages, plan, mesh, tied_names)
@@ -463,7 +483,7 @@ def apply_pipeline_plan(
     dp_group = mesh.get_group("dp") if plan.dp_size > 1 else None
     runner = PipelineRunner(
         model, plan, layout, stages, group, device, tie_group, tied if holds_tie else [], dp_group,
-        fsdp=_fsdp(plan),
+        fsdp=_fsdp(plan), router_balance=balance,
     )  # fmt: skip
     setattr(model, _PIPELINE, runner)
     _install_forward(model, runner)

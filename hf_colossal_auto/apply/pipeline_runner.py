@@ -23,7 +23,9 @@ process's mean loss over the global batch, and so do the gradients, which are th
 data-parallel axis (an all-reduce per step): the result is one process's on the global batch, also when the
 replicas' batches hold different token counts (under FSDP the reduce-scatter sums them). The loss returned on
 every rank is that global loss. Gradients of DTensor parameters (tensor parallelism, FSDP) are the
-parameters' placements; the norm :meth:`PipelineRunner.clip_grad_norm_` clips by is the whole model's.
+parameters' placements; the norm :meth:`PipelineRunner.clip_grad_norm_` clips by is the whole model's. An MoE
+model's router load-balancing term (over every layer, on every stage) is added as one process adds it
+(:mod:`.pipeline_aux`: a forward-only counting pass, then each stage's term attached to its output's backward).
 
 A caller that passes ``num_items_in_batch`` (transformers' Trainer, counting the label tokens of every process
 over its gradient-accumulation window) follows DDP's contract instead: the loss is normalised by that count,
@@ -44,6 +46,7 @@ from torch import nn
 
 from ..pipeline_layout import PipelineLayout
 from ..plan import Plan
+from .pipeline_aux import RouterBalance
 from .pipeline_sync import ReplicaSync
 
 logger = logging.getLogger(__name__)
@@ -126,11 +129,13 @@ class PipelineRunner:
         dp_group: dist.ProcessGroup | None = None,
         *,
         fsdp: bool = False,
+        router_balance: RouterBalance | None = None,
     ):
         self.model, self.plan, self.layout, self.stages = model, plan, layout, stages
         self.group, self.device, self.dp_group = group, device, dp_group
         self.fsdp = fsdp  # FSDP reduces the gradients over dp itself (summed: apply/pipeline.py)
         self.tie_group, self.tied = tie_group, tied
+        self.router_balance = router_balance  # the MoE load-balancing loss over stages (:mod:`.pipeline_aux`)
         # no_sync defers the dp reduction (not FSDP's, which reduce-scatters each step itself)
         self.replica_sync = ReplicaSync(model, None if fsdp else dp_group, plan.dp_size)
         ranks = plan.stage_ranks()
@@ -173,13 +178,19 @@ class PipelineRunner:
             batch, self.plan.micro_batches, self.device, need_labels=False
         )
         count = self._count(labels, num_items) if labels is not None else None
+        balance = self.router_balance if labels is not None else None
         with torch.no_grad():
             try:
+                if balance is not None:
+                    balance.start_counting()
                 logits, losses = self._forward_stages(input_ids, labels, kwargs, count)
             finally:
                 self._reshard()
             logits = self._broadcast_logits(logits)
             loss = None if labels is None else self._global_loss(losses, over_dp=num_items is None)
+            if balance is not None:  # one process's coef x aux over the (global) batch
+                dp = self.dp_group if num_items is None else None
+                loss = loss + balance.loss_of(*balance.reduced_sums(self.device, self.group, dp))
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def _forward_stages(
@@ -237,6 +248,8 @@ class PipelineRunner:
         tied copies and (unless ``reduce`` is False: deferred) the data-parallel replicas, leaving ``.grad`` as
         it was. ``num_items``: the caller's ``num_items_in_batch`` (see the module docstring)."""
         input_ids, labels, kwargs = _split_batch(batch, self.plan.micro_batches, self.device)
+        over_dp = num_items is None
+        aux = self._count_routing(input_ids, kwargs, over_dp) if self.router_balance is not None else None
         schedule = self._schedule(input_ids.shape, kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
         saved = [p.grad for p in params]
@@ -260,7 +273,30 @@ class PipelineRunner:
         finally:
             for param, grad in zip(params, saved, strict=True):
                 param.grad = grad
-        return self._global_loss(losses, over_dp=num_items is None), grads
+            if self.router_balance is not None:
+                self.router_balance.stop()
+        loss = self._global_loss(losses, over_dp=over_dp)
+        return (loss if aux is None else loss + aux), grads
+
+    def _count_routing(
+        self, input_ids: torch.Tensor, kwargs: dict[str, torch.Tensor], over_dp: bool
+    ) -> torch.Tensor:
+        """The load-balancing loss's expert counts and rows over the whole (global) batch, by a forward-only
+        pass over the stages before the schedule's (:mod:`.pipeline_aux`), set for the schedule's stages to
+        attach their terms; returns ``coef x aux``."""
+        balance = self.router_balance
+        assert balance is not None
+        with torch.no_grad():
+            balance.start_counting()
+            try:
+                self._forward_stages(input_ids, None, kwargs, None)
+            finally:
+                self._reshard()
+            counts, probs, rows = balance.reduced_sums(
+                self.device, self.group, self.dp_group if over_dp else None
+            )
+        balance.start_training(counts, rows)
+        return balance.loss_of(counts, probs, rows)
 
     def _schedule(self, shape: torch.Size, kwargs: dict[str, torch.Tensor]) -> Any:
         key = (tuple(shape), tuple(sorted((k, tuple(v.shape)) for k, v in kwargs.items())))

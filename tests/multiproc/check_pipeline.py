@@ -15,7 +15,9 @@ built on ``meta`` materialises this rank's stages with the whole model's init va
 to its embedding, with the tie across ranks (1f1b) and on one rank (zbv), saved with ``save_pretrained`` and
 reloaded in one process; ``AutoParallelAccelerator`` with a pipeline plan file (``HF_COLOSSAL_AUTO_PLAN_PATH``)
 and gradient accumulation, saving with ``save_model``; a cut the model does not have, a batch smaller than the
-micro-batch count, a training forward without labels and a consolidated state dict raise on every rank.
+micro-batch count, a training forward without labels and a consolidated state dict raise on every rank. A 5-block tiny Mixtral with its router load-balancing
+loss (``output_router_logits``, whose routers live on both ranks) under 1f1b, interleaved zero bubble and zbv
+with uneven cuts, and without it under 1f1b; with router jitter it is refused by name.
 Each rank compares its own parameters; rank 0 writes every rank's results.
 """
 
@@ -227,6 +229,50 @@ def reference_from_meta(cfg, data: list[dict]) -> dict[str, Any]:
     return reference(model, data)
 
 
+MIXTRAL_CASES = (  # (schedule, blocks per stage, router aux loss on)
+    ("1f1b", [4, 1], True),
+    ("interleaved-zero-bubble", [2, 1, 1, 1], True),
+    ("zbv", [1, 1, 2, 1], True),
+    ("1f1b", [2, 3], False),
+)
+
+
+def mixtral(results: dict) -> None:
+    """MoE under pipeline stages: the loss with the routers' load-balancing term (summed over every layer of
+    the whole batch, layers on both ranks) and its gradients equal one process; router jitter with the term on
+    is refused."""
+    from hf_colossal_auto.apply.runtime import apply_plan
+    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
+
+    for aux in (True, False):
+        cfg = config("tiny-mixtral", 5)
+        cfg.output_router_logits = aux
+        data = batches(build(cfg, "meta"))
+        ref = reference(build(cfg, "cpu"), data)
+        for schedule, cut, on in MIXTRAL_CASES:
+            if on != aux:
+                continue
+            model = build(cfg, "cpu")
+            plan = hand_pipeline_plan(
+                model, data[0], pp_size=2, schedule=schedule, micro_batches=4, virtual_stages=len(cut) // 2,
+                blocks_per_stage=cut,
+            )  # fmt: skip
+            case = f"mixtral {'aux' if aux else 'no-aux'} {schedule} {cut}"
+            results[case] = pipelined(model, plan, data, ref)
+            results[case]["ref_aux"] = aux_term(cfg, data[0]) if aux else 0.0
+    cfg = config("tiny-mixtral", 2)
+    cfg.router_jitter_noise = 0.1
+    model = build(cfg, "cpu")
+    plan = hand_pipeline_plan(model, batches(model)[0], pp_size=2, schedule="1f1b", micro_batches=2)
+    results["mixtral jitter"] = error_of(lambda: apply_plan(model, plan))
+
+
+def aux_term(cfg, batch: dict) -> float:
+    """One process's ``router_aux_loss_coef x aux_loss`` on ``batch``: the part of the loss the stages add."""
+    with torch.no_grad():
+        return cfg.router_aux_loss_coef * build(cfg, "cpu")(**batch).aux_loss.item()
+
+
 def tied_gpt2(results: dict, directory: str) -> None:
     """GPT-2's head tied to its embedding, on two ranks (1f1b) and on one (zbv); the first then saved with
     ``save_pretrained`` in several files and reloaded in one process: every tensor equal."""
@@ -387,6 +433,7 @@ def main() -> None:
     dist.broadcast_object_list(directory)
     every_schedule(results)
     tied_gpt2(results, directory[0])
+    mixtral(results)
     refusals(results)
     accelerator_loop(results, directory[0])
     results["total_seconds"] = time.perf_counter() - started

@@ -276,6 +276,10 @@ def main() -> None:
         "llama fsdp 1f1b": pipelined("tiny-llama", "1f1b", [2, 1], directory[1], inside="fsdp"),
         "llama tp 1f1b": pipelined("tiny-llama", "1f1b", [1, 2], directory[2], inside="tp"),
         "gpt2 tied fsdp 1f1b": pipelined("tiny-gpt2", "1f1b", [1, 1], directory[3], inside="fsdp"),
+        # MoE with its router aux loss: counts over both dp groups, the aux loss on DTensors in the last stage
+        "mixtral fsdp interleaved-zero-bubble": pipelined(
+            "tiny-mixtral", "interleaved-zero-bubble", [1, 1, 1, 1], None, inside="fsdp"
+        ),
     }
     loader_rows(results)
     deferred_accumulation(results)
