@@ -164,14 +164,23 @@ def test_pipeline_argument_refusals():
         plan_model(model, inputs, num_devices=4, pipeline=4)
 
 
-def test_planned_pipeline_runs_on_two_gloo_ranks(tmp_path):
-    """The plan pipeline=2 chooses for a 4-block tiny Llama runs on 2 gloo ranks in the ordinary loop: its first
-    loss is one process's, it trains, and its measured step is within a loose factor of the prediction (the static
-    CPU spec is deliberately conservative and the machine shared: no tighter timing claim)."""
+def test_planned_pipelines_run_on_two_gloo_ranks_as_predicted(tmp_path):
+    """One launch (2 gloo ranks, a 4-block tiny Llama). The plan pipeline=2 chooses runs in the ordinary loop: its
+    first loss is one process's, it trains, and its measured step is within a loose factor of the prediction (the
+    static CPU spec is deliberately conservative and the machine shared: no tighter timing claim). For GPipe,
+    1F1B and interleaved 1F1B the point-to-point sends and receives of a step, by peer, are the simulated
+    schedule's, in count and bytes (c10d's isend / irecv as torch's pipelining issues them)."""
     out = tmp_path / "planned.json"
     run_torchrun(str(ROOT / "tests" / "multiproc" / "check_pipeline_planned.py"), "--out", str(out), nproc=2)
-    result = json.loads(out.read_text())
+    ranks = json.loads(out.read_text())
+    result = ranks[0]["planned"]
     assert result["losses"][0] == pytest.approx(result["reference_loss"], rel=1e-5)
     assert result["losses"][-1] < result["losses"][0]
     ratio = result["measured_step_s"] / result["predicted_step_s"]
     assert 0.05 < ratio < 20, result
+    for rank, figures in enumerate(ranks):
+        for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+            measured = figures[schedule]
+            assert measured["rank"] == rank
+            assert measured["measured_p2p"] == measured["predicted_p2p"], (schedule, measured)
+            assert measured["predicted_p2p"], (schedule, measured)  # every rank both sends and receives

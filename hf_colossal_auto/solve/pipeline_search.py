@@ -47,7 +47,13 @@ from .build.names import MemoryRow, NodeKind, memory_row_name
 from .candidates import LIFTED_BUDGET, _first_rows, _Planner
 from .ilp import solve
 from .pricing.comm import data_parallel_sync_time
-from .pricing.pipeline_schedule import Link, ScheduleSimulation, StageCost, simulate_schedule
+from .pricing.pipeline_schedule import (
+    Link,
+    ScheduleSimulation,
+    StageCost,
+    point_to_point_traffic,
+    simulate_schedule,
+)
 from .problem import InfeasibleError, Solution
 from .tied import TiedGraph
 from .writeup import _activation_per_unit, _real_modules, _unit_mapper, _unit_order
@@ -555,6 +561,12 @@ def pipeline_plan(planner: _Planner, candidate: PipelineCandidate, tried: list[P
         "bubble_fraction": sim.bubble_fraction,
         "stage_s_per_micro_batch": [round(s, 9) for s in candidate.stage_s],
         "rank_peak_memory_bytes": [int(b) for b in candidate.rank_peak_bytes],
+        "rank_state_bytes": [int(b) for b in candidate.rank_state_bytes],
+        "rank_activation_bytes": [int(b) for b in sim.peak_activation_bytes],
+        "point_to_point": {
+            f"{src}->{dst}": [count, nbytes]
+            for (src, dst), (count, nbytes) in sorted(point_to_point_traffic(sim.sends).items())
+        },  # fmt: skip
         "pipeline_candidates": len(tried),
     }
     return plan

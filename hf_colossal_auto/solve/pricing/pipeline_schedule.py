@@ -49,6 +49,20 @@ gradient)."""
 
 
 @dataclass(frozen=True)
+class Send:
+    """One point-to-point send the schedule makes: an activation forward or a gradient back."""
+
+    src: int
+    dst: int
+    kind: str
+    """"act" (a forward's output to the next stage) or "grad" (its gradient back to the previous one)."""
+    stage: int
+    """The stage that sends it."""
+    micro_batch: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class StageCost:
     """One stage's cost per micro-batch."""
 
@@ -94,6 +108,8 @@ class ScheduleSimulation:
     """Per stage: the most micro-batches whose activations it holds at once."""
     timeline: list[tuple[int, Action, float, float]] = field(default_factory=list)
     """``(rank, action, start, end)`` of every action, in the order simulated."""
+    sends: list[Send] = field(default_factory=list)
+    """Every point-to-point send between two ranks, in the order simulated (none between stages of one rank)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -101,6 +117,16 @@ class ScheduleSimulation:
         if self.step_time_s <= 0:
             return 0.0
         return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.step_time_s)
+
+
+def point_to_point_traffic(sends: list[Send]) -> dict[tuple[int, int], tuple[int, int]]:
+    """``(src, dst) -> (sends, bytes)`` summed over a step's sends: what a run's point-to-point records must
+    show (the tests compare them with c10d's)."""
+    traffic: dict[tuple[int, int], tuple[int, int]] = {}
+    for send in sends:
+        count, nbytes = traffic.get((send.src, send.dst), (0, 0))
+        traffic[(send.src, send.dst)] = (count + 1, nbytes + send.nbytes)
+    return traffic
 
 
 def schedule_actions(
@@ -158,6 +184,7 @@ class _Simulator:
         self.done: dict[Action, float] = {}
         self.link_free: dict[tuple[int, int], float] = {}
         self.arrival: dict[tuple[str, int, int], float] = {}  # ("act"|"grad", stage, mb) -> arrival time
+        self.sends: list[Send] = []
 
     def _ready(self, action: Action) -> float | None:
         """When ``action``'s inputs are there (None: not yet produced)."""
@@ -198,6 +225,7 @@ class _Simulator:
             self.arrival[(kind, target, m)] = produced
             return
         nbytes = self.stages[min(s, target)].send_bytes
+        self.sends.append(Send(src, dst, kind, s, m, nbytes))
         start = max(produced, self.link_free.get((src, dst), 0.0))
         end = start + self.link.seconds(nbytes)
         self.link_free[(src, dst)] = end
@@ -241,7 +269,7 @@ class _Simulator:
             free[r] += optimizer_s
             busy[r] += optimizer_s
         peaks, in_flight = self._memory(actions)
-        return ScheduleSimulation(max(free), busy, peaks, in_flight, timeline)
+        return ScheduleSimulation(max(free), busy, peaks, in_flight, timeline, self.sends)
 
     def _memory(self, actions: list[list[Action]]) -> tuple[list[int], list[int]]:
         """Per rank the peak activation bytes along its list, per stage the most micro-batches in flight."""
