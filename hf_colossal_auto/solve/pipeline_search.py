@@ -24,8 +24,15 @@ two stages per rank where the blocks allow) and every micro-batch count that is 
 divides a replica's batch, each simulated on its action list
 (:func:`~.pricing.pipeline_schedule.simulate_schedule`): point-to-point sends on the link the pp axis crosses,
 the stage's gradient all-reduce after its last backward, the optimizer step after everything. Memory per rank:
-its stages' state plus the activations the simulation holds at its peak (per schedule: GPipe every micro-batch,
-1F1B ``stages - stage_index``), under the budget. The fastest that fits wins.
+the higher of two moments, under the budget. Through the schedule: its stages' parameters and optimizer
+state plus what the simulation holds at its peak: activations (per schedule: GPipe every micro-batch, 1F1B
+``stages - stage_index``) and the gradients from a stage's first backward on, each stage's held micro-batch
+counting its output too (torch's stage keeps it until the micro-batch's backward: the hidden states sent on,
+the last stage's logits), the last stage's backward adding the step's transient (the loss's backward: the
+logits' gradients; another stage's backward transient is not priced, docs/reliability.md), and the receive
+buffers torch's stages keep between steps (one per received send of a step). The optimizer step: the state,
+the step's temporaries and the receive buffers.
+Measured against real ranks in ``tests/multiproc/check_pipeline_planned.py``. The fastest that fits wins.
 """
 
 from __future__ import annotations
@@ -79,7 +86,13 @@ class UnitCost:
     sync_s: float = 0.0
     """The data-parallel all-reduce of its gradients (once per step, after the last backward)."""
     state_bytes: float = 0.0
-    """Parameters, gradients and optimizer state (the optimizer step's memory row)."""
+    """Parameters, gradients, optimizer state and the optimizer step's temporaries (the optimizer step's memory
+    row): what the rank holds while it steps."""
+    held_bytes: float = 0.0
+    """Parameters and optimizer state: what the rank holds through the schedule (the optimizer state from the
+    first step on), beside the activations and the gradients."""
+    grad_bytes: float = 0.0
+    """Parameter gradients: made by the stage's first backward in a step, held to its end."""
     activation_bytes: float = 0.0
     """What one micro-batch's forward keeps for backward."""
 
@@ -104,6 +117,13 @@ class ModelCosts:
     """The hidden states one micro-batch sends between stages."""
     unit_names: dict[str, UnitCost]
     """Unit name -> its cost, in model order (the plan's block table)."""
+    output_bytes: int = 0
+    """The model's largest output per micro-batch (the logits): what the last stage returns."""
+    backward_transient_bytes: float = 0.0
+    """Per micro-batch: what the step allocates at its highest point beyond what forwards keep, the inputs and
+    the buffers (the activation-peak row's transient: in a causal LM the loss's backward, the logits'
+    gradients), on top of what the last stage holds while it runs a backward. Another stage's (a block's
+    gradients in flight, far smaller) is not priced: an open gap, docs/reliability.md."""
 
 
 def _stage_extras(costs: ModelCosts, num_stages: int, index: int) -> UnitCost:
@@ -208,12 +228,21 @@ def price_model(planner: _Planner, layout: PipelineLayout, pp: int, micro_batche
     dp_comm = inner.axis_comm(mesh, 0)
     unit_of = _unit_mapper(planner.model)
     for fqn in graph.param_names:
-        if dp > 1 and graph.is_trainable(fqn) and fqn in graph.param_bytes:
-            sync = data_parallel_sync_time("ddp", graph.param_bytes[fqn], dp_comm)
-            units.setdefault(unit_of(fqn.rsplit(".", 1)[0]), UnitCost()).sync_s += sync
+        if fqn not in graph.param_bytes:
+            continue
+        unit = units.setdefault(unit_of(fqn.rsplit(".", 1)[0]), UnitCost())
+        trained = graph.is_trainable(fqn)
+        unit.held_bytes += graph.param_bytes[fqn] + graph.optimizer_state_bytes.get(fqn, 0)
+        unit.grad_bytes += graph.param_bytes[fqn] * trained
+        if dp > 1 and trained:
+            unit.sync_s += data_parallel_sync_time("ddp", graph.param_bytes[fqn], dp_comm)
     order = _unit_order(planner.model, unit_of)
     ordered = {u: units[u] for u in sorted(units, key=lambda u: order.index(u) if u in order else len(order))}
-    return _by_role(ordered, layout, _send_bytes(graph, layout))
+    costs = _by_role(ordered, layout, _send_bytes(graph, layout))
+    costs.output_bytes = max((graph.values[v].nbytes for v in graph.output_values), default=0)
+    peak_row = built.problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
+    costs.backward_transient_bytes = max(0.0, peak_row.constant - graph.input_bytes - graph.buffer_bytes)
+    return costs
 
 
 def _unit_costs(planner: _Planner, built: BuiltProblem, solution: Solution, graph) -> dict[str, UnitCost]:
@@ -295,6 +324,9 @@ class PipelineCandidate:
     blocks_per_stage: list[int]
     simulation: ScheduleSimulation
     rank_state_bytes: list[float]
+    """Per rank: what it holds while the optimizer steps (:attr:`UnitCost.state_bytes`)."""
+    rank_held_bytes: list[float]
+    """Per rank: what it holds through the schedule beside the activations (:attr:`UnitCost.held_bytes`)."""
     rank_peak_bytes: list[float]
     stage_s: list[float]
     """Per stage: forward + backward seconds of one micro-batch."""
@@ -403,27 +435,39 @@ def _simulate_cut(
     """One cut's step simulated, with each rank's state and peak memory."""
     num_stages = pp * virtual
     stages = _stages(costs, counts)
+    last = num_stages - 1
     stage_costs = [
         StageCost(
             forward_s=s.forward_s,
             backward_input_s=s.backward_s / 2,  # a matmul's input and weight gradients cost alike
             backward_weight_s=s.backward_s / 2,
-            activation_bytes=int(s.activation_bytes),
+            # torch's stage keeps a micro-batch's output (sent on, or the logits) until its backward
+            activation_bytes=int(s.activation_bytes)
+            + (costs.output_bytes if i == last else costs.send_bytes),
             send_bytes=costs.send_bytes,
+            grad_bytes=int(s.grad_bytes),
+            backward_transient_bytes=int(costs.backward_transient_bytes) if i == last else 0,
             last_backward_extra_s=s.sync_s,
         )
-        for s in stages
+        for i, s in enumerate(stages)
     ]
     owner = stage_ranks(schedule, num_stages, pp)
     rank_optimizer = [0.0] * pp
     rank_state = [0.0] * pp
+    rank_held = [0.0] * pp
     for index, stage in enumerate(stages):
         rank_optimizer[owner[index]] += stage.optimizer_s
         rank_state[owner[index]] += stage.state_bytes
+        rank_held[owner[index]] += stage.held_bytes
     simulation = simulate_schedule(schedule, stage_costs, micro_batches, pp, link, max(rank_optimizer))
-    peaks = [rank_state[r] + simulation.peak_activation_bytes[r] for r in range(pp)]
+    # torch's stages receive into buffers of their own, one per micro-batch and direction, kept between steps
+    for send in simulation.sends:
+        rank_held[send.dst] += send.nbytes
+        rank_state[send.dst] += send.nbytes
+    # the two highest moments: the schedule's (activations beside the state) and the optimizer step's
+    peaks = [max(rank_state[r], rank_held[r] + simulation.peak_activation_bytes[r]) for r in range(pp)]
     return PipelineCandidate(
-        pp, dp, schedule, virtual, micro_batches, counts, simulation, rank_state, peaks,
+        pp, dp, schedule, virtual, micro_batches, counts, simulation, rank_state, rank_held, peaks,
         [s.forward_s + s.backward_s for s in stages], costs,
     )  # fmt: skip
 
@@ -545,8 +589,8 @@ def pipeline_plan(planner: _Planner, candidate: PipelineCandidate, tried: list[P
     plan.communication_time_s = stage_sync[slowest]
     plan.peak_memory_bytes = int(candidate.rank_peak_bytes[worst])
     plan.memory_budget_bytes = planner.budget
-    plan.param_memory_bytes = int(candidate.rank_state_bytes[worst])
-    plan.activation_memory_bytes = int(sim.peak_activation_bytes[worst])
+    plan.param_memory_bytes = int(candidate.rank_held_bytes[worst])
+    plan.activation_memory_bytes = int(candidate.rank_peak_bytes[worst] - candidate.rank_held_bytes[worst])
     plan.blocks = [
         BlockCost(
             name=name,
@@ -562,6 +606,7 @@ def pipeline_plan(planner: _Planner, candidate: PipelineCandidate, tried: list[P
         "stage_s_per_micro_batch": [round(s, 9) for s in candidate.stage_s],
         "rank_peak_memory_bytes": [int(b) for b in candidate.rank_peak_bytes],
         "rank_state_bytes": [int(b) for b in candidate.rank_state_bytes],
+        "rank_held_bytes": [int(b) for b in candidate.rank_held_bytes],
         "rank_activation_bytes": [int(b) for b in sim.peak_activation_bytes],
         "point_to_point": {
             f"{src}->{dst}": [count, nbytes]

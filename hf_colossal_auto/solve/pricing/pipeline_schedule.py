@@ -25,7 +25,9 @@ per rank after everything.
 
 Memory: a forward keeps ``activation_bytes`` of its stage until that micro-batch's backward ends; under the
 input/weight split the input gradient frees all but ``weight_grad_bytes`` (what the weight gradient still
-reads), which the weight gradient frees. A rank's peak is the most its stages hold at once along its list.
+reads), which the weight gradient frees; as a backward starts, its ``backward_transient_bytes`` come on top; a
+stage's first backward (full or weight-gradient) makes its ``grad_bytes``, held from then on (counted whole
+from that action: a bound within it). A rank's peak is the most its stages hold at once along its list.
 Units: seconds and bytes.
 """
 
@@ -76,6 +78,12 @@ class StageCost:
     """The activation this stage sends the next one per micro-batch (its gradient comes back the same size)."""
     weight_grad_bytes: int | None = None
     """What the weight gradient still reads after the input gradient (None: all of ``activation_bytes``)."""
+    grad_bytes: int = 0
+    """The stage's parameter gradients: made by its first backward (full or weight-gradient), held to the end
+    of the step."""
+    backward_transient_bytes: int = 0
+    """What a backward (full or input-gradient) allocates on top of what is held while it runs (e.g. the
+    logits' gradients in the loss's backward)."""
     first_forward_extra_s: float = 0.0
     last_backward_extra_s: float = 0.0
 
@@ -103,7 +111,8 @@ class ScheduleSimulation:
     busy_s: list[float]
     """Compute seconds per rank (extras and optimizer included)."""
     peak_activation_bytes: list[int]
-    """Per rank: the most activation bytes its stages hold at once."""
+    """Per rank: the most activation bytes its stages hold at once, with the gradients their backwards have
+    made by then (:attr:`StageCost.grad_bytes`) and a backward's transient."""
     max_in_flight: list[int]
     """Per stage: the most micro-batches whose activations it holds at once."""
     timeline: list[tuple[int, Action, float, float]] = field(default_factory=list)
@@ -276,11 +285,19 @@ class _Simulator:
         peaks: list[int] = []
         most = [0] * len(self.stages)
         for rank in actions:
-            held, peak = 0, 0
+            held, peak, grads = 0, 0, 0
             count = [0] * len(self.stages)
+            has_grads: set[int] = set()
             for kind, s, _ in rank:
                 cost = self.stages[s]
                 kept = cost.activation_bytes if cost.weight_grad_bytes is None else cost.weight_grad_bytes
+                if kind in ("B", "I"):  # as it starts: the incoming gradients' transient on what is held
+                    peak = max(peak, held + grads + cost.backward_transient_bytes)
+                if kind in ("B", "W") and s not in has_grads:  # the stage's gradients come to exist
+                    has_grads.add(s)
+                    grads += cost.grad_bytes
+                # an action's end, before it frees anything (a bound within it)
+                peak = max(peak, held + grads)
                 if kind == "F":
                     held += cost.activation_bytes
                     count[s] += 1
@@ -293,6 +310,6 @@ class _Simulator:
                     count[s] -= 1
                 elif kind == "W":
                     held -= kept
-                peak = max(peak, held)
+                peak = max(peak, held + grads)
             peaks.append(peak)
         return peaks, most
