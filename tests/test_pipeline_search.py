@@ -164,12 +164,28 @@ def test_pipeline_argument_refusals():
         plan_model(model, inputs, num_devices=4, pipeline=4)
 
 
+UNPRICED_BACKWARD_TRANSIENT = 0.03
+"""How far a rank's measured peak may exceed the plan's prediction: a backward's transient on a stage other than
+the last (gradients of a block's hidden states in flight) is not priced. Measured on this test's plans: the first
+stage 1.4-1.6 % above (49,152 bytes: three hidden-state gradients of a micro-batch), the last stage 0-0.6 %,
+interleaved 1F1B's second rank (a middle and the last stage) 2.4 % (docs/reliability.md)."""
+
+GRADIENTS_COUNTED_WHOLE = 0.10
+"""How far a rank's measured peak may fall below the prediction: a stage's gradients are counted whole from its
+first backward's start, before most exist. Measured: GPipe's first stage 7.9 % below (its peak lies inside the
+first backward)."""
+
+
 def test_planned_pipelines_run_on_two_gloo_ranks_as_predicted(tmp_path):
     """One launch (2 gloo ranks, a 4-block tiny Llama). The plan pipeline=2 chooses runs in the ordinary loop: its
     first loss is one process's, it trains, and its measured step is within a loose factor of the prediction (the
     static CPU spec is deliberately conservative and the machine shared: no tighter timing claim). For GPipe,
     1F1B and interleaved 1F1B the point-to-point sends and receives of a step, by peer, are the simulated
-    schedule's, in count and bytes (c10d's isend / irecv as torch's pipelining issues them)."""
+    schedule's, in count and bytes (c10d's isend / irecv as torch's pipelining issues them), and each rank's
+    measured peak memory (the profiler's allocations from the first step on, a step after a warm-up) is within
+    the plan's prediction for that rank: at most ``UNPRICED_BACKWARD_TRANSIENT`` above it (a backward's
+    transient on a stage that does not compute the loss, not priced: docs/reliability.md) and at most
+    ``GRADIENTS_COUNTED_WHOLE`` below it (a stage's gradients counted whole from its first backward on)."""
     out = tmp_path / "planned.json"
     run_torchrun(str(ROOT / "tests" / "multiproc" / "check_pipeline_planned.py"), "--out", str(out), nproc=2)
     ranks = json.loads(out.read_text())
@@ -184,3 +200,10 @@ def test_planned_pipelines_run_on_two_gloo_ranks_as_predicted(tmp_path):
             assert measured["rank"] == rank
             assert measured["measured_p2p"] == measured["predicted_p2p"], (schedule, measured)
             assert measured["predicted_p2p"], (schedule, measured)  # every rank both sends and receives
+            over = measured["measured_peak_bytes"] / measured["predicted_peak_bytes"] - 1
+            assert -GRADIENTS_COUNTED_WHOLE <= over <= UNPRICED_BACKWARD_TRANSIENT, (
+                schedule,
+                rank,
+                over,
+                measured,
+            )

@@ -350,7 +350,7 @@ class PipelineCandidate:
             "micro_batches": self.micro_batches,
             "blocks_per_stage": list(self.blocks_per_stage),
             "step_time_s": self.step_time_s,
-            "peak_memory_bytes": int(self.peak_bytes),
+            "peak_memory_bytes": math.ceil(self.peak_bytes),
             "fits": self.peak_bytes <= budget,
         }
 
@@ -587,10 +587,12 @@ def pipeline_plan(planner: _Planner, candidate: PipelineCandidate, tried: list[P
     plan.step_time_s = sim.step_time_s
     plan.compute_time_s = compute[slowest]
     plan.communication_time_s = stage_sync[slowest]
-    plan.peak_memory_bytes = int(candidate.rank_peak_bytes[worst])
+    plan.peak_memory_bytes = math.ceil(
+        candidate.rank_peak_bytes[worst]
+    )  # whole bytes, never below the figure
     plan.memory_budget_bytes = planner.budget
     plan.param_memory_bytes = int(candidate.rank_held_bytes[worst])
-    plan.activation_memory_bytes = int(candidate.rank_peak_bytes[worst] - candidate.rank_held_bytes[worst])
+    plan.activation_memory_bytes = plan.peak_memory_bytes - plan.param_memory_bytes
     plan.blocks = [
         BlockCost(
             name=name,
@@ -604,7 +606,7 @@ def pipeline_plan(planner: _Planner, candidate: PipelineCandidate, tried: list[P
         "status": "pipeline search",
         "bubble_fraction": sim.bubble_fraction,
         "stage_s_per_micro_batch": [round(s, 9) for s in candidate.stage_s],
-        "rank_peak_memory_bytes": [int(b) for b in candidate.rank_peak_bytes],
+        "rank_peak_memory_bytes": [math.ceil(b) for b in candidate.rank_peak_bytes],
         "rank_state_bytes": [int(b) for b in candidate.rank_state_bytes],
         "rank_held_bytes": [int(b) for b in candidate.rank_held_bytes],
         "rank_activation_bytes": [int(b) for b in sim.peak_activation_bytes],
