@@ -164,11 +164,13 @@ def test_pipeline_argument_refusals():
         plan_model(model, inputs, num_devices=4, pipeline=4)
 
 
-UNPRICED_BACKWARD_TRANSIENT = 0.03
+UNPRICED_BACKWARD_TRANSIENT = 0.05
 """How far a rank's measured peak may exceed the plan's prediction: a backward's transient on a stage other than
-the last (gradients of a block's hidden states in flight) is not priced. Measured on this test's plans: the first
-stage 1.4-1.6 % above (49,152 bytes: three hidden-state gradients of a micro-batch), the last stage 0-0.6 %,
-interleaved 1F1B's second rank (a middle and the last stage) 2.4 % (docs/reliability.md)."""
+the last is not priced. Measured on this test's plans: Llama's first stage 1.4-1.7 % above (49,152 bytes: three
+hidden-state gradients of a micro-batch), the last stage 0-0.6 %, interleaved 1F1B's second rank (a middle and
+the last stage) 2.5 %, GPT-2's first stage 4.1 % (115,000 bytes; alive at its peak, inside a later micro-batch's
+backward, the word embedding's dense gradient made anew, 131,072 bytes, beside the accumulated one)
+(docs/reliability.md)."""
 
 GRADIENTS_COUNTED_WHOLE = 0.10
 """How far a rank's measured peak may fall below the prediction: a stage's gradients are counted whole from its
@@ -180,7 +182,8 @@ def test_planned_pipelines_run_on_two_gloo_ranks_as_predicted(tmp_path):
     """One launch (2 gloo ranks, a 4-block tiny Llama). The plan pipeline=2 chooses runs in the ordinary loop: its
     first loss is one process's, it trains, and its measured step is within a loose factor of the prediction (the
     static CPU spec is deliberately conservative and the machine shared: no tighter timing claim). For GPipe,
-    1F1B and interleaved 1F1B the point-to-point sends and receives of a step, by peer, are the simulated
+    1F1B and interleaved 1F1B (and GPT-2's 1F1B, its head tied to the embedding across the ranks) the point-to-point
+    sends and receives of a step, by peer, are the simulated
     schedule's, in count and bytes (c10d's isend / irecv as torch's pipelining issues them), and each rank's
     measured peak memory (the profiler's allocations from the first step on, a step after a warm-up) is within
     the plan's prediction for that rank: at most ``UNPRICED_BACKWARD_TRANSIENT`` above it (a backward's
@@ -195,7 +198,12 @@ def test_planned_pipelines_run_on_two_gloo_ranks_as_predicted(tmp_path):
     ratio = result["measured_step_s"] / result["predicted_step_s"]
     assert 0.05 < ratio < 20, result
     for rank, figures in enumerate(ranks):
-        for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+        for schedule in (
+            "tiny-llama gpipe",
+            "tiny-llama 1f1b",
+            "tiny-llama interleaved-1f1b",
+            "tiny-gpt2 1f1b",
+        ):
             measured = figures[schedule]
             assert measured["rank"] == rank
             assert measured["measured_p2p"] == measured["predicted_p2p"], (schedule, measured)

@@ -119,6 +119,10 @@ class ModelCosts:
     """Unit name -> its cost, in model order (the plan's block table)."""
     output_bytes: int = 0
     """The model's largest output per micro-batch (the logits): what the last stage returns."""
+    tied: UnitCost = dataclasses.field(default_factory=lambda: UnitCost())
+    """The head's parameters that are the embedding's (tied word embeddings), with their gradient all-reduce
+    between the first and the last stage's ranks in ``sync_s``: where those ranks differ, the last holds a copy
+    (its state) and both all-reduce the gradient after the schedule (the runtime's tie group)."""
     backward_transient_bytes: float = 0.0
     """Per micro-batch: what the step allocates at its highest point beyond what forwards keep, the inputs and
     the buffers (the activation-peak row's transient: in a causal LM the loss's backward, the logits'
@@ -240,6 +244,7 @@ def price_model(planner: _Planner, layout: PipelineLayout, pp: int, micro_batche
     ordered = {u: units[u] for u in sorted(units, key=lambda u: order.index(u) if u in order else len(order))}
     costs = _by_role(ordered, layout, _send_bytes(graph, layout))
     costs.output_bytes = max((graph.values[v].nbytes for v in graph.output_values), default=0)
+    costs.tied = _tied_costs(planner, layout, built, solution, graph, pp)
     peak_row = built.problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
     costs.backward_transient_bytes = max(0.0, peak_row.constant - graph.input_bytes - graph.buffer_bytes)
     return costs
@@ -282,6 +287,40 @@ def _unit_costs(planner: _Planner, built: BuiltProblem, solution: Solution, grap
     for unit, nbytes in _activation_per_unit(built, solution, graph, tied, unit_of, 1).items():
         units[unit].activation_bytes += nbytes
     return dict(units)
+
+
+def _tied_costs(
+    planner: _Planner, layout: PipelineLayout, built: BuiltProblem, solution: Solution, graph, pp: int
+) -> UnitCost:
+    """The tied head parameters' copy on the last stage's rank (state, held and gradient bytes, as the embedding's
+    own are priced) and their gradient all-reduce over the two ranks of the runtime's tie group."""
+    model = planner.model
+    embedding = {id(p) for p in model.get_submodule(layout.embedding).parameters()}
+    names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in embedding}
+    head = {
+        f"{layout.head}.{n}"
+        for n, p in model.get_submodule(layout.head).named_parameters()
+        if id(p) in embedding
+    }
+    tied = UnitCost()
+    if not head:
+        return tied
+    optimizer_row = built.problem.memory_constraint(memory_row_name(MemoryRow.OPTIMIZER_STEP))
+    n = planner.cluster.num_devices
+    tie_comm = dataclasses.replace(planner.axis_comm((pp, n // pp), 0), size=2)
+    for node, fqn in built.param_of_node.items():
+        if fqn not in names or fqn not in graph.param_bytes:
+            continue
+        choice, copies = solution.choice[node], built.problem.node(node).multiplicity
+        terms = optimizer_row.terms.get(node)
+        tied.state_bytes += terms[choice] * copies if terms else 0.0
+        tied.optimizer_s += built.problem.node(node).costs[choice] * copies
+        trained = graph.is_trainable(fqn)
+        tied.held_bytes += graph.param_bytes[fqn] + graph.optimizer_state_bytes.get(fqn, 0)
+        tied.grad_bytes += graph.param_bytes[fqn] * trained
+        if trained:
+            tied.sync_s += data_parallel_sync_time("ddp", graph.param_bytes[fqn], tie_comm)
+    return tied
 
 
 def _send_bytes(graph, layout: PipelineLayout) -> int:
@@ -434,7 +473,8 @@ def _simulate_cut(
 ) -> PipelineCandidate:
     """One cut's step simulated, with each rank's state and peak memory."""
     num_stages = pp * virtual
-    stages = _stages(costs, counts)
+    owner = stage_ranks(schedule, num_stages, pp)
+    stages = _stages(costs, counts, owner)
     last = num_stages - 1
     stage_costs = [
         StageCost(
@@ -451,7 +491,6 @@ def _simulate_cut(
         )
         for i, s in enumerate(stages)
     ]
-    owner = stage_ranks(schedule, num_stages, pp)
     rank_optimizer = [0.0] * pp
     rank_state = [0.0] * pp
     rank_held = [0.0] * pp
@@ -472,8 +511,10 @@ def _simulate_cut(
     )  # fmt: skip
 
 
-def _stages(costs: ModelCosts, counts: list[int]) -> list[UnitCost]:
-    """Each stage's cost: its blocks (``counts[s]`` of them, in order) and what it runs besides."""
+def _stages(costs: ModelCosts, counts: list[int], owner: list[int] | None = None) -> list[UnitCost]:
+    """Each stage's cost: its blocks (``counts[s]`` of them, in order) and what it runs besides. With the stages'
+    ranks (``owner``): where the first and the last differ, the last holds a copy of the tied head parameters and
+    both all-reduce their gradient (the runtime's tie group)."""
     stages: list[UnitCost] = []
     start = 0
     for index, count in enumerate(counts):
@@ -482,6 +523,10 @@ def _stages(costs: ModelCosts, counts: list[int]) -> list[UnitCost]:
             stage.add(block)
         stages.append(stage)
         start += count
+    if owner is not None and owner[0] != owner[-1]:
+        stages[-1].add(dataclasses.replace(costs.tied, sync_s=0.0))
+        for stage in (stages[0], stages[-1]):
+            stage.sync_s += costs.tied.sync_s
     return stages
 
 
@@ -579,7 +624,7 @@ def pipeline_plan(planner: _Planner, candidate: PipelineCandidate, tried: list[P
     compute = [0.0] * candidate.pp
     costs = candidate.costs
     owner = stage_ranks(candidate.schedule, len(candidate.blocks_per_stage), candidate.pp)
-    for index, stage in enumerate(_stages(costs, candidate.blocks_per_stage)):
+    for index, stage in enumerate(_stages(costs, candidate.blocks_per_stage, owner)):
         stage_sync[owner[index]] += stage.sync_s
         compute[owner[index]] += m * (stage.forward_s + stage.backward_s) + stage.optimizer_s
     slowest = max(range(candidate.pp), key=lambda r: sim.busy_s[r])

@@ -4,12 +4,12 @@ plan predicts.
     torchrun --nproc_per_node 2 tests/multiproc/check_pipeline_planned.py --out result.json
 
 Every rank plans (the planner is deterministic: the same plan everywhere) and builds the same seeded tiny Llama
-(4 blocks, batch 8 x 32, the static CPU spec).
+(4 blocks) or tiny GPT-2 (batch 8 x 32, the static CPU spec).
 
 * ``plan_model(pipeline=2)``'s own choice runs ``loss = model(**batch).loss; loss.backward();
   optimizer.step()`` for a few steps; its first loss is set beside one process's, its measured step time
   (steps after the first, between barriers) beside the prediction.
-* Per schedule (GPipe, 1F1B, interleaved 1F1B; the schedule and the micro-batch count fixed, the cut and the
+* Per schedule (Llama: GPipe, 1F1B, interleaved 1F1B; GPT-2, tied across the ranks: 1F1B; the schedule and the micro-batch count fixed, the cut and the
   predictions the search's): two steps from a fresh optimizer, the first a warm-up (torch's shape inference
   and the optimizer state happen there); the second runs under the point-to-point recorder. Each rank reports
   its sends and receives by peer (count, bytes) beside the simulated schedule's (``solver["point_to_point"]``),
@@ -37,15 +37,22 @@ from check_pipeline import write_every_rank_and_close  # noqa: E402
 
 STEPS = 6
 BATCH, SEQ = 8, 32
-SCHEDULES = (("gpipe", 2), ("1f1b", 4), ("interleaved-1f1b", 4))
-"""(schedule, micro-batches) whose traffic and memory are measured."""
+SCHEDULES = (
+    ("tiny-llama", "gpipe", 2),
+    ("tiny-llama", "1f1b", 4),
+    ("tiny-llama", "interleaved-1f1b", 4),
+    ("tiny-gpt2", "1f1b", 4),
+)
+"""(preset, schedule, micro-batches) whose traffic and memory are measured, by result key ``preset schedule``:
+GPT-2's head is tied to its embedding across the two ranks (a copy each, the gradient all-reduced)."""
 
 
-def _config():
+def _config(preset: str = "tiny-llama"):
     from hf_colossal_auto.models import load_config
 
-    cfg = load_config("tiny-llama")
-    cfg.num_hidden_layers = 4
+    cfg = load_config(preset)
+    if preset == "tiny-llama":
+        cfg.num_hidden_layers = 4
     return cfg
 
 
@@ -92,7 +99,7 @@ def planned_choice() -> dict[str, Any]:
     }
 
 
-def measured_schedule(schedule: str, micro_batches: int) -> dict[str, Any]:
+def measured_schedule(preset: str, schedule: str, micro_batches: int) -> dict[str, Any]:
     """The search's plan for ``schedule`` at ``micro_batches``: one measured step's peak memory and
     point-to-point ops on this rank, beside the plan's predictions."""
     from common import step_peaks
@@ -103,7 +110,7 @@ def measured_schedule(schedule: str, micro_batches: int) -> dict[str, Any]:
     from hf_colossal_auto.solve.candidates import _Planner
     from hf_colossal_auto.solve.pipeline_search import pipeline_plan, search_pipelines
 
-    cfg = _config()
+    cfg = _config(preset)
     meta = build_model(cfg, device="meta")
     planner = _Planner.for_devices(
         meta, make_example_inputs(meta, BATCH, SEQ, device="meta"), 2, "cpu", None, None, None, "adamw", 60.0,
@@ -158,8 +165,8 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     started = time.perf_counter()
     results: dict[str, Any] = {"planned": planned_choice()}
-    for schedule, micro_batches in SCHEDULES:
-        results[schedule] = measured_schedule(schedule, micro_batches)
+    for preset, schedule, micro_batches in SCHEDULES:
+        results[f"{preset} {schedule}"] = measured_schedule(preset, schedule, micro_batches)
     results["total_seconds"] = time.perf_counter() - started
     write_every_rank_and_close(results, args.out)
 
