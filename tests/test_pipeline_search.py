@@ -315,13 +315,11 @@ def test_stage_layout_with_sharding_or_recompute_chosen_where_only_it_fits():
     assert others, "no other layout needs less memory than plain DDP: the test's premise"
     budget = int((floor + max(others)) / 2)
     _, _, tight = _tiny_llama_planner(budget)
-    best, _ = search_pipelines(tight, 2)
-    assert best is not None and best.peak_bytes <= budget
-    assert best.stage.tp > 1 or best.stage.dp_mode != "ddp" or set(best.recompute) != {"none"}
     plan = with_pipelines(
         tight, None, 2, None
     )  # what plan_model(pipeline=2) returns, without the flat search
     assert plan is not None and plan.fits and plan.pp_size == 2 and plan.mesh_axis_names == ("pp", "dp", "tp")
+    assert plan.peak_memory_bytes <= budget
     assert plan.tp_size > 1 or plan.dp_mode != "ddp" or set(plan.recompute.values()) != {"none"}
     assert len(plan.solver["stage_peak_memory_bytes"]) == plan.num_stages
     assert Plan.from_dict(plan.to_dict()) == plan
