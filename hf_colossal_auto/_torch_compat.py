@@ -6,7 +6,7 @@ private symbol is fixed in one file. Each import says which public behaviour we 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # fake tensors: shapes, no memory
@@ -19,6 +19,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = [
     "tensor_is_view",
     "pipeline_schedule_actions",
+    "recording_point_to_point",
+    "PointToPoint",
+    "flatten_mesh_axes",
     "clip_grad_internals",
     "functional_all_to_all_rows",
     "set_clip_grad_internals",
@@ -442,3 +445,71 @@ def flatten_mesh_axes(mesh, names: tuple[str, ...], flat_name: str):
     """The 1-D mesh over the ranks of ``mesh``'s axes ``names`` (row-major), with its process group: torch's
     private ``DeviceMesh._flatten`` (every rank must call it, in the same order)."""
     return mesh[names]._flatten(flat_name)
+
+
+class PointToPoint(NamedTuple):
+    """One point-to-point op a rank issued."""
+
+    op: str
+    """"isend", "irecv", "send" or "recv"."""
+    peer: int
+    """The other rank's global rank."""
+    nbytes: int
+
+
+_P2P_OPS = ("isend", "irecv", "send", "recv")
+
+
+def _global_peer(peer: int | None, group: Any, group_peer: int | None) -> int:
+    """The global rank of a point-to-point op's peer, given as a global rank or as a rank of ``group``."""
+    import torch.distributed as dist
+
+    if peer is not None:
+        return peer
+    return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_peer)
+
+
+class recording_point_to_point:  # noqa: N801 (used as a context manager, like torch's own modes)
+    """Inside it, every point-to-point op this process issues through ``torch.distributed`` (``isend``,
+    ``irecv``, ``send``, ``recv``: what ``torch.distributed.pipelining`` sends and receives, also through
+    ``batch_isend_irecv``) is appended to ``self.records`` as a :class:`PointToPoint`, then run unchanged.
+
+    Why wrapping the functions: under gloo the pipelining schedules issue plain ``isend`` / ``irecv`` (gloo
+    does not coalesce), which neither ``CommDebugMode`` (functional collectives only) nor a flight recorder
+    (NCCL) sees. The wrappers replace the functions in ``torch.distributed`` *and* in ``distributed_c10d``,
+    whose ``P2POp`` and ``batch_isend_irecv`` check an op by identity against the module's own names."""
+
+    def __init__(self) -> None:
+        self.records: list[PointToPoint] = []
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        peer_key = "dst" if name in ("isend", "send") else "src"
+
+        def wrapper(tensor, *args, **kwargs):
+            peer = args[0] if args else kwargs.get(peer_key)
+            group = args[1] if len(args) > 1 else kwargs.get("group")
+            group_peer = kwargs.get("group_" + peer_key)
+            nbytes = tensor.numel() * tensor.element_size()
+            self.records.append(PointToPoint(name, _global_peer(peer, group, group_peer), nbytes))
+            return original(tensor, *args, **kwargs)
+
+        wrapper.__wrapped__ = original
+        return wrapper
+
+    def __enter__(self) -> recording_point_to_point:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        for name in _P2P_OPS:
+            original = getattr(distributed_c10d, name)
+            wrapper = self._wrap(name, original)
+            for module in (distributed_c10d, dist):
+                self._saved.append((module, name, getattr(module, name)))
+                setattr(module, name, wrapper)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, name, original in reversed(self._saved):
+            setattr(module, name, original)
+        self._saved.clear()

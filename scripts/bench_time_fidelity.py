@@ -8,7 +8,10 @@ thread per rank) rank 0 makes the candidates, each with its predicted step time 
 * ``auto``: ``plan_model`` free to choose; ``auto-1x2``: forced to 1-D tensor parallelism;
 * ``auto-full-rc``: with full recompute of every block; ``two-stage``: shard first, then recompute;
 * ``ddp-ep`` (mixture-of-experts families, ``--families mixtral``): DDP with the experts sharded over the
-  data-parallel axis, tokens dispatched by all-to-all.
+  data-parallel axis, tokens dispatched by all-to-all;
+* ``pp-<schedule>-m<count>`` (causal LMs: Llama, GPT-2): pipeline stages, pp 2 x dp 1, under GPipe and 1F1B
+  at 2 and 4 micro-batches, interleaved 1F1B and ZB-V (two stages a rank) at 4; the cut and the prediction are
+  the pipeline search's for that schedule and count (``--no-pipeline`` leaves them out).
 
 Every rank builds each candidate from the same seed and applies its plan (our runtime), then the timed steps
 interleave the candidates (round r starts with the r-th), each step between barriers, the max over ranks;
@@ -45,6 +48,17 @@ import time
 
 CANDIDATES = ("ddp", "fsdp", "megatron", "auto", "auto-1x2", "auto-full-rc", "two-stage")
 
+PIPELINE_CANDIDATES = (
+    ("gpipe", 2),
+    ("gpipe", 4),
+    ("1f1b", 2),
+    ("1f1b", 4),
+    ("interleaved-1f1b", 4),
+    ("zbv", 4),
+)
+"""(schedule, micro-batches) of the pp=2 candidates (causal LMs only: the pipeline runtime's scope), each as the
+pipeline search cuts and prices it (``pp-<schedule>-m<count>``)."""
+
 
 def _config(family: str, args):
     from hf_colossal_auto.models import load_config
@@ -75,7 +89,21 @@ def _config(family: str, args):
     return cfg
 
 
-def _candidates(model, batch, spec, world: int) -> dict[str, tuple[object, float]]:
+def _pipeline_candidate(model, batch, spec, world: int, schedule: str, micro_batches: int):
+    """The pipeline search's plan for ``schedule`` at ``micro_batches`` on pp = ``world`` (no data parallelism);
+    None where the model has no pipeline layout."""
+    from hf_colossal_auto.pipeline_layout import PipelineLayoutError
+    from hf_colossal_auto.solve.candidates import _Planner
+    from hf_colossal_auto.solve.pipeline_search import search_pipeline_plan
+
+    planner = _Planner.for_devices(model, batch, world, spec, None, None, None, "adamw", 60.0, "none")
+    try:
+        return search_pipeline_plan(planner, world, schedules=(schedule,), micro_batches=micro_batches)
+    except PipelineLayoutError:
+        return None
+
+
+def _candidates(model, batch, spec, world: int, pipeline: bool = True) -> dict[str, tuple[object, float]]:
     """name -> (plan, predicted seconds), made on one rank."""
     from hf_colossal_auto.capture.moe import experts_modules
     from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
@@ -98,6 +126,10 @@ def _candidates(model, batch, spec, world: int) -> dict[str, tuple[object, float
     if experts_modules(model):  # a mixture of experts: its experts sharded over the data-parallel axis too
         plan = plan_model(model, batch, **kwargs, mesh_shape=(world, 1), dp_modes=("ddp-ep",))
         out["ddp-ep"] = (plan, plan.step_time_s)
+    for schedule, micro_batches in PIPELINE_CANDIDATES if pipeline else ():
+        plan = _pipeline_candidate(model, batch, spec, world, schedule, micro_batches)
+        if plan is not None:
+            out[f"pp-{schedule}-m{micro_batches}"] = (plan, plan.step_time_s)
     return out
 
 
@@ -207,7 +239,7 @@ def worker(args) -> None:
     payload = [None]
     if rank == 0:
         t0 = time.perf_counter()
-        made = _candidates(reference, batch, spec, world)
+        made = _candidates(reference, batch, spec, world, args.pipeline)
         payload = [{k: (p.to_json(), t) for k, (p, t) in made.items()}]
         print(
             f"[{args.worker}] planned {len(made)} candidates in {time.perf_counter() - t0:.1f} s", flush=True
@@ -256,7 +288,14 @@ def worker(args) -> None:
         meta = build_model(cfg, device="meta")
         meta_batch = make_example_inputs(meta, args.batch, args.seq, device="meta")
         for n in names:
-            est = evaluate_plan(meta, meta_batch, prepared[n][4], num_devices=world, device=drifted)
+            plan = prepared[n][4]
+            if plan.pp_size > 1:  # the search's plan for the same schedule and count, at the drifted rates
+                again = _pipeline_candidate(
+                    meta, meta_batch, drifted, world, plan.schedule, plan.micro_batches
+                )
+                in_job[n] = again.step_time_s
+                continue
+            est = evaluate_plan(meta, meta_batch, plan, num_devices=world, device=drifted)
             in_job[n] = est.step_time_s
     if rank == 0:
         rows = []
@@ -268,6 +307,7 @@ def worker(args) -> None:
                 plan.dp_mode,
                 sorted(plan.param_placements.items()),
                 plan.recompute,
+                *((plan.schedule, plan.micro_batches, plan.stages) if plan.pp_size > 1 else ()),
             )
             rows.append(
                 {
@@ -358,6 +398,12 @@ def main() -> None:
     p.add_argument("--device", default=None, help="device spec (preset or JSON); default: calibrate first")
     p.add_argument("--json", help="write rows and metrics here")
     p.add_argument(
+        "--no-pipeline",
+        dest="pipeline",
+        action="store_false",
+        help="leave out the pipeline candidates (pp 2: GPipe, 1F1B, interleaved 1F1B, ZB-V)",
+    )
+    p.add_argument(
         "--no-in-job-kernels",
         dest="in_job_kernels",
         action="store_false",
@@ -399,6 +445,8 @@ def main() -> None:
     shape += ["--seq", args.seq, "--warmup", args.warmup, "--steps", args.steps, "--device", device]
     if not args.in_job_kernels:
         shape.append("--no-in-job-kernels")
+    if not args.pipeline:
+        shape.append("--no-pipeline")
     families = args.families.split(",")
     for family in families:
         out = os.path.join(tmp, f"{family}.json")

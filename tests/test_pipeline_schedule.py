@@ -9,6 +9,7 @@ from hf_colossal_auto.plan import PIPELINE_SCHEDULES, stage_ranks
 from hf_colossal_auto.solve.pricing.pipeline_schedule import (
     Link,
     StageCost,
+    point_to_point_traffic,
     schedule_actions,
     simulate_schedule,
 )
@@ -106,3 +107,35 @@ def test_every_action_list_runs_each_stage_and_micro_batch_once(schedule):
         assert backwards == forwards
         weights = sorted((s, mb) for kind, s, mb in actions if kind == "W")
         assert weights in ([], forwards)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "v"), [("gpipe", 2, 4, 1), ("1f1b", 4, 4, 1), ("interleaved-1f1b", 2, 4, 2)]
+)
+def test_sends_are_one_per_micro_batch_each_way_across_every_rank_boundary(schedule, p, m, v):
+    """Between consecutive stages on different ranks, each micro-batch's activation goes forward and its gradient
+    back: ``m`` sends of ``send_bytes`` each way per boundary (what c10d records on real ranks, test_pipeline_search)."""
+    stages = [StageCost(F / v, B / v / 2, B / v / 2, send_bytes=64)] * (p * v)
+    traffic = point_to_point_traffic(simulate_schedule(schedule, stages, m, p).sends)
+    boundaries: dict[tuple[int, int], int] = {}
+    owner = stage_ranks(schedule, p * v, p)
+    for s in range(p * v - 1):
+        for pair in ((owner[s], owner[s + 1]), (owner[s + 1], owner[s])):
+            boundaries[pair] = boundaries.get(pair, 0) + m
+    assert traffic == {pair: (count, 64 * count) for pair, count in boundaries.items()}
+
+
+def test_gradients_exist_from_a_stages_first_backward_and_the_transient_tops_a_backward():
+    """GPipe holds every micro-batch when its first backward starts, before any gradient exists; the gradients
+    count from that backward on (whole: a bound within it), and each backward starts with its transient on top:
+    the peak is the most of those moments."""
+    p, m, grads = 2, 4, 1500
+    for transient in (3000, 0):
+        stages = [StageCost(F, B / 2, B / 2, activation_bytes=ACT, grad_bytes=grads,
+                            backward_transient_bytes=transient)] * p  # fmt: skip
+        first_backward_starts = m * ACT + transient
+        first_backward_ends = m * ACT + grads
+        second_backward_starts = (m - 1) * ACT + grads + transient
+        expected = max(first_backward_starts, first_backward_ends, second_backward_starts)
+        assert simulate_schedule("gpipe", stages, m, p).peak_activation_bytes == [expected] * p
+    assert expected == m * ACT + grads  # without a transient the end of the first backward is the peak

@@ -172,27 +172,68 @@ def test_pipeline_argument_refusals():
         plan_model(model, inputs, num_devices=4, pipeline=4)
 
 
-def test_planned_pipeline_runs_on_two_gloo_ranks(tmp_path):
-    """The plan pipeline=2 chooses for a 4-block tiny Llama runs on 2 gloo ranks in the ordinary loop: its first
-    loss is one process's, it trains, and its measured step is within a loose factor of the prediction (the static
-    CPU spec is deliberately conservative and the machine shared: no tighter timing claim)."""
+UNPRICED_BACKWARD_TRANSIENT = 0.05
+"""How far a rank's measured peak may exceed the plan's prediction: a backward's transient on a stage other than
+the last is not priced. Measured on this test's plans: Llama's first stage 1.4-1.7 % above (49,152 bytes: three
+hidden-state gradients of a micro-batch), the last stage 0-0.6 %, interleaved 1F1B's second rank (a middle and
+the last stage) 2.5 %, GPT-2's first stage 4.1 % (115,000 bytes; alive at its peak, inside a later micro-batch's
+backward, the word embedding's dense gradient made anew, 131,072 bytes, beside the accumulated one)
+(docs/reliability.md)."""
+
+GRADIENTS_COUNTED_WHOLE = 0.10
+"""How far a rank's measured peak may fall below the prediction: a stage's gradients are counted whole from its
+first backward's start, before most exist. Measured: GPipe's first stage 7.9 % below (its peak lies inside the
+first backward)."""
+
+
+def test_planned_pipelines_run_on_two_gloo_ranks_as_predicted(tmp_path):
+    """One launch (2 gloo ranks, a 4-block tiny Llama). The plan pipeline=2 chooses runs in the ordinary loop: its
+    first loss is one process's, it trains, and its measured step is within a loose factor of the prediction (the
+    static CPU spec is deliberately conservative and the machine shared: no tighter timing claim). For GPipe,
+    1F1B and interleaved 1F1B (and GPT-2's 1F1B, its head tied to the embedding across the ranks) the point-to-point
+    sends and receives of a step, by peer, are the simulated
+    schedule's, in count and bytes (c10d's isend / irecv as torch's pipelining issues them), and each rank's
+    measured peak memory (the profiler's allocations from the first step on, a step after a warm-up) is within
+    the plan's prediction for that rank: at most ``UNPRICED_BACKWARD_TRANSIENT`` above it (a backward's
+    transient on a stage that does not compute the loss, not priced: docs/reliability.md) and at most
+    ``GRADIENTS_COUNTED_WHOLE`` below it (a stage's gradients counted whole from its first backward on)."""
     out = tmp_path / "planned.json"
     run_torchrun(str(ROOT / "tests" / "multiproc" / "check_pipeline_planned.py"), "--out", str(out), nproc=2)
-    result = json.loads(out.read_text())
+    ranks = json.loads(out.read_text())
+    result = ranks[0]["planned"]
     assert result["losses"][0] == pytest.approx(result["reference_loss"], rel=1e-5)
     assert result["losses"][-1] < result["losses"][0]
     ratio = result["measured_step_s"] / result["predicted_step_s"]
     assert 0.05 < ratio < 20, result
+    for rank, figures in enumerate(ranks):
+        for schedule in (
+            "tiny-llama gpipe",
+            "tiny-llama 1f1b",
+            "tiny-llama interleaved-1f1b",
+            "tiny-gpt2 1f1b",
+        ):
+            measured = figures[schedule]
+            assert measured["rank"] == rank
+            assert measured["measured_p2p"] == measured["predicted_p2p"], (schedule, measured)
+            assert measured["predicted_p2p"], (schedule, measured)  # every rank both sends and receives
+            over = measured["measured_peak_bytes"] / measured["predicted_peak_bytes"] - 1
+            assert -GRADIENTS_COUNTED_WHOLE <= over <= UNPRICED_BACKWARD_TRANSIENT, (
+                schedule,
+                rank,
+                over,
+                measured,
+            )
 
 
 # ------------------------------------------------------------------ stage layouts: tp, FSDP, recompute inside
 def _synthetic_costs(blocks: int, act_none: float, act_full: float, state: float) -> ModelCosts:
     """A model of identical blocks priced under "none" and "full" recompute (full: a third more seconds)."""
-    none = [UnitCost(forward_s=1.0, backward_s=2.0, state_bytes=state, activation_bytes=act_none)
+    none = [UnitCost(forward_s=1.0, backward_s=2.0, state_bytes=state, held_bytes=state, activation_bytes=act_none)
             for _ in range(blocks)]  # fmt: skip
-    full = [UnitCost(forward_s=1.0, backward_s=3.0, state_bytes=state, activation_bytes=act_full)
+    full = [UnitCost(forward_s=1.0, backward_s=3.0, state_bytes=state, held_bytes=state, activation_bytes=act_full)
             for _ in range(blocks)]  # fmt: skip
-    costs = ModelCosts(none, UnitCost(), UnitCost(), UnitCost(), 8, {})
+    # nothing sent between stages (no receive buffers, no kept outputs): the blocks' own figures only
+    costs = ModelCosts(none, UnitCost(), UnitCost(), UnitCost(), 0, {})
     costs.options.update(none=none, full=full)
     return costs
 
@@ -201,7 +242,8 @@ def _synthetic_costs(blocks: int, act_none: float, act_full: float, state: float
 def test_per_stage_memory_is_checked_exactly_per_schedule(schedule):
     """The micro-batches a stage holds at once (GPipe: all; 1F1B: stages - index; the split schedules until the
     weight gradient, as the simulation's memory walk holds their activations) are the simulation's own; recompute is chosen per rank where the schedule holds most; each
-    rank's predicted peak is its state + the simulation's activation peak + its largest rematerialised block, and
+    rank's predicted peak is the higher of its optimizer-step state and its held state + the simulation's
+    activation peak + its largest rematerialised block, and
     it fits the budget the choice was made for."""
     pp, m = 2, 4
     virtual = 2 if schedule not in ("gpipe", "1f1b") else 1
@@ -229,7 +271,8 @@ def test_per_stage_memory_is_checked_exactly_per_schedule(schedule):
         blocks = [b for b, s in enumerate(_stage_of_blocks(tight.blocks_per_stage))
                   if tight.simulation.max_in_flight and stage_ranks(schedule, pp * virtual, pp)[s] == rank]  # fmt: skip
         transient = 90.0 if any(tight.recompute[b] == "full" for b in blocks) else 0.0
-        expected = tight.rank_state_bytes[rank] + tight.simulation.peak_activation_bytes[rank] + transient
+        through = tight.rank_held_bytes[rank] + tight.simulation.peak_activation_bytes[rank] + transient
+        expected = max(tight.rank_state_bytes[rank], through)
         assert tight.rank_peak_bytes[rank] == pytest.approx(expected)
     # the ranks holding most micro-batches recompute at least as many blocks
     if schedule == "1f1b":
@@ -272,13 +315,11 @@ def test_stage_layout_with_sharding_or_recompute_chosen_where_only_it_fits():
     assert others, "no other layout needs less memory than plain DDP: the test's premise"
     budget = int((floor + max(others)) / 2)
     _, _, tight = _tiny_llama_planner(budget)
-    best, _ = search_pipelines(tight, 2)
-    assert best is not None and best.peak_bytes <= budget
-    assert best.stage.tp > 1 or best.stage.dp_mode != "ddp" or set(best.recompute) != {"none"}
     plan = with_pipelines(
         tight, None, 2, None
     )  # what plan_model(pipeline=2) returns, without the flat search
     assert plan is not None and plan.fits and plan.pp_size == 2 and plan.mesh_axis_names == ("pp", "dp", "tp")
+    assert plan.peak_memory_bytes <= budget
     assert plan.tp_size > 1 or plan.dp_mode != "ddp" or set(plan.recompute.values()) != {"none"}
     assert len(plan.solver["stage_peak_memory_bytes"]) == plan.num_stages
     assert Plan.from_dict(plan.to_dict()) == plan

@@ -28,11 +28,20 @@ used: they are priced here per pp semantics, per parameter, from its tensor-para
   optimizer state and the fp32 master sharded), and reduce-scattered once after the last backward (HSDP: in its
   shard group, then the shard all-reduced across replicas).
 
-Memory per rank, checked exactly per stage and schedule: the state of its stages (the above), plus the
-activations its stages hold at the schedule's peak (the simulation's walk of the schedule's own action list:
-GPipe every micro-batch, 1F1B ``stages - stage_index``, interleaved more), plus, where a block recomputes, its
-rematerialised activations while its backward runs (the largest such block of the rank). The ILP's own memory
-model gives the per-block bytes; the rank's peak is what the simulation of the schedule holds.
+Memory per rank, checked exactly per stage and schedule: the higher of two moments. Through the schedule: its
+stages' parameters and optimizer state (as the layout holds them: under FSDP the shards plus the parameters
+gathered through the step), plus what the simulation's walk of the schedule's own action list holds at its peak:
+activations (GPipe every micro-batch, 1F1B ``stages - stage_index``, interleaved more), each held micro-batch
+counting its output too (torch's stage keeps it until the micro-batch's backward: the hidden states sent on, the
+last stage's logits), the gradients from a stage's first backward on (the layout's: under FSDP the unsharded
+accumulated gradient), the last stage's backward adding the step's transient (the loss's backward: the logits'
+gradients; another stage's backward transient is not priced, docs/reliability.md), where a block recomputes its
+rematerialised activations while its backward runs (the largest such block of the rank), and the receive buffers
+torch's stages keep between steps (one per received send of a step). The optimizer step: the state (parameters,
+gradients, optimizer state and the step's temporaries, as the layout holds them) and the receive buffers. A head
+tied to the embedding on another rank: the last rank holds a copy (its state, gradient and optimizer step, as the
+embedding's) and both ranks all-reduce its gradient (the runtime's tie group). The ILP's own memory model gives
+the per-block bytes. Measured against real ranks in ``tests/multiproc/check_pipeline_planned.py``.
 
 Recompute per block: the cut is chosen first (dynamic programming over contiguous block ranges minimising the
 slowest stage without recompute, as Alpa and nnScaler cut; where even full recompute cannot fit a stage, the cut
@@ -82,6 +91,7 @@ from .pricing.pipeline_schedule import (
     ScheduleSimulation,
     StageCost,
     _cached_actions,
+    point_to_point_traffic,
     simulate_schedule,
 )
 from .problem import InfeasibleError, Solution, memory_usage
@@ -125,7 +135,14 @@ class UnitCost:
     """FSDP/HSDP: the all-gather of its parameters (once per step, before the stage's first forward)."""
     state_bytes: float = 0.0
     """Parameters, gradients, optimizer state and the optimizer's temporaries on one device (under FSDP also the
-    parameters and gradients held gathered through the step)."""
+    parameters and gradients held gathered through the step): what the rank holds while it steps."""
+    held_bytes: float = 0.0
+    """Parameters and optimizer state on one device (under FSDP the shards plus the parameters gathered through
+    the step): what the rank holds through the schedule (the optimizer state from the first step on), beside
+    the activations and the gradients."""
+    grad_bytes: float = 0.0
+    """Parameter gradients on one device (under FSDP the unsharded accumulated gradient): made by the stage's
+    first backward in a step, held to its end."""
     activation_bytes: float = 0.0
     """What one micro-batch's forward keeps for backward."""
 
@@ -177,6 +194,20 @@ class ModelCosts:
     """Unit name -> its cost, in model order (the plan's block table)."""
     options: dict[str, list[UnitCost]] = field(default_factory=dict)
     """Recompute option -> per block its cost under it (``"none"`` is :attr:`blocks`); only the options priced."""
+    output_bytes: int = 0
+    """The model's largest output per micro-batch (the logits): what the last stage returns and keeps."""
+    tied: UnitCost = field(default_factory=UnitCost)
+    """The head's parameters that are the embedding's (tied word embeddings) under the stage layout: where the
+    first and the last stage's ranks differ, the last holds a copy (state, gradient, optimizer step and
+    data-parallel figures, as the embedding's)."""
+    tie_sync_s: float = 0.0
+    """The tied parameters' gradient all-reduce between the first and the last stage's ranks (the runtime's tie
+    group), on both, after the schedule, where those ranks differ."""
+    backward_transient_bytes: float = 0.0
+    """Per micro-batch: what the step allocates at its highest point beyond what forwards keep, the inputs and
+    the buffers (the activation-peak row's transient: in a causal LM the loss's backward, the logits'
+    gradients), on top of what the last stage holds while it runs a backward. Another stage's (a block's
+    gradients in flight, far smaller) is not priced: an open gap, docs/reliability.md."""
 
     def block_options(self) -> list[str]:
         """The options priced, least recompute first (a hand configuration's own option last)."""
@@ -185,15 +216,43 @@ class ModelCosts:
         ]
 
 
-def _stage_extras(costs: ModelCosts, num_stages: int, index: int) -> UnitCost:
-    """What stage ``index`` of ``num_stages`` runs besides its blocks."""
+def _stage_extras(costs: ModelCosts, num_stages: int, index: int, owner: list[int] | None = None) -> UnitCost:
+    """What stage ``index`` of ``num_stages`` runs besides its blocks. With the stages' ranks (``owner``): where
+    the first and the last differ, the last holds a copy of the tied head parameters and both all-reduce their
+    gradient (the runtime's tie group)."""
     extra = UnitCost()
     extra.add(costs.every)
     if index == 0:
         extra.add(costs.first)
     if index == num_stages - 1:
         extra.add(costs.last)
+    if owner is not None and owner[0] != owner[-1]:
+        if index == num_stages - 1:
+            extra.add(costs.tied)
+        if index in (0, num_stages - 1):
+            extra.sync_s += costs.tie_sync_s
     return extra
+
+
+def _kept_output_bytes(costs: ModelCosts, num_stages: int, index: int) -> int:
+    """What stage ``index`` keeps of each held micro-batch beyond its activations: torch's stage keeps its
+    output until the micro-batch's backward (the hidden states it sends on; the last stage's logits)."""
+    return costs.output_bytes if index == num_stages - 1 else costs.send_bytes
+
+
+def _backward_transient(costs: ModelCosts, num_stages: int, index: int) -> int:
+    """What a backward of stage ``index`` allocates on top (the last stage's: the loss's backward)."""
+    return int(costs.backward_transient_bytes) if index == num_stages - 1 else 0
+
+
+def _receive_bytes(costs: ModelCosts, owner: list[int], micro_batches: int) -> list[float]:
+    """Per rank: the receive buffers torch's stages keep between steps, one per received send of a step (each
+    micro-batch's activation from the previous stage and gradient from the next, where another rank runs it)."""
+    out = [0.0] * (max(owner) + 1)
+    for s, rank in enumerate(owner):
+        neighbours = [t for t in (s - 1, s + 1) if 0 <= t < len(owner) and owner[t] != rank]
+        out[rank] += len(neighbours) * micro_batches * costs.send_bytes
+    return out
 
 
 def cut_blocks(
@@ -272,6 +331,8 @@ class _ParamShare:
     """The optimizer step's temporaries for it."""
     optimizer_s: float
     """Its optimizer step on the tensor-parallel shard, unsharded over dp."""
+    fqn: str = ""
+    """The canonical parameter name."""
 
 
 @dataclass
@@ -289,6 +350,10 @@ class InnerPricing:
     solution: Solution
     param_choice: dict[str, str]
     """Canonical parameter FQN -> its tensor-parallel storage placement."""
+    output_bytes: int = 0
+    """The model's largest output of one micro-batch on one device (the logits)."""
+    backward_transient_bytes: float = 0.0
+    """The activation-peak row's transient (:attr:`ModelCosts.backward_transient_bytes`)."""
 
 
 class _Pricer:
@@ -372,9 +437,12 @@ class _Pricer:
         graph = inner.graph(dp)
         units = _unit_costs(planner, built, solution, graph)
         params, choice = _param_shares(planner, built, solution, graph, tp, dp if mode == "fsdp" else 1)
+        output = max((graph.values[v].nbytes for v in graph.output_values), default=0)
+        transient = max(0.0, peak.constant - graph.input_bytes - graph.buffer_bytes)
         return InnerPricing(
-            units, params, _send_bytes(graph, self.layout), inner, mesh, mode, built, solution, choice
-        )
+            units, params, _send_bytes(graph, self.layout), inner, mesh, mode, built, solution, choice,
+            output, transient,
+        )  # fmt: skip
 
     def costs(self, pp: int, stage: StageLayout, micro_batches: int, options: tuple[str, ...]) -> ModelCosts:
         """The model's per-unit costs for ``stage`` in a ``pp``-stage pipeline at ``micro_batches`` micro-batches,
@@ -386,6 +454,9 @@ class _Pricer:
             param_side = _data_parallel_side(self.planner, none.params, pp, stage)
             costs = _with_param_side(none, param_side, self.planner, self.layout)
             costs.options["none"] = costs.blocks
+            costs.output_bytes = none.output_bytes
+            costs.backward_transient_bytes = none.backward_transient_bytes
+            costs.tied, costs.tie_sync_s = _tied_side(self.planner, self.layout, none.params, pp, stage)
             for option in options:
                 if option != "none":
                     priced = self.inner(stage.tp, rows, option, stage.plain, stage.lean)
@@ -507,7 +578,7 @@ def _param_shares(
             shares.append(
                 _ParamShare(
                     unit_of(real), local * copies, state * copies, grad * copies, temp * copies,
-                    optimizer_s * copies,
+                    optimizer_s * copies, fqn,
                 )
             )  # fmt: skip
     return shares, choice
@@ -553,6 +624,8 @@ def _data_parallel_side(
             cost.state_bytes += (
                 share.local_bytes + share.grad_bytes
             )  # gathered and accumulated through the step
+            cost.held_bytes += (share.local_bytes + share.state_bytes) / ds + share.local_bytes
+            cost.grad_bytes += share.grad_bytes
             cost.optimizer_s += share.optimizer_s / ds
             cost.gather_s += comm.time("all_gather", share.local_bytes)
             if trained:
@@ -561,10 +634,36 @@ def _data_parallel_side(
                     cost.sync_s += replicate.time("all_reduce", share.local_bytes / ds)
         else:
             cost.state_bytes += share.local_bytes + share.state_bytes + share.grad_bytes + share.temp_bytes
+            cost.held_bytes += share.local_bytes + share.state_bytes
+            cost.grad_bytes += share.grad_bytes
             cost.optimizer_s += share.optimizer_s
             if trained and dp > 1:
                 cost.sync_s += comm.time("all_reduce", share.local_bytes)
     return out
+
+
+def _tied_side(
+    planner: _Planner, layout: PipelineLayout, shares: list[_ParamShare], pp: int, stage: StageLayout
+) -> tuple[UnitCost, float]:
+    """The tied head parameters' copy on the last stage's rank under ``stage`` (state, held and gradient bytes,
+    optimizer, gather and data-parallel sync, as the embedding's own are priced) and the seconds of their
+    gradient all-reduce over the two ranks of the runtime's tie group (each rank's local shard: both copies are
+    sharded alike)."""
+    model = planner.model
+    embedding = {id(p) for p in model.get_submodule(layout.embedding).parameters()}
+    head = {id(p) for p in model.get_submodule(layout.head).parameters()}
+    names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in embedding & head}
+    tied_shares = [s for s in shares if s.fqn in names]
+    tied = UnitCost()
+    if not tied_shares:
+        return tied, 0.0
+    for cost in _data_parallel_side(planner, tied_shares, pp, stage).values():
+        tied.add(cost)
+    n = planner.cluster.num_devices
+    tie_comm = dataclasses.replace(planner.axis_comm((pp, n // pp), 0), size=2)
+    sharded = stage.dp_mode in ("fsdp", "hsdp") and stage.dp > 1
+    gradient = sum(s.local_bytes for s in tied_shares if s.grad_bytes > 0) / (stage.shard if sharded else 1)
+    return tied, tie_comm.time("all_reduce", gradient) if gradient else 0.0
 
 
 def _with_param_side(
@@ -673,11 +772,16 @@ class PipelineCandidate:
     """Per block (model order), its recompute option."""
     simulation: ScheduleSimulation
     rank_state_bytes: list[float]
+    """Per rank: what it holds while the optimizer steps (:attr:`UnitCost.state_bytes`, receive buffers)."""
+    rank_held_bytes: list[float]
+    """Per rank: what it holds through the schedule beside the activations and gradients
+    (:attr:`UnitCost.held_bytes`, receive buffers)."""
     rank_peak_bytes: list[float]
     stage_s: list[float]
     """Per stage: forward + backward seconds of one micro-batch (recompute included)."""
     stage_peak_bytes: list[float]
-    """Per stage: its state plus its activations times the most micro-batches it holds at once."""
+    """Per stage: the higher of its optimizer-step state and what it holds through the schedule (parameters,
+    gradients, its activations and kept outputs times the most micro-batches it holds at once, transients)."""
     costs: ModelCosts
     rows: int = 0
     """Rows of one micro-batch of one replica."""
@@ -718,7 +822,7 @@ class PipelineCandidate:
             "blocks_per_stage": list(self.blocks_per_stage),
             "recompute": self.recompute_text(),
             "step_time_s": self.step_time_s,
-            "peak_memory_bytes": int(self.peak_bytes),
+            "peak_memory_bytes": math.ceil(self.peak_bytes),
             "fits": self.peak_bytes <= budget,
         }
 
@@ -799,27 +903,30 @@ def choose_recompute(
     recompute and, while its estimate (state + per stage its activations times its most micro-batches in flight
     + the largest rematerialised block) exceeds ``budget``, moves the block that saves the most bytes per second
     of rerun to a higher option (a stage's blocks are moved in order, the lowest option first). None: some rank
-    does not fit even with every block at the most recompute offered."""
+    does not fit even with every block at the most recompute offered. The estimate is the higher of the two
+    moments (see the module docstring), the last stage's backward transient and a rank's receive buffers
+    counted."""
     options = costs.block_options()
     per_option = [costs.options[o] for o in options]
     top = len(options) - 1
     num_stages = len(counts)
     starts = [sum(counts[:s]) for s in range(num_stages)]
     levels = [0] * len(costs.blocks)
+    received = _receive_bytes(costs, owner, micro_batches)
     for rank in sorted(set(owner)):
         mine = [s for s in range(num_stages) if owner[s] == rank]
-        state = held = 0.0
+        state = fixed = received[rank]
+        held = 0.0
         for s in mine:
-            extra = _stage_extras(costs, num_stages, s)
-            state += extra.state_bytes + sum(
-                b.state_bytes for b in costs.blocks[starts[s] : starts[s] + counts[s]]
-            )
-            acts = extra.activation_bytes + sum(
-                b.activation_bytes for b in costs.blocks[starts[s] : starts[s] + counts[s]]
-            )
-            held += in_flight[s] * acts
+            extra = _stage_extras(costs, num_stages, s, owner)
+            blocks = costs.blocks[starts[s] : starts[s] + counts[s]]
+            state += extra.state_bytes + sum(b.state_bytes for b in blocks)
+            fixed += extra.held_bytes + extra.grad_bytes + sum(b.held_bytes + b.grad_bytes for b in blocks)
+            fixed += _backward_transient(costs, num_stages, s)
+            acts = extra.activation_bytes + sum(b.activation_bytes for b in blocks)
+            held += in_flight[s] * (acts + _kept_output_bytes(costs, num_stages, s))
         transient = 0.0
-        while state + held + transient > budget:
+        while max(state, fixed + held + transient) > budget:
             move = _best_move(per_option, levels, mine, starts, counts, in_flight, micro_batches, top)
             if move is None:
                 return None
@@ -866,23 +973,33 @@ def _best_move(
 
 
 def _memory_cut(
-    costs: ModelCosts, num_stages: int, virtual: int, in_flight: tuple[int, ...], budget: float
+    costs: ModelCosts,
+    num_stages: int,
+    virtual: int,
+    in_flight: tuple[int, ...],
+    budget: float,
+    micro_batches: int,
 ) -> list[int] | None:
     """A cut in which every stage fits ``budget / virtual`` with full recompute of its blocks (the most offered),
     balancing time without recompute; None when there is none."""
     most = costs.options[costs.block_options()[-1]]
     per_block = [_block_seconds(b) for b in costs.blocks]
     state = _prefix([b.state_bytes for b in costs.blocks])
+    fixed = _prefix([b.held_bytes + b.grad_bytes for b in costs.blocks])
     act = _prefix([b.activation_bytes for b in most])
     delta = max(
         (b.activation_bytes - f.activation_bytes for b, f in zip(costs.blocks, most, strict=True)), default=0
     )
-    extras = [_stage_extras(costs, num_stages, s) for s in range(num_stages)]
+    owner = list(range(num_stages))  # the tied copy where the first and the last stage differ, as on pp ranks
+    extras = [_stage_extras(costs, num_stages, s, owner) for s in range(num_stages)]
+    received = 2 * micro_batches * costs.send_bytes  # a bound: both neighbours on other ranks
 
     def fits(s: int, i: int, j: int) -> bool:
         extra = extras[s]
-        held = in_flight[s] * (extra.activation_bytes + act[j] - act[i]) + delta
-        return extra.state_bytes + state[j] - state[i] + held <= budget / virtual
+        kept = extra.activation_bytes + act[j] - act[i] + _kept_output_bytes(costs, num_stages, s)
+        held = in_flight[s] * kept + delta + _backward_transient(costs, num_stages, s)
+        through = extra.held_bytes + extra.grad_bytes + fixed[j] - fixed[i] + held
+        return max(extra.state_bytes + state[j] - state[i], through) + received <= budget / virtual
 
     first = _block_seconds(costs.first)
     last = _block_seconds(costs.last)
@@ -955,7 +1072,7 @@ def cut_and_recompute(
         counts = _time_cut(costs, num_stages)
         levels = choose_recompute(costs, counts, owner, in_flight, budget, micro_batches)
         if levels is None:
-            counts = _memory_cut(costs, num_stages, virtual, in_flight, budget) or counts
+            counts = _memory_cut(costs, num_stages, virtual, in_flight, budget, micro_batches) or counts
     if levels is None:
         levels = choose_recompute(costs, counts, owner, in_flight, budget, micro_batches)
     if levels is None:
@@ -969,8 +1086,8 @@ def _refined_bound(
     """No simulation of this cut and recompute choice is faster: per rank, the stages before its first one
     (micro-batch 0 reaches it through them, and its last gradient goes back through them) plus all its own work
     of the step; and its busy time (compute, gradient synchronisation, optimizer)."""
-    stages, _ = _stages(costs, counts, levels)
-    owner = stage_ranks(schedule, len(stages), pp)
+    owner = stage_ranks(schedule, len(counts), pp)
+    stages, _ = _stages(costs, counts, levels, owner)
     bound = 0.0
     for rank in range(pp):
         mine = [i for i in range(len(stages)) if owner[i] == rank]
@@ -996,7 +1113,8 @@ def _simulate_cut(
     """One cut and recompute choice simulated, with each rank's state and exact peak memory."""
     num_stages = pp * virtual
     options = costs.block_options()
-    stages, transients = _stages(costs, counts, levels)
+    owner = stage_ranks(schedule, num_stages, pp)
+    stages, transients = _stages(costs, counts, levels, owner)
     stage_costs = []
     for index, s in enumerate(stages):
         first_gather = s.gather_s / (
@@ -1007,40 +1125,60 @@ def _simulate_cut(
                 forward_s=s.forward_s,
                 backward_input_s=s.backward_s / 2,  # a matmul's input and weight gradients cost alike
                 backward_weight_s=s.backward_s / 2,
-                activation_bytes=int(s.activation_bytes),
+                # torch's stage keeps a micro-batch's output (sent on, or the logits) until its backward
+                activation_bytes=int(s.activation_bytes) + _kept_output_bytes(costs, num_stages, index),
                 send_bytes=costs.send_bytes,
+                grad_bytes=int(s.grad_bytes),
+                backward_transient_bytes=_backward_transient(costs, num_stages, index),
                 first_forward_extra_s=first_gather + max(s.gather_s - first_gather - s.forward_s, 0.0),
                 last_backward_extra_s=s.sync_s,
             )
         )
-    owner = stage_ranks(schedule, num_stages, pp)
     rank_optimizer = [0.0] * pp
     rank_state = [0.0] * pp
+    rank_held = [0.0] * pp
     rank_transient = [0.0] * pp
     for index, s in enumerate(stages):
         rank_optimizer[owner[index]] += s.optimizer_s
         rank_state[owner[index]] += s.state_bytes
+        rank_held[owner[index]] += s.held_bytes
         rank_transient[owner[index]] = max(rank_transient[owner[index]], transients[index])
     simulation = simulate_schedule(schedule, stage_costs, micro_batches, pp, link, max(rank_optimizer))
-    peaks = [rank_state[r] + simulation.peak_activation_bytes[r] + rank_transient[r] for r in range(pp)]
-    stage_peaks = [
-        s.state_bytes + in_flight[i] * s.activation_bytes + transients[i] for i, s in enumerate(stages)
+    # torch's stages receive into buffers of their own, one per micro-batch and direction, kept between steps
+    for send in simulation.sends:
+        rank_held[send.dst] += send.nbytes
+        rank_state[send.dst] += send.nbytes
+    # the two highest moments: the schedule's (activations and gradients beside the state) and the optimizer step's
+    peaks = [
+        max(rank_state[r], rank_held[r] + simulation.peak_activation_bytes[r] + rank_transient[r])
+        for r in range(pp)
     ]
+    stage_peaks = [
+        max(
+            s.state_bytes,
+            s.held_bytes + s.grad_bytes + transients[i] + _backward_transient(costs, num_stages, i)
+            + in_flight[i] * (s.activation_bytes + _kept_output_bytes(costs, num_stages, i)),
+        )
+        for i, s in enumerate(stages)
+    ]  # fmt: skip
     return PipelineCandidate(
         pp, stage, schedule, virtual, micro_batches, list(counts), [options[lv] for lv in levels], simulation,
-        rank_state, peaks, [s.forward_s + s.backward_s for s in stages], stage_peaks, costs,
+        rank_state, rank_held, peaks, [s.forward_s + s.backward_s for s in stages], stage_peaks, costs,
     )  # fmt: skip
 
 
-def _stages(costs: ModelCosts, counts: list[int], levels: list[int]) -> tuple[list[UnitCost], list[float]]:
+def _stages(
+    costs: ModelCosts, counts: list[int], levels: list[int], owner: list[int] | None = None
+) -> tuple[list[UnitCost], list[float]]:
     """Each stage's cost (its blocks, ``counts[s]`` of them in order, each under its recompute option, and what it
-    runs besides), and the activations its largest recomputed block rematerialises during its backward."""
+    runs besides; with the stages' ranks ``owner``, the tied head's copy, :func:`_stage_extras`), and the
+    activations its largest recomputed block rematerialises during its backward."""
     options = costs.block_options()
     stages: list[UnitCost] = []
     transients: list[float] = []
     start = 0
     for index, count in enumerate(counts):
-        stage = _stage_extras(costs, len(counts), index)
+        stage = _stage_extras(costs, len(counts), index, owner)
         transient = 0.0
         for b in range(start, start + count):
             chosen = costs.options[options[levels[b]]][b]
@@ -1110,6 +1248,20 @@ def search_pipelines(
     those whose bound is no faster than the best fitting candidate found."""
     pricer = _Pricer(planner, find_layout(planner.model))
     return _search(pricer, pipeline, schedules, micro_batches, dp_modes, cutoff_s, exhaustive)
+
+
+def search_pipeline_plan(
+    planner: _Planner,
+    pipeline: int | None,
+    schedules: tuple[str, ...] = OFFERED_SCHEDULES,
+    micro_batches: int | None = None,
+    dp_modes: tuple[str, ...] = STAGE_DP_MODES,
+) -> Plan | None:
+    """The Plan of :func:`search_pipelines`' fastest fitting candidate (None: none fits), written up from the
+    search's own ILPs: what a bench or a check runs for one schedule and micro-batch count."""
+    pricer = _Pricer(planner, find_layout(planner.model))
+    best, tried = _search(pricer, pipeline, schedules, micro_batches, dp_modes, math.inf, False)
+    return None if best is None else pipeline_plan(planner, best, tried, pricer)
 
 
 def _search(
@@ -1282,8 +1434,8 @@ def _fill_predictions(plan: Plan, planner: _Planner, candidate: PipelineCandidat
     costs = candidate.costs
     options = costs.block_options()
     levels = [options.index(o) for o in candidate.recompute]
-    stages, _ = _stages(costs, candidate.blocks_per_stage, levels)
-    owner = stage_ranks(candidate.schedule, len(stages), pp)
+    owner = stage_ranks(candidate.schedule, len(candidate.blocks_per_stage), pp)
+    stages, _ = _stages(costs, candidate.blocks_per_stage, levels, owner)
     comm, compute = [0.0] * pp, [0.0] * pp
     for index, stage in enumerate(stages):
         comm[owner[index]] += stage.sync_s + stage.gather_s
@@ -1298,9 +1450,11 @@ def _fill_predictions(plan: Plan, planner: _Planner, candidate: PipelineCandidat
                                 if owner[s] == slowest)  # fmt: skip
     plan.compute_time_s = compute[slowest] - plan.recompute_time_s
     plan.communication_time_s = comm[slowest]
-    plan.peak_memory_bytes = int(candidate.rank_peak_bytes[worst])
+    plan.peak_memory_bytes = math.ceil(
+        candidate.rank_peak_bytes[worst]
+    )  # whole bytes, never below the figure
     plan.memory_budget_bytes = planner.budget
-    plan.param_memory_bytes = int(candidate.rank_state_bytes[worst])
+    plan.param_memory_bytes = int(candidate.rank_held_bytes[worst])
     plan.activation_memory_bytes = plan.peak_memory_bytes - plan.param_memory_bytes
     layout = find_layout(planner.model)
     block_index = {layout.block(i): i for i in range(layout.num_blocks)}
@@ -1321,7 +1475,9 @@ def _fill_predictions(plan: Plan, planner: _Planner, candidate: PipelineCandidat
                 recompute_s=rerun[index] if index is not None else 0.0,
             )
         )
-    plan.memory_moments = [[f"pp rank {r} peak", int(b)] for r, b in enumerate(candidate.rank_peak_bytes)]
+    plan.memory_moments = [
+        [f"pp rank {r} peak", math.ceil(b)] for r, b in enumerate(candidate.rank_peak_bytes)
+    ]
     plan.collectives = {}
     plan.collective_bytes = {}
     plan.solver = {
@@ -1329,8 +1485,15 @@ def _fill_predictions(plan: Plan, planner: _Planner, candidate: PipelineCandidat
         "stage_layout": candidate.stage.label,
         "bubble_fraction": sim.bubble_fraction,
         "stage_s_per_micro_batch": [round(s, 9) for s in candidate.stage_s],
-        "stage_peak_memory_bytes": [int(b) for b in candidate.stage_peak_bytes],
-        "rank_peak_memory_bytes": [int(b) for b in candidate.rank_peak_bytes],
+        "stage_peak_memory_bytes": [math.ceil(b) for b in candidate.stage_peak_bytes],
+        "rank_peak_memory_bytes": [math.ceil(b) for b in candidate.rank_peak_bytes],
+        "rank_state_bytes": [int(b) for b in candidate.rank_state_bytes],
+        "rank_held_bytes": [int(b) for b in candidate.rank_held_bytes],
+        "rank_activation_bytes": [int(b) for b in sim.peak_activation_bytes],
+        "point_to_point": {
+            f"{src}->{dst}": [count, nbytes]
+            for (src, dst), (count, nbytes) in sorted(point_to_point_traffic(sim.sends).items())
+        },  # fmt: skip
     }
 
 

@@ -1,47 +1,77 @@
-"""Run under torchrun (2 gloo ranks): a pipeline plan the planner chose (``plan_model(pipeline=2)`` on a tiny
-Llama, the static CPU spec) runs in the user's loop, its first loss equals one process's, and its measured step
-time is set beside the prediction.
+"""Run under torchrun (2 gloo ranks): pipeline plans the planner made run in the user's loop and do what the
+plan predicts.
 
     torchrun --nproc_per_node 2 tests/multiproc/check_pipeline_planned.py --out result.json
 
-Every rank plans (the planner is deterministic: the same plan everywhere), builds the same seeded model, applies
-the plan and runs ``loss = model(**batch).loss; loss.backward(); optimizer.step()`` for a few steps; steps after
-the first are timed between barriers. Rank 0 writes the plan's figures, the losses and the step times.
+Every rank plans (the planner is deterministic: the same plan everywhere) and builds the same seeded tiny Llama
+(4 blocks) or tiny GPT-2 (batch 8 x 32, the static CPU spec).
+
+* ``plan_model(pipeline=2)``'s own choice runs ``loss = model(**batch).loss; loss.backward();
+  optimizer.step()`` for a few steps; its first loss is set beside one process's, its measured step time
+  (steps after the first, between barriers) beside the prediction.
+* Per schedule (Llama: GPipe, 1F1B, interleaved 1F1B; GPT-2, tied across the ranks: 1F1B; the schedule and the micro-batch count fixed, the cut and the
+  predictions the search's): two steps from a fresh optimizer, the first a warm-up (torch's shape inference
+  and the optimizer state happen there); the second runs under the point-to-point recorder. Each rank reports
+  its sends and receives by peer (count, bytes) beside the simulated schedule's (``solver["point_to_point"]``),
+  and each step's peak memory (the profiler's memory events: ``MemTracker`` cannot follow stages that share
+  submodules with the model) beside the plan's prediction for its rank (``solver["rank_peak_memory_bytes"]``).
+
+Rank 0 writes every rank's results.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
+import os
 import statistics
+import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_pipeline import write_every_rank_and_close  # noqa: E402
+
 STEPS = 6
+BATCH, SEQ = 8, 32
+SCHEDULES = (
+    ("tiny-llama", "gpipe", 2),
+    ("tiny-llama", "1f1b", 4),
+    ("tiny-llama", "interleaved-1f1b", 4),
+    ("tiny-gpt2", "1f1b", 4),
+)
+"""(preset, schedule, micro-batches) whose traffic and memory are measured, by result key ``preset schedule``:
+GPT-2's head is tied to its embedding across the two ranks (a copy each, the gradient all-reduced)."""
 
 
-def main() -> None:
+def _config(preset: str = "tiny-llama"):
+    from hf_colossal_auto.models import load_config
+
+    cfg = load_config(preset)
+    if preset == "tiny-llama":
+        cfg.num_hidden_layers = 4
+    return cfg
+
+
+def planned_choice() -> dict[str, Any]:
+    """``plan_model(pipeline=2)``'s plan in the user's loop: losses and step times beside the prediction."""
     from hf_colossal_auto.apply.runtime import apply_plan
-    from hf_colossal_auto.models import build_model, load_config, make_example_inputs
+    from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.solve.planner import plan_model
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    cfg = load_config("tiny-llama")
-    cfg.num_hidden_layers = 4
+    cfg = _config()
     meta = build_model(cfg, device="meta")
     plan = plan_model(
-        meta, make_example_inputs(meta, 8, 32, device="meta"), num_devices=2, device="cpu", pipeline=2
+        meta, make_example_inputs(meta, BATCH, SEQ, device="meta"), num_devices=2, device="cpu", pipeline=2
     )
     torch.manual_seed(0)
     reference_model = build_model(cfg, device="cpu")
-    batch = make_example_inputs(reference_model, 8, 32, seed=0)
+    batch = make_example_inputs(reference_model, BATCH, SEQ, seed=0)
     reference_loss = reference_model(**batch).loss.item()
+    del reference_model
     torch.manual_seed(0)
     model = build_model(cfg, device="cpu")
     apply_plan(model, plan)
@@ -57,7 +87,7 @@ def main() -> None:
         dist.barrier()
         seconds.append(time.perf_counter() - started)
         losses.append(loss.item())
-    result = {
+    return {
         "schedule": plan.schedule,
         "micro_batches": plan.micro_batches,
         "stages": [len(s) for s in plan.stages],
@@ -67,12 +97,77 @@ def main() -> None:
         "losses": losses,
         "reference_loss": reference_loss,
     }
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+
+
+def measured_schedule(preset: str, schedule: str, micro_batches: int) -> dict[str, Any]:
+    """The search's plan for ``schedule`` at ``micro_batches``: one measured step's peak memory and
+    point-to-point ops on this rank, beside the plan's predictions."""
+    from common import step_peaks
+
+    from hf_colossal_auto._torch_compat import recording_point_to_point
+    from hf_colossal_auto.apply.runtime import apply_plan
+    from hf_colossal_auto.models import build_model, make_example_inputs
+    from hf_colossal_auto.solve.candidates import _Planner
+    from hf_colossal_auto.solve.pipeline_search import search_pipeline_plan
+
+    cfg = _config(preset)
+    meta = build_model(cfg, device="meta")
+    planner = _Planner.for_devices(
+        meta, make_example_inputs(meta, BATCH, SEQ, device="meta"), 2, "cpu", None, None, None, "adamw", 60.0,
+        "none",
+    )  # fmt: skip
+    plan = search_pipeline_plan(planner, 2, schedules=(schedule,), micro_batches=micro_batches)
+    assert plan is not None, f"no {schedule} plan at {micro_batches} micro-batches"
+    torch.manual_seed(0)
+    model = build_model(cfg, device="cpu")
+    batch = make_example_inputs(model, BATCH, SEQ, seed=0)
+    apply_plan(model, plan)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    dist.barrier()
+    warm_up, recorder = recording_point_to_point(), recording_point_to_point()
+    warm_up_peak, peak = step_peaks(model, optimizer, batch, [warm_up, recorder])
+    rank = dist.get_rank()
+    sent: dict[str, list[int]] = {}
+    for record in recorder.records:
+        key = f"{record.op}:{record.peer}"
+        count, nbytes = sent.get(key, [0, 0])
+        sent[key] = [count + 1, nbytes + record.nbytes]
+    predicted: dict[str, list[int]] = {}
+    for pair, (count, nbytes) in plan.solver["point_to_point"].items():
+        src, dst = (int(r) for r in pair.split("->"))
+        if rank in (src, dst):
+            op, peer = ("isend", dst) if src == rank else ("irecv", src)
+            predicted[f"{op}:{peer}"] = [count, nbytes]
+    out = {
+        "schedule": schedule,
+        "micro_batches": micro_batches,
+        "stages": [len(s) for s in plan.stages],
+        "rank": rank,
+        "measured_peak_bytes": peak,
+        "measured_warm_up_peak_bytes": warm_up_peak,
+        "measured_p2p_warm_up_ops": len(warm_up.records),
+        "predicted_peak_bytes": plan.solver["rank_peak_memory_bytes"][rank],
+        "predicted_state_bytes": plan.solver["rank_state_bytes"][rank],
+        "predicted_activation_bytes": plan.solver["rank_activation_bytes"][rank],
+        "measured_p2p": sent,
+        "predicted_p2p": predicted,
+    }
     del model, optimizer
     dist.barrier()
-    dist.destroy_process_group()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    started = time.perf_counter()
+    results: dict[str, Any] = {"planned": planned_choice()}
+    for preset, schedule, micro_batches in SCHEDULES:
+        results[f"{preset} {schedule}"] = measured_schedule(preset, schedule, micro_batches)
+    results["total_seconds"] = time.perf_counter() - started
+    write_every_rank_and_close(results, args.out)
 
 
 if __name__ == "__main__":

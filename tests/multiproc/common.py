@@ -93,6 +93,50 @@ def measured_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
+def step_peaks(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any], contexts: list[Any]
+) -> list[int]:
+    """The peak bytes of each of ``len(contexts)`` forward + backward + optimizer steps of ``model`` on ``batch``, the
+    first run right after the optimizer is made: the model's parameters and buffers (distinct storages) plus
+    every allocation torch's CPU allocator made since the first step began and had not freed (the profiler's
+    memory events), at its most during that step. What persists between steps (optimizer state, a pipeline's
+    receive buffers) is thus counted in the later steps, whatever made it. For models ``MemTracker`` cannot
+    follow (a pipeline's stages share submodules with the model, which its module tracker refuses). Step ``i``
+    runs inside ``contexts[i]`` (e.g. a recorder of its communication)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    tensors = [*model.parameters(), *model.buffers()]
+    held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for i, context in enumerate(contexts):
+            with record_function(f"measured step {i}"), context:
+                loss = model(**batch).loss
+                loss.backward()
+                del loss
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        with open(f"{tmp}/trace.json") as f:
+            events = json.load(f)["traceEvents"]
+    starts = sorted(e["ts"] for e in events if str(e.get("name", "")).startswith("measured step "))
+    changes = sorted(
+        (e["ts"], e["args"]["Bytes"])
+        for e in events
+        if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0  # CPU
+    )
+    peaks = [held] * len(contexts)
+    for ts, change in changes:
+        held += change
+        step = sum(ts >= s for s in starts) - 1
+        if step >= 0:
+            peaks[step] = max(peaks[step], held)
+    return peaks
+
+
 def allocation_peak(fn: Any) -> tuple[Any, int]:
     """``fn()``'s result and the most bytes it had allocated at once beyond what existed before it, by torch's
     CPU allocator: the profiler's memory events (every tensor storage allocated or freed, in order). Measured

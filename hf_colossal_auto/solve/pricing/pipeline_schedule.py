@@ -25,7 +25,9 @@ per rank after everything.
 
 Memory: a forward keeps ``activation_bytes`` of its stage until that micro-batch's backward ends; under the
 input/weight split the input gradient frees all but ``weight_grad_bytes`` (what the weight gradient still
-reads), which the weight gradient frees. A rank's peak is the most its stages hold at once along its list.
+reads), which the weight gradient frees; as a backward starts, its ``backward_transient_bytes`` come on top; a
+stage's first backward (full or weight-gradient) makes its ``grad_bytes``, held from then on (counted whole
+from that action: a bound within it). A rank's peak is the most its stages hold at once along its list.
 Units: seconds and bytes.
 """
 
@@ -50,6 +52,20 @@ gradient)."""
 
 
 @dataclass(frozen=True)
+class Send:
+    """One point-to-point send the schedule makes: an activation forward or a gradient back."""
+
+    src: int
+    dst: int
+    kind: str
+    """"act" (a forward's output to the next stage) or "grad" (its gradient back to the previous one)."""
+    stage: int
+    """The stage that sends it."""
+    micro_batch: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class StageCost:
     """One stage's cost per micro-batch."""
 
@@ -63,6 +79,12 @@ class StageCost:
     """The activation this stage sends the next one per micro-batch (its gradient comes back the same size)."""
     weight_grad_bytes: int | None = None
     """What the weight gradient still reads after the input gradient (None: all of ``activation_bytes``)."""
+    grad_bytes: int = 0
+    """The stage's parameter gradients: made by its first backward (full or weight-gradient), held to the end
+    of the step."""
+    backward_transient_bytes: int = 0
+    """What a backward (full or input-gradient) allocates on top of what is held while it runs (e.g. the
+    logits' gradients in the loss's backward)."""
     first_forward_extra_s: float = 0.0
     last_backward_extra_s: float = 0.0
 
@@ -90,11 +112,14 @@ class ScheduleSimulation:
     busy_s: list[float]
     """Compute seconds per rank (extras and optimizer included)."""
     peak_activation_bytes: list[int]
-    """Per rank: the most activation bytes its stages hold at once."""
+    """Per rank: the most activation bytes its stages hold at once, with the gradients their backwards have
+    made by then (:attr:`StageCost.grad_bytes`) and a backward's transient."""
     max_in_flight: list[int]
     """Per stage: the most micro-batches whose activations it holds at once."""
     timeline: list[tuple[int, Action, float, float]] = field(default_factory=list)
     """``(rank, action, start, end)`` of every action, in the order simulated."""
+    sends: list[Send] = field(default_factory=list)
+    """Every point-to-point send between two ranks, in the order simulated (none between stages of one rank)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -102,6 +127,16 @@ class ScheduleSimulation:
         if self.step_time_s <= 0:
             return 0.0
         return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.step_time_s)
+
+
+def point_to_point_traffic(sends: list[Send]) -> dict[tuple[int, int], tuple[int, int]]:
+    """``(src, dst) -> (sends, bytes)`` summed over a step's sends: what a run's point-to-point records must
+    show (the tests compare them with c10d's)."""
+    traffic: dict[tuple[int, int], tuple[int, int]] = {}
+    for send in sends:
+        count, nbytes = traffic.get((send.src, send.dst), (0, 0))
+        traffic[(send.src, send.dst)] = (count + 1, nbytes + send.nbytes)
+    return traffic
 
 
 def schedule_actions(
@@ -166,6 +201,7 @@ class _Simulator:
         self.done: dict[Action, float] = {}
         self.link_free: dict[tuple[int, int], float] = {}
         self.arrival: dict[tuple[str, int, int], float] = {}  # ("act"|"grad", stage, mb) -> arrival time
+        self.sends: list[Send] = []
 
     def _ready(self, action: Action) -> float | None:
         """When ``action``'s inputs are there (None: not yet produced)."""
@@ -206,6 +242,7 @@ class _Simulator:
             self.arrival[(kind, target, m)] = produced
             return
         nbytes = self.stages[min(s, target)].send_bytes
+        self.sends.append(Send(src, dst, kind, s, m, nbytes))
         start = max(produced, self.link_free.get((src, dst), 0.0))
         end = start + self.link.seconds(nbytes)
         self.link_free[(src, dst)] = end
@@ -272,18 +309,26 @@ class _Simulator:
             free[r] += optimizer_s
             busy[r] += optimizer_s
         peaks, in_flight = self._memory(actions)
-        return ScheduleSimulation(max(free), busy, peaks, in_flight, timeline)
+        return ScheduleSimulation(max(free), busy, peaks, in_flight, timeline, self.sends)
 
     def _memory(self, actions: list[list[Action]]) -> tuple[list[int], list[int]]:
         """Per rank the peak activation bytes along its list, per stage the most micro-batches in flight."""
         peaks: list[int] = []
         most = [0] * len(self.stages)
         for rank in actions:
-            held, peak = 0, 0
+            held, peak, grads = 0, 0, 0
             count = [0] * len(self.stages)
+            has_grads: set[int] = set()
             for kind, s, _ in rank:
                 cost = self.stages[s]
                 kept = cost.activation_bytes if cost.weight_grad_bytes is None else cost.weight_grad_bytes
+                if kind in ("B", "I"):  # as it starts: the incoming gradients' transient on what is held
+                    peak = max(peak, held + grads + cost.backward_transient_bytes)
+                if kind in ("B", "W") and s not in has_grads:  # the stage's gradients come to exist
+                    has_grads.add(s)
+                    grads += cost.grad_bytes
+                # an action's end, before it frees anything (a bound within it)
+                peak = max(peak, held + grads)
                 if kind == "F":
                     held += cost.activation_bytes
                     count[s] += 1
@@ -296,6 +341,6 @@ class _Simulator:
                     count[s] -= 1
                 elif kind == "W":
                     held -= kept
-                peak = max(peak, held)
+                peak = max(peak, held + grads)
             peaks.append(peak)
         return peaks, most
