@@ -398,18 +398,7 @@ class _Pricer:
         planner = self.planner
         dp = 2 if tp == 1 and not plain else 1
         mode = "fsdp" if dp > 1 else "ddp"
-        devices = dp * tp
-        cluster = planner.cluster
-        inner = _Planner(
-            planner.model,
-            _first_rows(planner.inputs, rows * dp),
-            ClusterSpec(cluster.device, devices, min(cluster.devices_per_node, devices)),
-            planner.budget,
-            planner.mixed_precision,
-            planner.optimizer,
-            planner.time_limit_s,
-            "none",
-        )
+        inner = _planner_on(planner, _first_rows(planner.inputs, rows * dp), dp * tp)
         inner._graphs = planner._graphs
         inner._step_memories = planner._step_memories
         inner._strategies = planner._strategies
@@ -584,15 +573,13 @@ def _param_shares(
     return shares, choice
 
 
-def _group_comms(planner: _Planner, pp: int, stage: StageLayout) -> tuple[AxisComm, AxisComm | None]:
-    """(the collective pricing FSDP's gathers and reduce-scatters / DDP's all-reduce run on, HSDP's replicate
-    group or None) for the data-parallel groups of one pipeline stage: ``dp x tp`` consecutive ranks of the
-    ``devices / pp`` a stage has, as the runtime's mesh ``(pp, dp, tp)`` lays them."""
+def _planner_on(planner: _Planner, inputs: Any, devices: int) -> _Planner:
+    """``planner``'s model and settings on ``devices`` devices of its kind (a stage's share, or an inner mesh),
+    feeding ``inputs``, without recompute (the pipeline search chooses it per rank)."""
     cluster = planner.cluster
-    devices = cluster.num_devices // pp
-    group = _Planner(
+    return _Planner(
         planner.model,
-        planner.inputs,
+        inputs,
         ClusterSpec(cluster.device, devices, min(cluster.devices_per_node, devices)),
         planner.budget,
         planner.mixed_precision,
@@ -600,6 +587,13 @@ def _group_comms(planner: _Planner, pp: int, stage: StageLayout) -> tuple[AxisCo
         planner.time_limit_s,
         "none",
     )
+
+
+def _group_comms(planner: _Planner, pp: int, stage: StageLayout) -> tuple[AxisComm, AxisComm | None]:
+    """(the collective pricing FSDP's gathers and reduce-scatters / DDP's all-reduce run on, HSDP's replicate
+    group or None) for the data-parallel groups of one pipeline stage: ``dp x tp`` consecutive ranks of the
+    ``devices / pp`` a stage has, as the runtime's mesh ``(pp, dp, tp)`` lays them."""
+    group = _planner_on(planner, planner.inputs, planner.cluster.num_devices // pp)
     mesh = (stage.dp, stage.tp)
     if stage.dp_mode == "hsdp":
         hybrid = group.hybrid_comm(mesh, stage.shard)
