@@ -66,40 +66,47 @@ def _autoparallelize_case() -> None:
     autoparallelize(model, make_example_inputs(model, 2, 16), memory_budget=IMPOSSIBLE_BUDGET)
 
 
-def _accelerator_case() -> None:
+def _prepare_under(plugin) -> None:
+    """A fresh model, its AdamW and a 4-row loader prepared by an ``AutoParallelAccelerator`` with ``plugin``
+    (which plans, since it names no plan)."""
     from torch.utils.data import DataLoader
 
-    from hf_colossal_auto import AutoParallelAccelerator, AutoParallelPlugin
+    from hf_colossal_auto import AutoParallelAccelerator
     from hf_colossal_auto.models import make_example_inputs
 
     model = _model()
     batch = make_example_inputs(model, 4, 16)
     rows = [{k: v[i] for k, v in batch.items()} for i in range(4)]
-    accelerator = AutoParallelAccelerator(
-        auto_parallel_plugin=AutoParallelPlugin(memory_budget=IMPOSSIBLE_BUDGET, device="cpu")
+    AutoParallelAccelerator(auto_parallel_plugin=plugin, cpu=True).prepare(
+        model, torch.optim.AdamW(model.parameters()), DataLoader(rows, batch_size=2)
     )
-    optimizer = torch.optim.AdamW(model.parameters())
-    accelerator.prepare(model, optimizer, DataLoader(rows, batch_size=2))
 
 
-def _callback_case(out: Path) -> None:
+def _accelerator_case() -> None:
+    from hf_colossal_auto import AutoParallelPlugin
+
+    _prepare_under(AutoParallelPlugin(memory_budget=IMPOSSIBLE_BUDGET, device="cpu"))
+
+
+def _trainer_with(callback, output_dir: Path) -> None:
+    """A ``transformers.Trainer`` of a fresh model on 4 rows with ``callback`` (which plans when it is built)."""
     import transformers
 
-    from hf_colossal_auto import AutoParallelCallback
     from hf_colossal_auto.models import make_example_inputs
 
     model = _model()
     batch = make_example_inputs(model, 4, 16)
     rows = [{k: v[i] for k, v in batch.items()} for i in range(4)]
     args = transformers.TrainingArguments(
-        output_dir=str(out / "trainer"),
-        per_device_train_batch_size=2,
-        max_steps=1,
-        report_to=[],
-        use_cpu=True,
+        output_dir=str(output_dir), per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True
     )
-    callback = AutoParallelCallback(memory_budget=IMPOSSIBLE_BUDGET, device="cpu")
     transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
+
+
+def _callback_case(out: Path) -> None:
+    from hf_colossal_auto import AutoParallelCallback
+
+    _trainer_with(AutoParallelCallback(memory_budget=IMPOSSIBLE_BUDGET, device="cpu"), out / "trainer")
 
 
 def _foreign_plan_case() -> None:
@@ -163,43 +170,22 @@ def _planning_limit_case() -> None:
 
 def _accelerator_limit_case() -> None:
     """``AutoParallelPlugin(timeout=0.5)`` bounds the accelerator's planning as autoparallelize's does."""
-    from torch.utils.data import DataLoader
+    from hf_colossal_auto import AutoParallelPlugin
 
-    from hf_colossal_auto import AutoParallelAccelerator, AutoParallelPlugin
-    from hf_colossal_auto.models import make_example_inputs
-
-    model = _model()
-    batch = make_example_inputs(model, 4, 16)
-    rows = [{k: v[i] for k, v in batch.items()} for i in range(4)]
-    plugin = AutoParallelPlugin(mesh_shape=(1, 2), device="cpu", timeout=0.5)
     try:
-        AutoParallelAccelerator(auto_parallel_plugin=plugin, cpu=True).prepare(
-            model, torch.optim.AdamW(model.parameters()), DataLoader(rows, batch_size=2)
-        )
+        _prepare_under(AutoParallelPlugin(mesh_shape=(1, 2), device="cpu", timeout=0.5))
     finally:
         _join_planning_threads()
 
 
 def _callback_limit_case(out: Path) -> None:
     """``AutoParallelCallback(timeout=0.5)`` bounds the Trainer's planning as autoparallelize's does."""
-    import transformers
-
     from hf_colossal_auto import AutoParallelCallback
-    from hf_colossal_auto.models import make_example_inputs
 
-    model = _model()
-    batch = make_example_inputs(model, 4, 16)
-    rows = [{k: v[i] for k, v in batch.items()} for i in range(4)]
-    args = transformers.TrainingArguments(
-        output_dir=str(out / "trainer_limit"),
-        per_device_train_batch_size=2,
-        max_steps=1,
-        report_to=[],
-        use_cpu=True,
-    )
-    callback = AutoParallelCallback(mesh_shape=(1, 2), device="cpu", timeout=0.5)
     try:
-        transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
+        _trainer_with(
+            AutoParallelCallback(mesh_shape=(1, 2), device="cpu", timeout=0.5), out / "trainer_limit"
+        )
     finally:
         _join_planning_threads()
 
