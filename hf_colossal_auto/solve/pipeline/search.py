@@ -1,4 +1,6 @@
-"""Search order and pruning: every candidate gets a lower bound on its step without an ILP beyond its layout's
+"""The search over a model's pipeline candidates (pp degree, stage layout, schedule, micro-batch count).
+
+Search order and pruning: every candidate gets a lower bound on its step without an ILP beyond its layout's
 "none" one (every rank's share of the compute, synchronisation and optimizer, no bubble, no recompute);
 candidates are simulated in increasing bound and the search stops at the first bound no faster than the best
 candidate that fits (or than the best plan without stages). Recompute ILPs are solved only for the layouts whose
