@@ -39,7 +39,7 @@ def main() -> int:
     from hf_colossal_auto.hardware import get_device
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.solve.candidates import _Planner
-    from hf_colossal_auto.solve.pipeline_search import search_pipelines
+    from hf_colossal_auto.solve.pipeline.search import search_pipelines
     from hf_colossal_auto.solve.planner import plan_model
     from hf_colossal_auto.units import format_bytes
 

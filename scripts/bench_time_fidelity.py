@@ -94,7 +94,7 @@ def _pipeline_candidate(model, batch, spec, world: int, schedule: str, micro_bat
     None where the model has no pipeline layout."""
     from hf_colossal_auto.pipeline_layout import PipelineLayoutError
     from hf_colossal_auto.solve.candidates import _Planner
-    from hf_colossal_auto.solve.pipeline_search import search_pipeline_plan
+    from hf_colossal_auto.solve.pipeline.plan import search_pipeline_plan
 
     planner = _Planner.for_devices(model, batch, world, spec, None, None, None, "adamw", 60.0, "none")
     try:

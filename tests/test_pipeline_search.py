@@ -16,19 +16,11 @@ from hf_colossal_auto.apply.pipeline import check_pipeline_plan
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.plan import Plan, stage_ranks
 from hf_colossal_auto.solve.candidates import _Planner
-from hf_colossal_auto.solve.pipeline_search import (
-    OFFERED_SCHEDULES,
-    ModelCosts,
-    StageLayout,
-    UnitCost,
-    _in_flight,
-    _stage_of_blocks,
-    choose_recompute,
-    cut_blocks,
-    search_pipelines,
-    simulate_candidate,
-    with_pipelines,
-)
+from hf_colossal_auto.solve.pipeline.costs import ModelCosts, StageLayout, UnitCost
+from hf_colossal_auto.solve.pipeline.cut import choose_recompute, cut_blocks, simulate_candidate
+from hf_colossal_auto.solve.pipeline.plan import _stage_of_blocks, with_pipelines
+from hf_colossal_auto.solve.pipeline.schedules import OFFERED_SCHEDULES, _in_flight
+from hf_colossal_auto.solve.pipeline.search import search_pipelines
 from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
 from hf_colossal_auto.solve.pricing.pipeline_schedule import Link
 from hf_colossal_auto.solve.problem import InfeasibleError

@@ -46,13 +46,8 @@ from .candidates import (  # noqa: F401 (RECOMPUTE_MODES, PlanningTimeoutError r
 )
 from .context_parallel_search import ContextParallelPlanner, with_context_parallel
 from .ilp import solve
-from .pipeline_search import (
-    STAGE_DP_MODES,
-    StageLayout,
-    pipeline_configuration,
-    price_pipeline,
-    with_pipelines,
-)
+from .pipeline.costs import STAGE_DP_MODES, StageLayout
+from .pipeline.plan import pipeline_configuration, price_pipeline, with_pipelines
 from .pricing.comm import DP_MODES
 from .problem import InfeasibleError, Solution
 from .recompute import parse_option
@@ -158,7 +153,7 @@ def plan_model(
     and a real batch); expert parallelism is then priced by each layer's busiest rank. None assumes routing
     uniform over experts.
     ``pipeline``: pipeline stages (with tensor parallelism, DDP/FSDP/HSDP and recompute inside a stage:
-    :mod:`.pipeline_search`). 1 (the
+    :mod:`.pipeline`). 1 (the
     default for now) plans without them; None also searches every pp degree and returns the faster of the best
     plans with and without stages; an int >= 2 fixes the pp degree (only pipeline plans). ``micro_batches``
     is then the schedule's count when fixed.
@@ -401,7 +396,7 @@ def evaluate_plan(
     ``routing``: the MoE routing load to price under, as for :func:`plan_model` (default: a Plan's own
     measured histogram, ``Plan.moe_routing``, else uniform).
 
-    Pipeline stages (:func:`~.pipeline_search.price_pipeline`, the search's own pricing): a Plan with
+    Pipeline stages (:func:`~.pipeline.plan.price_pipeline`, the search's own pricing): a Plan with
     ``pp_size > 1`` is re-priced as it is; a baseline or tp_plan with ``pipeline`` (the pp degree >= 2) is a
     hand pipeline: ``mesh_shape`` (dp, tp) inside each stage, ``dp_mode`` / ``dp_shard_size`` as above,
     ``schedule`` (default "1f1b"), ``virtual_stages``, ``blocks_per_stage`` (default even), ``micro_batches``

@@ -108,7 +108,7 @@ def measured_schedule(preset: str, schedule: str, micro_batches: int) -> dict[st
     from hf_colossal_auto.apply.runtime import apply_plan
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.solve.candidates import _Planner
-    from hf_colossal_auto.solve.pipeline_search import search_pipeline_plan
+    from hf_colossal_auto.solve.pipeline.plan import search_pipeline_plan
 
     cfg = _config(preset)
     meta = build_model(cfg, device="meta")

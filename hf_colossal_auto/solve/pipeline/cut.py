@@ -1,0 +1,407 @@
+"""The cut of the model's blocks into stages, recompute per block, and the simulation of one candidate.
+
+Recompute per block: the cut is chosen first (dynamic programming over contiguous block ranges minimising the
+slowest stage without recompute, as Alpa and nnScaler cut; where even full recompute cannot fit a stage, the cut
+is redone under each stage's memory with full recompute), then each rank upgrades blocks to more recompute
+(none -> selective -> full), the block saving the most bytes per second of rerun first, until the rank's estimate
+(per stage its most micro-batches in flight, a bound on the simulation's) fits the budget. The simulation then
+gives the step and each rank's exact peak.
+
+Memory per rank, checked exactly per stage and schedule: the higher of two moments. Through the schedule: its
+stages' parameters and optimizer state (as the layout holds them: under FSDP the shards plus the parameters
+gathered through the step), plus what the simulation's walk of the schedule's own action list holds at its peak:
+activations (GPipe every micro-batch, 1F1B ``stages - stage_index``, interleaved more), each held micro-batch
+counting its output too (torch's stage keeps it until the micro-batch's backward: the hidden states sent on, the
+last stage's logits), the gradients from a stage's first backward on (the layout's: under FSDP the unsharded
+accumulated gradient), the last stage's backward adding the step's transient (the loss's backward: the logits'
+gradients; another stage's backward transient is not priced, docs/reliability.md), where a block recomputes its
+rematerialised activations while its backward runs (the largest such block of the rank), and the receive buffers
+torch's stages keep between steps (one per received send of a step). The optimizer step: the state (parameters,
+gradients, optimizer state and the step's temporaries, as the layout holds them) and the receive buffers. A head
+tied to the embedding on another rank: the last rank holds a copy (its state, gradient and optimizer step, as the
+embedding's) and both ranks all-reduce its gradient (the runtime's tie group). The ILP's own memory model gives
+the per-block bytes. Measured against real ranks in ``tests/multiproc/check_pipeline_planned.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ...plan import stage_ranks
+from ..pricing.pipeline_schedule import (
+    Link,
+    StageCost,
+    simulate_schedule,
+)
+from .costs import (
+    ModelCosts,
+    PipelineCandidate,
+    StageLayout,
+    UnitCost,
+    _backward_transient,
+    _block_seconds,
+    _kept_output_bytes,
+    _receive_bytes,
+    _stage_extras,
+)
+from .schedules import _in_flight
+
+
+def cut_blocks(
+    block_s: list[float],
+    num_stages: int,
+    first_s: float = 0.0,
+    last_s: float = 0.0,
+    fits: Callable[[int, int, int], bool] | None = None,
+) -> list[int] | None:
+    """Blocks per stage (each at least one, contiguous, in order) minimising the slowest stage's seconds, the
+    first stage also paying ``first_s`` and the last ``last_s``; among cuts as good, the one whose stages are
+    most even (least sum of squares). ``fits(stage, first_block, end_block)``: whether a stage may hold those
+    blocks (its memory); None when no cut meets it. Dynamic programming over prefix lengths:
+    O(stages x blocks^2)."""
+    n = len(block_s)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"{n} blocks cannot be cut into {num_stages} stages of at least one block each")
+    prefix = [0.0]
+    for t in block_s:
+        prefix.append(prefix[-1] + t)
+
+    def stage_time(s: int, i: int, j: int) -> float:
+        return prefix[j] - prefix[i] + (first_s if s == 0 else 0.0) + (last_s if s == num_stages - 1 else 0.0)
+
+    def allowed(s: int, i: int, j: int) -> bool:
+        return fits is None or fits(s, i, j)
+
+    inf = (math.inf, math.inf)
+    # best[s][j]: (slowest, sum of squares) of the first j blocks in s + 1 stages; back[s][j]: where stage s starts
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    back = [[0] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n + 1):
+        if allowed(0, 0, j):
+            t = stage_time(0, 0, j)
+            best[0][j] = (t, t * t)
+    for s in range(1, num_stages):
+        extra = last_s if s == num_stages - 1 else 0.0
+        before, row, rows_back = best[s - 1], best[s], back[s]
+        for j in range(s + 1, n + 1):
+            top = prefix[j] + extra
+            for i in range(j - 1, s - 1, -1):  # the stage grows as i falls: past the best, nothing better
+                t = top - prefix[i]
+                if t > row[j][0]:
+                    break
+                prev = before[i]
+                if prev[0] == math.inf or (fits is not None and not fits(s, i, j)):
+                    continue
+                candidate = (prev[0] if prev[0] > t else t, prev[1] + t * t)
+                if candidate < row[j] or (candidate == row[j] and i < rows_back[j]):
+                    row[j], rows_back[j] = candidate, i
+    if best[num_stages - 1][n][0] == math.inf:
+        return None
+    counts = []
+    j = n
+    for s in range(num_stages - 1, 0, -1):
+        i = back[s][j]
+        counts.append(j - i)
+        j = i
+    counts.append(j)
+    return counts[::-1]
+
+
+def choose_recompute(
+    costs: ModelCosts,
+    counts: list[int],
+    owner: list[int],
+    in_flight: tuple[int, ...],
+    budget: float,
+    micro_batches: int,
+) -> list[int] | None:
+    """Per block, the index into ``costs.block_options()`` of its recompute option: each rank starts without
+    recompute and, while its estimate (state + per stage its activations times its most micro-batches in flight
+    + the largest rematerialised block) exceeds ``budget``, moves the block that saves the most bytes per second
+    of rerun to a higher option (a stage's blocks are moved in order, the lowest option first). None: some rank
+    does not fit even with every block at the most recompute offered. The estimate is the higher of the two
+    moments (see the module docstring), the last stage's backward transient and a rank's receive buffers
+    counted."""
+    options = costs.block_options()
+    per_option = [costs.options[o] for o in options]
+    top = len(options) - 1
+    num_stages = len(counts)
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    levels = [0] * len(costs.blocks)
+    received = _receive_bytes(costs, owner, micro_batches)
+    for rank in sorted(set(owner)):
+        mine = [s for s in range(num_stages) if owner[s] == rank]
+        state = fixed = received[rank]
+        held = 0.0
+        for s in mine:
+            extra = _stage_extras(costs, num_stages, s, owner)
+            blocks = costs.blocks[starts[s] : starts[s] + counts[s]]
+            state += extra.state_bytes + sum(b.state_bytes for b in blocks)
+            fixed += extra.held_bytes + extra.grad_bytes + sum(b.held_bytes + b.grad_bytes for b in blocks)
+            fixed += _backward_transient(costs, num_stages, s)
+            acts = extra.activation_bytes + sum(b.activation_bytes for b in blocks)
+            held += in_flight[s] * (acts + _kept_output_bytes(costs, num_stages, s))
+        transient = 0.0
+        while max(state, fixed + held + transient) > budget:
+            move = _best_move(per_option, levels, mine, starts, counts, in_flight, micro_batches, top)
+            if move is None:
+                return None
+            b, s, target = move
+            before, after = per_option[levels[b]][b], per_option[target][b]
+            held -= in_flight[s] * (before.activation_bytes - after.activation_bytes)
+            levels[b] = target
+            transient = max(transient, per_option[0][b].activation_bytes - after.activation_bytes)
+    return levels
+
+
+def _best_move(
+    per_option: list[list[UnitCost]],
+    levels: list[int],
+    stages: list[int],
+    starts: list[int],
+    counts: list[int],
+    in_flight: tuple[int, ...],
+    micro_batches: int,
+    top: int,
+) -> tuple[int, int, int] | None:
+    """(block, stage, option) of the upgrade that saves the most activation bytes per second of rerun among the
+    next block (lowest option, first in the stage) of each of ``stages``; None when none saves any."""
+    best: tuple[float, int, int, int] | None = None
+    for s in stages:
+        blocks = range(starts[s], starts[s] + counts[s])
+        if not counts[s]:
+            continue
+        b = min(blocks, key=lambda i: (levels[i], i))
+        low = levels[b]
+        for target in range(low + 1, top + 1):
+            saved = in_flight[s] * (
+                per_option[low][b].activation_bytes - per_option[target][b].activation_bytes
+            )
+            if saved <= 0:
+                continue
+            extra = micro_batches * (
+                _block_seconds(per_option[target][b]) - _block_seconds(per_option[low][b])
+            )
+            ratio = saved / max(extra, 1e-15)
+            if best is None or ratio > best[0]:
+                best = (ratio, b, s, target)
+    return None if best is None else best[1:]
+
+
+def _memory_cut(
+    costs: ModelCosts,
+    num_stages: int,
+    virtual: int,
+    in_flight: tuple[int, ...],
+    budget: float,
+    micro_batches: int,
+) -> list[int] | None:
+    """A cut in which every stage fits ``budget / virtual`` with full recompute of its blocks (the most offered),
+    balancing time without recompute; None when there is none."""
+    most = costs.options[costs.block_options()[-1]]
+    per_block = [_block_seconds(b) for b in costs.blocks]
+    state = _prefix([b.state_bytes for b in costs.blocks])
+    fixed = _prefix([b.held_bytes + b.grad_bytes for b in costs.blocks])
+    act = _prefix([b.activation_bytes for b in most])
+    delta = max(
+        (b.activation_bytes - f.activation_bytes for b, f in zip(costs.blocks, most, strict=True)), default=0
+    )
+    owner = list(range(num_stages))  # the tied copy where the first and the last stage differ, as on pp ranks
+    extras = [_stage_extras(costs, num_stages, s, owner) for s in range(num_stages)]
+    received = 2 * micro_batches * costs.send_bytes  # a bound: both neighbours on other ranks
+
+    def fits(s: int, i: int, j: int) -> bool:
+        extra = extras[s]
+        kept = extra.activation_bytes + act[j] - act[i] + _kept_output_bytes(costs, num_stages, s)
+        held = in_flight[s] * kept + delta + _backward_transient(costs, num_stages, s)
+        through = extra.held_bytes + extra.grad_bytes + fixed[j] - fixed[i] + held
+        return max(extra.state_bytes + state[j] - state[i], through) + received <= budget / virtual
+
+    first = _block_seconds(costs.first)
+    last = _block_seconds(costs.last)
+    return cut_blocks(per_block, num_stages, first, last, fits)
+
+
+def _prefix(values: list[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _time_cut(costs: ModelCosts, num_stages: int) -> list[int]:
+    """The cut balancing the stages' seconds without recompute (cached by the blocks' seconds: layouts that
+    differ in their data-parallel mode only share it)."""
+    per_block = tuple(_block_seconds(b) for b in costs.blocks)
+    key = (per_block, _block_seconds(costs.first), _block_seconds(costs.last), num_stages)
+    if key not in _TIME_CUTS:
+        counts = cut_blocks(list(per_block), num_stages, key[1], key[2])
+        assert counts is not None  # no memory condition: a cut always exists
+        if len(_TIME_CUTS) > 4096:
+            _TIME_CUTS.clear()
+        _TIME_CUTS[key] = counts
+    return list(_TIME_CUTS[key])
+
+
+_TIME_CUTS: dict[tuple, list[int]] = {}
+
+
+def simulate_candidate(
+    costs: ModelCosts,
+    pp: int,
+    stage: StageLayout,
+    schedule: str,
+    virtual: int,
+    micro_batches: int,
+    link: Link,
+    budget: float = math.inf,
+    counts: list[int] | None = None,
+    levels: list[int] | None = None,
+) -> PipelineCandidate:
+    """Cut the blocks for ``schedule`` (``counts`` when given), choose recompute per block under ``budget``
+    (``levels`` when given: per block an index into ``costs.block_options()``; see :func:`cut_and_recompute`)
+    and simulate one step (see the module docstring)."""
+    if counts is None or levels is None:
+        counts, levels = cut_and_recompute(costs, pp, schedule, virtual, micro_batches, budget, counts)
+    in_flight = _in_flight(schedule, pp, micro_batches, virtual)
+    return _simulate_cut(costs, pp, stage, schedule, virtual, micro_batches, link, counts, levels, in_flight)
+
+
+def cut_and_recompute(
+    costs: ModelCosts,
+    pp: int,
+    schedule: str,
+    virtual: int,
+    micro_batches: int,
+    budget: float,
+    counts: list[int] | None = None,
+) -> tuple[list[int], list[int]]:
+    """The cut (``counts`` when given, else balancing the stages' seconds without recompute) and per block its
+    recompute level (:func:`choose_recompute`). Where no recompute choice fits the time-balanced cut, the blocks
+    are cut again under each stage's memory with the most recompute; where nothing fits, every block takes the
+    most recompute (priced, not fitting)."""
+    num_stages = pp * virtual
+    owner = stage_ranks(schedule, num_stages, pp)
+    in_flight = _in_flight(schedule, pp, micro_batches, virtual)
+    levels = None
+    if counts is None:
+        counts = _time_cut(costs, num_stages)
+        levels = choose_recompute(costs, counts, owner, in_flight, budget, micro_batches)
+        if levels is None:
+            counts = _memory_cut(costs, num_stages, virtual, in_flight, budget, micro_batches) or counts
+    if levels is None:
+        levels = choose_recompute(costs, counts, owner, in_flight, budget, micro_batches)
+    if levels is None:
+        levels = [len(costs.block_options()) - 1] * len(costs.blocks)
+    return counts, levels
+
+
+def _refined_bound(
+    costs: ModelCosts, pp: int, schedule: str, micro_batches: int, counts: list[int], levels: list[int]
+) -> float:
+    """No simulation of this cut and recompute choice is faster: per rank, the stages before its first one
+    (micro-batch 0 reaches it through them, and its last gradient goes back through them) plus all its own work
+    of the step; and its busy time (compute, gradient synchronisation, optimizer)."""
+    owner = stage_ranks(schedule, len(counts), pp)
+    stages, _ = _stages(costs, counts, levels, owner)
+    bound = 0.0
+    for rank in range(pp):
+        mine = [i for i in range(len(stages)) if owner[i] == rank]
+        work = sum(micro_batches * _block_seconds(stages[i]) for i in mine)
+        before = sum(_block_seconds(stages[i]) for i in range(min(mine)))
+        busy = work + sum(stages[i].optimizer_s + stages[i].sync_s for i in mine)
+        bound = max(bound, before + work, busy)
+    return bound
+
+
+def _simulate_cut(
+    costs: ModelCosts,
+    pp: int,
+    stage: StageLayout,
+    schedule: str,
+    virtual: int,
+    micro_batches: int,
+    link: Link,
+    counts: list[int],
+    levels: list[int],
+    in_flight: tuple[int, ...],
+) -> PipelineCandidate:
+    """One cut and recompute choice simulated, with each rank's state and exact peak memory."""
+    num_stages = pp * virtual
+    options = costs.block_options()
+    owner = stage_ranks(schedule, num_stages, pp)
+    stages, transients = _stages(costs, counts, levels, owner)
+    stage_costs = []
+    for index, s in enumerate(stages):
+        first_gather = s.gather_s / (
+            counts[index] + 1
+        )  # the first block's (or embedding's) gather, not hidden
+        stage_costs.append(
+            StageCost(
+                forward_s=s.forward_s,
+                backward_input_s=s.backward_s / 2,  # a matmul's input and weight gradients cost alike
+                backward_weight_s=s.backward_s / 2,
+                # torch's stage keeps a micro-batch's output (sent on, or the logits) until its backward
+                activation_bytes=int(s.activation_bytes) + _kept_output_bytes(costs, num_stages, index),
+                send_bytes=costs.send_bytes,
+                grad_bytes=int(s.grad_bytes),
+                backward_transient_bytes=_backward_transient(costs, num_stages, index),
+                first_forward_extra_s=first_gather + max(s.gather_s - first_gather - s.forward_s, 0.0),
+                last_backward_extra_s=s.sync_s,
+            )
+        )
+    rank_optimizer = [0.0] * pp
+    rank_state = [0.0] * pp
+    rank_held = [0.0] * pp
+    rank_transient = [0.0] * pp
+    for index, s in enumerate(stages):
+        rank_optimizer[owner[index]] += s.optimizer_s
+        rank_state[owner[index]] += s.state_bytes
+        rank_held[owner[index]] += s.held_bytes
+        rank_transient[owner[index]] = max(rank_transient[owner[index]], transients[index])
+    simulation = simulate_schedule(schedule, stage_costs, micro_batches, pp, link, max(rank_optimizer))
+    # torch's stages receive into buffers of their own, one per micro-batch and direction, kept between steps
+    for send in simulation.sends:
+        rank_held[send.dst] += send.nbytes
+        rank_state[send.dst] += send.nbytes
+    # the two highest moments: the schedule's (activations and gradients beside the state) and the optimizer step's
+    peaks = [
+        max(rank_state[r], rank_held[r] + simulation.peak_activation_bytes[r] + rank_transient[r])
+        for r in range(pp)
+    ]
+    stage_peaks = [
+        max(
+            s.state_bytes,
+            s.held_bytes + s.grad_bytes + transients[i] + _backward_transient(costs, num_stages, i)
+            + in_flight[i] * (s.activation_bytes + _kept_output_bytes(costs, num_stages, i)),
+        )
+        for i, s in enumerate(stages)
+    ]  # fmt: skip
+    return PipelineCandidate(
+        pp, stage, schedule, virtual, micro_batches, list(counts), [options[lv] for lv in levels], simulation,
+        rank_state, rank_held, peaks, [s.forward_s + s.backward_s for s in stages], stage_peaks, costs,
+    )  # fmt: skip
+
+
+def _stages(
+    costs: ModelCosts, counts: list[int], levels: list[int], owner: list[int] | None = None
+) -> tuple[list[UnitCost], list[float]]:
+    """Each stage's cost (its blocks, ``counts[s]`` of them in order, each under its recompute option, and what it
+    runs besides; with the stages' ranks ``owner``, the tied head's copy, :func:`_stage_extras`), and the
+    activations its largest recomputed block rematerialises during its backward."""
+    options = costs.block_options()
+    stages: list[UnitCost] = []
+    transients: list[float] = []
+    start = 0
+    for index, count in enumerate(counts):
+        stage = _stage_extras(costs, len(counts), index, owner)
+        transient = 0.0
+        for b in range(start, start + count):
+            chosen = costs.options[options[levels[b]]][b]
+            stage.add(chosen)
+            transient = max(transient, costs.blocks[b].activation_bytes - chosen.activation_bytes)
+        stages.append(stage)
+        transients.append(transient)
+        start += count
+    return stages, transients

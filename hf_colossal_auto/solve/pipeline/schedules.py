@@ -1,0 +1,85 @@
+"""The schedule and the micro-batch count: every offered schedule (GPipe, 1F1B; interleaved 1F1B, interleaved zero
+bubble and ZB-V with two stages per rank) and the micro-batch counts with the fewest rows per micro-batch (one or
+two sequences; :data:`MAX_ROW_OPTIONS`), each simulated on its action list
+(:func:`~..pricing.pipeline_schedule.simulate_schedule`): point-to-point sends on the link the pp axis crosses,
+the stage's gradient synchronisation after its last backward, the optimizer step after everything.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ...plan import PIPELINE_SCHEDULES, PipelinePlanError
+from ..pricing.pipeline_schedule import _cached_actions
+
+OFFERED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv")
+"""Schedules the search offers: every one the runtime runs and its tests cover."""
+
+MAX_ROW_OPTIONS = 2
+"""Rows per micro-batch tried per stage layout (the fewest first: 1, then 2, ...): more micro-batches shrink the
+bubble, and under 1F1B and the interleaved schedules the activations held do not grow with them; each row count
+costs an ILP per layout."""
+
+EFFICIENT_MICRO_BATCH_TOKENS = 4096
+"""Tokens of a micro-batch past which more rows per micro-batch are not tried: the matmuls of a micro-batch that
+size run near their peak (more rows would only grow the bubble), and every row count costs an ILP per layout."""
+
+
+def _schedules_for(num_blocks: int, pp: int, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(schedule, stages per rank) offered for ``pp`` ranks: one stage a rank for GPipe and 1F1B, two for the
+    multi-stage schedules, where the blocks give every stage at least one."""
+    out = []
+    for schedule in schedules:
+        virtual = PIPELINE_SCHEDULES[schedule][0]
+        if pp * virtual <= num_blocks:
+            out.append((schedule, virtual))
+    return out
+
+
+def _micro_batch_options(local_batch: int, least: int, row_tokens: int = 1) -> list[int]:
+    """Micro-batch counts for a replica's batch of ``local_batch`` rows: divisors of it, at least ``least``
+    (the pp degree: one per stage of a one-stage-a-rank schedule), the fewest rows per micro-batch first: up to
+    :data:`MAX_ROW_OPTIONS`, and more rows than the fewest only while a micro-batch is under
+    :data:`EFFICIENT_MICRO_BATCH_TOKENS` tokens (``row_tokens`` a row)."""
+    counts = [m for m in range(least, local_batch + 1) if local_batch % m == 0][::-1]
+    out = counts[:1]
+    for m in counts[1:MAX_ROW_OPTIONS]:
+        if (local_batch // out[-1]) * row_tokens >= EFFICIENT_MICRO_BATCH_TOKENS:
+            break
+        out.append(m)
+    return out
+
+
+def _row_tokens(inputs) -> int:
+    """Tokens in one row of the batch (its sequence length; 1 for inputs without one)."""
+    dims = [v.shape[1] for v in inputs.values() if hasattr(v, "shape") and len(v.shape) > 1]
+    return max(dims, default=1)
+
+
+def _valid_micro_batches(schedule: str, micro_batches: int, num_stages: int, pp: int) -> bool:
+    """Whether the Plan contract accepts the count for the schedule (at least a stage each, interleaved rounds)."""
+    from ...plan import _check_pipeline_micro_batches
+
+    try:
+        _check_pipeline_micro_batches(schedule, micro_batches, num_stages, pp)
+    except PipelinePlanError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=512)
+def _in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batches whose activations it holds at once along the schedule's action list (as
+    the simulation's memory walk holds them: until the full backward, or under the input/weight split until the
+    weight gradient; it does not depend on the stages' costs)."""
+    actions = _cached_actions(schedule, pp, micro_batches, virtual)
+    most = [0] * (pp * virtual)
+    for rank in actions:
+        count = [0] * (pp * virtual)
+        for kind, s, _ in rank:
+            if kind == "F":
+                count[s] += 1
+                most[s] = max(most[s], count[s])
+            elif kind in ("B", "W"):  # under the input/weight split the weight gradient frees them
+                count[s] -= 1
+    return tuple(most)
