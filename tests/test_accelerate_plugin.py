@@ -334,7 +334,7 @@ def test_accumulation_steps_are_planned_as_micro_batches(clean_env, accelerate_s
     from hf_colossal_auto.integrations import accelerator as accelerator_module
     from hf_colossal_auto.models import build_model, make_example_inputs
 
-    monkeypatch.setattr(accelerator_module, "plan_on_one_rank", lambda make: make())
+    monkeypatch.setattr(accelerator_module, "plan_on_one_rank", lambda make, **_: make())
     model = build_model("tiny-gpt2", device="cpu")
     plugin = AutoParallelPlugin(device="cpu", example_inputs=make_example_inputs(model, 4, 16))
     accelerator = AutoParallelAccelerator(
@@ -359,7 +359,7 @@ def test_routing_setting_reaches_the_planner_and_is_checked(
     clean_env.setenv("HF_COLOSSAL_AUTO_ROUTING", "measure")
     assert AutoParallelPlugin().planner_kwargs()["routing"] == "measure"
 
-    monkeypatch.setattr(accelerator_module, "plan_on_one_rank", lambda make: make())
+    monkeypatch.setattr(accelerator_module, "plan_on_one_rank", lambda make, **_: make())
     torch.manual_seed(0)
     model = build_model("tiny-mixtral", device="cpu")
     plugin = AutoParallelPlugin(device="cpu", example_inputs=make_example_inputs(model, 4, 16))

@@ -455,13 +455,14 @@ def _fully_shard(
     dp_mesh: DeviceMesh,
     ignored: set[nn.Parameter] | None = None,
     *,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
 ) -> None:
     """FSDP on the data-parallel axis (FSDP2 ``fully_shard`` per block, then the root): parameters, gradients
     and optimizer state sharded over the replicas (over the shard group under HSDP), gathered per block for
     compute (the next block's gather started by the current block's forward), gradients reduce-scattered.
     ``ignored``: parameters FSDP leaves alone in every unit (the experts sharded over the data-parallel axis,
-    already split over it: never gathered nor reduce-scattered). ``reshard_after_forward``: False keeps each
+    already split over it: never gathered nor reduce-scattered). ``reshard_after_forward``: None is FSDP2's
+    default (blocks resharded after forward, the root kept gathered for its backward); False keeps each
     block gathered from its forward to its backward (a pipeline stage runs several micro-batches' forwards
     before their backwards: resharding would gather every block again per micro-batch, as torchtitan avoids).
     ``model`` may be a pipeline stage: its blocks and whatever else it holds (embedding, head) are sharded."""
