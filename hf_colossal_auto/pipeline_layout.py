@@ -233,7 +233,7 @@ def hand_pipeline_plan(
 
     For running a chosen layout and for tests until the planner searches pipeline stages: its predicted
     figures (step time, memory) are not computed — they are 0 and ``solver["status"]`` says so."""
-    from .plan import Plan
+    from .plan import unpriced_plan
 
     if dp_mode not in ("ddp", "fsdp"):
         raise PipelineLayoutError(f"hand_pipeline_plan writes dp_mode 'ddp' or 'fsdp', not {dp_mode!r}")
@@ -242,24 +242,15 @@ def hand_pipeline_plan(
     shapes = {k: list(v.shape) for k, v in batch.items() if hasattr(v, "shape")}
     rows = next(iter(shapes.values()))[0] if shapes else 0
     sharded = dp_mode == "fsdp" and dp_size > 1
-    inner = Plan(
+    inner = unpriced_plan(
         model_class=layout.model_class,
         num_devices=dp_size,
-        device="hand-made",
         mesh_shape=(dp_size, 1),
         mesh_axis_names=("dp", "tp"),
         dp_mode=dp_mode,
         param_placements={fqn: ["S0" if sharded else "R", "R"] for fqn in params},
-        activation_placements={},
         global_batch_size=rows,
         input_shapes=shapes,
-        step_time_s=0.0,
-        compute_time_s=0.0,
-        communication_time_s=0.0,
-        peak_memory_bytes=0,
-        memory_budget_bytes=0,
-        param_memory_bytes=0,
-        activation_memory_bytes=0,
         recompute={layout.block(i): recompute for i in range(layout.num_blocks)}
         if recompute != "none"
         else {},

@@ -448,6 +448,24 @@ class Plan:
         return "\n".join(lines)
 
 
+def unpriced_plan(**fields: Any) -> Plan:
+    """A hand-made plan: the fields the runtime reads (``fields``), no predictions (times and bytes 0, no
+    activation placements), device "hand-made". What ``hand_pipeline_plan`` and ``hand_context_parallel_plan``
+    build, so that a test or a user can run a layout the planner did not price."""
+    unpriced: dict[str, Any] = dict(
+        device="hand-made",
+        activation_placements={},
+        step_time_s=0.0,
+        compute_time_s=0.0,
+        communication_time_s=0.0,
+        peak_memory_bytes=0,
+        memory_budget_bytes=0,
+        param_memory_bytes=0,
+        activation_memory_bytes=0,
+    )
+    return Plan(**{**unpriced, **fields})
+
+
 def stage_ranks(schedule: str, num_stages: int, pp_size: int) -> list[int]:
     """The pp rank of each of ``num_stages`` stages under ``schedule`` (see :meth:`Plan.stage_ranks`)."""
     if schedule != "zbv":

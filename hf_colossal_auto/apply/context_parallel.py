@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._torch_compat import flatten_mesh_axes
-from ..plan import Plan
+from ..plan import Plan, unpriced_plan
 
 logger = logging.getLogger(__name__)
 
@@ -598,24 +598,15 @@ def hand_context_parallel_plan(
     params = dict(model.named_parameters())
     shapes = {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
     rows = next(iter(shapes.values()))[0] if shapes else 0
-    return Plan(
+    return unpriced_plan(
         model_class=type(model).__name__,
         num_devices=dp_size * cp_size,
-        device="hand-made",
         mesh_shape=(dp_size, cp_size, 1),
         mesh_axis_names=("dp", "cp", "tp"),
         dp_mode="ddp",
         param_placements={fqn: ["R", "R", "R"] for fqn in params},
-        activation_placements={},
         global_batch_size=rows,
         input_shapes=shapes,
-        step_time_s=0.0,
-        compute_time_s=0.0,
-        communication_time_s=0.0,
-        peak_memory_bytes=0,
-        memory_budget_bytes=0,
-        param_memory_bytes=0,
-        activation_memory_bytes=0,
         solver={"status": "hand-made context-parallel plan, not priced"},
         param_shapes={fqn: list(p.shape) for fqn, p in params.items()},
         cp_size=cp_size,

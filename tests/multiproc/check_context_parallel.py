@@ -353,6 +353,7 @@ def accelerator_loop(directory: str, dp_mode: str = "ddp") -> dict:
     clipping, two optimizer steps, an evaluation gathered for metrics; against one process on the union of
     the processes' batches (what the replica's cp ranks compute on). ``dp_mode``: the plan's (FSDP: sharded
     over the cp ranks, accumulation by FSDP2's deferred gradient sync)."""
+    from common import accumulating_loop  # this script's folder is on the path under torchrun
     from torch.utils.data import DataLoader, default_collate
 
     from hf_colossal_auto import AutoParallelAccelerator
@@ -373,17 +374,7 @@ def accelerator_loop(directory: str, dp_mode: str = "ddp") -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     loader = DataLoader(rows, batch_size=2, collate_fn=default_collate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses, norms, seen = [], [], []
-    for batch in loader:
-        seen.append(batch["input_ids"][:, 0].tolist())
-        with accelerator.accumulate(model):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(loss.item())
+    losses, norms, seen, batch = accumulating_loop(accelerator, model, optimizer, loader)
     model.eval()
     with torch.no_grad():
         argmax = accelerator.gather_for_metrics(model(**batch).logits.argmax(-1))

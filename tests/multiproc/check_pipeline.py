@@ -350,6 +350,7 @@ def accelerator_loop(results: dict, directory: str) -> None:
     import os
 
     from accelerate import Accelerator  # noqa: F401 - the state singleton is made by ours
+    from common import accumulating_loop  # this script's folder is on the path under torchrun
     from torch.utils.data import DataLoader
 
     from hf_colossal_auto import AutoParallelAccelerator
@@ -371,17 +372,7 @@ def accelerator_loop(results: dict, directory: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     loader = DataLoader(rows, batch_size=4, collate_fn=torch.utils.data.default_collate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses, norms, seen = [], [], []
-    for batch in loader:
-        seen.append(batch["input_ids"][:, 0].tolist())
-        with accelerator.accumulate(model):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(loss.item())
+    losses, norms, seen, batch = accumulating_loop(accelerator, model, optimizer, loader)
     model.eval()
     with torch.no_grad():
         logits = model(**batch).logits

@@ -162,3 +162,23 @@ def allocation_peak(fn: Any) -> tuple[Any, int]:
         held += change
         peak = max(peak, held)
     return result, peak
+
+
+def accumulating_loop(
+    accelerator: Any, model: nn.Module, optimizer: Any, loader: Any
+) -> tuple[list, list, list, Any]:
+    """accelerate's documented loop with gradient accumulation and clipping, as users write it: (each batch's
+    loss, the clip norm of each synchronised step, each batch's first-token column, the last batch)."""
+    losses, norms, seen = [], [], []
+    batch = None
+    for batch in loader:
+        seen.append(batch["input_ids"][:, 0].tolist())
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, seen, batch
