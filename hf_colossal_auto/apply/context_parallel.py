@@ -41,9 +41,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -53,27 +51,26 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._torch_compat import flatten_mesh_axes
 from ..plan import Plan, unpriced_plan
+from .context_parallel_attention import (
+    ATTENTION_NAME,
+    CP_ATTR,
+    SUPPORTED_ATTENTION,
+    ContextParallel,
+    ContextParallelError,
+    GatherReplicated,
+    StepLayout,
+    SumReplicated,
+    local_tensor,
+    register_attention,
+)
 
 logger = logging.getLogger(__name__)
-
-ATTENTION_NAME = "hf_colossal_auto_context_parallel"
-"""The name of the context-parallel attention in transformers' attention registry."""
-
-SUPPORTED_ATTENTION = ("sdpa", "eager")
-"""Attention implementations the context-parallel attention runs (they take an arbitrary mask)."""
 
 TOKEN_INPUTS = ("input_ids", "inputs_embeds", "token_type_ids", "position_ids")
 """Forward arguments split on the sequence dim (dim 1); labels are shifted first."""
 
 FLASH_PACKED_INPUTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """Flash attention's packed-sequence arguments: documents by offsets, which a global-position mask cannot read."""
-
-CP_ATTR = "_hf_colossal_auto_context_parallel"
-"""Attribute every submodule of a context-parallel model carries: its :class:`ContextParallel`."""
-
-
-class ContextParallelError(ValueError):
-    """A model, an input or a setting that context parallelism cannot run exactly."""
 
 
 def balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -94,190 +91,6 @@ def check_sequence_length(seq_len: int, cp: int) -> None:
             f"head and a tail chunk per rank); a sequence length of {seq_len} does not divide. Pad or cut the "
             f"sequences to a multiple of {2 * cp} (e.g. the recipe's --seq-len, or pad_to_multiple_of={2 * cp})"
         )
-
-
-# ------------------------------------------------------------------------------------------- collectives
-class _GatherSequence(torch.autograd.Function):
-    """All-gather over the cp group along ``dim`` (ranks' parts end to end); backward reduce-scatters (sums)
-    the gradient back: each rank's keys and values are read by every rank's queries."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        size = dist.get_world_size(group)
-        moved = local.movedim(dim, 0).contiguous()
-        out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-        dist.all_gather_into_tensor(out, moved, group=group)
-        return out.movedim(0, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        size = dist.get_world_size(ctx.group)
-        moved = grad.movedim(ctx.dim, 0).contiguous()
-        out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-        dist.reduce_scatter_tensor(out, moved, group=ctx.group)
-        return out.movedim(0, ctx.dim), None, None
-
-
-class _GatherReplicated(torch.autograd.Function):
-    """All-gather over the cp group along ``dim`` for values every rank then uses alike (outputs): backward
-    keeps this rank's part of the gradient, with no collective (each rank holds the whole gradient)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.dim, ctx.rank, ctx.length = dim, dist.get_rank(group), local.shape[dim]
-        return _GatherSequence.forward(ctx, local, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad.narrow(ctx.dim, ctx.rank * ctx.length, ctx.length), None, None
-
-
-class _SumReplicated(torch.autograd.Function):
-    """All-reduce (sum) over the cp group of each rank's share of the loss; backward is the identity: every
-    rank back-propagates the same total, whose gradient with respect to its own share is one."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        total = local.detach().clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def _local(t: Any) -> Any:
-    """A DTensor's local tensor (the cp axis is outside DTensor's tensor-parallel mesh), else ``t``."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _gather_kv(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Keys or values ``[batch, heads, seq, dim]`` of every cp rank, end to end on the sequence dim (a DTensor
-    stays one, on its tensor-parallel mesh: only its local sequence grows)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        gathered = _GatherSequence.apply(t.to_local(), group, 2)
-        return DTensor.from_local(gathered, t.device_mesh, t.placements, run_check=False)
-    return _GatherSequence.apply(t, group, 2)
-
-
-# ------------------------------------------------------------------------------------------- per-step state
-@dataclass
-class StepLayout:
-    """One forward's sequence layout on this rank: what the attention needs to mask in global positions."""
-
-    query_positions: torch.Tensor
-    """Global positions of this rank's tokens, in local order."""
-    key_positions: torch.Tensor
-    """Global positions of the gathered keys (every rank's tokens, rank by rank)."""
-    order: torch.Tensor
-    """Index into the gathered sequence that restores sequence order (``argsort(key_positions)``)."""
-    padding: torch.Tensor | None
-    """The caller's 2-D attention mask over the whole sequence (True: attend), or None."""
-    documents: torch.Tensor | None
-    """Packed sequences: the document index of each position of the whole sequence, or None."""
-    masks: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
-    """Masks built so far this step, by (window, causal, dtype): every layer shares one."""
-    attention_calls: int = 0
-
-
-@dataclass
-class ContextParallel:
-    """A model's context parallelism: the cp group, this rank's place in it, the attention it wraps."""
-
-    group: dist.ProcessGroup
-    size: int
-    rank: int
-    base_attention: str
-    device: torch.device
-    layout: StepLayout | None = None
-    """The last forward's layout; kept after the forward so that recomputed blocks (activation checkpointing)
-    rerun attention in backward with the same masks."""
-
-
-# ------------------------------------------------------------------------------------------- attention
-def _mask(cp: ContextParallel, module: nn.Module, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-    """This step's additive attention mask ``[batch or 1, 1, local queries, all keys]`` for ``module``: causal
-    in global positions, the sliding window, padding and documents (0 where a query attends, the dtype's
-    lowest value elsewhere). Additive, in the queries' dtype, for sdpa too: sdpa converts a boolean mask to
-    that on every call and its CPU kernel saves the copy for backward, one per layer; one tensor made here is
-    shared by every layer of the step."""
-    layout = cp.layout
-    causal = bool(getattr(module, "is_causal", True))
-    key = (window, causal, dtype)
-    if key in layout.masks:
-        return layout.masks[key]
-    q = layout.query_positions[:, None]
-    k = layout.key_positions[None, :]
-    allowed = k <= q if causal else torch.ones_like(k <= q)
-    if window is not None:
-        allowed = allowed & (k > q - window)
-    allowed = allowed[None, None]
-    if layout.padding is not None:
-        allowed = allowed & layout.padding[:, layout.key_positions][:, None, None, :]
-    if layout.documents is not None:
-        docs = layout.documents
-        same = docs[:, layout.query_positions][:, :, None] == docs[:, layout.key_positions][:, None, :]
-        allowed = allowed & same[:, None]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    mask = mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    layout.masks[key] = mask
-    return mask
-
-
-def context_parallel_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *args: Any,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """transformers' attention interface: this rank's queries against every rank's keys and values (all-gathered
-    over cp), masked in global positions, computed by the model's own ``sdpa`` or ``eager`` attention."""
-    cp: ContextParallel | None = getattr(module, CP_ATTR, None)
-    if cp is None or cp.layout is None:
-        raise ContextParallelError(
-            f"{type(module).__name__} ran the context-parallel attention outside a context-parallel forward; "
-            "call the planned model itself"
-        )
-    cp.layout.attention_calls += 1
-    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    key, value = _gather_kv(key, cp.group), _gather_kv(value, cp.group)
-    mask = _mask(cp, module, window, _local(query).dtype)
-    kwargs.pop("sliding_window", None)
-    attention = _base_attention(module, cp.base_attention)
-    return attention(module, query, key, value, mask, *args, **kwargs)
-
-
-def _base_attention(module: nn.Module, kind: str) -> Callable[..., Any]:
-    """The attention function the model would run: transformers' registered sdpa, or the model's own eager."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if kind == "eager":
-        own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if own is None:
-            raise ContextParallelError(
-                f"{type(module).__name__}: its module has no eager_attention_forward for context parallelism to "
-                "run; use attn_implementation='sdpa'"
-            )
-        return own
-    return ALL_ATTENTION_FUNCTIONS[kind]
-
-
-def register_attention() -> None:
-    """Put :func:`context_parallel_attention` in transformers' attention registry (not in the mask registry:
-    the model then builds no mask of its own, and the attention builds one in global positions)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if ATTENTION_NAME not in ALL_ATTENTION_FUNCTIONS:
-        ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, context_parallel_attention)
 
 
 # ------------------------------------------------------------------------------------------- the model
@@ -475,7 +288,7 @@ def split_inputs(
     every = torch.cat([balanced_positions(length, cp.size, r) for r in range(cp.size)]).to(device)
     padding = kwargs.pop("attention_mask", None)
     if padding is not None:
-        padding = _local(padding)
+        padding = local_tensor(padding)
         if padding.dim() != 2:
             raise ContextParallelError(
                 f"{name}: a {padding.dim()}-D attention_mask cannot be cut by sequence positions under context "
@@ -490,12 +303,12 @@ def split_inputs(
     elif (
         padding is None
     ):  # packed sequences: transformers' documents (only without a padding mask, as it does)
-        documents = _documents(_local(positions).expand(rows, length))
+        documents = _documents(local_tensor(positions).expand(rows, length))
     labels = kwargs.get("labels")
     shifted = kwargs.pop("shift_labels", None)
     if labels is not None or shifted is not None:
         if shifted is None:
-            shifted = nn.functional.pad(_local(labels), (0, 1), value=-100)[..., 1:]
+            shifted = nn.functional.pad(local_tensor(labels), (0, 1), value=-100)[..., 1:]
         kwargs["labels"] = shifted  # not read: the loss takes shift_labels
         kwargs["shift_labels"] = shifted
         if kwargs.get("num_items_in_batch") is None:
@@ -504,7 +317,7 @@ def split_inputs(
     for key in (*TOKEN_INPUTS, "labels", "shift_labels"):
         value = out.get(key)
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            out[key] = _cut(name, key, _local(value), rows, length, mine)
+            out[key] = _cut(name, key, local_tensor(value), rows, length, mine)
     others = [
         k
         for k, v in out.items()
@@ -565,7 +378,7 @@ def gather_outputs(output: Any, cp: ContextParallel, length: int, rows: int) -> 
             and value.shape[0] == rows
             and value.shape[1] == local_length
         ):
-            gathered = _GatherReplicated.apply(value, cp.group, 1)
+            gathered = GatherReplicated.apply(value, cp.group, 1)
             return gathered.index_select(1, order)
         if isinstance(value, tuple | list):
             return type(value)(whole(v) for v in value)
@@ -575,7 +388,7 @@ def gather_outputs(output: Any, cp: ContextParallel, length: int, rows: int) -> 
         for key in list(output.keys()):
             value = output[key]
             if key == "loss" and isinstance(value, torch.Tensor):
-                output[key] = _SumReplicated.apply(value, cp.group)
+                output[key] = SumReplicated.apply(value, cp.group)
             else:
                 output[key] = whole(value)
         return output
