@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hf_colossal_auto.hardware import LinkSpec, collective_time, get_device
 from hf_colossal_auto.hardware.catalog import (
@@ -196,3 +197,24 @@ def test_data_parallel_sync_hides_behind_backward_as_the_device_allows():
     assert perfect.step_time_s < half.step_time_s < serial.step_time_s
     assert perfect.step_time_s >= max(perfect.compute_time_s, total_comm) * (1 - 1e-9)
     assert half.communication_time_s >= 0.5 * total_comm * (1 - 1e-9)
+
+
+def test_gemm_curve_is_the_median_of_interleaved_rounds_each_started_together(monkeypatch):
+    """Each size of the GEMM curve is timed once a round, the rounds interleaved and each point their median
+    (a drifting machine moves one round, not one size); ``sync`` (the job's barrier) runs before every timing,
+    so that the ranks time the same GEMM at once, as a training step's ranks compute at once."""
+    from hf_colossal_auto.hardware import microbench
+
+    events: list[object] = []
+    rates = iter([10.0, 20.0, 30.0, 40.0, 99.0, 21.0, 31.0, 41.0, 11.0, 22.0, 5.0, 42.0])
+
+    def fake_rate(device, dtype, *, budget_s, scale):
+        events.append(scale)
+        return next(rates)
+
+    monkeypatch.setattr(microbench, "matmul_rate", fake_rate)
+    curve = microbench.matmul_curve("cpu", torch.float32, rounds=3, sync=lambda: events.append("sync"))
+    scales = list(microbench.CURVE_SCALES)
+    assert events == ["sync", scales[0], "sync", scales[1], "sync", scales[2], "sync", scales[3]] * 3
+    assert [rate for _, rate in curve] == [11.0, 21.0, 30.0, 41.0]
+    assert [flops for flops, _ in curve] == sorted(flops for flops, _ in curve)

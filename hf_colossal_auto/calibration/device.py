@@ -56,10 +56,18 @@ def _dtypes(kind: str) -> dict[str, torch.dtype]:
 
 def measure_device(kind: str, budget_s: float = 1.0) -> dict[str, Any]:
     """GEMM FLOP/s per dtype (and by size), elementwise bandwidth and math, attention FLOP/s of this device, as
-    :class:`DeviceSpec` fields (:func:`~.kernels.measure_kernels`)."""
+    :class:`DeviceSpec` fields (:func:`~.kernels.measure_kernels`). In a multi-process job every rank measures,
+    each benchmark started together (a barrier), so that rank 0's figures are those of a machine whose every
+    rank computes, as in a training step."""
     nbytes = 256 * 2**20 if kind == "cuda" else min(64 * 2**20, max(8 * 2**20, host_memory_bytes() // 64))
+    together = dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else None
     rates = measure_kernels(
-        target_device(kind), _dtypes(kind), budget_s=budget_s, nbytes=nbytes, elementwise_math=kind == "cpu"
+        target_device(kind),
+        _dtypes(kind),
+        budget_s=budget_s,
+        nbytes=nbytes,
+        elementwise_math=kind == "cpu",
+        sync=together,
     )
     return dataclasses.asdict(rates)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +99,7 @@ def measure_kernels(
     nbytes: int,
     elementwise_math: bool,
     curves: bool = True,
+    sync: Callable[[], object] | None = None,
 ) -> KernelRates:
     """Every kernel benchmark of a calibration, in one place for the ``calibrate`` command and for the cpu
     preset's automatic calibration (which passes a smaller ``budget_s``).
@@ -109,9 +110,13 @@ def measure_kernels(
     warning. ``budget_s`` is per benchmark; ``nbytes`` sizes the elementwise buffers (beyond the caches);
     ``elementwise_math`` adds the transcendental rate (CPUs; a GPU's is memory-bound); ``curves=False`` skips
     the GEMM-size curves (four sizes more, each with its own cold operands). Runs under ``no_grad``
-    with a private RNG: the caller's seeded global RNG is untouched."""
+    with a private RNG: the caller's seeded global RNG is untouched. ``sync`` (a barrier, in a multi-process
+    job where every rank calls this) runs before each benchmark: the ranks then time the same kernel at the same
+    moment, sharing the machine's caches and memory as they do in a training step, instead of one rank's
+    GEMMs timed while another rank idles or does something else."""
     import torch
 
+    together = sync or (lambda: None)
     generator = torch.Generator(device="cpu").manual_seed(0)
     flops: dict[str, float] = {}
     curve: dict[str, tuple[tuple[float, float], ...]] = {}
@@ -119,27 +124,32 @@ def measure_kernels(
     with torch.no_grad():
         for name, dtype in dtypes.items():
             try:
+                together()
                 if name != "float32":
                     probe = _square_probe(device, dtype, generator)
                     if probe < EMULATED_DTYPE_SHARE * flops["float32"]:
                         flops[name] = probe
                         continue
+                together()
                 flops[name] = matmul_rate(device, dtype, budget_s=budget_s)
                 if curves:
-                    curve[name] = matmul_curve(device, dtype, budget_s=budget_s)
+                    curve[name] = matmul_curve(device, dtype, budget_s=budget_s, sync=sync)
             except RuntimeError as exc:  # a dtype without a matmul kernel in this build
                 if name == "float32":
                     raise
                 logger.warning(
                     "calibration: %s matmul failed on %s (%s); it falls back to float32", name, device, exc
                 )
+        together()
         bandwidth = elementwise_bandwidth(device, nbytes=nbytes, budget_s=budget_s / 2)
+        together()
         math_rate = transcendental_rate(device, budget_s=budget_s / 2) if elementwise_math else None
     for name, dtype in dtypes.items():
         emulated = flops.get(name, 0.0) < EMULATED_DTYPE_SHARE * flops["float32"]
         if emulated:  # emulated or missing: the fused kernel is no better
             continue
         try:
+            together()
             attention[name] = attention_rate(device, dtype, budget_s=budget_s)
         except RuntimeError as exc:
             logger.warning("calibration: %s attention failed on %s (%s)", name, device, exc)

@@ -121,15 +121,35 @@ def matmul_rate(device: Any, dtype: Any, *, budget_s: float = 1.0, scale: float 
 CURVE_SCALES: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)
 
 
-def matmul_curve(device: Any, dtype: Any, *, budget_s: float = 1.0) -> tuple[tuple[float, float], ...]:
+def matmul_curve(
+    device: Any,
+    dtype: Any,
+    *,
+    budget_s: float = 1.0,
+    rounds: int = 3,
+    sync: Callable[[], object] | None = None,
+) -> tuple[tuple[float, float], ...]:
     """``(FLOPs of one GEMM, achieved FLOP/s)`` at each of :data:`CURVE_SCALES`, smallest first: small GEMMs
-    (a narrow model, a tensor-parallel shard) reach a lower rate than big ones on every device."""
+    (a narrow model, a tensor-parallel shard) reach a lower rate than big ones on every device.
+
+    The sizes are visited in ``rounds`` interleaved rounds and each point is the median over them: a machine
+    whose speed drifts for a second (another process, a frequency step) then moves every point of one round,
+    which the median drops, instead of bending the curve at whichever size it was timing. ``sync`` (a
+    barrier in a multi-process job) runs before each measurement so that every rank times the same GEMM at
+    the same moment, contending for the shared caches and memory as the ranks of a training step do."""
     kind = getattr(device, "type", str(device))
+    rounds = max(1, rounds)
+    samples: list[list[float]] = [[] for _ in CURVE_SCALES]
+    for _ in range(rounds):
+        for i, scale in enumerate(CURVE_SCALES):
+            if sync is not None:
+                sync()
+            share = budget_s / (len(CURVE_SCALES) * rounds)
+            samples[i].append(matmul_rate(device, dtype, budget_s=share, scale=scale))
     points = []
-    for scale in CURVE_SCALES:
+    for scale, rates in zip(CURVE_SCALES, samples, strict=True):
         m, k, n = _gemm_shapes(kind, scale)[0]
-        rate = matmul_rate(device, dtype, budget_s=budget_s / len(CURVE_SCALES), scale=scale)
-        points.append((2.0 * m * k * n, rate))
+        points.append((2.0 * m * k * n, statistics.median(rates)))
     return tuple(points)
 
 
