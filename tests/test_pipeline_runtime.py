@@ -444,3 +444,34 @@ def test_moe_router_aux_loss_under_pipeline_stages(preset, changes, message):
     else:
         with pytest.raises(PipelineRuntimeError, match=f"{message}.*output_router_logits=False"):
             check_pipeline_plan(model, plan)
+
+
+def test_gloo_pipeline_with_hsdp_or_fsdp_times_tp_inside_the_stages_trains_like_one_process(tmp_path):
+    """8 ranks: pp 2 x dp 4 under HSDP (shard groups of 2) and pp 2 x dp 2 x tp 2 (FSDP x Megatron-LM, full
+    recompute), each priced with its stages by evaluate_plan; a 4-block Llama under 1F1B equals one process
+    (loss, gradients, clipping norm, evaluation), parameters after two AdamW steps within 5 % of the learning
+    rate (AdamW's first steps divide each gradient element by its own magnitude, so an element whose gradient is
+    near zero moves by a share of lr for a reduction-order difference; a wrongly mapped optimizer state moves
+    by lr or more), and save_pretrained reloads equal tensors in one process."""
+    from torchrun_launch import run_torchrun
+
+    out = tmp_path / "pipeline_8.json"
+    run_torchrun(str(ROOT / "tests" / "multiproc" / "check_pipeline_8.py"), "--out", str(out), nproc=8)
+    ranks = json.loads(out.read_text())
+    for rank, results in enumerate(ranks):
+        pp, inner = divmod(rank, 4)  # mesh (pp, dp, tp): rank = pp * 4 + dp * tp_size + tp
+        cases = {  # data_parallel_info: (dp rank, dp size, tp size, pp size, world); share of parameters held
+            "llama hsdp 1f1b": ([inner, 4, 1, 2, 8], (0.45, 0.55), 0),
+            "llama fsdp-tp 1f1b": ([inner // 2, 2, 2, 2, 8], (0.2, 0.45), 2),
+        }
+        for case, (info, (low, high), recomputed) in cases.items():
+            got = results[case]
+            assert got["info"] == info, (rank, case, got["info"])
+            assert abs(got["loss"] - got["ref_loss"]) <= 1e-5 * got["ref_loss"], (case, got)
+            assert got["grad_err"] <= 1e-5 and got["param_err_lr"] <= 5e-2, (case, got)
+            assert abs(got["norm"] - got["ref_norm"]) <= 1e-5 * got["ref_norm"], (case, got)
+            assert abs(got["eval_loss"] - got["ref_eval_loss"]) <= 1e-5 * got["ref_eval_loss"], (case, got)
+            assert got["eval_logits_err"] <= 1e-5, (case, got)
+            assert low <= got["local_fraction"] <= high, (rank, case, got["local_fraction"])
+            assert got["recomputed"] == recomputed, (rank, case, got["recomputed"])
+            assert got["saved"]["equal"], (case, got["saved"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import math
 import os
 import sys
 import tempfile
@@ -66,15 +67,42 @@ def reference(model, batch: dict, steps: int = 2) -> dict[str, Any]:
     return out
 
 
+PRICED_INSIDE: dict[str, tuple[str, dict[str, Any]]] = {
+    "hsdp": ("fsdp", {"mesh_shape": (4, 1), "dp_mode": "hsdp", "dp_shard_size": 2}),
+    "fsdp-tp": ("megatron", {"mesh_shape": (2, 2), "dp_mode": "fsdp", "recompute": "full"}),
+}
+"""Stage layouts of 8 ranks (``check_pipeline_8.py``), priced with the pipeline by ``evaluate_plan``: HSDP over
+dp 4 (shard groups of 2, two replicas), and FSDP over dp 2 times Megatron-LM tensor parallelism over tp 2."""
+
+
 def stage_plan(cfg, batch: dict, inside: str, schedule: str, cut: list[int]):
-    """The pp 2 plan of the case: ``inside`` each stage "ddp" or "fsdp" over dp 2 (hand-made), or "tp": the
-    planner's Megatron-LM plan of mesh (dp 1, tp 2) (``evaluate_plan``, on rank 0) given the stages."""
+    """The pp 2 plan of the case: ``inside`` each stage "ddp" or "fsdp" over dp 2 (hand-made), "tp": the
+    planner's Megatron-LM plan of mesh (dp 1, tp 2) (``evaluate_plan``, on rank 0) given the stages, or one of
+    :data:`PRICED_INSIDE` (8 ranks), priced with its stages by ``evaluate_plan``."""
     from hf_colossal_auto.apply.runtime import plan_on_one_rank
     from hf_colossal_auto.pipeline_layout import hand_pipeline_plan, pipeline_plan_from
     from hf_colossal_auto.solve.planner import evaluate_plan
 
     model = build(cfg, "meta")
     stages = {"pp_size": 2, "schedule": schedule, "micro_batches": len(cut), "blocks_per_stage": cut}
+    if inside in PRICED_INSIDE:
+        baseline, options = PRICED_INSIDE[inside]
+
+        def priced():
+            return evaluate_plan(
+                model,
+                batch,
+                baseline,
+                num_devices=2 * math.prod(options["mesh_shape"]),
+                device="cpu",
+                pipeline=2,
+                schedule=schedule,
+                micro_batches=len(cut),
+                blocks_per_stage=cut,
+                **options,
+            ).plan
+
+        return plan_on_one_rank(priced, what=f"pricing the {inside} stage plan")
     if inside != "tp":
         return hand_pipeline_plan(model, batch, dp_size=2, dp_mode=inside, **stages)
 
@@ -137,9 +165,11 @@ def pipelined(
             out["norm"], out["ref_norm"] = float(pipeline_runner(model).clip_grad_norm_(1e9)), ref["norm"]
         optimizer.step()
         optimizer.zero_grad()
-    out["param_err_lr"] = max(
-        (whole(p.detach()) - ref["params"][n]).abs().max().item() / LR for n, p in model.named_parameters()
-    )
+    errors = {
+        n: (whole(p.detach()) - ref["params"][n]).abs().max().item() / LR for n, p in model.named_parameters()
+    }
+    out["param_err_lr"] = max(errors.values())
+    out["param_err_at"] = max(errors, key=errors.get)  # which parameter, for a failure's message
     model.eval()
     with torch.no_grad():
         evaluated = model(**local)
