@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from hf_colossal_auto.apply import context_parallel_blocks as cpb
 from hf_colossal_auto.apply.context_parallel import balanced_positions
+from hf_colossal_auto.context_parallel_layout import causal_blocks, window_masks
 
 
 def _allowed(seq: int, window: int | None) -> torch.Tensor:
@@ -50,7 +51,7 @@ def _check_cover(cp: int, chunk: int, window: int | None) -> None:
     for rank in range(cp):
         queries = balanced_positions(seq, cp, rank)
         seen = torch.zeros(seq, seq, dtype=torch.int64)
-        for block in cpb.causal_blocks(cp, rank, chunk, window):
+        for block in causal_blocks(cp, rank, chunk, window):
             qpos = queries[block.query * chunk : (block.query + 1) * chunk]
             kpos = buffers[block.buffer][block.start : block.stop]
             assert len(kpos) > 0
@@ -91,7 +92,7 @@ def _simulated_ranks(monkeypatch, cp, q, k, v, window, go):
         q_local = q[:, :, pos].detach().requires_grad_()
         k_local, v_local = k[:, :, pos].detach(), v[:, :, pos].detach()
         k_local.requires_grad_(), v_local.requires_grad_()
-        blocks = cpb.causal_blocks(cp, rank, chunk, window)
+        blocks = causal_blocks(cp, rank, chunk, window)
         masks = {
             b.offset: cpb.window_mask(b.offset, chunk, window, q.dtype, q.device)
             for b in blocks
@@ -158,3 +159,9 @@ def test_blocked_reason_says_why_the_mask_path_runs(base, padded, kwargs, q_dtyp
         assert reason is None
     else:
         assert words in reason, reason
+
+
+def test_window_masks_counts_what_a_rank_holds():
+    assert window_masks(4, 8, [None, None]) == 0  # causal only: no mask at all
+    assert window_masks(2, 4, [None, 6]) == 2  # chunks 1 and 2 back are cut, chunk 3 back is out of the window
+    assert window_masks(2, 4, [6, 6, 3]) == 4  # a 3-token window cuts the diagonal and the chunk before
