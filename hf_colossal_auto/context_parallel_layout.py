@@ -11,7 +11,6 @@ slices of the two; the diagonal chunk runs under the kernel's causal flag, and c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -82,23 +81,3 @@ def _runs(slots: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((s, s))
     return runs
-
-
-def window_masks(cp: int, chunk: int, windows: Iterable[int | None]) -> int:
-    """The most ``[c, c]`` window masks any rank holds in a step: one per distinct (window, distance) its
-    blocks cut, over the layers' ``windows`` (None: a layer without one)."""
-    distinct = {w for w in windows if w is not None}
-    return max(
-        (
-            len(
-                {
-                    (w, b.offset)
-                    for w in distinct
-                    for b in causal_blocks(cp, r, chunk, w)
-                    if b.offset is not None
-                }
-            )
-            for r in range(cp)
-        ),
-        default=0,
-    )

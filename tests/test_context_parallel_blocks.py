@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from hf_colossal_auto.apply import context_parallel_blocks as cpb
 from hf_colossal_auto.apply.context_parallel import balanced_positions
-from hf_colossal_auto.context_parallel_layout import causal_blocks, window_masks
+from hf_colossal_auto.context_parallel_layout import causal_blocks
 
 
 def _allowed(seq: int, window: int | None) -> torch.Tensor:
@@ -159,9 +159,3 @@ def test_blocked_reason_says_why_the_mask_path_runs(base, padded, kwargs, q_dtyp
         assert reason is None
     else:
         assert words in reason, reason
-
-
-def test_window_masks_counts_what_a_rank_holds():
-    assert window_masks(4, 8, [None, None]) == 0  # causal only: no mask at all
-    assert window_masks(2, 4, [None, 6]) == 2  # chunks 1 and 2 back are cut, chunk 3 back is out of the window
-    assert window_masks(2, 4, [6, 6, 3]) == 4  # a 3-token window cuts the diagonal and the chunk before
