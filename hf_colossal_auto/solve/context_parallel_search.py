@@ -21,10 +21,12 @@ ordinary one. What the reshaped batch gets wrong is attention, corrected in the 
   attention is ``1 / c`` of the whole, ``c`` times what the reshaped step traced (whose chunk is causal on its
   own); each attention kernel's FLOPs (forward and backward) and K/V reads are scaled so;
 * memory (checked against MemTracker on 2 gloo ranks, ``tests/multiproc/check_context_parallel_costs.py``): the
-  runtime's attention keeps K and V of all ``S`` tokens at the query heads (with a mask transformers' sdpa
-  repeats grouped K/V heads), and the first layer the step's additive mask ``[1, 1, S / c, S]``, unless its
-  block is recomputed: added to what the kernel keeps alive until its backward (its log-sum-exp output's
-  storage, produced by the kernel and freed by its backward, so that recompute frees them with the block); the
+  runtime's attention keeps K and V of all ``S`` tokens; blocked (:class:`RuntimeAttention`: causal, a kernel
+  with a log-sum-exp for the device, dtype and chunk, no dropout) as gathered, at the K/V heads, and no mask;
+  on the mask path at the query heads (with a mask transformers' sdpa repeats grouped K/V heads), and the first
+  layer the step's additive mask ``[1, 1, S / c, S]``, unless its block is recomputed: added to what the kernel
+  keeps alive until its backward (its log-sum-exp output's storage, produced by the kernel and freed by its
+  backward, so that recompute frees them with the block); the
   logits gathered into the whole sequence and copied into sequence order beside the chunk's, on the LM head's
   output;
 * communication: per attention layer, forward all-gathers of K and of V over cp (each the full ``S``-token
