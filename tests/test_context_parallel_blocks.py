@@ -149,11 +149,12 @@ class _Attention(torch.nn.Module):
         ("sdpa", False, {"is_causal": False}, torch.float32, "non-causal"),
         ("sdpa", False, {"softcap": 30.0}, torch.float32, "'softcap'"),
         ("sdpa", False, {}, torch.int64, "no attention kernel"),
+        ("sdpa", False, {}, torch.float64, "different dtypes"),
     ],
 )
 def test_blocked_reason_says_why_the_mask_path_runs(base, padded, kwargs, q_dtype, words):
     q = torch.zeros(1, 4, 8, 16, dtype=q_dtype)
-    kv = torch.zeros(1, 2, 8, 16, dtype=q_dtype)
+    kv = torch.zeros(1, 2, 8, 16, dtype=torch.float32 if q_dtype == torch.float64 else q_dtype)
     reason = cpb.blocked_reason(_Attention(), base, q, kv, kv, padded, kwargs)
     if words is None:
         assert reason is None

@@ -218,8 +218,8 @@ def blocked_reason(
 ) -> str | None:
     """Why this layer's attention keeps the mask path (None: it runs blocked): eager attention (its own
     softmax), padding or packed documents, a non-causal layer, dropout, scores-changing arguments, DTensors
-    split on the sequence or head dims, head dims that differ, no kernel with a log-sum-exp for the device and
-    dtype."""
+    split on the sequence or head dims, head dims or dtypes that differ, no kernel with a log-sum-exp for the
+    device and dtype."""
     if base_attention != "sdpa":
         return f"attn_implementation {base_attention!r}"
     if padded:
@@ -237,6 +237,8 @@ def blocked_reason(
     q, k, v = local
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]) or q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
         return "query, key and value head shapes the kernels do not take"
+    if not (q.dtype == k.dtype == v.dtype):
+        return "query, key and value of different dtypes (sdpa casts them; the kernels do not)"
     chunk = q.shape[2] // 2
     if attention_lse_kernel(q.device, q.dtype, q.shape[-1], chunk) is None:
         return f"no attention kernel with a log-sum-exp for {q.dtype} on {q.device.type}"
