@@ -17,6 +17,9 @@ from torch.utils.flop_counter import flop_registry as _torch_flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "attention_block_backward",
+    "attention_block_forward",
+    "attention_lse_kernel",
     "tensor_is_view",
     "pipeline_schedule_actions",
     "recording_point_to_point",
@@ -513,3 +516,140 @@ class recording_point_to_point:  # noqa: N801 (used as a context manager, like t
         for module, name, original in reversed(self._saved):
             setattr(module, name, original)
         self._saved.clear()
+
+
+# ------------------------------------------------------------------- attention with its log-sum-exp
+# Context parallelism's causal attention without a mask (apply/context_parallel_blocks.py) runs a rank's queries
+# against blocks of the gathered keys and merges the blocks by their log-sum-exp; the public
+# ``scaled_dot_product_attention`` returns no log-sum-exp, the private SDPA kernels do (and their backward takes
+# the merged output and log-sum-exp, as torch's own ring attention uses them). Layouts: q, k, v ``[b, heads, L,
+# d]`` (any strides with a contiguous last dim), the log-sum-exp ``[b, heads, L]`` in float32.
+
+_aten = torch.ops.aten
+
+EFFICIENT_ALIGNMENT = 32
+"""CUDA memory-efficient attention pads its log-sum-exp to a multiple of 32 queries (and wants its bias rows
+aligned): the blocked attention uses it only for query chunks that are such a multiple."""
+
+
+def attention_lse_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, chunk: int) -> str | None:
+    """The SDPA kernel with a log-sum-exp that runs ``dtype`` attention of ``chunk``-query blocks on ``device``:
+    ``"cpu"`` (``_scaled_dot_product_flash_attention_for_cpu``: any float dtype, masks, grouped-query heads),
+    ``"cuda"`` (CUDA flash attention for unmasked / causal fp16 and bf16 blocks on sm80+, memory-efficient
+    attention for the rest: fp32, masked blocks), or None where neither exists (the caller keeps the mask
+    path)."""
+    if not dtype.is_floating_point or head_dim <= 0:
+        return None
+    if device.type == "cpu":
+        return "cpu" if hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu") else None
+    if device.type == "cuda":
+        ok = hasattr(_aten, "_scaled_dot_product_efficient_attention") and dtype in (
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+        )
+        return "cuda" if ok and chunk % EFFICIENT_ALIGNMENT == 0 and head_dim % 8 == 0 else None
+    return None
+
+
+def _cuda_flash(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a CUDA block runs flash attention (half dtypes, no mask, head dim <= 256, sm80+), not the
+    memory-efficient kernel."""
+    return (
+        mask is None
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 256
+        and torch.cuda.get_device_capability(q.device) >= (8, 0)
+    )
+
+
+def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V ``[b, kv heads, L, d]`` repeated to ``heads`` (the memory-efficient kernel has no grouped-query
+    attention): each K/V head serves ``heads / kv heads`` consecutive query heads."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _grouped_sum(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A gradient at the query heads summed back onto ``kv_heads`` (the inverse of :func:`_repeat_heads`)."""
+    b, heads, length, d = grad.shape
+    if heads == kv_heads:
+        return grad
+    return grad.view(b, kv_heads, heads // kv_heads, length, d).sum(2)
+
+
+def attention_block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    mask: torch.Tensor | None,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]:
+    """One block of attention without autograd: the output ``[b, heads, L, d]``, the log-sum-exp ``[b, heads,
+    L]`` (float32; for float64 inputs float64) and what the kernel's backward needs besides (opaque).
+    ``mask``: additive ``[1, 1, L, keys]`` or None; ``causal``: top-left causal (the diagonal block)."""
+    if q.device.type == "cpu":
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+        )
+        return out, lse, ("cpu",)
+    if _cuda_flash(q, mask):
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        return out, lse, ("flash", cum_q, cum_k, max_q, max_k, seed, offset)
+    heads, length = q.shape[1], q.shape[2]
+    bias = None if mask is None else mask.expand(q.shape[0], heads, length, k.shape[2])
+    out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
+        q, _repeat_heads(k, heads), _repeat_heads(v, heads), bias, True, 0.0, causal, scale=scale
+    )
+    return out, lse[..., :length], ("efficient", seed, offset)
+
+
+def attention_block_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    state: tuple[Any, ...],
+    *,
+    causal: bool,
+    mask: torch.Tensor | None,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of one block (q, k, v as given to :func:`attention_block_forward`, K/V at their own heads)
+    from the *merged* output and log-sum-exp of every block the queries attend to: the softmax over all
+    keys restricted to this block's, so that the blocks' gradients sum to one kernel's over all keys."""
+    kind = state[0]
+    if kind == "cpu":
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+        )
+    if kind == "flash":
+        _, cum_q, cum_k, max_q, max_k, seed, offset = state
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+        )
+        return dq, dk, dv
+    _, seed, offset = state
+    heads, kv_heads = q.shape[1], k.shape[1]
+    bias = None if mask is None else mask.expand(q.shape[0], heads, q.shape[2], k.shape[2])
+    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        grad_out,
+        q,
+        _repeat_heads(k, heads),
+        _repeat_heads(v, heads),
+        bias,
+        out,
+        lse.contiguous(),
+        seed,
+        offset,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
+    return dq, _grouped_sum(dk, kv_heads), _grouped_sum(dv, kv_heads)

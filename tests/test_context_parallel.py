@@ -7,7 +7,8 @@
   are not causal LMs, FSDP and pipeline plans);
 * on gloo ranks (one torchrun launch each, ``multiproc/check_context_parallel.py``): cp = 2 on 2 ranks and
   cp x tp, dp x cp on 4 ranks give one process's loss, logits (every token, the chunk boundaries' included) and
-  gradients for GPT-2, Llama (padding, packed documents) and Qwen2 (GQA, a sliding window, eager attention);
+  gradients for GPT-2, Llama (padding, packed documents) and Qwen2 (GQA, a sliding window, eager attention),
+  causal attention without padding or documents running blocked (no mask) and the rest on the mask path;
   bad inputs stop every rank with the error naming them; an ``AutoParallelAccelerator`` loop from a cp plan
   file trains like one process on the union of the replica's batches.
 """
@@ -156,6 +157,13 @@ def test_refusals_name_the_setting(preset, change, words):
         check_context_parallel_model(model, _cp_plan(model, **fields))
 
 
+def _blocked_calls(case: dict) -> int:
+    """Attention calls of one forward that ran blocked, the same on every rank."""
+    calls = {r["blocked_calls"] for r in case["ranks"]}
+    assert len(calls) == 1, case["ranks"]
+    return calls.pop()
+
+
 def _close(case: dict) -> None:
     for result in case["ranks"]:
         assert abs(result["loss"] - result["reference_loss"]) <= 1e-5 * result["reference_loss"], result
@@ -188,7 +196,12 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
         ("tiny-llama", "packed"),
         ("tiny-qwen2-window", "plain"),
         ("tiny-qwen2", "padded"),
+        ("tiny-qwen2-window", "plain"),
     ]
+    # causal attention without padding or documents ran blocked (no mask), the rest on the mask path; the
+    # last case is the window on the mask path
+    assert [_blocked_calls(c) for c in cases] == [2, 0, 0, 2, 0, 0]
+    assert not cases[5]["blocked"]
     for case in cases:
         _close(case)
         assert case["mesh"] == [1, 2, 1] and case["logits_shape"] == [2, 16, 512]
@@ -197,7 +210,7 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
             [4, 5, 6, 7, 8, 9, 10, 11],
         ]
     assert cases[3]["window_effect"] > 1e-3  # the window changes one process's logits: it was masked
-    assert cases[2]["recomputed"] == ["model.layers.0", "model.layers.1"]
+    assert cases[2]["recomputed"] == cases[3]["recomputed"] == ["model.layers.0", "model.layers.1"]
     refusals = {r["refusal"]: r["messages"] for r in results if "refusal" in r}
     assert all("sequence length of 14 does not divide" in m for m in refusals["odd-length"])
     assert all("'flash_attention_2' cannot take" in m for m in refusals["flash"])
@@ -227,12 +240,12 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
 
 
 def test_gloo_cp_times_tp_and_dp_times_cp_equal_one_process(tmp_path):
-    """cp 2 x tp 2 on 4 ranks (GPT-2, Llama with padding, Qwen2 GQA eager; DTensor tensor parallelism inside
+    """cp 2 x tp 2 on 4 ranks (GPT-2, Llama with padding, Qwen2 GQA with a window, Qwen2 GQA eager; DTensor tensor parallelism inside
     each cp rank) and dp 2 x cp 2 (gradients summed over cp, averaged over dp); FSDP over dp 2 x cp 2 and over
     cp 2 (x tp 2: 2-D parameters), two AdamW steps each: ~55-75 s."""
     out = tmp_path / "cp4.json"
     run_torchrun(
-        CHECK, "--tp", "2", "--cases", "0,1,4", "--dp-case", "--fsdp", "2:1,1:2", "--out", str(out), nproc=4,
+        CHECK, "--tp", "2", "--cases", "0,1,3,4", "--dp-case", "--fsdp", "2:1,1:2", "--out", str(out), nproc=4,
         timeout=600,
     )  # fmt: skip
     results = json.loads(out.read_text())
@@ -240,12 +253,17 @@ def test_gloo_cp_times_tp_and_dp_times_cp_equal_one_process(tmp_path):
     assert [(c["model"], c["mesh"]) for c in cases] == [
         ("tiny-gpt2", [1, 2, 2]),
         ("tiny-llama", [1, 2, 2]),
+        ("tiny-qwen2-window", [1, 2, 2]),
         ("tiny-qwen2", [1, 2, 2]),
         ("tiny-llama", [2, 2, 1]),
     ]
     for case in cases:
         _close(case)
-    assert all(c["sharded_params"] > 0 for c in cases[:3])  # tensor parallelism really split the weights
+    assert all(c["sharded_params"] > 0 for c in cases[:4])  # tensor parallelism really split the weights
+    # blocked on DTensor heads (GPT-2; Qwen2 GQA with a window, recomputed); with dp 2 x cp 2 the second
+    # replica's rows have no padding: blocked there, masked on the first
+    assert [_blocked_calls(c) for c in cases[:4]] == [2, 0, 2, 0]
+    assert [r["blocked_calls"] for r in cases[4]["ranks"]] == [0, 0, 2, 2]
     fsdp = [r["fsdp"] for r in results if "fsdp" in r]
     assert [f["fsdp_mesh"] for f in fsdp] == [[2, 2, 1], [1, 2, 2]]
     _fsdp_close(fsdp[0], 4)

@@ -7,6 +7,7 @@ Kept apart from the model wrapping (inputs cut, outputs gathered, what is refuse
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .context_parallel_blocks import blocked_attention, blocked_reason
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "hf_colossal_auto_context_parallel"
 """The name of the context-parallel attention in transformers' attention registry."""
@@ -117,8 +122,11 @@ class StepLayout:
     documents: torch.Tensor | None
     """Packed sequences: the document index of each position of the whole sequence, or None."""
     masks: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
-    """Masks built so far this step, by (window, causal, dtype): every layer shares one."""
+    """Masks built so far this step, by (window, causal, dtype): every layer shares one (the blocked path's
+    window masks too, by distance)."""
     attention_calls: int = 0
+    blocked_calls: int = 0
+    """Attention calls that ran blocked, without a mask (:mod:`.context_parallel_blocks`)."""
 
 
 @dataclass
@@ -133,6 +141,11 @@ class ContextParallel:
     layout: StepLayout | None = None
     """The last forward's layout; kept after the forward so that recomputed blocks (activation checkpointing)
     rerun attention in backward with the same masks."""
+    blocked: bool = True
+    """Causal attention without padding or documents runs blocked, without a mask, where a kernel with a
+    log-sum-exp exists (:mod:`.context_parallel_blocks`); False keeps every call on the mask path."""
+    fallbacks: set[str] = field(default_factory=set)
+    """Why calls kept the mask path (logged once each)."""
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -175,7 +188,9 @@ def context_parallel_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention interface: this rank's queries against every rank's keys and values (all-gathered
-    over cp), masked in global positions, computed by the model's own ``sdpa`` or ``eager`` attention."""
+    over cp). Causal attention without padding or documents runs blocked, without a mask
+    (:func:`.context_parallel_blocks.blocked_attention`); the rest is masked in global positions and computed
+    by the model's own ``sdpa`` or ``eager`` attention."""
     cp: ContextParallel | None = getattr(module, CP_ATTR, None)
     if cp is None or cp.layout is None:
         raise ContextParallelError(
@@ -184,11 +199,33 @@ def context_parallel_attention(
         )
     cp.layout.attention_calls += 1
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if cp.blocked:
+        reason = _blocked_reason(cp, module, query, key, value, kwargs)
+        if reason is None:
+            cp.layout.blocked_calls += 1
+            scale = kwargs.get("scaling")
+            out = blocked_attention(
+                cp.group, cp.size, cp.rank, query, key, value, window, scale, cp.layout.masks
+            )
+            return out, None
+        if reason not in cp.fallbacks:
+            cp.fallbacks.add(reason)
+            logger.info(
+                "context-parallel attention in %s runs with a mask: %s", type(module).__name__, reason
+            )
     key, value = _gather_kv(key, cp.group), _gather_kv(value, cp.group)
     mask = _mask(cp, module, window, local_tensor(query).dtype)
     kwargs.pop("sliding_window", None)
     attention = _base_attention(module, cp.base_attention)
     return attention(module, query, key, value, mask, *args, **kwargs)
+
+
+def _blocked_reason(
+    cp: ContextParallel, module: nn.Module, query: Any, key: Any, value: Any, kwargs: dict[str, Any]
+) -> str | None:
+    """Why this call keeps the mask path, or None (:func:`.context_parallel_blocks.blocked_reason`)."""
+    padded = cp.layout.padding is not None or cp.layout.documents is not None
+    return blocked_reason(module, cp.base_attention, query, key, value, padded, kwargs)
 
 
 def _base_attention(module: nn.Module, kind: str) -> Callable[..., Any]:

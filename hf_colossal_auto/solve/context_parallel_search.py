@@ -21,10 +21,12 @@ ordinary one. What the reshaped batch gets wrong is attention, corrected in the 
   attention is ``1 / c`` of the whole, ``c`` times what the reshaped step traced (whose chunk is causal on its
   own); each attention kernel's FLOPs (forward and backward) and K/V reads are scaled so;
 * memory (checked against MemTracker on 2 gloo ranks, ``tests/multiproc/check_context_parallel_costs.py``): the
-  runtime's attention keeps K and V of all ``S`` tokens at the query heads (with a mask transformers' sdpa
-  repeats grouped K/V heads), and the first layer the step's additive mask ``[1, 1, S / c, S]``, unless its
-  block is recomputed: added to what the kernel keeps alive until its backward (its log-sum-exp output's
-  storage, produced by the kernel and freed by its backward, so that recompute frees them with the block); the
+  runtime's attention keeps K and V of all ``S`` tokens; blocked (:class:`RuntimeAttention`: causal, a kernel
+  with a log-sum-exp for the device, dtype and chunk, no dropout) as gathered, at the K/V heads, and no mask;
+  on the mask path at the query heads (with a mask transformers' sdpa repeats grouped K/V heads), and the first
+  layer the step's additive mask ``[1, 1, S / c, S]``, unless its block is recomputed: added to what the kernel
+  keeps alive until its backward (its log-sum-exp output's storage, produced by the kernel and freed by its
+  backward, so that recompute frees them with the block); the
   logits gathered into the whole sequence and copied into sequence order beside the chunk's, on the LM head's
   output;
 * communication: per attention layer, forward all-gathers of K and of V over cp (each the full ``S``-token
@@ -51,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._torch_compat import attention_lse_kernel
 from ..capture.graph import Phase, StepGraph
 from ..hardware.roofline import host_time
 from ..plan import Plan
@@ -135,17 +138,62 @@ class AttentionKernel:
     gathered_bytes: tuple[float, float]
     """K and V as gathered: all ``S`` tokens of the rank's rows at the K/V heads, heads unsplit by tp."""
     held_bytes: tuple[float, float]
-    """K and V as the runtime's attention keeps them for backward: all ``S`` tokens at the *query* heads (with a
-    mask, transformers' sdpa takes no grouped-query attention: ``repeat_kv`` copies them to every query head)."""
+    """K and V as the runtime's attention keeps them for backward: blocked (:attr:`blocked`), as gathered; on
+    the mask path all ``S`` tokens at the *query* heads (with a mask, transformers' sdpa takes no grouped-query
+    attention: ``repeat_kv`` copies them to every query head)."""
     mask_bytes: float
-    """The runtime's additive mask ``[1, 1, S / cp, S]`` in the queries' dtype (one per step, every layer's)."""
+    """The mask path's additive mask ``[1, 1, S / cp, S]`` in the queries' dtype (one per step, every
+    layer's); 0 when blocked."""
+    blocked: bool = False
+    """The runtime runs this layer's attention blocked, without a mask
+    (:mod:`hf_colossal_auto.apply.context_parallel_blocks`)."""
 
 
-def attention_kernels(graph: StepGraph, cp: int, kv_heads: int | None) -> list[AttentionKernel]:
+@dataclass(frozen=True)
+class RuntimeAttention:
+    """What decides how the runtime runs a layer's attention, as the planner sees it: the device kind, the
+    model's attention modules (causality, sliding window) and the traced kernel (dtype, head dim, dropout).
+    Blocked, without a mask, where the runtime's :func:`~hf_colossal_auto.apply.context_parallel_blocks.
+    blocked_reason` would say so for the planned batch (no padding mask: cp is not offered with one)."""
+
+    device_kind: str
+    modules: Mapping[str, nn.Module]
+
+    def blocked(self, graph: StepGraph, node: Any) -> bool:
+        """Whether the attention of forward kernel ``node`` runs blocked. (A sliding window would too, with
+        small masks, but its traced kernel is given the window's mask, which leaves cp unoffered.)"""
+        module = self.modules.get(node.module)
+        query = graph.values[node.inputs[0]]
+        if module is None or not getattr(module, "is_causal", True) or len(query.shape) != 4:
+            return False
+        if _kernel_dropout(node):
+            return False
+        dtype = getattr(torch, query.dtype.replace("torch.", ""), None)
+        if not isinstance(dtype, torch.dtype):
+            return False
+        kernel = attention_lse_kernel(
+            torch.device(self.device_kind), dtype, query.shape[-1], query.shape[2] // 2
+        )
+        return kernel is not None
+
+
+def _kernel_dropout(node: Any) -> float:
+    """The dropout probability a traced SDPA kernel ran with (the memory-efficient kernel takes a bias and a
+    flag before it)."""
+    args, kwargs = node.args if isinstance(node.args, tuple) and len(node.args) == 2 else ((), {})
+    at = 5 if "efficient" in node.op else 3
+    value = kwargs.get("dropout_p", args[at] if len(args) > at else 0.0)
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def attention_kernels(
+    graph: StepGraph, cp: int, kv_heads: int | None, runtime: RuntimeAttention | None = None
+) -> list[AttentionKernel]:
     """The step's forward attention kernels (see :data:`ATTENTION_FORWARD_KERNELS`) with the K/V each gathers
     (``cp x`` the traced chunk, at ``kv_heads`` heads: the traced key input may have them already, the trace
-    runs sdpa's grouped-query attention without a mask, or repeated to the query heads) and keeps. Refused where
-    there are none (eager attention: its matmul + softmax is not recognised) or a kernel is given a mask."""
+    runs sdpa's grouped-query attention without a mask, or repeated to the query heads) and keeps, blocked or on
+    the mask path as ``runtime`` says (None: the mask path). Refused where there are none (eager attention: its
+    matmul + softmax is not recognised) or a kernel is given a mask."""
     kernels = []
     for node in graph.nodes:
         if node.op not in ATTENTION_FORWARD_KERNELS:
@@ -166,7 +214,10 @@ def attention_kernels(graph: StepGraph, cp: int, kv_heads: int | None) -> list[A
         numel = math.prod(query.shape) or 1
         local = query.shape[-2] if len(query.shape) >= 2 else 0
         mask = float(local * local * cp * (query.nbytes / numel))
-        kernels.append(AttentionKernel(node.index, gathered, held, mask))  # type: ignore[arg-type]
+        blocked = runtime is not None and runtime.blocked(graph, node)
+        if blocked:
+            held, mask = gathered, 0.0
+        kernels.append(AttentionKernel(node.index, gathered, held, mask, blocked))  # type: ignore[arg-type]
     if not kernels:
         raise ContextParallelUnsupported(
             f"no fused attention kernel (scaled_dot_product_attention) in the traced step of {graph.model_class}: "
@@ -182,7 +233,11 @@ def _has_mask(graph: StepGraph, node) -> bool:
 
 
 def context_parallel_step(
-    graph: StepGraph, cp: int, kv_heads: int | None, logits_module: str | None = None
+    graph: StepGraph,
+    cp: int,
+    kv_heads: int | None,
+    logits_module: str | None = None,
+    runtime: RuntimeAttention | None = None,
 ) -> StepGraph:
     """``graph`` (the step traced on the cp-chunked batch) made what a cp rank runs, in place: each attention
     kernel's FLOPs (forward and backward) ``cp`` times (its queries meet all keys), its K/V reads those of the
@@ -193,14 +248,16 @@ def context_parallel_step(
     whole sequence (``cp`` times the traced chunk's) and put in sequence order (an ``index_select``: a second
     copy), both made while the chunk's are still held (the step's peak where the LM head is large), on the traced
     logits' storage (``logits_module``: the output embeddings' name)."""
-    kernels = attention_kernels(graph, cp, kv_heads)
+    kernels = attention_kernels(graph, cp, kv_heads, runtime)
     grown: dict[int, int] = {}
-    for i, kernel in enumerate(kernels):
+    masked = [k for k in kernels if not k.blocked]
+    step_mask = {masked[0].index: int(masked[0].mask_bytes)} if masked else {}  # on its first user's storage
+    for kernel in kernels:
         node = graph.nodes[kernel.index]
         traced_kv = sum(graph.values[x].nbytes for x in node.inputs[1:3])
         node.flops *= cp
         node.bytes_read += (cp - 1) * traced_kv
-        extra = int(sum(kernel.held_bytes)) - traced_kv + (int(kernel.mask_bytes) if i == 0 else 0)
+        extra = int(sum(kernel.held_bytes)) - traced_kv + step_mask.get(kernel.index, 0)
         _grow(graph, graph.values[node.outputs[1]].id, extra, grown)
     backward = [n for n in graph.nodes if n.op in ATTENTION_BACKWARD_KERNELS]
     for node in backward:
@@ -360,7 +417,13 @@ class ContextParallelPlanner(_Planner):
         """id of a built problem -> the step's other cp collectives and the attention layers by module."""
 
     def _trace(self, rows: int) -> StepGraph:
-        return context_parallel_step(super()._trace(rows), self.cp, self.kv_heads, self.logits_module)
+        return context_parallel_step(
+            super()._trace(rows), self.cp, self.kv_heads, self.logits_module, self.runtime_attention()
+        )
+
+    def runtime_attention(self) -> RuntimeAttention:
+        """How the runtime's attention runs on this cluster's devices (blocked or masked, per layer)."""
+        return RuntimeAttention(self.spec.kind, dict(self.outer.model.named_modules()))
 
     def offers_mesh(self, mesh: tuple[int, int]) -> bool:
         """Only meshes whose data-parallel size is ``dp x cp`` for a whole dp."""

@@ -11,7 +11,9 @@ logits and gradient differences (the gathered logits include the chunk-boundary 
 positions. Cases: GPT-2 (learned positions, tied head), Llama (RoPE, GQA) with padding and labels ignored
 around the chunk boundaries, Llama on packed sequences (position ids that restart) with every block
 recomputed (attention reruns in backward), Qwen2 (GQA) with a
-sliding window shorter than the sequence, eager attention; then the refusals (a sequence the balanced layout
+sliding window shorter than the sequence (blocked and recomputed; again on the mask path), eager attention; causal
+attention without padding or documents runs blocked, without a mask (each case reports its calls); then the
+refusals (a sequence the balanced layout
 cannot cut, flash attention's packed offsets), each raised on every rank.
 """
 
@@ -102,10 +104,18 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_case(
-    name: str, kind: str, attention: str, tp: int, seq: int, dp: int = 1, recompute: bool = False
+    name: str,
+    kind: str,
+    attention: str,
+    tp: int,
+    seq: int,
+    dp: int = 1,
+    recompute: bool = False,
+    blocked: bool = True,
 ) -> dict:
     """One model on a ``dp x cp x tp`` mesh: each replica's loss, logits and the gradients (DDP's: the mean of
-    the replicas' losses) against one process on the replica's or the global rows."""
+    the replicas' losses) against one process on the replica's or the global rows. ``blocked`` False keeps
+    every attention call on the mask path (the blocked, mask-free path is the default where it applies)."""
     from common import ddp_reference_loss  # here: this script's folder is on the path under torchrun
 
     from hf_colossal_auto.apply import apply_plan, broadcast_plan
@@ -122,6 +132,7 @@ def run_case(
     if recompute:  # every block checkpointed: attention reruns in backward, K/V gathered again
         plan.recompute = {f"model.layers.{i}": "full" for i in range(model.config.num_hidden_layers)}
     apply_plan(model, plan)
+    model._hf_colossal_auto_context_parallel.blocked = blocked
     info = data_parallel_info(model)
     assert (info.size, info.cp_size, info.tp_size, info.group_processes) == (dp, cp, tp, cp * tp), info
     assert info.rank == rank // (cp * tp), info
@@ -133,6 +144,8 @@ def run_case(
         windowless = float((build("tiny-qwen2", attention)(**mine).logits - ref.logits).abs().max())
     ddp_reference_loss(reference, batch, dp).backward()
     out = model(**mine)
+    layout = model._hf_colossal_auto_context_parallel.layout
+    calls = {"attention_calls": layout.attention_calls, "blocked_calls": layout.blocked_calls}
     out.loss.backward()
     grad_diff = max(
         float((full(p.grad) - p_ref.grad).abs().max())
@@ -152,6 +165,8 @@ def run_case(
         "positions": balanced_positions(seq, cp, cp_rank).tolist(),
         "sharded_params": sum(isinstance(p, DTensor) for p in model.parameters()),
         "window_effect": windowless,
+        "blocked": blocked,
+        **calls,
         "recomputed": sorted(
             n for n, m in model.named_modules() if getattr(m, "_hf_colossal_auto_recompute", None)
         ),
@@ -434,19 +449,20 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    cases = [  # model, inputs, attention, every block recomputed
-        ("tiny-gpt2", "plain", "sdpa", False),
-        ("tiny-llama", "padded", "sdpa", False),
-        ("tiny-llama", "packed", "sdpa", True),
-        ("tiny-qwen2-window", "plain", "sdpa", False),
-        ("tiny-qwen2", "padded", "eager", False),
+    cases = [  # model, inputs, attention, every block recomputed, blocked (mask-free) attention where it applies
+        ("tiny-gpt2", "plain", "sdpa", False, True),
+        ("tiny-llama", "padded", "sdpa", False, True),
+        ("tiny-llama", "packed", "sdpa", True, True),
+        ("tiny-qwen2-window", "plain", "sdpa", True, True),
+        ("tiny-qwen2", "padded", "eager", False, True),
+        ("tiny-qwen2-window", "plain", "sdpa", False, False),
     ]
     if args.cases != "all":
         cases = [cases[int(i)] for i in args.cases.split(",") if i]
     started = time.perf_counter()
     results = [
-        run_case(name, kind, attention, args.tp, args.seq, recompute=recompute)
-        for name, kind, attention, recompute in cases
+        run_case(name, kind, attention, args.tp, args.seq, recompute=recompute, blocked=blocked)
+        for name, kind, attention, recompute, blocked in cases
     ]
     if args.dp_case:
         results.append(run_case("tiny-llama", "padded", "sdpa", 1, args.seq, dp=2))
