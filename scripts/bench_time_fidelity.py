@@ -20,10 +20,10 @@ with two more candidates, each priced and measured like the rest:
 * ``cp2``: ``plan_model(context_parallel=2)``, each sequence split over 2 cp ranks (head + tail chunks), K/V
   all-gathered per attention layer;
 * ``sp``: ``plan_model`` forced to mesh ``1 x 2`` with one sequence a micro-batch (``micro_batches`` = the
-  global batch): at one sequence per piece the solver runs the blocks sequence-parallel (norms and residual
-  stream sharded on the sequence dim between tensor-parallel regions; with two sequences in one piece it
-  shards the batch dim instead, at the same cost). The worker prints the plan's ``sequence parallel`` line and
-  leaves the candidate out, saying so, if no block runs so.
+  global batch): at one sequence per piece the solver runs blocks sequence-parallel (norms and residual
+  stream sharded on the sequence dim between tensor-parallel regions; with two sequences in one piece it runs
+  none). The worker prints the plan's ``sequence parallel`` line and leaves the candidate out, saying so, if no
+  block runs so.
 
 Every rank builds each candidate from the same seed and applies its plan (our runtime), then the timed steps
 interleave the candidates (round r starts with the r-th), each step between barriers, the max over ranks;
