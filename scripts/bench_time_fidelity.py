@@ -11,7 +11,19 @@ thread per rank) rank 0 makes the candidates, each with its predicted step time 
   data-parallel axis, tokens dispatched by all-to-all;
 * ``pp-<schedule>-m<count>`` (causal LMs: Llama, GPT-2): pipeline stages, pp 2 x dp 1, under GPipe and 1F1B
   at 2 and 4 micro-batches, interleaved 1F1B and ZB-V (two stages a rank) at 4; the cut and the prediction are
-  the pipeline search's for that schedule and count (``--no-pipeline`` leaves them out).
+  the pipeline search's for that schedule and count (``--no-pipeline`` leaves them out; counts the global
+  batch does not divide are left out).
+
+``--long`` (issue 28): long sequences, Llama at 2 x 2048 tokens (hidden 256, 4 layers, vocab 512 unless given),
+with two more candidates, each priced and measured like the rest:
+
+* ``cp2``: ``plan_model(context_parallel=2)``, each sequence split over 2 cp ranks (head + tail chunks), K/V
+  all-gathered per attention layer;
+* ``sp``: ``plan_model`` forced to mesh ``1 x 2`` with one sequence a micro-batch (``micro_batches`` = the
+  global batch): at one sequence per piece the solver runs blocks sequence-parallel (norms and residual
+  stream sharded on the sequence dim between tensor-parallel regions; with two sequences in one piece it runs
+  none). The worker prints the plan's ``sequence parallel`` line and leaves the candidate out, saying so, if no
+  block runs so.
 
 Every rank builds each candidate from the same seed and applies its plan (our runtime), then the timed steps
 interleave the candidates (round r starts with the r-th), each step between barriers, the max over ranks;
@@ -30,6 +42,7 @@ no family is priced from its own measurement (``--step-calibration none``: micro
 Usage::
 
     python scripts/bench_time_fidelity.py [--families llama,gpt2,bert] [--steps 5] [--json out.json]
+    python scripts/bench_time_fidelity.py --long [--seq 2048] [--json long.json]
 """
 
 from __future__ import annotations
@@ -58,6 +71,19 @@ PIPELINE_CANDIDATES = (
 )
 """(schedule, micro-batches) of the pp=2 candidates (causal LMs only: the pipeline runtime's scope), each as the
 pipeline search cuts and prices it (``pp-<schedule>-m<count>``)."""
+
+
+LONG_DEFAULTS = {"families": "llama", "hidden": 256, "layers": 4, "vocab": 512, "batch": 2, "seq": 2048}
+"""``--long``'s shape (one step about 1-3 s on one thread per rank, 2 gloo ranks); what is given explicitly wins."""
+
+SHORT_DEFAULTS = {
+    "families": "llama,gpt2,bert",
+    "hidden": 512,
+    "layers": 4,
+    "vocab": 8000,
+    "batch": 8,
+    "seq": 256,
+}
 
 
 def _config(family: str, args):
@@ -103,7 +129,36 @@ def _pipeline_candidate(model, batch, spec, world: int, schedule: str, micro_bat
         return None
 
 
-def _candidates(model, batch, spec, world: int, pipeline: bool = True) -> dict[str, tuple[object, float]]:
+def _long_candidates(model, batch, spec, world: int) -> dict[str, tuple[object, float]]:
+    """``--long``'s extra candidates: context parallelism over all ``world`` ranks (``cp2`` on 2), and a
+    ``1 x world`` tensor-parallel plan at one sequence a micro-batch, where the solver runs blocks
+    sequence-parallel (``sp``; left out, saying so, if it runs none)."""
+    from hf_colossal_auto.solve.planner import plan_model
+
+    out: dict[str, tuple[object, float]] = {}
+    plan = plan_model(model, batch, num_devices=world, device=spec, context_parallel=world)
+    out[f"cp{world}"] = (plan, plan.step_time_s)
+    rows = next(iter(batch.values())).shape[0]
+    plan = plan_model(model, batch, num_devices=world, device=spec, mesh_shape=(1, world), micro_batches=rows)
+    if plan.sequence_parallel_blocks:
+        print(f"sp: {_sequence_parallel_line(plan)}", flush=True)
+        out["sp"] = (plan, plan.step_time_s)
+    else:
+        print(
+            f"sp left out: the 1 x {world} plan at one sequence a micro-batch runs no block sequence-parallel",
+            flush=True,
+        )
+    return out
+
+
+def _sequence_parallel_line(plan) -> str:
+    """The plan summary's ``sequence parallel`` line (which blocks run so)."""
+    return next((line for line in plan.summary().splitlines() if line.startswith("sequence parallel")), "")
+
+
+def _candidates(
+    model, batch, spec, world: int, pipeline: bool = True, long: bool = False
+) -> dict[str, tuple[object, float]]:
     """name -> (plan, predicted seconds), made on one rank."""
     from hf_colossal_auto.capture.moe import experts_modules
     from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
@@ -126,20 +181,26 @@ def _candidates(model, batch, spec, world: int, pipeline: bool = True) -> dict[s
     if experts_modules(model):  # a mixture of experts: its experts sharded over the data-parallel axis too
         plan = plan_model(model, batch, **kwargs, mesh_shape=(world, 1), dp_modes=("ddp-ep",))
         out["ddp-ep"] = (plan, plan.step_time_s)
+    rows = next(iter(batch.values())).shape[0]
     for schedule, micro_batches in PIPELINE_CANDIDATES if pipeline else ():
+        if rows % micro_batches:  # a micro-batch of whole rows
+            continue
         plan = _pipeline_candidate(model, batch, spec, world, schedule, micro_batches)
         if plan is not None:
             out[f"pp-{schedule}-m{micro_batches}"] = (plan, plan.step_time_s)
+    if long:
+        out.update(_long_candidates(model, batch, spec, world))
     return out
 
 
 def _local_batch(batch: dict, plan, rank: int) -> dict:
-    """This rank's batch under ``plan``: its data-parallel slice (the ranks of a tensor-parallel group share)."""
-    dp, tp = plan.dp_size, plan.tp_size
+    """This rank's batch under ``plan``: its data-parallel slice (the ``cp x tp`` ranks of a replica share it;
+    context parallelism cuts the sequences itself)."""
+    dp = plan.dp_size
     if dp == 1:
         return batch
     per = next(iter(batch.values())).shape[0] // dp
-    i = rank // tp
+    i = rank // (plan.num_devices // dp)
     return {k: v[i * per : (i + 1) * per] for k, v in batch.items()}
 
 
@@ -222,6 +283,7 @@ def worker(args) -> None:
     import transformers
 
     from hf_colossal_auto.apply import apply_plan
+    from hf_colossal_auto.apply.micro_batch import accumulate
     from hf_colossal_auto.hardware import get_device
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.plan import Plan
@@ -239,7 +301,7 @@ def worker(args) -> None:
     payload = [None]
     if rank == 0:
         t0 = time.perf_counter()
-        made = _candidates(reference, batch, spec, world, args.pipeline)
+        made = _candidates(reference, batch, spec, world, args.pipeline, args.long)
         payload = [{k: (p.to_json(), t) for k, (p, t) in made.items()}]
         print(
             f"[{args.worker}] planned {len(made)} candidates in {time.perf_counter() - t0:.1f} s", flush=True
@@ -257,10 +319,14 @@ def worker(args) -> None:
         prepared[name] = (model, opt, _local_batch(batch, plan, rank), predicted, plan)
 
     def timed(name: str) -> float:
-        model, opt, local, _, _ = prepared[name]
+        model, opt, local, _, plan = prepared[name]
         dist.barrier()
         t = time.perf_counter()
-        model(**local).loss.backward()
+        if plan.pp_size == 1 and plan.micro_batches > 1:  # the plan's pieces, gradients synchronised once
+            for micro in accumulate(model, local):
+                (model(**micro.inputs).loss * micro.weight).backward()
+        else:  # one piece (a pipeline's schedule runs its micro-batches itself)
+            model(**local).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         dist.barrier()
@@ -308,6 +374,12 @@ def worker(args) -> None:
                 sorted(plan.param_placements.items()),
                 plan.recompute,
                 *((plan.schedule, plan.micro_batches, plan.stages) if plan.pp_size > 1 else ()),
+                *(
+                    ("micro_batches", plan.micro_batches)
+                    if plan.pp_size == 1 and plan.micro_batches > 1
+                    else ()
+                ),
+                *(("activations", sorted(plan.activation_placements.items())) if plan.cp_size > 1 else ()),
             )
             rows.append(
                 {
@@ -315,7 +387,10 @@ def worker(args) -> None:
                     "candidate": n,
                     "plan_key": hashlib.sha1(json.dumps(same, sort_keys=True).encode()).hexdigest()[:12],
                     "mesh": list(plan.mesh_shape),
+                    "mesh_axes": list(plan.mesh_axis_names),
                     "dp_mode": plan.dp_mode,
+                    "micro_batches": plan.micro_batches,
+                    "sequence_parallel_blocks": len(plan.sequence_parallel_blocks),
                     "recompute": rc,
                     "predicted_s": prepared[n][3],
                     "predicted_in_job_s": in_job.get(n),
@@ -363,6 +438,14 @@ def _metrics(rows: list[dict], key: str = "predicted_s") -> dict:
     }
 
 
+def _mesh_text(row: dict) -> str:
+    """``2x1`` for a ``(dp, tp)`` mesh; with more axes their names too (``pp2xdp1xtp1``, ``dp1xcp2xtp1``)."""
+    sizes, names = row["mesh"], row.get("mesh_axes") or []
+    if len(sizes) <= 2 or len(names) != len(sizes):
+        return "x".join(map(str, sizes))
+    return "x".join(f"{n}{s}" for n, s in zip(names, sizes, strict=True))
+
+
 def _table(rows: list[dict]) -> str:
     lines = [
         "| family | candidate | mesh | dp | recompute | predicted ms | measured ms | error | re-priced in job ms | error |",
@@ -373,7 +456,7 @@ def _table(rows: list[dict]) -> str:
         again = r.get("predicted_in_job_s")
         in_job = f"{again * 1e3:.0f} | {again / r['measured_s'] - 1:+.1%}" if again else "- | -"
         lines.append(
-            f"| {r['family']} | {r['candidate']} | {'x'.join(map(str, r['mesh']))} | {r['dp_mode']} | "
+            f"| {r['family']} | {r['candidate']} | {_mesh_text(r)} | {r['dp_mode']} | "
             f"{','.join(r['recompute'])} | {r['predicted_s'] * 1e3:.0f} | {r['measured_s'] * 1e3:.0f} | {err:+.1%} | "
             f"{in_job} |"
         )
@@ -387,12 +470,18 @@ def _torchrun(extra: list[str], env: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--families", default="llama,gpt2,bert")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--families", default=None, help="default llama,gpt2,bert; --long: llama")
+    p.add_argument("--hidden", type=int, default=None, help="default 512; --long: 256")
+    p.add_argument("--layers", type=int, default=None, help="default 4")
+    p.add_argument("--vocab", type=int, default=None, help="default 8000; --long: 512")
+    p.add_argument("--batch", type=int, default=None, help="global batch (sequences); default 8, --long: 2")
+    p.add_argument("--seq", type=int, default=None, help="default 256; --long: 2048")
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help="long sequences (issue 28): Llama at 2 x 2048 tokens, with a cp = 2 (cp2) and a sequence-parallel "
+        "(sp) candidate besides the others",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default=None, help="device spec (preset or JSON); default: calibrate first")
@@ -426,6 +515,9 @@ def main() -> None:
     p.add_argument("--step-worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args()
+    for key, value in (LONG_DEFAULTS if args.long else SHORT_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.worker:
         worker(args)
         return
@@ -447,6 +539,8 @@ def main() -> None:
         shape.append("--no-in-job-kernels")
     if not args.pipeline:
         shape.append("--no-pipeline")
+    if args.long:
+        shape.append("--long")
     families = args.families.split(",")
     for family in families:
         out = os.path.join(tmp, f"{family}.json")

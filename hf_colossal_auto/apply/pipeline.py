@@ -371,7 +371,7 @@ def _run_plan_in_stages(
       (:mod:`.pipeline_runner`), so the global gradient is their sum, as DDP's all-reduce makes it."""
     from .moe import install_aux_loss_region
     from .recompute import apply_recompute
-    from .rng import agreed_forward, install_tensor_parallel_rng
+    from .rng import agreed_forward, install_replica_rng
     from .runtime import (
         _fully_shard,
         data_parallel_shard_mesh,
@@ -393,7 +393,7 @@ def _run_plan_in_stages(
         install_sdpa_mask_placement()
         install_aux_loss_region(model)  # MoE: the last stage's copy of the model computes the aux loss too
     recomputed = apply_recompute(model, plan)
-    install_tensor_parallel_rng(model, mesh, recomputed=bool(recomputed))
+    install_replica_rng(model, mesh, recomputed=bool(recomputed))
     for stage in stages:
         stage.tp_mesh = tensor_parallel_mesh(mesh) if sharded else None
         stage.forward_context = functools.partial(planned_forward if sharded else agreed_forward, model)

@@ -1,4 +1,4 @@
-"""Random ops under tensor parallelism: the tensor-parallel group draws as one process would.
+"""Random ops under tensor and context parallelism: the ranks of one replica draw as one process would.
 
 Why: the ranks of a tensor-parallel group compute one replica's step together. A value they share (a replicated
 activation) must see the same dropout mask on every rank, or the replicas of "one" value part ways and so do
@@ -9,15 +9,28 @@ seed + rank), and on CPU DTensor runs a random op on every local shard from that
 RNG tracker exists for CUDA only). Data-parallel replicas are left alone: they keep their own streams, as under
 plain DDP.
 
+Context parallelism splits the same rows' tokens over the ``cp`` ranks of a replica, each computing on plain
+(or tensor-parallel) values of its own tokens with the same shapes as the others. Left alone, cp ranks seeded
+alike (``set_seed(seed)``, accelerate's default) draw the *same* masks for *different* tokens: one process's
+masks are independent over the tokens, these would repeat from chunk to chunk — a silent change of what
+dropout does. Drawing per global position (each rank drawing the whole sequence's mask and keeping its part,
+as the per-shard draws below do over tp) would give one process's masks bit for bit, but at cp times the
+numbers and a whole-sequence transient per draw — for attention dropout the ``S x S`` probabilities, which is
+what context parallelism exists to avoid. So under cp each cp rank draws from its own stream instead: one
+process's distribution (independent masks for every token), not its numbers.
+
 Two pieces:
 
-* **agreement** (:class:`TensorParallelRNG`): at the start of a planned training forward the group's first
-  rank broadcasts its generator states (CPU, and CUDA's where the mesh is on CUDA) to the group, and every
-  rank draws from them. After the forward the first rank keeps its advanced generator (as one process would);
+* **agreement** (:class:`ModelParallelRNG`): at the start of a planned training forward the replica's first
+  rank broadcasts its generator states (CPU, and CUDA's where the mesh is on CUDA) to the replica's ``cp x tp``
+  ranks. The ranks of cp rank 0 draw from them; those of cp rank ``c > 0`` from generators seeded from a hash of
+  them and ``c`` (:func:`stream_states`), so the tensor-parallel ranks of one cp rank agree, the cp ranks'
+  streams differ, and every mask of the replica follows from its first rank's generator, however the others
+  were seeded. After the forward the first rank keeps its advanced generator (as one process would);
   the others get back their own, so that what they draw outside the model (a data collator) is what it was.
   Activation checkpointing records the generator state at a recomputed block's entry — the agreed one — and
   replays it in backward, so recomputed blocks draw the same masks. A model whose last training forward drew
-  nothing (dropout 0, no noise) skips the broadcast until it draws again (see :meth:`TensorParallelRNG.forward`).
+  nothing (dropout 0, no noise) skips the broadcast until it draws again (see :meth:`ModelParallelRNG.forward`).
   ``generate()`` runs on agreed generators as a whole: sampling picks the next tokens outside the forward, and
   the group's ranks must pick the same ones.
 * **per-shard draws** (:func:`register_random_op_handlers`): a DTensor random op on a value sharded over the
@@ -29,13 +42,14 @@ Two pieces:
   sharded heads they run in the tracker's per-shard region (:func:`fused_attention_dropout_region`).
 
 What is not covered: random ops on *plain* tensors that hold one shard of a value (the runtime's local-tensor
-regions, e.g. an MoE expert computed on local tensors) draw the same numbers on every rank of the group.
+regions, e.g. an MoE expert computed on local tensors) draw the same numbers on every tensor-parallel rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import warnings
 from collections.abc import Iterator
@@ -59,9 +73,10 @@ from .._torch_compat import (
 logger = logging.getLogger(__name__)
 
 _RNG_ATTR = "_hf_colossal_auto_rng"
-"""Attribute of a planned model holding its :class:`TensorParallelRNG` (absent without tensor parallelism)."""
+"""Attribute of a planned model holding its :class:`ModelParallelRNG` (absent without tensor or context
+parallelism)."""
 
-_active: TensorParallelRNG | None = None
+_active: ModelParallelRNG | None = None
 """The generator agreement of the planned forward running now (random-op handlers agree lazily through it)."""
 
 
@@ -90,13 +105,14 @@ def _same_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _agreement_group(mesh: DeviceMesh, tp_mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The group the generator states are broadcast in: the tensor-parallel group itself under gloo; under
-    another backend (NCCL) a gloo group of the same ranks, so that the states (host memory) travel without a
-    copy to the device and a wait on its stream. Every rank creates every tensor-parallel group's (in order)."""
+def _agreement_group(mesh: DeviceMesh, group_mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The group the generator states are broadcast in: the replica's ``cp x tp`` ranks (``group_mesh``, 1-D)
+    themselves under gloo; under another backend (NCCL) a gloo group of the same ranks, so that the states (host
+    memory) travel without a copy to the device and a wait on its stream. Those ranks are consecutive in the
+    row-major mesh; every rank creates every such group (in order)."""
     if dist.get_backend() == "gloo":
-        return tp_mesh.get_group(0)
-    rows = mesh.mesh.reshape(-1, tp_mesh.size()).tolist()
+        return group_mesh.get_group(0)
+    rows = mesh.mesh.reshape(-1, group_mesh.size()).tolist()
     mine = None
     for ranks in rows:
         group = dist.new_group(ranks, backend="gloo")
@@ -109,26 +125,48 @@ def _agreement_group(mesh: DeviceMesh, tp_mesh: DeviceMesh) -> dist.ProcessGroup
     return mine
 
 
-class TensorParallelRNG:
-    """The generator agreement of one planned model's tensor-parallel group (see the module doc)."""
+def stream_states(agreed: list[torch.Tensor], device: torch.device | None, stream: int) -> list[torch.Tensor]:
+    """The generator states cp rank ``stream`` draws from, given the replica's agreed ones: those themselves
+    for cp rank 0; for the others fresh generators seeded from a hash of every agreed state (the CUDA one too:
+    on a CUDA mesh the CPU generator may not advance between steps) and ``stream``, so each cp rank's stream is
+    its own, changes whenever the first rank's generator advances, and is the same on its tensor-parallel
+    ranks."""
+    if stream == 0:
+        return agreed
+    digest = hashlib.blake2b(
+        b"".join(s.numpy().tobytes() for s in agreed), digest_size=8, salt=stream.to_bytes(16, "little")
+    ).digest()
+    seed = int.from_bytes(digest, "little") >> 1  # a non-negative 63-bit seed
+    states = [torch.Generator().manual_seed(seed).get_state()]
+    if device is not None:
+        states.append(torch.Generator(device=device).manual_seed(seed).get_state())
+    return states
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device | None, always: bool) -> None:
+
+class ModelParallelRNG:
+    """The generator agreement of one planned model's replica: its ``cp x tp`` ranks (see the module doc)."""
+
+    def __init__(
+        self, group: dist.ProcessGroup, device: torch.device | None, always: bool, stream: int = 0
+    ) -> None:
         self.group = group
         self.device = device
         self.is_first = dist.get_rank(group) == 0
-        self.always = always  # agree in every training forward (recomputed blocks: no lazy agreement)
+        self.always = always  # agree in every training forward (recomputed blocks, cp: no lazy agreement)
+        self.stream = stream  # this rank's cp rank: which stream of the agreed generator it draws from
         self.draws: bool | None = None  # did the last training forward draw? None: not known yet
         self.own: list[torch.Tensor] | None = None  # this rank's states while the group's are in use
-        self.agreed_states: list[torch.Tensor] | None = None
+        self.agreed_states: list[torch.Tensor] | None = None  # what this rank draws from in the forward
         self.unagreed_warned = False
 
     def agree(self) -> None:
-        """Broadcast the first rank's generator states to the group and draw from them from now on."""
+        """Broadcast the first rank's generator states to the group and draw from them (this cp rank's stream of
+        them) from now on."""
         own = _generator_states(self.device)
         sizes = [s.numel() for s in own]
         buffer = torch.cat(own)
         dist.broadcast(buffer, group=self.group, group_src=0)
-        agreed = list(buffer.split(sizes))
+        agreed = stream_states(list(buffer.split(sizes)), self.device, self.stream)
         _set_generator_states(agreed, self.device)
         self.own, self.agreed_states = own, agreed
 
@@ -181,33 +219,40 @@ class TensorParallelRNG:
                 self.unagreed_warned = True
                 logger.warning(
                     "a training forward drew random numbers outside DTensor's random ops after one that drew "
-                    "none, before the tensor-parallel group's generators were agreed; from the next forward "
+                    "none, before the replica's generators were agreed; from the next forward "
                     "on they are agreed up front"
                 )
             self._finish()
 
 
-def install_tensor_parallel_rng(model: torch.nn.Module, mesh: DeviceMesh, recomputed: bool) -> None:
-    """Give ``model`` (its forward wrapped by the runtime) a :class:`TensorParallelRNG` for its
-    tensor-parallel group, and register the per-shard random-op handlers — only where that group has more than
-    one rank and the processes are real (the planner's fake group simulates ranks in one process)."""
-    from .runtime import tensor_parallel_mesh
+def install_replica_rng(model: torch.nn.Module, mesh: DeviceMesh, recomputed: bool) -> None:
+    """Give ``model`` (its forward wrapped by the runtime) a :class:`ModelParallelRNG` for its replica's
+    ``cp x tp`` ranks, and with tensor parallelism register the per-shard random-op handlers — only where the
+    replica has more than one rank and the processes are real (the planner's fake group simulates ranks in one
+    process). Under cp the agreement runs in every training forward: the cp ranks' draws are on plain tensors
+    too, which cannot agree lazily at a DTensor random op."""
+    from .runtime import batch_group_mesh, tensor_parallel_mesh
 
-    tp_mesh = tensor_parallel_mesh(mesh)
-    if "tp" not in (tp_mesh.mesh_dim_names or ()) or tp_mesh.size() < 2:
+    names = tuple(mesh.mesh_dim_names or ())
+    tp = mesh.size(names.index("tp")) if "tp" in names else 1
+    cp = mesh.size(names.index("cp")) if "cp" in names else 1
+    if tp * cp < 2:
         return
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return
-    register_random_op_handlers()
-    device = _device_of(tp_mesh)
-    if device is not None:
-        ensure_dtensor_rng_tracker(tp_mesh)
-    rng = TensorParallelRNG(_agreement_group(mesh, tp_mesh), device, recomputed)
+    group_mesh = batch_group_mesh(mesh)
+    device = _device_of(group_mesh)
+    if tp > 1:
+        register_random_op_handlers()
+        if device is not None:
+            ensure_dtensor_rng_tracker(tensor_parallel_mesh(mesh))
+    stream = mesh.get_local_rank("cp") if cp > 1 else 0
+    rng = ModelParallelRNG(_agreement_group(mesh, group_mesh), device, recomputed or cp > 1, stream)
     setattr(model, _RNG_ATTR, rng)
     _agree_in_generate(model, rng)
 
 
-def _agree_in_generate(model: torch.nn.Module, rng: TensorParallelRNG) -> None:
+def _agree_in_generate(model: torch.nn.Module, rng: ModelParallelRNG) -> None:
     """``model.generate`` runs on agreed generators: sampling (``do_sample=True``) draws the next tokens from the
     logits outside the forward, on plain tensors; from each rank's own generator the group's ranks would pick
     different tokens and feed them to the next forward as one replicated batch."""
@@ -223,7 +268,7 @@ def _agree_in_generate(model: torch.nn.Module, rng: TensorParallelRNG) -> None:
     model.generate = generate
 
 
-def rng_of(model: torch.nn.Module) -> TensorParallelRNG | None:
+def rng_of(model: torch.nn.Module) -> ModelParallelRNG | None:
     return getattr(model, _RNG_ATTR, None)
 
 

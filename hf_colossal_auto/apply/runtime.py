@@ -69,7 +69,7 @@ from .moe import (
 )
 from .pretrained import install_save_pretrained, load_pretrained
 from .recompute import apply_recompute
-from .rng import agreed_forward, fused_attention_dropout_region, install_tensor_parallel_rng
+from .rng import agreed_forward, fused_attention_dropout_region, install_replica_rng
 
 logger = logging.getLogger(__name__)
 
@@ -577,7 +577,7 @@ def apply_plan(
         install_context_parallel(model, plan, mesh)
     # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP
     recomputed = apply_recompute(model, plan)
-    install_tensor_parallel_rng(model, mesh, recomputed=bool(recomputed))
+    install_replica_rng(model, mesh, recomputed=bool(recomputed))
     if fsdp:
         model._hf_colossal_auto_dp_mesh = data_parallel_shard_mesh(plan, mesh)
         over_dp = expert_data_parallel_params(model, plan)

@@ -144,7 +144,7 @@ def train(name: str, args: argparse.Namespace) -> dict:
     torch.manual_seed(1234 + rank)  # device-specific seeds: the ranks' generators differ
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    agreements = _Counter(rng.TensorParallelRNG, "agree")
+    agreements = _Counter(rng.ModelParallelRNG, "agree")
     whole_draws = _Counter(rng, "_whole_draw")
     losses, ref_losses, worst, masks, agreed_per_step = [], [], 0.0, [], []
     for step in range(args.steps):
