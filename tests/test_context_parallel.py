@@ -253,7 +253,7 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
     assert max(bf16["bf16_gathers_loss_only"]) < vocab_sized, bf16
     assert bf16["bf16_gathers_first_read"] == [6, vocab_sized], bf16
     assert bf16["bf16_logits"] == ["torch.float32", [2, 16, bf16["vocab"]]], bf16
-    assert bf16["bf16_logits_err"] <= 2e-2 and bf16["bf16_wrapped"] == [True, True, True], bf16
+    assert bf16["bf16_logits_err"] <= 2e-2 and bf16["bf16_wrapped"] == [True, True], bf16
 
 
 def test_gloo_cp_times_tp_and_dp_times_cp_equal_one_process(tmp_path):

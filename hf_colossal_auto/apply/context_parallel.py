@@ -63,7 +63,7 @@ from .context_parallel_attention import (
     local_tensor,
     register_attention,
 )
-from .context_parallel_outputs import OUTPUTS_ATTR, OutputDeferral
+from .context_parallel_outputs import OutputDeferral, install_output_deferral
 
 logger = logging.getLogger(__name__)
 
@@ -214,9 +214,9 @@ def wrap_context_parallel_forward(model: nn.Module, cp: ContextParallel) -> None
             )
         return outputs.finish(output, cp, length, rows)
 
-    outputs = OutputDeferral(forward=forward)
+    outputs = OutputDeferral()
     model.forward = forward
-    setattr(model, OUTPUTS_ATTR, outputs)
+    install_output_deferral(model, outputs)
 
 
 def _refuse_on_every_rank(error: ContextParallelError | None, device: torch.device) -> None:

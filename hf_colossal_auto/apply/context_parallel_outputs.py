@@ -23,10 +23,11 @@ attributes (properties per field), ``out["logits"]``, ``out[1]`` / slices, ``to_
 flattening (``values``). What reads the mapping's storage behind the class's back finds a
 :class:`PendingField`, not a tensor: it fails instead of computing on this rank's part.
 
-accelerate's mixed-precision wrapper (``convert_outputs_to_fp32``) rebuilds an output from its ``items()``,
-which would read (gather) every field: :func:`keep_gather_outermost` puts the lazy gather outside it
-(``AutoParallelAccelerator`` does it after accelerate wraps the forward); under a plain ``Accelerator`` with
-mixed precision the outputs are gathered eagerly, correct but without the saving.
+What runs inside ``model(...)`` sees this rank's output, not the lazy one (:func:`install_output_deferral`):
+forward hooks that visit every output tensor (FSDP2's pre-backward hooks, MemTracker) and forward wrappers that
+rebuild the output (accelerate's ``convert_outputs_to_fp32`` under mixed precision) would otherwise gather every
+field on every step. Code outside the call that visits every field (a pytree ``tree_map`` of the output,
+accelerate's ``gather``) reads them, alike on every rank.
 """
 
 from __future__ import annotations
@@ -302,20 +303,19 @@ def transform_fields(output: Any, fn: Callable[[Any], Any]) -> Any:
 # ------------------------------------------------------------------------------------------- the forward
 @dataclasses.dataclass
 class OutputDeferral:
-    """A context-parallel model's output handling: counts forwards (the read tags), and when an outer wrapper
-    (:func:`keep_gather_outermost`) runs the forward, hands it this forward's local output to defer instead."""
+    """A context-parallel model's output handling: counts forwards (the read tags) and, while the model's
+    ``__call__`` runs (:func:`install_output_deferral`), holds this forward's deferral until the call's hooks
+    have run on the local output."""
 
     forwards: int = 0
-    outer_depth: int = 0
-    """> 0 while :func:`keep_gather_outermost`'s wrapper runs the forward: the cp forward returns its local
-    output and leaves the deferral (``stashed``) to that wrapper."""
+    call_depth: int = 0
+    """> 0 inside the model's ``__call__``: the cp forward returns this rank's output and leaves the deferral
+    (``stashed``) to the end of the call."""
     stashed: Callable[[Any], Any] | None = None
-    forward: Callable[..., Any] | None = None
-    """The cp forward (``model.forward`` as installed)."""
-    outer: Callable[..., Any] | None = None
 
     def finish(self, output: Any, cp: ContextParallel, length: int, rows: int) -> Any:
-        """The cp forward's last step: ``output`` (this rank's) deferred, or stashed for the outer wrapper."""
+        """The cp forward's last step: ``output`` (this rank's) deferred now (a direct ``model.forward`` call),
+        or stashed for the end of the model's ``__call__``."""
         self.forwards += 1
         defer = functools.partial(
             defer_outputs,
@@ -327,34 +327,55 @@ class OutputDeferral:
             grad_enabled=torch.is_grad_enabled(),
             inference=torch.is_inference_mode_enabled(),
         )
-        if self.outer_depth:
+        if self.call_depth:
             self.stashed = defer
             return output
         return defer(output)
 
-
-def keep_gather_outermost(model: torch.nn.Module) -> None:
-    """If something wrapped a context-parallel model's forward (accelerate's mixed precision, whose
-    ``convert_outputs_to_fp32`` reads every field of the output), run the lazy gather outside it: the wrapper
-    then sees this rank's outputs (converted as it converts them) and the caller a lazy output. A no-op for
-    models without context parallelism, or when nothing wraps the cp forward."""
-    state: OutputDeferral | None = getattr(model, OUTPUTS_ATTR, None)
-    inner = model.__dict__.get("forward")
-    if state is None or inner is None or inner is state.forward or inner is state.outer:
-        return
-
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        state.outer_depth += 1
-        try:
-            output = inner(*args, **kwargs)
-        finally:
-            state.outer_depth -= 1
-        defer, state.stashed = state.stashed, None
+    def release(self, output: Any) -> Any:
+        """``output`` deferred if this call's forward stashed its deferral (else as it is: done already)."""
+        defer, self.stashed = self.stashed, None
         return output if defer is None else defer(output)
 
-    state.outer = forward
-    model.forward = forward
+
+def install_output_deferral(model: torch.nn.Module, state: OutputDeferral) -> None:
+    """Defer the outputs at the end of ``model(...)``, after every forward hook (module and global: FSDP2's
+    pre-backward hooks, MemTracker's module tracker, ...) and every forward wrapper (accelerate's autocast and
+    ``convert_outputs_to_fp32``) has run on this rank's output. Why: those read every field (FSDP2 registers
+    hooks on each grad-requiring tensor of the output, accelerate rebuilds it from its items); given the lazy
+    output they would gather the logits on every step. The model's class becomes a subclass of its own, of the
+    same name, whose ``__call__`` does this (as FSDP2's ``fully_shard`` swaps classes)."""
+    setattr(model, OUTPUTS_ATTR, state)
+    if not getattr(type(model), "_hf_colossal_auto_defers_outputs", False):
+        model.__class__ = _deferring_class(type(model))
+
+
+@functools.cache
+def _deferring_class(cls: type) -> type:
+    def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state: OutputDeferral = getattr(self, OUTPUTS_ATTR)
+        state.call_depth += 1
+        try:
+            output = super(deferring, self).__call__(*args, **kwargs)
+        finally:
+            state.call_depth -= 1
+        return state.release(output)
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "_hf_colossal_auto_defers_outputs": True,
+    }
+    deferring = type(cls)(cls.__name__, (cls,), namespace)
+    return deferring
+
+
+def defer_now(model: torch.nn.Module, output: Any) -> Any:
+    """``output`` of ``model``'s forward deferred now, inside its ``__call__`` (a forward wrapper that must
+    work on the lazy output: the first-call wrapper cuts its rows after the gather); as it is without cp."""
+    state: OutputDeferral | None = getattr(model, OUTPUTS_ATTR, None)
+    return output if state is None else state.release(output)
 
 
 def defer_outputs(

@@ -48,7 +48,6 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..apply import PlanMismatchError, apply_plan, build_mesh, consolidated_state_dict, remap_optimizer
 from ..apply.agree import DEFAULT_TIMEOUT_S, as_timedelta
-from ..apply.context_parallel_outputs import keep_gather_outermost
 from ..apply.data import global_batch
 from ..apply.pretrained import save_pretrained
 from ..apply.runtime import plan_on_one_rank
@@ -445,10 +444,7 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
             self._parallelize(model, [], [])
         elif self._auto_model is None:
             self._adopt(model, model._hf_colossal_auto_plan)
-        prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)
-        # accelerate's mixed precision rebuilds outputs from their items: cp's lazy gather goes outside it
-        keep_gather_outermost(prepared)
-        return prepared
+        return super().prepare_model(model, device_placement=False, evaluation_mode=True)
 
     def prepare_data_loader(
         self, data_loader: DataLoader, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None

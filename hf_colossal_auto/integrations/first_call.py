@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._torch_compat import tree_map
-from ..apply.context_parallel_outputs import transform_fields
+from ..apply.context_parallel_outputs import defer_now, transform_fields
 from ..apply.micro_batch import set_gradient_sync
 from ..apply.runtime import batch_group_mesh
 from .data import batch_is_per_process
@@ -183,7 +183,8 @@ def plan_on_first_call(model: nn.Module, parallelize: Callable[[nn.Module, dict[
         if batch is None or not batch_is_per_process():  # a re-cut loader's batch is already the group's
             return planned(*args, **kwargs)
         gathered, rows = batch.gather(named_arguments(inner, args, kwargs))
-        return batch.own_rows(planned(**gathered), rows)
+        # context parallelism: this rank's rows cut after the sequence's gather (cp ranks cut different rows)
+        return batch.own_rows(defer_now(model, planned(**gathered)), rows)
 
     @contextlib.contextmanager
     def no_sync_until_planned() -> Any:

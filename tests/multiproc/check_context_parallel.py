@@ -492,13 +492,12 @@ def uneven_reads(seq: int) -> dict:
 
 def mixed_precision_reads(directory: str) -> dict:
     """``AutoParallelAccelerator(mixed_precision="bf16")`` with a cp plan file: accelerate wraps the forward in
-    autocast and ``convert_outputs_to_fp32`` (which reads every field); the lazy gather stays outside it, so a
-    step that reads only the loss gathers no logits, and the logits read are fp32, whole, one process's."""
+    autocast and ``convert_outputs_to_fp32`` (which reads every field); the outputs are deferred after it, so
+    a step that reads only the loss gathers no logits, and the logits read are fp32, whole, one process's."""
     from accelerate.state import AcceleratorState, GradientState
     from torch.utils.data import default_collate
 
     from hf_colossal_auto import AutoParallelAccelerator
-    from hf_colossal_auto.apply.context_parallel_outputs import OUTPUTS_ATTR
 
     world = dist.get_world_size()
     AcceleratorState._reset_state()  # the earlier loops' accelerator ran without mixed precision
@@ -529,11 +528,8 @@ def mixed_precision_reads(directory: str) -> dict:
         "bf16_logits": [str(logits.dtype), list(logits.shape)],
         "bf16_logits_err": float((logits - ref.logits.float()).abs().max() / ref.logits.float().abs().max()),
         "bf16_loss": [float(out.loss), float(ref.loss)],
-        "bf16_wrapped": [  # accelerate's autocast wrapper inside, the lazy gather outside
-            accelerator.native_amp,
-            model.__dict__["forward"] is getattr(model, OUTPUTS_ATTR).outer,
-            model.__dict__["_original_forward"] is getattr(model, OUTPUTS_ATTR).forward,
-        ],
+        # accelerate's autocast and fp32 wrapper inside the model's call (they see this rank's output)
+        "bf16_wrapped": [accelerator.native_amp, "_original_forward" in model.__dict__],
         "kv_gathers": 2 * reference.config.num_hidden_layers,
         "vocab": reference.config.vocab_size,
     }

@@ -6,23 +6,17 @@ A Llama at hidden 128 (grouped-query attention: 4 query heads, 2 K/V heads), 2 r
 activations dominate. Rank 0 plans it with ``context_parallel=2`` on 2 CPU devices, DDP over the ``dp x cp``
 group, twice: with the budget lifted and no recompute, and under a budget of a fraction of that plan's peak with
 recompute chosen by the solver (it must recompute to fit). Every rank applies each plan to a fresh copy of the
-seeded model and runs training steps that read only the loss (``model(**batch).loss``: the runtime gathers no
-output, :mod:`hf_colossal_auto.apply.context_parallel_outputs`): two AdamW steps whose second's peak, by torch's
-CPU allocator (``common.step_peaks``: the profiler's memory events, the optimizer state included), is compared
-with ``plan.peak_memory_bytes``; then one forward + backward under ``torch.profiler``: c10d's own records of
-every collective (counts, and the bytes of the tensors handed to the all-gathers and reduce-scatters) against
-the plan's ``collectives`` / ``collective_bytes``. ``<out>.rank<r>`` holds each rank's results.
-
-Why the allocator and not MemTracker: MemTracker does not follow this runtime's tensors faithfully (measured on
-this check's plans: the earlier runtime's eagerly gathered logits, 4 MiB by the allocator, left its peak
-unchanged, 23.42 MB against 23.40 MB without them, while it counts ~2 MB over the allocator's 21.3 MB); the
-allocator's peak equals the planner's prediction in one process (18,056,924 against 18,065,120 bytes here).
+seeded model and runs training steps that read only the loss (``model(**batch).loss``, as a training loop
+does: the runtime gathers no output over cp, ``apply/context_parallel_outputs.py``): one forward + backward
+under ``torch.profiler``, c10d's own records of every collective (counts, and the bytes of the tensors handed
+to the all-gathers and reduce-scatters) against the plan's ``collectives`` / ``collective_bytes``; then one
+AdamW step and MemTracker's peak of the next step against ``plan.peak_memory_bytes``. ``<out>.rank<r>`` holds
+each rank's results.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -130,7 +124,7 @@ def count_collectives(prof) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def run_plan(name: str, text: str) -> dict:
-    from common import step_peaks
+    from common import measured_step_peak
 
     from hf_colossal_auto import Plan
     from hf_colossal_auto.apply import apply_plan
@@ -140,14 +134,14 @@ def run_plan(name: str, text: str) -> dict:
     apply_plan(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     dist.barrier()
-    # two training steps that read only the loss; the second's peak (optimizer state made by the first)
-    measured = step_peaks(model, opt, batch, [contextlib.nullcontext(), contextlib.nullcontext()])[1]
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         loss = model(**batch).loss
         loss.backward()
     counted, counted_bytes = count_collectives(prof)
     del prof, loss
+    opt.step()
     opt.zero_grad(set_to_none=True)
+    measured = measured_step_peak(model, opt, batch)
     result = {
         "plan": name,
         "rank": dist.get_rank(),
