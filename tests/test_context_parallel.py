@@ -185,6 +185,7 @@ def _fsdp_close(result: dict, shards: int) -> None:
     for got, ref in zip(result["losses"], result["ref_losses"], strict=True):
         assert abs(got - ref) <= 1e-5 * ref, result
     assert max(result["grad_diffs"]) <= 1e-5 and result["param_diff_lr"] <= 1e-2, result
+    assert result["logits_unread"] == [True] * len(result["losses"]), result  # FSDP's hooks gathered nothing
     for rank in result["ranks"]:
         assert set(rank["fractions"].values()) == {1 / shards}, rank["fractions"]
 

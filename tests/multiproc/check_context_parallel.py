@@ -242,11 +242,13 @@ def run_fsdp_case(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=lr, eps=eps)
     layout = _shard_layout(model)
-    losses, ref_losses, grad_diffs = [], [], []
+    losses, ref_losses, grad_diffs, unread = [], [], [], []
     for step in range(steps):
         batch = _step_batch(model, 2 * dp, seq, step)
         out = model(**shard_batch(batch, model))
         out.loss.backward()
+        # FSDP2's post-forward hooks visit every output tensor: they saw this rank's, not the lazy logits
+        unread.append(type(out.__dict__["logits"]).__name__ == "PendingField")
         ref_loss = ddp_reference_loss(reference, batch, dp)
         ref_loss.backward()
         grad_diffs.append(
@@ -269,6 +271,7 @@ def run_fsdp_case(
     )
     result = {
         "fsdp_mesh": list(plan.mesh_shape),
+        "logits_unread": unread,
         "losses": losses,
         "ref_losses": ref_losses,
         "grad_diffs": grad_diffs,
