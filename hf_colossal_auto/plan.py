@@ -432,6 +432,7 @@ class Plan:
                 f"context parallel      {self.cp_size} ranks per replica split each sequence (a head and a tail "
                 "chunk each); attention all-gathers keys and values over them"
             )
+            lines.extend(_context_parallel_output_lines(self.solver.get("context_parallel")))
         lines.extend(_sequence_parallel_lines(self.sequence_parallel_blocks))
         lines.extend(_moe_lines(self.moe_layers))
         if self.moe_load:
@@ -446,6 +447,21 @@ class Plan:
                 )
             )
         return "\n".join(lines)
+
+
+def _context_parallel_output_lines(record: Any) -> list[str]:
+    """What a planner-made cp plan prices of the outputs: a step that reads only the loss (the runtime gathers
+    logits and hidden states over cp when read), and what reading the logits would add."""
+    if not isinstance(record, dict) or record.get("outputs") != "loss only":
+        return []
+    line = "                      priced for a training step that reads only the loss: outputs are gathered over cp"
+    if record.get("logits_read_bytes"):
+        return [
+            line,
+            f"                      when read (reading the logits adds {format_bytes(record['logits_read_bytes'])}"
+            f" all-gathered per step, {format_seconds(record.get('logits_read_s', 0.0))}, and their memory)",
+        ]
+    return [line + " when read"]
 
 
 def unpriced_plan(**fields: Any) -> Plan:

@@ -10,7 +10,10 @@
   gradients for GPT-2, Llama (padding, packed documents) and Qwen2 (GQA, a sliding window, eager attention),
   causal attention without padding or documents running blocked (no mask) and the rest on the mask path;
   bad inputs stop every rank with the error naming them; an ``AutoParallelAccelerator`` loop from a cp plan
-  file trains like one process on the union of the replica's batches.
+  file trains like one process on the union of the replica's batches;
+* the outputs' token-wise fields gathered only when read (:mod:`.context_parallel_outputs`): a step that
+  reads the loss runs no logits all-gather (the collectives counted), a read runs one, equal to one process;
+  reads unlike on the cp ranks stop by name; under bf16 accelerate (autocast, fp32 outputs) the same.
 """
 
 from __future__ import annotations
@@ -165,9 +168,23 @@ def _blocked_calls(case: dict) -> int:
 
 
 def _close(case: dict) -> None:
+    """Every rank: one process's loss, logits and gradients; the logits gathered only when read."""
     for result in case["ranks"]:
         assert abs(result["loss"] - result["reference_loss"]) <= 1e-5 * result["reference_loss"], result
         assert result["logits_diff"] <= 1e-5 and result["max_grad_diff"] <= 1e-5, result
+        _gathered_when_read(result, cp=case["mesh"][1])
+
+
+def _gathered_when_read(result: dict, cp: int) -> None:
+    """A step that reads only the loss runs the K/V all-gathers and nothing the logits' size; the first read of
+    the logits runs the read tag (3 integers per cp rank) and the logits' gather, later reads none."""
+    logits = result["logits_shape"][0] * result["logits_shape"][1] * result["logits_shape"][2]
+    assert len(result["gathers_loss_only"]) == result["kv_gathers"], result
+    assert max(result["gathers_loss_only"]) < logits, result
+    assert result["gathers_first_read"] == [3 * cp, logits], result
+    assert result["gathers_read_again"] == [] and result["read_once"], result
+    name, base, subclass = result["output_class"]
+    assert name == f"ContextParallel{base}" and subclass, result
 
 
 def _fsdp_close(result: dict, shards: int) -> None:
@@ -176,6 +193,7 @@ def _fsdp_close(result: dict, shards: int) -> None:
     for got, ref in zip(result["losses"], result["ref_losses"], strict=True):
         assert abs(got - ref) <= 1e-5 * ref, result
     assert max(result["grad_diffs"]) <= 1e-5 and result["param_diff_lr"] <= 1e-2, result
+    assert result["logits_unread"] == [True] * len(result["losses"]), result  # FSDP's hooks gathered nothing
     for rank in result["ranks"]:
         assert set(rank["fractions"].values()) == {1 / shards}, rank["fractions"]
 
@@ -185,8 +203,8 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
     and the planner's cp FSDP plan), the refusals, and an accelerate loop from a plan file, DDP and FSDP."""
     out = tmp_path / "cp2.json"
     run_torchrun(
-        CHECK, "--refusals", "--accelerate", "ddp,fsdp", "--fsdp", "1:1", "--planned-fsdp", "--out", str(out), nproc=2,
-        timeout=600,
+        CHECK, "--refusals", "--accelerate", "ddp,fsdp", "--fsdp", "1:1", "--planned-fsdp", "--reads", "--out",
+        str(out), nproc=2, timeout=600,
     )  # fmt: skip
     results = json.loads(out.read_text())
     cases = [r for r in results if "model" in r]
@@ -237,6 +255,19 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
         ):
             assert abs(got - ref) <= 1e-5 * abs(ref), loop
         assert loop["param_err_lr"] <= 1e-2, loop
+    reads = next(r for r in results if "uneven_reads" in r)
+    mismatch = [m["mismatch"] for m in reads["uneven_reads"]]
+    assert all("'logits' of forward" in m and "'hidden_states' of forward" in m for m in mismatch), mismatch
+    alone = reads["uneven_reads"][0]
+    assert "did not read it" in alone["alone"] and 2 <= alone["waited"] < 30, alone
+    assert reads["alike_logits_diff"] <= 1e-5, reads
+    bf16 = next(r["mixed_precision"] for r in results if "mixed_precision" in r)
+    vocab_sized = 2 * 16 * bf16["vocab"]
+    assert len(bf16["bf16_gathers_loss_only"]) == bf16["kv_gathers"], bf16
+    assert max(bf16["bf16_gathers_loss_only"]) < vocab_sized, bf16
+    assert bf16["bf16_gathers_first_read"] == [6, vocab_sized], bf16
+    assert bf16["bf16_logits"] == ["torch.float32", [2, 16, bf16["vocab"]]], bf16
+    assert bf16["bf16_logits_err"] <= 2e-2 and bf16["bf16_wrapped"] == [True, True], bf16
 
 
 def test_gloo_cp_times_tp_and_dp_times_cp_equal_one_process(tmp_path):

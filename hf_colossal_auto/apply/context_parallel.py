@@ -19,9 +19,11 @@ kernel, the CPU's included, and composes with the plan's tensor parallelism):
   reduce-scattered back) and the mask is built from the queries' and keys' *global* positions: causal, the
   caller's padding mask, the model's sliding window, and the documents of packed sequences (found from the
   position ids, as transformers finds them).
-* **Outputs** that run along the sequence (logits, hidden states) are all-gathered back into sequence order
-  (their backward keeps this rank's positions: every rank computes the same thing from them), so the caller
-  sees one process's tensors.
+* **Outputs**: the loss is summed over cp in the forward; the fields that run along the sequence (logits,
+  hidden states) are all-gathered back into sequence order only when the caller reads them
+  (:mod:`.context_parallel_outputs`: a training step that reads only ``.loss`` gathers nothing), so the caller
+  sees one process's tensors. A read is a collective over the cp group: every cp rank reads alike. Their
+  backward keeps this rank's positions: every rank computes the same thing from them.
 * **Gradients**: parameters are replicated over cp; each rank's gradient is its tokens' share, so they are
   summed over cp and averaged over dp — one all-reduce over the ``dp x cp`` ranks (:func:`gradient_group`).
   Under FSDP the parameters are sharded over the ``dp x cp`` ranks instead (FSDP2 over the flattened mesh,
@@ -57,12 +59,11 @@ from .context_parallel_attention import (
     SUPPORTED_ATTENTION,
     ContextParallel,
     ContextParallelError,
-    GatherReplicated,
     StepLayout,
-    SumReplicated,
     local_tensor,
     register_attention,
 )
+from .context_parallel_outputs import OutputDeferral, install_output_deferral
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +190,8 @@ def install_context_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> 
 
 
 def wrap_context_parallel_forward(model: nn.Module, cp: ContextParallel) -> None:
-    """``model(**whole_rows)`` runs on this rank's part of each sequence and returns one process's outputs."""
+    """``model(**whole_rows)`` runs on this rank's part of each sequence and returns one process's outputs: the
+    loss summed over cp, token-wise fields all-gathered when read (:mod:`.context_parallel_outputs`)."""
     original = model.forward
     signature = inspect.signature(original)
 
@@ -210,9 +212,11 @@ def wrap_context_parallel_forward(model: nn.Module, cp: ContextParallel) -> None
                 f"{type(model).__name__}'s attention did not go through transformers' attention registry, so "
                 "context parallelism cannot mask it in global positions; plan without cp"
             )
-        return gather_outputs(output, cp, length, rows)
+        return outputs.finish(output, cp, length, rows)
 
+    outputs = OutputDeferral()
     model.forward = forward
+    install_output_deferral(model, outputs)
 
 
 def _refuse_on_every_rank(error: ContextParallelError | None, device: torch.device) -> None:
@@ -363,36 +367,6 @@ def _documents(positions: torch.Tensor) -> torch.Tensor | None:
     first = positions[:, :1] - 1
     documents = (torch.diff(positions, prepend=first, dim=-1) != 1).cumsum(-1)
     return None if bool((documents[:, -1] == 0).all()) else documents
-
-
-def gather_outputs(output: Any, cp: ContextParallel, length: int, rows: int) -> Any:
-    """One process's outputs from this rank's: the loss summed over cp, token-wise tensors all-gathered into
-    sequence order (the rest as they are)."""
-    local_length = length // cp.size
-    order = cp.layout.order
-
-    def whole(value: Any) -> Any:
-        if (
-            isinstance(value, torch.Tensor)
-            and value.dim() >= 2
-            and value.shape[0] == rows
-            and value.shape[1] == local_length
-        ):
-            gathered = GatherReplicated.apply(value, cp.group, 1)
-            return gathered.index_select(1, order)
-        if isinstance(value, tuple | list):
-            return type(value)(whole(v) for v in value)
-        return value
-
-    if isinstance(output, Mapping):
-        for key in list(output.keys()):
-            value = output[key]
-            if key == "loss" and isinstance(value, torch.Tensor):
-                output[key] = SumReplicated.apply(value, cp.group)
-            else:
-                output[key] = whole(value)
-        return output
-    return whole(output)
 
 
 # ------------------------------------------------------------------------------------------- plans

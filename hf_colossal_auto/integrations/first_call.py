@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._torch_compat import tree_map
+from ..apply.context_parallel_outputs import defer_now, transform_fields
 from ..apply.micro_batch import set_gradient_sync
 from ..apply.runtime import batch_group_mesh
 from .data import batch_is_per_process
@@ -120,11 +121,8 @@ class TensorParallelBatch:
                 return value[self.rank * rows : (self.rank + 1) * rows]
             return value
 
-        if isinstance(output, Mapping):  # HF ModelOutput: keep its class
-            for key in list(output.keys()):
-                output[key] = tree_map(cut, output[key])
-            return output
-        return tree_map(cut, output)
+        # a HF ModelOutput keeps its class; a context-parallel one its fields' lazy gather (cut after it)
+        return transform_fields(output, functools.partial(tree_map, cut))
 
 
 class _OwnRows(torch.autograd.Function):
@@ -185,7 +183,8 @@ def plan_on_first_call(model: nn.Module, parallelize: Callable[[nn.Module, dict[
         if batch is None or not batch_is_per_process():  # a re-cut loader's batch is already the group's
             return planned(*args, **kwargs)
         gathered, rows = batch.gather(named_arguments(inner, args, kwargs))
-        return batch.own_rows(planned(**gathered), rows)
+        # context parallelism: this rank's rows cut after the sequence's gather (cp ranks cut different rows)
+        return batch.own_rows(defer_now(model, planned(**gathered)), rows)
 
     @contextlib.contextmanager
     def no_sync_until_planned() -> Any:

@@ -26,15 +26,18 @@ ordinary one. What the reshaped batch gets wrong is attention, corrected in the 
   on the mask path at the query heads (with a mask transformers' sdpa repeats grouped K/V heads), and the first
   layer the step's additive mask ``[1, 1, S / c, S]``, unless its block is recomputed: added to what the kernel
   keeps alive until its backward (its log-sum-exp output's storage, produced by the kernel and freed by its
-  backward, so that recompute frees them with the block); the
-  logits gathered into the whole sequence and copied into sequence order beside the chunk's, on the LM head's
-  output;
+  backward, so that recompute frees them with the block);
 * communication: per attention layer, forward all-gathers of K and of V over cp (each the full ``S``-token
   tensor at the model's K/V heads, ``(c - 1) / c`` of it crossing the link), backward reduce-scatters of their
   gradients, on the link the cp axis crosses (``(dp, cp, tp)`` row-major: inside a node when ``cp x tp`` fits
   one), added to the attention op's cost per strategy (a strategy splitting heads over tp gathers ``1 / tp``).
   Priced exposed (not overlapped with the attention). Added to the plan after the solve: the recomputed blocks'
-  K/V gathers again, the logits' all-gather and two small all-reduces per forward (inputs' agreement, loss).
+  K/V gathers again and two small all-reduces per forward (inputs' agreement, loss).
+
+The step priced is a training step that reads only the loss: the runtime gathers token-wise outputs (logits,
+hidden states) over cp only when the caller reads them (``apply/context_parallel_outputs.py``), so neither the
+whole sequence's logits nor their all-gather are in the plan; ``solver["context_parallel"]`` says what a read
+of the logits would add (``logits_read_bytes``, ``logits_read_s``), and the plan's summary says so.
 
 Offered only where the traced step's attention is a fused SDPA kernel without an explicit mask (the runtime
 gathers K and V, not masks): eager attention, a padding mask or an unknown kernel leaves cp out, with a log line
@@ -236,7 +239,6 @@ def context_parallel_step(
     graph: StepGraph,
     cp: int,
     kv_heads: int | None,
-    logits_module: str | None = None,
     runtime: RuntimeAttention | None = None,
 ) -> StepGraph:
     """``graph`` (the step traced on the cp-chunked batch) made what a cp rank runs, in place: each attention
@@ -244,10 +246,8 @@ def context_parallel_step(
     gathered K/V, and what the runtime holds beyond the trace (:func:`_grow`): per kernel the K/V it keeps
     (all ``S`` tokens at the query heads, :attr:`AttentionKernel.held_bytes`) from the forward kernel to its
     backward, on its log-sum-exp's storage; the step's one additive mask, on the first kernel's (freed by the
-    last backward kernel, where the runtime's lives to the next forward); and the logits all-gathered to the
-    whole sequence (``cp`` times the traced chunk's) and put in sequence order (an ``index_select``: a second
-    copy), both made while the chunk's are still held (the step's peak where the LM head is large), on the traced
-    logits' storage (``logits_module``: the output embeddings' name)."""
+    last backward kernel, where the runtime's lives to the next forward). The logits stay the chunk's: a step
+    that reads only the loss gathers no output (:mod:`~hf_colossal_auto.apply.context_parallel_outputs`)."""
     kernels = attention_kernels(graph, cp, kv_heads, runtime)
     grown: dict[int, int] = {}
     masked = [k for k in kernels if not k.blocked]
@@ -263,9 +263,6 @@ def context_parallel_step(
     for node in backward:
         node.flops *= cp
         node.bytes_read += (cp - 1) * sum(graph.values[x].nbytes for x in node.inputs[2:4])
-    logits = logits_value(graph, logits_module)
-    if logits is not None:
-        _grow(graph, logits, 2 * cp * graph.values[logits].nbytes, grown)
     for sid, extra in grown.items():
         storage = graph.storages[sid]
         graph.storages[sid] = dataclasses.replace(storage, nbytes=storage.nbytes + extra)
@@ -288,7 +285,7 @@ def _grow(graph: StepGraph, value: int, extra: int, grown: dict[int, int]) -> No
 
 def logits_value(graph: StepGraph, module: str | None) -> int | None:
     """The value id of the logits: the last forward output of the output embeddings ``module`` (None if the
-    step has none; the runtime all-gathers them over cp, the caller sees the whole sequence's)."""
+    step has none; the runtime all-gathers them over cp when the caller reads them)."""
     if not module:
         return None
     found = None
@@ -366,18 +363,19 @@ were accepted (over the job), and the scalar float32 loss summed over cp."""
 class StepExtras:
     """What the runtime runs per micro-batch besides the K/V collectives the ILP prices, from the traced step."""
 
-    logits_gathered_bytes: float
-    """The logits all-gathered into the whole sequence (``cp`` times the traced chunk's), 0 without an LM head."""
+    logits_read_bytes: float
+    """What reading the logits all-gathers per forward (the whole sequence's, ``cp`` times the traced chunk's),
+    0 without an LM head. Not priced: a training step reads only the loss."""
     attention_modules: tuple[str, ...]
     """The module of each attention kernel: a block recomputed in backward gathers its K and V again."""
     micro_batches: int
 
 
 def step_extras(graph: StepGraph, cp: int, logits_module: str | None, micro_batches: int) -> StepExtras:
-    """:class:`StepExtras` of a cp rank's step ``graph`` (made by :func:`context_parallel_step`, whose logits
-    value holds the chunk's, the gathered ones and their copy in sequence order: ``2 cp + 1`` chunks)."""
+    """:class:`StepExtras` of a cp rank's step ``graph`` (made by :func:`context_parallel_step`: its logits are
+    the chunk's)."""
     logits = logits_value(graph, logits_module)
-    gathered = float(graph.values[logits].nbytes) * cp / (2 * cp + 1) if logits is not None else 0.0
+    gathered = float(graph.values[logits].nbytes) * cp if logits is not None else 0.0
     modules = tuple(graph.nodes[k.index].module for k in attention_kernels(graph, cp, None))
     return StepExtras(gathered, modules, micro_batches)
 
@@ -417,9 +415,7 @@ class ContextParallelPlanner(_Planner):
         """id of a built problem -> the step's other cp collectives and the attention layers by module."""
 
     def _trace(self, rows: int) -> StepGraph:
-        return context_parallel_step(
-            super()._trace(rows), self.cp, self.kv_heads, self.logits_module, self.runtime_attention()
-        )
+        return context_parallel_step(super()._trace(rows), self.cp, self.kv_heads, self.runtime_attention())
 
     def runtime_attention(self) -> RuntimeAttention:
         """How the runtime's attention runs on this cluster's devices (blocked or masked, per layer)."""
@@ -471,9 +467,10 @@ def context_parallel_plan(
     """The Plan of a chunked-batch solution on mesh ``(dp x cp, tp)`` as the runtime runs it: mesh
     ``(dp, cp, tp)``, the cp axis ``"R"`` in every placement, the user's batch, ``cp_size``, and the K/V
     collectives moved from compute to communication (``cp_all_gather`` / ``cp_reduce_scatter``). Added after
-    the solve (``extras``, priced on ``cp_comm``; the ILP does not see them): per micro-batch the logits'
-    all-gather and the two small all-reduces (``cp_all_reduce``: the inputs' agreement, the loss), and the K/V
-    all-gathers again for each attention layer of a recomputed block."""
+    the solve (``extras``, priced on ``cp_comm``; the ILP does not see them): per micro-batch the two small
+    all-reduces (``cp_all_reduce``: the inputs' agreement, the loss), and the K/V all-gathers again for each
+    attention layer of a recomputed block. A step that reads only the loss: the logits' all-gather, which a
+    read adds, is recorded (``logits_read_bytes`` / ``logits_read_s``), not priced."""
     multiplicity = {n.name: n.multiplicity for n in built.problem.nodes}
     gather_s = scatter_s = nbytes = count = 0.0
     for name, record in kv.items():
@@ -488,7 +485,7 @@ def context_parallel_plan(
     collectives = dict(plan.collectives)
     collective_bytes = dict(plan.collective_bytes)
     collectives["cp_reduce_scatter"], collective_bytes["cp_reduce_scatter"] = count, nbytes
-    added_s, rerun = 0.0, 0
+    added_s, rerun, read_bytes, read_s = 0.0, 0, 0.0, 0.0
     gathers, gathered = count, nbytes
     if extras is not None and cp_comm is not None:
         micro = extras.micro_batches
@@ -497,10 +494,9 @@ def context_parallel_plan(
             gathers += count * rerun / layers
             gathered += nbytes * rerun / layers
             added_s += gather_s * rerun / layers
-        if extras.logits_gathered_bytes:
-            gathers += micro
-            gathered += micro * extras.logits_gathered_bytes
-            added_s += micro * cp_comm.time("all_gather", extras.logits_gathered_bytes)
+        if extras.logits_read_bytes:  # not in the step: only a caller that reads the logits gathers them
+            read_bytes = micro * extras.logits_read_bytes
+            read_s = micro * cp_comm.time("all_gather", extras.logits_read_bytes)
         collectives["cp_all_reduce"] = micro * len(SMALL_ALL_REDUCE_BYTES)
         collective_bytes["cp_all_reduce"] = micro * sum(SMALL_ALL_REDUCE_BYTES)
         added_s += micro * sum(cp_comm.time("all_reduce", b) for b in SMALL_ALL_REDUCE_BYTES)
@@ -516,6 +512,9 @@ def context_parallel_plan(
         "recomputed_attention_layers": rerun,
         "added_after_solve_s": added_s,
         "gradient_group": dp,
+        "outputs": "loss only",
+        "logits_read_bytes": read_bytes,
+        "logits_read_s": read_s,
     }
     return dataclasses.replace(
         plan,

@@ -20,6 +20,7 @@ cannot cut, flash attention's packed offsets), each raised on every rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -27,6 +28,8 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -143,14 +146,20 @@ def run_case(
     if name.endswith("-window"):  # the window changes one process's result, so the test sees it
         windowless = float((build("tiny-qwen2", attention)(**mine).logits - ref.logits).abs().max())
     ddp_reference_loss(reference, batch, dp).backward()
-    out = model(**mine)
-    layout = model._hf_colossal_auto_context_parallel.layout
-    calls = {"attention_calls": layout.attention_calls, "blocked_calls": layout.blocked_calls}
-    out.loss.backward()
+    with all_gathers() as loss_only:  # what a training step reads: the K/V gathers only, no logits
+        out = model(**mine)
+        layout = model._hf_colossal_auto_context_parallel.layout
+        calls = {"attention_calls": layout.attention_calls, "blocked_calls": layout.blocked_calls}
+        out.loss.backward()
     grad_diff = max(
         float((full(p.grad) - p_ref.grad).abs().max())
         for p, p_ref in zip(model.parameters(), reference.parameters(), strict=True)
     )
+    with all_gathers() as first_read:  # the read tag, then the logits
+        logits = out.logits
+    with all_gathers() as reads_again:  # every other way of reading them: gathered once
+        same = out["logits"] is logits and out[1] is logits and out.to_tuple()[1] is logits
+        same = same and dict(out)["logits"] is logits and out.get("logits") is logits
     cp_rank = model._hf_colossal_auto_mesh.get_local_rank("cp")
     result = {
         "model": name,
@@ -159,8 +168,14 @@ def run_case(
         "mesh": list(plan.mesh_shape),
         "loss": float(out.loss),
         "reference_loss": float(ref.loss),
-        "logits_diff": float((out.logits - ref.logits).abs().max()),
-        "logits_shape": list(out.logits.shape),
+        "logits_diff": float((logits - ref.logits).abs().max()),
+        "logits_shape": list(logits.shape),
+        "gathers_loss_only": loss_only,
+        "gathers_first_read": first_read,
+        "gathers_read_again": reads_again,
+        "read_once": same,
+        "kv_gathers": 2 * model.config.num_hidden_layers * (2 if recompute else 1),
+        "output_class": [type(out).__name__, type(ref).__name__, isinstance(out, type(ref))],
         "max_grad_diff": grad_diff,
         "positions": balanced_positions(seq, cp, cp_rank).tolist(),
         "sharded_params": sum(isinstance(p, DTensor) for p in model.parameters()),
@@ -173,9 +188,24 @@ def run_case(
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
-    del model, reference, out, ref
+    del model, reference, out, ref, logits
     dist.barrier()
     return {**gathered[0], "ranks": gathered}
+
+
+@contextlib.contextmanager
+def all_gathers() -> Iterator[list[int]]:
+    """The elements of every ``dist.all_gather_into_tensor`` output inside the block (the K/V gathers, a lazy
+    output's read tag and its gathered field), in call order."""
+    real = dist.all_gather_into_tensor
+    seen: list[int] = []
+
+    def counting(output, *args, **kwargs):
+        seen.append(output.numel())
+        return real(output, *args, **kwargs)
+
+    with mock.patch.object(dist, "all_gather_into_tensor", counting):
+        yield seen
 
 
 def _step_batch(model, rows: int, seq: int, step: int) -> dict[str, torch.Tensor]:
@@ -227,11 +257,13 @@ def run_fsdp_case(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=lr, eps=eps)
     layout = _shard_layout(model)
-    losses, ref_losses, grad_diffs = [], [], []
+    losses, ref_losses, grad_diffs, unread = [], [], [], []
     for step in range(steps):
         batch = _step_batch(model, 2 * dp, seq, step)
         out = model(**shard_batch(batch, model))
         out.loss.backward()
+        # FSDP2's post-forward hooks visit every output tensor: they saw this rank's, not the lazy logits
+        unread.append(type(out.__dict__["logits"]).__name__ == "PendingField")
         ref_loss = ddp_reference_loss(reference, batch, dp)
         ref_loss.backward()
         grad_diffs.append(
@@ -254,6 +286,7 @@ def run_fsdp_case(
     )
     result = {
         "fsdp_mesh": list(plan.mesh_shape),
+        "logits_unread": unread,
         "losses": losses,
         "ref_losses": ref_losses,
         "grad_diffs": grad_diffs,
@@ -428,6 +461,101 @@ def accelerator_loop(directory: str, dp_mode: str = "ddp") -> dict:
     return result
 
 
+def uneven_reads(seq: int) -> dict:
+    """Lazy outputs read unlike on the cp ranks, each stopped by name: rank 0 reads the logits where rank 1
+    reads the hidden states (both raise, naming both); then only rank 0 reads (logging on the main process):
+    it raises after ``HF_COLOSSAL_AUTO_CP_READ_TIMEOUT_S``, and rank 1 then completes its pending exchange
+    (over a side group, so that the launch goes on); then both read alike and get one process's logits."""
+    from hf_colossal_auto.apply import apply_plan, broadcast_plan
+    from hf_colossal_auto.apply.context_parallel_attention import CP_ATTR, ContextParallelError
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = build("tiny-llama")
+    reference = copy.deepcopy(model)
+    batch = make_batch(model, 2, seq, "plain")
+    plan = broadcast_plan(cp_plan(model, batch, 1, world) if rank == 0 else None)
+    apply_plan(model, plan)
+    out = model(**batch, output_hidden_states=True)
+    mismatch = None
+    try:
+        _ = out.logits if rank == 0 else out.hidden_states
+    except ContextParallelError as exc:
+        mismatch = str(exc)
+    side = dist.new_group(backend="gloo")
+    out = model(**batch)
+    alone, waited = None, None
+    os.environ["HF_COLOSSAL_AUTO_CP_READ_TIMEOUT_S"] = "2"
+    try:
+        if rank == 0:
+            started = time.perf_counter()
+            try:
+                _ = out.logits
+            except ContextParallelError as exc:
+                alone, waited = str(exc), time.perf_counter() - started
+            dist.barrier(group=side)
+        else:
+            dist.barrier(group=side)  # rank 0 has given up: complete the exchange it left pending
+            tag = torch.zeros(3, dtype=torch.int64)
+            dist.all_gather_into_tensor(tag.new_empty(3 * world), tag, group=getattr(model, CP_ATTR).group)
+    finally:
+        del os.environ["HF_COLOSSAL_AUTO_CP_READ_TIMEOUT_S"]
+    out = model(**batch)
+    alike = float((out.logits - reference(**batch).logits).abs().max())
+    messages = [None] * world
+    dist.all_gather_object(messages, {"mismatch": mismatch, "alone": alone, "waited": waited})
+    del model, reference, out
+    dist.barrier()
+    return {"uneven_reads": messages, "alike_logits_diff": alike}
+
+
+def mixed_precision_reads(directory: str) -> dict:
+    """``AutoParallelAccelerator(mixed_precision="bf16")`` with a cp plan file: accelerate wraps the forward in
+    autocast and ``convert_outputs_to_fp32`` (which reads every field); the outputs are deferred after it, so
+    a step that reads only the loss gathers no logits, and the logits read are fp32, whole, one process's."""
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import default_collate
+
+    from hf_colossal_auto import AutoParallelAccelerator
+
+    world = dist.get_world_size()
+    AcceleratorState._reset_state()  # the earlier loops' accelerator ran without mixed precision
+    GradientState._reset_state()
+    model = build("tiny-llama")
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    path = os.path.join(directory, "plan-bf16.json")
+    if dist.get_rank() == 0:
+        cp_plan(
+            model, default_collate([{k: v[i] for k, v in batch.items()} for i in range(2)]), 1, world
+        ).save(path)
+    dist.barrier()
+    os.environ["HF_COLOSSAL_AUTO_PLAN_PATH"] = path
+    accelerator = AutoParallelAccelerator(cpu=True, mixed_precision="bf16")
+    model = accelerator.prepare(model)
+    with all_gathers() as loss_only:
+        out = model(**batch)
+        accelerator.backward(out.loss)
+    with all_gathers() as first_read:
+        logits = out.logits
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = reference(**batch)
+    result = {
+        "bf16_gathers_loss_only": loss_only,
+        "bf16_gathers_first_read": first_read,
+        "bf16_logits": [str(logits.dtype), list(logits.shape)],
+        "bf16_logits_err": float((logits - ref.logits.float()).abs().max() / ref.logits.float().abs().max()),
+        "bf16_loss": [float(out.loss), float(ref.loss)],
+        # accelerate's autocast and fp32 wrapper inside the model's call (they see this rank's output)
+        "bf16_wrapped": [accelerator.native_amp, "_original_forward" in model.__dict__],
+        "kv_gathers": 2 * reference.config.num_hidden_layers,
+        "vocab": reference.config.vocab_size,
+    }
+    del model, out, logits
+    accelerator.wait_for_everyone()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
@@ -446,6 +574,11 @@ def main() -> None:
         help="also Llama under FSDP: a comma list of DP:TP meshes (cp: the rest of the world)",
     )
     parser.add_argument("--planned-fsdp", action="store_true", help="also a planner-made cp plan under FSDP")
+    parser.add_argument(
+        "--reads",
+        action="store_true",
+        help="also reads unlike on the cp ranks, and reads under bf16 accelerate",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -480,6 +613,11 @@ def main() -> None:
         directory = [tempfile.mkdtemp(prefix="cp-plan-") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(directory)
         results.append({"accelerate": accelerator_loop(directory[0], dp_mode)})
+    if args.reads:
+        results.append(uneven_reads(args.seq))
+        directory = [tempfile.mkdtemp(prefix="cp-plan-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(directory)
+        results.append({"mixed_precision": mixed_precision_reads(directory[0])})
     results.append({"total_seconds": time.perf_counter() - started})
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:

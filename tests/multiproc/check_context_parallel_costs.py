@@ -6,10 +6,12 @@ A Llama at hidden 128 (grouped-query attention: 4 query heads, 2 K/V heads), 2 r
 activations dominate. Rank 0 plans it with ``context_parallel=2`` on 2 CPU devices, DDP over the ``dp x cp``
 group, twice: with the budget lifted and no recompute, and under a budget of a fraction of that plan's peak with
 recompute chosen by the solver (it must recompute to fit). Every rank applies each plan to a fresh copy of the
-seeded model and runs one forward + backward under ``torch.profiler``: c10d's own records of every collective
-(counts, and the bytes of the tensors handed to the all-gathers and reduce-scatters) against the plan's
-``collectives`` / ``collective_bytes``; then one AdamW step and MemTracker's peak of the next step against
-``plan.peak_memory_bytes``. ``<out>.rank<r>`` holds each rank's results.
+seeded model and runs training steps that read only the loss (``model(**batch).loss``, as a training loop
+does: the runtime gathers no output over cp, ``apply/context_parallel_outputs.py``): one forward + backward
+under ``torch.profiler``, c10d's own records of every collective (counts, and the bytes of the tensors handed
+to the all-gathers and reduce-scatters) against the plan's ``collectives`` / ``collective_bytes``; then one
+AdamW step and MemTracker's peak of the next step against ``plan.peak_memory_bytes``. ``<out>.rank<r>`` holds
+each rank's results.
 """
 
 from __future__ import annotations
