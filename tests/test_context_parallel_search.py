@@ -85,7 +85,7 @@ def test_step_made_a_cp_ranks():
     rows = cp.batch // 2
     plain = _Planner._trace(cp, rows)  # the chunked step as traced
     made = cp._trace(rows)
-    masked = context_parallel_step(_Planner._trace(cp, rows), 2, cp.kv_heads, cp.logits_module, runtime=None)
+    masked = context_parallel_step(_Planner._trace(cp, rows), 2, cp.kv_heads, runtime=None)
     assert [n.op for n in plain.nodes] == [n.op for n in made.nodes]
     forward = [n.index for n in plain.nodes if n.op in ATTENTION_FORWARD_KERNELS]
     backward = [n.index for n in plain.nodes if n.op in ATTENTION_BACKWARD_KERNELS]
