@@ -48,7 +48,7 @@ from ...hardware.catalog import DeviceSpec
 from ...profile.memory import saved_bytes_per_node
 from ...strategies.placements import Strategy
 from ..pricing.comm import AxisComm, HybridComm, data_parallel_overlap, data_parallel_shard_size
-from ..pricing.compute import BackwardRatios, _backward_ratios, _expert_skews
+from ..pricing.compute import BackwardRatios, _backward_ratios, _expert_skews, host_stream_overlaps
 from ..pricing.memory import StepMemory, _checkpoint_args
 from ..problem import (
     ConditionalCost,
@@ -342,6 +342,11 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         self.rc_names: list[str] = []
         self.conditional: list[ConditionalCost] = []
         self.host_floor_s = 0.0
+        self.host_terms: dict[str, float] = {}
+        """Op node -> host seconds of its forward and backward ops (where the host runs ahead of the device:
+        priced per block by :func:`host_stream_overlaps`, not in the node's cost)."""
+        self.segment_of: dict[str, str] = {}
+        """Op node -> the block (recompute unit) whose host stream it belongs to; "" outside the blocks."""
 
     # ---------------------------------------------------------------- the whole problem
     def build(self) -> BuiltProblem:
@@ -357,6 +362,7 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         if self.expert_dp:
             self._add_expert_dp_exchange()
         edges = [DecisionEdge(s, d, m) for (s, d), m in sorted(self.edge_cost.items())]
+        reruns = set(self.rc_names)
         constraints = self._memory_constraints()
         problem = Problem(
             nodes=self.nodes,
@@ -370,6 +376,12 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
                 self.block_of,
                 self.spec,
                 self.micro_batches,
+            )
+            + host_stream_overlaps(
+                self.nodes,
+                {key: m for key, m in self.edge_cost.items() if key[0] not in reruns},
+                self.host_terms,
+                self.segment_of,
             ),
             name=f"mesh{self.mesh_shape}-{self.dp_mode}",
             fixed=self.fixed,
