@@ -151,13 +151,18 @@ def random_problem(seed: int, binding: bool = True) -> Problem:
         comm = {n.name: [_value(rng, integral, seconds) for _ in n.costs] for n in rng.sample(nodes, 2)}
         compute = {n.name: [_value(rng, integral, seconds) for _ in n.costs] for n in rng.sample(nodes, 2)}
         efficiency = rng.choice([0.0, 0.5, 1.0, rng.random()])
-        # computation on edges too (the host stream's collectives): priced through the pairs' joint variables
+        # seconds on edges too (the host stream's collectives), read through the pairs' joint variables
         compute_edges = {
             (e.src, e.dst): _matrix(rng, len(e.cost), len(e.cost[0]), integral, seconds)
             for e in edges
             if rng.random() < 0.3
         }
-        overlaps.append(Overlap(f"o{index}", comm, compute, efficiency, compute_edges))
+        comm_edges = {
+            (e.src, e.dst): _matrix(rng, len(e.cost), len(e.cost[0]), integral, seconds)
+            for e in edges
+            if rng.random() < 0.2
+        }
+        overlaps.append(Overlap(f"o{index}", comm, compute, efficiency, compute_edges, comm_edges))
     problem = Problem(
         nodes,
         edges,

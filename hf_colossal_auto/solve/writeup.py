@@ -30,7 +30,7 @@ from .build.builder import BuiltProblem
 from .build.names import MemoryRow, NodeKind, _node_name, _param_node_name, memory_row_name
 from .pricing.collectives import _collective_prediction, _recompute_collectives, _sync_wait
 from .pricing.comm import SHARDED_DP_MODES, AxisComm, boundary_reshardings
-from .pricing.compute import HOST_STREAM
+from .pricing.compute import HOST_STREAM, overlap_parts
 from .problem import Solution, evaluate, memory_usage
 from .tied import TiedGraph
 
@@ -250,7 +250,7 @@ def _split_overlaps(split: _TimeSplit, built: BuiltProblem, solution: Solution) 
     problem = built.problem
     for overlap in problem.overlaps:
         exposed = overlap.exposed(problem, solution.choice)
-        total = sum(problem.node(k).multiplicity * v[solution.choice[k]] for k, v in overlap.comm.items())
+        total = overlap.totals(problem, solution.choice)[0]
         host = overlap.name.startswith(HOST_STREAM)
         if host:
             split.compute += exposed
@@ -258,10 +258,9 @@ def _split_overlaps(split: _TimeSplit, built: BuiltProblem, solution: Solution) 
             split.hidden += total - exposed
             split.comm += exposed
         target = split.block_compute if host else split.block_comm
-        for k, values in overlap.comm.items():
+        for k, seconds in overlap_parts(problem, overlap, solution.choice):
             if total > 0:
-                share = problem.node(k).multiplicity * values[solution.choice[k]] / total
-                split.spread(target, built.block_of.get(k, ""), exposed * share)
+                split.spread(target, built.block_of.get(k, ""), exposed * seconds / total)
 
 
 def _param_placements(

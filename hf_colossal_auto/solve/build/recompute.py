@@ -26,6 +26,7 @@ class _RecomputePart:
             if node.name in self.strat_of:
                 node.costs = [c * k for c in node.costs]
         self.edge_cost = {key: [[c * k for c in row] for row in m] for key, m in self.edge_cost.items()}
+        self.edge_calls = {key: [[c * k for c in row] for row in m] for key, m in self.edge_calls.items()}
         self.shared_price = {key: [c * k for c in v] for key, v in self.shared_price.items()}
         for cond in self.conditional:
             cond.cost = [[c * k for c in row] for row in cond.cost]

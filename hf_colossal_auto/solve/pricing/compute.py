@@ -20,7 +20,7 @@ from ...profile.profiler import (
 )
 from ...strategies.moe import EXPERT_REGION
 from ...strategies.placements import Strategy
-from ..problem import DecisionNode, Overlap
+from ..problem import DecisionNode, Overlap, Problem
 from ..tied import TiedGraph, _real_modules_of
 from .comm import shard_factor, splits_work
 
@@ -210,14 +210,16 @@ def host_stream_overlaps(
     edges: dict[tuple[str, str], list[list[float]]],
     host_terms: dict[str, float],
     segment_of: dict[str, str],
+    edge_host: dict[tuple[str, str], list[list[float]]] | None = None,
 ) -> list[Overlap]:
     """The host's per-op seconds as a stream ahead of the device, one segment per block: the segment costs
     ``max(host, device)``, as ``device + max(host - device, 0)`` — the device's seconds are the op nodes' own
     costs and the tensor-parallel reshardings into them (``edges`` whose reader is one of the segment's ops:
     the device waits for a collective as for a kernel, and the host enqueues both; recompute's reruns are not
     among them), the host's the constant
-    :func:`_node_host_time` of each op, and an :class:`Overlap` of efficiency 1 prices the excess
-    (``C - min(C, K)``).
+    :func:`_node_host_time` of each op and, ``edge_host``, the DTensor op each redistribution of an edge costs
+    the host (the edge's own cost is then its device seconds alone), and an :class:`Overlap` of efficiency 1
+    prices the excess (``C - min(C, K)``).
 
     Why a stream and not each op apart: CUDA launches are asynchronous, so while a large GEMM runs the host
     enqueues the ops after it, and a run of small ops whose host cost exceeds their kernels' is paid only
@@ -235,9 +237,13 @@ def host_stream_overlaps(
         if node.name in host_terms:
             by_segment[segment_of.get(node.name, "")].append(node)
     edges_of: dict[str, dict[tuple[str, str], list[list[float]]]] = defaultdict(dict)
+    host_of: dict[str, dict[tuple[str, str], list[list[float]]]] = defaultdict(dict)
     for (src, dst), matrix in sorted(edges.items()):
         if dst in host_terms and any(any(row) for row in matrix):
             edges_of[segment_of.get(dst, "")][(src, dst)] = matrix
+    for (src, dst), matrix in sorted((edge_host or {}).items()):
+        if dst in host_terms and any(any(row) for row in matrix):
+            host_of[segment_of.get(dst, "")][(src, dst)] = matrix
     return [
         Overlap(
             f"{HOST_STREAM}:{segment}",
@@ -245,9 +251,21 @@ def host_stream_overlaps(
             {n.name: list(n.costs) for n in members if any(n.costs)},
             1.0,
             edges_of.get(segment, {}),
+            host_of.get(segment, {}),
         )
         for segment, members in sorted(by_segment.items())
     ]
+
+
+def overlap_parts(problem: Problem, overlap: Overlap, choice: dict[str, int]) -> list[tuple[str, float]]:
+    """An overlap's communication under ``choice``, part by part: ``(node, seconds)`` for each node's, and for
+    each edge's under the node it feeds (where a report spreads what the overlap exposes)."""
+    parts = [(k, problem.node(k).multiplicity * v[choice[k]]) for k, v in overlap.comm.items()]
+    parts += [
+        (dst, problem.edge(src, dst).multiplicity * m[choice[src]][choice[dst]])
+        for (src, dst), m in overlap.comm_edges.items()
+    ]
+    return parts
 
 
 def _optimizer_time(graph: StepGraph, spec: DeviceSpec) -> float:
