@@ -151,7 +151,18 @@ def random_problem(seed: int, binding: bool = True) -> Problem:
         comm = {n.name: [_value(rng, integral, seconds) for _ in n.costs] for n in rng.sample(nodes, 2)}
         compute = {n.name: [_value(rng, integral, seconds) for _ in n.costs] for n in rng.sample(nodes, 2)}
         efficiency = rng.choice([0.0, 0.5, 1.0, rng.random()])
-        overlaps.append(Overlap(f"o{index}", comm, compute, efficiency))
+        # seconds on edges too (the host stream's collectives), read through the pairs' joint variables
+        compute_edges = {
+            (e.src, e.dst): _matrix(rng, len(e.cost), len(e.cost[0]), integral, seconds)
+            for e in edges
+            if rng.random() < 0.3
+        }
+        comm_edges = {
+            (e.src, e.dst): _matrix(rng, len(e.cost), len(e.cost[0]), integral, seconds)
+            for e in edges
+            if rng.random() < 0.2
+        }
+        overlaps.append(Overlap(f"o{index}", comm, compute, efficiency, compute_edges, comm_edges))
     problem = Problem(
         nodes,
         edges,
@@ -611,3 +622,24 @@ def test_overlap_steers_the_choice(backend: str) -> None:
     for efficiency, expected in ((0.0, 1), (1.0, 0)):
         problem = Problem([a], overlaps=[Overlap("dp", {"a": [4.0, 0.0]}, {"a": [4.0, 5.0]}, efficiency)])
         assert solve(problem, solver=backend).choice["a"] == expected
+
+
+@pytest.mark.parametrize("backend", SOLVERS)
+def test_overlap_hides_behind_an_edge(backend: str) -> None:
+    """Computation on an edge hides an overlap's communication (the host stream runs ahead of a collective as of
+    a kernel), read through the pair's joint choice: host 6; the edge's device time 6 at (0, 0), else 1. At
+    (0, 0) the step is max(6, 6) = 6; at (1, 0) 1 + (6 - 1) = 6; with the edge left out of the overlap's
+    computation neither would be below 7, so the solver's 6 needs it."""
+    a, b = _node("a", [0.0, 0.0]), _node("b", [0.0, 3.0])
+    edge = DecisionEdge("a", "b", [[6.0, 1.0], [1.0, 1.0]])
+    overlap = Overlap("host", {"a": [6.0, 6.0]}, {}, 1.0, {("a", "b"): [[6.0, 1.0], [1.0, 1.0]]})
+    problem = Problem([a, b], [edge], overlaps=[overlap])
+    assert evaluate(problem, {"a": 0, "b": 0})[0] == pytest.approx(6.0)
+    assert evaluate(problem, {"a": 1, "b": 0})[0] == pytest.approx(6.0 + 0.0)  # 1 + (6 - 1)
+    assert evaluate(problem, {"a": 1, "b": 1})[0] == pytest.approx(1.0 + 3.0 + 5.0)
+    solution = solve(problem, solver=backend)
+    assert solution.objective_s == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="matches no edge"):
+        Problem(
+            [a, b], [edge], overlaps=[Overlap("host", {"a": [1.0, 1.0]}, {}, 1.0, {("b", "a"): edge.cost})]
+        )

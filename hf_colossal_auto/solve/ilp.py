@@ -208,10 +208,17 @@ class _Model:
                 comm.add_node(name, [problem.node(name).multiplicity * v for v in values])
             for name, values in overlap.compute.items():
                 compute.add_node(name, [problem.node(name).multiplicity * v for v in values])
-            if not comm.lin and comm.constant == 0:
+            for acc, edges in ((compute, overlap.compute_edges), (comm, overlap.comm_edges)):
+                for (src, dst), matrix in edges.items():
+                    m = problem.edge(src, dst).multiplicity
+                    acc.add_edge(src, dst, [[m * v for v in row] for row in matrix])
+            if not comm.lin and not comm.pairs and comm.constant == 0:
                 continue
             z = pulp.LpVariable(f"zo_{index:05d}", lowBound=0)
             f = overlap.efficiency
+            # pair terms (edges between two free groups) through their joint variables, as the objective's
+            pairs = self.terms(_Form(0.0, {}, compute.pairs), 1.0) if compute.pairs else []
+            comm_pairs = self.terms(_Form(0.0, {}, comm.pairs), 1.0) if comm.pairs else []
             for k, (weights, constant) in enumerate(((1.0, -f), (1.0 - f, 0.0))):
                 row = [(z, 1.0)]
                 row += [
@@ -224,6 +231,8 @@ class _Model:
                     for g, vs in compute.lin.items()
                     for s, v in enumerate(vs)
                 ]
+                row += [(var, -constant * v / scale) for var, v in pairs]
+                row += [(var, -weights * v / scale) for var, v in comm_pairs]
                 rhs = (weights * comm.constant + constant * compute.constant) / scale
                 merged: dict[str, list] = {}
                 for var, coefficient in row:

@@ -255,12 +255,28 @@ class Overlap:
     comm: dict[str, list[float]]
     compute: dict[str, list[float]]
     efficiency: float
+    compute_edges: dict[tuple[str, str], list[list[float]]] = field(default_factory=dict)
+    """Computation priced on edges, ``(src, dst) -> cost[src strategy][dst strategy]`` (times the edge's
+    multiplicity): the device time of the collectives between ops, which the host's stream runs ahead of as it
+    does of kernels (:func:`~.pricing.compute.host_stream_overlaps`)."""
+    comm_edges: dict[tuple[str, str], list[list[float]]] = field(default_factory=dict)
+    """Communication priced on edges, likewise (the host's seconds of the redistributions an edge issues)."""
 
     def __post_init__(self) -> None:
         what = f"overlap {self.name!r}"
         self.comm = {k: _vector(v, f"{what} comm of {k!r}") for k, v in self.comm.items()}
         self.compute = {k: _vector(v, f"{what} compute of {k!r}") for k, v in self.compute.items()}
-        if any(x < 0 for values in (*self.comm.values(), *self.compute.values()) for x in values):
+        self.compute_edges = {
+            (str(src), str(dst)): _matrix(m, f"{what} compute of edge {src!r} -> {dst!r}")
+            for (src, dst), m in self.compute_edges.items()
+        }
+        self.comm_edges = {
+            (str(src), str(dst)): _matrix(m, f"{what} comm of edge {src!r} -> {dst!r}")
+            for (src, dst), m in self.comm_edges.items()
+        }
+        if any(x < 0 for values in (*self.comm.values(), *self.compute.values()) for x in values) or any(
+            x < 0 for m in (*self.compute_edges.values(), *self.comm_edges.values()) for row in m for x in row
+        ):
             raise ValueError(f"{what}: seconds must be >= 0")
         self.efficiency = _number(self.efficiency, f"{what} efficiency")
         if not 0.0 <= self.efficiency <= 1.0:
@@ -268,9 +284,22 @@ class Overlap:
 
     def exposed(self, problem: Problem, choice: dict[str, int]) -> float:
         """Seconds of communication the step waits for under ``choice``."""
-        comm = math.fsum(problem._by_name[k].multiplicity * v[choice[k]] for k, v in self.comm.items())
-        compute = math.fsum(problem._by_name[k].multiplicity * v[choice[k]] for k, v in self.compute.items())
+        comm, compute = self.totals(problem, choice)
         return comm - self.efficiency * min(comm, compute)
+
+    def totals(self, problem: Problem, choice: dict[str, int]) -> tuple[float, float]:
+        """``(C, K)`` under ``choice``: the communication and the computation, nodes' and edges'."""
+
+        def total(nodes: dict[str, list[float]], edges: dict[tuple[str, str], list[list[float]]]) -> float:
+            return math.fsum(
+                [problem._by_name[k].multiplicity * v[choice[k]] for k, v in nodes.items()]
+                + [
+                    problem._edge_by_key[(src, dst)].multiplicity * m[choice[src]][choice[dst]]
+                    for (src, dst), m in edges.items()
+                ]
+            )
+
+        return total(self.comm, self.comm_edges), total(self.compute, self.compute_edges)
 
 
 @dataclass
@@ -364,6 +393,12 @@ class Problem:
                 if len(values) != len(node.costs):
                     raise ValueError(
                         f"overlap {overlap.name!r}: {len(values)} values for node {k!r}, expected {len(node.costs)}"
+                    )
+            for key, matrix in (*overlap.compute_edges.items(), *overlap.comm_edges.items()):
+                edge = self._edge_by_key.get(key)
+                if edge is None or _shape(matrix) != _shape(edge.cost):
+                    raise ValueError(
+                        f"overlap {overlap.name!r}: compute of {key!r} matches no edge of the problem"
                     )
         for pair in self.equal_strategy:
             if len(pair) != 2:

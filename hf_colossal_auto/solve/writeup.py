@@ -30,6 +30,7 @@ from .build.builder import BuiltProblem
 from .build.names import MemoryRow, NodeKind, _node_name, _param_node_name, memory_row_name
 from .pricing.collectives import _collective_prediction, _recompute_collectives, _sync_wait
 from .pricing.comm import SHARDED_DP_MODES, AxisComm, boundary_reshardings
+from .pricing.compute import HOST_STREAM, overlap_parts
 from .problem import Solution, evaluate, memory_usage
 from .tied import TiedGraph
 
@@ -243,17 +244,23 @@ def _split_edges(split: _TimeSplit, built: BuiltProblem, solution: Solution) -> 
 
 
 def _split_overlaps(split: _TimeSplit, built: BuiltProblem, solution: Solution) -> None:
-    """The data-parallel synchronisation: what compute does not hide is communication, the rest hidden."""
+    """The data-parallel synchronisation: what compute does not hide is communication, the rest hidden. The
+    host's stream (:func:`~.pricing.compute.host_stream_overlaps`): what the device does not hide is compute
+    (the step waits for the host to issue its ops), the rest is not reported."""
     problem = built.problem
-    for overlap in problem.overlaps:  # data-parallel synchronisation: what compute does not hide
+    for overlap in problem.overlaps:
         exposed = overlap.exposed(problem, solution.choice)
-        total = sum(problem.node(k).multiplicity * v[solution.choice[k]] for k, v in overlap.comm.items())
-        split.hidden += total - exposed
-        split.comm += exposed
-        for k, values in overlap.comm.items():
+        total = overlap.totals(problem, solution.choice)[0]
+        host = overlap.name.startswith(HOST_STREAM)
+        if host:
+            split.compute += exposed
+        else:
+            split.hidden += total - exposed
+            split.comm += exposed
+        target = split.block_compute if host else split.block_comm
+        for k, seconds in overlap_parts(problem, overlap, solution.choice):
             if total > 0:
-                share = problem.node(k).multiplicity * values[solution.choice[k]] / total
-                split.spread(split.block_comm, built.block_of.get(k, ""), exposed * share)
+                split.spread(target, built.block_of.get(k, ""), exposed * seconds / total)
 
 
 def _param_placements(

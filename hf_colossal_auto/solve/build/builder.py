@@ -45,10 +45,11 @@ from dataclasses import dataclass, field
 from ...capture.graph import StepGraph
 from ...capture.moe import RoutingLoad
 from ...hardware.catalog import DeviceSpec
+from ...hardware.roofline import host_time
 from ...profile.memory import saved_bytes_per_node
 from ...strategies.placements import Strategy
 from ..pricing.comm import AxisComm, HybridComm, data_parallel_overlap, data_parallel_shard_size
-from ..pricing.compute import BackwardRatios, _backward_ratios, _expert_skews
+from ..pricing.compute import BackwardRatios, _backward_ratios, _expert_skews, host_stream_overlaps
 from ..pricing.memory import StepMemory, _checkpoint_args
 from ..problem import (
     ConditionalCost,
@@ -342,6 +343,35 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         self.rc_names: list[str] = []
         self.conditional: list[ConditionalCost] = []
         self.host_floor_s = 0.0
+        self.host_terms: dict[str, float] = {}
+        """Op node -> host seconds of its forward and backward ops (where the host runs ahead of the device:
+        priced per block by :func:`host_stream_overlaps`, not in the node's cost)."""
+        self.edge_calls: dict[tuple[str, str], list[list[float]]] = {}
+        """Edge -> per strategy pair the tensor-parallel collectives (DTensor redistributions) it issues, each
+        of which costs the host a DTensor op (:func:`host_stream_overlaps`)."""
+        self.segment_of: dict[str, str] = {}
+        """Op node -> the block (recompute unit) whose host stream it belongs to; "" outside the blocks."""
+
+    def _edge_host(self, reruns: set[str]) -> dict[tuple[str, str], list[list[float]]]:
+        """Where the host runs ahead of the device: per edge into an op of a host stream, the host's seconds of
+        its redistributions (one DTensor op each, :meth:`~..candidates._Planner.axis_comm` prices it in the
+        collective's call), taken out of the edge's cost (which keeps the device's seconds) and priced by the
+        stream instead. Empty elsewhere, and where the axis prices no call overhead."""
+        per_call = min(host_time(self.spec, dtensor=True), self.tp_comm.call_overhead_s)
+        if not self.host_terms or per_call <= 0:
+            return {}
+        out = {}
+        for key, calls in self.edge_calls.items():
+            if key[0] in reruns or key[1] not in self.host_terms or not any(any(row) for row in calls):
+                continue
+            host = [[per_call * n for n in row] for row in calls]
+            cost = self.edge_cost[key]
+            self.edge_cost[key] = [
+                [max(c - h, 0.0) for c, h in zip(cr, hr, strict=True)]
+                for cr, hr in zip(cost, host, strict=True)
+            ]
+            out[key] = host
+        return out
 
     # ---------------------------------------------------------------- the whole problem
     def build(self) -> BuiltProblem:
@@ -356,6 +386,8 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
             self._repeat_per_micro_batch()
         if self.expert_dp:
             self._add_expert_dp_exchange()
+        reruns = set(self.rc_names)
+        edge_host = self._edge_host(reruns)
         edges = [DecisionEdge(s, d, m) for (s, d), m in sorted(self.edge_cost.items())]
         constraints = self._memory_constraints()
         problem = Problem(
@@ -370,6 +402,13 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
                 self.block_of,
                 self.spec,
                 self.micro_batches,
+            )
+            + host_stream_overlaps(
+                self.nodes,
+                {key: m for key, m in self.edge_cost.items() if key[0] not in reruns},
+                self.host_terms,
+                self.segment_of,
+                edge_host,
             ),
             name=f"mesh{self.mesh_shape}-{self.dp_mode}",
             fixed=self.fixed,

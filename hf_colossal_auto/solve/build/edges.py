@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...capture.graph import ValueKind
 from ...strategies.placements import is_shard
-from ..pricing.comm import _edge_time, _forward_time, _partial_gradient, redistribute
+from ..pricing.comm import _edge_time_calls, _forward_time, _partial_gradient, redistribute
 from ..rules import _view_partial_to
 from ..tied import view_root, viewed_param
 from .names import _node_name, _param_node_name
@@ -43,10 +43,9 @@ class _EdgesPart:
         pname = _param_node_name(fqn)
         if pname not in self.param_options:
             return
-        matrix = [
+        priced = [
             [
-                w
-                * _edge_time(
+                _edge_time_calls(
                     o,
                     s,
                     k,
@@ -61,7 +60,7 @@ class _EdgesPart:
             ]
             for o in self.param_options[pname]
         ]
-        self._add_edge(pname, _node_name(v_c), matrix)
+        self._add_edge(pname, _node_name(v_c), *_weighted_pairs(priced, w))
         if v_c in self.unit_index_of:
             forward = [
                 [w * _forward_time(o, s, k, value.nbytes, axis, tp_comm) for s in v_strats]
@@ -94,10 +93,9 @@ class _EdgesPart:
         through_view = root != vid and graph.nodes[u_idx].is_view
         of_param = self._storage_partial(v_idx, k, vid, root)
 
-        matrix = [
+        priced = [
             [
-                w
-                * _edge_time(
+                _edge_time_calls(
                     us.output_placements[pos][axis],
                     s,
                     k,
@@ -118,7 +116,7 @@ class _EdgesPart:
             self._add_shared_copy(v_idx, k, vid, u_c, pos)
         if u_c == v_c:
             return
-        self._add_edge(_node_name(u_c), _node_name(v_c), matrix)
+        self._add_edge(_node_name(u_c), _node_name(v_c), *_weighted_pairs(priced, w))
         if v_c in self.unit_index_of:
             forward = [
                 [
@@ -145,16 +143,16 @@ class _EdgesPart:
         v_name = _node_name(self.tied.canonical[v_idx])
         share = 1.0 / self.readers[root]
         partial = [_partial_gradient(s, k, axis) for s in self.strat_of[v_name]]
-        matrix = [
+        priced = [
             [
-                w * share * redistribute("P", o if is_shard(o) else "R", nbytes, self.tp_comm)[0]
+                _reduction(redistribute("P", o if is_shard(o) else "R", nbytes, self.tp_comm))
                 if p
-                else 0.0
+                else (0.0, 0.0)
                 for p in partial
             ]
             for o in self.param_options[pname]
         ]
-        self._add_edge(pname, v_name, matrix)
+        self._add_edge(pname, v_name, *_weighted_pairs(priced, w * share))
         return True
 
     def _add_shared_copy(self, v_idx: int, k: int, vid: int, u_c: int, pos: int) -> None:
@@ -183,18 +181,24 @@ class _EdgesPart:
                 for us in u_strats
             ]
 
-    def _add_edge(self, src: str, dst: str, matrix: list[list[float]]) -> None:
-        """Adds ``matrix`` to the edge ``src -> dst`` (uses between the same two nodes sum)."""
+    def _add_edge(
+        self, src: str, dst: str, matrix: list[list[float]], calls: list[list[float]] | None = None
+    ) -> None:
+        """Adds ``matrix`` to the edge ``src -> dst`` (uses between the same two nodes sum), and ``calls``, the
+        collectives each entry issues, to ``edge_calls``."""
         if src == dst:
             # A value flowing between two copies of one tied node (same strategy on both ends): diagonal only.
             return
-        if (src, dst) in self.edge_cost:
-            acc = self.edge_cost[(src, dst)]
-            for a, row in zip(acc, matrix, strict=True):
-                for j, v in enumerate(row):
-                    a[j] += v
-        else:
-            self.edge_cost[(src, dst)] = [list(r) for r in matrix]
+        for target, values in ((self.edge_cost, matrix), (self.edge_calls, calls)):
+            if values is None:
+                continue
+            if (src, dst) in target:
+                acc = target[(src, dst)]
+                for a, row in zip(acc, values, strict=True):
+                    for j, v in enumerate(row):
+                        a[j] += v
+            else:
+                target[(src, dst)] = [list(r) for r in values]
 
     def _add_forward(self, src: str, dst: str, matrix: list[list[float]]) -> None:
         """Adds ``matrix`` to the forward resharding ``src -> dst`` a rerun of ``dst`` repeats."""
@@ -202,3 +206,16 @@ class _EdgesPart:
         for a, row in zip(acc, matrix, strict=True):
             for j, v in enumerate(row):
                 a[j] += v
+
+
+def _weighted_pairs(
+    priced: list[list[tuple[float, float]]], w: float
+) -> tuple[list[list[float]], list[list[float]]]:
+    """(seconds, collectives) per strategy pair -> the two matrices, times the use's weight."""
+    return [[w * t for t, _ in row] for row in priced], [[w * n for _, n in row] for row in priced]
+
+
+def _reduction(priced: tuple[float, str | None]) -> tuple[float, float]:
+    """A redistribution's (seconds, collective) as (seconds, collectives issued)."""
+    seconds, kind = priced
+    return seconds, 1.0 if kind else 0.0

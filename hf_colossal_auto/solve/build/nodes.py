@@ -7,9 +7,8 @@ import functools
 from collections import defaultdict
 
 from ...capture.graph import ValueKind
-from ...hardware.roofline import host_time
 from ..pricing.comm import SHARDED_DP_MODES, boundary_reshardings, data_parallel_sync_time, shard_factor
-from ..pricing.compute import _node_step_time, _optimizer_time, _replicated
+from ..pricing.compute import _node_host_time, _node_step_time, _optimizer_time, _replicated, host_runs_ahead
 from ..pricing.memory import _optimizer_temp_ratio
 from ..problem import (
     DecisionNode,
@@ -37,7 +36,8 @@ class _NodesPart:
     def _add_op_nodes(self) -> None:
         """One node per canonical forward op, its strategies the ones DTensor's rules allow (replicated when
         none). Cost per strategy: the op's forward and its share of backward on local shapes, host overhead
-        included (:func:`_node_step_time`), plus the collectives the strategy costs outside the edges (a
+        included on a CPU (:func:`_node_step_time`; where the host runs ahead of the device its seconds are a
+        stream priced per block, ``host_terms``), plus the collectives the strategy costs outside the edges (a
         returned output gathered, a partial loss weight reduced: :func:`boundary_reshardings`). A copy of a
         folded block counts through the node's multiplicity."""
         graph, axis, tp = self.graph, self.axis, self.tp
@@ -70,9 +70,12 @@ class _NodesPart:
             self.strat_of[name] = strats
             self.node_of_name[name] = c
             self.block_of[name] = node.module
-            if node.launches_kernel or self.spec.kind == "cpu":  # on a GPU a view hides behind the device
-                ops = 1.0 + self.ratios.of(node.module)[1]
-                self.host_floor_s += self.tied.multiplicity[c] * ops * host_time(self.spec, dtensor=True)
+            host = _node_host_time(node, self.spec, self.ratios)
+            self.host_floor_s += self.tied.multiplicity[c] * host
+            if host_runs_ahead(self.spec) and c not in self.expert_dp_nodes:  # the exchange joins its own
+                self.host_terms[name] = host
+                unit = self.unit_index_of.get(c)
+                self.segment_of[name] = self.units[unit].name if unit is not None else ""
 
     # ---------------------------------------------------------------- parameter nodes
     def _add_param_nodes(self) -> None:

@@ -18,7 +18,7 @@ class _RecomputePart:
     """Recompute decisions and micro-batch repetition (:class:`~.builder._ProblemBuilder`)."""
 
     def _repeat_per_micro_batch(self) -> None:
-        """Every micro-batch runs the ops, their tensor-parallel reshardings and recompute again: their costs
+        """Every micro-batch runs the ops (device and host), their tensor-parallel reshardings and recompute again: their costs
         (priced on one micro-batch's shapes) times k. Parameter nodes (the optimizer step, once per step) and
         the data-parallel synchronisation (``sync_terms``, priced per step) are left as they are."""
         k = float(self.micro_batches)
@@ -26,9 +26,11 @@ class _RecomputePart:
             if node.name in self.strat_of:
                 node.costs = [c * k for c in node.costs]
         self.edge_cost = {key: [[c * k for c in row] for row in m] for key, m in self.edge_cost.items()}
+        self.edge_calls = {key: [[c * k for c in row] for row in m] for key, m in self.edge_calls.items()}
         self.shared_price = {key: [c * k for c in v] for key, v in self.shared_price.items()}
         for cond in self.conditional:
             cond.cost = [[c * k for c in row] for row in cond.cost]
+        self.host_terms = {name: host * k for name, host in self.host_terms.items()}
 
     # ---------------------------------------------------------------- recompute decisions
     def _add_recompute_decisions(self) -> None:

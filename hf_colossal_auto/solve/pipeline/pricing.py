@@ -35,6 +35,7 @@ from ..build.names import MemoryRow, NodeKind, memory_row_name
 from ..candidates import LIFTED_BUDGET, _first_rows, _Planner
 from ..ilp import solve
 from ..pricing.comm import AxisComm, shard_factor
+from ..pricing.compute import HOST_STREAM, overlap_parts
 from ..problem import InfeasibleError, Solution, memory_usage
 from ..tied import TiedGraph
 from ..writeup import _activation_per_unit, _real_modules, _unit_mapper, _unit_order
@@ -255,6 +256,13 @@ def _unit_costs(planner: _Planner, built: BuiltProblem, solution: Solution, grap
     for shared in problem.shared_costs:
         if shared.applies(choice):
             spread(built.block_of.get(shared.src, ""), shared.cost[choice[shared.src]])
+    for overlap in problem.overlaps:  # the host's excess over the device, per block (its own segment)
+        if overlap.name.startswith(HOST_STREAM):
+            total = overlap.totals(problem, choice)[0]
+            exposed = overlap.exposed(problem, choice)
+            for k, seconds in overlap_parts(problem, overlap, choice):
+                if total > 0 and exposed > 0:
+                    spread(built.block_of.get(k, ""), exposed * seconds / total)
     tied = TiedGraph.build(graph)
     for unit, nbytes in _activation_per_unit(built, solution, graph, tied, unit_of, 1).items():
         units[unit].activation_bytes += nbytes

@@ -293,6 +293,13 @@ def _edge_time(*args, **kwargs) -> float:
     return sum(t for t, _, _ in edge_reshardings(*args, **kwargs))
 
 
+def _edge_time_calls(*args, **kwargs) -> tuple[float, float]:
+    """Seconds of one use's reshardings and how many collectives they issue (a shared partial gradient's
+    reduction counts its share): each is a DTensor redistribution, which costs the host a DTensor op."""
+    parts = edge_reshardings(*args, **kwargs)
+    return sum(t for t, _, _ in parts), sum(n for _, _, n in parts)
+
+
 def _forward_time(
     src_place: str, consumer: Strategy, k: int, nbytes: float, axis: int, comm: AxisComm
 ) -> float:

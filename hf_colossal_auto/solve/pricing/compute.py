@@ -20,6 +20,7 @@ from ...profile.profiler import (
 )
 from ...strategies.moe import EXPERT_REGION
 from ...strategies.placements import Strategy
+from ..problem import DecisionNode, Overlap, Problem
 from ..tied import TiedGraph, _real_modules_of
 from .comm import shard_factor, splits_work
 
@@ -161,6 +162,13 @@ def _with_host(device: float, node: OpNode, ops: float, spec: DeviceSpec) -> flo
     return join_host(device, host_time(spec, dtensor=True) * ops, spec, view=not node.launches_kernel)
 
 
+def host_runs_ahead(spec: DeviceSpec) -> bool:
+    """Whether the host enqueues work ahead of the device (a GPU: kernel launches and NCCL collectives are
+    asynchronous, so the host's per-op cost runs while earlier kernels execute) rather than running it itself
+    (a CPU: the host *is* the device, one op after the other)."""
+    return spec.kind != "cpu"
+
+
 def _node_step_time(
     graph: StepGraph,
     node: OpNode,
@@ -172,10 +180,92 @@ def _node_step_time(
     row_skew: float = 1.0,
 ) -> float:
     """Seconds one forward op and its share of backward add to a step under ``strat`` (``row_skew``: see
-    :func:`_local_device_time`; the backward of an expert-parallel grouped GEMM waits on the same rank)."""
+    :func:`_local_device_time`; the backward of an expert-parallel grouped GEMM waits on the same rank).
+
+    On a CPU the op's host cost is added here. Where the host runs ahead of the device
+    (:func:`host_runs_ahead`) this is the device's seconds alone: the host's are priced per block as a stream
+    (:func:`_node_host_time`, :func:`host_stream_overlaps`), since host time one op does not use (a large
+    GEMM's) is time the host runs ahead into the next ops, not time lost."""
     device_ratio, ops_ratio = ratios.of(node.module)
     device = _local_device_time(graph, node, strat, axis, size, spec, row_skew) * (1.0 + device_ratio)
+    if host_runs_ahead(spec):
+        return device
     return _with_host(device, node, 1.0 + ops_ratio, spec)
+
+
+def _node_host_time(node: OpNode, spec: DeviceSpec, ratios: BackwardRatios) -> float:
+    """Host seconds one forward op and its backward ops cost a step, whatever their strategy: every op of a
+    planned model runs on DTensors (``spec`` without DTensor cost for a plan on ordinary tensors), a view too —
+    it launches nothing, but its dispatch, autograd record and DTensor propagation run on the host like any
+    op's (the calibrated per-op figure is a step's host seconds over all its ops, views included)."""
+    return host_time(spec, dtensor=True) * (1.0 + ratios.of(node.module)[1])
+
+
+HOST_STREAM = "host-stream"
+"""Name prefix of the :class:`Overlap` s that price the host's per-op cost as a stream ahead of the device."""
+
+
+def host_stream_overlaps(
+    nodes: list[DecisionNode],
+    edges: dict[tuple[str, str], list[list[float]]],
+    host_terms: dict[str, float],
+    segment_of: dict[str, str],
+    edge_host: dict[tuple[str, str], list[list[float]]] | None = None,
+) -> list[Overlap]:
+    """The host's per-op seconds as a stream ahead of the device, one segment per block: the segment costs
+    ``max(host, device)``, as ``device + max(host - device, 0)`` — the device's seconds are the op nodes' own
+    costs and the tensor-parallel reshardings into them (``edges`` whose reader is one of the segment's ops:
+    the device waits for a collective as for a kernel, and the host enqueues both; recompute's reruns are not
+    among them), the host's the constant
+    :func:`_node_host_time` of each op and, ``edge_host``, the DTensor op each redistribution of an edge costs
+    the host (the edge's own cost is then its device seconds alone), and an :class:`Overlap` of efficiency 1
+    prices the excess (``C - min(C, K)``).
+
+    Why a stream and not each op apart: CUDA launches are asynchronous, so while a large GEMM runs the host
+    enqueues the ops after it, and a run of small ops whose host cost exceeds their kernels' is paid only
+    beyond the lead the host gained (up to the launch queue's depth, about a thousand kernels). Pricing each op
+    at ``max(host, device)`` charges every small op's host excess in full, however far ahead the host is (a
+    Llama-3-70B block at tp 8 and one 4096-token sequence: 1.5 s of a 13.4 s step), and leaves a view's host
+    cost out altogether. Why per block: the blocks repeat, so the step's stream is the blocks' in turn, and
+    ``max`` per block equals ``max`` over the step for identical blocks while keeping a block's host excess
+    from hiding behind another block's device time across the whole step (the forward and the backward of one
+    block run far apart). What the stream does not cover: the host side of a tensor-parallel collective
+    (priced with its alpha-beta time, :meth:`~..candidates._Planner.axis_comm`) and of recompute's reruns
+    (priced per op, :func:`_local_node_time`)."""
+    by_segment: dict[str, list[DecisionNode]] = defaultdict(list)
+    for node in nodes:
+        if node.name in host_terms:
+            by_segment[segment_of.get(node.name, "")].append(node)
+    edges_of: dict[str, dict[tuple[str, str], list[list[float]]]] = defaultdict(dict)
+    host_of: dict[str, dict[tuple[str, str], list[list[float]]]] = defaultdict(dict)
+    for (src, dst), matrix in sorted(edges.items()):
+        if dst in host_terms and any(any(row) for row in matrix):
+            edges_of[segment_of.get(dst, "")][(src, dst)] = matrix
+    for (src, dst), matrix in sorted((edge_host or {}).items()):
+        if dst in host_terms and any(any(row) for row in matrix):
+            host_of[segment_of.get(dst, "")][(src, dst)] = matrix
+    return [
+        Overlap(
+            f"{HOST_STREAM}:{segment}",
+            {n.name: [host_terms[n.name]] * len(n.costs) for n in members},
+            {n.name: list(n.costs) for n in members if any(n.costs)},
+            1.0,
+            edges_of.get(segment, {}),
+            host_of.get(segment, {}),
+        )
+        for segment, members in sorted(by_segment.items())
+    ]
+
+
+def overlap_parts(problem: Problem, overlap: Overlap, choice: dict[str, int]) -> list[tuple[str, float]]:
+    """An overlap's communication under ``choice``, part by part: ``(node, seconds)`` for each node's, and for
+    each edge's under the node it feeds (where a report spreads what the overlap exposes)."""
+    parts = [(k, problem.node(k).multiplicity * v[choice[k]]) for k, v in overlap.comm.items()]
+    parts += [
+        (dst, problem.edge(src, dst).multiplicity * m[choice[src]][choice[dst]])
+        for (src, dst), m in overlap.comm_edges.items()
+    ]
+    return parts
 
 
 def _optimizer_time(graph: StepGraph, spec: DeviceSpec) -> float:
