@@ -409,6 +409,8 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
         for case in ("gpt2 tied zbv", "llama fsdp 1f1b", "llama tp 1f1b", "gpt2 tied fsdp 1f1b"):
             saved = results[case]["saved"]
             assert saved["equal"] and saved["tied"] == ("gpt2" in case), (case, saved)
+            full = results[case]["full_state_dict"]  # gathered from sharded stages too
+            assert full["keys_in_order"] and full["equal"], (case, full)
         deferred = results["deferred accumulation"]  # no_sync: nothing reduced over dp, nothing in .grad yet
         assert deferred["during_no_sync"] == [0, 0], deferred
         assert deferred["reduced"] == deferred["params"], deferred  # then each gradient once
