@@ -158,13 +158,48 @@ def _pipelined_save_pretrained(
     from .pretrained.save import _refuse_save_options
 
     _refuse_save_options(self, push_to_hub, variant, kwargs.get("distributed_checkpoint", False))
-    if state_dict is not None:
-        raise ValueError(
-            f"save_pretrained(state_dict=...) of the pipelined {type(self).__name__}: each rank holds only its "
-            "stages, so a state dict cannot stand for the model here. Call save_pretrained(dir) on every rank "
-            "without state_dict: the stages' tensors are sent to rank 0, which writes them."
-        )
+    if state_dict is not None:  # a full one (accelerator.get_state_dict): the main process writes it
+        _save_full_state_dict(self, save_directory, state_dict, max_shard_size, is_main_process)
+        return
     save_pipeline_pretrained(self, save_directory, max_shard_size=max_shard_size, write=is_main_process)
+
+
+def _save_full_state_dict(
+    model: nn.Module, path: str | Path, state_dict: dict, max_shard_size: int | str, write: bool
+) -> None:
+    """``save_pretrained(dir, state_dict=full)`` of a pipelined model, as accelerate's export loop calls it with
+    :func:`pipeline_state_dict`'s whole-model dict: the names ``save_pretrained`` writes for the whole model (ties
+    once), from ``state_dict``, in safetensors files of at most ``max_shard_size`` (``write``: this process
+    writes). A dict of this rank's stages only is refused with what to do."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    from .pretrained.load import SAFE_WEIGHTS_INDEX_NAME
+    from .pretrained.save import _save_config
+
+    names = getattr(model, _SAVED, None)
+    if isinstance(names, str):
+        raise ValueError(f"save_pretrained of the pipelined {type(model).__name__}: {names}")
+    if not write:
+        return
+    missing = [n for n in names if n not in state_dict]
+    if missing:
+        raise ValueError(
+            f"save_pretrained(state_dict=...) of the pipelined {type(model).__name__}: the state dict lacks "
+            f"{missing[:4]} ({len(missing)} of the whole model's tensors; this rank's stages' state_dict() is not "
+            "the model's). Pass accelerator.get_state_dict(model) (the whole model), or call save_pretrained(dir) "
+            "on every rank without state_dict."
+        )
+    tensors = {n: state_dict[n].detach().cpu().contiguous() for n in names}
+    split = split_torch_state_dict_into_shards(
+        tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
+    )
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    _save_config(model, directory)
+    for filename, file_names in split.filename_to_tensors.items():
+        save_file({n: tensors[n] for n in file_names}, directory / filename, metadata={"format": "pt"})
+    _write_index(directory, split, tensors, SAFE_WEIGHTS_INDEX_NAME)
 
 
 def save_pipeline_pretrained(
