@@ -326,6 +326,52 @@ def test_accelerate_launch_two_gloo_processes_match_one_process(tmp_path, accele
     assert two["eval_first_tokens"] == one["eval_first_tokens"] == samples[:11, 0].tolist()
 
 
+def test_pipeline_setting_from_constructor_environment_and_yaml(clean_env, tmp_path):
+    """``pipeline``: unset searches stages (plan_model's None, the accelerator's default), 'auto' too, 1 forbids
+    them, >= 2 fixes the degree; from the constructor, HF_COLOSSAL_AUTO_PIPELINE or the YAML; bad values and a
+    fixed degree beside mesh_shape are refused naming the setting."""
+    assert "pipeline" not in AutoParallelPlugin().planner_kwargs()
+    clean_env.setenv("HF_COLOSSAL_AUTO_PIPELINE", "auto")
+    assert AutoParallelPlugin().planner_kwargs()["pipeline"] is None
+    clean_env.setenv("HF_COLOSSAL_AUTO_PIPELINE", "1")
+    assert AutoParallelPlugin().planner_kwargs()["pipeline"] == 1
+    assert AutoParallelPlugin(pipeline=2).planner_kwargs()["pipeline"] == 2
+    clean_env.setenv("HF_COLOSSAL_AUTO_PIPELINE", "two")
+    with pytest.raises(PluginConfigError, match="HF_COLOSSAL_AUTO_PIPELINE.*'auto'"):
+        AutoParallelPlugin()
+    clean_env.delenv("HF_COLOSSAL_AUTO_PIPELINE")
+    clean_env.setenv("HF_COLOSSAL_AUTO_CONFIG", _yaml(tmp_path, "pipeline: 4\n"))
+    assert AutoParallelPlugin().planner_kwargs()["pipeline"] == 4
+    with pytest.raises(PluginConfigError, match="drop mesh_shape"):
+        AutoParallelPlugin(mesh_shape="1x2")
+
+
+def test_pipeline_stages_are_planned_for_the_loop_that_runs_them():
+    """``plan_for_loop``: without accumulation the stages are searched (or fixed) on the step's batch, the
+    plan without stages in one piece; with accumulation a search keeps to plans without stages (k micro-batches
+    on the whole batch) and a fixed degree plans one forward's part (each forward runs the schedule)."""
+    from hf_colossal_auto.integrations.accumulation import plan_for_loop
+
+    calls = []
+
+    def plan(batch, micro_batches, pipeline):
+        calls.append((batch["input_ids"].shape[0], micro_batches, pipeline))
+        return SimpleNamespace(micro_batches=micro_batches)
+
+    batch = {"input_ids": torch.zeros(8, 4, dtype=torch.long), "labels": torch.zeros(8, 4, dtype=torch.long)}
+    settings = ("batch_size", "steps")
+    for steps, pipeline, want in [
+        (1, None, (8, 1, None)),
+        (1, 2, (8, 1, 2)),
+        (1, 1, (8, 1, 1)),
+        (2, None, (8, 2, 1)),
+        (2, 2, (4, 1, 2)),
+    ]:
+        calls.clear()
+        plan_for_loop(plan, batch, steps, pipeline, 8 // (2 * steps), 2, settings)
+        assert calls == [want], (steps, pipeline, calls)
+
+
 def test_accumulation_steps_are_planned_as_micro_batches(clean_env, accelerate_state, monkeypatch):
     """Accelerator(gradient_accumulation_steps=2): the plan is made for the optimizer step's global batch (two
     loader batches per process) as 2 micro-batches, the loop accelerate's accumulate runs (one process here:

@@ -299,8 +299,9 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
     tensors; AutoParallelAccelerator with a pipeline plan file trains like one process on the global batches;
     a tiny Mixtral (1f1b, interleaved zero bubble, zbv; uneven cuts) with its router load-balancing loss, whose
     layers are on both ranks, and without it, trains like one process; router jitter with that loss is refused;
-    a cut inside a block, a batch too small for the micro-batches, a training forward without labels and a
-    consolidated state dict raise on both ranks."""
+    a cut inside a block, a batch too small for the micro-batches and a training forward without labels raise on
+    both ranks; ``consolidated_state_dict`` gives one process's full state dict (tied GPT-2 included) on every
+    rank, or on rank 0 alone."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "pipeline.json"
@@ -333,10 +334,13 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
         assert (
             results["no labels"].startswith("PipelineRuntimeError") and "model.eval()" in results["no labels"]
         )
-        assert (
-            results["state dict"].startswith("PipelineRuntimeError")
-            and "save_pretrained" in results["state dict"]
-        )
+        for case in ("tiny-llama 1f1b", "tiny-gpt2 1f1b", "tiny-gpt2 zbv"):  # one process's full state dict
+            got = results[f"state dict {case}"]
+            assert got["keys_in_order"] and got["equal"] and got["plain_cpu"] and got["rank0_only"], (
+                case,
+                got,
+            )
+            assert got["tie_kept"] is not False, (case, got)
         accelerate = results["accelerate"]
         for got, want in [*zip(accelerate["losses"], accelerate["ref_losses"], strict=True),
                           *zip(accelerate["norms"], accelerate["ref_norms"], strict=True)]:  # fmt: skip
@@ -405,6 +409,8 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
         for case in ("gpt2 tied zbv", "llama fsdp 1f1b", "llama tp 1f1b", "gpt2 tied fsdp 1f1b"):
             saved = results[case]["saved"]
             assert saved["equal"] and saved["tied"] == ("gpt2" in case), (case, saved)
+            full = results[case]["full_state_dict"]  # gathered from sharded stages too
+            assert full["keys_in_order"] and full["equal"], (case, full)
         deferred = results["deferred accumulation"]  # no_sync: nothing reduced over dp, nothing in .grad yet
         assert deferred["during_no_sync"] == [0, 0], deferred
         assert deferred["reduced"] == deferred["params"], deferred  # then each gradient once

@@ -96,6 +96,18 @@ def test_pipeline_one_never_yields_pipeline_stages():
         )
 
 
+def test_one_micro_batch_leaves_a_pipelines_schedule_count_to_the_search():
+    """micro_batches=1 (the batch in one forward, what the integrations pass without accumulation) does not
+    fix a pipeline's schedule count, which a pipelined forward runs itself: pipeline=2 finds a count of at
+    least the stages; an int >= 2 still fixes it."""
+    model = _llama(2)
+    inputs = make_example_inputs(model, 8, 16, device="meta")
+    searched = plan_model(model, inputs, num_devices=2, pipeline=2, micro_batches=1)
+    assert searched.pp_size == 2 and searched.micro_batches >= searched.num_stages
+    fixed = plan_model(model, inputs, num_devices=2, pipeline=2, micro_batches=4)
+    assert fixed.micro_batches == 4
+
+
 def test_pipeline_two_on_tiny_llama_is_a_plan_the_runtime_runs():
     """pipeline=2 on 2 devices: pp 2 x dp 1, every field the runtime checks valid, predictions filled in and
     consistent (the worst rank's memory, the simulated step), the JSON round trip exact."""

@@ -369,6 +369,14 @@ def two_process_recipes(tmp_path_factory) -> Path:
         ]
         for script, args in argv.items()
     ]
+    # GPT under pipeline stages (fixed to pp 2: on 2 tiny ranks the search keeps to plans without them)
+    runs.append(
+        [
+            "pretrain_gpt",
+            [*quick(), "--output_dir", str(two / "pretrain_gpt_pp"), "--pipeline", "2"],
+            {"HF_COLOSSAL_AUTO_SAVE_PLAN_PATH": str(root / "pretrain_gpt_pp.plan.json")},
+        ]
+    )
     # fine-tuning a local checkpoint, data parallel (2x1), with the token embedding frozen
     checkpoint = tiny_pretrained_checkpoint(root / "pretrained")
     runs.append(
@@ -405,6 +413,22 @@ def test_gpt_recipe_on_two_processes_under_a_plan(two_process_recipes):
     )  # global batch: per-device batch x processes, TP ranks sharing it
     _check_export(out / "final", "AutoModelForCausalLM")
     assert json.loads((out / "final" / "config.json").read_text())["model_type"] == "gpt2"
+
+
+@pytest.mark.slow
+def test_gpt_recipe_on_two_processes_under_pipeline_stages(two_process_recipes):
+    """The GPT recipe with ``--pipeline 2``: the accelerator plans pp 2 (a schedule over each step's batch),
+    the loop trains (loss falls, eval on every rank), the two ranks read one batch (tokens as one group's),
+    and the export — ``accelerator.get_state_dict`` gathered from both stages, written by the main process —
+    loads in one process with the trained weights (not the initial ones: the logged loss fell)."""
+    from hf_colossal_auto.plan import Plan
+
+    plan = Plan.load(two_process_recipes / "pretrain_gpt_pp.plan.json")
+    assert plan.pp_size == 2 and plan.micro_batches >= 2, plan.mesh_shape
+    out = two_process_recipes / "two" / "pretrain_gpt_pp"
+    records = _check_metrics(out / "metrics.jsonl", 8)
+    assert records[0]["tokens"] == 4 * 2 * 64  # the pipeline's ranks share one batch of both processes' rows
+    _check_export(out / "final", "AutoModelForCausalLM")
 
 
 @pytest.mark.slow

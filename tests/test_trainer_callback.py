@@ -78,11 +78,47 @@ def _args(tmp_path: Path, **overrides) -> TrainingArguments:
         ({"device": 3}, TypeError, "device kind"),
         ({"time_limit_s": 0}, ValueError, "time_limit_s"),
         ({"plan_path": "/nonexistent/plan.json"}, FileNotFoundError, "plan_path"),
+        ({"pipeline": "sometimes"}, ValueError, "'auto'"),
+        ({"pipeline": 0}, ValueError, "pp degree"),
+        ({"pipeline": 2, "mesh_shape": (1, 2)}, ValueError, "drop mesh_shape"),
     ],
 )
 def test_bad_settings_fail_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):
         AutoParallelCallback(**kwargs)
+
+
+def test_pipeline_setting_is_searched_by_default_and_kept_off_for_a_loss_outside_the_model(
+    tiny_model, tmp_path, monkeypatch
+):
+    """The callback searches pipeline stages by default (None for plan_model), HF_COLOSSAL_AUTO_PIPELINE or
+    pipeline= fix or forbid them; a Trainer computing its loss outside the model (compute_loss_func, an
+    overridden compute_loss), which a pipelined training forward cannot run, keeps a search off."""
+    from hf_colossal_auto.integrations.trainer import _pipeline_for
+
+    monkeypatch.delenv("HF_COLOSSAL_AUTO_PIPELINE", raising=False)
+    assert AutoParallelCallback().pipeline is None
+    assert AutoParallelCallback(pipeline="auto").pipeline is None
+    monkeypatch.setenv("HF_COLOSSAL_AUTO_PIPELINE", "1")
+    assert AutoParallelCallback().pipeline == 1
+    assert AutoParallelCallback(pipeline=2).pipeline == 2  # the argument wins
+    model = tiny_model()
+    plain = Trainer(model=model, args=_args(tmp_path), train_dataset=_token_rows(model, 4))
+    assert _pipeline_for(plain, None) is None
+    custom = Trainer(
+        model=model,
+        args=_args(tmp_path),
+        train_dataset=_token_rows(model, 4),
+        compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum(),
+    )
+    assert _pipeline_for(custom, None) == 1 and _pipeline_for(custom, 2) == 2  # a fixed degree is the user's
+
+    class Subclassed(Trainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            return super().compute_loss(model, inputs, **kwargs)
+
+    subclassed = Subclassed(model=model, args=_args(tmp_path), train_dataset=_token_rows(model, 4))
+    assert _pipeline_for(subclassed, None) == 1
 
 
 @pytest.mark.parametrize(

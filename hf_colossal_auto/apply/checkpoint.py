@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
@@ -195,18 +196,25 @@ def load_full_optimizer_state(
     set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
 
 
-def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full, ordinary tensors for every entry of the model's state dict (collective: all ranks gather).
+def consolidated_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Full, ordinary CPU tensors for every entry of the model's state dict as one process holds it
+    (collective: every rank calls it). A pipelined model's come from the stages that hold them
+    (:func:`.pipeline_save.pipeline_state_dict`: the whole model's keys, not this rank's stages').
 
-    Every rank ends with the whole model: for writing a checkpoint use :func:`save_pretrained`, which streams."""
-    from .pipeline import refuse_if_pipelined
+    Every rank ends with the whole model — or with ``rank0_only`` (accelerate's FSDP full state dict) only rank
+    0, the others getting ``{}``: for writing a checkpoint use :func:`save_pretrained`, which streams."""
+    from .pipeline import is_pipelined
+    from .pipeline_save import pipeline_state_dict
 
-    refuse_if_pipelined(model, "a consolidated state dict")
+    if is_pipelined(model):
+        return pipeline_state_dict(model, rank0_only=rank0_only)
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out = {}
     for name, value in model.state_dict().items():
         if isinstance(value, DTensor):
             value = value.full_tensor()
-        out[name] = value.detach().cpu().clone()
+        if keep:
+            out[name] = value.detach().cpu().clone()
     return out
 
 

@@ -54,6 +54,83 @@ def record_saved_names(model: nn.Module) -> None:
         setattr(model, _SAVED, names)
     # the whole model's parameters in its order (ties once): a one-process optimizer's positions
     model._hf_colossal_auto_parameter_order = [n for n, _ in model.named_parameters()]
+    model._hf_colossal_auto_state_dict_keys = _state_dict_keys(model)
+
+
+def _state_dict_keys(model: nn.Module) -> list[tuple[str, str]]:
+    """The whole model's ``state_dict()`` keys in order, each with the first name of the tensor it holds (a
+    head tied to the embedding is one tensor under two keys in one process; the stages may hold it under
+    either)."""
+    first: dict[int, str] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        first.setdefault(id(tensor), name)
+    canonical = {
+        name: first[id(tensor)]
+        for name, tensor in [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]
+    }
+    return [(key, canonical.get(key, key)) for key in model.state_dict()]
+
+
+def pipeline_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """One process's full ``state_dict()`` of a pipelined ``model`` (collective: call it on every rank): the
+    whole model's keys in its order, plain CPU tensors, a tied head the same tensor as its embedding, as one
+    process holds them. Each tensor is sent from the first rank that holds it (a stage sharded by tensor
+    parallelism or FSDP gathered whole on its ranks first, one tensor at a time) to every rank — or, with
+    ``rank0_only`` (as accelerate's FSDP full state dict), to rank 0 only, the others getting ``{}``, so no rank
+    but rank 0 holds more than its stages and one tensor."""
+    from torch.distributed.tensor import DTensor
+
+    from .pipeline import pipeline_runner
+
+    keys = getattr(model, "_hf_colossal_auto_state_dict_keys", None)
+    if keys is None:
+        raise RuntimeError(
+            f"the pipelined {type(model).__name__} has no record of its whole state dict (it was cut by an older "
+            "version); re-apply the plan"
+        )
+    device = pipeline_runner(model).device
+    local = model.state_dict()
+    held = {name: (tuple(t.shape), t.dtype) for name, t in local.items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, held)
+    rank = dist.get_rank()
+    out: dict[str, torch.Tensor] = {}
+    sent: dict[str, torch.Tensor] = {}  # canonical name -> the tensor it became here
+    for key, canonical in keys:
+        if canonical in sent:
+            out[key] = sent[canonical]
+            continue
+        names = (key, canonical)
+        source = next((r for r, h in enumerate(everyone) if any(n in h for n in names)), None)
+        if source is None:
+            raise RuntimeError(f"state dict of the pipelined {type(model).__name__}: no stage holds {key}")
+        name = next(n for n in names if n in everyone[source])
+        shape, dtype = everyone[source][name]
+        mine = local.get(name)
+        if isinstance(mine, DTensor):  # the stage's ranks (all hold it) gather it whole, as the owner does
+            mine = mine.detach().full_tensor()
+        if rank0_only and rank not in (0, source):
+            continue
+        tensor = (
+            mine.detach().contiguous() if rank == source else torch.empty(shape, dtype=dtype, device=device)
+        )
+        if not rank0_only:
+            dist.broadcast(tensor, src=source)
+        elif source != 0 and rank == source:
+            dist.send(tensor, dst=0)
+        elif source != 0:
+            dist.recv(tensor, src=source)
+        if rank0_only and rank != 0:
+            continue
+        # the owner's value a copy (a snapshot, as one process's clone would be), a received one as it came
+        sent[canonical] = out[key] = tensor.to("cpu", copy=True) if rank == source else tensor.cpu()
+    return out
 
 
 def install_pipeline_save(model: nn.Module, timeout_s: float) -> None:
@@ -81,13 +158,48 @@ def _pipelined_save_pretrained(
     from .pretrained.save import _refuse_save_options
 
     _refuse_save_options(self, push_to_hub, variant, kwargs.get("distributed_checkpoint", False))
-    if state_dict is not None:
-        raise ValueError(
-            f"save_pretrained(state_dict=...) of the pipelined {type(self).__name__}: each rank holds only its "
-            "stages, so a state dict cannot stand for the model here. Call save_pretrained(dir) on every rank "
-            "without state_dict: the stages' tensors are sent to rank 0, which writes them."
-        )
+    if state_dict is not None:  # a full one (accelerator.get_state_dict): the main process writes it
+        _save_full_state_dict(self, save_directory, state_dict, max_shard_size, is_main_process)
+        return
     save_pipeline_pretrained(self, save_directory, max_shard_size=max_shard_size, write=is_main_process)
+
+
+def _save_full_state_dict(
+    model: nn.Module, path: str | Path, state_dict: dict, max_shard_size: int | str, write: bool
+) -> None:
+    """``save_pretrained(dir, state_dict=full)`` of a pipelined model, as accelerate's export loop calls it with
+    :func:`pipeline_state_dict`'s whole-model dict: the names ``save_pretrained`` writes for the whole model (ties
+    once), from ``state_dict``, in safetensors files of at most ``max_shard_size`` (``write``: this process
+    writes). A dict of this rank's stages only is refused with what to do."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    from .pretrained.load import SAFE_WEIGHTS_INDEX_NAME
+    from .pretrained.save import _save_config
+
+    names = getattr(model, _SAVED, None)
+    if isinstance(names, str):
+        raise ValueError(f"save_pretrained of the pipelined {type(model).__name__}: {names}")
+    if not write:
+        return
+    missing = [n for n in names if n not in state_dict]
+    if missing:
+        raise ValueError(
+            f"save_pretrained(state_dict=...) of the pipelined {type(model).__name__}: the state dict lacks "
+            f"{missing[:4]} ({len(missing)} of the whole model's tensors; this rank's stages' state_dict() is not "
+            "the model's). Pass accelerator.get_state_dict(model) (the whole model), or call save_pretrained(dir) "
+            "on every rank without state_dict."
+        )
+    tensors = {n: state_dict[n].detach().cpu().contiguous() for n in names}
+    split = split_torch_state_dict_into_shards(
+        tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
+    )
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    _save_config(model, directory)
+    for filename, file_names in split.filename_to_tensors.items():
+        save_file({n: tensors[n] for n in file_names}, directory / filename, metadata={"format": "pt"})
+    _write_index(directory, split, tensors, SAFE_WEIGHTS_INDEX_NAME)
 
 
 def save_pipeline_pretrained(

@@ -255,7 +255,7 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
 
         def make() -> Plan:
             from ..solve.planner import plan_model
-            from .accumulation import plan_for_accumulation
+            from .accumulation import plan_for_loop
 
             batch = self._example_inputs(loaders)
             device = next(model.parameters()).device
@@ -277,12 +277,16 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
             kwargs.update(self.auto_parallel_plugin.planner_kwargs())
             if device_spec is not None:
                 kwargs["device"] = device_spec
+            # pipeline stages searched unless the plugin (HF_COLOSSAL_AUTO_PIPELINE) fixes or forbids them
+            pipeline = kwargs.pop("pipeline", None)
             if "micro_batches" in kwargs:  # set by the user in plan_kwargs: theirs to match to their loop
-                return plan_model(model, batch, **kwargs)
+                return plan_model(model, batch, pipeline=pipeline if steps == 1 else 1, **kwargs)
             per_device = rows if per_process else rows // self.num_processes
-            return plan_for_accumulation(
-                lambda k: plan_model(model, batch, micro_batches=k, **kwargs),
+            return plan_for_loop(
+                lambda rows, k, pp: plan_model(model, rows, micro_batches=k, pipeline=pp, **kwargs),
+                batch,
                 steps,
+                pipeline,
                 per_device,
                 self.num_processes,
                 ("the DataLoader's batch_size", "Accelerator(gradient_accumulation_steps)"),

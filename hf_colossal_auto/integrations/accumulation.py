@@ -12,12 +12,61 @@ global batch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
 
 from ..plan import Plan
 from ..solve.problem import InfeasibleError
 
 logger = logging.getLogger(__name__)
+
+PlanFor = Callable[[Mapping[str, Any], int | None, int | None], Plan]
+"""``plan(batch, micro_batches, pipeline)``: the integration's ``plan_model`` call with its other settings."""
+
+
+def plan_for_loop(
+    plan: PlanFor,
+    batch: Mapping[str, Any],
+    steps: int,
+    pipeline: int | None,
+    per_device_batch: int,
+    processes: int,
+    settings: tuple[str, str],
+) -> Plan:
+    """The plan for a loop that runs each optimizer step as ``steps`` forwards over equal parts of ``batch`` (the
+    global batch of a step), with pipeline stages searched (``pipeline`` None), fixed (>= 2) or not (1).
+
+    A plan without stages runs the parts as its micro-batches (:func:`plan_for_accumulation`). A pipelined
+    forward splits whatever batch it is given into its schedule's micro-batches, so a pipeline plan is made for
+    one forward's part, its schedule's count searched, and the loop's ``steps`` forwards each run it. Stages
+    are searched (``pipeline`` None) only without accumulation (``steps`` 1), where both kinds of plan are
+    made for the same batch and their predicted steps compare; with accumulation the search keeps to plans
+    without stages (a fixed pp degree still plans one forward's part)."""
+    if pipeline is not None and pipeline > 1 and steps > 1:
+        return plan(forward_part(batch, steps), 1, pipeline)
+    if pipeline is None and steps > 1:
+        logger.info(
+            "pipeline stages not searched: the loop accumulates %s %d forwards a step, and a pipelined forward "
+            "runs its own micro-batches (set %s=1 and a %d-times larger %s to let the planner weigh stages, or "
+            "fix pipeline= to a pp degree)",
+            settings[1], steps, settings[1], steps, settings[0],
+        )  # fmt: skip
+        pipeline = 1
+    return plan_for_accumulation(
+        lambda k: plan(batch, k, pipeline if k == steps else 1), steps, per_device_batch, processes, settings
+    )
+
+
+def forward_part(batch: Mapping[str, Any], steps: int) -> dict[str, Any]:
+    """The first of ``steps`` equal parts of a global batch (its rows): what one forward of the loop gets."""
+    rows = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    if rows % steps:
+        raise ValueError(f"the global batch of {rows} rows does not split into {steps} accumulation steps")
+    return {
+        k: v[: rows // steps] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()
+    }
 
 
 def plan_for_accumulation(

@@ -55,6 +55,9 @@ def autoparallelize(
     own slices: build the model on ``meta`` (``with torch.device("meta"): AutoModel...from_config(config)``) to
     never hold the full model in any process.
 
+    Pipeline stages are planned when asked: ``pipeline=None`` searches them with the rest (``HF_COLOSSAL_AUTO_
+    PIPELINE=auto`` likewise), an int >= 2 fixes the pp degree; the default is 1 (none).
+
     ``micro_batches`` is 1 by default: the plan fits its budget with each data-parallel group's batch in one
     piece, as the plain loop (one forward, one backward per batch) runs it. An int k > 1 fixes k pieces and
     None searches k (what the accelerate and Trainer integrations do for their accumulation steps); a plan with
@@ -79,8 +82,10 @@ def autoparallelize(
         def make() -> Plan:
             from ..hardware.cluster import launcher_devices_per_node
             from ..solve.planner import plan_model
+            from .plugin import pipeline_from_env
 
             kwargs = dict(plan_model_kwargs, micro_batches=micro_batches)
+            kwargs.setdefault("pipeline", pipeline_from_env(1))  # stages when asked (pipeline=, the variable)
             kwargs.setdefault("num_devices", world)
             kwargs.setdefault("device", "cpu" if dist.get_backend() != "nccl" else _cuda_kind())
             kwargs.setdefault("devices_per_node", launcher_devices_per_node(world))

@@ -98,6 +98,39 @@ def _parse_dp_modes(value: Any, key: str, source: str) -> tuple[str, ...]:
     return modes
 
 
+PIPELINE_AUTO = "auto"
+"""The ``pipeline`` setting that searches pipeline stages (the planner's ``pipeline=None``)."""
+
+
+def _parse_pipeline(value: Any, key: str, source: str) -> int | str:
+    """``"auto"`` (pipeline stages searched) or a pp degree: 1 plans without stages, >= 2 fixes the degree."""
+    if isinstance(value, str) and value.strip().lower() == PIPELINE_AUTO:
+        return PIPELINE_AUTO
+    try:
+        return _parse_int(value, key, source)
+    except PluginConfigError:
+        raise PluginConfigError(
+            f"{key} from {source}: expected 'auto' (pipeline stages searched), 1 (none) or a pp degree >= 2, "
+            f"got {value!r}"
+        ) from None
+
+
+def pipeline_setting(value: int | str | None) -> int | None:
+    """What ``plan_model(pipeline=)`` takes for a parsed setting: None (searched) for ``"auto"``, else the
+    degree."""
+    return None if value == PIPELINE_AUTO else value  # type: ignore[return-value]
+
+
+def pipeline_from_env(default: int | None) -> int | None:
+    """``HF_COLOSSAL_AUTO_PIPELINE`` as ``plan_model(pipeline=)`` takes it, ``default`` where it is unset (for
+    the entry points that read no plugin: the Trainer callback, ``autoparallelize``)."""
+    key = ENV_PREFIX + "PIPELINE"
+    raw = os.environ.get(key)
+    if raw is None or not raw.strip():
+        return default
+    return pipeline_setting(_parse_pipeline(raw, "pipeline", f"environment variable {key}"))
+
+
 def _parse_str(value: Any, key: str, source: str) -> str:
     if not isinstance(value, (str, os.PathLike)) or not str(value):
         raise PluginConfigError(f"{key} from {source}: expected a non-empty string, got {value!r}")
@@ -132,6 +165,7 @@ _PARSERS = {
     "plan_kwargs": _parse_mapping,
     "pretrained": _parse_str,
     "routing": _parse_str,
+    "pipeline": _parse_pipeline,
 }
 
 
@@ -212,6 +246,14 @@ class AutoParallelPlugin:
         },
     )
 
+    pipeline: int | str | None = field(
+        default=None,
+        metadata={
+            "help": "pipeline stages: 'auto' (the default: searched with the rest, chosen where the cost model "
+            "says they are faster), 1 (plans without stages) or a pp degree >= 2 (only pipeline plans)"
+        },
+    )
+
     def __post_init__(self) -> None:
         names = [f.name for f in fields(self)]
         yaml_values = _load_yaml_settings(names)
@@ -240,6 +282,11 @@ class AutoParallelPlugin:
             raise PluginConfigError(
                 "plan_path and mesh_shape are both set: a saved plan already fixes its mesh; drop one of them"
             )
+        if isinstance(self.pipeline, int) and self.pipeline > 1 and self.mesh_shape is not None:
+            raise PluginConfigError(
+                f"pipeline={self.pipeline} and mesh_shape={self.mesh_shape} are both set: a pipeline lays out its "
+                "(pp, dp, tp) mesh itself; drop mesh_shape, or set pipeline=1 to plan on that mesh"
+            )
 
     def planner_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``plan_model`` from the fields that are set (the accelerator adds the rest)."""
@@ -251,6 +298,8 @@ class AutoParallelPlugin:
             out["time_limit_s"] = self.time_limit_s
         if self.routing is not None:
             out["routing"] = self.routing
+        if self.pipeline is not None:
+            out["pipeline"] = pipeline_setting(self.pipeline)
         out.update(self.plan_kwargs or {})
         return out
 

@@ -123,6 +123,11 @@ class AutoParallelCallback(TrainerCallback):
             ``meta`` is never whole in any process; in a single process the whole checkpoint is loaded. Give the
             Trainer ``TrainingArguments`` whose ``place_model_on_device`` is False for a ``meta`` model (the
             Trainer would otherwise move it before the callback runs).
+        pipeline: pipeline stages: ``"auto"`` searches them with the rest (chosen where the cost model predicts a
+            faster step; not with ``mesh_shape``, with gradient accumulation, or with a loss computed outside
+            the model — ``compute_loss_func``, an overridden ``compute_loss`` — which a pipelined forward cannot
+            run), 1 plans without them, an int >= 2 fixes the pp degree. None (the default):
+            ``HF_COLOSSAL_AUTO_PIPELINE`` if set, else ``"auto"``.
         **plan_kwargs: further :func:`~hf_colossal_auto.solve.planner.plan_model` arguments
             (``mixed_precision``, ``dp_modes``, ``devices_per_node``, ``optimizer``, ``routing``: for MoE models,
             ``"measure"`` prices expert parallelism under the routing of the example global batch, counted by
@@ -139,9 +144,11 @@ class AutoParallelCallback(TrainerCallback):
         time_limit_s: float = 60.0,
         timeout: float = DEFAULT_TIMEOUT_S,
         pretrained: str | os.PathLike | None = None,
+        pipeline: int | str | None = None,
         **plan_kwargs: Any,
     ) -> None:
         _check_settings(memory_budget, device, mesh_shape, plan_path, time_limit_s, plan_kwargs)
+        self.pipeline = _pipeline_setting(pipeline, mesh_shape)
         if pretrained is not None and not Path(pretrained).is_dir():
             raise FileNotFoundError(
                 f"pretrained={str(pretrained)!r} is not a directory; give a checkpoint directory holding "
@@ -233,7 +240,7 @@ class AutoParallelCallback(TrainerCallback):
         def make() -> Plan:
             from ..hardware.cluster import launcher_devices_per_node
             from ..solve.planner import plan_model
-            from .accumulation import plan_for_accumulation
+            from .accumulation import plan_for_loop
 
             world = dist.get_world_size()
             per_device = trainer.args.per_device_train_batch_size
@@ -244,22 +251,25 @@ class AutoParallelCallback(TrainerCallback):
             kwargs.setdefault("mixed_precision", _mixed_precision(trainer.args))
             kwargs.setdefault("devices_per_node", launcher_devices_per_node(world))  # nodes as launched
 
-            def plan(micro_batches: int | None) -> Plan:
+            def plan(rows: Mapping[str, Any], micro_batches: int | None, pipeline: int | None) -> Plan:
                 return plan_model(
                     trainer.model,
-                    batch,
+                    rows,
                     num_devices=world,
                     device=device or _running_device_kind(),
                     memory_budget=self.memory_budget,
                     mesh_shape=self.mesh_shape,
                     time_limit_s=self.time_limit_s,
                     micro_batches=micro_batches,
+                    pipeline=pipeline,
                     **kwargs,
                 )
 
-            made = plan_for_accumulation(
+            made = plan_for_loop(
                 plan,
+                batch,
                 steps,
+                _pipeline_for(trainer, self.pipeline),
                 per_device,
                 world,
                 ("per_device_train_batch_size", "gradient_accumulation_steps"),
@@ -269,6 +279,42 @@ class AutoParallelCallback(TrainerCallback):
 
         limit = as_timedelta(self.timeout).total_seconds()
         return plan_on_one_rank(make, limit_s=limit, what=f"planning {type(trainer.model).__name__}")
+
+
+def _pipeline_setting(value: int | str | None, mesh_shape: Any) -> int | None:
+    """The callback's ``pipeline`` as ``plan_model`` takes it (None: searched): ``value``, else
+    ``HF_COLOSSAL_AUTO_PIPELINE``, else searched; bad values fail at construction."""
+    from .plugin import PluginConfigError, _parse_pipeline, pipeline_from_env, pipeline_setting
+
+    if value is None:
+        return pipeline_from_env(None)
+    try:
+        pipeline = pipeline_setting(_parse_pipeline(value, "pipeline", "AutoParallelCallback"))
+    except PluginConfigError as exc:
+        raise ValueError(str(exc)) from None
+    if pipeline is not None and pipeline > 1 and mesh_shape is not None:
+        raise ValueError(
+            f"pipeline={pipeline} with mesh_shape={tuple(mesh_shape)}: a pipeline lays out its (pp, dp, tp) mesh "
+            "itself; drop mesh_shape, or set pipeline=1 to plan on that mesh"
+        )
+    return pipeline
+
+
+def _pipeline_for(trainer: Trainer, pipeline: int | None) -> int | None:
+    """``pipeline`` for this Trainer: a search (None) stays off where the loss is computed outside the model
+    (``compute_loss_func``, a subclass's ``compute_loss``): a pipelined training forward consumes the logits
+    inside its schedule and returns only the model's own loss."""
+    custom = getattr(trainer, "compute_loss_func", None) is not None or (
+        type(trainer).compute_loss is not Trainer.compute_loss
+    )
+    if pipeline is None and custom:
+        logger.info(
+            "AutoParallelCallback: pipeline stages not searched, since %s computes the loss outside the model "
+            "(compute_loss_func / compute_loss), which a pipelined forward cannot run",
+            type(trainer).__name__,
+        )
+        return 1
+    return pipeline
 
 
 def callback_from_plugin(plugin: Any = None) -> AutoParallelCallback:
@@ -291,6 +337,7 @@ def callback_from_plugin(plugin: Any = None) -> AutoParallelCallback:
         time_limit_s=plugin.time_limit_s if plugin.time_limit_s is not None else 60.0,
         timeout=plugin.timeout if plugin.timeout is not None else DEFAULT_TIMEOUT_S,
         pretrained=plugin.pretrained,
+        pipeline=plugin.pipeline,
         **extra,
     )
 

@@ -156,7 +156,8 @@ def plan_model(
     :mod:`.pipeline`). 1 (the
     default for now) plans without them; None also searches every pp degree and returns the faster of the best
     plans with and without stages; an int >= 2 fixes the pp degree (only pipeline plans). ``micro_batches``
-    is then the schedule's count when fixed.
+    >= 2 is then also the schedule's count; 1 (the batch in one forward, as the plain loop feeds it) leaves
+    the schedule's count to the search, since a pipelined forward splits its batch itself.
     ``context_parallel``: context parallelism (each sequence's tokens split over a "cp" mesh axis, K/V
     all-gathered per attention layer: :mod:`.context_parallel_search`). 1 (the default for now) plans without
     it; None also searches every cp degree that divides the devices and the sequence (in ``2 x cp`` chunks) and
@@ -209,7 +210,9 @@ def plan_model(
         plan = with_context_parallel(planner, plan, context_parallel, mesh_shape, dp_modes, search_meshes)
     stage_modes = tuple(m for m in STAGE_DP_MODES if m in dp_modes)
     if pipeline != 1 and not (pipeline is None and (mesh_shape is not None or not stage_modes)):
-        plan = with_pipelines(planner, plan, pipeline, micro_batches, stage_modes)
+        # a pipelined forward runs its schedule's micro-batches itself: "one piece" fixes no schedule count
+        schedule_count = None if micro_batches == 1 else micro_batches
+        plan = with_pipelines(planner, plan, pipeline, schedule_count, stage_modes)
     if plan is None:
         raise _no_plan_error(model, num_devices, planner, search, recompute, micro_batches)
     _warn_if_tensor_parallel_repeats(model, plan)

@@ -90,6 +90,11 @@ def build_parser(recipe: Recipe) -> argparse.ArgumentParser:
         "--mesh_shape", help="force the (dp, tp) mesh, e.g. 1x2 (default: the planner searches)"
     )
     plan.add_argument(
+        "--pipeline",
+        help="pipeline stages: 'auto' (searched with the rest), 1 (none) or a pp degree; default: "
+        "HF_COLOSSAL_AUTO_PIPELINE if set, else auto",
+    )
+    plan.add_argument(
         "--no_auto_parallel",
         action="store_true",
         help="use a plain accelerate.Accelerator (DDP) instead of the auto-parallel one, to compare",

@@ -54,7 +54,10 @@ def make_accelerator(args: Namespace) -> Accelerator:
     from hf_colossal_auto.integrations import AutoParallelAccelerator, AutoParallelPlugin
 
     plugin = AutoParallelPlugin(
-        device=args.device, memory_budget=args.memory_budget, mesh_shape=args.mesh_shape
+        device=args.device,
+        memory_budget=args.memory_budget,
+        mesh_shape=args.mesh_shape,
+        pipeline=getattr(args, "pipeline", None),
     )
     return AutoParallelAccelerator(auto_parallel_plugin=plugin, **kwargs)
 

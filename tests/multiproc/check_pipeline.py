@@ -315,9 +315,8 @@ def reloaded_equal(model, directory: str) -> dict[str, Any]:
 
 
 def refusals(results: dict) -> None:
-    """A cut inside a block, a batch with fewer rows than micro-batches, a training forward without labels, a
-    consolidated state dict: the same error on every rank."""
-    from hf_colossal_auto.apply import consolidated_state_dict
+    """A cut inside a block, a batch with fewer rows than micro-batches, a training forward without labels: the
+    same error on every rank."""
     from hf_colossal_auto.apply.runtime import apply_plan
     from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
 
@@ -331,7 +330,38 @@ def refusals(results: dict) -> None:
     apply_plan(model, plan)
     results["small batch"] = error_of(lambda: model(**{k: v[:1] for k, v in data[0].items()}))
     results["no labels"] = error_of(lambda: model(input_ids=data[0]["input_ids"]))
-    results["state dict"] = error_of(lambda: consolidated_state_dict(model))
+
+
+def full_state_dicts(results: dict) -> None:
+    """``consolidated_state_dict`` of a pipelined model against one process's ``state_dict()`` of the same
+    model: tiny Llama (1f1b) and GPT-2 with its head tied to the embedding across the ranks (1f1b) and on one
+    rank (zbv); on every rank, and with ``rank0_only`` on rank 0 (``{}`` elsewhere)."""
+    from hf_colossal_auto.apply import consolidated_state_dict
+    from hf_colossal_auto.apply.runtime import apply_plan
+    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
+
+    for preset, schedule, cut in (("tiny-llama", "1f1b", [1, 1]), ("tiny-gpt2", "1f1b", [1, 1]),
+                                  ("tiny-gpt2", "zbv", [1, 1, 1, 1])):  # fmt: skip
+        model = build(config(preset, sum(cut)), "cpu")
+        one = {k: v.clone() for k, v in model.state_dict().items()}
+        tied = [k for k in one if k.endswith("lm_head.weight")]
+        plan = hand_pipeline_plan(
+            model, batches(model)[0], pp_size=2, schedule=schedule, micro_batches=4, blocks_per_stage=cut
+        )
+        apply_plan(model, plan)
+        full = consolidated_state_dict(model)
+        first = consolidated_state_dict(model, rank0_only=True)
+        results[f"state dict {preset} {schedule}"] = {
+            "keys_in_order": list(full) == list(one),
+            "equal": all(torch.equal(full[k], v) for k, v in one.items()),
+            "plain_cpu": all(type(v) is torch.Tensor and v.device.type == "cpu" for v in full.values()),
+            "tie_kept": all(full[k] is full[k.replace("lm_head", "transformer.wte")] for k in tied)
+            if preset == "tiny-gpt2"
+            else None,
+            "rank0_only": (list(first) == list(one) and all(torch.equal(first[k], v) for k, v in one.items()))
+            if dist.get_rank() == 0
+            else first == {},
+        }
 
 
 def error_of(call) -> str:
@@ -426,6 +456,7 @@ def main() -> None:
     tied_gpt2(results, directory[0])
     mixtral(results)
     refusals(results)
+    full_state_dicts(results)
     accelerator_loop(results, directory[0])
     results["total_seconds"] = time.perf_counter() - started
     write_every_rank_and_close(results, args.out)

@@ -122,6 +122,20 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def full_state_dict_equal(model, cfg) -> dict[str, bool]:
+    """``consolidated_state_dict`` of the pipelined model (stages sharded by FSDP or tp gathered whole): one
+    process's keys in order, and each tensor this rank holds equal to its own gathered one (the ranks together
+    check every key)."""
+    from hf_colossal_auto.apply import consolidated_state_dict
+
+    full = consolidated_state_dict(model)
+    held = {k: whole(v) for k, v in model.state_dict().items()}
+    return {
+        "keys_in_order": list(full) == list(build(cfg, "meta").state_dict()),
+        "equal": all(torch.equal(full[k], v) for k, v in held.items()),
+    }
+
+
 def local_fraction(model) -> float:
     """The share of this rank's stage parameters' elements it stores (1: all whole; FSDP over 2: about 1/2)."""
     from torch.distributed.tensor import DTensor
@@ -180,6 +194,7 @@ def pipelined(
     if directory is not None:
         model.save_pretrained(directory)
         out["saved"] = reloaded_equal(model, directory)
+        out["full_state_dict"] = full_state_dict_equal(model, cfg)
     out["seconds"] = time.perf_counter() - started
     return out
 
