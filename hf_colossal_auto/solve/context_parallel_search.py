@@ -324,6 +324,20 @@ def step_extras(graph: StepGraph, cp: int, logits_module: str | None, micro_batc
     return StepExtras(gathered, modules, micro_batches)
 
 
+def fixed_added_terms(extras: StepExtras, cp_comm: AxisComm) -> tuple[float, float]:
+    """Seconds a plan of this step gets after the solve whatever its choices (:func:`context_parallel_plan`
+    adds them, in this order): the logits' all-gathers and the two small all-reduces, all micro-batches. Why
+    here: the search adds them to its lower bounds (:meth:`ContextParallelPlanner.fixed_added_s`), so they are
+    written once."""
+    micro = extras.micro_batches
+    logits = (
+        micro * cp_comm.time("all_gather", extras.logits_gathered_bytes)
+        if extras.logits_gathered_bytes
+        else 0.0
+    )
+    return logits, micro * sum(cp_comm.time("all_reduce", b) for b in SMALL_ALL_REDUCE_BYTES)
+
+
 def recomputed_attention_layers(extras: StepExtras, recompute: Mapping[str, str]) -> int:
     """Attention layers inside a block the plan recomputes (fully or selectively: both rerun the block's forward,
     the K/V all-gathers included)."""
@@ -367,6 +381,15 @@ class ContextParallelPlanner(_Planner):
         changes no parameter), else this degree's at ``(dp, micro_batches)``. Why: the search's state,
         gradient and synchronisation floors then rule candidates out before their step is traced."""
         return self._graphs.any() or self.outer._graphs.any() or self.graph(dp, micro_batches)
+
+    def fixed_added_s(self, mesh: tuple[int, int], micro_batches: int) -> float:
+        """Seconds every plan of ``(mesh, micro_batches)`` gets after its solve, whatever its choices
+        (:func:`fixed_added_terms`): what the search adds to the lower bounds it prunes candidates by. Traces the
+        step at that shape."""
+        extras = step_extras(self.graph(mesh[0], micro_batches), self.cp, self.logits_module, micro_batches)
+        return math.fsum(fixed_added_terms(extras, self.cp_comm(mesh))) * (
+            1 - 1e-12
+        )  # never above the plan's
 
     def offers_mesh(self, mesh: tuple[int, int]) -> bool:
         """Only meshes whose data-parallel size is ``dp x cp`` for a whole dp."""
@@ -435,6 +458,7 @@ def context_parallel_plan(
     gathers, gathered = count, nbytes
     if extras is not None and cp_comm is not None:
         micro = extras.micro_batches
+        logits_s, reduce_s = fixed_added_terms(extras, cp_comm)
         rerun = recomputed_attention_layers(extras, plan.recompute)
         if rerun and layers:  # a recomputed layer gathers its K and V again (the mean layer's bytes and time)
             gathers += count * rerun / layers
@@ -443,10 +467,10 @@ def context_parallel_plan(
         if extras.logits_gathered_bytes:
             gathers += micro
             gathered += micro * extras.logits_gathered_bytes
-            added_s += micro * cp_comm.time("all_gather", extras.logits_gathered_bytes)
+            added_s += logits_s
         collectives["cp_all_reduce"] = micro * len(SMALL_ALL_REDUCE_BYTES)
         collective_bytes["cp_all_reduce"] = micro * sum(SMALL_ALL_REDUCE_BYTES)
-        added_s += micro * sum(cp_comm.time("all_reduce", b) for b in SMALL_ALL_REDUCE_BYTES)
+        added_s += reduce_s
     collectives["cp_all_gather"], collective_bytes["cp_all_gather"] = gathers, gathered
     solver = dict(plan.solver)
     solver["context_parallel"] = {

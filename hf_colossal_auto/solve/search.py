@@ -110,23 +110,29 @@ class _Search:
         """Whether a lower bound on its step time already rules ``(mesh, dp_mode)`` out, before its ILP is built in
         full (recorded as tried with that bound): the optimum of its relaxation — no memory budget, and no rules
         making ops follow DTensor's own choices, the costliest part of the ILP to build — is no faster than the
-        best plan so far (or :attr:`cutoff_s`, :meth:`bar`). The bound holds at every micro-batch count (see :meth:`_unconstrained_time`), so no
-        micro-batch search follows. Why: at cluster scale most meshes are far off (tensor parallelism across
-        nodes), and their full ILPs asked DTensor about every op on meshes of up to thousands of ranks."""
+        best plan so far (or :attr:`cutoff_s`, :meth:`bar`). The bound holds at every micro-batch count (see
+        :meth:`_unconstrained_time`), so no micro-batch search follows. To the floor and the relaxation is added
+        what every plan of the candidate gets after its solve (:meth:`_Planner.fixed_added_s`: a cp rank's logits
+        all-gather), once the floor alone, which needs no trace at its batch, has not ruled it out. Why: at
+        cluster scale most meshes are far off (tensor parallelism across nodes), and their full ILPs asked
+        DTensor about every op on meshes of up to thousands of ranks."""
         bar = self.bar()
         if bar == math.inf or _is_expert_dp(dp_mode):  # its floor would count the experts' all-reduce
             return False
-        bound = self._sync_floor(mesh, dp_mode)
+        floor = self._sync_floor(mesh, dp_mode)
+        added = self.planner.fixed_added_s(mesh, micro_batches) if bar > floor else 0.0
+        bound = floor + added
         crosses = mesh[1] > self.planner.cluster.devices_per_node
         # The relaxation is built only where tensor parallelism crosses nodes: there DTensor's rules are costliest
         # and candidates far off; inside a node the full ILP costs little more than its relaxation, which then
-        # rarely pays for itself (GPT2-XL on 8, Llama-7B on 64).
-        if crosses and bar > bound:
+        # rarely pays for itself (GPT2-XL on 8, Llama-7B on 64). Where every plan gets seconds after its solve (a
+        # cp degree's logits all-gathers), the relaxation plus those often rules it out: built there too.
+        if (crosses or added > 0) and bar > bound:
             mode, shard = _split_mode(dp_mode)
             relaxed = self.planner.build(
                 mesh, mode, micro_batches=micro_batches, dp_shard_size=shard, dtensor_rules=False
             )
-            bound = self._relaxed_optimum(relaxed)
+            bound = self._relaxed_optimum(relaxed) + added
         if bar > bound:
             return False
         logger.debug("mesh %s %s skipped: its relaxation takes %.3g s", mesh, dp_mode, bound)
@@ -239,11 +245,10 @@ class _Search:
         """Where no plan fits: the candidates :meth:`ruled_out` set aside whose floor is under the least memory
         found so far are solved, in one piece and at the most micro-batches (the least memory of any count), so
         that the error states the least memory any plan needs, as if none had been set aside. The others are
-        recorded with their floor, and all of them where a step to beat from elsewhere (:attr:`cutoff_s`) means
-        no error follows (the least memory counts their floor)."""
+        recorded with their floor, and all of them where candidates were pruned against a step to beat from
+        elsewhere (:attr:`cutoff_s`, :attr:`pruned_s`): then no error follows, the search has no plan faster."""
         for mesh, dp_mode, micro_batches, floor in sorted(self.deferred, key=lambda d: d[3]):
-            if floor >= self.min_required or self.cutoff_s < math.inf:
-                self.min_required = min(self.min_required, floor)
+            if floor >= self.min_required or self.pruned_s < math.inf:
                 self._record_infeasible(mesh, dp_mode, micro_batches, floor)
                 continue
             plan = self.try_candidate(mesh, dp_mode, micro_batches)
@@ -320,11 +325,15 @@ class _Search:
         k pieces run every op, resharding and FSDP gather k times on 1/k of the rows (no faster in total: a
         kernel's time does not fall faster than its rows, the host cost per op is paid per piece) and add
         recompute, while the gradient sync and the optimizer step stay once; the step time grows with compute
-        and communication alike (the overlap hides at most the smaller), so no k beats this optimum. Without it
+        and communication alike (the overlap hides at most the smaller), so no k beats this optimum. Plus what
+        every plan gets after its solve in one piece (:meth:`_Planner.fixed_added_s`: collectives priced
+        ``alpha + beta x bytes`` per piece cost no less in k pieces of ``1 / k`` the bytes). Without it
         the search would bisect micro-batch counts on meshes whose best case is already slower than a plan in
         hand (Llama-3-70B on 1024 devices: every mesh whose tensor parallelism crosses nodes)."""
         built = self.over_budget.pop((mesh, dp_mode), None)
-        return 0.0 if built is None else self._relaxed_optimum(built)
+        if built is None:
+            return 0.0
+        return self._relaxed_optimum(built) + self.planner.fixed_added_s(mesh, 1)
 
     def _smallest_fitting(
         self, mesh: tuple[int, int], dp_mode: SearchKey, options: list[int]
