@@ -138,6 +138,8 @@ def main() -> int:
                     f"recompute {'/'.join(figures['recompute'])}  step {figures['step_time_s']:.2f} s  MFU "
                     f"{mfu * 100:.1f} %  peak {format_bytes(figures['peak_memory_bytes'])}"
                 )
+            elif figures["fits"] is None:  # pruned: no plan of it beats the one found before it
+                print(f"    cp {c:>3s}: pruned, no plan faster than {figures['min_step_time_s']:.2f} s")
             else:
                 print(
                     f"    cp {c:>3s}: no plan fits, the least needs {format_bytes(figures['min_required_bytes'])}"

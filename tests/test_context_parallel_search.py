@@ -18,13 +18,13 @@ from hf_colossal_auto.hardware.roofline import host_time
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.plan import Plan
 from hf_colossal_auto.solve.candidates import _Planner
+from hf_colossal_auto.solve.context_parallel_degrees import context_parallel_degrees
 from hf_colossal_auto.solve.context_parallel_search import (
     ATTENTION_BACKWARD_KERNELS,
     ATTENTION_FORWARD_KERNELS,
     ContextParallelPlanner,
     _kernel_dropout,
     attention_kernels,
-    context_parallel_degrees,
     context_parallel_step,
     logits_value,
 )
@@ -225,7 +225,7 @@ def test_unknown_attention_not_offered(caplog):
     common = dict(num_devices=2, device=DEVICE, mixed_precision="bf16")
     with pytest.raises(ValueError, match="no fused attention kernel"):
         plan_model(model, batch, context_parallel=2, **common)
-    with caplog.at_level(logging.INFO, logger="hf_colossal_auto.solve.context_parallel_search"):
+    with caplog.at_level(logging.INFO, logger="hf_colossal_auto.solve.context_parallel_degrees"):
         plan = plan_model(model, batch, context_parallel=None, **common)
     assert plan.cp_size == 1
     assert "context parallelism not searched" in caplog.text and "no fused attention kernel" in caplog.text

@@ -183,6 +183,12 @@ class _Planner:
         """Whether the search tries ``mesh`` (every mesh here; a context-parallel planner narrows it)."""
         return True
 
+    def fixed_added_s(self, mesh: tuple[int, int], micro_batches: int) -> float:
+        """Seconds every plan of ``(mesh, micro_batches)`` gets after its ILP is solved, whatever its choices: a
+        term the search adds to its lower bounds (none here; a context-parallel planner's per-micro-batch
+        collectives)."""
+        return 0.0
+
     def micro_batch_options(self, dp: int) -> list[int]:
         """Micro-batch counts k > 1 a replica's batch splits into evenly (the divisors of global / dp), fewest
         first: each costs a trace at a smaller shape, so they are tried in order and only when needed."""

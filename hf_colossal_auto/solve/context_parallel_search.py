@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,12 +60,11 @@ from .._torch_compat import attention_lse_kernel
 from ..capture.graph import Phase, StepGraph
 from ..hardware.roofline import host_time
 from ..plan import Plan
-from ..units import format_bytes
 from .build.builder import BuiltProblem
 from .build.names import NodeKind
 from .candidates import _Planner
 from .pricing.comm import AxisComm
-from .problem import InfeasibleError, Solution
+from .problem import Solution
 
 logger = logging.getLogger(__name__)
 
@@ -380,6 +379,14 @@ def step_extras(graph: StepGraph, cp: int, logits_module: str | None, micro_batc
     return StepExtras(gathered, modules, micro_batches)
 
 
+def added_after_solve_s(extras: StepExtras, cp_comm: AxisComm) -> float:
+    """Seconds a plan of this step gets after the solve whatever its choices (:func:`context_parallel_plan`
+    adds them): the two small all-reduces of every micro-batch (a step that reads only the loss gathers no
+    logits). Why here: the search adds them to its lower bounds (:meth:`ContextParallelPlanner.fixed_added_s`),
+    so they are written once."""
+    return extras.micro_batches * sum(cp_comm.time("all_reduce", b) for b in SMALL_ALL_REDUCE_BYTES)
+
+
 def recomputed_attention_layers(extras: StepExtras, recompute: Mapping[str, str]) -> int:
     """Attention layers inside a block the plan recomputes (fully or selectively: both rerun the block's forward,
     the K/V all-gathers included)."""
@@ -420,6 +427,20 @@ class ContextParallelPlanner(_Planner):
     def runtime_attention(self) -> RuntimeAttention:
         """How the runtime's attention runs on this cluster's devices (blocked or masked, per layer)."""
         return RuntimeAttention(self.spec.kind, dict(self.outer.model.named_modules()))
+
+    def any_graph(self, dp: int, micro_batches: int = 1) -> StepGraph:
+        """A step at hand for what does not depend on the batch (parameters, their optimizer state, the ops that
+        read them): this degree's own, else one the planner without cp traced (the same model: the chunking
+        changes no parameter), else this degree's at ``(dp, micro_batches)``. Why: the search's state,
+        gradient and synchronisation floors then rule candidates out before their step is traced."""
+        return self._graphs.any() or self.outer._graphs.any() or self.graph(dp, micro_batches)
+
+    def fixed_added_s(self, mesh: tuple[int, int], micro_batches: int) -> float:
+        """Seconds every plan of ``(mesh, micro_batches)`` gets after its solve, whatever its choices
+        (:func:`added_after_solve_s`): what the search adds to the lower bounds it prunes candidates by. Traces the
+        step at that shape."""
+        extras = step_extras(self.graph(mesh[0], micro_batches), self.cp, self.logits_module, micro_batches)
+        return added_after_solve_s(extras, self.cp_comm(mesh)) * (1 - 1e-12)  # never above the plan's
 
     def offers_mesh(self, mesh: tuple[int, int]) -> bool:
         """Only meshes whose data-parallel size is ``dp x cp`` for a whole dp."""
@@ -489,6 +510,7 @@ def context_parallel_plan(
     gathers, gathered = count, nbytes
     if extras is not None and cp_comm is not None:
         micro = extras.micro_batches
+        reduce_s = added_after_solve_s(extras, cp_comm)
         rerun = recomputed_attention_layers(extras, plan.recompute)
         if rerun and layers:  # a recomputed layer gathers its K and V again (the mean layer's bytes and time)
             gathers += count * rerun / layers
@@ -499,7 +521,7 @@ def context_parallel_plan(
             read_s = micro * cp_comm.time("all_gather", extras.logits_read_bytes)
         collectives["cp_all_reduce"] = micro * len(SMALL_ALL_REDUCE_BYTES)
         collective_bytes["cp_all_reduce"] = micro * sum(SMALL_ALL_REDUCE_BYTES)
-        added_s += micro * sum(cp_comm.time("all_reduce", b) for b in SMALL_ALL_REDUCE_BYTES)
+        added_s += reduce_s
     collectives["cp_all_gather"], collective_bytes["cp_all_gather"] = gathers, gathered
     solver = dict(plan.solver)
     solver["context_parallel"] = {
@@ -534,128 +556,3 @@ def context_parallel_plan(
         collective_bytes=collective_bytes,
         solver=solver,
     )
-
-
-# ------------------------------------------------------------------------------------------ the search
-def context_parallel_degrees(planner: _Planner, context_parallel: int | None) -> list[int]:
-    """The cp degrees to try: ``context_parallel`` itself (checked: it divides the devices, and twice it the
-    sequence, the balanced layout's head and tail chunk per rank), or (None) every one from 2 that does."""
-    n = planner.cluster.num_devices
-    seq = sequence_length(planner.inputs)
-    if context_parallel is not None:
-        c = context_parallel
-        if n % c:
-            raise ValueError(
-                f"context_parallel={c} does not divide the {n} devices; use a cp degree that divides them"
-            )
-        if seq % (2 * c):
-            raise ValueError(
-                f"context_parallel={c}: the sequence of {seq} tokens does not split into {2 * c} equal chunks "
-                f"(a head and a tail chunk per cp rank, for balanced causal attention); use a sequence length "
-                f"divisible by {2 * c} or another cp degree"
-            )
-        return [c]
-    return [c for c in range(2, n + 1) if n % c == 0 and seq % (2 * c) == 0]
-
-
-SearchMeshes = Callable[[_Planner, tuple[int, ...] | None, tuple[str, ...]], Plan | None]
-"""The planner's search without pipeline stages (meshes, modes, micro-batches, recompute): the fastest plan that
-fits, or None; given the planner, the (dp, tp) mesh_shape to fix (None: searched) and the data-parallel modes."""
-
-
-def with_context_parallel(
-    planner: _Planner,
-    best: Plan | None,
-    context_parallel: int | None,
-    mesh_shape: tuple[int, ...] | None,
-    dp_modes: tuple[str, ...],
-    search_meshes: SearchMeshes,
-) -> Plan | None:
-    """The plan :func:`~.planner.plan_model` returns once cp degrees are searched: ``best`` (the fastest plan
-    without cp, None if none fits or it was not searched) against the fastest plan of each cp degree, by
-    predicted step time. ``context_parallel`` None searches every degree (a model or batch cp cannot price is
-    logged and left out), an int >= 2 fixes it (errors say why it cannot be planned). ``mesh_shape`` fixes the
-    ``(dp, tp)`` part."""
-    fixed = context_parallel is not None
-    try:
-        degrees = context_parallel_degrees(planner, context_parallel)
-    except ContextParallelUnsupported as exc:
-        if fixed:
-            raise ValueError(f"context_parallel={context_parallel}: {exc}") from exc
-        logger.info("context parallelism not searched: %s", exc)
-        return best
-    modes = tuple(m for m in dp_modes if m in CP_MODES)
-    if not modes:
-        if fixed:
-            raise ValueError(
-                f"context_parallel={context_parallel} is planned with {CP_MODES} over the dp x cp gradient group; "
-                f"dp_modes={dp_modes!r} has neither"
-            )
-        logger.info("context parallelism not searched: dp_modes %s has none of %s", dp_modes, CP_MODES)
-        return best
-    found: list[Plan] = []
-    least = math.inf
-    per_degree: dict[str, dict[str, Any]] = {}
-    """cp degree -> its fastest plan's figures, or the least memory any of its plans needs."""
-    for c in degrees:
-        inner_mesh = None if mesh_shape is None else _inner_mesh(mesh_shape, c, planner.cluster.num_devices)
-        try:
-            cp_planner = ContextParallelPlanner(planner, c)
-            plan = search_meshes(cp_planner, inner_mesh, modes)
-        except ContextParallelUnsupported as exc:
-            if fixed:
-                raise ValueError(f"context_parallel={c}: {exc}") from exc
-            logger.info("context parallelism not searched: %s", exc)
-            return best
-        except InfeasibleError as exc:
-            least = min(least, exc.min_required or math.inf)
-            per_degree[str(c)] = {"fits": False, "min_required_bytes": exc.min_required}
-            logger.info("context_parallel=%d: no plan fits (%s)", c, exc)
-            continue
-        if plan is not None:
-            found.append(plan)
-            per_degree[str(c)] = _figures(plan)
-            logger.info("context_parallel=%d: best %.4g s on mesh %s", c, plan.step_time_s, plan.mesh_shape)
-    if fixed and not found:
-        raise InfeasibleError(
-            f"No plan with context_parallel={context_parallel} for {type(planner.model).__name__} on "
-            f"{planner.cluster.num_devices} x {planner.spec.name} fits {format_bytes(planner.budget)} per device"
-            + (f": the least any needs is {format_bytes(least)}" if least < math.inf else "")
-            + ". Use a larger cp degree, more devices, or context_parallel=None.",
-            min_required=least if least < math.inf else None,
-            exact=False,
-            choice=None,
-        )
-    chosen = min(found, key=lambda p: p.step_time_s, default=None)
-    if chosen is None or (best is not None and best.step_time_s <= chosen.step_time_s):
-        if best is not None:
-            best.solver["context_parallel_degrees"] = per_degree
-        return best
-    if best is not None:
-        chosen.solver["best_without_cp_s"] = best.step_time_s
-    chosen.solver["context_parallel_degrees"] = per_degree
-    return chosen
-
-
-def _figures(plan: Plan) -> dict[str, Any]:
-    """What :attr:`Plan.solver` records of each cp degree's fastest plan."""
-    return {
-        "fits": True,
-        "step_time_s": plan.step_time_s,
-        "peak_memory_bytes": plan.peak_memory_bytes,
-        "mesh": list(plan.mesh_shape),
-        "dp_mode": plan.dp_mode,
-        "micro_batches": plan.micro_batches,
-        "recompute": sorted(set(plan.recompute.values())) or ["none"],
-    }
-
-
-def _inner_mesh(mesh_shape: tuple[int, ...], cp: int, n: int) -> tuple[int, int]:
-    """A fixed ``(dp, tp)`` (or ``(tp,)``) mesh as the chunked problem's ``(dp x cp, tp)``."""
-    shape = (1, *mesh_shape) if len(mesh_shape) == 1 else tuple(mesh_shape)
-    if len(shape) != 2 or shape[0] * shape[1] * cp != n:
-        raise ValueError(
-            f"mesh_shape {tuple(mesh_shape)} with context_parallel={cp}: give the (dp, tp) part, dp x cp x tp = "
-            f"{n} devices"
-        )
-    return (shape[0] * cp, shape[1])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -44,7 +45,8 @@ from .candidates import (  # noqa: F401 (RECOMPUTE_MODES, PlanningTimeoutError r
     _Planner,
     _routing,
 )
-from .context_parallel_search import ContextParallelPlanner, with_context_parallel
+from .context_parallel_degrees import with_context_parallel
+from .context_parallel_search import ContextParallelPlanner
 from .ilp import solve
 from .pipeline.costs import STAGE_DP_MODES, StageLayout
 from .pipeline.plan import pipeline_configuration, price_pipeline, with_pipelines
@@ -199,13 +201,13 @@ def plan_model(
     elif context_parallel != 1:
 
         def search_meshes(
-            cp_planner: _Planner, inner_mesh: tuple[int, ...] | None, modes: tuple[str, ...]
-        ) -> Plan | None:
-            cp_search = _Search(cp_planner)
+            cp_planner: _Planner, inner_mesh: tuple[int, ...] | None, modes: tuple[str, ...], cutoff_s: float
+        ) -> _Search:
+            cp_search = _Search(cp_planner, cutoff_s)
             _search(cp_search, inner_mesh, modes, micro_batches)
-            if cp_search.best is None and cp_search.tried:
+            if cp_search.best is None and cp_search.pruned_s == math.inf:
                 raise _no_plan_error(model, num_devices, cp_planner, cp_search, recompute, micro_batches)
-            return cp_search.best
+            return cp_search
 
         plan = with_context_parallel(planner, plan, context_parallel, mesh_shape, dp_modes, search_meshes)
     stage_modes = tuple(m for m in STAGE_DP_MODES if m in dp_modes)

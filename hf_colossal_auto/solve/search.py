@@ -29,9 +29,16 @@ class _Search:
     """The search over meshes, data-parallel modes and micro-batch counts: the fastest plan that fits, what was
     tried, and the least memory any candidate needed (for the error when none fits)."""
 
-    def __init__(self, planner: _Planner) -> None:
+    def __init__(self, planner: _Planner, cutoff_s: float = math.inf) -> None:
         self.planner = planner
         self.best: Plan | None = None
+        self.cutoff_s = cutoff_s
+        """A step time found elsewhere (the plan without cp, another cp degree's) that a candidate must beat to
+        matter: candidates whose lower bound is no faster are pruned as if a plan that fast were in hand
+        (:meth:`bar`). ``inf``: none, the search is the exhaustive one."""
+        self.pruned_s = math.inf
+        """The least lower bound of a candidate pruned by step time (:meth:`bar`): where the search found no plan,
+        no plan it would have found is faster than this (``inf``: none was pruned so)."""
         self.tried: list[dict[str, Any]] = []
         self.min_required = math.inf
         self.one_piece: dict[tuple[tuple[int, int], str], tuple[Plan | None, float]] = {}
@@ -80,6 +87,16 @@ class _Search:
             self.one_piece[(mesh, dp_mode)] = (plan, host_floor)
         return plan
 
+    def bar(self) -> float:
+        """The step time a candidate must beat: the best plan's so far, or :attr:`cutoff_s` if that is faster
+        (``inf``: nothing to beat yet)."""
+        best = self.best.step_time_s if self.best is not None else math.inf
+        return min(best, self.cutoff_s)
+
+    def _pruned(self, bound: float) -> None:
+        """A candidate (or micro-batch count) left out because ``bound`` is no faster than :meth:`bar`."""
+        self.pruned_s = min(self.pruned_s, bound)
+
     def label(self, mesh: tuple[int, int], dp_mode: SearchKey) -> str:
         """The mode as :attr:`Plan.dp_label` names it ("hsdp 2x4": 2 replicas of shard groups of 4)."""
         if _is_expert_dp(dp_mode):
@@ -93,25 +110,33 @@ class _Search:
         """Whether a lower bound on its step time already rules ``(mesh, dp_mode)`` out, before its ILP is built in
         full (recorded as tried with that bound): the optimum of its relaxation — no memory budget, and no rules
         making ops follow DTensor's own choices, the costliest part of the ILP to build — is no faster than the
-        best plan so far. The bound holds at every micro-batch count (see :meth:`_unconstrained_time`), so no
-        micro-batch search follows. Why: at cluster scale most meshes are far off (tensor parallelism across
-        nodes), and their full ILPs asked DTensor about every op on meshes of up to thousands of ranks."""
-        if self.best is None or _is_expert_dp(dp_mode):  # its floor would count the experts' all-reduce
+        best plan so far (or :attr:`cutoff_s`, :meth:`bar`). The bound holds at every micro-batch count (see
+        :meth:`_unconstrained_time`), so no micro-batch search follows. To the floor and the relaxation is added
+        what every plan of the candidate gets after its solve (:meth:`_Planner.fixed_added_s`: a cp rank's logits
+        all-gather), once the floor alone, which needs no trace at its batch, has not ruled it out. Why: at
+        cluster scale most meshes are far off (tensor parallelism across nodes), and their full ILPs asked
+        DTensor about every op on meshes of up to thousands of ranks."""
+        bar = self.bar()
+        if bar == math.inf or _is_expert_dp(dp_mode):  # its floor would count the experts' all-reduce
             return False
-        bound = self._sync_floor(mesh, dp_mode)
+        floor = self._sync_floor(mesh, dp_mode)
+        added = self.planner.fixed_added_s(mesh, micro_batches) if bar > floor else 0.0
+        bound = floor + added
         crosses = mesh[1] > self.planner.cluster.devices_per_node
         # The relaxation is built only where tensor parallelism crosses nodes: there DTensor's rules are costliest
         # and candidates far off; inside a node the full ILP costs little more than its relaxation, which then
-        # rarely pays for itself (GPT2-XL on 8, Llama-7B on 64).
-        if crosses and self.best.step_time_s > bound:
+        # rarely pays for itself (GPT2-XL on 8, Llama-7B on 64). Where every plan gets seconds after its solve (a
+        # cp degree's logits all-gathers), the relaxation plus those often rules it out: built there too.
+        if (crosses or added > 0) and bar > bound:
             mode, shard = _split_mode(dp_mode)
             relaxed = self.planner.build(
                 mesh, mode, micro_batches=micro_batches, dp_shard_size=shard, dtensor_rules=False
             )
-            bound = self._relaxed_optimum(relaxed)
-        if self.best.step_time_s > bound:
+            bound = self._relaxed_optimum(relaxed) + added
+        if bar > bound:
             return False
         logger.debug("mesh %s %s skipped: its relaxation takes %.3g s", mesh, dp_mode, bound)
+        self._pruned(bound)
         self._record_unfit(mesh, dp_mode, micro_batches, min_step_time_s=bound)
         return True
 
@@ -188,9 +213,10 @@ class _Search:
         k > 1 pieces every trained parameter's accumulated gradient is alive whole over the data-parallel ranks
         until the last piece (the builder's ``accumulated_grad_terms``), on top of the model state. Their floor —
         state over tensor- and data-parallel sharing, gradients over tensor-parallel ranks only — does not fall
-        with k, so one test covers every count. Only applied once a plan is in hand: where nothing fits, the
-        ILPs are solved anyway so that the error states the least memory a plan needs."""
-        if micro_batches == 1 or self.best is None or _is_expert_dp(dp_mode):
+        with k, so one test covers every count. Only applied once a plan is in hand (or a step to beat,
+        :attr:`cutoff_s`): where nothing fits, the ILPs are solved anyway so that the error states the least
+        memory a plan needs."""
+        if micro_batches == 1 or self.bar() == math.inf or _is_expert_dp(dp_mode):
             return False
         floor = _accumulation_floor(
             self.planner.any_graph(mesh[0], micro_batches), mesh[1], self._shard(mesh, dp_mode)
@@ -219,9 +245,10 @@ class _Search:
         """Where no plan fits: the candidates :meth:`ruled_out` set aside whose floor is under the least memory
         found so far are solved, in one piece and at the most micro-batches (the least memory of any count), so
         that the error states the least memory any plan needs, as if none had been set aside. The others are
-        recorded with their floor."""
+        recorded with their floor, and all of them where candidates were pruned against a step to beat from
+        elsewhere (:attr:`cutoff_s`, :attr:`pruned_s`): then no error follows, the search has no plan faster."""
         for mesh, dp_mode, micro_batches, floor in sorted(self.deferred, key=lambda d: d[3]):
-            if floor >= self.min_required:
+            if floor >= self.min_required or self.pruned_s < math.inf:
                 self._record_infeasible(mesh, dp_mode, micro_batches, floor)
                 continue
             plan = self.try_candidate(mesh, dp_mode, micro_batches)
@@ -270,10 +297,11 @@ class _Search:
         pending.sort(key=lambda c: _best_case(c[1]) if c[1] is not None else math.inf)
         for (mesh, dp_mode), plan, host_floor in pending:
             options = self.planner.micro_batch_options(mesh[0])
-            if plan is None and options and self.best is not None:
+            if plan is None and options and self.bar() < math.inf:
                 bound = self._unconstrained_time(mesh, dp_mode)
-                if self.best.step_time_s <= bound:
+                if self.bar() <= bound:
                     logger.debug("mesh %s %s: micro-batches skipped (>= %.3g s)", mesh, dp_mode, bound)
+                    self._pruned(bound)
                     continue
             if plan is None and options:
                 first = self._smallest_fitting(mesh, dp_mode, options)
@@ -282,8 +310,9 @@ class _Search:
                 plan, options = first[1], [k for k in options if k > first[0]]
             for k in options:
                 bound = max(_best_case(plan), k * host_floor) if plan is not None else 0.0
-                if self.best is not None and self.best.step_time_s <= bound:
+                if self.bar() <= bound:
                     logger.debug("mesh %s %s: %d micro-batches skipped (>= %.3g s)", mesh, dp_mode, k, bound)
+                    self._pruned(bound)
                     break
                 found = self.try_candidate(mesh, dp_mode, k)
                 if done(found):
@@ -296,11 +325,15 @@ class _Search:
         k pieces run every op, resharding and FSDP gather k times on 1/k of the rows (no faster in total: a
         kernel's time does not fall faster than its rows, the host cost per op is paid per piece) and add
         recompute, while the gradient sync and the optimizer step stay once; the step time grows with compute
-        and communication alike (the overlap hides at most the smaller), so no k beats this optimum. Without it
+        and communication alike (the overlap hides at most the smaller), so no k beats this optimum. Plus what
+        every plan gets after its solve in one piece (:meth:`_Planner.fixed_added_s`: collectives priced
+        ``alpha + beta x bytes`` per piece cost no less in k pieces of ``1 / k`` the bytes). Without it
         the search would bisect micro-batch counts on meshes whose best case is already slower than a plan in
         hand (Llama-3-70B on 1024 devices: every mesh whose tensor parallelism crosses nodes)."""
         built = self.over_budget.pop((mesh, dp_mode), None)
-        return 0.0 if built is None else self._relaxed_optimum(built)
+        if built is None:
+            return 0.0
+        return self._relaxed_optimum(built) + self.planner.fixed_added_s(mesh, 1)
 
     def _smallest_fitting(
         self, mesh: tuple[int, int], dp_mode: SearchKey, options: list[int]
