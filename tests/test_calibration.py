@@ -218,3 +218,32 @@ def test_gemm_curve_is_the_median_of_interleaved_rounds_each_started_together(mo
     assert events == ["sync", scales[0], "sync", scales[1], "sync", scales[2], "sync", scales[3]] * 3
     assert [rate for _, rate in curve] == [11.0, 21.0, 30.0, 41.0]
     assert [flops for flops, _ in curve] == sorted(flops for flops, _ in curve)
+
+
+def test_every_rank_takes_rank_0s_path_through_the_kernel_benchmarks(monkeypatch):
+    """Whether bf16 is emulated is read off a timing, which differs between ranks: each rank deciding for itself
+    once left one rank at a barrier the other had skipped (a hung calibration). With ``ranks`` the verdict is
+    rank 0's, so a rank whose own probe says "emulated" still runs rank 0's benchmarks and barriers."""
+    from hf_colossal_auto.calibration import kernels
+
+    monkeypatch.setattr(kernels, "matmul_rate", lambda *a, **k: 100.0)
+    monkeypatch.setattr(kernels, "matmul_curve", lambda *a, sync=None, **k: (sync(), ((1.0, 100.0),))[1])
+    monkeypatch.setattr(kernels, "elementwise_bandwidth", lambda *a, **k: 1.0)
+    monkeypatch.setattr(kernels, "transcendental_rate", lambda *a, **k: 1.0)
+    monkeypatch.setattr(kernels, "attention_rate", lambda *a, **k: 50.0)
+
+    def run(probe: float, rank0_says_emulated: bool) -> tuple[int, kernels.KernelRates]:
+        starts = []
+        monkeypatch.setattr(kernels, "_square_probe", lambda *a: probe)
+        ranks = kernels.RankSync(start=lambda: starts.append(1), agree=lambda flag: rank0_says_emulated)
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        rates = kernels.measure_kernels("cpu", dtypes, nbytes=1024, elementwise_math=True, ranks=ranks)
+        return len(starts), rates
+
+    fused, fused_rates = run(probe=90.0, rank0_says_emulated=False)
+    slow_here, slow_rates = run(probe=1.0, rank0_says_emulated=False)  # this rank's probe was unlucky
+    assert slow_here == fused and slow_rates == fused_rates
+    assert set(fused_rates.attention_flops) == {"float32", "bfloat16"}
+    emulated, emulated_rates = run(probe=90.0, rank0_says_emulated=True)
+    assert emulated < fused and set(emulated_rates.attention_flops) == {"float32"}
+    assert emulated_rates.peak_flops["bfloat16"] == 90.0

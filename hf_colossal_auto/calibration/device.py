@@ -40,7 +40,7 @@ from ..hardware.microbench import collective_fits, dtensor_collective_fits, over
 from ..hardware.skew import measure_rank_skew
 from ..hardware.spec import DeviceSpec, LinkSpec
 from .base import base_spec, target_device
-from .kernels import measure_kernels
+from .kernels import RankSync, measure_kernels
 from .overheads import measure_overheads
 
 __all__ = ["calibrate", "measure_device"]
@@ -54,20 +54,32 @@ def _dtypes(kind: str) -> dict[str, torch.dtype]:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _rank_sync() -> RankSync:
+    """The job's barrier, and rank 0's verdict broadcast (a one-element tensor on the group's device)."""
+    device = target_device("cuda" if dist.get_backend() == "nccl" else "cpu")
+
+    def agree(flag: bool) -> bool:
+        verdict = torch.tensor([1 if flag else 0], device=device)
+        dist.broadcast(verdict, src=0)
+        return bool(verdict.item())
+
+    return RankSync(start=dist.barrier, agree=agree)
+
+
 def measure_device(kind: str, budget_s: float = 1.0) -> dict[str, Any]:
     """GEMM FLOP/s per dtype (and by size), elementwise bandwidth and math, attention FLOP/s of this device, as
     :class:`DeviceSpec` fields (:func:`~.kernels.measure_kernels`). In a multi-process job every rank measures,
     each benchmark started together (a barrier), so that rank 0's figures are those of a machine whose every
     rank computes, as in a training step."""
     nbytes = 256 * 2**20 if kind == "cuda" else min(64 * 2**20, max(8 * 2**20, host_memory_bytes() // 64))
-    together = dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else None
+    together = _rank_sync() if dist.is_initialized() and dist.get_world_size() > 1 else None
     rates = measure_kernels(
         target_device(kind),
         _dtypes(kind),
         budget_s=budget_s,
         nbytes=nbytes,
         elementwise_math=kind == "cpu",
-        sync=together,
+        ranks=together,
     )
     return dataclasses.asdict(rates)
 

@@ -24,7 +24,7 @@ from ..hardware.microbench import (
     transcendental_rate,
 )
 
-__all__ = ["EMULATED_DTYPE_SHARE", "KernelRates", "attention_rate", "measure_kernels"]
+__all__ = ["EMULATED_DTYPE_SHARE", "KernelRates", "RankSync", "attention_rate", "measure_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,18 @@ def attention_rate(device: Any, dtype: Any, *, budget_s: float = 1.0) -> float:
     flops = counter.get_total_flops()
     seconds = time_call(step, device, budget_s=budget_s)
     return flops / seconds
+
+
+@dataclass(frozen=True)
+class RankSync:
+    """How the ranks of a multi-process job run the kernel benchmarks together: ``start`` (a barrier) before
+    each benchmark, so that every rank times the same kernel at the same moment, and ``agree`` (rank 0's value
+    on every rank) for each decision taken from a timing, so that every rank takes the same path and reaches the
+    same barriers (a decision each rank took from its own timing once left one rank waiting at a barrier the
+    other had skipped)."""
+
+    start: Callable[[], object]
+    agree: Callable[[bool], bool]
 
 
 # A reduced-precision dtype slower than this share of float32 is emulated (bf16 on a CPU without it): it keeps
@@ -99,7 +111,7 @@ def measure_kernels(
     nbytes: int,
     elementwise_math: bool,
     curves: bool = True,
-    sync: Callable[[], object] | None = None,
+    ranks: RankSync | None = None,
 ) -> KernelRates:
     """Every kernel benchmark of a calibration, in one place for the ``calibrate`` command and for the cpu
     preset's automatic calibration (which passes a smaller ``budget_s``).
@@ -110,47 +122,47 @@ def measure_kernels(
     warning. ``budget_s`` is per benchmark; ``nbytes`` sizes the elementwise buffers (beyond the caches);
     ``elementwise_math`` adds the transcendental rate (CPUs; a GPU's is memory-bound); ``curves=False`` skips
     the GEMM-size curves (four sizes more, each with its own cold operands). Runs under ``no_grad``
-    with a private RNG: the caller's seeded global RNG is untouched. ``sync`` (a barrier, in a multi-process
-    job where every rank calls this) runs before each benchmark: the ranks then time the same kernel at the same
-    moment, sharing the machine's caches and memory as they do in a training step, instead of one rank's
-    GEMMs timed while another rank idles or does something else."""
+    with a private RNG: the caller's seeded global RNG is untouched. ``ranks`` (a multi-process job where every
+    rank calls this): each benchmark starts on every rank together, so that the ranks time the same kernel at
+    the same moment, sharing the machine's caches and memory as in a training step, instead of one rank's GEMMs
+    timed while another rank idles or does something else; whether a dtype is emulated is rank 0's verdict."""
     import torch
 
-    together = sync or (lambda: None)
+    start = ranks.start if ranks is not None else (lambda: None)
+    agree = ranks.agree if ranks is not None else (lambda flag: flag)
     generator = torch.Generator(device="cpu").manual_seed(0)
     flops: dict[str, float] = {}
     curve: dict[str, tuple[tuple[float, float], ...]] = {}
     attention: dict[str, float] = {}
+    fused: list[str] = []  # dtypes measured as kernels of their own (not emulated, not missing), agreed
     with torch.no_grad():
         for name, dtype in dtypes.items():
             try:
-                together()
+                start()
                 if name != "float32":
                     probe = _square_probe(device, dtype, generator)
-                    if probe < EMULATED_DTYPE_SHARE * flops["float32"]:
+                    if agree(probe < EMULATED_DTYPE_SHARE * flops["float32"]):
                         flops[name] = probe
                         continue
-                together()
+                start()
                 flops[name] = matmul_rate(device, dtype, budget_s=budget_s)
                 if curves:
-                    curve[name] = matmul_curve(device, dtype, budget_s=budget_s, sync=sync)
-            except RuntimeError as exc:  # a dtype without a matmul kernel in this build
+                    curve[name] = matmul_curve(device, dtype, budget_s=budget_s, sync=ranks and ranks.start)
+                fused.append(name)
+            except RuntimeError as exc:  # a dtype without a matmul kernel in this build (alike on every rank)
                 if name == "float32":
                     raise
                 logger.warning(
                     "calibration: %s matmul failed on %s (%s); it falls back to float32", name, device, exc
                 )
-        together()
+        start()
         bandwidth = elementwise_bandwidth(device, nbytes=nbytes, budget_s=budget_s / 2)
-        together()
+        start()
         math_rate = transcendental_rate(device, budget_s=budget_s / 2) if elementwise_math else None
-    for name, dtype in dtypes.items():
-        emulated = flops.get(name, 0.0) < EMULATED_DTYPE_SHARE * flops["float32"]
-        if emulated:  # emulated or missing: the fused kernel is no better
-            continue
+    for name in fused:  # an emulated or missing dtype's fused kernel is no better
         try:
-            together()
-            attention[name] = attention_rate(device, dtype, budget_s=budget_s)
+            start()
+            attention[name] = attention_rate(device, dtypes[name], budget_s=budget_s)
         except RuntimeError as exc:
             logger.warning("calibration: %s attention failed on %s (%s)", name, device, exc)
     return KernelRates(
