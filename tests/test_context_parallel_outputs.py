@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import copy
 import pickle
-from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from multiproc.common import all_gathers
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_colossal_auto.apply.context_parallel_attention import ContextParallel, ContextParallelError
@@ -42,22 +42,13 @@ def cp():
 @pytest.fixture
 def gathers():
     """Every ``dist.all_gather_into_tensor`` call (the lazy gathers), by its output's elements."""
-    real = dist.all_gather_into_tensor
-    seen: list[int] = []
-
-    def counting(output, *args, **kwargs):
-        seen.append(output.numel())
-        return real(output, *args, **kwargs)
-
-    with mock.patch.object(dist, "all_gather_into_tensor", counting):
+    with all_gathers() as seen:
         yield seen
 
 
-def _lazy(cp, weight: torch.Tensor, grad_enabled: bool = True):
-    logits = torch.arange(ROWS * SEQ * VOCAB, dtype=torch.float32).view(ROWS, SEQ, VOCAB) * weight
-    hidden = (torch.ones(ROWS, SEQ, 5), torch.zeros(ROWS, SEQ, 5))
-    output = CausalLMOutputWithPast(loss=logits.sum(), logits=logits, hidden_states=hidden)
-    lazy = defer_outputs(
+def _defer(cp, output, grad_enabled: bool = True):
+    """``output`` as the first forward of a training step returns it on a cp rank of ``ROWS x SEQ`` tokens."""
+    return defer_outputs(
         output,
         cp=cp,
         length=SEQ,
@@ -67,7 +58,13 @@ def _lazy(cp, weight: torch.Tensor, grad_enabled: bool = True):
         grad_enabled=grad_enabled,
         inference=False,
     )
-    return lazy, logits
+
+
+def _lazy(cp, weight: torch.Tensor, grad_enabled: bool = True):
+    logits = torch.arange(ROWS * SEQ * VOCAB, dtype=torch.float32).view(ROWS, SEQ, VOCAB) * weight
+    hidden = (torch.ones(ROWS, SEQ, 5), torch.zeros(ROWS, SEQ, 5))
+    output = CausalLMOutputWithPast(loss=logits.sum(), logits=logits, hidden_states=hidden)
+    return _defer(cp, output, grad_enabled), logits
 
 
 def test_every_read_gathers_each_field_once(cp, gathers):
@@ -138,16 +135,7 @@ def test_transform_fields_composes_after_the_gather(cp, gathers):
 def test_tuple_outputs_gather_at_once(cp, gathers):
     """A tuple output (``return_dict=False``) cannot defer a read: its token-wise tensors gather at once."""
     logits = torch.ones(ROWS, SEQ, VOCAB)
-    out = defer_outputs(
-        (torch.tensor(1.0), logits),
-        cp=cp,
-        length=SEQ,
-        rows=ROWS,
-        order=torch.arange(SEQ),
-        forward_index=1,
-        grad_enabled=True,
-        inference=False,
-    )
+    out = _defer(cp, (torch.tensor(1.0), logits))
     assert torch.equal(out[1], logits) and gathers == [ROWS * SEQ * VOCAB]
 
 

@@ -20,7 +20,6 @@ cannot cut, flash attention's packed offsets), each raised on every rank.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -28,8 +27,6 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -119,7 +116,7 @@ def run_case(
     """One model on a ``dp x cp x tp`` mesh: each replica's loss, logits and the gradients (DDP's: the mean of
     the replicas' losses) against one process on the replica's or the global rows. ``blocked`` False keeps
     every attention call on the mask path (the blocked, mask-free path is the default where it applies)."""
-    from common import ddp_reference_loss  # here: this script's folder is on the path under torchrun
+    from common import all_gathers, ddp_reference_loss  # this script's folder is on the path under torchrun
 
     from hf_colossal_auto.apply import apply_plan, broadcast_plan
     from hf_colossal_auto.apply.context_parallel import balanced_positions
@@ -191,21 +188,6 @@ def run_case(
     del model, reference, out, ref, logits
     dist.barrier()
     return {**gathered[0], "ranks": gathered}
-
-
-@contextlib.contextmanager
-def all_gathers() -> Iterator[list[int]]:
-    """The elements of every ``dist.all_gather_into_tensor`` output inside the block (the K/V gathers, a lazy
-    output's read tag and its gathered field), in call order."""
-    real = dist.all_gather_into_tensor
-    seen: list[int] = []
-
-    def counting(output, *args, **kwargs):
-        seen.append(output.numel())
-        return real(output, *args, **kwargs)
-
-    with mock.patch.object(dist, "all_gather_into_tensor", counting):
-        yield seen
 
 
 def _step_batch(model, rows: int, seq: int, step: int) -> dict[str, torch.Tensor]:
@@ -513,6 +495,7 @@ def mixed_precision_reads(directory: str) -> dict:
     autocast and ``convert_outputs_to_fp32`` (which reads every field); the outputs are deferred after it, so
     a step that reads only the loss gathers no logits, and the logits read are fp32, whole, one process's."""
     from accelerate.state import AcceleratorState, GradientState
+    from common import all_gathers  # this script's folder is on the path under torchrun
     from torch.utils.data import default_collate
 
     from hf_colossal_auto import AutoParallelAccelerator

@@ -3,9 +3,13 @@ it as ``common`` (their folder is on ``sys.path`` under torchrun); tests in ``te
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -182,3 +186,18 @@ def accumulating_loop(
             optimizer.zero_grad()
         losses.append(loss.item())
     return losses, norms, seen, batch
+
+
+@contextlib.contextmanager
+def all_gathers() -> Iterator[list[int]]:
+    """The elements of every ``dist.all_gather_into_tensor`` output inside the block, in call order (context
+    parallelism's K/V gathers, a lazy output's read tag and its gathered field)."""
+    real = dist.all_gather_into_tensor
+    seen: list[int] = []
+
+    def counting(output, *args, **kwargs):
+        seen.append(output.numel())
+        return real(output, *args, **kwargs)
+
+    with mock.patch.object(dist, "all_gather_into_tensor", counting):
+        yield seen
