@@ -128,7 +128,8 @@ def measure_kernels(
     timed while another rank idles or does something else; whether a dtype is emulated is rank 0's verdict."""
     import torch
 
-    start = ranks.start if ranks is not None else (lambda: None)
+    sync = ranks.start if ranks is not None else None
+    start = sync or (lambda: None)
     agree = ranks.agree if ranks is not None else (lambda flag: flag)
     generator = torch.Generator(device="cpu").manual_seed(0)
     flops: dict[str, float] = {}
@@ -138,8 +139,8 @@ def measure_kernels(
     with torch.no_grad():
         for name, dtype in dtypes.items():
             try:
-                start()
                 if name != "float32":
+                    start()
                     probe = _square_probe(device, dtype, generator)
                     if agree(probe < EMULATED_DTYPE_SHARE * flops["float32"]):
                         flops[name] = probe
@@ -147,7 +148,7 @@ def measure_kernels(
                 start()
                 flops[name] = matmul_rate(device, dtype, budget_s=budget_s)
                 if curves:
-                    curve[name] = matmul_curve(device, dtype, budget_s=budget_s, sync=ranks and ranks.start)
+                    curve[name] = matmul_curve(device, dtype, budget_s=budget_s, sync=sync)
                 fused.append(name)
             except RuntimeError as exc:  # a dtype without a matmul kernel in this build (alike on every rank)
                 if name == "float32":

@@ -139,12 +139,12 @@ def matmul_curve(
     the same moment, contending for the shared caches and memory as the ranks of a training step do."""
     kind = getattr(device, "type", str(device))
     rounds = max(1, rounds)
+    share = budget_s / (len(CURVE_SCALES) * rounds)
     samples: list[list[float]] = [[] for _ in CURVE_SCALES]
     for _ in range(rounds):
         for i, scale in enumerate(CURVE_SCALES):
             if sync is not None:
                 sync()
-            share = budget_s / (len(CURVE_SCALES) * rounds)
             samples[i].append(matmul_rate(device, dtype, budget_s=share, scale=scale))
     points = []
     for scale, rates in zip(CURVE_SCALES, samples, strict=True):
