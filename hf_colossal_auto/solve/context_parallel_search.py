@@ -379,12 +379,12 @@ def step_extras(graph: StepGraph, cp: int, logits_module: str | None, micro_batc
     return StepExtras(gathered, modules, micro_batches)
 
 
-def added_after_solve_s(extras: StepExtras, cp_comm: AxisComm) -> float:
-    """Seconds a plan of this step gets after the solve whatever its choices (:func:`context_parallel_plan`
-    adds them): the two small all-reduces of every micro-batch (a step that reads only the loss gathers no
-    logits). Why here: the search adds them to its lower bounds (:meth:`ContextParallelPlanner.fixed_added_s`),
-    so they are written once."""
-    return extras.micro_batches * sum(cp_comm.time("all_reduce", b) for b in SMALL_ALL_REDUCE_BYTES)
+def added_after_solve_s(micro_batches: int, cp_comm: AxisComm) -> float:
+    """Seconds a plan gets after the solve whatever its choices (:func:`context_parallel_plan` adds them): the
+    two small all-reduces of every micro-batch (a step that reads only the loss gathers no logits, so nothing
+    here depends on the traced step). Why here: the search adds them to its lower bounds
+    (:meth:`ContextParallelPlanner.fixed_added_s`), so they are written once."""
+    return micro_batches * sum(cp_comm.time("all_reduce", b) for b in SMALL_ALL_REDUCE_BYTES)
 
 
 def recomputed_attention_layers(extras: StepExtras, recompute: Mapping[str, str]) -> int:
@@ -437,10 +437,9 @@ class ContextParallelPlanner(_Planner):
 
     def fixed_added_s(self, mesh: tuple[int, int], micro_batches: int) -> float:
         """Seconds every plan of ``(mesh, micro_batches)`` gets after its solve, whatever its choices
-        (:func:`added_after_solve_s`): what the search adds to the lower bounds it prunes candidates by. Traces the
-        step at that shape."""
-        extras = step_extras(self.graph(mesh[0], micro_batches), self.cp, self.logits_module, micro_batches)
-        return added_after_solve_s(extras, self.cp_comm(mesh)) * (1 - 1e-12)  # never above the plan's
+        (:func:`added_after_solve_s`): what the search adds to the lower bounds it prunes candidates by. Needs no
+        trace."""
+        return added_after_solve_s(micro_batches, self.cp_comm(mesh)) * (1 - 1e-12)  # never above the plan's
 
     def offers_mesh(self, mesh: tuple[int, int]) -> bool:
         """Only meshes whose data-parallel size is ``dp x cp`` for a whole dp."""
@@ -510,7 +509,7 @@ def context_parallel_plan(
     gathers, gathered = count, nbytes
     if extras is not None and cp_comm is not None:
         micro = extras.micro_batches
-        reduce_s = added_after_solve_s(extras, cp_comm)
+        reduce_s = added_after_solve_s(micro, cp_comm)
         rerun = recomputed_attention_layers(extras, plan.recompute)
         if rerun and layers:  # a recomputed layer gathers its K and V again (the mean layer's bytes and time)
             gathers += count * rerun / layers

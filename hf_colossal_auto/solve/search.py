@@ -112,8 +112,8 @@ class _Search:
         making ops follow DTensor's own choices, the costliest part of the ILP to build — is no faster than the
         best plan so far (or :attr:`cutoff_s`, :meth:`bar`). The bound holds at every micro-batch count (see
         :meth:`_unconstrained_time`), so no micro-batch search follows. To the floor and the relaxation is added
-        what every plan of the candidate gets after its solve (:meth:`_Planner.fixed_added_s`: a cp rank's logits
-        all-gather), once the floor alone, which needs no trace at its batch, has not ruled it out. Why: at
+        what every plan of the candidate gets after its solve (:meth:`_Planner.fixed_added_s`: a cp rank's small
+        all-reduces), once the floor alone has not ruled it out. Why: at
         cluster scale most meshes are far off (tensor parallelism across nodes), and their full ILPs asked
         DTensor about every op on meshes of up to thousands of ranks."""
         bar = self.bar()
