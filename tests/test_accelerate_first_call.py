@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_launch import accelerate_launch_command
+from torchrun_launch import accelerate_launch_command, why_it_failed
 
 from hf_colossal_auto.integrations.first_call import named_arguments
 
@@ -64,9 +64,9 @@ def test_tuple_batches_train_under_a_tensor_parallel_plan_like_one_process(tmp_p
         text=True,
         timeout=300,
     )
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert ref.returncode == 0, why_it_failed(ref)
     par = _launch(tmp_path / "par", HF_COLOSSAL_AUTO_MESH_SHAPE="1x2")
-    assert par.returncode == 0, par.stderr[-3000:]
+    assert par.returncode == 0, why_it_failed(par)
     assert par.stdout.count("Plan for LlamaForCausalLM on 2 x cpu: mesh dp=1 x tp=2") == 1
     one = json.loads((tmp_path / "ref" / "result.json").read_text())
     two = json.loads((tmp_path / "par" / "result.json").read_text())
@@ -91,9 +91,9 @@ def test_accumulation_is_planned_as_micro_batches_and_trains_like_one_process(tm
         text=True,
         timeout=300,
     )
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert ref.returncode == 0, why_it_failed(ref)
     par = _launch(tmp_path / "par", "--grad-accum", "2", HF_COLOSSAL_AUTO_MESH_SHAPE="1x2")
-    assert par.returncode == 0, par.stderr[-3000:]
+    assert par.returncode == 0, why_it_failed(par)
     assert "2 micro-batches of 4 per replica (gradients synced once)" in par.stdout
     one = json.loads((tmp_path / "ref" / "result.json").read_text())
     two = json.loads((tmp_path / "par" / "result.json").read_text())

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_launch import accelerate_launch_command
+from torchrun_launch import accelerate_launch_command, why_it_failed
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "examples" / "run_clm_no_trainer.py"
@@ -87,7 +87,7 @@ def _launch(folder: Path, inputs: dict[str, str], name: str, settings: dict[str,
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, f"{name}: " + proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, f"{name}: " + why_it_failed(proc)
     return json.loads((folder / f"{name}.json").read_text())
 
 

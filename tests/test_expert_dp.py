@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiproc.common import wide_mixtral
-from torchrun_launch import run_torchrun
+from torchrun_launch import run_torchrun, why_it_failed
 
 from hf_colossal_auto.capture.moe import experts_modules
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
@@ -509,7 +509,7 @@ def test_the_trainer_trains_under_it_as_under_ddp(tmp_path):
             text=True,
             timeout=300,
         )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        assert proc.returncode == 0, why_it_failed(proc)
         results[name] = json.loads(out.read_text())
     ddp = results["ddp"]
     assert set(ddp["moe_layers"].values()) == {"experts: replicated"}

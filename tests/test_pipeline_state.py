@@ -97,6 +97,8 @@ def _trainer(*args: str, nproc: int | None) -> None:
     import os
     import subprocess
 
+    from torchrun_launch import why_it_failed
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_COLOSSAL_AUTO_NO_CALIBRATE": "1"}
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -105,7 +107,7 @@ def _trainer(*args: str, nproc: int | None) -> None:
     )
     script = str(ROOT / "tests" / "multiproc" / "check_trainer.py")
     proc = subprocess.run([*launcher, script, *args], env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, why_it_failed(proc)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torchrun_launch import accelerate_launch_command
+from torchrun_launch import accelerate_launch_command, why_it_failed
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -385,7 +385,7 @@ def two_process_recipes(tmp_path_factory) -> Path:
     cmd = accelerate_launch_command(str(ROOT / "tests" / "multiproc" / "run_recipes.py"), json.dumps(runs))
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, why_it_failed(proc)
     (root / "stdout.txt").write_text(proc.stdout)
     return root
 

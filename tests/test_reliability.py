@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torchrun_launch import accelerate_launch_command, run_torchrun
+from torchrun_launch import accelerate_launch_command, run_torchrun, why_it_failed
 
 from hf_colossal_auto import apply_plan, build_model, make_example_inputs, plan_model
 from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
@@ -83,7 +83,7 @@ def test_planning_errors_reach_every_rank_with_the_same_type_and_message(plannin
     """An impossible budget through autoparallelize, the accelerator and the callback; a plan only rank 1's
     model does not fit. Before: rank 1 waited in the plan broadcast for the 30-minute process-group timeout."""
     proc, out = planning_launch
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for case in ("autoparallelize", "accelerator", "callback"):
         assert ranks[0][case]["type"] == ranks[1][case]["type"] == "InfeasibleError", case
@@ -111,7 +111,7 @@ def test_planning_past_its_limit_fails_on_every_rank_and_slow_planning_outlives_
     xLSTM did in the coverage sweep). And work on rank 0 twice as long as the 2 s collective timeout reaches
     every rank: the others wait in heartbeats, not in one broadcast."""
     proc, out = planning_launch
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     limit = [rank["planning_limit"] for rank in ranks]
     assert limit[0]["type"] == limit[1]["type"] == "TookTooLongError", limit
@@ -139,7 +139,7 @@ def test_every_timeout_setting_reaches_the_process_groups(planning_launch):
     ``AutoParallelPlugin(timeout=)``, ``HF_COLOSSAL_AUTO_TIMEOUT``, ``AutoParallelCallback(timeout=)`` when
     given and 300 s when not (torch's own is 1800 s, which each case starts from)."""
     proc, out = planning_launch
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc)
     want = {
         "autoparallelize": 11.0,
         "autoparallelize default": 300.0,
@@ -238,7 +238,7 @@ def test_a_killed_rank_ends_the_job_and_the_recipe_resumes_with_the_same_losses(
         _gpt_recipe(second, "--max_steps", "3", "--resume_from_checkpoint", str(checkpoint)),
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert resumed_run.returncode == 0, resumed_run.stdout[-2000:] + resumed_run.stderr[-4000:]
+    assert resumed_run.returncode == 0, why_it_failed(resumed_run)
     assert _metrics(second) == {3: straight[3]}
 
 
@@ -249,7 +249,7 @@ def test_a_batch_that_does_not_split_like_the_plans_still_trains_exactly(plannin
     eval batch crashed). Now the batch is kept whole there, and loss and gradients equal one process's. (Run by
     check_batch_shapes.py in the planning launch.)"""
     proc, out = planning_launch
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, why_it_failed(proc)
     result = json.loads((out / "batch_shapes.json").read_text())
     assert result["batch_split_modules"], (
         "the plan must split the batch over tp for this test to mean anything"

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from torchrun_launch import accelerate_launch_command
+from torchrun_launch import accelerate_launch_command, why_it_failed
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -39,11 +39,11 @@ def test_a_trainer_script_under_the_runner_trains_like_the_plain_trainer(tmp_pat
     (2 processes under plain accelerate) at every step, and its eval loss."""
     script = str(ROOT / "tests" / "multiproc" / "train_clm.py")
     plain = _launch(script, "--out", str(tmp_path / "plain.json"), env=_env(), runner=False)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert plain.returncode == 0, why_it_failed(plain)
     ours = _launch(
         script, "--out", str(tmp_path / "ours.json"), env=_env(HF_COLOSSAL_AUTO_MESH_SHAPE="1x2"), runner=True
     )
-    assert ours.returncode == 0, ours.stderr[-3000:]
+    assert ours.returncode == 0, why_it_failed(ours)
     reference = json.loads((tmp_path / "plain.json").read_text())
     result = json.loads((tmp_path / "ours.json").read_text())
     assert reference["mesh"] is None and result["mesh"] == [1, 2]
@@ -67,9 +67,9 @@ def test_accelerates_own_test_scripts_under_the_runner():
     differ until synchronised) the DDP plan keeps: the model planned inside ``no_sync``, ``accumulate``,
     ``trigger_sync_in_backward``."""
     ops = _launch(str(ACCELERATE_SCRIPTS / "test_ops.py"), env=_env(), runner=True)
-    assert ops.returncode == 0, ops.stderr[-3000:]
+    assert ops.returncode == 0, why_it_failed(ops)
     script = _launch(str(ACCELERATE_SCRIPTS / "test_script.py"), env=_env(), runner=True)
-    assert script.returncode == 0, script.stdout[-2000:] + script.stderr[-3000:]
+    assert script.returncode == 0, why_it_failed(script)
     assert (
         "Training yielded the same results on one CPU or distributed setup with batch split." in script.stdout
     )
@@ -78,6 +78,6 @@ def test_accelerates_own_test_scripts_under_the_runner():
         "Plan for RegressionModel on 2 x cpu: mesh dp=2 x tp=1" in script.stdout
     )  # planned from the first call
     sync = _launch(str(ACCELERATE_SCRIPTS / "test_sync.py"), env=_env(), runner=True)
-    assert sync.returncode == 0, sync.stdout[-2000:] + sync.stderr[-3000:]
+    assert sync.returncode == 0, why_it_failed(sync)
     assert "**Test Distributed `no_sync` context manager with multiple forwards**" in sync.stdout
     assert "Plan for RegressionModel on 2 x cpu: mesh dp=2 x tp=1" in sync.stdout

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.utils.data import Dataset
+from torchrun_launch import why_it_failed
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_colossal_auto.integrations.trainer import (
@@ -303,7 +304,7 @@ def _run(*args: str, nproc: int | None = 2) -> None:
     proc = subprocess.run(
         [*launcher, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=400
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, why_it_failed(proc)
 
 
 def _result(path: Path) -> dict:

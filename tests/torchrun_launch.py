@@ -4,6 +4,7 @@ multi-process tests."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -29,6 +30,32 @@ def accelerate_launch_command(*script_and_args: str, processes: int = 2) -> list
     ]  # fmt: skip
 
 
+CAUSE = re.compile(
+    r"terminate called|what\(\)|enforce fail|\w(Error|Exception|Interrupt)\b:|Fatal Python error|Segmentation fault"
+    r"|double free|corrupted|Killed"
+)
+"""Lines that name why a rank died: C++ aborts (gloo's ``terminate called ... what(): [enforce fail ...]``),
+Python exceptions, fatal signals. The launcher's own summary (which only says "Signal 6 received") ends the
+output, so a tail alone can push them out of the failure message."""
+
+
+def why_it_failed(proc: subprocess.CompletedProcess, tail: int = 3000) -> str:
+    """A failed launch's story for an assertion message: every line of its output naming a cause (deduplicated,
+    with the line after it, which holds an abort's ``what()``), then the tails of stdout and stderr."""
+    text = f"{proc.stdout or ''}\n{proc.stderr or ''}".splitlines()
+    causes: list[str] = []
+    for index, line in enumerate(text):
+        if CAUSE.search(line):
+            for kept in text[index : index + 2]:
+                if kept not in causes:
+                    causes.append(kept)
+    excerpt = "\n".join(causes[:60])
+    return (
+        f"exit code {proc.returncode}\n--- lines naming a cause ---\n{excerpt}\n"
+        f"--- stdout tail ---\n{(proc.stdout or '')[-tail // 2 :]}\n--- stderr tail ---\n{(proc.stderr or '')[-tail:]}"
+    )
+
+
 def run_torchrun(
     script: str,
     *args: str,
@@ -51,7 +78,7 @@ def run_torchrun(
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, why_it_failed(proc)
     return proc
 
 
