@@ -428,3 +428,60 @@ def test_dp_modes_are_the_planners(clean_env):
     assert AutoParallelPlugin().planner_kwargs()["dp_modes"] == ("ddp-ep",)
     clean_env.setenv("HF_COLOSSAL_AUTO_DP_MODES", "fsdp-ep")
     assert AutoParallelPlugin().planner_kwargs()["dp_modes"] == ("fsdp-ep",)
+
+
+def test_context_parallel_setting_from_constructor_environment_and_yaml(clean_env, tmp_path):
+    """``context_parallel``: unset plans without cp (the default), 'auto' searches the cp degrees (plan_model's
+    None), >= 2 fixes the degree; from the constructor, HF_COLOSSAL_AUTO_CONTEXT_PARALLEL or the YAML. A fixed
+    degree keeps the pipeline search off (the runtime runs them apart), beside a fixed pp degree it is refused,
+    as are bad values, naming the setting."""
+    from hf_colossal_auto.integrations.plugin import stages_and_context_parallel
+
+    assert "context_parallel" not in AutoParallelPlugin().planner_kwargs()
+    clean_env.setenv("HF_COLOSSAL_AUTO_CONTEXT_PARALLEL", "auto")
+    assert AutoParallelPlugin().planner_kwargs()["context_parallel"] is None
+    assert AutoParallelPlugin(context_parallel=2).planner_kwargs()["context_parallel"] == 2
+    clean_env.setenv("HF_COLOSSAL_AUTO_CONTEXT_PARALLEL", "0")
+    with pytest.raises(PluginConfigError, match="HF_COLOSSAL_AUTO_CONTEXT_PARALLEL.*cp degree"):
+        AutoParallelPlugin()
+    clean_env.delenv("HF_COLOSSAL_AUTO_CONTEXT_PARALLEL")
+    clean_env.setenv("HF_COLOSSAL_AUTO_CONFIG", _yaml(tmp_path, "context_parallel: 4\n"))
+    assert AutoParallelPlugin().planner_kwargs()["context_parallel"] == 4
+    with pytest.raises(PluginConfigError, match="both fixed.*set one of them to 1"):
+        AutoParallelPlugin(pipeline=2)
+    assert stages_and_context_parallel(None, 2) == (1, 2)  # stages not searched beside a fixed cp
+    assert stages_and_context_parallel(2, None) == (2, 1)
+    assert stages_and_context_parallel(None, None) == (None, None)  # both searched: the planner's, each alone
+
+
+@pytest.mark.slow
+def test_accelerate_loop_and_gpt_recipe_under_context_parallelism(tmp_path):
+    """One ``accelerate launch`` of 2 CPU processes (tests/multiproc/check_accelerate_cp.py): an accelerate loop
+    under ``AutoParallelPlugin(context_parallel=2)`` reads, on both processes, the union of the two batches plain
+    accelerate gives them at each step (one replica: ``data_parallel_info`` says so) and trains like plain
+    accelerate (every step's loss within 1e-5); a sequence that 2 x cp chunks cannot cut raises on both ranks,
+    saying what to do; the GPT recipe runs with ``--context_parallel 2 --seq_len 64`` under a cp 2 plan."""
+    script = str(ROOT / "tests" / "multiproc" / "check_accelerate_cp.py")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HF_COLOSSAL_AUTO_") or k.endswith("CALIBRATE")
+    }
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_COLOSSAL_AUTO_NO_CALIBRATE="1")
+    cmd = accelerate_launch_command(script, "--out", str(tmp_path), "--recipe-out", str(tmp_path / "gpt"))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["cp_size"] == 2 and rank["mesh"] == [1, 2, 1], rank["mesh"]
+        assert rank["info"] == {"rank": 0, "size": 1, "cp_size": 2, "group": 2}
+        union = [a + b for a, b in zip(ranks[0]["plain_rows"], ranks[1]["plain_rows"], strict=True)]
+        assert rank["cp_rows"] == union
+        assert rank["cp_losses"] == pytest.approx(ranks[0]["plain_losses"], abs=1e-5)
+        assert "2 x cp = 4 equal chunks" in rank["bad_length_error"]
+    from hf_colossal_auto.plan import Plan
+
+    assert Plan.load(tmp_path / "gpt" / "plan.json").cp_size == 2
+    records = [json.loads(line) for line in (tmp_path / "gpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    assert records[0]["tokens"] == 2 * 2 * 64  # both processes' rows, each read by both cp ranks, once

@@ -441,3 +441,38 @@ def test_trainer_trains_a_mixture_of_experts_model_like_one_process(trainer_runs
     for step, loss in want["losses"].items():
         assert got["losses"][step] == pytest.approx(loss, abs=1e-5), step
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-5)
+
+
+def test_trainer_under_context_parallelism_trains_like_the_plain_trainer(tmp_path):
+    """``AutoParallelCallback(context_parallel=2)`` on 2 gloo ranks (tiny Llama, per-device batch 2, 16 tokens):
+    the plan splits each sequence over both ranks (one replica, cp 2), which read the same rows, the union of
+    the plain Trainer's two per-process batches; its losses, eval loss and tokens seen are the plain Trainer's
+    on the same global batch of 4 in one process (the label count the loss is normalised by is the replica's
+    whole count, gathered as the plain Trainer gathers it)."""
+    steps = ["--model", "tiny-llama", "--steps", "4"]
+    _run(
+        *steps,
+        "--context-parallel",
+        "2",
+        "--out",
+        f"{tmp_path}/cp.json",
+        "--output-dir",
+        str(tmp_path / "cp"),
+    )
+    _run(
+        *steps,
+        "--per-device",
+        "4",
+        "--out",
+        f"{tmp_path}/ref.json",
+        "--output-dir",
+        str(tmp_path / "ref"),
+        nproc=None,
+    )
+    got, want = _result(tmp_path / "cp.json"), _result(tmp_path / "ref.json")
+    assert got["cp_size"] == 2 and got["mesh"] == [1, 2, 1], got["mesh"]
+    assert got["losses"].keys() == want["losses"].keys() and len(want["losses"]) == 4
+    for step, loss in want["losses"].items():
+        assert got["losses"][step] == pytest.approx(loss, abs=1e-5), step
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-5)
+    assert got["tokens_seen"] == want["tokens_seen"]

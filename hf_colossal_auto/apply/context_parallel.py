@@ -90,7 +90,7 @@ def check_sequence_length(seq_len: int, cp: int) -> None:
         raise ContextParallelError(
             f"context parallelism over cp={cp} ranks cuts each sequence into 2 x cp = {2 * cp} equal chunks (a "
             f"head and a tail chunk per rank); a sequence length of {seq_len} does not divide. Pad or cut the "
-            f"sequences to a multiple of {2 * cp} (e.g. the recipe's --seq-len, or pad_to_multiple_of={2 * cp})"
+            f"sequences to a multiple of {2 * cp} (e.g. the recipes' --seq_len, or pad_to_multiple_of={2 * cp})"
         )
 
 

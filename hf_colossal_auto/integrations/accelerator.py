@@ -57,7 +57,7 @@ from ..plan import Plan
 from .accelerator_state import CheckpointState, _raw_optimizer
 from .data import gather_for_metrics as data_gather_for_metrics
 from .data import group_batch_rows, group_members, one_copy_per_group, preserved_rng, regroup_loader
-from .plugin import AutoParallelPlugin
+from .plugin import AutoParallelPlugin, stages_and_context_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -277,8 +277,11 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
             kwargs.update(self.auto_parallel_plugin.planner_kwargs())
             if device_spec is not None:
                 kwargs["device"] = device_spec
-            # pipeline stages searched unless the plugin (HF_COLOSSAL_AUTO_PIPELINE) fixes or forbids them
-            pipeline = kwargs.pop("pipeline", None)
+            # pipeline stages searched unless the plugin (HF_COLOSSAL_AUTO_PIPELINE) fixes or forbids them;
+            # context parallelism off unless it (HF_COLOSSAL_AUTO_CONTEXT_PARALLEL) fixes or searches it
+            pipeline, kwargs["context_parallel"] = stages_and_context_parallel(
+                kwargs.pop("pipeline", None), kwargs.pop("context_parallel", 1)
+            )
             if "micro_batches" in kwargs:  # set by the user in plan_kwargs: theirs to match to their loop
                 return plan_model(model, batch, pipeline=pipeline if steps == 1 else 1, **kwargs)
             per_device = rows if per_process else rows // self.num_processes

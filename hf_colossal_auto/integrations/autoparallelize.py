@@ -56,7 +56,12 @@ def autoparallelize(
     never hold the full model in any process.
 
     Pipeline stages are planned when asked: ``pipeline=None`` searches them with the rest (``HF_COLOSSAL_AUTO_
-    PIPELINE=auto`` likewise), an int >= 2 fixes the pp degree; the default is 1 (none).
+    PIPELINE=auto`` likewise), an int >= 2 fixes the pp degree; the default is 1 (none). So is context
+    parallelism: ``context_parallel=2`` (or ``HF_COLOSSAL_AUTO_CONTEXT_PARALLEL=2``) splits each sequence over 2
+    ranks of a replica, ``None`` (``auto``) searches the cp degrees; the default is 1 (none). Under a cp plan
+    the ``cp`` ranks of a replica are fed the same rows, whole sequences (``data_parallel_info(model).cp_size``;
+    ``shard_batch`` and ``data_parallel_loader`` give them the same rows), and the model keeps each rank's part
+    of every sequence; a sequence length that ``2 x cp`` does not divide raises on every rank.
 
     ``micro_batches`` is 1 by default: the plan fits its budget with each data-parallel group's batch in one
     piece, as the plain loop (one forward, one backward per batch) runs it. An int k > 1 fixes k pieces and
@@ -82,10 +87,15 @@ def autoparallelize(
         def make() -> Plan:
             from ..hardware.cluster import launcher_devices_per_node
             from ..solve.planner import plan_model
-            from .plugin import pipeline_from_env
+            from .plugin import context_parallel_from_env, pipeline_from_env, stages_and_context_parallel
 
             kwargs = dict(plan_model_kwargs, micro_batches=micro_batches)
-            kwargs.setdefault("pipeline", pipeline_from_env(1))  # stages when asked (pipeline=, the variable)
+            # stages and cp when asked (pipeline= / context_parallel=, or their variables); a fixed degree of
+            # one keeps the other off, as the runtime runs them apart
+            kwargs["pipeline"], kwargs["context_parallel"] = stages_and_context_parallel(
+                kwargs.get("pipeline", pipeline_from_env(1)),
+                kwargs.get("context_parallel", context_parallel_from_env(1)),
+            )
             kwargs.setdefault("num_devices", world)
             kwargs.setdefault("device", "cpu" if dist.get_backend() != "nccl" else _cuda_kind())
             kwargs.setdefault("devices_per_node", launcher_devices_per_node(world))

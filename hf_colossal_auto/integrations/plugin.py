@@ -131,6 +131,61 @@ def pipeline_from_env(default: int | None) -> int | None:
     return pipeline_setting(_parse_pipeline(raw, "pipeline", f"environment variable {key}"))
 
 
+CONTEXT_PARALLEL_AUTO = "auto"
+"""The ``context_parallel`` setting that searches cp degrees (the planner's ``context_parallel=None``)."""
+
+
+def _parse_context_parallel(value: Any, key: str, source: str) -> int | str:
+    """``"auto"`` (cp degrees searched) or a cp degree: 1 plans without context parallelism, >= 2 fixes it."""
+    if isinstance(value, str) and value.strip().lower() == CONTEXT_PARALLEL_AUTO:
+        return CONTEXT_PARALLEL_AUTO
+    try:
+        return _parse_int(value, key, source)
+    except PluginConfigError:
+        raise PluginConfigError(
+            f"{key} from {source}: expected 'auto' (cp degrees searched), 1 (none) or a cp degree >= 2 (each "
+            f"sequence split over that many ranks), got {value!r}"
+        ) from None
+
+
+def context_parallel_setting(value: int | str | None) -> int | None:
+    """What ``plan_model(context_parallel=)`` takes for a parsed setting: None (searched) for ``"auto"``, else
+    the degree (unset: 1, no context parallelism)."""
+    if value is None:
+        return 1
+    return None if value == CONTEXT_PARALLEL_AUTO else value  # type: ignore[return-value]
+
+
+def context_parallel_from_env(default: int | None) -> int | None:
+    """``HF_COLOSSAL_AUTO_CONTEXT_PARALLEL`` as ``plan_model(context_parallel=)`` takes it, ``default`` where it
+    is unset (for the entry points that read no plugin: the Trainer callback, ``autoparallelize``)."""
+    key = ENV_PREFIX + "CONTEXT_PARALLEL"
+    raw = os.environ.get(key)
+    if raw is None or not raw.strip():
+        return default
+    return context_parallel_setting(
+        _parse_context_parallel(raw, "context_parallel", f"environment variable {key}")
+    )
+
+
+def stages_and_context_parallel(pipeline: int | None, context_parallel: int | None) -> tuple[int | None, int]:
+    """``(pipeline, context_parallel)`` for ``plan_model``, the two settings reconciled: the runtime does not
+    run pipeline stages and cp together, so a fixed degree of one turns a search (None) of the other off; both
+    fixed is refused here, naming the settings; both searched is the planner's (each alone, the faster kept)."""
+    fixed_pp = pipeline is not None and pipeline > 1
+    fixed_cp = context_parallel is not None and context_parallel > 1
+    if fixed_pp and fixed_cp:
+        raise PluginConfigError(
+            f"pipeline={pipeline} and context_parallel={context_parallel} are both fixed: pipeline stages and "
+            "context parallelism are not run together; set one of them to 1"
+        )
+    if fixed_cp and pipeline is None:
+        return 1, context_parallel  # type: ignore[return-value]
+    if fixed_pp and context_parallel is None:
+        return pipeline, 1
+    return pipeline, context_parallel  # type: ignore[return-value]
+
+
 def _parse_str(value: Any, key: str, source: str) -> str:
     if not isinstance(value, (str, os.PathLike)) or not str(value):
         raise PluginConfigError(f"{key} from {source}: expected a non-empty string, got {value!r}")
@@ -166,6 +221,7 @@ _PARSERS = {
     "pretrained": _parse_str,
     "routing": _parse_str,
     "pipeline": _parse_pipeline,
+    "context_parallel": _parse_context_parallel,
 }
 
 
@@ -254,6 +310,17 @@ class AutoParallelPlugin:
         },
     )
 
+    context_parallel: int | str | None = field(
+        default=None,
+        metadata={
+            "help": "context parallelism (each sequence split over cp ranks of a replica, which read the same "
+            "rows): 1 (the default: none), a cp degree >= 2 (only plans with it; the sequence length must be a "
+            "multiple of 2 x cp) or 'auto' (searched: every cp degree that divides the devices and the sequence, "
+            "kept where the cost model predicts a faster step or nothing fits without it). Off by default "
+            "because it pays only at long sequences and runs decoder-only causal LMs alone"
+        },
+    )
+
     def __post_init__(self) -> None:
         names = [f.name for f in fields(self)]
         yaml_values = _load_yaml_settings(names)
@@ -287,6 +354,10 @@ class AutoParallelPlugin:
                 f"pipeline={self.pipeline} and mesh_shape={self.mesh_shape} are both set: a pipeline lays out its "
                 "(pp, dp, tp) mesh itself; drop mesh_shape, or set pipeline=1 to plan on that mesh"
             )
+        if self.context_parallel is not None:
+            stages_and_context_parallel(
+                pipeline_setting(self.pipeline), context_parallel_setting(self.context_parallel)
+            )
 
     def planner_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``plan_model`` from the fields that are set (the accelerator adds the rest)."""
@@ -300,6 +371,8 @@ class AutoParallelPlugin:
             out["routing"] = self.routing
         if self.pipeline is not None:
             out["pipeline"] = pipeline_setting(self.pipeline)
+        if self.context_parallel is not None:
+            out["context_parallel"] = context_parallel_setting(self.context_parallel)
         out.update(self.plan_kwargs or {})
         return out
 

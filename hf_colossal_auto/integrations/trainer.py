@@ -128,6 +128,12 @@ class AutoParallelCallback(TrainerCallback):
             the model — ``compute_loss_func``, an overridden ``compute_loss`` — which a pipelined forward cannot
             run), 1 plans without them, an int >= 2 fixes the pp degree. None (the default):
             ``HF_COLOSSAL_AUTO_PIPELINE`` if set, else ``"auto"``.
+        context_parallel: context parallelism, for long sequences: an int >= 2 splits each sequence over that
+            many ranks of a data-parallel replica (only plans with it; the sequence length must be a multiple
+            of ``2 x cp``), ``"auto"`` searches the cp degrees with the rest, 1 plans without it. None (the
+            default): ``HF_COLOSSAL_AUTO_CONTEXT_PARALLEL`` if set, else 1. The cp ranks of a replica read the
+            same rows (the union of their processes' batches under a plain Trainer) and the model keeps each
+            rank's part of every sequence; a fixed degree keeps pipeline stages off.
         **plan_kwargs: further :func:`~hf_colossal_auto.solve.planner.plan_model` arguments
             (``mixed_precision``, ``dp_modes``, ``devices_per_node``, ``optimizer``, ``routing``: for MoE models,
             ``"measure"`` prices expert parallelism under the routing of the example global batch, counted by
@@ -145,10 +151,13 @@ class AutoParallelCallback(TrainerCallback):
         timeout: float = DEFAULT_TIMEOUT_S,
         pretrained: str | os.PathLike | None = None,
         pipeline: int | str | None = None,
+        context_parallel: int | str | None = None,
         **plan_kwargs: Any,
     ) -> None:
         _check_settings(memory_budget, device, mesh_shape, plan_path, time_limit_s, plan_kwargs)
-        self.pipeline = _pipeline_setting(pipeline, mesh_shape)
+        self.pipeline, self.context_parallel = _stages_and_context_parallel(
+            _pipeline_setting(pipeline, mesh_shape), _context_parallel_setting(context_parallel)
+        )
         if pretrained is not None and not Path(pretrained).is_dir():
             raise FileNotFoundError(
                 f"pretrained={str(pretrained)!r} is not a directory; give a checkpoint directory holding "
@@ -262,6 +271,7 @@ class AutoParallelCallback(TrainerCallback):
                     time_limit_s=self.time_limit_s,
                     micro_batches=micro_batches,
                     pipeline=pipeline,
+                    context_parallel=self.context_parallel,
                     **kwargs,
                 )
 
@@ -298,6 +308,38 @@ def _pipeline_setting(value: int | str | None, mesh_shape: Any) -> int | None:
             "itself; drop mesh_shape, or set pipeline=1 to plan on that mesh"
         )
     return pipeline
+
+
+def _context_parallel_setting(value: int | str | None) -> int | None:
+    """The callback's ``context_parallel`` as ``plan_model`` takes it (None: searched): ``value``, else
+    ``HF_COLOSSAL_AUTO_CONTEXT_PARALLEL``, else 1 (none); bad values fail at construction."""
+    from .plugin import (
+        PluginConfigError,
+        _parse_context_parallel,
+        context_parallel_from_env,
+        context_parallel_setting,
+    )
+
+    if value is None:
+        return context_parallel_from_env(1)
+    try:
+        return context_parallel_setting(
+            _parse_context_parallel(value, "context_parallel", "AutoParallelCallback")
+        )
+    except PluginConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _stages_and_context_parallel(
+    pipeline: int | None, context_parallel: int | None
+) -> tuple[int | None, int]:
+    """:func:`.plugin.stages_and_context_parallel` with its refusal as the callback's ``ValueError``."""
+    from .plugin import PluginConfigError, stages_and_context_parallel
+
+    try:
+        return stages_and_context_parallel(pipeline, context_parallel)
+    except PluginConfigError as exc:
+        raise ValueError(f"AutoParallelCallback: {exc}") from None
 
 
 def _pipeline_for(trainer: Trainer, pipeline: int | None) -> int | None:
@@ -338,6 +380,7 @@ def callback_from_plugin(plugin: Any = None) -> AutoParallelCallback:
         timeout=plugin.timeout if plugin.timeout is not None else DEFAULT_TIMEOUT_S,
         pretrained=plugin.pretrained,
         pipeline=plugin.pipeline,
+        context_parallel=plugin.context_parallel,
         **extra,
     )
 
@@ -527,30 +570,28 @@ def _patch_resume(trainer: Trainer) -> None:
 
 def _follow_batch_rule(trainer: Trainer, plan: Plan) -> None:
     """The Trainer's loaders are prepared by its accelerator as without the plan (the same samples, order,
-    lengths and learning-rate schedule as a plain Trainer); under tensor parallelism they are then re-cut so that
-    a tensor-parallel group computes on the union of its processes' batches, its predictions and losses are
-    gathered once per group, and tokens and FLOs are counted once per group (:mod:`.data`)."""
+    lengths and learning-rate schedule as a plain Trainer); under tensor or context parallelism they are then
+    re-cut so that a data-parallel replica's ``tp x cp`` ranks (consecutive) compute on the union of their
+    processes' batches, its predictions and losses are gathered once per replica, and tokens and FLOs are
+    counted once per replica (:mod:`.data`). Under cp the model keeps each rank's part of every sequence and
+    sums the loss over cp; the Trainer's label count (gathered over every process, divided by the processes
+    sharing a batch) is the replica's whole count, which the cp runtime normalises by."""
     from .accelerator import AutoParallelAccelerator
 
-    if plan.cp_size > 1:  # its label counts and loss scaling are the tensor-parallel ones, not cp's
-        raise ValueError(
-            f"AutoParallelCallback: the plan runs context parallelism (cp_size={plan.cp_size}), which the Trainer "
-            "integration does not run yet; train it with AutoParallelAccelerator or hf_colossal_auto."
-            "autoparallelize, or use a plan without cp"
-        )
+    group = plan.batch_group_size  # tp x cp: the consecutive ranks of a replica within a stage
     accelerator = trainer.accelerator
     if isinstance(accelerator, AutoParallelAccelerator):  # under the runner: it adopts the plan and re-cuts
         accelerator._adopt(trainer.model, plan)
     else:
-        follow_plan(accelerator, plan.tp_size, plan.pp_size, plan.dp_size)
+        follow_plan(accelerator, group, plan.pp_size, plan.dp_size)
     # the Trainer bound accelerator.gather_for_metrics at construction (and rebinds it after each evaluation)
     trainer.gather_function = functools.partial(
         accelerator.gather_for_metrics, use_gather_object=trainer.args.eval_use_gather_object
     )
-    shared = plan.tp_size * plan.pp_size  # processes computing on one batch
+    shared = group * plan.pp_size  # processes computing on one batch
     if shared > 1:
         _trainer_accounting_of_shared_batches(trainer, shared)
-        _count_batches_once_per_tp_group(trainer, plan.tp_size, plan.pp_size)
+        _count_batches_once_per_tp_group(trainer, group, plan.pp_size)
     if plan.pp_size > 1:
         _clip_over_every_stage(trainer)
 

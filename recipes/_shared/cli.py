@@ -95,6 +95,12 @@ def build_parser(recipe: Recipe) -> argparse.ArgumentParser:
         "HF_COLOSSAL_AUTO_PIPELINE if set, else auto",
     )
     plan.add_argument(
+        "--context_parallel",
+        help="context parallelism for long sequences: a cp degree (each sequence split over that many ranks of a "
+        "replica, which read the same rows; --seq_len must be a multiple of 2 x cp; causal LMs only), 'auto' "
+        "(searched with the rest) or 1 (none); default: HF_COLOSSAL_AUTO_CONTEXT_PARALLEL if set, else 1",
+    )
+    plan.add_argument(
         "--no_auto_parallel",
         action="store_true",
         help="use a plain accelerate.Accelerator (DDP) instead of the auto-parallel one, to compare",
@@ -139,4 +145,31 @@ def finalize_args(args: argparse.Namespace, config: PretrainedConfig, recipe: Re
     for name in ("eval_steps", "save_steps", "warmup_steps"):
         if getattr(args, name) < 0:
             raise SystemExit(f"--{name} must be >= 0, got {getattr(args, name)}")
+    _check_context_parallel(args, recipe)
     return args
+
+
+def _check_context_parallel(args: argparse.Namespace, recipe: Recipe) -> None:
+    """A fixed ``--context_parallel`` the run cannot use fails here, on every process before any work: another
+    objective than causal LM (the cp runtime runs decoder-only causal LMs), a ``--seq_len`` the balanced layout
+    (2 x cp equal chunks per sequence) cannot cut. Unset, the variable the plugin reads decides."""
+    from hf_colossal_auto.integrations.plugin import PluginConfigError, _parse_context_parallel
+
+    if getattr(args, "context_parallel", None) is None:
+        return
+    try:
+        cp = _parse_context_parallel(args.context_parallel, "--context_parallel", "the command line")
+    except PluginConfigError as exc:
+        raise SystemExit(str(exc)) from None
+    if not isinstance(cp, int) or cp == 1:
+        return
+    if recipe.task != "causal-lm":
+        raise SystemExit(
+            f"--context_parallel {cp}: context parallelism runs decoder-only causal LMs; the {recipe.name} "
+            f"recipe trains a {recipe.task} model. Drop --context_parallel"
+        )
+    if args.seq_len % (2 * cp):
+        raise SystemExit(
+            f"--context_parallel {cp} cuts each sequence into 2 x cp = {2 * cp} equal chunks; --seq_len "
+            f"{args.seq_len} does not divide. Use a multiple of {2 * cp}, e.g. {args.seq_len - args.seq_len % (2 * cp) or 2 * cp}"
+        )

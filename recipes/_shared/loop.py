@@ -58,6 +58,7 @@ def make_accelerator(args: Namespace) -> Accelerator:
         memory_budget=args.memory_budget,
         mesh_shape=args.mesh_shape,
         pipeline=getattr(args, "pipeline", None),
+        context_parallel=getattr(args, "context_parallel", None),
     )
     return AutoParallelAccelerator(auto_parallel_plugin=plugin, **kwargs)
 

@@ -69,6 +69,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--routing", default=None, help="the callback's routing setting (MoE): 'measure' or a path"
     )
+    parser.add_argument(
+        "--context-parallel", type=int, default=None, help="the callback's context_parallel (a cp degree)"
+    )
     parser.add_argument("--resume", default=None)
     parser.add_argument("--export", default=None, help="trainer.save_model() here after training")
     parser.add_argument(
@@ -128,6 +131,7 @@ def run(args: argparse.Namespace, distributed: bool) -> None:
                 plan_path=args.plan,
                 save_plan_path=args.save_plan,
                 **({"routing": args.routing} if args.routing else {}),
+                **({"context_parallel": args.context_parallel} if args.context_parallel else {}),
             )
         )
     trainer = trainer_cls(
@@ -146,6 +150,7 @@ def run(args: argparse.Namespace, distributed: bool) -> None:
     if distributed:
         plan = model._hf_colossal_auto_plan
         result["mesh"] = list(plan.mesh_shape)
+        result["cp_size"] = plan.cp_size
         result["sharded_params"] = sum(1 for p in plan.param_placements.values() if p[-1] != "R")
         result["moe_layers"] = plan.moe_layers
         result["moe_load"] = plan.moe_load
