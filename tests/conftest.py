@@ -6,6 +6,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_COLOSSAL_AUTO_NO_CALIBRATE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every process a test launches (torchrun / accelerate ranks) inherits these: a rank killed by a signal (gloo's
+# C++ abort, a segfault) prints every thread's Python stack and the C++ one, which a failed launch's message
+# quotes (tests/torchrun_launch.py, why_it_failed) — a bare "Signal 6 received" names nothing to fix.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

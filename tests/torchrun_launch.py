@@ -41,12 +41,15 @@ output, so a tail alone can push them out of the failure message."""
 
 def why_it_failed(proc: subprocess.CompletedProcess, tail: int = 3000) -> str:
     """A failed launch's story for an assertion message: every line of its output naming a cause (deduplicated,
-    with the line after it, which holds an abort's ``what()``), then the tails of stdout and stderr."""
+    with the line after it, which holds an abort's ``what()``, or faulthandler's stack after a fatal error), then
+    the tails of stdout and stderr."""
     text = f"{proc.stdout or ''}\n{proc.stderr or ''}".splitlines()
     causes: list[str] = []
     for index, line in enumerate(text):
         if CAUSE.search(line):
-            for kept in text[index : index + 2]:
+            # faulthandler's report: the aborting thread's Python stack follows the line
+            after = 30 if "Fatal Python error" in line else 2
+            for kept in text[index : index + after]:
                 if kept not in causes:
                     causes.append(kept)
     excerpt = "\n".join(causes[:60])
