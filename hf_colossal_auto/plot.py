@@ -19,6 +19,8 @@ __all__ = ["plot_plan"]
 
 def _moment_label(name: str) -> str:
     kind, _, block = name.partition(":")
+    if kind == "phase-peak":  # the other phase's highest point: "backward peak" / "forward peak"
+        return f"{block} peak"
     short = {"activation-peak": "activation peak", "optimizer-step": "optimizer step"}.get(kind, kind)
     return f"{short} {block.rsplit('.', 1)[-1]}" if block else short
 

@@ -31,7 +31,7 @@ from .build.names import MemoryRow, NodeKind, _node_name, _param_node_name, memo
 from .pricing.collectives import _collective_prediction, _recompute_collectives, _sync_wait
 from .pricing.comm import SHARDED_DP_MODES, AxisComm, boundary_reshardings
 from .pricing.compute import HOST_STREAM, overlap_parts
-from .problem import Solution, evaluate, memory_usage
+from .problem import MemoryConstraint, Problem, Solution, evaluate, memory_usage
 from .tied import TiedGraph
 
 logger = logging.getLogger(__name__)
@@ -317,12 +317,12 @@ def _block_costs(
 
 def _param_and_activation_bytes(built: BuiltProblem, solution: Solution) -> tuple[float, float]:
     """Per-device bytes of parameters (with gradients, optimizer state and its temporaries: the optimizer step's
-    row) and of everything else at the activation peak."""
+    row) and of everything else at the solution's higher phase peak (:func:`_peak_row`)."""
     problem = built.problem
     param_mem = 0.0
     at_peak_params = 0.0
     optimizer_row = problem.memory_constraint(memory_row_name(MemoryRow.OPTIMIZER_STEP))
-    peak_row = problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
+    peak_row = _peak_row(problem, solution)
     for pname in built.param_options:
         node = problem.node(pname)
         terms = optimizer_row.terms.get(pname)
@@ -335,6 +335,16 @@ def _param_and_activation_bytes(built: BuiltProblem, solution: Solution) -> tupl
     return param_mem, act_mem
 
 
+def _peak_row(problem: Problem, solution: Solution) -> MemoryConstraint:
+    """Of the rows at the highest point of forward and of backward (``activation-peak``, ``phase-peak:<phase>``),
+    the one the solution needs most at: the step's highest point before sharding need not be after it."""
+    usage = memory_usage(problem, solution.choice)
+    rows = [
+        c for c in problem.memory_constraints if c.kind in (MemoryRow.ACTIVATION_PEAK, MemoryRow.PHASE_PEAK)
+    ]
+    return max(rows, key=lambda c: usage[c.name])  # the activation peak on a tie: it comes first
+
+
 def _expert_dp_labels(labels: dict[str, str], expert_dp: list[str], dp: int) -> dict[str, str]:
     """The MoE layer labels, those run expert-parallel over the data-parallel axis named so
     (``experts: EP×2 (dp)``)."""
@@ -343,11 +353,11 @@ def _expert_dp_labels(labels: dict[str, str], expert_dp: list[str], dp: int) -> 
 
 def _memory_moments(problem, solution: Solution) -> list[list[Any]]:
     """Per-device bytes at each moment the ILP constrains, in step order (the activation peak first: it is
-    wherever forward and backward peak; then each recomputed block's backward, last block first; then the
-    optimizer step)."""
+    wherever forward and backward peak; then the other phase's peak; then each recomputed block's backward, last
+    block first; then the optimizer step)."""
     usage = memory_usage(problem, solution.choice)
     rows = problem.memory_constraints
-    order = [c.name for c in rows if c.kind == MemoryRow.ACTIVATION_PEAK]
+    order = [c.name for c in rows if c.kind in (MemoryRow.ACTIVATION_PEAK, MemoryRow.PHASE_PEAK)]
     order += [c.name for c in rows if c.kind in (MemoryRow.RERUN, MemoryRow.RECOMPUTE)]
     order += [c.name for c in rows if c.name not in order]
     return [[name, float(usage[name])] for name in order]

@@ -295,9 +295,13 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         checkpoint holds it)."""
         self.hold_nodes: dict[tuple[int, tuple[int, ...]], str] = {}
         self.hold_rules: list[FollowsInputs] = []
-        self.peak_snapshot, self.unit_snapshots, self.start_snapshots, self.forward_snapshots = (
-            self._snapshots()
-        )
+        (
+            self.peak_snapshot,
+            self.phase_peak,
+            self.unit_snapshots,
+            self.start_snapshots,
+            self.forward_snapshots,
+        ) = self._snapshots()
         self.weighted_saved = _weighted(self.tied, self.peak_snapshot.by_node)
         """Canonical node -> bytes it holds at the activation peak, over every copy it stands for."""
         self.saved_for_backward = _weighted(self.tied, saved_bytes_per_node(graph))

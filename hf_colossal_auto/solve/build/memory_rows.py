@@ -1,13 +1,15 @@
-"""The builder's memory rows: per-device memory at the activation peak, the optimizer step and each recompute
-unit's backward and rerun moments."""
+"""The builder's memory rows: per-device memory at the highest point of forward and of backward, the optimizer step
+and each recompute unit's backward and rerun moments."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from ...capture.graph import Phase
 from ...strategies.placements import Strategy
 from ..pricing.comm import shard_factor
 from ..pricing.compute import is_expert_parallel
-from ..pricing.memory import _block_moment, _liveness, _Snapshot
+from ..pricing.memory import _block_moment, _highest_phase, _liveness, _Snapshot
 from ..problem import (
     DecisionNode,
     FollowsInputs,
@@ -18,14 +20,27 @@ from ..tied import _weighted
 from .names import MemoryRow, NodeKind, _node_name, memory_row_name
 
 
+class _RowSnapshots(NamedTuple):
+    """Live bytes at the moments the memory rows are written at."""
+
+    peak: _Snapshot
+    """The highest point of forward + backward."""
+    phase_peak: tuple[Phase, _Snapshot] | None
+    """The highest point of the other phase (None when the step has one)."""
+    unit_peaks: list[_Snapshot]
+    """Per recompute unit: the highest point inside the backward of its block that goes backward first."""
+    unit_starts: list[_Snapshot]
+    """Per recompute unit: the start of that backward (where a rerun happens)."""
+    unit_forwards: list[_Snapshot]
+    """Per recompute unit: the highest point of that block's forward (what a rerun rebuilds)."""
+
+
 class _MemoryRowsPart:
     """Memory constraints (:class:`~.builder._ProblemBuilder`)."""
 
     # ---------------------------------------------------------------- memory
-    def _snapshots(self) -> tuple[_Snapshot, list[_Snapshot], list[_Snapshot], list[_Snapshot]]:
-        """Live bytes at the moments the memory constraints are written at: the highest point of forward +
-        backward, and per recompute unit inside its backward at the highest point, at the start of its backward
-        (where a rerun happens) and at the highest point of its forward (what a rerun rebuilds)."""
+    def _snapshots(self) -> _RowSnapshots:
+        """Live bytes at the moments the memory constraints are written at (:class:`_RowSnapshots`)."""
         units = self.units
         # The same graph is built into several problems (data-parallel modes, the planner's relaxations): the
         # snapshots depend only on it, its units and the storages they are handed, so they are kept with its
@@ -36,24 +51,63 @@ class _MemoryRowsPart:
             cache[key] = self._snapshots_uncached()
         return cache[key]
 
-    def _snapshots_uncached(self) -> tuple[_Snapshot, list[_Snapshot], list[_Snapshot], list[_Snapshot]]:
+    def _snapshots_uncached(self) -> _RowSnapshots:
         graph, units = self.graph, self.units
         step = self.step_memory.unrolled
         moments = [_block_moment(graph, step, unit, Phase.BACKWARD, "peak") for unit in units]
         moments += [_block_moment(graph, step, unit, Phase.BACKWARD, "start") for unit in units]
         moments += [_block_moment(graph, step, unit, Phase.FORWARD, "peak") for unit in units]
-        peak_snapshot, snapshots = _liveness(graph, step, moments, set(self.checkpoint_args))
+        peaks, snapshots = _liveness(graph, step, moments, set(self.checkpoint_args))
+        highest = _highest_phase(peaks)
+        others = [(phase, snapshot) for phase, snapshot in peaks.items() if phase is not highest]
         k = len(units)
-        return peak_snapshot, snapshots[:k], snapshots[k : 2 * k], snapshots[2 * k :]
+        return _RowSnapshots(
+            peaks[highest],
+            others[0] if others else None,
+            snapshots[:k],
+            snapshots[k : 2 * k],
+            snapshots[2 * k :],
+        )
 
     def _memory_constraints(self) -> list[MemoryConstraint]:
-        """Per-device memory under the budget at each constrained moment: the activation peak; the optimizer
-        step (parameters, gradients, optimizer state and its temporaries, by parameter placement); and per
+        """Per-device memory under the budget at each constrained moment: the activation peak and the other
+        phase's peak (:meth:`_phase_constraints`); the optimizer step (:meth:`_optimizer_constraint`); and per
         recompute unit, the highest point of its backward (``recompute:<unit>``) and its rerun as its backward
         starts (``rerun:<unit>``). See :meth:`_constraint_at`."""
-        constant_other = self._constant_bytes()
-        constraints: list[MemoryConstraint] = []
-        constraints.append(self._constraint_at(MemoryRow.ACTIVATION_PEAK, self.peak_snapshot, None))
+        constraints = self._phase_constraints()
+        constraints.append(self._optimizer_constraint())
+        for u, (unit, snapshot) in enumerate(zip(self.units, self.unit_snapshots, strict=True)):
+            constraints.append(self._constraint_at(MemoryRow.RECOMPUTE, snapshot, u, of=unit.name))
+            constraints.append(
+                self._constraint_at(
+                    MemoryRow.RERUN,
+                    self.start_snapshots[u],
+                    u,
+                    self.forward_snapshots[u],
+                    of=unit.name,
+                )
+            )
+        return constraints
+
+    def _phase_constraints(self) -> list[MemoryConstraint]:
+        """The rows outside any recompute unit's moments: at the step's highest point before sharding
+        (``activation-peak``), and at the other phase's highest point (``phase-peak:<phase>``).
+
+        Why two: which moment is highest depends on the choice. A strategy divides what a moment's nodes hold by
+        how it shards them, but not the moment's transient (priced whole), so a forward peak of saved
+        activations falls under sharding while a backward peak made of a transient does not: at 131,072 tokens
+        a causal LM's forward loss is its highest point before sharding, and its loss backward (two float32
+        gradients of the logits) the highest after it. A row at one moment lets a choice fit it and overshoot
+        the other; the plan's predicted peak, the highest of its rows, is then the highest of the two."""
+        rows = [self._constraint_at(MemoryRow.ACTIVATION_PEAK, self.peak_snapshot, None)]
+        if self.phase_peak is not None:
+            phase, snapshot = self.phase_peak
+            rows.append(self._constraint_at(MemoryRow.PHASE_PEAK, snapshot, None, of=phase.value))
+        return rows
+
+    def _optimizer_constraint(self) -> MemoryConstraint:
+        """The optimizer step: parameters, gradients, optimizer state and its temporaries, by parameter
+        placement."""
         opt_terms = {
             p: [
                 m + g + t
@@ -63,28 +117,14 @@ class _MemoryRowsPart:
             ]
             for p in self.param_mem_terms
         }
-        constraints.append(
-            MemoryConstraint(
-                memory_row_name(MemoryRow.OPTIMIZER_STEP),
-                self.budget,
-                constant_other,
-                opt_terms,
-                apply_multiplicity=True,
-                kind=MemoryRow.OPTIMIZER_STEP,
-            )
+        return MemoryConstraint(
+            memory_row_name(MemoryRow.OPTIMIZER_STEP),
+            self.budget,
+            self._constant_bytes(),
+            opt_terms,
+            apply_multiplicity=True,
+            kind=MemoryRow.OPTIMIZER_STEP,
         )
-        for u, (unit, snapshot) in enumerate(zip(self.units, self.unit_snapshots, strict=True)):
-            constraints.append(self._constraint_at(MemoryRow.RECOMPUTE, snapshot, u, unit=unit.name))
-            constraints.append(
-                self._constraint_at(
-                    MemoryRow.RERUN,
-                    self.start_snapshots[u],
-                    u,
-                    self.forward_snapshots[u],
-                    unit=unit.name,
-                )
-            )
-        return constraints
 
     def _constant_bytes(self) -> float:
         """Bytes no decision changes: the model's inputs and buffers (at the activation peak)."""
@@ -97,7 +137,7 @@ class _MemoryRowsPart:
         current: int | None,
         rerun: _Snapshot | None = None,
         *,
-        unit: str | None = None,
+        of: str | None = None,
     ) -> MemoryConstraint:
         """Per-device bytes at one moment of the step: what forward nodes still hold (kept per the recompute
         choice; inside unit ``current``'s backward, at its highest point, also its recomputed block),
@@ -107,7 +147,7 @@ class _MemoryRowsPart:
         ``rerun``: the moment is the recompute of unit ``current``'s block, just as its backward starts; a
         block that reruns holds what it held at its own forward's highest point (``rerun``'s bytes of its
         nodes: saved outputs and forward temporaries) on top of the gradients arriving from above. The row is
-        named by ``kind`` and, for a per-unit kind, recompute unit ``unit`` (:func:`~.names.memory_row_name`)."""
+        named by ``kind`` and, for a kind with a row per unit or phase, by ``of`` (:func:`~.names.memory_row_name`)."""
         tied = self.tied
         saved = _weighted(tied, snapshot.by_node)
         rerun_alive = _weighted(tied, rerun.by_node) if rerun is not None else {}
@@ -164,7 +204,7 @@ class _MemoryRowsPart:
             if holding and sid not in snapshot.watched_alive:
                 terms[self._hold_node(sid, holding)] = [0.0, float(self.graph.storages[sid].nbytes)]
         return MemoryConstraint(
-            memory_row_name(kind, unit),
+            memory_row_name(kind, of),
             self.budget,
             self._constant_bytes() + transient,
             terms,

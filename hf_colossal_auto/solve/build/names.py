@@ -1,6 +1,7 @@
 """ILP node names and labels: ``n<i>`` for a graph op, ``p:<fqn>`` for a parameter, ``rc:<unit>`` for a
 recompute decision, ``expert-dp`` for the exchange of expert parallelism over the data-parallel axis; memory rows
-by :class:`MemoryRow` (``activation-peak``, ``optimizer-step``, ``recompute:<unit>``, ``rerun:<unit>``)."""
+by :class:`MemoryRow` (``activation-peak``, ``phase-peak:<phase>``, ``optimizer-step``, ``recompute:<unit>``,
+``rerun:<unit>``)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,15 @@ class NodeKind(str, Enum):
 
 class MemoryRow(str, Enum):
     """The moments of the step the builder writes a memory row at (a row's ``kind``). The activation peak and the
-    optimizer step are one row each, named by their kind; a recompute unit has a row of each other kind, named
-    ``<kind>:<unit>`` (:func:`memory_row_name`)."""
+    optimizer step are one row each, named by their kind; the other phase's peak is named ``phase-peak:<phase>``
+    and a recompute unit has a row of each per-unit kind, named ``<kind>:<unit>`` (:func:`memory_row_name`)."""
 
     ACTIVATION_PEAK = "activation-peak"
-    """The highest point of forward + backward."""
+    """The highest point of forward + backward (before sharding)."""
+    PHASE_PEAK = "phase-peak"
+    """The highest point of the other phase (``phase-peak:backward`` when the activation peak is in the forward,
+    ``phase-peak:forward`` when it is in the backward): sharding shrinks the two phases' moments unevenly, so the
+    lower one before sharding can be the higher one after it."""
     OPTIMIZER_STEP = "optimizer-step"
     """Parameters, gradients, optimizer state and its temporaries, by parameter placement."""
     RECOMPUTE = "recompute"
@@ -40,9 +45,9 @@ class MemoryRow(str, Enum):
     """A recompute unit's rerun, as its backward starts."""
 
 
-def memory_row_name(kind: MemoryRow, unit: str | None = None) -> str:
-    """The name of the row of ``kind`` (of recompute unit ``unit`` for the per-unit kinds)."""
-    return kind.value if unit is None else f"{kind.value}:{unit}"
+def memory_row_name(kind: MemoryRow, of: str | None = None) -> str:
+    """The name of the row of ``kind`` (of recompute unit or phase ``of`` for the kinds with one row each)."""
+    return kind.value if of is None else f"{kind.value}:{of}"
 
 
 EXPERT_DP_NODE = "expert-dp"

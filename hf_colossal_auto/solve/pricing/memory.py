@@ -1,5 +1,5 @@
-"""Memory pricing: the liveness snapshots of a step (what each node holds at the activation peak and at each
-recompute unit's moments), the arguments a checkpoint holds, and the optimizer's temporaries."""
+"""Memory pricing: the liveness snapshots of a step (what each node holds at the highest point of forward and of
+backward and at each recompute unit's moments), the arguments a checkpoint holds, and the optimizer's temporaries."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ class _Snapshot:
     watched_alive: frozenset[int] = frozenset()
     """The watched storages (see :func:`_liveness`) alive at that moment."""
 
+    @property
+    def total(self) -> int:
+        """Live bytes of every kind."""
+        return sum(self.by_kind.values())
+
 
 Moment = tuple[int, str]
 """A position in ``UnrolledStep.order`` and ``"before"`` (the state before its events) or ``"max"`` (the state at
@@ -32,9 +37,15 @@ the highest point its events reach: an op's outputs and temporaries exist togeth
 
 def _liveness(
     graph: StepGraph, step: UnrolledStep, moments: list[Moment], watched: set[int] | None = None
-) -> tuple[_Snapshot, list[_Snapshot]]:
-    """The highest point of forward + backward (the optimizer step is priced apart) and the state at each of
-    ``moments``; each snapshot says which of the ``watched`` storages are alive then."""
+) -> tuple[dict[Phase, _Snapshot], list[_Snapshot]]:
+    """The highest point of each phase of forward + backward (the optimizer step is priced apart; a phase with no
+    op has none) and the state at each of ``moments``; each snapshot says which of the ``watched`` storages are
+    alive then. Events before any op count as forward.
+
+    Why per phase: the memory rows bound each phase's highest moment (:func:`_highest_phase` tells the step's),
+    because sharding shrinks the two unevenly — the forward holds the saved activations, which a strategy splits,
+    while the backward's highest point is often a transient priced whole (a causal LM's loss gradients), so the
+    lower of the two before sharding can be the higher after it."""
     alloc_node = {e.storage_id: e.slot for e in graph.memory_events if e.delta > 0}
     live: dict[ValueKind, int] = defaultdict(int, step.initial_by_kind)
     by_node: dict[int, int] = defaultdict(int)
@@ -52,12 +63,14 @@ def _liveness(
     at_max = {pos for pos, kind in moments if kind == "max"}
     taken: dict[Moment, _Snapshot] = {}
     best_at: dict[int, int] = {}
-    best_total, best = sum(live.values()), snap()
-    total = best_total
+    total = sum(live.values())
+    best_total: dict[Phase, int] = {Phase.FORWARD: total}
+    peaks: dict[Phase, _Snapshot] = {Phase.FORWARD: snap()}
     for (pos, delta, kind), sid in zip(step.events, step.event_storages, strict=True):
         while before and pos >= before[0]:
             taken[(before.pop(0), "before")] = snap()
-        if pos >= 0 and graph.nodes[step.order[pos]].phase is Phase.OPTIMIZER:
+        phase = graph.nodes[step.order[pos]].phase if pos >= 0 else Phase.FORWARD
+        if phase is Phase.OPTIMIZER:
             break
         total += delta
         live[kind] += delta
@@ -66,14 +79,20 @@ def _liveness(
             by_node[node] += delta
         if sid in watched:
             copies[sid] += 1 if delta > 0 else -1
-        if total > best_total:
-            best_total, best = total, snap()
+        if total > best_total.get(phase, -1):
+            best_total[phase], peaks[phase] = total, snap()
         if pos in at_max and total > best_at.get(pos, -1):
             best_at[pos] = total
             taken[(pos, "max")] = snap()
     for pos in before:
         taken[(pos, "before")] = snap()
-    return best, [taken.get(m) or snap() for m in moments]
+    return peaks, [taken.get(m) or snap() for m in moments]
+
+
+def _highest_phase(peaks: dict[Phase, _Snapshot]) -> Phase:
+    """The phase of :func:`_liveness`'s ``peaks`` whose highest point is the step's (the forward on a tie: it comes
+    first)."""
+    return max(peaks, key=lambda phase: (peaks[phase].total, phase is Phase.FORWARD))
 
 
 def _checkpoint_args(
