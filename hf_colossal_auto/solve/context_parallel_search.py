@@ -260,6 +260,7 @@ def _math_kernels(
     for call in math_attention_calls(graph):
         if call.outside_mask:
             raise ContextParallelUnsupported(
+                "no fused attention kernel (scaled_dot_product_attention) without a mask in the traced step: "
                 f"attention in {call.module or graph.model_class} adds a mask tensor from outside the attention "
                 "(eager attention's causal mask, or a padding mask); context parallelism gathers K and V only: "
                 "load the model with attn_implementation='sdpa' and train without a padding mask"
