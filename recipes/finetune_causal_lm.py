@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -94,7 +95,51 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--mesh_shape", help="force the (dp, tp) mesh, e.g. 1x2 (default: the planner searches)"
     )
+    plan.add_argument(
+        "--context_parallel",
+        help="context parallelism for long sequences: a cp degree (each sequence split over that many ranks of a "
+        "replica, which read the same rows; padded rows are padded to a multiple of 2 x cp tokens, --packing "
+        "needs a --max_seq_len that is one), 'auto' (searched with the rest) or 1 (none); default: "
+        "HF_COLOSSAL_AUTO_CONTEXT_PARALLEL if set, else 1",
+    )
     return parser
+
+
+def context_parallel_degree(value: str | None) -> int | str | None:
+    """``--context_parallel`` parsed (an int, ``"auto"``), else ``HF_COLOSSAL_AUTO_CONTEXT_PARALLEL``'s, else None;
+    a bad value exits naming the flag, on every process before any work."""
+    from hf_colossal_auto.integrations.plugin import (
+        ENV_PREFIX,
+        PluginConfigError,
+        _parse_context_parallel,
+    )
+
+    source = ("--context_parallel", "the command line", value)
+    if value is None:
+        key = f"{ENV_PREFIX}CONTEXT_PARALLEL"
+        source = (key, "the environment", os.environ.get(key))
+    if source[2] is None:
+        return None
+    try:
+        return _parse_context_parallel(source[2], source[0], source[1])
+    except PluginConfigError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def row_length(max_seq_len: int, cp: int | str | None, packing: bool) -> int:
+    """Tokens per row: ``max_seq_len``; under a fixed cp degree a multiple of ``2 x cp`` (the runtime cuts each
+    sequence into that many equal chunks): padded rows are padded up to one, packed blocks (cut from the
+    stream, nothing padded) need ``--max_seq_len`` to be one. (``"auto"`` offers only the degrees whose chunks
+    the planned rows divide into.)"""
+    if not isinstance(cp, int) or cp <= 1 or max_seq_len % (2 * cp) == 0:
+        return max_seq_len
+    if packing:
+        raise SystemExit(
+            f"--context_parallel {cp} cuts each sequence into 2 x cp = {2 * cp} equal chunks; --packing cuts "
+            f"blocks of --max_seq_len {max_seq_len} tokens, which does not divide. Use a multiple of {2 * cp}, "
+            f"e.g. {max_seq_len - max_seq_len % (2 * cp) or 2 * cp}"
+        )
+    return max_seq_len + (-max_seq_len) % (2 * cp)
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -255,6 +300,8 @@ def freeze(model: torch.nn.Module, pattern: str | None) -> list[str]:
 # --------------------------------------------------------------------------------------------- run
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    cp = context_parallel_degree(args.context_parallel)
+    rows = row_length(args.max_seq_len, cp, args.packing)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     use_cpu_without_gpus()  # accelerate picks gloo for CPU processes only with ACCELERATE_USE_CPU
     source = Path(args.model_name_or_path)
@@ -271,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     examples = [
         tokenize_conversation(tokenizer, m, args.max_seq_len) for m in read_conversations(args.train_file)
     ]
-    train = SFTDataset(examples, args.max_seq_len, tokenizer.pad_token_id, args.packing)
+    train = SFTDataset(examples, rows, tokenizer.pad_token_id, args.packing)
 
     model = build_meta_model(source)
     frozen = freeze(model, args.freeze)
@@ -294,7 +341,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     mesh = tuple(int(n) for n in args.mesh_shape.lower().split("x")) if args.mesh_shape else None
     callback = AutoParallelCallback(
-        memory_budget=args.memory_budget, device=args.device, mesh_shape=mesh, pretrained=source
+        memory_budget=args.memory_budget,
+        device=args.device,
+        mesh_shape=mesh,
+        pretrained=source,
+        context_parallel=cp,
     )
     trainer = Trainer(model=model, args=training, train_dataset=train, callbacks=[callback])
     trainer.train()

@@ -460,7 +460,8 @@ def test_accelerate_loop_and_gpt_recipe_under_context_parallelism(tmp_path):
     under ``AutoParallelPlugin(context_parallel=2)`` reads, on both processes, the union of the two batches plain
     accelerate gives them at each step (one replica: ``data_parallel_info`` says so) and trains like plain
     accelerate (every step's loss within 1e-5); a sequence that 2 x cp chunks cannot cut raises on both ranks,
-    saying what to do; the GPT recipe runs with ``--context_parallel 2 --seq_len 64`` under a cp 2 plan."""
+    saying what to do; the GPT recipe's default preset (dropout on: attention 0.1, planned from CPU SDPA's math
+    path) runs with ``--context_parallel 2 --seq_len 64`` under a cp 2 plan."""
     script = str(ROOT / "tests" / "multiproc" / "check_accelerate_cp.py")
     env = {
         k: v

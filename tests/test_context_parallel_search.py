@@ -276,3 +276,109 @@ def test_cp_plan_peak_is_the_measured_one(measured_cp_step):
     for r in measured_cp_step:
         assert abs(r["measured_peak"] - r["predicted_peak"]) <= MEMORY_BOUND * r["predicted_peak"], r
         assert r["predicted_peak"] <= r["budget"]
+
+
+# ------------------------------------------------------------------------- attention dropout on a CPU target
+def _dropout_models():
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    gpt2 = GPT2Config(
+        vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.1, attn_implementation="sdpa"
+    )  # fmt: skip
+    llama = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attention_dropout=0.1, attn_implementation="sdpa",
+    )  # fmt: skip
+    return {"gpt2": lambda: GPT2LMHeadModel(gpt2), "llama": lambda: LlamaForCausalLM(llama)}
+
+
+def _gathered_attention(cp: int):
+    """transformers' sdpa attention as the runtime's mask path runs it on one cp rank: K and V of all ``cp``
+    ranks (``cat`` standing for the all-gather) and one additive ``[1, 1, s, S]`` mask shared by the layers."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    masks = {}
+
+    def attention(module, q, k, v, mask, **kwargs):
+        k, v = torch.cat([k] * cp, dim=2), torch.cat([v] * cp, dim=2)
+        key = (q.shape[2], k.shape[2], q.dtype)
+        if key not in masks:
+            masks[key] = torch.zeros(1, 1, *key[:2], dtype=q.dtype)
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, q, k, v, masks[key], is_causal=False, **kwargs)
+
+    return attention
+
+
+def _peak(graph) -> int:
+    now = peak = 0
+    for event in sorted(graph.memory_events, key=lambda e: (e.position, e.delta < 0)):
+        now += event.delta
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_math_path_attention_made_a_cp_ranks(name):
+    """Attention dropout on a CPU target: SDPA runs its unfused math path (no fused CPU kernel takes dropout),
+    which the step made a cp rank's recognises and scales to the key length: the same FLOPs and bytes, call by
+    call and over the step, as a trace of the runtime's mask path (all ranks' K/V, a [1, 1, s, S] mask), and its
+    peak short of that trace's by at most the step's mask (priced freed at the last backward; the runtime keeps
+    it to the next forward)."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_colossal_auto.capture.tracer import trace_training_step
+    from hf_colossal_auto.solve.context_parallel_math import math_attention_calls
+    from hf_colossal_auto.solve.context_parallel_search import kv_head_count, query_head_count
+
+    cp = 2
+    torch.manual_seed(0)
+    model = _dropout_models()[name]()
+    model.train()
+    ids = torch.randint(0, 256, (2, 16))  # one cp rank's 2 rows of s = 16 of S = 32 tokens
+    batch = {"input_ids": ids, "labels": ids}
+    plain = trace_training_step(model, batch, fold_blocks=False)
+    assert not [n for n in plain.nodes if n.op in ATTENTION_FORWARD_KERNELS]  # the math path, not a kernel
+    made = context_parallel_step(plain, cp, kv_head_count(model), None, query_head_count(model))
+    ALL_ATTENTION_FUNCTIONS.register("cp_test_gathered", _gathered_attention(cp))
+    try:
+        model.config._attn_implementation = "cp_test_gathered"
+        truth = trace_training_step(model, batch, fold_blocks=False)
+    finally:
+        model.config._attn_implementation = "sdpa"
+    calls, true_calls = math_attention_calls(made), math_attention_calls(truth)
+    assert len(calls) == len(true_calls) == 2 and all(c.dropout for c in calls)
+
+    def priced(graph, call):
+        nodes = [graph.nodes[i] for i in {*call.score_nodes, *call.matmuls}]
+        return sum(n.flops for n in nodes), sum(n.bytes_read + n.bytes_written for n in nodes)
+
+    for call, true_call in zip(calls, true_calls, strict=True):
+        assert priced(made, call) == priced(truth, true_call)
+    assert sum(n.flops for n in made.nodes) == sum(n.flops for n in truth.nodes)
+    mask = 16 * 32 * 4  # [1, 1, 16, 32] float32
+    assert 0 <= _peak(truth) - _peak(made) <= mask
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_plan_with_attention_dropout_on_cpu(name):
+    """plan_model(context_parallel=2) on a CPU target for a model with attention dropout 0.1: planned, K/V
+    all-gathered per layer at the K/V heads (Llama's 2 of 4: half of GPT-2's), the mask path's cost priced."""
+    import torch
+
+    model = _dropout_models()[name]()
+    model.train()
+    ids = torch.randint(0, 256, (2, 32))
+    plan = plan_model(
+        model, {"input_ids": ids, "labels": ids}, num_devices=2, device="cpu", context_parallel=2
+    )
+    assert plan.cp_size == 2 and plan.mesh_shape == (1, 2, 1)
+    info = plan.solver["context_parallel"]
+    kv_heads = {"gpt2": 4, "llama": 2}[name]
+    assert info["attention_layers"] == 2
+    assert info["kv_gathered_bytes"] == 2 * 2 * (
+        2 * 32 * kv_heads * 16 * 4
+    )  # layers x (K, V) x rows x tokens
+    assert info["kv_all_gather_s"] > 0 and plan.collectives["cp_all_gather"] == 4

@@ -520,6 +520,30 @@ def test_sft_labels_are_the_assistant_turns_only(tmp_path):
     assert len(cut["input_ids"]) == len(cut["labels"]) == 5
 
 
+def test_sft_rows_under_context_parallelism(monkeypatch):
+    """``--context_parallel`` (else HF_COLOSSAL_AUTO_CONTEXT_PARALLEL) is parsed naming its source; under a fixed
+    cp degree padded rows are padded to a multiple of 2 x cp tokens and packed blocks that are not one are
+    refused, saying what to use; 'auto' and 1 keep --max_seq_len."""
+    from finetune_causal_lm import SFTDataset, build_parser, context_parallel_degree, row_length
+
+    monkeypatch.delenv("HF_COLOSSAL_AUTO_CONTEXT_PARALLEL", raising=False)
+    args = build_parser().parse_args(
+        ["--model_name_or_path", "m", "--train_file", "f", "--context_parallel", "2"]
+    )
+    assert context_parallel_degree(args.context_parallel) == 2
+    assert context_parallel_degree(None) is None
+    monkeypatch.setenv("HF_COLOSSAL_AUTO_CONTEXT_PARALLEL", "auto")
+    assert context_parallel_degree(None) == "auto"
+    with pytest.raises(SystemExit, match="--context_parallel from the command line"):
+        context_parallel_degree("two")
+    assert row_length(66, 2, packing=False) == 68 and row_length(64, 2, packing=False) == 64
+    assert row_length(66, "auto", packing=False) == row_length(66, 1, packing=True) == 66
+    with pytest.raises(SystemExit, match="2 x cp = 4 equal chunks.*e.g. 64"):
+        row_length(66, 2, packing=True)
+    rows = SFTDataset([{"input_ids": [5] * 10, "labels": [5] * 10}], row_length(66, 2, False), 0, False)
+    assert rows[0]["input_ids"].shape == rows[0]["attention_mask"].shape == (68,)
+
+
 def test_sft_data_errors_name_the_line(tmp_path):
     from finetune_causal_lm import read_conversations
 

@@ -1,4 +1,5 @@
-"""``AutoParallelAccelerator``: an ``accelerate.Accelerator`` whose ``prepare`` plans and applies DP x TP.
+"""``AutoParallelAccelerator``: an ``accelerate.Accelerator`` whose ``prepare`` plans and applies the plan (data,
+context and tensor parallelism on a ``dp x cp x tp`` mesh, pipeline stages).
 
 What it changes, and why; everything else is accelerate's (mixed precision, gradient accumulation,
 ``clip_grad_norm_`` — already DTensor-aware —, logging, trackers):
@@ -12,8 +13,9 @@ What it changes, and why; everything else is accelerate's (mixed precision, grad
   model's first training call instead (:mod:`.first_call`): its arguments are what the step needs. A model
   already planned (by the Trainer callback) is adopted; a second model is prepared by accelerate as usual.
 * **the data** (``prepare_data_loader``): loaders are prepared by accelerate itself, exactly as without a plan
-  (before the model, or with no model at all, too); a plan with tensor parallelism then re-cuts them so that
-  the ``tp`` processes of a group compute on the union of the batches plain accelerate gives them: the rows
+  (before the model, or with no model at all, too); a plan with tensor or context parallelism (or pipeline
+  stages) then re-cuts them so that the ``tp x cp`` processes of a replica (and its stages) compute on the
+  union of the batches plain accelerate gives them: the rows
   of every step are plain accelerate's under any mesh (:mod:`.data`). ``gather``/``gather_for_metrics``
   keep what a group's processes share once, so that they return what they return under plain accelerate.
 * **checkpoints** (``save_state``/``load_state``, :mod:`.accelerator_state`): model and optimizer through
@@ -223,7 +225,8 @@ class AutoParallelAccelerator(CheckpointState, Accelerator):
         needed = math.prod(plan.mesh_shape)
         if needed != self.num_processes:
             raise PlanMismatchError(
-                f"the plan in {path} is for a {'x'.join(map(str, plan.mesh_shape))} (dp x tp) mesh of {needed} "
+                f"the plan in {path} is for a {'x'.join(map(str, plan.mesh_shape))} "
+                f"({' x '.join(plan.mesh_axis_names)}) mesh of {needed} "
                 f"processes, this job has {self.num_processes}. Launch {needed} processes, or re-plan for "
                 f"{self.num_processes} (unset plan_path to plan at prepare time)."
             )

@@ -389,14 +389,15 @@ def gather_for_metrics(
     return data
 
 
-def follow_plan(accelerator: Any, plan_tp_size: int, pp_size: int = 1, dp_size: int = 1) -> None:
+def follow_plan(accelerator: Any, group_size: int, pp_size: int = 1, dp_size: int = 1) -> None:
     """Make a plain ``accelerate.Accelerator`` (the Trainer's, under ``torchrun`` with the callback) follow a
-    plan's batch rule: its loaders, prepared so far and later, are re-cut for the data-parallel groups (their
-    tensor-parallel ranks and pipeline stages share a batch, :func:`group_members`), and
-    ``gather``/``gather_for_metrics`` keep one copy per group. An ``AutoParallelAccelerator`` does this itself."""
-    if plan_tp_size * pp_size == 1 or getattr(accelerator, "_hf_colossal_auto_follows", False):
+    plan's batch rule: its loaders, prepared so far and later, are re-cut for the data-parallel groups (the
+    ``group_size = tp x cp`` consecutive ranks of a replica, :attr:`Plan.batch_group_size`, and its pipeline
+    stages share a batch, :func:`group_members`), and ``gather``/``gather_for_metrics`` keep one copy per group.
+    An ``AutoParallelAccelerator`` does this itself."""
+    if group_size * pp_size == 1 or getattr(accelerator, "_hf_colossal_auto_follows", False):
         return
-    members = group_members(accelerator.process_index, plan_tp_size, pp_size, dp_size)
+    members = group_members(accelerator.process_index, group_size, pp_size, dp_size)
     world = accelerator.num_processes
     prepare, base_gather = accelerator.prepare_data_loader, accelerator.gather
 
@@ -406,11 +407,11 @@ def follow_plan(accelerator: Any, plan_tp_size: int, pp_size: int = 1, dp_size: 
         return prepared
 
     def gather_once(tensor: Any) -> Any:
-        rows = group_batch_rows(accelerator.gradient_state.active_dataloader, plan_tp_size * pp_size)
-        return one_copy_per_group(base_gather(tensor), world, plan_tp_size, group_rows=rows, pp_size=pp_size)
+        rows = group_batch_rows(accelerator.gradient_state.active_dataloader, group_size * pp_size)
+        return one_copy_per_group(base_gather(tensor), world, group_size, group_rows=rows, pp_size=pp_size)
 
     def metrics(input_data: Any, use_gather_object: bool = False) -> Any:
-        return gather_for_metrics(accelerator, input_data, plan_tp_size, use_gather_object, pp_size=pp_size)
+        return gather_for_metrics(accelerator, input_data, group_size, use_gather_object, pp_size=pp_size)
 
     accelerator.prepare_data_loader = prepare_data_loader
     accelerator.gather = gather_once

@@ -591,7 +591,7 @@ def _follow_batch_rule(trainer: Trainer, plan: Plan) -> None:
     shared = group * plan.pp_size  # processes computing on one batch
     if shared > 1:
         _trainer_accounting_of_shared_batches(trainer, shared)
-        _count_batches_once_per_tp_group(trainer, group, plan.pp_size)
+        _count_batches_once_per_batch_group(trainer, group, plan.pp_size)
     if plan.pp_size > 1:
         _clip_over_every_stage(trainer)
 
@@ -652,12 +652,13 @@ def _clip_over_every_stage(trainer: Trainer) -> None:
     accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
-def _count_batches_once_per_tp_group(trainer: Trainer, tp_size: int, pp_size: int = 1) -> None:
+def _count_batches_once_per_batch_group(trainer: Trainer, group_size: int, pp_size: int = 1) -> None:
     """Tokens seen and FLOs are summed over all processes by the Trainer; the ranks of a data-parallel group
-    (its tensor-parallel ranks and pipeline stages) share one batch, so each group's tokens are taken once (the
-    sum divided by ``tp x pp``) and its FLOs once per tensor-parallel group (divided by ``tp``): each pipeline
-    stage counts its own parameters' FLOs (``model.num_parameters()`` holds this rank's stages), which add up
-    to the model's."""
+    (the ``group_size = tp x cp`` ranks of a replica, :attr:`Plan.batch_group_size`, and its pipeline stages)
+    share one batch, so each group's tokens are taken once (the sum divided by ``tp x cp x pp``) and its FLOs
+    once per ``tp x cp`` group (divided by ``tp x cp``: each of them counts the whole batch's FLOs): each
+    pipeline stage counts its own parameters' FLOs (``model.num_parameters()`` holds this rank's stages), which
+    add up to the model's."""
 
     def once(method, attribute: str, copies: int):
         @functools.wraps(method)
@@ -674,7 +675,7 @@ def _count_batches_once_per_tp_group(trainer: Trainer, tp_size: int, pp_size: in
 
         return counted
 
-    tokens = once(trainer._track_num_input_tokens, "num_input_tokens_seen", tp_size * pp_size)
+    tokens = once(trainer._track_num_input_tokens, "num_input_tokens_seen", group_size * pp_size)
     trainer._track_num_input_tokens = tokens
-    if tp_size > 1:
-        trainer.store_flos = once(trainer.store_flos, "total_flos", tp_size)
+    if group_size > 1:
+        trainer.store_flos = once(trainer.store_flos, "total_flos", group_size)

@@ -63,6 +63,7 @@ from ..plan import Plan
 from .build.builder import BuiltProblem
 from .build.names import NodeKind
 from .candidates import _Planner
+from .context_parallel_math import MathAttention, math_attention_calls, operands, scale_math_attention
 from .pricing.comm import AxisComm
 from .problem import Solution
 
@@ -122,6 +123,12 @@ def chunked_inputs(example_inputs: Mapping[str, Any], cp: int) -> dict[str, Any]
     return out
 
 
+def query_head_count(model: nn.Module) -> int | None:
+    """The model's query heads (SDPA's math path repeats grouped K/V to them), None where the config does not
+    say."""
+    return getattr(getattr(model, "config", None), "num_attention_heads", None)
+
+
 def kv_head_count(model: nn.Module) -> int | None:
     """The model's K/V heads (grouped-query attention gathers them, before they repeat for the queries); None
     where the config does not say."""
@@ -149,6 +156,11 @@ class AttentionKernel:
     blocked: bool = False
     """The runtime runs this layer's attention blocked, without a mask
     (:mod:`hf_colossal_auto.apply.context_parallel_blocks`)."""
+    kept: int = -1
+    """Value id on whose storage the K/V held (and the step's mask) are priced: the fused kernel's log-sum-exp,
+    the math path's probabilities (each kept from the forward to the backward of its call)."""
+    math: MathAttention | None = None
+    """The call traced as SDPA's math decomposition (:mod:`.context_parallel_math`), None for a fused kernel."""
 
 
 @dataclass(frozen=True)
@@ -189,14 +201,20 @@ def _kernel_dropout(node: Any) -> float:
 
 
 def attention_kernels(
-    graph: StepGraph, cp: int, kv_heads: int | None, runtime: RuntimeAttention | None = None
+    graph: StepGraph,
+    cp: int,
+    kv_heads: int | None,
+    runtime: RuntimeAttention | None = None,
+    query_heads: int | None = None,
 ) -> list[AttentionKernel]:
     """The step's forward attention kernels (see :data:`ATTENTION_FORWARD_KERNELS`) with the K/V each gathers
     (``cp x`` the traced chunk, at ``kv_heads`` heads: the traced key input may have them already, the trace
     runs sdpa's grouped-query attention without a mask, or repeated to the query heads) and keeps, blocked or on
-    the mask path as ``runtime`` says (None: the mask path). Refused where there are none (eager attention: its
-    matmul + softmax is not recognised) or a kernel is given a mask."""
-    kernels = []
+    the mask path as ``runtime`` says (None: the mask path). SDPA calls traced as its math decomposition (on a
+    CPU target with attention dropout: :mod:`.context_parallel_math`) count as kernels on the mask path, their
+    K/V at ``query_heads``. Refused where there are none (eager attention: its matmul + softmax gets the model's
+    mask) or a kernel is given a mask."""
+    kernels = _math_kernels(graph, cp, kv_heads, query_heads)
     for node in graph.nodes:
         if node.op not in ATTENTION_FORWARD_KERNELS:
             continue
@@ -219,13 +237,49 @@ def attention_kernels(
         blocked = runtime is not None and runtime.blocked(graph, node)
         if blocked:
             held, mask = gathered, 0.0
-        kernels.append(AttentionKernel(node.index, gathered, held, mask, blocked))  # type: ignore[arg-type]
+        kernels.append(AttentionKernel(node.index, gathered, held, mask, blocked, node.outputs[1]))  # type: ignore[arg-type]
     if not kernels:
         raise ContextParallelUnsupported(
             f"no fused attention kernel (scaled_dot_product_attention) in the traced step of {graph.model_class}: "
             "its attention (eager, or a custom implementation) is not one context parallelism can price; load "
             "the model with attn_implementation='sdpa'"
         )
+    kernels.sort(key=lambda k: k.index)
+    return kernels
+
+
+def _math_kernels(
+    graph: StepGraph, cp: int, kv_heads: int | None, query_heads: int | None
+) -> list[AttentionKernel]:
+    """SDPA calls of ``graph`` traced as the math path, as kernels on the runtime's mask path: K/V gathered at
+    ``kv_heads`` (the math path's operands are at ``query_heads``) and held at the query heads, the step's mask
+    ``[1, 1, s, S]``. Refused by name: one that adds a mask from outside its attention module (eager attention's
+    causal mask, a padding mask), or one without dropout (whose kernel on the runtime's device the trace did
+    not pick)."""
+    kernels = []
+    for call in math_attention_calls(graph):
+        if call.outside_mask:
+            raise ContextParallelUnsupported(
+                "no fused attention kernel (scaled_dot_product_attention) without a mask in the traced step: "
+                f"attention in {call.module or graph.model_class} adds a mask tensor from outside the attention "
+                "(eager attention's causal mask, or a padding mask); context parallelism gathers K and V only: "
+                "load the model with attn_implementation='sdpa' and train without a padding mask"
+            )
+        if not call.dropout:
+            raise ContextParallelUnsupported(
+                f"attention in {call.module or graph.model_class} was traced as scaled_dot_product_attention's "
+                "unfused math path without dropout, whose kernel under context parallelism is not known here; "
+                "trace for a device with fused SDPA kernels (float32/bfloat16 on CPU, any on CUDA)"
+            )
+        q, k, v = operands(graph, call)
+        ratio = kv_heads / query_heads if kv_heads and query_heads else 1.0
+        gathered = tuple(float(graph.values[x].nbytes) * cp * ratio for x in (k, v))
+        held = tuple(float(graph.values[x].nbytes) * cp for x in (k, v))
+        query = graph.values[q]
+        local = query.shape[-2] if len(query.shape) >= 2 else 0
+        mask = float(local * local * cp * (query.nbytes / max(math.prod(query.shape), 1)))
+        kept = graph.nodes[call.softmax].outputs[0]
+        kernels.append(AttentionKernel(call.scores_matmul, gathered, held, mask, False, kept, call))  # type: ignore[arg-type]
     return kernels
 
 
@@ -239,6 +293,7 @@ def context_parallel_step(
     cp: int,
     kv_heads: int | None,
     runtime: RuntimeAttention | None = None,
+    query_heads: int | None = None,
 ) -> StepGraph:
     """``graph`` (the step traced on the cp-chunked batch) made what a cp rank runs, in place: each attention
     kernel's FLOPs (forward and backward) ``cp`` times (its queries meet all keys), its K/V reads those of the
@@ -246,18 +301,25 @@ def context_parallel_step(
     (all ``S`` tokens at the query heads, :attr:`AttentionKernel.held_bytes`) from the forward kernel to its
     backward, on its log-sum-exp's storage; the step's one additive mask, on the first kernel's (freed by the
     last backward kernel, where the runtime's lives to the next forward). The logits stay the chunk's: a step
-    that reads only the loss gathers no output (:mod:`~hf_colossal_auto.apply.context_parallel_outputs`)."""
-    kernels = attention_kernels(graph, cp, kv_heads, runtime)
+    that reads only the loss gathers no output (:mod:`~hf_colossal_auto.apply.context_parallel_outputs`). A
+    call traced as SDPA's math path (:mod:`.context_parallel_math`) has its score ops and matmuls, forward and
+    backward, and its score tensors scaled to the key length instead, its K/V and the mask on its
+    probabilities' storage."""
+    kernels = attention_kernels(graph, cp, kv_heads, runtime, query_heads)
     grown: dict[int, int] = {}
     masked = [k for k in kernels if not k.blocked]
     step_mask = {masked[0].index: int(masked[0].mask_bytes)} if masked else {}  # on its first user's storage
     for kernel in kernels:
         node = graph.nodes[kernel.index]
-        traced_kv = sum(graph.values[x].nbytes for x in node.inputs[1:3])
-        node.flops *= cp
-        node.bytes_read += (cp - 1) * traced_kv
+        if kernel.math is not None:
+            traced_kv = sum(graph.values[x].nbytes for x in operands(graph, kernel.math)[1:])
+            scale_math_attention(graph, kernel.math, cp, grown)
+        else:
+            traced_kv = sum(graph.values[x].nbytes for x in node.inputs[1:3])
+            node.flops *= cp
+            node.bytes_read += (cp - 1) * traced_kv
         extra = int(sum(kernel.held_bytes)) - traced_kv + step_mask.get(kernel.index, 0)
-        _grow(graph, graph.values[node.outputs[1]].id, extra, grown)
+        _grow(graph, kernel.kept, extra, grown)
     backward = [n for n in graph.nodes if n.op in ATTENTION_BACKWARD_KERNELS]
     for node in backward:
         node.flops *= cp
@@ -323,13 +385,19 @@ def kv_wire_bytes(gathered_bytes: float, cp: int) -> float:
 
 
 def add_kv_collectives(
-    built: BuiltProblem, graph: StepGraph, cp_comm: AxisComm, cp: int, kv_heads: int | None, tp: int
+    built: BuiltProblem,
+    graph: StepGraph,
+    cp_comm: AxisComm,
+    cp: int,
+    kv_heads: int | None,
+    tp: int,
+    query_heads: int | None = None,
 ) -> dict[str, KvCollectives]:
     """Every attention op node of ``built`` costs, per strategy and micro-batch, the all-gathers of its K and V
     over cp and the reduce-scatters of their gradients (:func:`attention_kernels`; a strategy that splits the
     key input over tp gathers ``1 / tp``). Returns them by ILP node name, for the plan's figures."""
     micro = built.micro_batches
-    kernels = {k.index: k for k in attention_kernels(graph, cp, kv_heads)}
+    kernels = {k.index: k for k in attention_kernels(graph, cp, kv_heads, query_heads=query_heads)}
     added: dict[str, KvCollectives] = {}
     for name, index in built.node_of_name.items():
         kernel = kernels.get(index)
@@ -414,6 +482,7 @@ class ContextParallelPlanner(_Planner):
         self.routing = outer.routing
         self.cp = cp
         self.kv_heads = kv_head_count(outer.model)
+        self.query_heads = query_head_count(outer.model)
         self.logits_module = output_embeddings_name(outer.model)
         self.outer = outer
         self._kv: dict[int, dict[str, KvCollectives]] = {}
@@ -422,7 +491,9 @@ class ContextParallelPlanner(_Planner):
         """id of a built problem -> the step's other cp collectives and the attention layers by module."""
 
     def _trace(self, rows: int) -> StepGraph:
-        return context_parallel_step(super()._trace(rows), self.cp, self.kv_heads, self.runtime_attention())
+        return context_parallel_step(
+            super()._trace(rows), self.cp, self.kv_heads, self.runtime_attention(), self.query_heads
+        )
 
     def runtime_attention(self) -> RuntimeAttention:
         """How the runtime's attention runs on this cluster's devices (blocked or masked, per layer)."""
@@ -455,7 +526,7 @@ class ContextParallelPlanner(_Planner):
         built = super().build(mesh, dp_mode, *args, **kwargs)
         graph = self.graph(mesh[0], built.micro_batches)
         self._kv[id(built)] = add_kv_collectives(
-            built, graph, self.cp_comm(mesh), self.cp, self.kv_heads, mesh[1]
+            built, graph, self.cp_comm(mesh), self.cp, self.kv_heads, mesh[1], self.query_heads
         )
         self._extras[id(built)] = step_extras(graph, self.cp, self.logits_module, built.micro_batches)
         return built

@@ -10,7 +10,8 @@ accelerate in the same processes, then the GPT recipe with ``--context_parallel 
    data and seed; the plan splits each sequence over both processes (one replica), so each reads the union of
    plain accelerate's two batches of the step; its losses, rows and ``data_parallel_info`` are recorded, then
    a 15-token batch (which 2 x cp = 4 chunks cannot cut) must raise on every rank;
-3. with ``--recipe-out``: ``recipes/pretrain_gpt.py --context_parallel 2`` run as its script would (last: its
+3. with ``--recipe-out``: ``recipes/pretrain_gpt.py --model tiny --context_parallel 2`` (the default preset,
+   dropout on) run as its script would (last: its
    ``end_training`` ends the process group).
 
 Each process writes ``rank<r>.json`` in ``--out``.
@@ -113,17 +114,11 @@ def main() -> None:
         import pretrain_gpt
         from _shared.loop import run
 
-        from hf_colossal_auto.models import load_config
-
-        # no dropout: the planner prices cp attention from a fused SDPA kernel in the traced step, and on CPU
-        # attention dropout makes SDPA run its unfused math path
-        config = load_config("tiny-gpt2")
-        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+        # the default preset, dropout on (attention 0.1: CPU SDPA runs its math path, planned as such)
         Path(args.recipe_out).mkdir(parents=True, exist_ok=True)
-        config.to_json_file(Path(args.recipe_out) / "config.json")
         os.environ["HF_COLOSSAL_AUTO_SAVE_PLAN_PATH"] = str(Path(args.recipe_out) / "plan.json")
         run(pretrain_gpt.GPT, [
-            "--model", str(Path(args.recipe_out) / "config.json"), "--vocab_size", "1024", "--context_parallel", "2", "--seq_len", "64", "--max_steps", "3",
+            "--model", "tiny", "--vocab_size", "1024", "--context_parallel", "2", "--seq_len", "64", "--max_steps", "3",
             "--per_device_batch_size", "2", "--synthetic_documents", "200", "--eval_steps", "0",
             "--max_eval_batches", "1", "--output_dir", args.recipe_out,
         ])  # fmt: skip
