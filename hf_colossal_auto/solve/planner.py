@@ -469,7 +469,8 @@ def evaluate_plan(
     canonical_fixed = {tied.canonical_param(k): v for k, v in fixed.items()}
     param_uses = _plan_param_uses(model, plan_or_baseline) if pin_uses else None
     pins = None
-    if name == "megatron-sp":  # the ops between tensor-parallel regions pinned to sequence shards
+    layout = plan_or_baseline.hand_layout if isinstance(plan_or_baseline, Plan) else name
+    if layout == "megatron-sp":  # the ops between tensor-parallel regions pinned to sequence shards
         borders, rows = tensor_parallel_modules(model, fixed)
         pins = sequence_parallel_pins(
             planner.graph(mesh[0], k), planner.strategies(mesh[0], mesh[1], k), planner.layers, borders, rows
@@ -499,6 +500,8 @@ def evaluate_plan(
     )
     plan = planner.to_plan(mesh, dp_mode, built, solution)
     plan.memory_budget_bytes = budget
+    if pins is not None:
+        plan.hand_layout = layout
     return Estimate(name, plan.step_time_s, plan.peak_memory_bytes, budget, tuple(mesh), dp_mode, plan)
 
 
