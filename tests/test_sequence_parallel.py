@@ -144,7 +144,8 @@ def test_megatron_sp_runs_every_block_sequence_parallel_in_less_memory(llama_meg
     """Megatron's parameter placements, every block sequence-parallel, a lower peak and fewer activation bytes
     than "megatron" (the norms' and residual adds' outputs are kept on sequence shards); every row-parallel
     output reduce-scattered in forward and every all-gather before a column-parallel input reduce-scattered back
-    in backward: two reduce-scatters per row-parallel projection."""
+    in backward: two reduce-scatters per row-parallel projection, but for the first block's attention input (its
+    norm reads the replicated embeddings, as in the planner's own sequence-parallel plans)."""
     model, _, est = llama_megatron_baselines
     sp, megatron = est["megatron-sp"], est["megatron"]
     assert sp.plan.hand_layout == "megatron-sp" and megatron.plan.hand_layout == ""
@@ -156,7 +157,7 @@ def test_megatron_sp_runs_every_block_sequence_parallel_in_less_memory(llama_meg
     assert sp.plan.activation_memory_bytes < megatron.plan.activation_memory_bytes
     _, rows = tensor_parallel_modules(model, megatron_placements(model))
     assert len(rows) == 2 * model.config.num_hidden_layers  # o_proj and down_proj
-    assert sp.plan.collectives["reduce_scatter"] == 2 * len(rows)
+    assert sp.plan.collectives["reduce_scatter"] == 2 * len(rows) - 1
     assert sp.plan.collectives["all_gather"] >= 2 * len(rows)
     assert "sequence parallel" in sp.plan.summary()
 
@@ -278,8 +279,9 @@ def test_dropout_on_a_sequence_shard_draws_one_process_mask(two_rank_results):
 
 def test_megatron_sp_baseline_runs_as_priced(two_rank_results):
     """The megatron-sp baseline applied on 2 ranks: both blocks sequence-parallel, its collectives (c10d's records)
-    the predicted ones, counts and bytes, reduce-scatters among them; loss and gradients one process's; plain
-    megatron alike. Its measured peak falls against megatron's, as predicted."""
+        the predicted ones, counts and bytes, reduce-scatters among them; loss and gradients one process's; plain
+        megatron alike. Its measured peak falls against megatron's by 0.8 to 1.5 times the predicted fall (409,584 bytes
+    where 328,704 are predicted, as for the planner's own plan above)."""
     for rank in (0, 1):
         sp = two_rank_results[("tiny-llama:megatron-sp", "megatron-sp", rank)]
         megatron = two_rank_results[("tiny-llama:megatron-sp", "megatron", rank)]
@@ -290,5 +292,7 @@ def test_megatron_sp_baseline_runs_as_priced(two_rank_results):
             assert abs(r["loss"] - r["ref_loss"]) <= 1e-6 * abs(r["ref_loss"])
             assert r["max_grad_err"] < 1e-6 and r["grads_compared"] > 0
         assert sp["predicted"]["reduce_scatter"] > 0
-        assert sp["predicted_peak"] < megatron["predicted_peak"]
-        assert sp["measured_peak"] < megatron["measured_peak"]
+        predicted = megatron["predicted_peak"] - sp["predicted_peak"]
+        measured = megatron["measured_peak"] - sp["measured_peak"]
+        assert predicted > 0
+        assert 0.8 * predicted <= measured <= 1.5 * predicted, (predicted, measured)

@@ -11,7 +11,8 @@ embeddings and the head — stays the solver's, as for the ``"megatron"`` baseli
 plan as it applies any plan (:mod:`hf_colossal_auto.apply.enforce`).
 
 A block's region is found by data flow, not by module names: starting from the hidden states entering the block
-(its input of the block's output shape: the residual stream) and from the outputs of its row-parallel modules,
+from the one before it (its input of the block's output shape: the residual stream) and from the outputs of its
+row-parallel modules,
 it follows the forward readers inside the block and stops at an op of a tensor-parallel or projection module
 (the column-parallel inputs) and at an op that offers no sequence-sharded output. In a Llama block that is the
 two RMSNorms and the two residual adds; in GPT-2 also the dropouts after the row-parallel projections; in BERT
@@ -24,7 +25,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping
 
-from ..capture.graph import Phase, StepGraph, ValueKind
+from ..capture.graph import Phase, StepGraph
 from ..strategies.placements import Strategy
 from .tied import PROJECTION_TYPES
 
@@ -65,11 +66,13 @@ def sequence_parallel_regions(
             readers[vid].append(n.index)
     projections = [m for m, t in graph.module_types.items() if t in PROJECTION_TYPES]
     borders = [*tensor_parallel_modules, *projections]
+    blocks = list(blocks)
     traced = {b for b in blocks if any(_inside(n.module, b) for n in forward)}
+    in_blocks = {n.index for n in forward if any(_inside(n.module, b) for b in traced)}
     out: dict[str, list[int]] = {}
     for block in sorted(traced, key=lambda b: min(n.index for n in forward if _inside(n.module, b))):
         mine = {n.index for n in forward if _inside(n.module, block)}
-        seeds = _hidden_inputs(graph, mine, readers) + _row_parallel_outputs(
+        seeds = _hidden_inputs(graph, mine, in_blocks, readers) + _row_parallel_outputs(
             graph, mine, readers, [m for m in row_parallel_modules if _inside(m, block)]
         )
         region: set[int] = set()
@@ -92,16 +95,22 @@ def sequence_parallel_regions(
     return out
 
 
-def _hidden_inputs(graph: StepGraph, mine: set[int], readers: Mapping[int, list[int]]) -> list[int]:
-    """Values a block reads from outside it that have the shape of what it hands on: the residual stream
-    entering it (not the rotary tables, masks or position ids it also reads)."""
+def _hidden_inputs(
+    graph: StepGraph, mine: set[int], in_blocks: set[int], readers: Mapping[int, list[int]]
+) -> list[int]:
+    """Values a block reads from the block before it that have the shape of what it hands on: the residual
+    stream entering it (not the rotary tables, masks or position ids it also reads). The embeddings entering the
+    first block are not among them: its first norm runs replicated, as the planner's own sequence-parallel plans
+    run it, because the runtime enforces placements at module outputs and the embeddings come out of a replicated
+    lookup (the model's inputs are replicated), on which DTensor keeps the norm replicated; its residual add, read
+    from the attention's reduce-scattered output, slices them."""
     made = {vid for i in mine for vid in graph.nodes[i].outputs}
     handed_on = {graph.values[vid].shape for vid in made if any(j not in mine for j in readers.get(vid, []))}
     read = {vid for i in mine for vid in graph.nodes[i].inputs if vid not in made}
     return sorted(
         vid
         for vid in read
-        if graph.values[vid].kind not in (ValueKind.PARAM, ValueKind.BUFFER)
+        if graph.values[vid].producer in in_blocks
         and graph.values[vid].shape in handed_on
         and len(graph.values[vid].shape) >= 3
     )
