@@ -142,14 +142,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.no_baselines:
         print("\nbaselines under the same cost model:")
         print(
-            f"  {'auto':9s} {format_seconds(plan.step_time_s):>9s}  peak {format_bytes(plan.peak_memory_bytes):>11s}  fits"
+            f"  {'auto':11s} {format_seconds(plan.step_time_s):>9s}  peak {format_bytes(plan.peak_memory_bytes):>11s}  fits"
         )
         for base in BASELINES:
             with _Stage(f"pricing {base}", True):
-                est = evaluate_plan(model, batch, base, **common)
+                try:
+                    est = evaluate_plan(model, batch, base, **common)
+                except ValueError as exc:  # megatron-sp without a tensor-parallel axis here: say why, go on
+                    print(f"  {base:11s} not priced: {exc}")
+                    continue
             ratio = est.step_time_s / plan.step_time_s if plan.step_time_s else float("nan")
             print(
-                f"  {base:9s} {format_seconds(est.step_time_s):>9s}  peak {format_bytes(est.peak_memory_bytes):>11s}  "
+                f"  {base:11s} {format_seconds(est.step_time_s):>9s}  peak {format_bytes(est.peak_memory_bytes):>11s}  "
                 f"{'fits' if est.fits else 'does NOT fit':12s} mesh {'x'.join(map(str, est.mesh_shape))} "
                 f"{est.dp_mode}  ({ratio:.2f}x auto)"
             )
@@ -383,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
         "degrees against plans without it, an int >= 2 fixes the cp degree (--mesh is then dp x tp)",
     )
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh, seconds")
-    p.add_argument("--no-baselines", action="store_true", help="skip pricing ddp/fsdp/megatron")
+    p.add_argument("--no-baselines", action="store_true", help="skip pricing ddp/fsdp/megatron/megatron-sp")
     p.add_argument("--out", metavar="PATH", help="write the plan JSON here")
     p.add_argument(
         "--routing-histogram",

@@ -112,6 +112,11 @@ class Plan:
     the blocks of a folded run (:func:`hf_colossal_auto.solve.boundaries.block_input_placements`): the first
     block enters as the ones after it, which read their predecessor's output. Empty when no run is folded (and
     in plans written before it existed); left out of the JSON then."""
+    hand_layout: str = ""
+    """The named hand layout whose activation placements the plan keeps (``"megatron-sp"``: Megatron-LM's sequence
+    parallelism on every block, :func:`hf_colossal_auto.solve.planner.evaluate_plan`), so that pricing the plan
+    again pins them again instead of leaving them to the solver. Empty for the planner's own plans and the other
+    baselines (and in plans written before it existed); left out of the JSON then."""
     collective_bytes: dict[str, float] = field(default_factory=dict)
     """Predicted bytes per step by collective kind (the tensor each collective is given), for the fidelity
     check; same keys as ``collectives``."""
@@ -263,6 +268,8 @@ class Plan:
             not self.block_input_placements
         ):  # plans with no folded run write what they wrote before it existed
             data.pop("block_input_placements")
+        if not self.hand_layout:  # the planner's own plans write what they wrote before it existed
+            data.pop("hand_layout")
         return data
 
     @classmethod

@@ -23,7 +23,10 @@ with two more candidates, each priced and measured like the rest:
   global batch): at one sequence per piece the solver runs blocks sequence-parallel (norms and residual
   stream sharded on the sequence dim between tensor-parallel regions; with two sequences in one piece it runs
   none). The worker prints the plan's ``sequence parallel`` line and leaves the candidate out, saying so, if no
-  block runs so.
+  block runs so;
+* ``megatron-sp``: ``evaluate_plan("megatron-sp")`` on ``1 x 2``, Megatron-LM's placements with sequence
+  parallelism on every block (what Megatron-LM and torchtitan run), always in, whatever the solver picks: the
+  +-20 % target is measured on a sequence-parallel plan even where ``sp`` is left out.
 
 Every rank builds each candidate from the same seed and applies its plan (our runtime), then the timed steps
 interleave the candidates (round r starts with the r-th), each step between barriers, the max over ranks;
@@ -130,10 +133,11 @@ def _pipeline_candidate(model, batch, spec, world: int, schedule: str, micro_bat
 
 
 def _long_candidates(model, batch, spec, world: int) -> dict[str, tuple[object, float]]:
-    """``--long``'s extra candidates: context parallelism over all ``world`` ranks (``cp2`` on 2), and a
+    """``--long``'s extra candidates: context parallelism over all ``world`` ranks (``cp2`` on 2), a
     ``1 x world`` tensor-parallel plan at one sequence a micro-batch, where the solver runs blocks
-    sequence-parallel (``sp``; left out, saying so, if it runs none)."""
-    from hf_colossal_auto.solve.planner import plan_model
+    sequence-parallel (``sp``; left out, saying so, if it runs none), and the ``megatron-sp`` baseline on
+    ``1 x world`` (every block sequence-parallel, always in)."""
+    from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
 
     out: dict[str, tuple[object, float]] = {}
     plan = plan_model(model, batch, num_devices=world, device=spec, context_parallel=world)
@@ -148,6 +152,9 @@ def _long_candidates(model, batch, spec, world: int) -> dict[str, tuple[object, 
             f"sp left out: the 1 x {world} plan at one sequence a micro-batch runs no block sequence-parallel",
             flush=True,
         )
+    est = evaluate_plan(model, batch, "megatron-sp", num_devices=world, device=spec, mesh_shape=(1, world))
+    print(f"megatron-sp: {_sequence_parallel_line(est.plan)}", flush=True)
+    out["megatron-sp"] = (est.plan, est.step_time_s)
     return out
 
 
@@ -379,7 +386,11 @@ def worker(args) -> None:
                     if plan.pp_size == 1 and plan.micro_batches > 1
                     else ()
                 ),
-                *(("activations", sorted(plan.activation_placements.items())) if plan.cp_size > 1 else ()),
+                *(
+                    ("activations", sorted(plan.activation_placements.items()))
+                    if plan.cp_size > 1 or plan.sequence_parallel_blocks
+                    else ()
+                ),
             )
             rows.append(
                 {
@@ -479,8 +490,8 @@ def main() -> None:
     p.add_argument(
         "--long",
         action="store_true",
-        help="long sequences (issue 28): Llama at 2 x 2048 tokens, with a cp = 2 (cp2) and a sequence-parallel "
-        "(sp) candidate besides the others",
+        help="long sequences (issue 28): Llama at 2 x 2048 tokens, with a cp = 2 (cp2), a solver-chosen "
+        "sequence-parallel (sp) and a Megatron-SP baseline (megatron-sp) candidate besides the others",
     )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)

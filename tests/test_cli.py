@@ -41,8 +41,8 @@ def test_plan_prints_the_summary_and_baselines_and_writes_a_plan_that_loads(tmp_
     plan = Plan.load(path)
     assert plan.model_class == "LlamaForCausalLM" and plan.num_devices == 2
     assert "Plan for LlamaForCausalLM" in printed
-    for baseline in ("ddp", "fsdp", "megatron"):
-        assert baseline in printed
+    for baseline in ("ddp", "fsdp", "megatron", "megatron-sp"):
+        assert f"  {baseline} " in printed
 
 
 def test_plan_with_an_impossible_budget_is_an_error_naming_the_minimum(capsys):

@@ -8,7 +8,11 @@
   of 128 tokens under a tight budget runs both blocks sequence-parallel; its collectives are the plan's (c10d's
   records, counts and bytes), its loss and gradients one process's, and its measured peak falls against the same
   parameter placements planned without the budget (no sequence parallelism) by about what the planner predicts;
-  dropout on a sequence-sharded value draws each rank's part of one process's mask.
+  dropout on a sequence-sharded value draws each rank's part of one process's mask;
+* the ``"megatron-sp"`` baseline (Megatron-LM with sequence parallelism on every block): every block
+  sequence-parallel, less memory than ``"megatron"`` on the same mesh, one reduce-scatter pair per row-parallel
+  projection, priced again as it was made, refused without a tensor-parallel axis; on 2 gloo ranks its
+  collectives are the predicted ones and its loss and gradients one process's.
 """
 
 from __future__ import annotations
@@ -18,9 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from torchrun_launch import run_torchrun
 
+from hf_colossal_auto.models import build_model, make_example_inputs
 from hf_colossal_auto.plan import BlockCost, Plan
+from hf_colossal_auto.solve.baselines import megatron_placements, tensor_parallel_modules
+from hf_colossal_auto.solve.planner import evaluate_plan
+from hf_colossal_auto.solve.sequence_parallel import SequenceParallelError
 from hf_colossal_auto.strategies import enumerate_strategies
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +127,103 @@ def test_a_mean_loss_over_row_split_logits_is_one_process_mean():
     assert _row_sharded_mean(F.cross_entropy, (classes, labels), {}) is None  # split over the classes
 
 
-CASES = ("tiny-llama:0.8",)
+@pytest.fixture(scope="module")
+def llama_megatron_baselines():
+    """tiny-llama at one sequence of 128 tokens, "megatron" and "megatron-sp" on a 1 x 2 mesh."""
+    model = build_model("tiny-llama", device="meta")
+    batch = make_example_inputs(model, 1, 128, device="meta")
+    common = dict(num_devices=2, device="cpu", mesh_shape=(1, 2))
+    return (
+        model,
+        batch,
+        {name: evaluate_plan(model, batch, name, **common) for name in ("megatron", "megatron-sp")},
+    )
+
+
+def test_megatron_sp_runs_every_block_sequence_parallel_in_less_memory(llama_megatron_baselines):
+    """Megatron's parameter placements, every block sequence-parallel, a lower peak and fewer activation bytes
+    than "megatron" (the norms' and residual adds' outputs are kept on sequence shards); every row-parallel
+    output reduce-scattered in forward and every all-gather before a column-parallel input reduce-scattered back
+    in backward: two reduce-scatters per row-parallel projection, but for the first block's attention input (its
+    norm reads the replicated embeddings, as in the planner's own sequence-parallel plans)."""
+    model, _, est = llama_megatron_baselines
+    sp, megatron = est["megatron-sp"], est["megatron"]
+    assert sp.plan.hand_layout == "megatron-sp" and megatron.plan.hand_layout == ""
+    assert sp.plan.sequence_parallel_blocks == [
+        f"model.layers.{i}" for i in range(model.config.num_hidden_layers)
+    ]
+    assert sp.plan.param_placements == megatron.plan.param_placements
+    assert sp.peak_memory_bytes < megatron.peak_memory_bytes
+    assert sp.plan.activation_memory_bytes < megatron.plan.activation_memory_bytes
+    _, rows = tensor_parallel_modules(model, megatron_placements(model))
+    assert len(rows) == 2 * model.config.num_hidden_layers  # o_proj and down_proj
+    assert sp.plan.collectives["reduce_scatter"] == 2 * len(rows) - 1
+    assert sp.plan.collectives["all_gather"] >= 2 * len(rows)
+    assert "sequence parallel" in sp.plan.summary()
+
+
+def test_megatron_sp_plan_is_priced_again_as_it_was_made(llama_megatron_baselines):
+    """The plan keeps its layout through JSON, and pricing it again pins its sequence shards again (left to the
+    solver, the budget lifted, it would run fewer blocks so)."""
+    model, batch, est = llama_megatron_baselines
+    sp = est["megatron-sp"]
+    plan = Plan.from_dict(json.loads(sp.plan.to_json()))
+    assert plan.hand_layout == "megatron-sp"
+    assert "hand_layout" not in est["megatron"].plan.to_dict()
+    again = evaluate_plan(model, batch, plan, num_devices=2, device="cpu")
+    assert again.plan.sequence_parallel_blocks == sp.plan.sequence_parallel_blocks
+    assert again.step_time_s == pytest.approx(sp.step_time_s, rel=1e-9)
+    assert again.peak_memory_bytes == sp.peak_memory_bytes
+
+
+def test_megatron_sp_needs_a_tensor_parallel_axis_and_no_pipeline(llama_megatron_baselines):
+    model, batch, _ = llama_megatron_baselines
+    with pytest.raises(ValueError, match="tensor-parallel axis > 1"):
+        evaluate_plan(model, batch, "megatron-sp", num_devices=2, device="cpu", mesh_shape=(2, 1))
+    with pytest.raises(ValueError, match="inside pipeline stages"):
+        evaluate_plan(model, batch, "megatron-sp", num_devices=2, device="cpu", pipeline=2, mesh_shape=(1, 1))
+
+
+class _Block(nn.Module):
+    """An MLP Megatron splits column-then-row, with or without a residual add after it (the one op a
+    sequence-parallel layout shards between its tensor-parallel regions)."""
+
+    def __init__(self, residual: bool) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(16, 32, bias=False)
+        self.down_proj = nn.Linear(32, 16, bias=False)
+        self.residual = residual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down_proj(torch.relu(self.up_proj(x)))
+        return x + y if self.residual else y
+
+
+class _Stack(nn.Module):
+    def __init__(self, residual: tuple[bool, ...]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(r) for r in residual)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        for layer in self.layers:
+            x = layer(x)
+        return {"loss": (x - labels).pow(2).mean()}
+
+
+def test_megatron_sp_names_a_block_with_nothing_to_shard_and_refuses_a_model_with_none(caplog):
+    """A block whose MLP output leaves it unchanged has no op between tensor-parallel regions: a warning names
+    it; a model whose blocks all are so is refused (its layout would be plain Megatron's)."""
+    batch = {"x": torch.randn(2, 8, 16), "labels": torch.randn(2, 8, 16)}
+    common = dict(num_devices=2, device="cpu", mesh_shape=(1, 2))
+    with caplog.at_level("WARNING", logger="hf_colossal_auto.solve.sequence_parallel"):
+        est = evaluate_plan(_Stack((False, True)), batch, "megatron-sp", **common)
+    assert est.plan.sequence_parallel_blocks == ["layers.1"]
+    assert "block layers.0 has no op" in caplog.text and "layers.1" not in caplog.text
+    with pytest.raises(SequenceParallelError, match="use the 'megatron' baseline"):
+        evaluate_plan(_Stack((False, False)), batch, "megatron-sp", **common)
+
+
+CASES = ("tiny-llama:0.8", "tiny-llama:megatron-sp")
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +275,24 @@ def test_dropout_on_a_sequence_shard_draws_one_process_mask(two_rank_results):
         r = two_rank_results[("dropout", "none", rank)]
         assert r["dropout_placement"] in ("S(1)", "Shard(dim=1)")
         assert r["dropout_err"] == 0.0
+
+
+def test_megatron_sp_baseline_runs_as_priced(two_rank_results):
+    """The megatron-sp baseline applied on 2 ranks: both blocks sequence-parallel, its collectives (c10d's records)
+        the predicted ones, counts and bytes, reduce-scatters among them; loss and gradients one process's; plain
+        megatron alike. Its measured peak falls against megatron's by 0.8 to 1.5 times the predicted fall (409,584 bytes
+    where 328,704 are predicted, as for the planner's own plan above)."""
+    for rank in (0, 1):
+        sp = two_rank_results[("tiny-llama:megatron-sp", "megatron-sp", rank)]
+        megatron = two_rank_results[("tiny-llama:megatron-sp", "megatron", rank)]
+        assert sp["sequence_parallel_blocks"] == ["model.layers.0", "model.layers.1"]
+        for r in (sp, megatron):
+            assert r["counted"] == r["predicted"], r
+            assert r["counted_bytes"] == r["predicted_bytes"], r
+            assert abs(r["loss"] - r["ref_loss"]) <= 1e-6 * abs(r["ref_loss"])
+            assert r["max_grad_err"] < 1e-6 and r["grads_compared"] > 0
+        assert sp["predicted"]["reduce_scatter"] > 0
+        predicted = megatron["predicted_peak"] - sp["predicted_peak"]
+        measured = megatron["measured_peak"] - sp["measured_peak"]
+        assert predicted > 0
+        assert 0.8 * predicted <= measured <= 1.5 * predicted, (predicted, measured)

@@ -159,3 +159,20 @@ def _largest_tp(n: int, per_node: int, model: nn.Module) -> int:
         if n % t == 0 and (heads is None or (heads % t == 0 and kv % t == 0)):
             best = t
     return best
+
+
+def tensor_parallel_modules(model: nn.Module, placements: Mapping[str, str]) -> tuple[set[str], set[str]]:
+    """(modules holding a parameter ``placements`` shards over tp, the row-parallel ones among them): the borders
+    of the tensor-parallel regions a Megatron-SP layout keeps the sequence-sharded ops between, and the modules
+    whose partial output it reduce-scatters (a Linear / Conv1D weight split on its input features)."""
+    sharded: set[str] = set()
+    rows: set[str] = set()
+    for fqn, placement in placements.items():
+        if placement == "R":
+            continue
+        module, _, leaf = fqn.rpartition(".")
+        sharded.add(module)
+        dims = _linear_dims(model, module)
+        if leaf == "weight" and dims is not None and placement == f"S{dims[1]}":
+            rows.add(module)
+    return sharded, rows

@@ -22,6 +22,7 @@ from ..hardware.roofline import host_time
 from ..plan import Plan
 from ..profile.profiler import _module_list_children
 from ..strategies import enumerate_strategies
+from ..strategies.placements import Strategy
 from ..units import parse_bytes
 from .build.builder import BuiltProblem, build_problem
 from .build.names import NodeKind
@@ -208,6 +209,7 @@ class _Planner:
         param_uses: Mapping[str, str] | None = None,
         expert_dp: bool = False,
         budget: int | None = None,
+        strategy_pins: Mapping[int, list[Strategy]] | None = None,
     ) -> BuiltProblem:
         """The ILP of one mesh (under ``budget``, default the planner's; :data:`LIFTED_BUDGET` to price what does
         not fit); recompute is a decision unless ``recompute_pin`` (or the planner's mode "none" /
@@ -216,7 +218,9 @@ class _Planner:
         False builds the relaxation without DTensor's own choices (:func:`build_problem`). ``param_uses``
         (canonical parameter FQN -> tensor-parallel placement) pins where every op that reads a parameter reads
         it (:func:`_pin_param_uses`). ``expert_dp``: every MoE layer expert-parallel over the data-parallel
-        axis (:func:`build_problem`).
+        axis (:func:`build_problem`). ``strategy_pins`` (graph node -> the strategies it keeps): a hand layout's
+        narrowed choices (the ``"megatron-sp"`` baseline's sequence-sharded regions,
+        :func:`~.sequence_parallel.sequence_parallel_pins`).
 
         DDP on a ``(dp, 1)`` mesh shards nothing, so it runs on ordinary tensors
         (:attr:`~hf_colossal_auto.plan.Plan.shards_nothing`, :mod:`hf_colossal_auto.apply.data_parallel`): its
@@ -230,6 +234,8 @@ class _Planner:
         tp_comm = self.axis_comm(mesh, 1)
         dp_comm = self.hybrid_comm(mesh, dp_shard_size) if dp_mode == "hsdp" else self.axis_comm(mesh, 0)
         strategies = self.strategies(dp, tp, micro_batches)
+        if strategy_pins:
+            strategies = {**strategies, **strategy_pins}
         if param_uses:
             strategies = _pin_param_uses(graph, strategies, param_uses)
         plain = tp == 1 and (dp_mode == "ddp" or dp == 1) and not expert_dp  # as Plan.shards_nothing

@@ -14,6 +14,11 @@ Baselines are the same ILP with parameter placements pinned, priced by the same 
   node that divides the heads, attention and MLP column-then-row (as Megatron-LM and HF's
   ``base_model_tp_plan``s do; GPT-2's fused ``c_attn`` Conv1D packed the same way), embeddings and head
   replicated;
+* ``"megatron-sp"``: ``"megatron"`` with Megatron-LM's sequence parallelism on every block (what Megatron-LM's
+  ``--sequence-parallel`` and torchtitan's TP plan run): the ops between a block's tensor-parallel regions (norms,
+  residual adds, dropouts after the row-parallel projections) sharded on the sequence dim, row-parallel outputs
+  reduce-scattered onto it and all-gathered before the column-parallel inputs
+  (:mod:`~hf_colossal_auto.solve.sequence_parallel`); it needs a tensor-parallel axis > 1;
 * a HF-style tp_plan dict (``{"layers.*.mlp.up_proj": "colwise", ...}``) on the tensor-parallel size you
   give with ``mesh_shape``.
 """
@@ -35,7 +40,13 @@ from ..capture.moe import RoutingLoad
 from ..hardware import ClusterSpec, DeviceSpec
 from ..plan import Plan
 from ..units import format_bytes
-from .baselines import _attention_heads, _largest_tp, megatron_placements, tp_plan_placements
+from .baselines import (
+    _attention_heads,
+    _largest_tp,
+    megatron_placements,
+    tensor_parallel_modules,
+    tp_plan_placements,
+)
 from .build.builder import BuiltProblem
 from .candidates import (  # noqa: F401 (RECOMPUTE_MODES, PlanningTimeoutError re-exported)
     LIFTED_BUDGET,
@@ -66,12 +77,14 @@ from .search import (  # noqa: F401 (EXPERT_DP_KEY and EXPERT_FSDP_KEY re-export
     _Search,
     _search_order,
 )
+from .sequence_parallel import sequence_parallel_pins
 from .tied import TiedGraph
 
 logger = logging.getLogger(__name__)
 
 
-BASELINES = ("ddp", "fsdp", "megatron")
+BASELINES = ("ddp", "fsdp", "megatron", "megatron-sp")
+"""The named hand configurations :func:`evaluate_plan` prices (see the module docstring)."""
 
 
 @dataclass
@@ -377,7 +390,7 @@ def evaluate_plan(
     virtual_stages: int | None = None,
     blocks_per_stage: list[int] | None = None,
 ) -> Estimate:
-    """Price a Plan, a HF-style tp_plan dict or a named baseline ("ddp", "fsdp", "megatron") under our model.
+    """Price a Plan, a HF-style tp_plan dict or a named baseline (:data:`BASELINES`) under our model.
 
     ``recompute``: "none", "full" or a selective option ("selective:pointwise": recompute the listed op classes,
     keep the others' outputs) for every block, or "auto" (recompute chosen per block to fit the budget with the
@@ -386,7 +399,8 @@ def evaluate_plan(
     solved plan reproduces its own prediction (time and memory). ``micro_batches``: each replica's batch runs in
     that many pieces with one gradient synchronisation (default: a Plan's own, else 1).
 
-    Hand configurations (not for a Plan, which carries its own): ``dp_mode`` runs a "megatron" baseline or a
+    Hand configurations (not for a Plan, which carries its own): ``dp_mode`` runs a "megatron" or "megatron-sp"
+    baseline or a
     tp_plan dict's data-parallel axis as "ddp" (the default), "fsdp" or "hsdp" (torchtitan's FSDP x TP and
     HSDP x TP), ``dp_shard_size`` is HSDP's shard group (default: one node's data-parallel ranks). A baseline is
     priced with the budget lifted (its activation placements chosen for time alone); ``fit_budget`` prices it
@@ -454,6 +468,13 @@ def evaluate_plan(
     tied = TiedGraph.build(planner.graph(mesh[0], k))
     canonical_fixed = {tied.canonical_param(k): v for k, v in fixed.items()}
     param_uses = _plan_param_uses(model, plan_or_baseline) if pin_uses else None
+    pins = None
+    layout = plan_or_baseline.hand_layout if isinstance(plan_or_baseline, Plan) else name
+    if layout == "megatron-sp":  # the ops between tensor-parallel regions pinned to sequence shards
+        borders, rows = tensor_parallel_modules(model, fixed)
+        pins = sequence_parallel_pins(
+            planner.graph(mesh[0], k), planner.strategies(mesh[0], mesh[1], k), planner.layers, borders, rows
+        )
     # Every parameter the baseline does not name stays replicated, as the baseline means; activations are
     # left to the solver (what a runtime's sharding propagation would do best). The budget is lifted so that a
     # baseline that does not fit is still priced, and reported as not fitting.
@@ -472,12 +493,15 @@ def evaluate_plan(
         dp_shard_size=shard,
         param_uses=param_uses,
         expert_dp=expert_dp,
+        strategy_pins=pins,
     )
     built, solution = _priced(
         build, recompute, pin, isinstance(plan_or_baseline, Plan) or fit_budget, time_limit_s
     )
     plan = planner.to_plan(mesh, dp_mode, built, solution)
     plan.memory_budget_bytes = budget
+    if pins is not None:
+        plan.hand_layout = layout
     return Estimate(name, plan.step_time_s, plan.peak_memory_bytes, budget, tuple(mesh), dp_mode, plan)
 
 
@@ -556,6 +580,11 @@ def _hand_pipeline(
     if n % pipeline:
         raise ValueError(f"pipeline={pipeline} does not divide the {n} devices")
     inner = n // pipeline
+    if baseline == "megatron-sp":
+        raise ValueError(
+            "megatron-sp: sequence parallelism inside pipeline stages is not priced yet (the stage search takes "
+            "parameter placements only); price 'megatron' with pipeline=, or 'megatron-sp' without it"
+        )
     if isinstance(baseline, str) and baseline in ("ddp", "fsdp"):
         tp, fixed, mode = 1, {}, baseline
     elif baseline == "megatron" or not isinstance(baseline, str):
@@ -641,10 +670,21 @@ def _configuration(
             mesh, dp_mode, fixed = (n, 1), "ddp", {}
         elif name == "fsdp":
             mesh, dp_mode, fixed = (n, 1), "fsdp", {}
-        elif name == "megatron":
+        elif name in ("megatron", "megatron-sp"):
             t = mesh_shape[-1] if mesh_shape else _largest_tp(n, cluster.devices_per_node, model)
             mesh, dp_mode = (n // t, t), "ddp"
             fixed = megatron_placements(model) if t > 1 else {}
+            if t == 1 and name == "megatron-sp":
+                raise ValueError(
+                    f"megatron-sp baseline: sequence parallelism shards between tensor-parallel regions and needs a "
+                    f"tensor-parallel axis > 1; mesh {mesh} has none"
+                    + (
+                        ""
+                        if mesh_shape
+                        else f" (no tensor-parallel size of {n} devices divides the attention heads)"
+                    )
+                    + ": pass mesh_shape=(dp, tp) with tp > 1, or price 'megatron'"
+                )
             if t == 1:
                 logger.warning(
                     "megatron baseline: no tensor-parallel size of %d devices divides the attention heads; "
@@ -659,9 +699,9 @@ def _configuration(
         mesh, dp_mode = (n // t, t), "ddp"
         fixed = tp_plan_placements(model, plan_or_baseline)
     if hand_dp_mode is not None:
-        if isinstance(plan_or_baseline, str) and name != "megatron":
+        if isinstance(plan_or_baseline, str) and name not in ("megatron", "megatron-sp"):
             raise ValueError(
-                f"{name}: its data-parallel mode is its name; dp_mode is for 'megatron' or a tp_plan"
+                f"{name}: its data-parallel mode is its name; dp_mode is for 'megatron', 'megatron-sp' or a tp_plan"
             )
         if hand_dp_mode != "ddp" and mesh[0] == 1:
             raise ValueError(

@@ -10,6 +10,9 @@ backward under ``torch.profiler`` (c10d's records of every collective: counts an
 prediction), compares loss and gradients with the model run in one process, takes one AdamW step and measures
 the next step's peak with MemTracker. ``<out>.rank<r>`` holds each plan's result.
 
+A case ``preset:megatron-sp`` runs the ``megatron-sp`` baseline (``evaluate_plan``, mesh 1 x 2) and plain
+``megatron`` priced alike, in place of the planned pair, run and measured alike.
+
 A case flagged ``dropout`` runs the model in train mode at attention and hidden dropout 0.1. Last, dropout on a
 value sharded on the sequence dim against one process's draw (random ops on sequence shards draw the shard's part
 of one process's mask).
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import json
 import os
 
@@ -49,6 +53,14 @@ def _model(preset: str, dropout: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     model = build_model(config, device="cpu")
     return model.train() if dropout else model.eval()
+
+
+def make_baseline_plans(model: torch.nn.Module, batch: dict, baseline: str) -> list[str]:
+    """A hand baseline on the 1 x 2 mesh (``evaluate_plan``) and plain ``megatron`` priced alike, as JSON."""
+    from hf_colossal_auto import evaluate_plan
+
+    common = dict(num_devices=2, device="cpu", mesh_shape=(1, 2), recompute="none")
+    return [evaluate_plan(model, batch, name, **common).plan.to_json() for name in (baseline, "megatron")]
 
 
 def make_plans(model: torch.nn.Module, batch: dict, fraction: float) -> list[str]:
@@ -117,7 +129,8 @@ def run_plan(name: str, plan, model: torch.nn.Module, batch: dict) -> dict:
 
 
 def run_case(spec: str, seq: int) -> list[dict]:
-    """``preset:fraction[:dropout]``: both plans of one model, planned on rank 0, run on every rank."""
+    """``preset:fraction[:dropout]``: both plans of one model, planned on rank 0, run on every rank;
+    ``preset:<baseline>`` (``megatron-sp``): that baseline and plain ``megatron``."""
     from hf_colossal_auto import Plan
     from hf_colossal_auto.apply.agree import run_on_one_rank
     from hf_colossal_auto.models import make_example_inputs
@@ -126,11 +139,16 @@ def run_case(spec: str, seq: int) -> list[dict]:
     dropout = "dropout" in flags
     model = _model(preset, dropout)
     batch = make_example_inputs(model, 1, seq, seed=0)
-    texts = json.loads(
-        run_on_one_rank(lambda: json.dumps(make_plans(model, batch, float(fraction))), what="planning")
-    )
+    if fraction.startswith("megatron"):  # a named baseline against plain Megatron
+        names, made = (fraction, "megatron"), functools.partial(make_baseline_plans, model, batch, fraction)
+    else:
+        names, made = (
+            ("sequence-parallel", "twin"),
+            functools.partial(make_plans, model, batch, float(fraction)),
+        )
+    texts = json.loads(run_on_one_rank(lambda: json.dumps(made()), what="planning"))
     results = []
-    for name, text in zip(("sequence-parallel", "twin"), texts, strict=True):
+    for name, text in zip(names, texts, strict=True):
         result = run_plan(name, Plan.from_dict(json.loads(text)), _model(preset, dropout), batch)
         results.append({"case": spec, **result})
     return results
@@ -163,7 +181,10 @@ def sequence_sharded_dropout() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--case", action="append", required=True, help="preset:budget fraction[:dropout]; repeat for several"
+        "--case",
+        action="append",
+        required=True,
+        help="preset:budget fraction[:dropout] or preset:megatron-sp; repeat for several",
     )
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--out", required=True)
