@@ -69,6 +69,7 @@ from torch import nn
 
 from .._torch_compat import attention_lse_kernel
 from ..capture.graph import Phase, StepGraph
+from ..capture.op_classes import op_base_name
 from ..hardware.roofline import host_time
 from ..plan import Plan
 from .build.builder import BuiltProblem
@@ -192,6 +193,10 @@ class AttentionKernel:
     traced_mask: int | None = None
     """Value id of the mask the traced fused kernel was given (padded rows: the chunk's padding and causal mask,
     converted by sdpa for this layer and kept for its backward), None where it was given none."""
+    mask_cast: bool = False
+    """The kernel runs in another dtype than the attention is called with (autocast casts the queries, e.g.
+    Llama's float32 after RoPE, to bfloat16): the runtime's mask is cast per layer too, a ``[rows, 1, s, S]``
+    copy kept for the layer's backward (the traced copy, ``cp`` times over), besides the step's mask."""
 
 
 @dataclass(frozen=True)
@@ -273,14 +278,25 @@ def attention_kernels(
         numel = math.prod(query.shape) or 1
         local = query.shape[-2] if len(query.shape) >= 2 else 0
         rows = query.shape[0] if padded and len(query.shape) == 4 else 1
-        mask = float(rows * local * local * cp * (query.nbytes / numel))
+        itemsize = query.nbytes / numel
+        cast = False
+        if padded:  # the runtime builds its mask in the dtype the attention is called with (before autocast)
+            itemsize, cast = _called_itemsize(graph, node, itemsize)
+        mask = float(rows * local * local * cp * itemsize)
         blocked = runtime is not None and runtime.blocked(graph, node)
         if blocked:
             held, mask = gathered, 0.0
         kernels.append(
             AttentionKernel(
-                node.index, gathered, held, mask, blocked, node.outputs[1], traced_mask=traced_mask
-            )  # type: ignore[arg-type]
+                node.index,
+                gathered,
+                held,
+                mask,
+                blocked,
+                node.outputs[1],  # type: ignore[arg-type]
+                traced_mask=traced_mask,
+                mask_cast=cast,
+            )
         )
     if not kernels:
         raise ContextParallelUnsupported(
@@ -335,6 +351,21 @@ def _math_kernels(
     return kernels
 
 
+def _called_itemsize(graph: StepGraph, node: Any, itemsize: float) -> tuple[float, bool]:
+    """Bytes per element of the queries the attention of kernel ``node`` was called with, and whether the kernel
+    got them cast (a ``_to_copy`` in the attention module: autocast's, or the CUDA tracing's cast as autocast
+    does); ``itemsize``, False where not cast."""
+    producer = graph.values[node.inputs[0]].producer
+    if producer is None:
+        return itemsize, False
+    cast = graph.nodes[producer]
+    if op_base_name(cast.op) != "_to_copy" or cast.module != node.module or not cast.inputs:
+        return itemsize, False
+    source = graph.values[cast.inputs[0]]
+    source_itemsize = source.nbytes / (math.prod(source.shape) or 1)
+    return source_itemsize, source_itemsize != itemsize
+
+
 def _mask_input(graph: StepGraph, node) -> int | None:
     """The tensor an attention kernel gets besides q, k, v (a mask or bias), None where it gets none."""
     return next((x for x in node.inputs[3:] if x in graph.values and len(graph.values[x].shape) >= 2), None)
@@ -349,8 +380,8 @@ def context_parallel_step(
     padded: bool = False,
 ) -> StepGraph:
     """``graph`` (the step traced on the cp-chunked batch) made what a cp rank runs, in place: each attention
-    kernel's FLOPs (forward and backward) ``cp`` times (its queries meet all keys), its K/V reads those of the
-    gathered K/V, and what the runtime holds beyond the trace (:func:`_grow`): per kernel the K/V it keeps
+    kernel's FLOPs (forward and backward) ``cp`` times (its queries meet all keys), its K/V reads (and its
+    backward's K/V gradient writes) those of the gathered K/V, and what the runtime holds beyond the trace (:func:`_grow`): per kernel the K/V it keeps
     (all ``S`` tokens at the query heads, :attr:`AttentionKernel.held_bytes`) from the forward kernel to its
     backward, on its log-sum-exp's storage; the step's one additive mask, on the first kernel's (freed by the
     last backward kernel, where the runtime's lives to the next forward). The logits stay the chunk's: a step
@@ -364,7 +395,7 @@ def context_parallel_step(
     kernels = attention_kernels(graph, cp, kv_heads, runtime, query_heads, padded)
     grown: dict[int, int] = {}
     traced_masks = {k.traced_mask for k in kernels if k.traced_mask is not None}
-    dropped: set[int] = set()
+    done: set[int] = set()
     masked = [k for k in kernels if not k.blocked]
     step_mask = {masked[0].index: int(masked[0].mask_bytes)} if masked else {}  # on its first user's storage
     for kernel in kernels:
@@ -379,12 +410,13 @@ def context_parallel_step(
         extra = int(sum(kernel.held_bytes)) - traced_kv + step_mask.get(kernel.index, 0)
         _grow(graph, kernel.kept, extra, grown)
         if kernel.traced_mask is not None:
-            _drop_layer_mask(graph, kernel.traced_mask, node.module, grown, dropped)
+            _layer_mask(graph, kernel.traced_mask, node.module, cp if kernel.mask_cast else 0, grown, done)
     backward = [n for n in graph.nodes if n.op in ATTENTION_BACKWARD_KERNELS]
     for node in backward:
         node.flops *= cp
         kv = sum(graph.values[x].nbytes for x in node.inputs[2:4])
         node.bytes_read += (cp - 1) * (kv + _mask_read(graph, node, traced_masks))
+        node.bytes_written += (cp - 1) * sum(graph.values[x].nbytes for x in node.outputs[1:3])  # dK, dV
     for sid, extra in grown.items():
         storage = graph.storages[sid]
         graph.storages[sid] = dataclasses.replace(storage, nbytes=storage.nbytes + extra)
@@ -403,19 +435,23 @@ def _mask_read(graph: StepGraph, node: Any, masks: set[int]) -> int:
     return sum(graph.values[x].nbytes for x in node.inputs if x in masks)
 
 
-def _drop_layer_mask(
-    graph: StepGraph, mask: int, module: str, grown: dict[int, int], dropped: set[int]
+def _layer_mask(
+    graph: StepGraph, mask: int, module: str, scale: int, grown: dict[int, int], done: set[int]
 ) -> None:
-    """Drop the storage of the mask a traced kernel of ``module`` was given where ``module`` made it (sdpa's
-    per-layer conversion of the model's boolean mask, kept for the kernel's backward): the runtime hands every
-    layer its one additive mask unconverted. A mask made outside the module (the model's, shared by the layers)
-    is left: the runtime builds no such mask, but it is the size of a layer's copy at most (boolean)."""
+    """The storage of the mask a traced kernel of ``module`` was given, where ``module`` made it (sdpa's
+    per-layer conversion of the model's boolean mask, kept for the kernel's backward), made ``scale`` times its
+    size: 0 (dropped) where the runtime hands every layer its one additive mask as it is, ``cp`` where the kernel
+    gets it cast (:attr:`AttentionKernel.mask_cast`: a per-layer copy of ``[rows, 1, s, S]``). A mask made
+    outside the module (the model's, shared by the layers) is left: the runtime builds no such mask, but it is
+    the size of a layer's copy at most (boolean)."""
     info = graph.values[mask]
     producer = info.producer
-    if producer is None or graph.nodes[producer].module != module or info.storage_id in dropped:
+    if producer is None or graph.nodes[producer].module != module or info.storage_id in done:
         return
-    dropped.add(info.storage_id)
-    grown[info.storage_id] = grown.get(info.storage_id, 0) - graph.storages[info.storage_id].nbytes
+    done.add(info.storage_id)
+    grown[info.storage_id] = (
+        grown.get(info.storage_id, 0) + (scale - 1) * graph.storages[info.storage_id].nbytes
+    )
 
 
 def _grow(graph: StepGraph, value: int, extra: int, grown: dict[int, int]) -> None:
