@@ -241,9 +241,8 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
     assert fsdp["fsdp_mesh"] == [1, 2, 1]
     _fsdp_close(fsdp, 2)
     planned = next(r for r in results if "planned" in r)
-    assert planned["planned"] == {"mesh": [1, 2, 1], "dp_mode": "fsdp", "cp": 2} and planned["sharded"], (
-        planned
-    )
+    assert planned["planned"] == {"mesh": [1, 2, 1], "dp_mode": "fsdp", "cp": 2, "kind": "plain"}, planned
+    assert planned["sharded"], planned
     assert abs(planned["loss"] - planned["reference_loss"]) <= 1e-5 * planned["reference_loss"], planned
     assert planned["max_grad_diff"] <= 1e-5, planned
     loops = [r["accelerate"] for r in results if "accelerate" in r]
@@ -268,6 +267,19 @@ def test_gloo_cp2_equals_one_process_and_refuses_on_every_rank(tmp_path):
     assert bf16["bf16_gathers_first_read"] == [6, vocab_sized], bf16
     assert bf16["bf16_logits"] == ["torch.float32", [2, 16, bf16["vocab"]]], bf16
     assert bf16["bf16_logits_err"] <= 2e-2 and bf16["bf16_wrapped"] == [True, True], bf16
+
+
+def test_gloo_planned_cp2_on_padded_rows_equals_one_process(tmp_path):
+    """The planner's cp = 2 plan for padded rows (a padding mask: every layer on the mask path), applied on 2
+    gloo ranks: one process's loss and gradients."""
+    out = tmp_path / "cp2-padded.json"
+    run_torchrun(
+        CHECK, "--cases", "", "--no-first-call", "--planned-padded", "--out", str(out), nproc=2, timeout=300
+    )
+    planned = next(r for r in json.loads(out.read_text()) if "planned" in r)
+    assert planned["planned"] == {"mesh": [1, 2, 1], "dp_mode": "ddp", "cp": 2, "kind": "padded"}, planned
+    assert abs(planned["loss"] - planned["reference_loss"]) <= 1e-5 * planned["reference_loss"], planned
+    assert planned["max_grad_diff"] <= 1e-5, planned
 
 
 def test_gloo_cp_times_tp_and_dp_times_cp_equal_one_process(tmp_path):

@@ -311,9 +311,13 @@ def _gathered_attention(cp: int):
     return attention
 
 
-def _peak(graph) -> int:
+def _peak(graph, before=None) -> int:
+    """The step's peak live bytes; with ``before`` (a phase), up to that phase's first op."""
+    end = next((n.index for n in graph.nodes if n.phase == before), len(graph.nodes) + 1)
     now = peak = 0
     for event in sorted(graph.memory_events, key=lambda e: (e.position, e.delta < 0)):
+        if event.position >= end:
+            break
         now += event.delta
         peak = max(peak, now)
     return peak
@@ -382,3 +386,95 @@ def test_plan_with_attention_dropout_on_cpu(name):
         2 * 32 * kv_heads * 16 * 4
     )  # layers x (K, V) x rows x tokens
     assert info["kv_all_gather_s"] > 0 and plan.collectives["cp_all_gather"] == 4
+
+
+# ------------------------------------------------------------------------------------------- padded rows
+def _padded_gathered_attention(cp: int, rows: int):
+    """transformers' sdpa attention as the runtime's mask path runs it on one cp rank of padded rows: K and V of
+    all ``cp`` ranks (``cat`` standing for the all-gather) and one additive ``[rows, 1, s, S]`` mask (a row's
+    padding) shared by the layers."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    masks = {}
+
+    def attention(module, q, k, v, mask, **kwargs):
+        k, v = torch.cat([k] * cp, dim=2), torch.cat([v] * cp, dim=2)
+        key = (q.shape[2], k.shape[2], q.dtype)
+        if key not in masks:
+            masks[key] = torch.zeros(rows, 1, *key[:2], dtype=q.dtype)
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, q, k, v, masks[key], is_causal=False, **kwargs)
+
+    return attention
+
+
+@pytest.mark.parametrize(("device_kind", "precision"), [("cpu", None), ("cuda", "bf16")])
+def test_padded_rows_made_a_cp_ranks(device_kind, precision):
+    """Padded rows (a 2-D padding mask): the traced chunk's fused kernel is given its chunk's mask; the step
+    made a cp rank's prices every layer on the mask path: forward and backward kernels with the same FLOPs and
+    bytes, call by call, as a trace of the runtime's (all ranks' K/V, one [rows, 1, s, S] mask; under bf16
+    autocast a per-layer cast copy of it), its forward-and-backward peak that trace's and its
+    step's peak short of it by at most the step's mask (priced freed at the last backward; kept to the next forward)."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_colossal_auto.capture.tracer import trace_training_step
+    from hf_colossal_auto.solve.context_parallel_search import kv_head_count, query_head_count
+
+    cp, rows, s = 2, 2, 16
+    model = _llama()
+    model.train()
+    ids = torch.randint(0, 256, (rows, s))  # one cp rank's 2 rows of s = 16 of S = 32 tokens
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0  # the second row's chunk ends in padding
+    trace = dict(fold_blocks=False, device_kind=device_kind, mixed_precision=precision)
+    plain = trace_training_step(model, {"input_ids": ids, "labels": ids, "attention_mask": mask}, **trace)
+    forward = [n for n in plain.nodes if n.op in ATTENTION_FORWARD_KERNELS]
+    assert forward and all(len(n.inputs) > 3 for n in forward)  # the fused kernel is given the chunk's mask
+    with pytest.raises(Exception, match="not a padding mask"):
+        attention_kernels(plain, cp, kv_head_count(model))
+    made = context_parallel_step(plain, cp, kv_head_count(model), None, query_head_count(model), padded=True)
+    ALL_ATTENTION_FUNCTIONS.register("cp_test_gathered_padded", _padded_gathered_attention(cp, rows))
+    try:
+        model.config._attn_implementation = "cp_test_gathered_padded"
+        truth = trace_training_step(model, {"input_ids": ids, "labels": ids}, **trace)
+    finally:
+        model.config._attn_implementation = "sdpa"
+    kernels = ATTENTION_FORWARD_KERNELS + ATTENTION_BACKWARD_KERNELS
+    priced = [(n.op, n.flops, n.bytes_read, n.bytes_written) for n in made.nodes if n.op in kernels]
+    ran = [(n.op, n.flops, n.bytes_read, n.bytes_written) for n in truth.nodes if n.op in kernels]
+    assert len(priced) == 2 * model.config.num_hidden_layers and priced == ran
+    step_mask = rows * s * cp * s * 4  # [rows, 1, s, S] in float32: Llama calls attention with RoPE's float32
+    assert 0 <= _peak(truth) - _peak(made) <= step_mask, (_peak(truth), _peak(made))
+    training = _peak(truth, Phase.OPTIMIZER) - _peak(made, Phase.OPTIMIZER)  # forward and backward only
+    assert training == 0, training
+
+
+def test_plan_with_padded_rows():
+    """plan_model(context_parallel=2) on tiny Llama with padded rows plans cp (every layer on the mask path, not
+    blocked); a 4-D mask and padded rows on SDPA's math path (CPU attention dropout) are refused saying what to
+    do."""
+    import torch
+
+    model = _llama()
+    ids = torch.randint(0, 256, (2, 64))
+    mask = torch.ones_like(ids)
+    mask[1, 40:] = 0
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": mask}
+    common = dict(num_devices=2, device=DEVICE, mixed_precision="bf16")
+    plan = plan_model(model, batch, context_parallel=2, **common)
+    assert plan.cp_size == 2 and plan.mesh_shape == (1, 2, 1)
+    info = plan.solver["context_parallel"]
+    assert info["attention_layers"] == model.config.num_hidden_layers and info["kv_all_gather_s"] > 0
+    cp = ContextParallelPlanner(_planner(model, batch, 2), 2)
+    assert cp.padded and not any(
+        k.blocked for k in attention_kernels(cp.graph(2), 2, cp.kv_heads, cp.runtime_attention(), padded=True)
+    )
+    square = {**batch, "attention_mask": torch.ones(2, 1, 64, 64)}
+    with pytest.raises(ValueError, match="4-D attention_mask.*pass the 2-D padding mask"):
+        plan_model(model, square, context_parallel=2, **common)
+    dropout = _dropout_models()["llama"]()
+    dropout.train()
+    with pytest.raises(ValueError, match="math path.*padding mask.*attention_dropout=0"):
+        plan_model(dropout, batch, num_devices=2, device="cpu", context_parallel=2)

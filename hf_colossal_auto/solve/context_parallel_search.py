@@ -39,9 +39,20 @@ hidden states) over cp only when the caller reads them (``apply/context_parallel
 whole sequence's logits nor their all-gather are in the plan; ``solver["context_parallel"]`` says what a read
 of the logits would add (``logits_read_bytes``, ``logits_read_s``), and the plan's summary says so.
 
-Offered only where the traced step's attention is a fused SDPA kernel without an explicit mask (the runtime
-gathers K and V, not masks): eager attention, a padding mask or an unknown kernel leaves cp out, with a log line
-naming why (an error when the cp degree is fixed).
+A batch with a 2-D padding ``attention_mask`` (padded rows, :func:`has_padding`) runs every layer on the mask
+path: the runtime keeps the padding mask whole on every rank (every cp rank of a replica is fed the same rows, so
+no mask is gathered: only K and V), builds one additive mask ``[rows, 1, S / c, S]`` a step in the queries'
+dtype, and hands it to the model's sdpa, whose kernel is the one the trace of the padded chunks picked (a fused
+kernel that takes a mask: the CPU's flash kernel, CUDA's memory-efficient one). The traced kernel's mask (its
+chunk's ``[rows, 1, S / c, S / c]``, which sdpa converts per layer and keeps for backward) is read ``c`` times
+over, forward and backward, and its per-layer copy is dropped for the step's one mask (:attr:`AttentionKernel.
+traced_mask`). Priced so on every layer, whether the rows traced are padded or not (the runtime keeps the blocked
+path for a step whose rows carry no padding). A 4-D (custom) mask is refused: the runtime cuts none.
+
+Offered only where the traced step's attention is a fused SDPA kernel given no mask besides the padding's (the
+runtime builds masks from global positions, it gathers none): eager attention, a mask not from padding (a
+sliding window's) or an unknown kernel leaves cp out, with a log line naming why (an error when the cp degree is
+fixed).
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ from torch import nn
 
 from .._torch_compat import attention_lse_kernel
 from ..capture.graph import Phase, StepGraph
+from ..capture.op_classes import op_base_name
 from ..hardware.roofline import host_time
 from ..plan import Plan
 from .build.builder import BuiltProblem
@@ -104,11 +116,28 @@ def sequence_length(example_inputs: Mapping[str, Any]) -> int:
     return int(ids.shape[1])
 
 
+def has_padding(example_inputs: Mapping[str, Any]) -> bool:
+    """Whether the batch's ``attention_mask`` pads some row (a 0 anywhere): the runtime then runs every layer's
+    attention on the mask path. Refused: a mask that is not 2-D (``[batch, sequence]``), which the runtime does
+    not cut by sequence positions."""
+    mask = example_inputs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor):
+        return False
+    if mask.dim() != 2:
+        raise ContextParallelUnsupported(
+            f"a {mask.dim()}-D attention_mask of shape {tuple(mask.shape)} (a custom mask) cannot be cut by "
+            "sequence positions under context parallelism; pass the 2-D padding mask [batch, sequence] (or "
+            "position_ids that restart for packed documents), or plan without context parallelism"
+        )
+    return not bool(mask.bool().all())
+
+
 def chunked_inputs(example_inputs: Mapping[str, Any], cp: int) -> dict[str, Any]:
     """The batch as one cp rank's token-wise ops see it: each of ``B`` sequences of ``S`` tokens as ``cp``
     sequences of ``S / cp`` (``[B, S, ...]`` -> ``[B x cp, S / cp, ...]``). Any tensor without the sequence dim
-    is refused: its split over cp is not known."""
+    is refused: its split over cp is not known (a 4-D attention mask by name, :func:`has_padding`)."""
     seq = sequence_length(example_inputs)
+    has_padding(example_inputs)
     out: dict[str, Any] = {}
     for key, value in example_inputs.items():
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
@@ -161,6 +190,13 @@ class AttentionKernel:
     the math path's probabilities (each kept from the forward to the backward of its call)."""
     math: MathAttention | None = None
     """The call traced as SDPA's math decomposition (:mod:`.context_parallel_math`), None for a fused kernel."""
+    traced_mask: int | None = None
+    """Value id of the mask the traced fused kernel was given (padded rows: the chunk's padding and causal mask,
+    converted by sdpa for this layer and kept for its backward), None where it was given none."""
+    mask_cast: bool = False
+    """The kernel runs in another dtype than the attention is called with (autocast casts the queries, e.g.
+    Llama's float32 after RoPE, to bfloat16): the runtime's mask is cast per layer too, a ``[rows, 1, s, S]``
+    copy kept for the layer's backward (the traced copy, ``cp`` times over), besides the step's mask."""
 
 
 @dataclass(frozen=True)
@@ -168,17 +204,19 @@ class RuntimeAttention:
     """What decides how the runtime runs a layer's attention, as the planner sees it: the device kind, the
     model's attention modules (causality, sliding window) and the traced kernel (dtype, head dim, dropout).
     Blocked, without a mask, where the runtime's :func:`~hf_colossal_auto.apply.context_parallel_blocks.
-    blocked_reason` would say so for the planned batch (no padding mask: cp is not offered with one)."""
+    blocked_reason` would say so for the planned batch (never with padded rows: :attr:`padded`)."""
 
     device_kind: str
     modules: Mapping[str, nn.Module]
+    padded: bool = False
+    """The batch pads some row (:func:`has_padding`): every layer runs the mask path."""
 
     def blocked(self, graph: StepGraph, node: Any) -> bool:
         """Whether the attention of forward kernel ``node`` runs blocked. (A sliding window would too, with
         small masks, but its traced kernel is given the window's mask, which leaves cp unoffered.)"""
         module = self.modules.get(node.module)
         query = graph.values[node.inputs[0]]
-        if module is None or not getattr(module, "is_causal", True) or len(query.shape) != 4:
+        if self.padded or module is None or not getattr(module, "is_causal", True) or len(query.shape) != 4:
             return False
         if _kernel_dropout(node):
             return False
@@ -206,23 +244,29 @@ def attention_kernels(
     kv_heads: int | None,
     runtime: RuntimeAttention | None = None,
     query_heads: int | None = None,
+    padded: bool = False,
 ) -> list[AttentionKernel]:
     """The step's forward attention kernels (see :data:`ATTENTION_FORWARD_KERNELS`) with the K/V each gathers
     (``cp x`` the traced chunk, at ``kv_heads`` heads: the traced key input may have them already, the trace
     runs sdpa's grouped-query attention without a mask, or repeated to the query heads) and keeps, blocked or on
     the mask path as ``runtime`` says (None: the mask path). SDPA calls traced as its math decomposition (on a
     CPU target with attention dropout: :mod:`.context_parallel_math`) count as kernels on the mask path, their
-    K/V at ``query_heads``. Refused where there are none (eager attention: its matmul + softmax gets the model's
-    mask) or a kernel is given a mask."""
-    kernels = _math_kernels(graph, cp, kv_heads, query_heads)
+    K/V at ``query_heads``. ``padded`` (:func:`has_padding`): the step's mask is ``[rows, 1, s, S]`` (a row's
+    padding), not ``[1, 1, s, S]``, and a kernel given the traced chunk's mask is priced (its mask recorded,
+    :attr:`AttentionKernel.traced_mask`). Refused where there are none (eager attention: its matmul + softmax
+    gets the model's mask) or a kernel is given a mask without padded rows (a sliding window's)."""
+    kernels = _math_kernels(graph, cp, kv_heads, query_heads, padded)
     for node in graph.nodes:
         if node.op not in ATTENTION_FORWARD_KERNELS:
             continue
         q, k, v = node.inputs[:3]
-        if _has_mask(graph, node):
+        traced_mask = _mask_input(graph, node)
+        if traced_mask is not None and not padded:
             raise ContextParallelUnsupported(
-                f"attention in {node.module or type(graph).__name__} ({node.op}) is given a mask tensor; context "
-                "parallelism gathers K and V only (causal attention without a padding mask)"
+                f"attention in {node.module or type(graph).__name__} ({node.op}) is given a mask tensor that is "
+                "not a padding mask (a sliding window's, or the model's own); context parallelism builds masks "
+                "from global positions for causal attention with padding or packed documents: plan without "
+                "context parallelism, or without the model's extra mask"
             )
         query = graph.values[q]
         traced_heads = graph.values[k].shape[1] if len(graph.values[k].shape) == 4 else None
@@ -233,11 +277,27 @@ def attention_kernels(
         held = tuple(float(graph.values[x].nbytes) * cp * held_ratio for x in (k, v))
         numel = math.prod(query.shape) or 1
         local = query.shape[-2] if len(query.shape) >= 2 else 0
-        mask = float(local * local * cp * (query.nbytes / numel))
+        rows = query.shape[0] if padded and len(query.shape) == 4 else 1
+        itemsize = query.nbytes / numel
+        cast = False
+        if padded:  # the runtime builds its mask in the dtype the attention is called with (before autocast)
+            itemsize, cast = _called_itemsize(graph, node, itemsize)
+        mask = float(rows * local * local * cp * itemsize)
         blocked = runtime is not None and runtime.blocked(graph, node)
         if blocked:
             held, mask = gathered, 0.0
-        kernels.append(AttentionKernel(node.index, gathered, held, mask, blocked, node.outputs[1]))  # type: ignore[arg-type]
+        kernels.append(
+            AttentionKernel(
+                node.index,
+                gathered,
+                held,
+                mask,
+                blocked,
+                node.outputs[1],  # type: ignore[arg-type]
+                traced_mask=traced_mask,
+                mask_cast=cast,
+            )
+        )
     if not kernels:
         raise ContextParallelUnsupported(
             f"no fused attention kernel (scaled_dot_product_attention) in the traced step of {graph.model_class}: "
@@ -249,15 +309,23 @@ def attention_kernels(
 
 
 def _math_kernels(
-    graph: StepGraph, cp: int, kv_heads: int | None, query_heads: int | None
+    graph: StepGraph, cp: int, kv_heads: int | None, query_heads: int | None, padded: bool = False
 ) -> list[AttentionKernel]:
     """SDPA calls of ``graph`` traced as the math path, as kernels on the runtime's mask path: K/V gathered at
     ``kv_heads`` (the math path's operands are at ``query_heads``) and held at the query heads, the step's mask
     ``[1, 1, s, S]``. Refused by name: one that adds a mask from outside its attention module (eager attention's
     causal mask, a padding mask), or one without dropout (whose kernel on the runtime's device the trace did
-    not pick)."""
+    not pick). Padded rows on the math path (a CPU target with attention dropout) are refused too: the pricing
+    of a padding mask added to the scores is the fused kernels'."""
     kernels = []
     for call in math_attention_calls(graph):
+        if padded:
+            raise ContextParallelUnsupported(
+                f"attention in {call.module or graph.model_class} runs scaled_dot_product_attention's unfused math "
+                "path (attention dropout on a CPU target) with a padding mask, which context parallelism does not "
+                "price; train without attention dropout (config attention_dropout=0), pack the rows (all-ones "
+                "mask), or plan for a CUDA device"
+            )
         if call.outside_mask:
             raise ContextParallelUnsupported(
                 "no fused attention kernel (scaled_dot_product_attention) without a mask in the traced step: "
@@ -283,9 +351,24 @@ def _math_kernels(
     return kernels
 
 
-def _has_mask(graph: StepGraph, node) -> bool:
-    """Whether an attention kernel gets a tensor besides q, k, v (a mask or bias)."""
-    return any(len(graph.values[x].shape) >= 2 for x in node.inputs[3:] if x in graph.values)
+def _called_itemsize(graph: StepGraph, node: Any, itemsize: float) -> tuple[float, bool]:
+    """Bytes per element of the queries the attention of kernel ``node`` was called with, and whether the kernel
+    got them cast (a ``_to_copy`` in the attention module: autocast's, or the CUDA tracing's cast as autocast
+    does); ``itemsize``, False where not cast."""
+    producer = graph.values[node.inputs[0]].producer
+    if producer is None:
+        return itemsize, False
+    cast = graph.nodes[producer]
+    if op_base_name(cast.op) != "_to_copy" or cast.module != node.module or not cast.inputs:
+        return itemsize, False
+    source = graph.values[cast.inputs[0]]
+    source_itemsize = source.nbytes / (math.prod(source.shape) or 1)
+    return source_itemsize, source_itemsize != itemsize
+
+
+def _mask_input(graph: StepGraph, node) -> int | None:
+    """The tensor an attention kernel gets besides q, k, v (a mask or bias), None where it gets none."""
+    return next((x for x in node.inputs[3:] if x in graph.values and len(graph.values[x].shape) >= 2), None)
 
 
 def context_parallel_step(
@@ -294,19 +377,25 @@ def context_parallel_step(
     kv_heads: int | None,
     runtime: RuntimeAttention | None = None,
     query_heads: int | None = None,
+    padded: bool = False,
 ) -> StepGraph:
     """``graph`` (the step traced on the cp-chunked batch) made what a cp rank runs, in place: each attention
-    kernel's FLOPs (forward and backward) ``cp`` times (its queries meet all keys), its K/V reads those of the
-    gathered K/V, and what the runtime holds beyond the trace (:func:`_grow`): per kernel the K/V it keeps
+    kernel's FLOPs (forward and backward) ``cp`` times (its queries meet all keys), its K/V reads (and its
+    backward's K/V gradient writes) those of the gathered K/V, and what the runtime holds beyond the trace (:func:`_grow`): per kernel the K/V it keeps
     (all ``S`` tokens at the query heads, :attr:`AttentionKernel.held_bytes`) from the forward kernel to its
     backward, on its log-sum-exp's storage; the step's one additive mask, on the first kernel's (freed by the
     last backward kernel, where the runtime's lives to the next forward). The logits stay the chunk's: a step
     that reads only the loss gathers no output (:mod:`~hf_colossal_auto.apply.context_parallel_outputs`). A
     call traced as SDPA's math path (:mod:`.context_parallel_math`) has its score ops and matmuls, forward and
     backward, and its score tensors scaled to the key length instead, its K/V and the mask on its
-    probabilities' storage."""
-    kernels = attention_kernels(graph, cp, kv_heads, runtime, query_heads)
+    probabilities' storage. ``padded`` (:func:`has_padding`): a kernel given the traced chunk's mask reads
+    ``cp`` times it, forward and backward (the runtime's ``[rows, 1, s, S]``), and the per-layer copy sdpa made
+    of it in the attention module is dropped (the runtime's one mask, already priced as the step's, is handed
+    to every layer as it is)."""
+    kernels = attention_kernels(graph, cp, kv_heads, runtime, query_heads, padded)
     grown: dict[int, int] = {}
+    traced_masks = {k.traced_mask for k in kernels if k.traced_mask is not None}
+    done: set[int] = set()
     masked = [k for k in kernels if not k.blocked]
     step_mask = {masked[0].index: int(masked[0].mask_bytes)} if masked else {}  # on its first user's storage
     for kernel in kernels:
@@ -317,13 +406,17 @@ def context_parallel_step(
         else:
             traced_kv = sum(graph.values[x].nbytes for x in node.inputs[1:3])
             node.flops *= cp
-            node.bytes_read += (cp - 1) * traced_kv
+            node.bytes_read += (cp - 1) * (traced_kv + _mask_read(graph, node, traced_masks))
         extra = int(sum(kernel.held_bytes)) - traced_kv + step_mask.get(kernel.index, 0)
         _grow(graph, kernel.kept, extra, grown)
+        if kernel.traced_mask is not None:
+            _layer_mask(graph, kernel.traced_mask, node.module, cp if kernel.mask_cast else 0, grown, done)
     backward = [n for n in graph.nodes if n.op in ATTENTION_BACKWARD_KERNELS]
     for node in backward:
         node.flops *= cp
-        node.bytes_read += (cp - 1) * sum(graph.values[x].nbytes for x in node.inputs[2:4])
+        kv = sum(graph.values[x].nbytes for x in node.inputs[2:4])
+        node.bytes_read += (cp - 1) * (kv + _mask_read(graph, node, traced_masks))
+        node.bytes_written += (cp - 1) * sum(graph.values[x].nbytes for x in node.outputs[1:3])  # dK, dV
     for sid, extra in grown.items():
         storage = graph.storages[sid]
         graph.storages[sid] = dataclasses.replace(storage, nbytes=storage.nbytes + extra)
@@ -335,6 +428,30 @@ def context_parallel_step(
         events.append(event)
     graph.memory_events = events
     return graph
+
+
+def _mask_read(graph: StepGraph, node: Any, masks: set[int]) -> int:
+    """Bytes of the traced masks (``masks``) that attention kernel ``node`` reads."""
+    return sum(graph.values[x].nbytes for x in node.inputs if x in masks)
+
+
+def _layer_mask(
+    graph: StepGraph, mask: int, module: str, scale: int, grown: dict[int, int], done: set[int]
+) -> None:
+    """The storage of the mask a traced kernel of ``module`` was given, where ``module`` made it (sdpa's
+    per-layer conversion of the model's boolean mask, kept for the kernel's backward), made ``scale`` times its
+    size: 0 (dropped) where the runtime hands every layer its one additive mask as it is, ``cp`` where the kernel
+    gets it cast (:attr:`AttentionKernel.mask_cast`: a per-layer copy of ``[rows, 1, s, S]``). A mask made
+    outside the module (the model's, shared by the layers) is left: the runtime builds no such mask, but it is
+    the size of a layer's copy at most (boolean)."""
+    info = graph.values[mask]
+    producer = info.producer
+    if producer is None or graph.nodes[producer].module != module or info.storage_id in done:
+        return
+    done.add(info.storage_id)
+    grown[info.storage_id] = (
+        grown.get(info.storage_id, 0) + (scale - 1) * graph.storages[info.storage_id].nbytes
+    )
 
 
 def _grow(graph: StepGraph, value: int, extra: int, grown: dict[int, int]) -> None:
@@ -392,12 +509,15 @@ def add_kv_collectives(
     kv_heads: int | None,
     tp: int,
     query_heads: int | None = None,
+    padded: bool = False,
 ) -> dict[str, KvCollectives]:
     """Every attention op node of ``built`` costs, per strategy and micro-batch, the all-gathers of its K and V
     over cp and the reduce-scatters of their gradients (:func:`attention_kernels`; a strategy that splits the
     key input over tp gathers ``1 / tp``). Returns them by ILP node name, for the plan's figures."""
     micro = built.micro_batches
-    kernels = {k.index: k for k in attention_kernels(graph, cp, kv_heads, query_heads=query_heads)}
+    kernels = {
+        k.index: k for k in attention_kernels(graph, cp, kv_heads, query_heads=query_heads, padded=padded)
+    }
     added: dict[str, KvCollectives] = {}
     for name, index in built.node_of_name.items():
         kernel = kernels.get(index)
@@ -438,12 +558,14 @@ class StepExtras:
     micro_batches: int
 
 
-def step_extras(graph: StepGraph, cp: int, logits_module: str | None, micro_batches: int) -> StepExtras:
+def step_extras(
+    graph: StepGraph, cp: int, logits_module: str | None, micro_batches: int, padded: bool = False
+) -> StepExtras:
     """:class:`StepExtras` of a cp rank's step ``graph`` (made by :func:`context_parallel_step`: its logits are
     the chunk's)."""
     logits = logits_value(graph, logits_module)
     gathered = float(graph.values[logits].nbytes) * cp if logits is not None else 0.0
-    modules = tuple(graph.nodes[k.index].module for k in attention_kernels(graph, cp, None))
+    modules = tuple(graph.nodes[k.index].module for k in attention_kernels(graph, cp, None, padded=padded))
     return StepExtras(gathered, modules, micro_batches)
 
 
@@ -483,6 +605,7 @@ class ContextParallelPlanner(_Planner):
         self.cp = cp
         self.kv_heads = kv_head_count(outer.model)
         self.query_heads = query_head_count(outer.model)
+        self.padded = has_padding(outer.inputs)
         self.logits_module = output_embeddings_name(outer.model)
         self.outer = outer
         self._kv: dict[int, dict[str, KvCollectives]] = {}
@@ -492,12 +615,17 @@ class ContextParallelPlanner(_Planner):
 
     def _trace(self, rows: int) -> StepGraph:
         return context_parallel_step(
-            super()._trace(rows), self.cp, self.kv_heads, self.runtime_attention(), self.query_heads
+            super()._trace(rows),
+            self.cp,
+            self.kv_heads,
+            self.runtime_attention(),
+            self.query_heads,
+            self.padded,
         )
 
     def runtime_attention(self) -> RuntimeAttention:
         """How the runtime's attention runs on this cluster's devices (blocked or masked, per layer)."""
-        return RuntimeAttention(self.spec.kind, dict(self.outer.model.named_modules()))
+        return RuntimeAttention(self.spec.kind, dict(self.outer.model.named_modules()), self.padded)
 
     def any_graph(self, dp: int, micro_batches: int = 1) -> StepGraph:
         """A step at hand for what does not depend on the batch (parameters, their optimizer state, the ops that
@@ -526,9 +654,11 @@ class ContextParallelPlanner(_Planner):
         built = super().build(mesh, dp_mode, *args, **kwargs)
         graph = self.graph(mesh[0], built.micro_batches)
         self._kv[id(built)] = add_kv_collectives(
-            built, graph, self.cp_comm(mesh), self.cp, self.kv_heads, mesh[1], self.query_heads
+            built, graph, self.cp_comm(mesh), self.cp, self.kv_heads, mesh[1], self.query_heads, self.padded
         )
-        self._extras[id(built)] = step_extras(graph, self.cp, self.logits_module, built.micro_batches)
+        self._extras[id(built)] = step_extras(
+            graph, self.cp, self.logits_module, built.micro_batches, self.padded
+        )
         return built
 
     def to_plan(self, mesh: tuple[int, int], dp_mode: str, built: BuiltProblem, solution: Solution) -> Plan:

@@ -284,9 +284,10 @@ def run_fsdp_case(
     return {**gathered[0], "ranks": gathered}
 
 
-def planned_fsdp_case(seq: int) -> dict:
-    """A plan the planner makes with cp over every rank and FSDP only (``plan_model(context_parallel=world,
-    dp_modes=("fsdp",))``), applied: one process's loss and gradients."""
+def planned_case(seq: int, kind: str = "plain", dp_modes: tuple[str, ...] = ("fsdp",)) -> dict:
+    """A plan the planner makes with cp over every rank (``plan_model(context_parallel=world, dp_modes=...)``)
+    for ``kind`` rows (``padded``: a padding mask, every layer on the mask path), applied: one process's loss
+    and gradients."""
     from hf_colossal_auto.apply import apply_plan
     from hf_colossal_auto.apply.data import shard_batch
     from hf_colossal_auto.apply.runtime import plan_on_one_rank
@@ -295,10 +296,10 @@ def planned_fsdp_case(seq: int) -> dict:
     world = dist.get_world_size()
     model = build("tiny-llama")
     reference = copy.deepcopy(model)
-    batch = make_batch(model, 2, seq, "plain")
+    batch = make_batch(model, 2, seq, kind)
     make = functools.partial(  # a copy: the model applied stays as built (plan_model traces its own)
         plan_model, copy.deepcopy(model), batch, num_devices=world, device="cpu", context_parallel=world,
-        dp_modes=("fsdp",),
+        dp_modes=dp_modes,
     )  # fmt: skip
     plan = plan_on_one_rank(make)
     apply_plan(model, plan)
@@ -307,7 +308,7 @@ def planned_fsdp_case(seq: int) -> dict:
     ref = reference(**batch)
     ref.loss.backward()
     result = {
-        "planned": {"mesh": list(plan.mesh_shape), "dp_mode": plan.dp_mode, "cp": plan.cp_size},
+        "planned": {"mesh": list(plan.mesh_shape), "dp_mode": plan.dp_mode, "cp": plan.cp_size, "kind": kind},
         "loss": float(out.loss),
         "reference_loss": float(ref.loss),
         "max_grad_diff": max(
@@ -558,6 +559,10 @@ def main() -> None:
     )
     parser.add_argument("--planned-fsdp", action="store_true", help="also a planner-made cp plan under FSDP")
     parser.add_argument(
+        "--planned-padded", action="store_true", help="also a planner-made cp plan for padded rows (DDP)"
+    )
+    parser.add_argument("--no-first-call", action="store_true", help="skip the first-call batches check")
+    parser.add_argument(
         "--reads",
         action="store_true",
         help="also reads unlike on the cp ranks, and reads under bf16 accelerate",
@@ -586,8 +591,11 @@ def main() -> None:
         dp, tp = (int(n) for n in mesh.split(":"))
         results.append({"fsdp": run_fsdp_case(args.seq, dp, tp)})
     if args.planned_fsdp:
-        results.append(planned_fsdp_case(args.seq))
-    results.append(first_call_batches(args.tp))
+        results.append(planned_case(args.seq))
+    if args.planned_padded:
+        results.append(planned_case(args.seq, "padded", ("ddp",)))
+    if not args.no_first_call:
+        results.append(first_call_batches(args.tp))
     if args.refusals:
         for what, seq in (("odd-length", args.seq - 2), ("flash", args.seq), ("offsets", args.seq)):
             results.append(refused("tiny-llama", args.tp, seq, what))
