@@ -129,6 +129,10 @@ def has_padding(example_inputs: Mapping[str, Any]) -> bool:
             "sequence positions under context parallelism; pass the 2-D padding mask [batch, sequence] (or "
             "position_ids that restart for packed documents), or plan without context parallelism"
         )
+    if mask.is_meta:
+        # A shapes-only batch (what-if planning, `make_example_inputs(device="meta")`) carries no values: it is
+        # priced as the unpadded rows such a batch stands for (a run whose rows are padded runs the mask path).
+        return False
     return not bool(mask.bool().all())
 
 
