@@ -17,6 +17,7 @@ import json
 
 import torch
 import torch.distributed as dist
+from common import init_gloo
 from torch.distributed.tensor import DTensor
 
 
@@ -61,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    init_gloo()
     check(args.out)
     dist.destroy_process_group()
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 
 import torch
 import torch.distributed as dist
+from common import init_gloo, write_results
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
@@ -101,11 +101,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    init_gloo()
     results = [run_mesh((2, 1)), run_mesh((1, 2))]
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
+    write_results(results, args.out)
     dist.destroy_process_group()
 
 

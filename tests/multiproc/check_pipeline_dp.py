@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import math
 import os
 import sys
@@ -42,8 +41,8 @@ from check_pipeline import (  # noqa: E402
     grad_norm,
     relative,
     reloaded_equal,
-    write_every_rank_and_close,
 )
+from common import init_gloo, write_every_rank_and_close  # noqa: E402
 
 
 def reference(model, batch: dict, steps: int = 2) -> dict[str, Any]:
@@ -308,7 +307,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo(timeout_s=120)
     started = time.perf_counter()
     saving = ("gpt2 tied zbv", "llama fsdp 1f1b", "llama tp 1f1b", "gpt2 tied fsdp 1f1b")
     directory = [

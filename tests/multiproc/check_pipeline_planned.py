@@ -22,7 +22,6 @@ Rank 0 writes every rank's results.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_pipeline import write_every_rank_and_close  # noqa: E402
+from common import init_gloo, write_every_rank_and_close  # noqa: E402
 
 STEPS = 6
 BATCH, SEQ = 8, 32
@@ -161,7 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo(timeout_s=120)
     started = time.perf_counter()
     results: dict[str, Any] = {"planned": planned_choice()}
     for preset, schedule, micro_batches in SCHEDULES:
