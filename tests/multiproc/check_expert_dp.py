@@ -19,7 +19,6 @@ one process) and the reference model trained on the whole batch.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import tempfile
@@ -27,7 +26,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import transformers
-from common import close_gloo, ddp_reference_loss, init_gloo, write_results
+from common import close_gloo, ddp_reference_loss, init_gloo, out_argument, write_results
 from torch.distributed.tensor import DTensor
 
 
@@ -446,9 +445,7 @@ def run_one_sided_routing() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    out = out_argument()
     transformers.logging.set_verbosity_error()
     init_gloo(timeout_s=120)
     with tempfile.TemporaryDirectory() as tmp:
@@ -471,7 +468,7 @@ def main() -> None:
             run_pretrained(shared[0], "fsdp-ep"),
             run_resume(shared[0], "fsdp-ep"),
         ]
-        write_results(results, args.out)
+        write_results(results, out)
         close_gloo()  # its barrier before rank 0 removes the shared directory
     os._exit(0)
 

@@ -10,21 +10,18 @@ batch (the mean of the replicas' losses).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 
 import torch
 import torch.distributed as dist
 import transformers
-from common import close_gloo, ddp_reference_loss, every_rank, init_gloo
+from common import close_gloo, ddp_reference_loss, every_rank, init_gloo, out_argument
 from torch.distributed.tensor import DTensor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    out = out_argument()
     transformers.logging.set_verbosity_error()
     init_gloo(timeout_s=120)
     from hf_colossal_auto import autoparallelize
@@ -62,7 +59,7 @@ def main() -> None:
         worst = max(worst, float((grad - p_ref.grad).abs().max()))
     gathered = every_rank({"loss": float(loss.detach()), "max_grad_diff": worst})
     if rank == 0:
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(
                 {"ranks": gathered, "reference_loss": float(ref_loss), "moe_layers": made.moe_layers}, f
             )

@@ -10,12 +10,11 @@ the plan's predicted ones, and the number of trained parameters.
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
 import torch.distributed as dist
-from common import init_gloo, write_results
+from common import init_gloo, out_argument, write_results
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
@@ -98,12 +97,10 @@ def run_mesh(mesh: tuple[int, int]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    out = out_argument()
     init_gloo()
     results = [run_mesh((2, 1)), run_mesh((1, 2))]
-    write_results(results, args.out)
+    write_results(results, out)
     dist.destroy_process_group()
 
 

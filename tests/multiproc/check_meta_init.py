@@ -12,13 +12,12 @@ state and against a CPU-built model's statistics, buffers against a CPU-built mo
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
 import torch.distributed as dist
 import transformers
-from common import close_gloo, init_gloo, write_results
+from common import close_gloo, init_gloo, out_argument, write_results
 from torch.distributed.tensor import DTensor
 
 CASES = (
@@ -169,13 +168,11 @@ def run_case(preset: str, mesh: tuple[int, int], dp_mode: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    out = out_argument()
     transformers.logging.set_verbosity_error()
     init_gloo(timeout_s=120)
     results = [run_case(*case) for case in CASES]
-    write_results(results, args.out, indent=1)
+    write_results(results, out, indent=1)
     close_gloo(exit_process=True)
 
 

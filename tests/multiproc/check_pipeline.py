@@ -23,7 +23,6 @@ Each rank compares its own parameters; rank 0 writes every rank's results.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import init_gloo, write_every_rank_and_close
+from common import init_gloo, out_argument, write_every_rank_and_close
 
 LR = 1e-3
 CASES = (  # (schedule, blocks per stage, micro-batches): every offered schedule, uneven cuts
@@ -444,9 +443,7 @@ def accelerator_reference(cfg, rows: list[dict]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    out = out_argument()
     init_gloo(timeout_s=120)
     started = time.perf_counter()
     results: dict[str, Any] = {}
@@ -459,7 +456,7 @@ def main() -> None:
     full_state_dicts(results)
     accelerator_loop(results, directory[0])
     results["total_seconds"] = time.perf_counter() - started
-    write_every_rank_and_close(results, args.out)
+    write_every_rank_and_close(results, out)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ it as ``common`` (their folder is on ``sys.path`` under torchrun); tests in ``te
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -204,6 +205,13 @@ def all_gathers() -> Iterator[list[int]]:
 
     with mock.patch.object(dist, "all_gather_into_tensor", counting):
         yield seen
+
+
+def out_argument() -> str:
+    """The ``--out`` path of a check that takes no other argument (where it writes its results)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    return parser.parse_args().out
 
 
 def init_gloo(timeout_s: float | None = None) -> None:
