@@ -11,12 +11,12 @@ is up already (check_failures.py's ``--batch-shapes``).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 
 import torch
 import torch.distributed as dist
+from common import init_gloo, out_argument
 from torch.distributed.tensor import DTensor
 
 
@@ -58,11 +58,9 @@ def check(out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    check(args.out)
+    out = out_argument()
+    init_gloo()
+    check(out)
     dist.destroy_process_group()
 
 

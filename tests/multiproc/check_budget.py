@@ -15,14 +15,12 @@ prediction and budget. One launch covers every case: a process group costs secon
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
-import os
 
 import torch
 import torch.distributed as dist
 import transformers
+from common import close_gloo, every_rank, init_gloo, write_results
 from transformers import PretrainedConfig
 
 # Small configs of families the planner has no preset for, each with a block shape of its own: OPT (learned
@@ -228,26 +226,16 @@ def main() -> None:
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    init_gloo(timeout_s=300)
     results = []
     for case in filter(None, args.cases.split(",")):
         family, mesh = case.split(":")
         results.append(run_case(family, mesh, args.batch, args.seq, args.fraction))
-    gathered: list[list[dict] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump([r for per_rank in gathered for r in per_rank], f, indent=1)
+    write_results([r for per_rank in every_rank(results) for r in per_rank], args.out, indent=1)
     if args.autoparallelize_out:
         record = run_autoparallelize_case(args.batch, args.seq, args.fraction)
-        records: list[dict | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(records, record)
-        if dist.get_rank() == 0:
-            with open(args.autoparallelize_out, "w") as f:
-                json.dump(records, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+        write_results(every_rank(record), args.autoparallelize_out, indent=1)
+    close_gloo(exit_process=True)
 
 
 if __name__ == "__main__":

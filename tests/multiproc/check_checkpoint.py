@@ -24,7 +24,6 @@ optimizer state was needed to match it. Rank 0 also writes the ``tp`` full-batch
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
+from common import init_gloo
 
 LAYOUTS = {"tp": ("megatron", "tp"), "ddp": ("ddp", "dp"), "fsdp": ("fsdp", "dp")}
 """Layout -> (evaluate_plan baseline, the mesh axis the world goes on)."""
@@ -160,7 +160,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo(timeout_s=120)
     run_phase(args.phase, Path(args.dir), args.model, args.layouts)
     dist.destroy_process_group()
     os._exit(0)

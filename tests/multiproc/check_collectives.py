@@ -25,6 +25,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from common import close_gloo, init_gloo, write_results
 from torch.profiler import ProfilerActivity, profile
 
 # c10d's profiler record -> the plan's kind (DTensor calls them through the functional collectives, whose
@@ -243,7 +244,7 @@ def main() -> None:
         "--moe", action="store_true", help="then tiny Mixtral's experts TP, EP over tp and over dp"
     )
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    init_gloo()
     cases = [
         (preset, kind, shapes == "wide")
         for shapes in args.shapes.split(",")
@@ -255,11 +256,8 @@ def main() -> None:
         cases += [("tiny-mixtral", kind, False) for kind in ("experts-tp", "experts-ep", "ddp-ep")]
     plans = plan_every_case(cases)
     results = [run_case(*case, plan) for case, plan in zip(cases, plans, strict=True)]
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results(results, args.out)
+    close_gloo()
 
 
 if __name__ == "__main__":

@@ -23,13 +23,13 @@ import argparse
 import copy
 import dataclasses
 import functools
-import json
 import os
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from common import close_gloo, init_gloo, write_results
 from torch.distributed.tensor import DTensor
 
 
@@ -569,7 +569,7 @@ def main() -> None:
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    init_gloo()
     cases = [  # model, inputs, attention, every block recomputed, blocked (mask-free) attention where it applies
         ("tiny-gpt2", "plain", "sdpa", False, True),
         ("tiny-llama", "padded", "sdpa", False, True),
@@ -610,11 +610,8 @@ def main() -> None:
         dist.broadcast_object_list(directory)
         results.append({"mixed_precision": mixed_precision_reads(directory[0])})
     results.append({"total_seconds": time.perf_counter() - started})
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results(results, args.out)
+    close_gloo()
 
 
 if __name__ == "__main__":

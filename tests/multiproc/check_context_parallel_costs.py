@@ -17,7 +17,6 @@ each rank's results.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import time
@@ -26,6 +25,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 import transformers
+from common import close_gloo, init_gloo, write_results
 from torch.profiler import ProfilerActivity, profile
 
 SEQ = 512
@@ -169,7 +169,7 @@ def main() -> None:
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    init_gloo(timeout_s=300)
     from hf_colossal_auto.apply.agree import run_on_one_rank
 
     started = time.perf_counter()
@@ -177,11 +177,8 @@ def main() -> None:
     planned = time.perf_counter()
     results = [run_plan(name, text) for name, text in zip(("free", "tight"), texts, strict=True)]
     results.append({"plan_seconds": planned - started, "total_seconds": time.perf_counter() - started})
-    with open(f"{args.out}.rank{dist.get_rank()}", "w") as f:
-        json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    write_results(results, args.out, per_rank=True)
+    close_gloo(exit_process=True)
 
 
 if __name__ == "__main__":

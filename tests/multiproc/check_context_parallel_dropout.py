@@ -14,15 +14,13 @@ largest gradient difference between the recomputed run and the other.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
 import time
 
 import torch
 import torch.distributed as dist
 import transformers
+from common import close_gloo, init_gloo, out_argument, write_results
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -128,20 +126,15 @@ def case(dp: int, cp: int, tp: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    out = out_argument()
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    init_gloo(timeout_s=300)
     started = time.perf_counter()
     results = {"dp2-cp2": case(2, 2, 1), "cp2-tp2": case(1, 2, 2)}
     results["seconds"] = time.perf_counter() - started
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results(results, out)
+    close_gloo()
 
 
 if __name__ == "__main__":

@@ -19,17 +19,14 @@ one process) and the reference model trained on the whole batch.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
-import json
 import os
 import tempfile
 
 import torch
 import torch.distributed as dist
 import transformers
-from common import ddp_reference_loss
+from common import close_gloo, ddp_reference_loss, init_gloo, out_argument, write_results
 from torch.distributed.tensor import DTensor
 
 
@@ -448,11 +445,9 @@ def run_one_sided_routing() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    out = out_argument()
     transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo(timeout_s=120)
     with tempfile.TemporaryDirectory() as tmp:
         # one directory for both ranks: rank 0's
         shared = [tmp]
@@ -473,11 +468,8 @@ def main() -> None:
             run_pretrained(shared[0], "fsdp-ep"),
             run_resume(shared[0], "fsdp-ep"),
         ]
-        if dist.get_rank() == 0:
-            with open(args.out, "w") as f:
-                json.dump(results, f)
-        dist.barrier()
-    dist.destroy_process_group()
+        write_results(results, out)
+        close_gloo()  # its barrier before rank 0 removes the shared directory
     os._exit(0)
 
 

@@ -10,25 +10,20 @@ batch (the mean of the replicas' losses).
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
 import json
-import os
 
 import torch
 import torch.distributed as dist
 import transformers
-from common import ddp_reference_loss
+from common import close_gloo, ddp_reference_loss, every_rank, init_gloo, out_argument
 from torch.distributed.tensor import DTensor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    out = out_argument()
     transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo(timeout_s=120)
     from hf_colossal_auto import autoparallelize
     from hf_colossal_auto.apply import broadcast_plan
     from hf_colossal_auto.capture.moe import experts_modules
@@ -62,16 +57,13 @@ def main() -> None:
     for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         worst = max(worst, float((grad - p_ref.grad).abs().max()))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"loss": float(loss.detach()), "max_grad_diff": worst})
+    gathered = every_rank({"loss": float(loss.detach()), "max_grad_diff": worst})
     if rank == 0:
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(
                 {"ranks": gathered, "reference_loss": float(ref_loss), "moe_layers": made.moe_layers}, f
             )
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    close_gloo(exit_process=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import close_gloo, init_gloo
 
 TIMEOUT_S = 3.0
 IMPOSSIBLE_BUDGET = 64 * 1024  # bytes: below any model's parameters
@@ -326,7 +327,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group("gloo")
+    init_gloo()
     if args.scenario == "planning":
         planning(out)
         if args.batch_shapes:
@@ -335,8 +336,7 @@ def main() -> None:
             check(args.batch_shapes)
     else:
         stuck_peer(out)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_gloo()
 
 
 if __name__ == "__main__":

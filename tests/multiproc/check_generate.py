@@ -11,15 +11,12 @@ losses and generated tokens of both; every rank asserts its own generated rows e
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
-import json
-import os
 
 import torch
 import torch.distributed as dist
 import transformers
+from common import close_gloo, init_gloo, out_argument, write_results
 from torch.distributed.tensor import DTensor
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -135,18 +132,12 @@ def _replica_mean(value: float, dp: int, tp: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    out = out_argument()
     transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo(timeout_s=120)
     result = {"tp": _scenario((1, 2), "megatron"), "dp": _scenario((2, 1), "auto")}
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    write_results(result, out)
+    close_gloo(exit_process=True)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,11 @@ the plan's predicted ones, and the number of trained parameters.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 
 import torch
 import torch.distributed as dist
+from common import init_gloo, out_argument, write_results
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
@@ -98,14 +97,10 @@ def run_mesh(mesh: tuple[int, int]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
+    out = out_argument()
+    init_gloo()
     results = [run_mesh((2, 1)), run_mesh((1, 2))]
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
+    write_results(results, out)
     dist.destroy_process_group()
 
 

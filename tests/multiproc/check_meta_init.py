@@ -12,15 +12,12 @@ state and against a CPU-built model's statistics, buffers against a CPU-built mo
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import math
-import os
 
 import torch
 import torch.distributed as dist
 import transformers
+from common import close_gloo, init_gloo, out_argument, write_results
 from torch.distributed.tensor import DTensor
 
 CASES = (
@@ -171,18 +168,12 @@ def run_case(preset: str, mesh: tuple[int, int], dp_mode: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    out = out_argument()
     transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo(timeout_s=120)
     results = [run_case(*case) for case in CASES]
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    write_results(results, out, indent=1)
+    close_gloo(exit_process=True)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,11 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import datetime
-import json
-import os
 
 import torch
 import torch.distributed as dist
 import transformers
-from common import ddp_reference_loss
+from common import close_gloo, ddp_reference_loss, init_gloo, write_results
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
@@ -149,15 +146,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo(timeout_s=120)
     plan = make_plan(args.model, args)
     results = [r for mode in ("ddp", "fsdp") for r in run_mode(args.model, mode, plan, args)]
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    write_results(results, args.out)
+    close_gloo(exit_process=True)
 
 
 if __name__ == "__main__":

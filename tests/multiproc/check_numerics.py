@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -208,23 +205,22 @@ def main() -> None:
         help="afterwards, check_checkpoint.py's save phase into this folder",
     )
     args = parser.parse_args()
+    # here, not at the top: tests import this module from tests/, where this folder is not on sys.path
+    from common import close_gloo, init_gloo, write_results
+
     transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo(timeout_s=120)
     results = [
         run_model(name, args, mode) for mode in args.dp_mode.split(",") for name in args.model.split(",")
     ]
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results if len(results) > 1 else results[0], f)
+    write_results(results if len(results) > 1 else results[0], args.out)
     if args.checkpoint_save:
         from pathlib import Path
 
         from check_checkpoint import run_phase  # this folder is on sys.path under torchrun
 
         run_phase("save", Path(args.checkpoint_save))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    close_gloo(exit_process=True)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,6 @@ Each rank compares its own parameters; rank 0 writes every rank's results.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import tempfile
 import time
@@ -32,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from common import init_gloo, out_argument, write_every_rank_and_close
 
 LR = 1e-3
 CASES = (  # (schedule, blocks per stage, micro-batches): every offered schedule, uneven cuts
@@ -444,10 +443,8 @@ def accelerator_reference(cfg, rows: list[dict]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    out = out_argument()
+    init_gloo(timeout_s=120)
     started = time.perf_counter()
     results: dict[str, Any] = {}
     directory = [tempfile.mkdtemp(prefix="pipeline-save-") if dist.get_rank() == 0 else None]
@@ -459,18 +456,7 @@ def main() -> None:
     full_state_dicts(results)
     accelerator_loop(results, directory[0])
     results["total_seconds"] = time.perf_counter() - started
-    write_every_rank_and_close(results, args.out)
-
-
-def write_every_rank_and_close(results: dict[str, Any], out: str) -> None:
-    """Every rank's ``results`` in one JSON list written by rank 0, then the group torn down in order."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(gathered, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_every_rank_and_close(results, out)
 
 
 if __name__ == "__main__":

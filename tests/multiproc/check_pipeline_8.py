@@ -13,8 +13,6 @@ Rank 0 writes every rank's results.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -24,15 +22,13 @@ from typing import Any
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_pipeline import write_every_rank_and_close  # noqa: E402
 from check_pipeline_dp import pipelined  # noqa: E402
+from common import init_gloo, out_argument, write_every_rank_and_close  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    out = out_argument()
+    init_gloo(timeout_s=300)
     started = time.perf_counter()
     directory = [
         tempfile.mkdtemp(prefix="pipeline-8-save-") if dist.get_rank() == 0 else None for _ in range(2)
@@ -43,7 +39,7 @@ def main() -> None:
         "llama fsdp-tp 1f1b": pipelined("tiny-llama", "1f1b", [2, 2], directory[1], inside="fsdp-tp"),
     }
     results["total_seconds"] = time.perf_counter() - started
-    write_every_rank_and_close(results, args.out)
+    write_every_rank_and_close(results, out)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ The test compares each with one process's uninterrupted run (in the test's proce
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -43,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_pipeline import LR, build, config, write_every_rank_and_close  # noqa: E402
+from check_pipeline import LR, build, config  # noqa: E402
+from common import init_gloo, write_every_rank_and_close  # noqa: E402
 
 MODELS = {"tiny-llama": 4, "tiny-gpt2": 2}
 """Preset -> blocks (two stages of equal blocks)."""
@@ -280,7 +280,7 @@ def main() -> None:
     parser.add_argument("--dir", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo(timeout_s=120)
     started = time.perf_counter()
     root = Path(args.dir)
     results: dict[str, Any] = {preset: one_model(preset, root) for preset in MODELS}

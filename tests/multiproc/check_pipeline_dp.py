@@ -20,9 +20,7 @@ the dp all-reduce deferred to the last backward, the gradients one process's; an
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import math
 import os
 import sys
@@ -42,8 +40,8 @@ from check_pipeline import (  # noqa: E402
     grad_norm,
     relative,
     reloaded_equal,
-    write_every_rank_and_close,
 )
+from common import init_gloo, out_argument, write_every_rank_and_close  # noqa: E402
 
 
 def reference(model, batch: dict, steps: int = 2) -> dict[str, Any]:
@@ -305,10 +303,8 @@ def trainer_contract(results: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    out = out_argument()
+    init_gloo(timeout_s=120)
     started = time.perf_counter()
     saving = ("gpt2 tied zbv", "llama fsdp 1f1b", "llama tp 1f1b", "gpt2 tied fsdp 1f1b")
     directory = [
@@ -330,7 +326,7 @@ def main() -> None:
     deferred_accumulation(results)
     trainer_contract(results)
     results["total_seconds"] = time.perf_counter() - started
-    write_every_rank_and_close(results, args.out)
+    write_every_rank_and_close(results, out)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ Rank 0 writes every rank's results.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -33,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_pipeline import write_every_rank_and_close  # noqa: E402
+from common import init_gloo, out_argument, write_every_rank_and_close  # noqa: E402
 
 STEPS = 6
 BATCH, SEQ = 8, 32
@@ -158,16 +156,14 @@ def measured_schedule(preset: str, schedule: str, micro_batches: int) -> dict[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    out = out_argument()
+    init_gloo(timeout_s=120)
     started = time.perf_counter()
     results: dict[str, Any] = {"planned": planned_choice()}
     for preset, schedule, micro_batches in SCHEDULES:
         results[f"{preset} {schedule}"] = measured_schedule(preset, schedule, micro_batches)
     results["total_seconds"] = time.perf_counter() - started
-    write_every_rank_and_close(results, args.out)
+    write_every_rank_and_close(results, out)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,12 @@ Rank 0 writes everything to ``O/result.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import transformers
+from common import close_gloo, every_rank, init_gloo, write_results
 from torch.distributed.tensor import DTensor
 
 PRESETS = ("tiny-llama", "tiny-gpt2")
@@ -311,7 +309,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo(timeout_s=120)
     ckpt, out = Path(args.ckpt), Path(args.out)
     result: dict = {}
     kept = None
@@ -328,14 +326,9 @@ def main() -> None:
     for layout in SAVE_LAYOUTS:
         result[f"save {layout} rank{dist.get_rank()}"] = save_paths_case(ckpt, out, layout)
     result["elastic"] = elastic(ckpt, out, kept)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if dist.get_rank() == 0:
-        merged = {k: v for r in gathered for k, v in r.items()}
-        (out / "result.json").write_text(json.dumps(merged, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    merged = {k: v for r in every_rank(result) for k, v in r.items()}
+    write_results(merged, str(out / "result.json"), indent=1)
+    close_gloo(exit_process=True)
 
 
 if __name__ == "__main__":

@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
-import os
 
 import torch
 import torch.distributed as dist
 import transformers
+from common import close_gloo, init_gloo, write_results
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -246,16 +244,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo(timeout_s=120)
     results = [
         ddp_installs_nothing(args) if name == "ddp" else train(name, args) for name in args.models.split(",")
     ]
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    write_results(results, args.out)
+    close_gloo(exit_process=True)
 
 
 if __name__ == "__main__":

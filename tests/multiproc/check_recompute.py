@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import functools
-import json
-import os
 
 import torch
 import torch.distributed as dist
 import transformers
+from common import close_gloo, init_gloo, write_results
 from torch.distributed.tensor import DTensor
 
 
@@ -118,13 +116,10 @@ def main() -> None:
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    init_gloo(timeout_s=300)
     results = [run_case(spec, args) for spec in args.case]
-    with open(f"{args.out}.rank{dist.get_rank()}", "w") as f:
-        json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    write_results(results, args.out, per_rank=True)
+    close_gloo(exit_process=True)
 
 
 if __name__ == "__main__":

@@ -204,11 +204,9 @@ def main() -> None:
             GradientState._reset_state()
         run(parse(run_argv), distributed)
     if distributed:
-        import torch.distributed as dist
+        from common import close_gloo  # this folder is on sys.path under torchrun
 
-        dist.barrier()
-        dist.destroy_process_group()
-        os._exit(0)
+        close_gloo(exit_process=True)
 
 
 if __name__ == "__main__":

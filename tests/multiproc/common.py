@@ -3,7 +3,11 @@ it as ``common`` (their folder is on ``sys.path`` under torchrun); tests in ``te
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import datetime
+import json
+import os
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -201,3 +205,53 @@ def all_gathers() -> Iterator[list[int]]:
 
     with mock.patch.object(dist, "all_gather_into_tensor", counting):
         yield seen
+
+
+def out_argument() -> str:
+    """The ``--out`` path of a check that takes no other argument (where it writes its results)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    return parser.parse_args().out
+
+
+def init_gloo(timeout_s: float | None = None) -> None:
+    """The gloo process group that torchrun's environment describes. ``timeout_s`` bounds each collective, so that
+    a rank that died or diverged fails the check in that time instead of hanging it (None: torch's default)."""
+    if timeout_s is None:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def every_rank(obj: Any) -> list[Any]:
+    """``obj`` from every rank, in rank order, on every rank (``dist.all_gather_object``)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def write_results(results: Any, out: str, *, per_rank: bool = False, indent: int | None = None) -> None:
+    """``results`` as JSON: rank 0's to ``out``, or with ``per_rank`` each rank's own to ``{out}.rank{r}`` (the
+    names the tests read)."""
+    if per_rank:
+        out = f"{out}.rank{dist.get_rank()}"
+    elif dist.get_rank() != 0:
+        return
+    with open(out, "w") as f:
+        json.dump(results, f, indent=indent)
+
+
+def close_gloo(*, exit_process: bool = False) -> None:
+    """Tear the group down in the order gloo needs: every rank at a barrier (the caller has freed its models and
+    optimizers already), then ``destroy_process_group``. ``exit_process`` then ends the process with
+    ``os._exit(0)``, skipping interpreter teardown, where gloo's threads can otherwise hang at exit."""
+    dist.barrier()
+    dist.destroy_process_group()
+    if exit_process:
+        os._exit(0)
+
+
+def write_every_rank_and_close(results: Any, out: str) -> None:
+    """Every rank's ``results`` in one JSON list written by rank 0, then the group torn down in order."""
+    write_results(every_rank(results), out, indent=1)
+    close_gloo()
