@@ -78,6 +78,31 @@ def test_cut_balances_uneven_blocks():
     assert cut_blocks([1.0] * 4, 2, fits=lambda s, i, j: False) is None
 
 
+def test_cut_under_a_monotone_memory_condition_is_the_same_cut():
+    """``fits_monotone`` (a stage that does not fit does not fit with more blocks in front: memory growing
+    with its blocks) only stops the search for a stage's start early: the cut is the one found without it,
+    also where no cut fits."""
+    rng = random.Random(1)
+    stopped_early = 0
+    for _ in range(200):
+        n = rng.randint(2, 12)
+        stages = rng.randint(1, n)
+        times = [rng.uniform(0.1, 3.0) for _ in range(n)]
+        size = [rng.randint(0, 20) for _ in range(n)]  # integers: sums exact, so fits is monotone
+        room = [rng.randint(5, 60) for _ in range(stages)]
+        calls: list[int] = []
+
+        def fits(s: int, i: int, j: int, size=size, room=room, calls=calls) -> bool:
+            calls.append(1)
+            return sum(size[i:j]) <= room[s]
+
+        plain = cut_blocks(times, stages, 0.3, 0.7, fits)
+        before = len(calls)
+        assert cut_blocks(times, stages, 0.3, 0.7, fits, fits_monotone=True) == plain
+        stopped_early += len(calls) - before < before
+    assert stopped_early > 0  # the early stop happened in some cases
+
+
 def test_pipeline_one_never_yields_pipeline_stages():
     """The default (1) and pipeline=1 plan without stages; a budget only stages could meet stays infeasible."""
     model = _llama(4)

@@ -373,6 +373,22 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
             out[key] = host
         return out
 
+    def _dtensor_choice_rules(self) -> list[FollowsInputs]:
+        """:func:`dtensor_choice_rules` of this problem. They depend on the step, its strategies, the
+        tensor-parallel axis and the parameters' storage options only, so the problems built from one step on
+        one axis (a mesh's data-parallel modes) ask DTensor once: kept with the step's :class:`StepMemory`
+        (the rules are not changed once made)."""
+        cache = self.step_memory.parts
+        options = tuple((name, tuple(opts)) for name, opts in self.param_options.items())
+        key = ("dtensor_rules", id(self.strategies), self.tp, self.axis, options)
+        kept = cache.get(key)
+        if kept is None or kept[0] is not self.strategies:
+            rules = dtensor_choice_rules(
+                self.graph, self.tied, self.strat_of, self.param_options, self.axis, (self.tp,)
+            )
+            kept = cache[key] = (self.strategies, rules)
+        return list(kept[1])
+
     # ---------------------------------------------------------------- the whole problem
     def build(self) -> BuiltProblem:
         """Runs every part and assembles the :class:`Problem`, with the data-parallel synchronisation as an
@@ -416,13 +432,7 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
             follows_inputs=unenforced_split_rules(
                 self.graph, self.tied, self.strat_of, self.node_of_name, self.axis
             )
-            + (
-                dtensor_choice_rules(
-                    self.graph, self.tied, self.strat_of, self.param_options, self.axis, (self.tp,)
-                )
-                if self.dtensor_rules
-                else []
-            )
+            + (self._dtensor_choice_rules() if self.dtensor_rules else [])
             + self.hold_rules
             + self._expert_parallel_rules(),
             shared_costs=[

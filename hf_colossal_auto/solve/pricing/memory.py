@@ -143,6 +143,9 @@ class StepMemory:
         self._unrolled: UnrolledStep | None = None
         self.snapshots: dict[Hashable, Any] = {}
         """Snapshots by what they depend on besides the step (the builder's key)."""
+        self.parts: dict[Hashable, Any] = {}
+        """Parts of a problem that depend on the step and the tensor-parallel axis, not on the data-parallel
+        mode (the builder's edges and DTensor's rules), by what else they depend on (the builder's keys)."""
 
     @property
     def unrolled(self) -> UnrolledStep:
