@@ -3,6 +3,7 @@ it writes (one the pipeline runtime accepts), and when it is chosen over a plan 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -101,6 +102,15 @@ def test_cut_under_a_monotone_memory_condition_is_the_same_cut():
         assert cut_blocks(times, stages, 0.3, 0.7, fits, fits_monotone=True) == plain
         stopped_early += len(calls) - before < before
     assert stopped_early > 0  # the early stop happened in some cases
+
+
+def test_unit_cost_add_sums_every_field():
+    """``UnitCost.add`` names its fields one by one (speed): every field, a later one too, is summed."""
+    for i, f in enumerate(dataclasses.fields(UnitCost)):
+        total = UnitCost(**{g.name: 1.0 for g in dataclasses.fields(UnitCost)})
+        total.add(UnitCost(**{f.name: 2.0 + i}))
+        assert getattr(total, f.name) == 3.0 + i
+        assert all(getattr(total, g.name) == 1.0 for g in dataclasses.fields(UnitCost) if g.name != f.name)
 
 
 def test_pipeline_one_never_yields_pipeline_stages():

@@ -39,8 +39,9 @@ unit, the highest point of its backward and its rerun as its backward starts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...capture.graph import StepGraph
 from ...capture.moe import RoutingLoad
@@ -267,7 +268,7 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         """What every part reads of the graph: its tied copies, expert skews and experts over dp, backward
         ratios, producers and readers, recompute units, checkpoint arguments and the liveness snapshots."""
         graph = self.graph
-        self.tied = TiedGraph.build(graph)
+        self.tied = self._of_step(("tied",), lambda: TiedGraph.build(graph))
         self.expert_skews = _expert_skews(graph, self.tied, self.routing, self.tp)
         """Canonical grouped GEMM -> ((busiest rank's rows / mean rank's, real layers with it), ...) over the MoE
         layers it stands for; empty without a measured routing load."""
@@ -279,7 +280,9 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         """Canonical per-expert weights stored E/dp experts per data-parallel rank."""
         if expert_dp:
             self._setup_expert_dp()
-        self.ratios = _backward_ratios(graph, self.spec)
+        self.ratios = self._of_step(
+            ("backward_ratios", self.spec), lambda: _backward_ratios(graph, self.spec)
+        )
         self.producer = forward_producers(graph)
         self.canon_nodes = sorted({self.tied.canonical[i] for i in self.tied.canonical})
         self.readers = value_readers(graph, self.tied)
@@ -303,6 +306,14 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         self.saved_for_backward = _weighted(self.tied, saved_bytes_per_node(graph))
         """Canonical node -> bytes its outputs keep into backward, wherever the peak falls (a T5 decoder block's
         activations are all freed by the time of its step's peak, yet its backward needs them)."""
+
+    def _of_step(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``, a figure that depends on the step and ``key`` only (read, never changed, by the parts):
+        worked out once for the problems built from the step (kept with its :class:`StepMemory`)."""
+        parts = self.step_memory.parts
+        if key not in parts:
+            parts[key] = make()
+        return parts[key]
 
     def _start_problem(self) -> None:
         """The problem's parts, empty: filled in by the parts of :meth:`build`."""

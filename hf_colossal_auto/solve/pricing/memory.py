@@ -144,8 +144,9 @@ class StepMemory:
         self.snapshots: dict[Hashable, Any] = {}
         """Snapshots by what they depend on besides the step (the builder's key)."""
         self.parts: dict[Hashable, Any] = {}
-        """Parts of a problem that depend on the step and the tensor-parallel axis, not on the data-parallel
-        mode (the builder's edges and DTensor's rules), by what else they depend on (the builder's keys)."""
+        """What the builder reads that depends on the step and a few settings only, not on the data-parallel
+        mode (its edges and DTensor's rules per tensor-parallel axis, the backward ratios and optimizer figures
+        per device), by what else it depends on (the builder's keys)."""
 
     @property
     def unrolled(self) -> UnrolledStep:
