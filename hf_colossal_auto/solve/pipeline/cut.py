@@ -76,6 +76,7 @@ def cut_blocks(
     def allowed(s: int, i: int, j: int) -> bool:
         return fits is None or fits(s, i, j)
 
+    stop_early = fits is not None and fits_monotone
     inf = (math.inf, math.inf)
     # best[s][j]: (slowest, sum of squares) of the first j blocks in s + 1 stages; back[s][j]: where stage s starts
     best = [[inf] * (n + 1) for _ in range(num_stages)]
@@ -94,11 +95,14 @@ def cut_blocks(
                 if t > row[j][0]:
                     break
                 prev = before[i]
-                if prev[0] == math.inf:
-                    continue
-                if fits is not None and not fits(s, i, j):
-                    if fits_monotone:
-                        break  # every earlier start gives this stage more blocks: none fits
+                if stop_early:
+                    # asked first: every earlier start gives this stage more blocks, so none fits (without it,
+                    # starts whose first stages cannot hold their blocks would be walked to the first block)
+                    if not fits(s, i, j):
+                        break
+                    if prev[0] == math.inf:
+                        continue
+                elif prev[0] == math.inf or (fits is not None and not fits(s, i, j)):
                     continue
                 candidate = (prev[0] if prev[0] > t else t, prev[1] + t * t)
                 if candidate < row[j] or (candidate == row[j] and i < rows_back[j]):
