@@ -3,6 +3,7 @@ it writes (one the pipeline runtime accepts), and when it is chosen over a plan 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -76,6 +77,40 @@ def test_cut_balances_uneven_blocks():
     # at most 3 blocks a stage: the time-optimal [6, 1] is not allowed
     assert cut_blocks([1, 1, 1, 1, 1, 1, 6], 3, fits=lambda s, i, j: j - i <= 3) == [3, 3, 1]
     assert cut_blocks([1.0] * 4, 2, fits=lambda s, i, j: False) is None
+
+
+def test_cut_under_a_monotone_memory_condition_is_the_same_cut():
+    """``fits_monotone`` (a stage that does not fit does not fit with more blocks in front: memory growing
+    with its blocks) only stops the search for a stage's start early: the cut is the one found without it,
+    also where no cut fits."""
+    rng = random.Random(1)
+    stopped_early = 0
+    for _ in range(200):
+        n = rng.randint(2, 12)
+        stages = rng.randint(1, n)
+        times = [rng.uniform(0.1, 3.0) for _ in range(n)]
+        size = [rng.randint(0, 20) for _ in range(n)]  # integers: sums exact, so fits is monotone
+        room = [rng.randint(5, 60) for _ in range(stages)]
+        calls: list[int] = []
+
+        def fits(s: int, i: int, j: int, size=size, room=room, calls=calls) -> bool:
+            calls.append(1)
+            return sum(size[i:j]) <= room[s]
+
+        plain = cut_blocks(times, stages, 0.3, 0.7, fits)
+        before = len(calls)
+        assert cut_blocks(times, stages, 0.3, 0.7, fits, fits_monotone=True) == plain
+        stopped_early += len(calls) - before < before
+    assert stopped_early > 0  # the early stop happened in some cases
+
+
+def test_unit_cost_add_sums_every_field():
+    """``UnitCost.add`` names its fields one by one (speed): every field, a later one too, is summed."""
+    for i, f in enumerate(dataclasses.fields(UnitCost)):
+        total = UnitCost(**{g.name: 1.0 for g in dataclasses.fields(UnitCost)})
+        total.add(UnitCost(**{f.name: 2.0 + i}))
+        assert getattr(total, f.name) == 3.0 + i
+        assert all(getattr(total, g.name) == 1.0 for g in dataclasses.fields(UnitCost) if g.name != f.name)
 
 
 def test_pipeline_one_never_yields_pipeline_stages():

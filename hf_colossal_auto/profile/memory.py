@@ -92,15 +92,27 @@ def unroll(graph: StepGraph) -> UnrolledStep:
     events: list[tuple[int, int, ValueKind]] = []
     event_storages: list[int] = []
 
+    # per slot its events as emitted (delta, kind, storage, copies): a folded block's slots are emitted once per
+    # block it stands for, so this is worked out once per slot, not once per emission
+    slot_events = {
+        i: [
+            (delta, kind_of[sid], sid, opt_copies.get(sid, 1) if i >= opt_start else 1) for delta, sid in slot
+        ]
+        for i, slot in by_slot.items()
+    }
+
     def emit(i: int, label: str | None, source: str | None) -> None:
         pos = len(order)
         order.append(i)
         block_of.append(label)
         source_of.append(source)
-        for delta, sid in by_slot.get(i, ()):
-            copies = opt_copies.get(sid, 1) if i >= opt_start else 1
-            events.extend([(pos, delta, kind_of[sid])] * copies)
-            event_storages.extend([sid] * copies)
+        for delta, kind, sid, copies in slot_events.get(i, ()):
+            if copies == 1:
+                events.append((pos, delta, kind))
+                event_storages.append(sid)
+            else:
+                events.extend([(pos, delta, kind)] * copies)
+                event_storages.extend([sid] * copies)
 
     for delta, sid in by_slot.get(-1, ()):
         events.append((-1, delta, kind_of[sid]))

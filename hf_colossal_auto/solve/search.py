@@ -44,8 +44,9 @@ class _Search:
         self.one_piece: dict[tuple[tuple[int, int], str], tuple[Plan | None, float]] = {}
         """(mesh, dp mode) -> its plan with the batch in one piece (None: nothing fits) and the host seconds of
         its ops (:attr:`BuiltProblem.host_floor_s`; 0 when unknown)."""
-        self._read_params: tuple[StepGraph, TiedGraph, set[str]] | None = None
-        """The trace :meth:`_sync_floor` last read, its tied graph and the canonical parameters its ops read."""
+        self._read_params: tuple[StepGraph, list[int]] | None = None
+        """The trace :meth:`_sync_floor` last read and the bytes of every parameter (by name, a tied one per name)
+        whose gradient it synchronises: trained, with a shape, read by an op."""
         self.deferred: list[tuple[tuple[int, int], str, int, int]] = []
         """(mesh, dp mode, micro-batches, model-state floor) of DDP/FSDP candidates :meth:`ruled_out` set aside."""
         self.over_budget: dict[tuple[tuple[int, int], str], BuiltProblem] = {}
@@ -156,22 +157,24 @@ class _Search:
                     value = graph.values[vid]
                     if value.kind is ValueKind.PARAM and value.name is not None:
                         read.add(tied.canonical_param(value.name))
-            self._read_params = (graph, tied, read)
-        _, tied, read = self._read_params
+            synced = []
+            for fqn in graph.param_names:
+                canonical = tied.canonical_param(fqn)
+                if (
+                    canonical in read
+                    and graph.param_shapes.get(canonical) is not None
+                    and graph.is_trainable(canonical)
+                ):
+                    synced.append(graph.param_bytes[canonical])
+            self._read_params = (graph, synced)
+        _, synced = self._read_params
         dp_mode, shard = _split_mode(dp_mode)
         dp_comm = (
             self.planner.hybrid_comm(mesh, shard) if dp_mode == "hsdp" else self.planner.axis_comm(mesh, 0)
         )
         total = 0.0
-        for fqn in graph.param_names:
-            canonical = tied.canonical_param(fqn)
-            if (
-                canonical in read
-                and graph.param_shapes.get(canonical) is not None
-                and graph.is_trainable(canonical)
-            ):
-                local = graph.param_bytes[canonical] / mesh[1]
-                total += data_parallel_sync_time(dp_mode, local, dp_comm)
+        for nbytes in synced:
+            total += data_parallel_sync_time(dp_mode, nbytes / mesh[1], dp_comm)
         return total
 
     def _relaxed_optimum(self, built: BuiltProblem) -> float:

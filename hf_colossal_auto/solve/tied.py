@@ -4,7 +4,7 @@ the graph walks every part of the ILP shares (producers, readers, views, shared 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..capture.graph import Phase, StepGraph, ValueKind
 
@@ -22,6 +22,8 @@ class TiedGraph:
     """Canonical node -> how many real nodes it decides for."""
     copy_prefix: dict[int, tuple[str, str]]
     """Forward node index inside a traced copy -> (copy block FQN, representative block FQN)."""
+    _canonical_params: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """:meth:`canonical_param`'s answers so far (each walks every block of every run)."""
 
     @classmethod
     def build(cls, graph: StepGraph) -> TiedGraph:
@@ -47,6 +49,12 @@ class TiedGraph:
 
     def canonical_param(self, name: str) -> str:
         """The representative's parameter a (possibly folded or copied) parameter FQN is tied to."""
+        known = self._canonical_params.get(name)
+        if known is None:
+            known = self._canonical_params[name] = self._find_canonical_param(name)
+        return known
+
+    def _find_canonical_param(self, name: str) -> str:
         for run in self.graph.block_runs:
             for block in run.all_blocks:
                 if name.startswith(block + "."):

@@ -39,8 +39,9 @@ unit, the highest point of its backward and its rerun as its backward starts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...capture.graph import StepGraph
 from ...capture.moe import RoutingLoad
@@ -267,7 +268,7 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         """What every part reads of the graph: its tied copies, expert skews and experts over dp, backward
         ratios, producers and readers, recompute units, checkpoint arguments and the liveness snapshots."""
         graph = self.graph
-        self.tied = TiedGraph.build(graph)
+        self.tied = self._of_step(("tied",), lambda: TiedGraph.build(graph))
         self.expert_skews = _expert_skews(graph, self.tied, self.routing, self.tp)
         """Canonical grouped GEMM -> ((busiest rank's rows / mean rank's, real layers with it), ...) over the MoE
         layers it stands for; empty without a measured routing load."""
@@ -279,7 +280,9 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         """Canonical per-expert weights stored E/dp experts per data-parallel rank."""
         if expert_dp:
             self._setup_expert_dp()
-        self.ratios = _backward_ratios(graph, self.spec)
+        self.ratios = self._of_step(
+            ("backward_ratios", self.spec), lambda: _backward_ratios(graph, self.spec)
+        )
         self.producer = forward_producers(graph)
         self.canon_nodes = sorted({self.tied.canonical[i] for i in self.tied.canonical})
         self.readers = value_readers(graph, self.tied)
@@ -307,6 +310,14 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         self.saved_for_backward = _weighted(self.tied, saved_bytes_per_node(graph))
         """Canonical node -> bytes its outputs keep into backward, wherever the peak falls (a T5 decoder block's
         activations are all freed by the time of its step's peak, yet its backward needs them)."""
+
+    def _of_step(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``, a figure that depends on the step and ``key`` only (read, never changed, by the parts):
+        worked out once for the problems built from the step (kept with its :class:`StepMemory`)."""
+        parts = self.step_memory.parts
+        if key not in parts:
+            parts[key] = make()
+        return parts[key]
 
     def _start_problem(self) -> None:
         """The problem's parts, empty: filled in by the parts of :meth:`build`."""
@@ -377,6 +388,22 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
             out[key] = host
         return out
 
+    def _dtensor_choice_rules(self) -> list[FollowsInputs]:
+        """:func:`dtensor_choice_rules` of this problem. They depend on the step, its strategies, the
+        tensor-parallel axis and the parameters' storage options only, so the problems built from one step on
+        one axis (a mesh's data-parallel modes) ask DTensor once: kept with the step's :class:`StepMemory`
+        (the rules are not changed once made)."""
+        cache = self.step_memory.parts
+        options = tuple((name, tuple(opts)) for name, opts in self.param_options.items())
+        key = ("dtensor_rules", id(self.strategies), self.tp, self.axis, options)
+        kept = cache.get(key)
+        if kept is None or kept[0] is not self.strategies:
+            rules = dtensor_choice_rules(
+                self.graph, self.tied, self.strat_of, self.param_options, self.axis, (self.tp,)
+            )
+            kept = cache[key] = (self.strategies, rules)
+        return list(kept[1])
+
     # ---------------------------------------------------------------- the whole problem
     def build(self) -> BuiltProblem:
         """Runs every part and assembles the :class:`Problem`, with the data-parallel synchronisation as an
@@ -420,13 +447,7 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
             follows_inputs=unenforced_split_rules(
                 self.graph, self.tied, self.strat_of, self.node_of_name, self.axis
             )
-            + (
-                dtensor_choice_rules(
-                    self.graph, self.tied, self.strat_of, self.param_options, self.axis, (self.tp,)
-                )
-                if self.dtensor_rules
-                else []
-            )
+            + (self._dtensor_choice_rules() if self.dtensor_rules else [])
             + self.hold_rules
             + self._expert_parallel_rules(),
             shared_costs=[

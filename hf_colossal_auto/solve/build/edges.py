@@ -19,7 +19,49 @@ class _EdgesPart:
         """Every use of a value by a forward op (over all traced copies, weighted by the real blocks each
         stands for) becomes an edge producer -> consumer: the forward resharding of the value and the backward
         resharding of its gradient (:func:`edge_reshardings`). Producers are parameter nodes
-        (:meth:`_add_param_use`) or forward ops (:meth:`_add_activation_use`)."""
+        (:meth:`_add_param_use`) or forward ops (:meth:`_add_activation_use`).
+
+        The edges depend on the step, its strategies, the tensor-parallel axis and the recompute units only,
+        not on the data-parallel mode, the budget, pinned choices or the micro-batch count (applied after), so
+        problems built from one step on one axis (a mesh's data-parallel modes, its relaxation) price them
+        once: they are kept with the step's :class:`~..pricing.memory.StepMemory` and copied into each
+        problem (later parts add to them in place)."""
+        cache = self.step_memory.parts
+        key = (
+            "edges",
+            id(self.strategies),
+            self.tp,
+            self.axis,
+            self.tp_comm,
+            tuple((u.name, tuple(u.nodes)) for u in self.units),
+        )
+        kept = cache.get(key)
+        if kept is not None and kept[0] is self.strategies:
+            self._restore_edges(kept[1])
+            return
+        self._add_edges_uncached()
+        cache[key] = (self.strategies, self._copy_edges())
+
+    def _copy_edges(self) -> tuple:
+        """What :meth:`_add_edges` made, copied (its matrices are added to in place by later parts)."""
+        return (
+            {key: [list(row) for row in m] for key, m in self.edge_cost.items()},
+            {key: [list(row) for row in m] for key, m in self.edge_calls.items()},
+            {key: [list(row) for row in m] for key, m in self.fwd_into.items()},
+            {key: list(members) for key, members in self.shared_members.items()},
+            {key: list(price) for key, price in self.shared_price.items()},
+        )
+
+    def _restore_edges(self, kept: tuple) -> None:
+        """The edges of an earlier problem of the same step and axis (:meth:`_add_edges`), copied in."""
+        edge_cost, edge_calls, fwd_into, shared_members, shared_price = kept
+        self.edge_cost = {key: [list(row) for row in m] for key, m in edge_cost.items()}
+        self.edge_calls = {key: [list(row) for row in m] for key, m in edge_calls.items()}
+        self.fwd_into = {key: [list(row) for row in m] for key, m in fwd_into.items()}
+        self.shared_members = {key: list(members) for key, members in shared_members.items()}
+        self.shared_price = {key: list(price) for key, price in shared_price.items()}
+
+    def _add_edges_uncached(self) -> None:
         graph, tied = self.graph, self.tied
         for v_idx in sorted(tied.canonical):
             v_node = graph.nodes[v_idx]

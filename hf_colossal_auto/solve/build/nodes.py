@@ -97,11 +97,13 @@ class _NodesPart:
                     param_uses[tied.canonical_param(v.name)].append((i, k))
         # the optimizer step covers the trained parameters only (the profile's optimizer ops are theirs)
         total_param_bytes = float(graph.trainable_param_bytes) or 1.0
-        opt_time = _optimizer_time(graph, self.spec)
+        opt_time = self._of_step(("optimizer_time", self.spec), lambda: _optimizer_time(graph, self.spec))
         real_count: dict[str, int] = defaultdict(int)
         for fqn in graph.param_names:
             real_count[tied.canonical_param(fqn)] += 1
-        opt_temp_ratio = _optimizer_temp_ratio(graph, self.step_memory.unrolled)
+        opt_temp_ratio = self._of_step(
+            ("optimizer_temp_ratio",), lambda: _optimizer_temp_ratio(graph, self.step_memory.unrolled)
+        )
         fsdp_layers = [u.name for u in self.units] if self.dp_mode in SHARDED_DP_MODES and dp > 1 else []
         for fqn in sorted(param_uses):
             shape = graph.param_shapes.get(fqn)

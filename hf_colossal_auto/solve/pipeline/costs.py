@@ -6,7 +6,6 @@ outputs, the loss's backward transient, receive buffers) a stage adds to its blo
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -49,8 +48,15 @@ class UnitCost:
     """What one micro-batch's forward keeps for backward."""
 
     def add(self, other: UnitCost) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        self.forward_s += other.forward_s
+        self.backward_s += other.backward_s
+        self.optimizer_s += other.optimizer_s
+        self.sync_s += other.sync_s
+        self.gather_s += other.gather_s
+        self.state_bytes += other.state_bytes
+        self.held_bytes += other.held_bytes
+        self.grad_bytes += other.grad_bytes
+        self.activation_bytes += other.activation_bytes
 
 
 @dataclass(frozen=True)

@@ -54,12 +54,15 @@ def cut_blocks(
     first_s: float = 0.0,
     last_s: float = 0.0,
     fits: Callable[[int, int, int], bool] | None = None,
+    fits_monotone: bool = False,
 ) -> list[int] | None:
     """Blocks per stage (each at least one, contiguous, in order) minimising the slowest stage's seconds, the
     first stage also paying ``first_s`` and the last ``last_s``; among cuts as good, the one whose stages are
     most even (least sum of squares). ``fits(stage, first_block, end_block)``: whether a stage may hold those
-    blocks (its memory); None when no cut meets it. Dynamic programming over prefix lengths:
-    O(stages x blocks^2)."""
+    blocks (its memory); None when no cut meets it. ``fits_monotone``: a stage that does not fit does not fit
+    with more blocks in front either (``fits(s, i, j)`` false implies ``fits(s, i', j)`` false for ``i' < i``),
+    so the search for a stage's first block stops at the first that does not fit (the same cut, fewer
+    calls). Dynamic programming over prefix lengths: O(stages x blocks^2)."""
     n = len(block_s)
     if not 1 <= num_stages <= n:
         raise ValueError(f"{n} blocks cannot be cut into {num_stages} stages of at least one block each")
@@ -73,6 +76,7 @@ def cut_blocks(
     def allowed(s: int, i: int, j: int) -> bool:
         return fits is None or fits(s, i, j)
 
+    stop_early = fits is not None and fits_monotone
     inf = (math.inf, math.inf)
     # best[s][j]: (slowest, sum of squares) of the first j blocks in s + 1 stages; back[s][j]: where stage s starts
     best = [[inf] * (n + 1) for _ in range(num_stages)]
@@ -91,7 +95,14 @@ def cut_blocks(
                 if t > row[j][0]:
                     break
                 prev = before[i]
-                if prev[0] == math.inf or (fits is not None and not fits(s, i, j)):
+                if stop_early:
+                    # asked first: every earlier start gives this stage more blocks, so none fits (without it,
+                    # starts whose first stages cannot hold their blocks would be walked to the first block)
+                    if not fits(s, i, j):
+                        break
+                    if prev[0] == math.inf:
+                        continue
+                elif prev[0] == math.inf or (fits is not None and not fits(s, i, j)):
                     continue
                 candidate = (prev[0] if prev[0] > t else t, prev[1] + t * t)
                 if candidate < row[j] or (candidate == row[j] and i < rows_back[j]):
@@ -220,7 +231,12 @@ def _memory_cut(
 
     first = _block_seconds(costs.first)
     last = _block_seconds(costs.last)
-    return cut_blocks(per_block, num_stages, first, last, fits)
+    # with no block's bytes negative, the prefix differences (and so every term of ``fits``) only grow as a
+    # stage takes more blocks: a stage that does not fit does not fit with more
+    monotone = all(b.state_bytes >= 0 and b.held_bytes + b.grad_bytes >= 0 for b in costs.blocks) and all(
+        b.activation_bytes >= 0 for b in most
+    )
+    return cut_blocks(per_block, num_stages, first, last, fits, fits_monotone=monotone)
 
 
 def _prefix(values: list[float]) -> list[float]:

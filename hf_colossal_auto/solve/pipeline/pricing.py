@@ -100,7 +100,21 @@ class _Pricer:
         self.pin_unlisted = pin_unlisted
         self._inner: dict[tuple, InnerPricing] = {}
         self._costs: dict[tuple, ModelCosts] = {}
+        self._tied_names: set[str] | None = None
         self.ilps = 0
+
+    def tied_names(self) -> set[str]:
+        """The names of the parameters the embedding and the head share (the tied head), read once: walking a
+        deep model's parameters per priced layout cost more than the layout's own arithmetic."""
+        if self._tied_names is None:
+            model = self.planner.model
+            embedding = {id(p) for p in model.get_submodule(self.layout.embedding).parameters()}
+            head = {id(p) for p in model.get_submodule(self.layout.head).parameters()}
+            shared = embedding & head
+            self._tied_names = {
+                n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in shared
+            }
+        return self._tied_names
 
     def inner(self, tp: int, rows: int, option: str, plain: bool, lean: bool = False) -> InnerPricing:
         key = (tp, rows, option, plain, lean)
@@ -171,7 +185,7 @@ class _Pricer:
             costs.options["none"] = costs.blocks
             costs.output_bytes = none.output_bytes
             costs.backward_transient_bytes = none.backward_transient_bytes
-            costs.tied, costs.tie_sync_s = _tied_side(self.planner, self.layout, none.params, pp, stage)
+            costs.tied, costs.tie_sync_s = _tied_side(self.planner, self.tied_names(), none.params, pp, stage)
             for option in options:
                 if option != "none":
                     priced = self.inner(stage.tp, rows, option, stage.plain, stage.lean)
@@ -370,16 +384,12 @@ def _data_parallel_side(
 
 
 def _tied_side(
-    planner: _Planner, layout: PipelineLayout, shares: list[_ParamShare], pp: int, stage: StageLayout
+    planner: _Planner, names: set[str], shares: list[_ParamShare], pp: int, stage: StageLayout
 ) -> tuple[UnitCost, float]:
     """The tied head parameters' copy on the last stage's rank under ``stage`` (state, held and gradient bytes,
     optimizer, gather and data-parallel sync, as the embedding's own are priced) and the seconds of their
     gradient all-reduce over the two ranks of the runtime's tie group (each rank's local shard: both copies are
-    sharded alike)."""
-    model = planner.model
-    embedding = {id(p) for p in model.get_submodule(layout.embedding).parameters()}
-    head = {id(p) for p in model.get_submodule(layout.head).parameters()}
-    names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in embedding & head}
+    sharded alike). ``names``: the tied parameters' names (:meth:`_Pricer.tied_names`)."""
     tied_shares = [s for s in shares if s.fqn in names]
     tied = UnitCost()
     if not tied_shares:

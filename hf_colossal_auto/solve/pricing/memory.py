@@ -162,6 +162,10 @@ class StepMemory:
         self._unrolled: UnrolledStep | None = None
         self.snapshots: dict[Hashable, Any] = {}
         """Snapshots by what they depend on besides the step (the builder's key)."""
+        self.parts: dict[Hashable, Any] = {}
+        """What the builder reads that depends on the step and a few settings only, not on the data-parallel
+        mode (its edges and DTensor's rules per tensor-parallel axis, the backward ratios and optimizer figures
+        per device), by what else it depends on (the builder's keys)."""
 
     @property
     def unrolled(self) -> UnrolledStep:
