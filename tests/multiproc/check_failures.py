@@ -304,11 +304,16 @@ def planning(out: Path) -> None:
 
 def stuck_peer(out: Path) -> None:
     from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.apply.runtime import plan_on_one_rank
     from hf_colossal_auto.models import make_example_inputs
+    from hf_colossal_auto.solve.planner import plan_model
 
     model = _model()
     batch = make_example_inputs(model, 2, 16)
-    autoparallelize(model, batch, mesh_shape=(1, 2), device="cpu", timeout=TIMEOUT_S)
+    # Planned first, with no limit: autoparallelize's timeout also bounds planning, which a loaded machine can
+    # take past 3 s (then every rank raises TookTooLongError before the step this scenario is about).
+    plan = plan_on_one_rank(lambda: plan_model(model, batch, num_devices=2, mesh_shape=(1, 2), device="cpu"))
+    autoparallelize(model, batch, plan=plan, timeout=TIMEOUT_S)
     for step in range(3):
         if step == 2 and dist.get_rank() == 1:
             time.sleep(120)  # alive, sockets open, not answering
