@@ -102,17 +102,31 @@ PIPELINE_AUTO = "auto"
 """The ``pipeline`` setting that searches pipeline stages (the planner's ``pipeline=None``)."""
 
 
-def _parse_pipeline(value: Any, key: str, source: str) -> int | str:
-    """``"auto"`` (pipeline stages searched) or a pp degree: 1 plans without stages, >= 2 fixes the degree."""
-    if isinstance(value, str) and value.strip().lower() == PIPELINE_AUTO:
-        return PIPELINE_AUTO
+def _parse_degree_or_auto(value: Any, key: str, source: str, *, expected: str) -> int | str:
+    """``"auto"`` or a degree (an int: 1 turns the axis off, >= 2 fixes it), the settings of the searched mesh
+    axes (pipeline stages, context parallelism); ``expected`` says what is allowed, for the error."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
     try:
         return _parse_int(value, key, source)
     except PluginConfigError:
-        raise PluginConfigError(
-            f"{key} from {source}: expected 'auto' (pipeline stages searched), 1 (none) or a pp degree >= 2, "
-            f"got {value!r}"
-        ) from None
+        raise PluginConfigError(f"{key} from {source}: expected {expected}, got {value!r}") from None
+
+
+def _setting_from_env(name: str, parse: Any, to_setting: Any, default: int | None) -> int | None:
+    """``HF_COLOSSAL_AUTO_<NAME>`` parsed and turned into what ``plan_model`` takes, ``default`` where unset."""
+    key = ENV_PREFIX + name.upper()
+    raw = os.environ.get(key)
+    if raw is None or not raw.strip():
+        return default
+    return to_setting(parse(raw, name, f"environment variable {key}"))
+
+
+def _parse_pipeline(value: Any, key: str, source: str) -> int | str:
+    """``"auto"`` (pipeline stages searched) or a pp degree: 1 plans without stages, >= 2 fixes the degree."""
+    return _parse_degree_or_auto(
+        value, key, source, expected="'auto' (pipeline stages searched), 1 (none) or a pp degree >= 2"
+    )
 
 
 def pipeline_setting(value: int | str | None) -> int | None:
@@ -124,11 +138,7 @@ def pipeline_setting(value: int | str | None) -> int | None:
 def pipeline_from_env(default: int | None) -> int | None:
     """``HF_COLOSSAL_AUTO_PIPELINE`` as ``plan_model(pipeline=)`` takes it, ``default`` where it is unset (for
     the entry points that read no plugin: the Trainer callback, ``autoparallelize``)."""
-    key = ENV_PREFIX + "PIPELINE"
-    raw = os.environ.get(key)
-    if raw is None or not raw.strip():
-        return default
-    return pipeline_setting(_parse_pipeline(raw, "pipeline", f"environment variable {key}"))
+    return _setting_from_env("pipeline", _parse_pipeline, pipeline_setting, default)
 
 
 CONTEXT_PARALLEL_AUTO = "auto"
@@ -137,15 +147,13 @@ CONTEXT_PARALLEL_AUTO = "auto"
 
 def _parse_context_parallel(value: Any, key: str, source: str) -> int | str:
     """``"auto"`` (cp degrees searched) or a cp degree: 1 plans without context parallelism, >= 2 fixes it."""
-    if isinstance(value, str) and value.strip().lower() == CONTEXT_PARALLEL_AUTO:
-        return CONTEXT_PARALLEL_AUTO
-    try:
-        return _parse_int(value, key, source)
-    except PluginConfigError:
-        raise PluginConfigError(
-            f"{key} from {source}: expected 'auto' (cp degrees searched), 1 (none) or a cp degree >= 2 (each "
-            f"sequence split over that many ranks), got {value!r}"
-        ) from None
+    return _parse_degree_or_auto(
+        value,
+        key,
+        source,
+        expected="'auto' (cp degrees searched), 1 (none) or a cp degree >= 2 (each sequence split over that many "
+        "ranks)",
+    )
 
 
 def context_parallel_setting(value: int | str | None) -> int | None:
@@ -159,13 +167,7 @@ def context_parallel_setting(value: int | str | None) -> int | None:
 def context_parallel_from_env(default: int | None) -> int | None:
     """``HF_COLOSSAL_AUTO_CONTEXT_PARALLEL`` as ``plan_model(context_parallel=)`` takes it, ``default`` where it
     is unset (for the entry points that read no plugin: the Trainer callback, ``autoparallelize``)."""
-    key = ENV_PREFIX + "CONTEXT_PARALLEL"
-    raw = os.environ.get(key)
-    if raw is None or not raw.strip():
-        return default
-    return context_parallel_setting(
-        _parse_context_parallel(raw, "context_parallel", f"environment variable {key}")
-    )
+    return _setting_from_env("context_parallel", _parse_context_parallel, context_parallel_setting, default)
 
 
 def stages_and_context_parallel(pipeline: int | None, context_parallel: int | None) -> tuple[int | None, int]:
