@@ -117,6 +117,13 @@ class Plan:
     parallelism on every block, :func:`hf_colossal_auto.solve.planner.evaluate_plan`), so that pricing the plan
     again pins them again instead of leaving them to the solver. Empty for the planner's own plans and the other
     baselines (and in plans written before it existed); left out of the JSON then."""
+    local_modules: list[str] = field(default_factory=list)
+    """Module FQNs (attention and MLP submodules of blocks) the runtime runs on local tensor shards rather than on
+    DTensors: column-parallel projections in, row-parallel out, every op between on this rank's shard with no
+    redistribution (Megatron-LM's tensor parallelism, as torch's ``ColwiseParallel``/``RowwiseParallel`` run it),
+    so those ops pay an eager op's host cost instead of DTensor's dispatch. The planner writes it and prices
+    their ops so; the runtime checks each listed module's placements are that layout. Empty when none (and in
+    plans written before it existed); left out of the JSON then."""
     collective_bytes: dict[str, float] = field(default_factory=dict)
     """Predicted bytes per step by collective kind (the tensor each collective is given), for the fidelity
     check; same keys as ``collectives``."""
@@ -270,6 +277,8 @@ class Plan:
             data.pop("block_input_placements")
         if not self.hand_layout:  # the planner's own plans write what they wrote before it existed
             data.pop("hand_layout")
+        if not self.local_modules:  # plans with no local region write what they wrote before it existed
+            data.pop("local_modules")
         return data
 
     @classmethod

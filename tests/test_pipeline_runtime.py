@@ -60,7 +60,7 @@ def test_plan_without_pipeline_writes_and_reads_as_before():
     data = plain.to_dict()
     assert not set(PIPELINE_FIELDS) & set(data)
     # sequence parallelism's field and context parallelism's degree (at 1), absent from older plans too
-    omitted_when_empty = {"block_input_placements", "cp_size", "hand_layout"}
+    omitted_when_empty = {"block_input_placements", "cp_size", "hand_layout", "local_modules"}
     assert set(data) == {f.name for f in dataclasses.fields(Plan)} - set(PIPELINE_FIELDS) - omitted_when_empty
     old = Plan.from_dict(json.loads(json.dumps(data)))
     assert old.pp_size == 1 and old.stages == [] and old.schedule == "" and old.num_stages == 1
