@@ -98,15 +98,18 @@ def _parse_dp_modes(value: Any, key: str, source: str) -> tuple[str, ...]:
     return modes
 
 
-PIPELINE_AUTO = "auto"
+SEARCHED_AXIS = "auto"
+"""The setting of a searched mesh axis (pipeline stages, context parallelism): the planner chooses its degree."""
+
+PIPELINE_AUTO = SEARCHED_AXIS
 """The ``pipeline`` setting that searches pipeline stages (the planner's ``pipeline=None``)."""
 
 
 def _parse_degree_or_auto(value: Any, key: str, source: str, *, expected: str) -> int | str:
     """``"auto"`` or a degree (an int: 1 turns the axis off, >= 2 fixes it), the settings of the searched mesh
     axes (pipeline stages, context parallelism); ``expected`` says what is allowed, for the error."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
+    if isinstance(value, str) and value.strip().lower() == SEARCHED_AXIS:
+        return SEARCHED_AXIS
     try:
         return _parse_int(value, key, source)
     except PluginConfigError:
@@ -141,7 +144,7 @@ def pipeline_from_env(default: int | None) -> int | None:
     return _setting_from_env("pipeline", _parse_pipeline, pipeline_setting, default)
 
 
-CONTEXT_PARALLEL_AUTO = "auto"
+CONTEXT_PARALLEL_AUTO = SEARCHED_AXIS
 """The ``context_parallel`` setting that searches cp degrees (the planner's ``context_parallel=None``)."""
 
 
