@@ -164,6 +164,13 @@ def test_kv_collectives_priced_on_the_cp_link():
     logits = (2 // dp) * 128 * cfg.vocab_size * 2
     assert plan.collectives["cp_reduce_scatter"] == 2 * layers
     assert plan.collectives["cp_all_gather"] == 2 * layers and plan.collectives["cp_all_reduce"] == 2
+    # and the generator agreement's broadcast (apply/rng.py): the CPU generator's state and the CUDA device's
+    import torch
+
+    from hf_colossal_auto.solve.context_parallel_search import CUDA_GENERATOR_STATE_BYTES
+
+    assert plan.collectives["cp_broadcast"] == 1
+    assert plan.collective_bytes["cp_broadcast"] == torch.get_rng_state().numel() + CUDA_GENERATOR_STATE_BYTES
     assert plan.collective_bytes["cp_reduce_scatter"] == pytest.approx(layers * 2 * k_bytes / split)
     assert plan.collective_bytes["cp_all_gather"] == pytest.approx(layers * 2 * k_bytes / split)
     assert record["outputs"] == "loss only" and record["logits_read_bytes"] == pytest.approx(logits)
@@ -231,16 +238,29 @@ def test_unknown_attention_not_offered(caplog):
     assert "context parallelism not searched" in caplog.text and "no fused attention kernel" in caplog.text
 
 
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device to ask")
+def test_cuda_generator_state_bytes_is_the_devices():
+    """The CUDA generator state the plan prices the agreement's broadcast with (a constant: planning need not
+    touch CUDA) is what ``torch.cuda.get_rng_state()`` returns, the tensor the runtime broadcasts."""
+    import torch
+
+    from hf_colossal_auto.solve.context_parallel_search import CUDA_GENERATOR_STATE_BYTES
+
+    state = torch.cuda.get_rng_state()
+    assert state.numel() * state.element_size() == CUDA_GENERATOR_STATE_BYTES
+
+
 # ------------------------------------------------------------------------------- against a measured step
 MEMORY_BOUND = 0.05
 """A planner-made cp = 2 plan's measured per-rank peak (MemTracker) is within this fraction of its prediction
-(docs/reliability.md: with blocked attention measured +0.5 % without recompute, -2.6 % with the solver's recompute, Llama hidden 128,
-GQA, 2 x 512 tokens on 2 gloo ranks)."""
+(docs/reliability.md, Llama hidden 128, GQA, 2 x 512 tokens on 2 gloo ranks: blocked attention +0.5 % without
+recompute, -2.7 % with the solver's; attention dropout's math path +0.2 % and +1.8 %; padded rows +0.5 % and
++3.7 %)."""
 
 
 @pytest.fixture(scope="module")
 def measured_cp_step(tmp_path_factory) -> list[dict]:
-    """One torchrun launch (~30 s): both plans of ``multiproc/check_context_parallel_costs.py``, every rank's."""
+    """One torchrun launch (~10-20 s): every plan of ``multiproc/check_context_parallel_costs.py``, every rank's."""
     from pathlib import Path
 
     from torchrun_launch import run_torchrun
@@ -251,12 +271,18 @@ def measured_cp_step(tmp_path_factory) -> list[dict]:
     return [r for rank in (0, 1) for r in json.loads(Path(f"{out}.rank{rank}").read_text()) if "plan" in r]
 
 
+MEASURED_PLANS = ("free", "tight", "dropout", "dropout-tight", "padded", "padded-tight")
+"""The plans the check runs: the plain model and rows, with attention dropout 0.1 (SDPA's math path on CPU) and
+with padded rows (every layer on the mask path), each with the budget lifted and under 0.75 of that peak."""
+
+
 def test_cp_plan_collectives_are_the_runs(measured_cp_step):
-    """Every rank's collectives of one step that reads only the loss (c10d's records): the K/V all-gathers (again
-    for each recomputed block) and the K/V gradients' reduce-scatters, counts and bytes, as the plan says (no
-    logits' all-gather: the runtime gathers outputs only when read);
-    the all-reduces are the gradients' plus the two small ones (inputs' agreement, loss)."""
-    assert {r["plan"] for r in measured_cp_step} == {"free", "tight"}
+    """Every rank's collectives of one training step that reads only the loss (c10d's records): the K/V
+    all-gathers (again for each recomputed block) and the K/V gradients' reduce-scatters, counts and bytes, as
+    the plan says (no logits' all-gather: the runtime gathers outputs only when read); the all-reduces are the
+    gradients' plus the two small ones (inputs' agreement, loss); the one broadcast is the generator agreement's
+    (``cp_broadcast``: its bytes as sent), with and without attention dropout and padding."""
+    assert sorted(r["plan"] for r in measured_cp_step) == sorted(MEASURED_PLANS * 2)
     for r in measured_cp_step:
         for kind in ("cp_all_gather", "cp_reduce_scatter"):
             assert r["counted"][kind] == r["predicted"][kind], r
@@ -264,15 +290,36 @@ def test_cp_plan_collectives_are_the_runs(measured_cp_step):
         assert (
             r["counted"]["all_reduce"] == r["predicted"]["dp_all_reduce"] + r["predicted"]["cp_all_reduce"]
         ), r
-    tight = next(r for r in measured_cp_step if r["plan"] == "tight")
-    assert set(tight["recompute"]) - {"none"}, tight  # the budget made the solver recompute
-    free = next(r for r in measured_cp_step if r["plan"] == "free")
-    assert tight["counted"]["cp_all_gather"] > free["counted"]["cp_all_gather"]
+        assert r["counted"]["broadcast"] == r["predicted"]["cp_broadcast"], r
+        assert r["counted_bytes"]["broadcast"] == r["predicted_bytes"]["cp_broadcast"], r
+    by_plan = {r["plan"]: r for r in measured_cp_step}
+    for free, tight in (("free", "tight"), ("dropout", "dropout-tight"), ("padded", "padded-tight")):
+        recomputed = set(by_plan[tight]["recompute"]) - {"none"}
+        assert recomputed, by_plan[tight]  # the budget made the solver recompute
+        assert by_plan[tight]["counted"]["cp_all_gather"] > by_plan[free]["counted"]["cp_all_gather"]
+
+
+def test_cp_plan_runs_the_attention_it_was_priced_for(measured_cp_step):
+    """What makes the dropout and padded plans worth measuring happened: plain rows ran blocked attention on
+    every layer and drew nothing; with attention dropout every layer ran the mask path, the agreed generator
+    advanced and SDPA's math path drew a dropout mask per layer (and again per recomputed attention); padded
+    rows ran every layer on the mask path."""
+    for r in measured_cp_step:
+        layers = r["attention_calls"]
+        assert layers == 2, r
+        kind = r["plan"].removesuffix("-tight")
+        assert r["blocked_calls"] == (layers if kind in ("free", "tight") else 0), r
+        assert r["generator_advanced"] == (kind == "dropout"), r
+        if kind == "dropout":
+            assert r["bernoulli_calls"] >= layers, r
+        else:
+            assert r["bernoulli_calls"] == 0, r
 
 
 def test_cp_plan_peak_is_the_measured_one(measured_cp_step):
     """MemTracker's per-rank peak of a step within :data:`MEMORY_BOUND` of ``plan.peak_memory_bytes``, with and
-    without recompute (the recomputed plan's prediction within its budget)."""
+    without recompute (the recomputed plan's prediction within its budget), with attention dropout (the math
+    path's probabilities and dropout masks) and with padded rows (the step's ``[rows, 1, s, S]`` mask)."""
     for r in measured_cp_step:
         assert abs(r["measured_peak"] - r["predicted_peak"]) <= MEMORY_BOUND * r["predicted_peak"], r
         assert r["predicted_peak"] <= r["budget"]

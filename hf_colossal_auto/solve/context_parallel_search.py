@@ -549,6 +549,23 @@ SMALL_ALL_REDUCE_BYTES = (8, 4)
 """The runtime's two small all-reduces per forward: the one-integer (int64) agreement that every rank's inputs
 were accepted (over the job), and the scalar float32 loss summed over cp."""
 
+CUDA_GENERATOR_STATE_BYTES = 16
+"""``torch.cuda.get_rng_state()``'s size (uint8): the Philox generator's int64 seed and int64 offset. A constant,
+not asked of a device: a plan for CUDA is often made on a host without one, and asking would initialise CUDA in
+the planning process."""
+
+
+def generator_state_bytes(device_kind: str) -> int:
+    """What the runtime's generator agreement broadcasts once per training forward under cp (``apply/rng.py``:
+    the replica's first rank sends its generator states to the replica's ``cp x tp`` ranks, whether or not the
+    model then draws: under cp it agrees up front): the CPU generator's state, and the CUDA device's where the
+    mesh is on CUDA. Why priced: it is a collective of every step, which a check of the plan's collectives
+    against c10d's records counts."""
+    nbytes = torch.Generator().get_state().numel()  # uint8
+    if device_kind == "cuda":
+        nbytes += CUDA_GENERATOR_STATE_BYTES
+    return nbytes
+
 
 @dataclass(frozen=True)
 class StepExtras:
@@ -575,10 +592,12 @@ def step_extras(
 
 def added_after_solve_s(micro_batches: int, cp_comm: AxisComm) -> float:
     """Seconds a plan gets after the solve whatever its choices (:func:`context_parallel_plan` adds them): the
-    two small all-reduces of every micro-batch (a step that reads only the loss gathers no logits, so nothing
-    here depends on the traced step). Why here: the search adds them to its lower bounds
-    (:meth:`ContextParallelPlanner.fixed_added_s`), so they are written once."""
-    return micro_batches * sum(cp_comm.time("all_reduce", b) for b in SMALL_ALL_REDUCE_BYTES)
+    two small all-reduces and the generator agreement's broadcast (:func:`generator_state_bytes`; its group is
+    the replica's ``cp x tp`` ranks, priced on the cp axis's link) of every micro-batch (a step that reads only
+    the loss gathers no logits, so nothing here depends on the traced step). Why here: the search adds them to
+    its lower bounds (:meth:`ContextParallelPlanner.fixed_added_s`), so they are written once."""
+    small = sum(cp_comm.time("all_reduce", b) for b in SMALL_ALL_REDUCE_BYTES)
+    return micro_batches * (small + cp_comm.time("broadcast", generator_state_bytes(cp_comm.device_kind)))
 
 
 def recomputed_attention_layers(extras: StepExtras, recompute: Mapping[str, str]) -> int:
@@ -693,7 +712,8 @@ def context_parallel_plan(
     ``(dp, cp, tp)``, the cp axis ``"R"`` in every placement, the user's batch, ``cp_size``, and the K/V
     collectives moved from compute to communication (``cp_all_gather`` / ``cp_reduce_scatter``). Added after
     the solve (``extras``, priced on ``cp_comm``; the ILP does not see them): per micro-batch the two small
-    all-reduces (``cp_all_reduce``: the inputs' agreement, the loss), and the K/V all-gathers again for each
+    all-reduces (``cp_all_reduce``: the inputs' agreement, the loss) and the generator agreement's broadcast
+    (``cp_broadcast``: :func:`generator_state_bytes`), and the K/V all-gathers again for each
     attention layer of a recomputed block. A step that reads only the loss: the logits' all-gather, which a
     read adds, is recorded (``logits_read_bytes`` / ``logits_read_s``), not priced."""
     multiplicity = {n.name: n.multiplicity for n in built.problem.nodes}
@@ -725,6 +745,8 @@ def context_parallel_plan(
             read_s = micro * cp_comm.time("all_gather", extras.logits_read_bytes)
         collectives["cp_all_reduce"] = micro * len(SMALL_ALL_REDUCE_BYTES)
         collective_bytes["cp_all_reduce"] = micro * sum(SMALL_ALL_REDUCE_BYTES)
+        collectives["cp_broadcast"] = micro
+        collective_bytes["cp_broadcast"] = micro * generator_state_bytes(cp_comm.device_kind)
         added_s += reduce_s
     collectives["cp_all_gather"], collective_bytes["cp_all_gather"] = gathers, gathered
     solver = dict(plan.solver)
