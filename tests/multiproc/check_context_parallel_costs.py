@@ -1,17 +1,20 @@
-"""Run under torchrun (2 ranks): a planner-made context-parallel plan's costs against a measured step.
+"""Run under torchrun (2 ranks): planner-made context-parallel plans' costs against measured steps.
 
     torchrun --nproc_per_node 2 tests/multiproc/check_context_parallel_costs.py --out r.json
 
 A Llama at hidden 128 (grouped-query attention: 4 query heads, 2 K/V heads), 2 rows of 512 tokens, so that
-activations dominate. Rank 0 plans it with ``context_parallel=2`` on 2 CPU devices, DDP over the ``dp x cp``
-group, twice: with the budget lifted and no recompute, and under a budget of a fraction of that plan's peak with
-recompute chosen by the solver (it must recompute to fit). Every rank applies each plan to a fresh copy of the
-seeded model and runs training steps that read only the loss (``model(**batch).loss``, as a training loop
-does: the runtime gathers no output over cp, ``apply/context_parallel_outputs.py``): one forward + backward
-under ``torch.profiler``, c10d's own records of every collective (counts, and the bytes of the tensors handed
-to the all-gathers and reduce-scatters) against the plan's ``collectives`` / ``collective_bytes``; then one
-AdamW step and MemTracker's peak of the next step against ``plan.peak_memory_bytes``. ``<out>.rank<r>`` holds
-each rank's results.
+activations dominate, in three kinds (:data:`PLANS`): plain rows (blocked attention), with attention dropout
+0.1 (SDPA's unfused math path on CPU, every layer on the runtime's mask path) and padded rows (a 2-D padding
+mask: every layer on the mask path). Rank 0 plans each with ``context_parallel=2`` on 2 CPU devices, DDP over
+the ``dp x cp`` group, twice: with the budget lifted and no recompute, and under a budget of a fraction of that
+plan's peak with recompute chosen by the solver (it must recompute to fit). Every rank applies each plan to a
+fresh copy of the seeded model, in training mode, and runs training steps that read only the loss
+(``model(**batch).loss``, as a training loop does: the runtime gathers no output over cp,
+``apply/context_parallel_outputs.py``): one forward + backward under ``torch.profiler``, c10d's own records of
+every collective (counts, and the bytes of the tensors handed to the all-gathers, reduce-scatters and the
+generator agreement's broadcast) against the plan's ``collectives`` / ``collective_bytes``, and which
+attention ran (blocked calls, whether dropout drew); then one AdamW step and MemTracker's peak of the next step
+against ``plan.peak_memory_bytes``. ``<out>.rank<r>`` holds each rank's results.
 """
 
 from __future__ import annotations
