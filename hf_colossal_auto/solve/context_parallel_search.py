@@ -75,7 +75,13 @@ from ..plan import Plan
 from .build.builder import BuiltProblem
 from .build.names import NodeKind
 from .candidates import _Planner
-from .context_parallel_math import MathAttention, math_attention_calls, operands, scale_math_attention
+from .context_parallel_math import (  # noqa: F401 (_kernel_dropout: read here, and by tests from here)
+    MathAttention,
+    _kernel_dropout,
+    math_attention_calls,
+    operands,
+    scale_math_attention,
+)
 from .pricing.comm import AxisComm
 from .problem import Solution
 
@@ -231,15 +237,6 @@ class RuntimeAttention:
             torch.device(self.device_kind), dtype, query.shape[-1], query.shape[2] // 2
         )
         return kernel is not None
-
-
-def _kernel_dropout(node: Any) -> float:
-    """The dropout probability a traced SDPA kernel ran with (the memory-efficient kernel takes a bias and a
-    flag before it)."""
-    args, kwargs = node.args if isinstance(node.args, tuple) and len(node.args) == 2 else ((), {})
-    at = 5 if "efficient" in node.op else 3
-    value = kwargs.get("dropout_p", args[at] if len(args) > at else 0.0)
-    return float(value) if isinstance(value, int | float) else 0.0
 
 
 def attention_kernels(
