@@ -82,6 +82,7 @@ from .context_parallel_math import (  # noqa: F401 (_kernel_dropout: read here, 
     operands,
     scale_math_attention,
 )
+from .local_tensor_parallel import LocalLayout
 from .pricing.comm import AxisComm
 from .problem import Solution
 
@@ -623,6 +624,11 @@ class ContextParallelPlanner(_Planner):
             self.query_heads,
             self.padded,
         )
+
+    def local_layout(self, dp: int, tp: int, micro_batches: int = 1) -> LocalLayout:
+        """None: the runtime runs no module on local tensor shards under context parallelism (the cp collectives
+        sit inside the attention)."""
+        return LocalLayout()
 
     def runtime_attention(self) -> RuntimeAttention:
         """How the runtime's attention runs on this cluster's devices (blocked or masked, per layer)."""
