@@ -345,14 +345,22 @@ class _Planner:
         On a tensor-parallel mesh with modules that can run on local shards (:meth:`local_layout`) the candidate
         is also solved with them so (Megatron's layout there, its ops eager), and the faster of the two that fits
         is kept: local execution saves DTensor's dispatch on every op inside, but pins those modules' layout, which
-        the free solution may beat (a layout that needs less memory, or shards differently)."""
+        the free solution may beat (a layout that needs less memory, or shards differently). The local one is
+        solved first, and the other not at all where the host's seconds alone of its ops on DTensors
+        (:attr:`BuiltProblem.dtensor_host_floor_s`, per micro-batch) already exceed it."""
         if self.recompute == "two-stage":
             return self._two_stage(mesh, dp_mode, fixed_params, micro_batches, dp_shard_size, expert_dp)
         name = self._candidate_name(mesh, dp_mode)
         solved: list[tuple[BuiltProblem, Solution]] = []
         error: CandidateInfeasibleError | None = None
         local_offered = not expert_dp and bool(self.local_layout(mesh[0], mesh[1], micro_batches))
-        for local in (False, True) if local_offered else (False,):
+        for local in (True, False) if local_offered else (False,):
+            if (
+                not local
+                and solved
+                and solved[0][1].objective_s < micro_batches * solved[0][0].dtensor_host_floor_s
+            ):
+                break  # DTensor's host seconds alone exceed the local plan: it cannot be faster
             built = self.build(
                 mesh,
                 dp_mode,
@@ -369,7 +377,7 @@ class _Planner:
         if not solved:
             assert error is not None
             raise error
-        return min(solved, key=lambda pair: pair[1].objective_s)
+        return min(solved[::-1], key=lambda pair: pair[1].objective_s)  # the DTensor one on a tie
 
     def _two_stage(
         self,

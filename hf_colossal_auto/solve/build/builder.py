@@ -107,6 +107,10 @@ class BuiltProblem:
     host_floor_s: float = 0.0
     """Host seconds of one micro-batch's ops (forward and backward) whatever their strategies: k micro-batches
     cost at least k times it, which bounds micro-batching from below without tracing it."""
+    dtensor_host_floor_s: float = 0.0
+    """:attr:`host_floor_s` were every op run on DTensors (the ops of ``local_modules`` too): a lower bound on one
+    micro-batch of the same candidate priced without local shards, so that its ILP need not be solved where the
+    local one is already faster (:meth:`~..candidates._Planner.solve_mesh`)."""
     backward_ratios: BackwardRatios = field(default_factory=lambda: BackwardRatios({}, {}))
     """Per module, backward over forward (device time, op count): how a node's cost splits into its forward
     and its backward (where in the step the ranks synchronise, :mod:`.prediction`)."""
@@ -373,6 +377,7 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         self.rc_names: list[str] = []
         self.conditional: list[ConditionalCost] = []
         self.host_floor_s = 0.0
+        self.dtensor_host_floor_s = 0.0
         self.host_terms: dict[str, float] = {}
         """Op node -> host seconds of its forward and backward ops (where the host runs ahead of the device:
         priced per block by :func:`host_stream_overlaps`, not in the node's cost)."""
@@ -486,6 +491,7 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
             micro_batches=self.micro_batches,
             dp_shard_size=self.dp_shard,
             host_floor_s=self.host_floor_s,
+            dtensor_host_floor_s=self.dtensor_host_floor_s,
             backward_ratios=self.ratios,
             expert_data_parallel=self.expert_dp,
             expert_dp_params=frozenset(self.expert_dp_params),

@@ -83,6 +83,9 @@ class _NodesPart:
             self.block_of[name] = node.module
             host = _node_host_time(node, self.spec, self.ratios, dtensor=c not in self.eager_nodes)
             self.host_floor_s += self.tied.multiplicity[c] * host
+            self.dtensor_host_floor_s += self.tied.multiplicity[c] * (
+                _node_host_time(node, self.spec, self.ratios) if c in self.eager_nodes else host
+            )
             if host_runs_ahead(self.spec) and c not in self.expert_dp_nodes:  # the exchange joins its own
                 self.host_terms[name] = host
                 unit = self.unit_index_of.get(c)
