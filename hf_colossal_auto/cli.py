@@ -148,7 +148,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             with _Stage(f"pricing {base}", True):
                 try:
                     est = evaluate_plan(model, batch, base, **common)
-                except ValueError as exc:  # megatron-sp without a tensor-parallel axis here: say why, go on
+                except ValueError as exc:  # megatron-sp/-local without a tensor-parallel axis: say why, go on
                     print(f"  {base:11s} not priced: {exc}")
                     continue
             ratio = est.step_time_s / plan.step_time_s if plan.step_time_s else float("nan")
@@ -387,7 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
         "degrees against plans without it, an int >= 2 fixes the cp degree (--mesh is then dp x tp)",
     )
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh, seconds")
-    p.add_argument("--no-baselines", action="store_true", help="skip pricing ddp/fsdp/megatron/megatron-sp")
+    p.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="skip pricing ddp/fsdp/megatron/megatron-sp/megatron-local",
+    )
     p.add_argument("--out", metavar="PATH", help="write the plan JSON here")
     p.add_argument(
         "--routing-histogram",

@@ -27,9 +27,11 @@ from ..units import parse_bytes
 from .build.builder import BuiltProblem, build_problem
 from .build.names import NodeKind
 from .ilp import solve
+from .local_tensor_parallel import LocalLayout, local_tensor_parallel_layout
 from .pricing.comm import AxisComm, HybridComm
 from .pricing.memory import StepMemories
 from .problem import InfeasibleError, Solution
+from .tied import TiedGraph
 from .writeup import WriteupContext, _make_plan
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,10 @@ class _Planner:
         """What the problems built from one step share of its memory (timeline, liveness snapshots), per step."""
         self.routing: RoutingLoad | None = None
         """A measured routing load the MoE costs are priced under (:func:`_routing`); None: uniform."""
+        self._local: dict[tuple[int, int], tuple[LocalLayout, dict, dict[str, str]]] = {}
+        """By (micro-batch rows, tensor-parallel size): the modules that can run on local shards, the strategies
+        with theirs pinned (one dict per key, so that the problems built from it share their cached edges and
+        DTensor rules) and their parameters' placements by canonical FQN."""
 
     @classmethod
     def for_devices(
@@ -180,6 +186,25 @@ class _Planner:
             self._strategies[key] = enumerate_strategies(graph, (tp,), phases=(Phase.FORWARD,))
         return self._strategies[key]
 
+    def local_layout(self, dp: int, tp: int, micro_batches: int = 1) -> LocalLayout:
+        """The attention / MLP modules of the blocks that can run on local tensor shards at ``tp``
+        (:func:`~.local_tensor_parallel.local_tensor_parallel_layout`; empty without a tensor-parallel axis)."""
+        return self._local_parts(dp, tp, micro_batches)[0]
+
+    def _local_parts(self, dp: int, tp: int, micro_batches: int) -> tuple[LocalLayout, dict, dict[str, str]]:
+        key = (self.batch // (dp * micro_batches), tp)
+        if key not in self._local:
+            if tp < 2:
+                self._local[key] = (LocalLayout(), {}, {})
+            else:
+                graph = self.graph(dp, micro_batches)
+                strategies = self.strategies(dp, tp, micro_batches)
+                layout = local_tensor_parallel_layout(self.model, graph, strategies, self.layers, tp)
+                tied = TiedGraph.build(graph)
+                params = {tied.canonical_param(fqn): p for fqn, p in layout.params.items()}
+                self._local[key] = (layout, {**strategies, **layout.pins}, params)
+        return self._local[key]
+
     def offers_mesh(self, mesh: tuple[int, int]) -> bool:
         """Whether the search tries ``mesh`` (every mesh here; a context-parallel planner narrows it)."""
         return True
@@ -210,6 +235,7 @@ class _Planner:
         expert_dp: bool = False,
         budget: int | None = None,
         strategy_pins: Mapping[int, list[Strategy]] | None = None,
+        local: bool = False,
     ) -> BuiltProblem:
         """The ILP of one mesh (under ``budget``, default the planner's; :data:`LIFTED_BUDGET` to price what does
         not fit); recompute is a decision unless ``recompute_pin`` (or the planner's mode "none" /
@@ -220,7 +246,9 @@ class _Planner:
         it (:func:`_pin_param_uses`). ``expert_dp``: every MoE layer expert-parallel over the data-parallel
         axis (:func:`build_problem`). ``strategy_pins`` (graph node -> the strategies it keeps): a hand layout's
         narrowed choices (the ``"megatron-sp"`` baseline's sequence-sharded regions,
-        :func:`~.sequence_parallel.sequence_parallel_pins`).
+        :func:`~.sequence_parallel.sequence_parallel_pins`). ``local``: the modules of :meth:`local_layout` run on
+        local tensor shards — their parameters pinned to Megatron's placements, their ops to the strategies local
+        execution runs, priced as eager ops (the plan lists them in :attr:`Plan.local_modules`).
 
         DDP on a ``(dp, 1)`` mesh shards nothing, so it runs on ordinary tensors
         (:attr:`~hf_colossal_auto.plan.Plan.shards_nothing`, :mod:`hf_colossal_auto.apply.data_parallel`): its
@@ -234,6 +262,10 @@ class _Planner:
         tp_comm = self.axis_comm(mesh, 1)
         dp_comm = self.hybrid_comm(mesh, dp_shard_size) if dp_mode == "hsdp" else self.axis_comm(mesh, 0)
         strategies = self.strategies(dp, tp, micro_batches)
+        layout = LocalLayout()
+        if local:
+            layout, strategies, local_params = self._local_parts(dp, tp, micro_batches)
+            fixed_params = {**(fixed_params or {}), **local_params} if layout else fixed_params
         if strategy_pins:
             strategies = {**strategies, **strategy_pins}
         if param_uses:
@@ -257,6 +289,8 @@ class _Planner:
             routing=self.routing,
             expert_dp=expert_dp,
             step_memory=self._step_memories.of(graph),
+            eager_nodes=layout.nodes,
+            local_modules=layout.modules,
         )
 
     @property
@@ -306,18 +340,44 @@ class _Planner:
         expert_dp: bool = False,
     ) -> tuple[BuiltProblem, Solution]:
         """Build and solve one candidate. Where its budget cannot be met, :class:`CandidateInfeasibleError` carries
-        the problem (the micro-batch search prices it without the budget as a lower bound)."""
+        the problem (the micro-batch search prices it without the budget as a lower bound).
+
+        On a tensor-parallel mesh with modules that can run on local shards (:meth:`local_layout`) the candidate
+        is also solved with them so (Megatron's layout there, its ops eager), and the faster of the two that fits
+        is kept: local execution saves DTensor's dispatch on every op inside, but pins those modules' layout, which
+        the free solution may beat (a layout that needs less memory, or shards differently). The local one is
+        solved first, and the other not at all where the host's seconds alone of its ops on DTensors
+        (:attr:`BuiltProblem.dtensor_host_floor_s`, per micro-batch) already exceed it."""
         if self.recompute == "two-stage":
             return self._two_stage(mesh, dp_mode, fixed_params, micro_batches, dp_shard_size, expert_dp)
-        built = self.build(
-            mesh,
-            dp_mode,
-            fixed_params,
-            micro_batches=micro_batches,
-            dp_shard_size=dp_shard_size,
-            expert_dp=expert_dp,
-        )
-        return built, _solve_candidate(built, self.time_limit_s, self._candidate_name(mesh, dp_mode))
+        name = self._candidate_name(mesh, dp_mode)
+        solved: list[tuple[BuiltProblem, Solution]] = []
+        error: CandidateInfeasibleError | None = None
+        local_offered = not expert_dp and bool(self.local_layout(mesh[0], mesh[1], micro_batches))
+        for local in (True, False) if local_offered else (False,):
+            if (
+                not local
+                and solved
+                and solved[0][1].objective_s < micro_batches * solved[0][0].dtensor_host_floor_s
+            ):
+                break  # DTensor's host seconds alone exceed the local plan: it cannot be faster
+            built = self.build(
+                mesh,
+                dp_mode,
+                fixed_params,
+                micro_batches=micro_batches,
+                dp_shard_size=dp_shard_size,
+                expert_dp=expert_dp,
+                local=local,
+            )
+            try:
+                solved.append((built, _solve_candidate(built, self.time_limit_s, name)))
+            except CandidateInfeasibleError as exc:
+                error = error or exc
+        if not solved:
+            assert error is not None
+            raise error
+        return min(solved[::-1], key=lambda pair: pair[1].objective_s)  # the DTensor one on a tie
 
     def _two_stage(
         self,

@@ -190,3 +190,12 @@ def scale_math_attention(graph: StepGraph, call: MathAttention, cp: int, grown: 
         info = graph.values[value]
         if info.producer is not None:
             graph.values[value] = dataclasses.replace(info, nbytes=info.nbytes * cp)
+
+
+def _kernel_dropout(node: OpNode) -> float:
+    """The dropout probability a traced SDPA kernel ran with (the memory-efficient kernel takes a bias and a
+    flag before it)."""
+    args, kwargs = node.args if isinstance(node.args, tuple) and len(node.args) == 2 else ((), {})
+    at = 5 if "efficient" in node.op else 3
+    value = kwargs.get("dropout_p", args[at] if len(args) > at else 0.0)
+    return float(value) if isinstance(value, int | float) else 0.0

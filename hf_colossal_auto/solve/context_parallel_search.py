@@ -75,7 +75,14 @@ from ..plan import Plan
 from .build.builder import BuiltProblem
 from .build.names import NodeKind
 from .candidates import _Planner
-from .context_parallel_math import MathAttention, math_attention_calls, operands, scale_math_attention
+from .context_parallel_math import (  # noqa: F401 (_kernel_dropout: read here, and by tests from here)
+    MathAttention,
+    _kernel_dropout,
+    math_attention_calls,
+    operands,
+    scale_math_attention,
+)
+from .local_tensor_parallel import LocalLayout
 from .pricing.comm import AxisComm
 from .problem import Solution
 
@@ -231,15 +238,6 @@ class RuntimeAttention:
             torch.device(self.device_kind), dtype, query.shape[-1], query.shape[2] // 2
         )
         return kernel is not None
-
-
-def _kernel_dropout(node: Any) -> float:
-    """The dropout probability a traced SDPA kernel ran with (the memory-efficient kernel takes a bias and a
-    flag before it)."""
-    args, kwargs = node.args if isinstance(node.args, tuple) and len(node.args) == 2 else ((), {})
-    at = 5 if "efficient" in node.op else 3
-    value = kwargs.get("dropout_p", args[at] if len(args) > at else 0.0)
-    return float(value) if isinstance(value, int | float) else 0.0
 
 
 def attention_kernels(
@@ -645,6 +643,11 @@ class ContextParallelPlanner(_Planner):
             self.query_heads,
             self.padded,
         )
+
+    def local_layout(self, dp: int, tp: int, micro_batches: int = 1) -> LocalLayout:
+        """None: the runtime runs no module on local tensor shards under context parallelism (the cp collectives
+        sit inside the attention)."""
+        return LocalLayout()
 
     def runtime_attention(self) -> RuntimeAttention:
         """How the runtime's attention runs on this cluster's devices (blocked or masked, per layer)."""

@@ -13,6 +13,8 @@ Approaches (all priced by the same cost model, see :mod:`hf_colossal_auto.solve.
 * ``tp+full-recompute``: the same with every block checkpointed;
 * ``tp+sp``: Megatron-style tensor parallelism with sequence parallelism on every block, no recompute
   (``evaluate_plan("megatron-sp", recompute="none")``; not in the default set);
+* ``tp-local``: Megatron-style tensor parallelism with the attention / MLP modules that qualify run on local tensor
+  shards, no recompute (``evaluate_plan("megatron-local", recompute="none")``; not in the default set);
 * ``fsdp+full-recompute``: FSDP over all devices with every block checkpointed.
 
 A baseline's placements and recompute are fixed, so its time and peak do not depend on the budget: it is
@@ -46,6 +48,7 @@ BASELINE_RECIPES: dict[str, tuple[str, str]] = {
     "tp-only": ("megatron", "none"),
     "tp+full-recompute": ("megatron", "full"),
     "tp+sp": ("megatron-sp", "none"),
+    "tp-local": ("megatron-local", "none"),
     "fsdp+full-recompute": ("fsdp", "full"),
     "ddp": ("ddp", "none"),
     "fsdp": ("fsdp", "none"),
@@ -383,7 +386,11 @@ def _baseline_curves(
         else:
             baseline, recompute = BASELINE_RECIPES[name]
             args = dict(eval_args)
-        if baseline in ("megatron", "megatron-sp") and mesh_shape is None and name not in PIPELINE_RECIPES:
+        if (
+            baseline in ("megatron", "megatron-sp", "megatron-local")
+            and mesh_shape is None
+            and name not in PIPELINE_RECIPES
+        ):
             # evaluate_plan picks the tensor-parallel size from the device preset's devices per node and
             # ignores a devices_per_node override; pick it here from the cluster actually asked for.
             per_node = plan_kwargs.get("devices_per_node") or spec.devices_per_node

@@ -19,6 +19,10 @@ Baselines are the same ILP with parameter placements pinned, priced by the same 
   residual adds, dropouts after the row-parallel projections) sharded on the sequence dim, row-parallel outputs
   reduce-scattered onto it and all-gathered before the column-parallel inputs
   (:mod:`~hf_colossal_auto.solve.sequence_parallel`); it needs a tensor-parallel axis > 1;
+* ``"megatron-local"``: ``"megatron"`` with every attention / MLP module that can run on local tensor shards so
+  run (as Megatron-LM, torchtitan and HF run the ops between a column- and a row-parallel projection: on local
+  tensors, DTensor only at the module's borders; :mod:`~hf_colossal_auto.solve.local_tensor_parallel`), its
+  ops priced as eager ops; it needs a tensor-parallel axis > 1 and a module that qualifies;
 * a HF-style tp_plan dict (``{"layers.*.mlp.up_proj": "colwise", ...}``) on the tensor-parallel size you
   give with ``mesh_shape``.
 """
@@ -59,6 +63,7 @@ from .candidates import (  # noqa: F401 (RECOMPUTE_MODES, PlanningTimeoutError r
 from .context_parallel_degrees import with_context_parallel
 from .context_parallel_search import ContextParallelPlanner
 from .ilp import solve
+from .local_tensor_parallel import LocalLayout
 from .pipeline.costs import STAGE_DP_MODES, StageLayout
 from .pipeline.plan import pipeline_configuration, price_pipeline, with_pipelines
 from .pricing.comm import DP_MODES
@@ -83,7 +88,7 @@ from .tied import TiedGraph
 logger = logging.getLogger(__name__)
 
 
-BASELINES = ("ddp", "fsdp", "megatron", "megatron-sp")
+BASELINES = ("ddp", "fsdp", "megatron", "megatron-sp", "megatron-local")
 """The named hand configurations :func:`evaluate_plan` prices (see the module docstring)."""
 
 
@@ -475,6 +480,12 @@ def evaluate_plan(
         pins = sequence_parallel_pins(
             planner.graph(mesh[0], k), planner.strategies(mesh[0], mesh[1], k), planner.layers, borders, rows
         )
+    # a Plan whose modules run on local shards is priced so again (its layout is the same at its tp)
+    local = layout == "megatron-local" or (
+        isinstance(plan_or_baseline, Plan) and bool(plan_or_baseline.local_modules)
+    )
+    if local:
+        _check_local_layout(name, planner.local_layout(mesh[0], mesh[1], k), mesh)
     # Every parameter the baseline does not name stays replicated, as the baseline means; activations are
     # left to the solver (what a runtime's sharding propagation would do best). The budget is lifted so that a
     # baseline that does not fit is still priced, and reported as not fitting.
@@ -494,15 +505,30 @@ def evaluate_plan(
         param_uses=param_uses,
         expert_dp=expert_dp,
         strategy_pins=pins,
+        local=local,
     )
     built, solution = _priced(
         build, recompute, pin, isinstance(plan_or_baseline, Plan) or fit_budget, time_limit_s
     )
     plan = planner.to_plan(mesh, dp_mode, built, solution)
     plan.memory_budget_bytes = budget
-    if pins is not None:
+    if pins is not None or layout == "megatron-local":
         plan.hand_layout = layout
     return Estimate(name, plan.step_time_s, plan.peak_memory_bytes, budget, tuple(mesh), dp_mode, plan)
+
+
+def _check_local_layout(name: str, layout: LocalLayout, mesh: tuple[int, int]) -> None:
+    """A configuration that runs modules on local shards needs one that qualifies: else an error naming why each
+    candidate was refused."""
+    if layout:
+        return
+    why = (
+        "; ".join(f"{m}: {r}" for m, r in sorted(layout.refused.items())[:4]) or "no attention or MLP module"
+    )
+    raise ValueError(
+        f"{name}: no module of the blocks runs on local tensor shards on mesh {mesh} ({why}); price 'megatron' "
+        "(the same placements on DTensors), or turn the dropout inside the modules off"
+    )
 
 
 def _evaluate_pipeline(
@@ -587,10 +613,10 @@ def _hand_pipeline(
         )
     if isinstance(baseline, str) and baseline in ("ddp", "fsdp"):
         tp, fixed, mode = 1, {}, baseline
-    elif baseline == "megatron" or not isinstance(baseline, str):
+    elif baseline in ("megatron", "megatron-local") or not isinstance(baseline, str):
         tp = mesh_shape[-1] if mesh_shape else _largest_tp(inner, planner.cluster.devices_per_node, model)
         placements = (
-            megatron_placements(model) if baseline == "megatron" else tp_plan_placements(model, baseline)
+            megatron_placements(model) if isinstance(baseline, str) else tp_plan_placements(model, baseline)
         )
         fixed, mode = (placements if tp > 1 else {}), "ddp"
     else:
@@ -616,7 +642,7 @@ def _hand_pipeline(
     else:
         shard = dp if mode == "fsdp" else 1
     return dict(pp=pipeline, stage=StageLayout(tp, dp, mode if dp > 1 else "ddp", shard if dp > 1 else 1),
-                fixed_params=fixed)  # fmt: skip
+                fixed_params=fixed, local=baseline == "megatron-local")  # fmt: skip
 
 
 def _check_estimate_arguments(
@@ -670,13 +696,13 @@ def _configuration(
             mesh, dp_mode, fixed = (n, 1), "ddp", {}
         elif name == "fsdp":
             mesh, dp_mode, fixed = (n, 1), "fsdp", {}
-        elif name in ("megatron", "megatron-sp"):
+        elif name in ("megatron", "megatron-sp", "megatron-local"):
             t = mesh_shape[-1] if mesh_shape else _largest_tp(n, cluster.devices_per_node, model)
             mesh, dp_mode = (n // t, t), "ddp"
             fixed = megatron_placements(model) if t > 1 else {}
-            if t == 1 and name == "megatron-sp":
+            if t == 1 and name != "megatron":
                 raise ValueError(
-                    f"megatron-sp baseline: sequence parallelism shards between tensor-parallel regions and needs a "
+                    f"{name} baseline: it runs between tensor-parallel regions and needs a "
                     f"tensor-parallel axis > 1; mesh {mesh} has none"
                     + (
                         ""
@@ -699,9 +725,10 @@ def _configuration(
         mesh, dp_mode = (n // t, t), "ddp"
         fixed = tp_plan_placements(model, plan_or_baseline)
     if hand_dp_mode is not None:
-        if isinstance(plan_or_baseline, str) and name not in ("megatron", "megatron-sp"):
+        if isinstance(plan_or_baseline, str) and name not in ("megatron", "megatron-sp", "megatron-local"):
             raise ValueError(
-                f"{name}: its data-parallel mode is its name; dp_mode is for 'megatron', 'megatron-sp' or a tp_plan"
+                f"{name}: its data-parallel mode is its name; dp_mode is for 'megatron', 'megatron-sp', "
+                "'megatron-local' or a tp_plan"
             )
         if hand_dp_mode != "ddp" and mesh[0] == 1:
             raise ValueError(

@@ -103,6 +103,7 @@ def _make_plan(
             mesh[0],
         ),
         expert_data_parallel=expert_dp,
+        local_modules=list(built.local_modules),
         moe_load=(MEASURED_LOAD if context.routing is not None else UNIFORM_LOAD)
         if is_moe_model(context.model)
         else "",

@@ -107,6 +107,10 @@ class BuiltProblem:
     host_floor_s: float = 0.0
     """Host seconds of one micro-batch's ops (forward and backward) whatever their strategies: k micro-batches
     cost at least k times it, which bounds micro-batching from below without tracing it."""
+    dtensor_host_floor_s: float = 0.0
+    """:attr:`host_floor_s` were every op run on DTensors (the ops of ``local_modules`` too): a lower bound on one
+    micro-batch of the same candidate priced without local shards, so that its ILP need not be solved where the
+    local one is already faster (:meth:`~..candidates._Planner.solve_mesh`)."""
     backward_ratios: BackwardRatios = field(default_factory=lambda: BackwardRatios({}, {}))
     """Per module, backward over forward (device time, op count): how a node's cost splits into its forward
     and its backward (where in the step the ranks synchronise, :mod:`.prediction`)."""
@@ -116,6 +120,8 @@ class BuiltProblem:
     ``expert_dp``."""
     expert_dp_params: frozenset[str] = frozenset()
     """Canonical FQNs of the per-expert weights stored ``E/dp`` experts per data-parallel rank then."""
+    local_modules: tuple[str, ...] = ()
+    """The modules whose ops the problem prices as run on local shards (:attr:`Plan.local_modules`)."""
 
 
 def build_problem(
@@ -137,6 +143,8 @@ def build_problem(
     routing: RoutingLoad | None = None,
     expert_dp: bool = False,
     step_memory: StepMemory | None = None,
+    eager_nodes: frozenset[int] = frozenset(),
+    local_modules: tuple[str, ...] = (),
 ) -> BuiltProblem:
     """The ILP for one mesh ``(dp, tp)`` and data-parallel mode ("ddp", "fsdp", or "hsdp" with ``dp_comm`` a
     :class:`HybridComm`: FSDP inside its shard group, the shards all-reduced over its replicate group).
@@ -174,6 +182,10 @@ def build_problem(
     ``step_memory``: what problems built from ``graph`` share of its memory (its unrolled timeline and liveness
     snapshots), for a caller that builds several from one step; None works it out for this problem alone.
 
+    ``eager_nodes`` (forward node indices) are the ops of ``local_modules``, the modules the runtime runs on local
+    tensor shards (:mod:`~hf_colossal_auto.solve.local_tensor_parallel`; their strategies pinned by the caller):
+    their host seconds are an eager op's, not DTensor's dispatch, and the plan lists the modules.
+
     The parts of the ILP are priced by the methods of :class:`_ProblemBuilder`.
     """
     return _ProblemBuilder(
@@ -194,6 +206,8 @@ def build_problem(
         routing=routing,
         expert_dp=expert_dp,
         step_memory=step_memory,
+        eager_nodes=eager_nodes,
+        local_modules=local_modules,
     ).build()
 
 
@@ -233,6 +247,8 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         routing: RoutingLoad | None = None,
         expert_dp: bool = False,
         step_memory: StepMemory | None = None,
+        eager_nodes: frozenset[int] = frozenset(),
+        local_modules: tuple[str, ...] = (),
     ) -> None:
         # ------------------------------------------------------------ inputs
         self.graph = graph
@@ -260,6 +276,9 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
             raise ValueError("build_problem: step_memory belongs to another step than the graph being built")
         self.step_memory = step_memory if step_memory is not None else StepMemory(graph)
         """What problems built from this step share of its memory (:class:`StepMemory`)."""
+        self.eager_nodes = eager_nodes
+        """Forward nodes run as eager ops on local shards (no DTensor dispatch)."""
+        self.local_modules = local_modules
 
         self._derive_from_graph(recompute_layers, expert_dp)
         self._start_problem()
@@ -358,6 +377,7 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         self.rc_names: list[str] = []
         self.conditional: list[ConditionalCost] = []
         self.host_floor_s = 0.0
+        self.dtensor_host_floor_s = 0.0
         self.host_terms: dict[str, float] = {}
         """Op node -> host seconds of its forward and backward ops (where the host runs ahead of the device:
         priced per block by :func:`host_stream_overlaps`, not in the node's cost)."""
@@ -471,7 +491,9 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
             micro_batches=self.micro_batches,
             dp_shard_size=self.dp_shard,
             host_floor_s=self.host_floor_s,
+            dtensor_host_floor_s=self.dtensor_host_floor_s,
             backward_ratios=self.ratios,
             expert_data_parallel=self.expert_dp,
             expert_dp_params=frozenset(self.expert_dp_params),
+            local_modules=self.local_modules,
         )

@@ -39,7 +39,8 @@ class _NodesPart:
         included on a CPU (:func:`_node_step_time`; where the host runs ahead of the device its seconds are a
         stream priced per block, ``host_terms``), plus the collectives the strategy costs outside the edges (a
         returned output gathered, a partial loss weight reduced: :func:`boundary_reshardings`). A copy of a
-        folded block counts through the node's multiplicity."""
+        folded block counts through the node's multiplicity. An op of a module run on local shards
+        (``eager_nodes``) costs the host an eager op's seconds, not DTensor's."""
         graph, axis, tp = self.graph, self.axis, self.tp
         for c in self.canon_nodes:
             node = graph.nodes[c]
@@ -52,7 +53,17 @@ class _NodesPart:
                     else self._skewed(
                         c,
                         s,
-                        functools.partial(_node_step_time, graph, node, s, axis, tp, self.spec, self.ratios),
+                        functools.partial(
+                            _node_step_time,
+                            graph,
+                            node,
+                            s,
+                            axis,
+                            tp,
+                            self.spec,
+                            self.ratios,
+                            dtensor=c not in self.eager_nodes,
+                        ),
                     )
                 )
                 + sum(t for t, _, _ in boundary_reshardings(graph, node, s, axis, self.tp_comm))
@@ -70,8 +81,11 @@ class _NodesPart:
             self.strat_of[name] = strats
             self.node_of_name[name] = c
             self.block_of[name] = node.module
-            host = _node_host_time(node, self.spec, self.ratios)
+            host = _node_host_time(node, self.spec, self.ratios, dtensor=c not in self.eager_nodes)
             self.host_floor_s += self.tied.multiplicity[c] * host
+            self.dtensor_host_floor_s += self.tied.multiplicity[c] * (
+                _node_host_time(node, self.spec, self.ratios) if c in self.eager_nodes else host
+            )
             if host_runs_ahead(self.spec) and c not in self.expert_dp_nodes:  # the exchange joins its own
                 self.host_terms[name] = host
                 unit = self.unit_index_of.get(c)

@@ -72,8 +72,15 @@ class _RecomputePart:
             for c in unit.nodes:
                 name = _node_name(c)
                 node = graph.nodes[c]
+                eager = c in self.eager_nodes  # a module run on local shards reruns eager ops
                 local = [
-                    self._skewed(c, st, functools.partial(_local_node_time, graph, node, st, axis, tp, spec))
+                    self._skewed(
+                        c,
+                        st,
+                        functools.partial(
+                            _local_node_time, graph, node, st, axis, tp, spec, dtensor=not eager
+                        ),
+                    )
                     for st in self.strat_of[name]
                 ]
                 matrix = [

@@ -78,6 +78,7 @@ def pipeline_plan(
         block_input_placements={k: ["R", batch_dp, p[-1]] for k, p in flat.block_input_placements.items()},
         recompute=recompute,
         replicated_ops=flat.replicated_ops,
+        local_modules=flat.local_modules,
     )
     _fill_predictions(plan, planner, candidate, flat)
     plan.solver["pipeline_candidates"] = len(tried)
@@ -222,6 +223,7 @@ def price_pipeline(
     blocks_per_stage: list[int] | None = None,
     recompute: str | list[str] = "none",
     fixed_params: dict[str, str] | None = None,
+    local: bool = False,
 ) -> Plan:
     """A pipeline configuration written by hand (torchtitan's FSDP x TP x PP, Llama 3's 4-D layout without
     context parallelism, or a pipeline Plan to re-price) priced by the same model as the search: ``stage`` inside
@@ -229,7 +231,9 @@ def price_pipeline(
     ``blocks_per_stage`` (default: as even as the blocks divide, as torchtitan and Llama 3 split),
     ``recompute`` one option for every block, a list (one per block), or "auto" (chosen per block under the
     budget as the search does), ``fixed_params`` the tensor-parallel placements (FQN -> placement; unlisted
-    parameters replicated). Its Plan carries the predictions (``fits`` says whether it meets the budget)."""
+    parameters replicated), ``local`` whether its qualifying attention / MLP modules run on local tensor shards
+    (:mod:`..local_tensor_parallel`). Its Plan carries the predictions (``fits`` says whether it meets the
+    budget)."""
     layout = find_layout(planner.model)
     _check_degree(planner, layout, pp)
     virtual = virtual_stages or PIPELINE_SCHEDULES[schedule][0]
@@ -257,7 +261,7 @@ def price_pipeline(
     if fixed_params is not None:
         tied = TiedGraph.build(planner.any_graph(1))
         fixed_params = {tied.canonical_param(k): v for k, v in fixed_params.items()}
-    pricer = _Pricer(planner, layout, fixed_params, pin_unlisted=fixed_params is not None)
+    pricer = _Pricer(planner, layout, fixed_params, pin_unlisted=fixed_params is not None, local=local)
     costs = pricer.costs(pp, stage, micro_batches, options)
     link = p2p_link(planner.cluster, pp)
     if auto:
@@ -289,4 +293,5 @@ def pipeline_configuration(planner: _Planner, plan: Plan) -> dict[str, Any]:
         blocks_per_stage=[len(r) for r in ranges],
         recompute=[plan.recompute.get(layout.block(i), "none") for i in range(layout.num_blocks)],
         fixed_params={fqn: p[-1] for fqn, p in plan.param_placements.items()},
+        local=bool(plan.local_modules),
     )

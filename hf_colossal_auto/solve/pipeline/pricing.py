@@ -80,12 +80,17 @@ class InnerPricing:
     """The model's largest output of one micro-batch on one device (the logits)."""
     backward_transient_bytes: float = 0.0
     """The activation-peak row's transient (:attr:`ModelCosts.backward_transient_bytes`)."""
+    local: bool = False
+    """Whether the layout runs its qualifying attention / MLP modules on local tensor shards
+    (:mod:`..local_tensor_parallel`; the plan lists them)."""
 
 
 class _Pricer:
     """Prices stage layouts for one model, caching the inner ILPs by (tp, rows, recompute option, plain) and the
     per-layout costs by (pp, layout, micro-batches, options). ``fixed_params`` (FQN -> tensor-parallel placement)
-    pins a hand configuration's placements in every ILP."""
+    pins a hand configuration's placements in every ILP. ``local``: whether a tensor-parallel layout runs the
+    attention / MLP modules that qualify on local shards (:meth:`_Planner.local_layout`): None prices it both ways
+    and keeps the faster (the search), True / False one way (a hand configuration, a Plan re-priced)."""
 
     def __init__(
         self,
@@ -93,11 +98,13 @@ class _Pricer:
         layout: PipelineLayout,
         fixed_params: dict[str, str] | None = None,
         pin_unlisted: bool = False,
+        local: bool | None = None,
     ) -> None:
         self.planner = planner
         self.layout = layout
         self.fixed_params = fixed_params
         self.pin_unlisted = pin_unlisted
+        self.local = local
         self._inner: dict[tuple, InnerPricing] = {}
         self._costs: dict[tuple, ModelCosts] = {}
         self._tied_names: set[str] | None = None
@@ -122,14 +129,64 @@ class _Pricer:
             fixed = self.fixed_params
             budgets = [LIFTED_BUDGET]
             if option != "none" or lean:
-                fixed = self.inner(tp, rows, "none", plain).param_choice  # the same layout under every option
-            if lean:
-                budgets = _lean_budgets(self.inner(tp, rows, option, plain), tp) + budgets
-            self._inner[key] = self._solve(tp, rows, option, plain, fixed, budgets)
+                none = self.inner(tp, rows, "none", plain)
+                fixed = none.param_choice  # the same layout under every option
+                if lean:
+                    budgets = _lean_budgets(self.inner(tp, rows, option, plain), tp) + budgets
+                self._inner[key] = self._solve(tp, rows, option, plain, fixed, budgets, none.local)
+            else:
+                self._inner[key] = self._faster(tp, rows, option, plain, fixed, budgets)
         return self._inner[key]
 
-    def _solve(
+    def _faster(
         self, tp: int, rows: int, option: str, plain: bool, fixed: dict[str, str] | None, budgets: list[int]
+    ) -> InnerPricing:
+        """The layout priced each way :meth:`_ways` offers, the faster kept (the DTensor one on a tie); the DTensor
+        ILP is not solved where its ops' host seconds alone exceed the local solution (as the flat search)."""
+        priced: list[InnerPricing] = []
+        for local in self._ways(tp, rows)[::-1]:
+            if priced and priced[0].solution.objective_s < priced[0].built.dtensor_host_floor_s:
+                break
+            priced.append(self._solve(tp, rows, option, plain, fixed, budgets, local))
+        return min(priced[::-1], key=lambda p: p.solution.objective_s)
+
+    def _ways(self, tp: int, rows: int) -> tuple[bool, ...]:
+        """How a layout of ``tp`` at ``rows`` is priced: on DTensors, on local shards where modules qualify, or
+        both (:attr:`local` None; the faster is kept, the DTensor one on a tie)."""
+        if tp < 2 or self.local is False:
+            return (False,)
+        layout = self._planner_of(tp, rows).local_layout(1, tp)
+        if not layout and self.local:
+            why = "; ".join(f"{m}: {r}" for m, r in sorted(layout.refused.items())[:4])
+            raise ValueError(
+                f"megatron-local: no module of the blocks runs on local tensor shards at tp={tp} ({why}); price "
+                "'megatron' (the same placements on DTensors)"
+            )
+        if not layout:
+            return (False,)
+        return (True,) if self.local else (False, True)
+
+    def _planner_of(self, tp: int, rows: int, dp: int = 1) -> _Planner:
+        """The planner of an inner mesh ``(dp, tp)`` at ``rows`` rows per replica, sharing the outer planner's
+        traces, strategies and local layouts."""
+        planner = self.planner
+        inner = _planner_on(planner, _first_rows(planner.inputs, rows * dp), dp * tp)
+        inner._graphs = planner._graphs
+        inner._step_memories = planner._step_memories
+        inner._strategies = planner._strategies
+        inner._local = planner._local
+        inner.routing = planner.routing
+        return inner
+
+    def _solve(
+        self,
+        tp: int,
+        rows: int,
+        option: str,
+        plain: bool,
+        fixed: dict[str, str] | None,
+        budgets: list[int],
+        local: bool = False,
     ) -> InnerPricing:
         """The ILP of one replica's micro-batch on an inner mesh: ``(1, tp)`` (``(2, 1)`` under FSDP where tp = 1,
         so that its ops are priced on DTensors as a sharded stage runs them), recompute pinned, its activation
@@ -138,11 +195,7 @@ class _Pricer:
         planner = self.planner
         dp = 2 if tp == 1 and not plain else 1
         mode = "fsdp" if dp > 1 else "ddp"
-        inner = _planner_on(planner, _first_rows(planner.inputs, rows * dp), dp * tp)
-        inner._graphs = planner._graphs
-        inner._step_memories = planner._step_memories
-        inner._strategies = planner._strategies
-        inner.routing = planner.routing
+        inner = self._planner_of(tp, rows, dp)
         mesh = (dp, tp)
         built = inner.build(
             mesh,
@@ -151,6 +204,7 @@ class _Pricer:
             pin_unlisted=self.pin_unlisted,
             recompute_pin=option,
             budget=LIFTED_BUDGET,
+            local=local,
         )
         peak = built.problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
         solution = None
@@ -170,7 +224,7 @@ class _Pricer:
         transient = max(0.0, peak.constant - graph.input_bytes - graph.buffer_bytes)
         return InnerPricing(
             units, params, _send_bytes(graph, self.layout), inner, mesh, mode, built, solution, choice,
-            output, transient,
+            output, transient, local,
         )  # fmt: skip
 
     def costs(self, pp: int, stage: StageLayout, micro_batches: int, options: tuple[str, ...]) -> ModelCosts:

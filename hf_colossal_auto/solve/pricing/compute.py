@@ -152,14 +152,18 @@ def _local_node_time(
     size: int,
     spec: DeviceSpec,
     row_skew: float = 1.0,
+    dtensor: bool = True,
 ) -> float:
-    """Seconds of one forward op under ``strat``, host included (what recomputing it costs)."""
-    return _with_host(_local_device_time(graph, node, strat, axis, size, spec, row_skew), node, 1.0, spec)
+    """Seconds of one forward op under ``strat``, host included (what recomputing it costs; ``dtensor``: see
+    :func:`_with_host`)."""
+    device = _local_device_time(graph, node, strat, axis, size, spec, row_skew)
+    return _with_host(device, node, 1.0, spec, dtensor)
 
 
-def _with_host(device: float, node: OpNode, ops: float, spec: DeviceSpec) -> float:
-    """Device seconds joined with the host's for ``ops`` ops run on DTensors (every op of a planned model is)."""
-    return join_host(device, host_time(spec, dtensor=True) * ops, spec, view=not node.launches_kernel)
+def _with_host(device: float, node: OpNode, ops: float, spec: DeviceSpec, dtensor: bool = True) -> float:
+    """Device seconds joined with the host's for ``ops`` ops run on DTensors (every op of a planned model is, but
+    those of a module run on local shards, ``dtensor=False``: :mod:`..local_tensor_parallel`)."""
+    return join_host(device, host_time(spec, dtensor=dtensor) * ops, spec, view=not node.launches_kernel)
 
 
 def host_runs_ahead(spec: DeviceSpec) -> bool:
@@ -178,9 +182,11 @@ def _node_step_time(
     spec: DeviceSpec,
     ratios: BackwardRatios,
     row_skew: float = 1.0,
+    dtensor: bool = True,
 ) -> float:
     """Seconds one forward op and its share of backward add to a step under ``strat`` (``row_skew``: see
-    :func:`_local_device_time`; the backward of an expert-parallel grouped GEMM waits on the same rank).
+    :func:`_local_device_time`; the backward of an expert-parallel grouped GEMM waits on the same rank;
+    ``dtensor``: False for an op of a module run on local shards, priced as an eager op).
 
     On a CPU the op's host cost is added here. Where the host runs ahead of the device
     (:func:`host_runs_ahead`) this is the device's seconds alone: the host's are priced per block as a stream
@@ -190,15 +196,17 @@ def _node_step_time(
     device = _local_device_time(graph, node, strat, axis, size, spec, row_skew) * (1.0 + device_ratio)
     if host_runs_ahead(spec):
         return device
-    return _with_host(device, node, 1.0 + ops_ratio, spec)
+    return _with_host(device, node, 1.0 + ops_ratio, spec, dtensor)
 
 
-def _node_host_time(node: OpNode, spec: DeviceSpec, ratios: BackwardRatios) -> float:
+def _node_host_time(node: OpNode, spec: DeviceSpec, ratios: BackwardRatios, dtensor: bool = True) -> float:
     """Host seconds one forward op and its backward ops cost a step, whatever their strategy: every op of a
     planned model runs on DTensors (``spec`` without DTensor cost for a plan on ordinary tensors), a view too —
     it launches nothing, but its dispatch, autograd record and DTensor propagation run on the host like any
-    op's (the calibrated per-op figure is a step's host seconds over all its ops, views included)."""
-    return host_time(spec, dtensor=True) * (1.0 + ratios.of(node.module)[1])
+    op's (the calibrated per-op figure is a step's host seconds over all its ops, views included). ``dtensor``:
+    False for an op of a module the runtime runs on local shards (:mod:`..local_tensor_parallel`), forward and
+    backward eager ops."""
+    return host_time(spec, dtensor=dtensor) * (1.0 + ratios.of(node.module)[1])
 
 
 HOST_STREAM = "host-stream"
