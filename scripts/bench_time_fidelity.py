@@ -4,7 +4,9 @@ the machine runs them?
 For each family (Llama, GPT-2, BERT by default, each at a size where one step takes well over 0.3 s on one
 thread per rank) rank 0 makes the candidates, each with its predicted step time under the device spec:
 
-* ``ddp`` / ``fsdp`` (2x1) and ``megatron`` (1x2): the baselines, ``evaluate_plan``;
+* ``ddp`` / ``fsdp`` (2x1) and ``megatron`` (1x2): the baselines, ``evaluate_plan``; ``megatron-local``: the
+  same placements with every attention / MLP module that qualifies run on local tensor shards
+  (``Plan.local_modules``; left out, saying why, where none does: GPT-2's attention, dropout inside);
 * ``auto``: ``plan_model`` free to choose; ``auto-1x2``: forced to 1-D tensor parallelism;
 * ``auto-full-rc``: with full recompute of every block; ``two-stage``: shard first, then recompute;
 * ``ddp-ep`` (mixture-of-experts families, ``--families mixtral``): DDP with the experts sharded over the
@@ -176,6 +178,13 @@ def _candidates(
         out[name] = (est.plan, est.step_time_s)
     est = evaluate_plan(model, batch, "megatron", num_devices=world, device=spec, mesh_shape=(1, world))
     out["megatron"] = (est.plan, est.step_time_s)
+    try:  # the same placements with the attention / MLP modules on local shards, where any qualifies
+        est = evaluate_plan(
+            model, batch, "megatron-local", num_devices=world, device=spec, mesh_shape=(1, world)
+        )
+        out["megatron-local"] = (est.plan, est.step_time_s)
+    except ValueError as exc:
+        print(f"megatron-local left out: {exc}", flush=True)
     kwargs = {"num_devices": world, "device": spec}
     for name, extra in (
         ("auto", {}),
