@@ -9,14 +9,17 @@ Per model (``--model``, comma-separated: tiny-llama, tiny-gpt2 — its MLPs only
 both runs start from the same seeded weights; each rank of a data-parallel replica trains on the replica's rows.
 Rank 0 writes, per run: the losses of ``--steps`` AdamW steps and the one-process losses (DDP's: the mean of the
 replicas'), the largest gradient difference against one process after the first backward, the collectives of
-one forward + backward by kind (``CommDebugMode``), and the aten ops dispatched on DTensors in that step (a
-``TorchDispatchMode`` sees each op before DTensor's dispatch: the ops DTensor's per-op cost is paid on). With
+one forward + backward by kind (``CommDebugMode``; not with ``--pp``), and the aten ops dispatched on DTensors in
+that step (a ``TorchDispatchMode`` sees each op before DTensor's dispatch: the ops DTensor's per-op cost is paid
+on), rank 0's, and of them the most any rank dispatched inside the listed modules' forwards. ``--pp 2``: the plan
+in two pipeline stages (1f1b, one block each, train mode: tiny-llama has no dropout). With
 ``--bench N``: the median wall time of N more steps (forward, backward, optimizer step) of each run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
@@ -85,10 +88,11 @@ def local_modules(model: torch.nn.Module) -> list[str]:
 
 
 def run(name: str, local: bool, args: argparse.Namespace) -> dict:
-    from common import ddp_reference_loss
+    from common import ddp_reference_loss, every_rank
 
     from hf_colossal_auto.apply import apply_plan, broadcast_plan
     from hf_colossal_auto.models import make_example_inputs
+    from hf_colossal_auto.pipeline_layout import pipeline_plan_from
     from hf_colossal_auto.solve.planner import evaluate_plan
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -101,33 +105,48 @@ def run(name: str, local: bool, args: argparse.Namespace) -> dict:
     made = None
     if rank == 0:
         made = evaluate_plan(
-            model, batch, "megatron", num_devices=world, device="cpu", mesh_shape=(dp, tp)
+            model, batch, "megatron", num_devices=world // args.pp, device="cpu", mesh_shape=(dp, tp)
         ).plan
         made.dp_mode = args.dp_mode
         made.dp_shard_size = dp if args.dp_mode == "fsdp" else 1
         if args.recompute != "none":
             made.recompute = {block: args.recompute for block in made.recompute}
         made.local_modules = listed if local else []
+        if args.pp > 1:  # the same plan in every stage: one block a stage, 1f1b over two micro-batches
+            blocks = len(made.recompute)
+            made = pipeline_plan_from(
+                made, model, pp_size=args.pp, schedule="1f1b", micro_batches=2,
+                blocks_per_stage=[blocks // args.pp] * args.pp,
+            )  # fmt: skip
     plan = broadcast_plan(made)
+    if (
+        args.pp > 1
+    ):  # a pipeline's training forward runs the schedule (forward and backward) in train mode only
+        model.train()
     apply_plan(model, plan)
     per_replica = args.batch // dp
-    replica = rank // tp
+    replica = (rank // tp) % dp  # mesh (pp, dp, tp), row-major
     rows = {k: v[replica * per_replica : (replica + 1) * per_replica] for k, v in batch.items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, ref_losses, worst, counts = [], [], 0.0, {}
     dispatched = DTensorOps()
-    dispatched.watch([model.get_submodule(fqn) for fqn in listed])
+    held = dict(model.named_modules())  # a pipeline rank holds its stage's modules
+    dispatched.watch([held[fqn] for fqn in listed if fqn in held])
+    ref_params = dict(reference.named_parameters())
     for step in range(args.steps):
         ref_loss = ddp_reference_loss(reference, batch, dp)
         ref_loss.backward()
         if step == 0:
-            with CommDebugMode() as comm, dispatched:
+            # CommDebugMode's module tracker fails on a pipeline's stages (they share the model's modules)
+            comm = CommDebugMode() if args.pp == 1 else contextlib.nullcontext()
+            with comm, dispatched:
                 loss = model(**rows).loss
                 loss.backward()
-            counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
-            for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
+            if args.pp == 1:
+                counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+            for fqn, p in model.named_parameters():
                 grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                worst = max(worst, float((grad - p_ref.grad).abs().max()))
+                worst = max(worst, float((grad - ref_params[fqn].grad).abs().max()))
         else:
             loss = model(**rows).loss
             loss.backward()
@@ -147,6 +166,8 @@ def run(name: str, local: bool, args: argparse.Namespace) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+    worst = max(every_rank(worst))  # a pipeline rank compares its own stage's gradients
+    inside = max(every_rank(dispatched.inside))
     result = {
         "model": name,
         "local_modules": len(plan.local_modules),
@@ -155,7 +176,7 @@ def run(name: str, local: bool, args: argparse.Namespace) -> dict:
         "max_grad_diff": worst,
         "collectives": counts,
         "dtensor_ops": dispatched.count,
-        "dtensor_ops_in_listed_forwards": dispatched.inside,
+        "dtensor_ops_in_listed_forwards": inside,
         "median_step_s": statistics.median(times) if times else None,
         "steps_timed": len(times),
     }
@@ -168,6 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tiny-llama", help="presets, separated by commas")
     parser.add_argument("--mesh", default="1x2")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (1f1b) in front of the mesh")
     parser.add_argument("--dp-mode", default="ddp", choices=["ddp", "fsdp"])
     parser.add_argument(
         "--recompute", default="none", help="every block's recompute option: none, full, selective:..."
