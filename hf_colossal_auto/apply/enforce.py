@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._torch_compat import dtensor_is_view
 from ..plan import Plan
+from .local_tensor_parallel import inside_regions
 
 logger = logging.getLogger(__name__)
 
@@ -388,12 +389,15 @@ def _projection_layout(module: nn.Module) -> bool | None:
     return None
 
 
-def enforce_projection_inputs(model: nn.Module) -> int:
+def enforce_projection_inputs(model: nn.Module, local_modules: Collection[str] = ()) -> int:
     """Pre-hook every ``nn.Linear`` / ``Conv1D`` of ``model`` whose weight is a DTensor so that its input is
-    redistributed to what the weight's (use) placement needs. Returns the number of modules hooked."""
+    redistributed to what the weight's (use) placement needs, except inside ``local_modules`` (run on local
+    shards). Returns the number of modules hooked."""
     count = 0
     copies_of: dict[str, _SharedCopies] = {}
     for name, module in model.named_modules():
+        if inside_regions(name, local_modules):
+            continue
         layout = _projection_layout(module)
         if layout is not None and isinstance(module._parameters.get("weight"), DTensor):
             parent = name.rpartition(".")[0]
@@ -418,11 +422,11 @@ def _layer_norm_input_hook(module: nn.LayerNorm, args: Any) -> Any:
     return (_RedistributeInput.apply(x, Replicate()), *args[1:])
 
 
-def enforce_layer_norm_inputs(model: nn.Module) -> int:
-    """Pre-hook every ``nn.LayerNorm`` of ``model`` with :func:`_layer_norm_input_hook`."""
+def enforce_layer_norm_inputs(model: nn.Module, local_modules: Collection[str] = ()) -> int:
+    """Pre-hook every ``nn.LayerNorm`` of ``model`` outside ``local_modules`` with :func:`_layer_norm_input_hook`."""
     count = 0
-    for module in model.modules():
-        if isinstance(module, nn.LayerNorm):
+    for name, module in model.named_modules():
+        if isinstance(module, nn.LayerNorm) and not inside_regions(name, local_modules):
             module.register_forward_pre_hook(_layer_norm_input_hook)
             count += 1
     return count
@@ -492,15 +496,19 @@ def _block_input_hook(placement: Placement):
     return hook
 
 
-def enforce_plan(model: nn.Module, plan: Plan) -> int:
-    """Register the hooks above on ``model`` (its parameters already DTensors). Returns the number of hooks."""
+def enforce_plan(model: nn.Module, plan: Plan, local_modules: Collection[str] = ()) -> int:
+    """Register the hooks above on ``model`` (its parameters already DTensors). Returns the number of hooks.
+
+    ``local_modules``: modules that run on local tensor shards (:mod:`.local_tensor_parallel`): no hook on
+    them or inside them acts on DTensors, so none is installed there but their own output's (the region
+    returns DTensors in the plan's placement; the hook reduces a partial gradient arriving at it)."""
     modules = dict(model.named_modules())
     count = 0
     by_module: dict[str, dict[str, Placement]] = {}
     for key, placements in plan.param_use_placements.items():
         module_name, _, attr = key.rpartition(".")
         placement = _tp_placement(plan, placements)
-        if placement is None or module_name not in modules:
+        if placement is None or module_name not in modules or inside_regions(module_name, local_modules):
             continue
         by_module.setdefault(module_name, {})[attr] = placement
     for module_name, uses in by_module.items():
@@ -508,11 +516,14 @@ def enforce_plan(model: nn.Module, plan: Plan) -> int:
         modules[module_name].register_forward_pre_hook(pre)
         modules[module_name].register_forward_hook(post, always_call=True)
         count += 1
-    count += enforce_projection_inputs(model)  # after the parameter-use pre-hooks: it sees weights as used
-    count += enforce_layer_norm_inputs(model)
+    # after the parameter-use pre-hooks: it sees weights as used
+    count += enforce_projection_inputs(model, local_modules)
+    count += enforce_layer_norm_inputs(model, local_modules)
     for module_name, placements in plan.activation_placements.items():
         placement = _tp_placement(plan, placements)
         if not module_name or placement is None or module_name not in modules:
+            continue
+        if module_name not in local_modules and inside_regions(module_name, local_modules):
             continue
         modules[module_name].register_forward_hook(_output_hook(placement))
         count += 1

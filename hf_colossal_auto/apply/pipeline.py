@@ -329,15 +329,16 @@ _SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv")
 
 
 def _held_part(plan: Plan, held: dict[str, nn.Module], tied_names: Sequence[tuple[str, str]]) -> Plan:
-    """``plan`` as this rank's cut model reads it: recompute of the blocks it holds only (the others' are not
-    missing), and a head tied to the embedding placed as the embedding (the plan lists a tie once, under the
+    """``plan`` as this rank's cut model reads it: recompute and local regions of the modules it holds only (the
+    others' are not missing), and a head tied to the embedding placed as the embedding (the plan lists a tie once, under the
     embedding's name, which the last stage's rank does not hold)."""
     placements = dict(plan.param_placements)
     for embedding, head in tied_names:
         if embedding in placements:
             placements.setdefault(head, placements[embedding])
     recompute = {fqn: option for fqn, option in plan.recompute.items() if fqn in held}
-    return dataclasses.replace(plan, param_placements=placements, recompute=recompute)
+    local = [fqn for fqn in plan.local_modules if fqn in held]
+    return dataclasses.replace(plan, param_placements=placements, recompute=recompute, local_modules=local)
 
 
 def _fsdp(plan: Plan) -> bool:

@@ -58,6 +58,7 @@ from .data_parallel import (
 )
 from .dtensor_rules import register_replicated_fallbacks, register_runtime_rules
 from .enforce import ReducePartialGradientsAtProducers, enforce_plan
+from .local_tensor_parallel import check_local_modules, install_local_regions
 from .materialize import is_meta_model, materialize_meta_model
 from .micro_batch import GradientSyncControl, check_micro_batch_rows, no_gradient_sync
 from .moe import (
@@ -67,15 +68,12 @@ from .moe import (
     install_expert_data_parallel_regions,
     install_expert_parallel_regions,
 )
+from .plan_mismatch import PlanMismatchError
 from .pretrained import install_save_pretrained, load_pretrained
 from .recompute import apply_recompute
 from .rng import agreed_forward, fused_attention_dropout_region, install_replica_rng
 
 logger = logging.getLogger(__name__)
-
-
-class PlanMismatchError(ValueError):
-    """The plan was made for another model or another world size."""
 
 
 def to_placement(p: str) -> Placement:
@@ -89,7 +87,8 @@ def to_placement(p: str) -> Placement:
 
 
 def validate_plan(model: nn.Module, plan: Plan, world_size: int | None = None) -> None:
-    """Refuse a plan made for another model (parameter names/shapes) or another world size."""
+    """Refuse a plan made for another model (parameter names/shapes) or another world size, or one listing
+    modules to run on local tensor shards that cannot (:func:`.local_tensor_parallel.check_local_modules`)."""
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(plan.param_placements))
     extra = sorted(set(plan.param_placements) - set(params))
@@ -116,6 +115,7 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int | None = None) -
             f"plan's mesh {tuple(plan.mesh_shape)} needs {mesh_size} processes, the job has {world_size}; "
             "re-plan with num_devices equal to the world size"
         )
+    check_local_modules(model, plan)
     fsdp_axis = _fsdp_axis(plan)
     for fqn, placements in plan.param_placements.items():
         shape = tuple(params[fqn].shape)
@@ -633,12 +633,14 @@ def _distribute(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
 
 def install_placement_hooks(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
     """The module hooks that run the plan's placements on ``model`` (its parameters already DTensors): the
-    expert regions, the vocab-sharded embedding's reduction, the plan's enforced placements. Keyed by module
-    FQN: on a pipeline stage's cut model only its own modules are hooked."""
+    expert regions, the vocab-sharded embedding's reduction, the attention and MLP modules run on local shards
+    (``Plan.local_modules``), the plan's enforced placements (none inside those). Keyed by module FQN: on a
+    pipeline stage's cut model only its own modules are hooked."""
     install_expert_parallel_regions(model, plan)  # experts split on the expert dim (apply/moe.py)
     install_expert_data_parallel_regions(model, plan, mesh)  # experts split over the data-parallel axis
     register_embedding_reduction(model)
-    enforce_plan(model, plan)
+    local = install_local_regions(model, plan, tensor_parallel_mesh(mesh))  # apply/local_tensor_parallel.py
+    enforce_plan(model, plan, local_modules=local)
 
 
 def _on_mesh_device(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
