@@ -113,6 +113,39 @@ def test_local_regions_match_one_process_and_the_dtensor_run(preset, kind, recom
     assert local_collectives == collectives and sum(collectives.values()) > 0
 
 
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("how", ["megatron-local", "auto"])
+def test_planner_made_local_plans_run_as_predicted(preset, how):
+    """The planner's own plans with local modules (the ``megatron-local`` baseline, and ``plan_model`` on a
+    ``1 x 2`` mesh, which keeps the local candidate on this CPU's DTensor cost) list what the runtime runs
+    locally, train like one process on 2 simulated ranks, and run the collectives they predict (kinds and
+    counts)."""
+    model = _model(preset)
+    batch = make_example_inputs(model, 4, 16)
+    reference = copy.deepcopy(model)
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    common = dict(num_devices=2, device="cpu", mesh_shape=(1, 2))
+    if how == "auto":
+        from hf_colossal_auto.solve.planner import plan_model
+
+        plan = plan_model(model, batch, **common)
+    else:
+        plan = evaluate_plan(model, batch, how, **common).plan
+    assert plan.local_modules == sorted(_attention_and_mlp(model))
+    loss, grads, collectives = _step_on_two_simulated_ranks(model, plan, batch)
+    assert loss == pytest.approx(float(ref_loss), abs=1e-6)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-5, msg=name)
+    predicted = {kind: round(n) for kind, n in plan.collectives.items() if n}
+    measured = {_COLLECTIVE_KINDS.get(kind, kind): n for kind, n in collectives.items()}
+    assert measured == predicted, (collectives, plan.summary())
+
+
+_COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+"""The functional collectives CommDebugMode records under the planner's names for them."""
+
+
 def test_local_region_skips_the_plans_hooks_inside_and_restores_its_parameters():
     """After a step the listed modules hold their DTensor parameters again (swapped only for the forward), and
     no placement hook was installed on a module inside them (they act on DTensors)."""
