@@ -223,7 +223,10 @@ def test_megatron_sp_names_a_block_with_nothing_to_shard_and_refuses_a_model_wit
         evaluate_plan(_Stack((False, False)), batch, "megatron-sp", **common)
 
 
-CASES = ("tiny-llama:0.8", "tiny-llama:megatron-sp")
+CASES = ("tiny-llama:0.9", "tiny-llama:megatron-sp")
+"""The fraction is of the peak of the plan made without a binding budget: that plan runs its attention and MLP
+modules on local shards (Megatron's placements inside them, already lean), so at 0.8 of it no plan fits without
+recompute; at 0.9 the solver fits by running both blocks sequence-parallel around those modules."""
 
 
 @pytest.fixture(scope="module")
@@ -243,8 +246,8 @@ def test_tiny_llama_runs_sequence_parallel_as_planned(two_rank_results):
     """Both blocks sequence-parallel; every rank's collectives (c10d's records) are the plan's, counts and bytes,
     reduce-scatters among them; loss and gradients one process's; the twin runs no block sequence-parallel."""
     for rank in (0, 1):
-        sp = two_rank_results[("tiny-llama:0.8", "sequence-parallel", rank)]
-        twin = two_rank_results[("tiny-llama:0.8", "twin", rank)]
+        sp = two_rank_results[("tiny-llama:0.9", "sequence-parallel", rank)]
+        twin = two_rank_results[("tiny-llama:0.9", "twin", rank)]
         assert sp["sequence_parallel_blocks"] == ["model.layers.0", "model.layers.1"]
         assert "sequence parallel     model.layers.0 .. 1 (x2)" in sp["summary"]
         assert twin["sequence_parallel_blocks"] == []
@@ -261,8 +264,8 @@ def test_the_measured_peak_falls_as_predicted(two_rank_results):
     by 409,584 bytes of 2,633,116 on tiny-llama where 328,704 are predicted: the measured fall is 0.8 to 1.5 times
     the predicted one (the twin's measured peak is 5 % over its prediction, the sequence-parallel plan's 2 %)."""
     for rank in (0, 1):
-        sp = two_rank_results[("tiny-llama:0.8", "sequence-parallel", rank)]
-        twin = two_rank_results[("tiny-llama:0.8", "twin", rank)]
+        sp = two_rank_results[("tiny-llama:0.9", "sequence-parallel", rank)]
+        twin = two_rank_results[("tiny-llama:0.9", "twin", rank)]
         predicted = twin["predicted_peak"] - sp["predicted_peak"]
         measured = twin["measured_peak"] - sp["measured_peak"]
         assert predicted > 0

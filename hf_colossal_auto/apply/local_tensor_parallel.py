@@ -253,7 +253,7 @@ def _local_parameter(param: DTensor, kind: str) -> torch.Tensor:
 def _local_parameters(
     entries: list[tuple[nn.Module, str, str]], widths: list[tuple[nn.Module, int]]
 ) -> Iterator[None]:
-    """Each listed parameter replaced by its local tensor for the region's forward (and each column-parallel
+    """Each listed parameter replaced by its local tensor for its owner's forward (and each column-parallel
     ``Conv1D``'s ``nf`` by its local width), put back after. Read at call time: FSDP swaps its unsharded
     parameters (DTensors on the tensor-parallel mesh) in before each block's forward, and a recomputed block
     runs this again in backward."""
@@ -338,19 +338,39 @@ def local_region_forward(
     """``module.forward`` run as a local region (module doc); ``kinds``: relative parameter name -> how it
     enters, ``widths``: relative name of a column-parallel ``Conv1D`` -> its local width, ``target``: the placement the plan gives the output on ``mesh`` (None: partial)."""
     inner = module.forward
-    entries = []
+    owners: dict[str, tuple[list[tuple[nn.Module, str, str]], list[tuple[nn.Module, int]]]] = {}
     for name, kind in kinds.items():
         owner_name, _, attr = name.rpartition(".")
-        entries.append((module.get_submodule(owner_name), attr, kind))
-    convs = [(module.get_submodule(name), width) for name, width in widths.items()]
+        owners.setdefault(owner_name, ([], []))[0].append((module.get_submodule(owner_name), attr, kind))
+    for name, width in widths.items():
+        owners.setdefault(name, ([], []))[1].append((module.get_submodule(name), width))
+    own_entries, own_convs = owners.pop("", ([], []))
+    for owner_name, (entries, convs) in owners.items():
+        owner = module.get_submodule(owner_name)
+        owner.forward = _owner_forward(owner.forward, entries, convs)
     heads = _heads(module)
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map(lambda v: _entered(v, mesh), (args, kwargs))
-        with _local_parameters(entries, convs):
+        with _local_parameters(own_entries, own_convs):
             output = inner(*args, **kwargs)
         return _left(output, mesh, target, heads, fqn)
+
+    return forward
+
+
+def _owner_forward(
+    inner: Callable[..., Any], entries: list[tuple[nn.Module, str, str]], convs: list[tuple[nn.Module, int]]
+) -> Callable[..., Any]:
+    """A submodule of a region that owns some of its parameters: they are its local tensors inside its own
+    forward only. Hooks that run around that forward (MemTracker's, which registers gradient hooks on the
+    module's parameters; a user's) and everything outside it see the parameters themselves, leaf DTensors."""
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with _local_parameters(entries, convs):
+            return inner(*args, **kwargs)
 
     return forward
 

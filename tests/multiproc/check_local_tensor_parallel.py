@@ -45,7 +45,9 @@ class DTensorOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             self.count += 1
-            self.inside += self.depth > 0
+            # CommDebugMode's module tracker reads each parameter's ``.data`` (a detach) in its pre-forward
+            # hooks, which run inside the watched forward around every submodule: a tool's read, not the region's
+            self.inside += self.depth > 0 and func is not torch.ops.aten.detach.default
         return func(*args, **(kwargs or {}))
 
     def watch(self, modules: list[torch.nn.Module]) -> None:
