@@ -360,6 +360,17 @@ class Plan:
         return not any(count > 0 for kind, count in self.collectives.items() if not kind.startswith("dp_"))
 
     @property
+    def runs_on_plain_tensors(self) -> bool:
+        """Whether the runtime runs this plan's forward and backward on ordinary tensors, with no DTensor op: a
+        plan that shards nothing (:attr:`shards_nothing`), or a layout whose ops never see a DTensor whatever
+        it shards (:func:`layout_runs_on_plain_tensors`: FSDP/HSDP without tensor parallelism among them).
+        The runtime (:func:`hf_colossal_auto.apply.apply_plan`, pipeline stages too) and the planner (which
+        prices such a plan without DTensor's per-op host cost) both read it, so that they cannot disagree."""
+        return self.shards_nothing or layout_runs_on_plain_tensors(
+            self.tp_size, self.dp_mode, self.cp_size, bool(self.expert_data_parallel)
+        )
+
+    @property
     def dp_replicate_size(self) -> int:
         """Replicas of each parameter shard over the data-parallel axis (dp under DDP, 1 under FSDP)."""
         return self.dp_size // self.dp_shard_size
@@ -478,6 +489,22 @@ def _context_parallel_output_lines(record: Any) -> list[str]:
             f" all-gathered per step, {format_seconds(record.get('logits_read_s', 0.0))}, and their memory)",
         ]
     return [line + " when read"]
+
+
+def layout_runs_on_plain_tensors(tp_size: int, dp_mode: str, cp_size: int, experts_over_dp: bool) -> bool:
+    """Whether a layout's ops run on ordinary tensors, whatever its placements: no tensor-parallel axis (tp 1),
+    no experts split over the data-parallel axis (the runtime's expert regions are DTensor code), and FSDP or
+    HSDP only without context parallelism (FSDP over ``dp x cp`` keeps the DTensor runtime for now).
+
+    Why FSDP/HSDP count: FSDP2 stores each parameter as a DTensor shard on the data-parallel mesh, but its
+    hooks all-gather the *unsharded* parameters as ordinary tensors for forward and backward, so on the plain
+    module every op runs eagerly, as under torchtitan and accelerate's FSDP2 — on DTensors each would cost
+    DTensor's dispatch on the host (``DeviceSpec.dtensor_overhead_s``, several times an eager op's) for nothing.
+    The planner decides its pricing by this before a plan exists (its ILP cannot see "anything sharded" on a
+    tensor-parallel axis: :attr:`Plan.runs_on_plain_tensors` adds that case for a finished plan)."""
+    if tp_size != 1 or experts_over_dp:
+        return False
+    return dp_mode not in ("fsdp", "hsdp") or cp_size == 1
 
 
 def unpriced_plan(**fields: Any) -> Plan:

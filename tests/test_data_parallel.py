@@ -1,4 +1,5 @@
-"""Plans that shard nothing run on ordinary parameters (apply/data_parallel.py) and are priced so."""
+"""Plans that shard nothing run on ordinary parameters (apply/data_parallel.py), FSDP without tensor parallelism
+on ordinary tensors (FSDP2 on the plain module), and both are priced so."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from hf_colossal_auto._torch_compat import TorchDispatchMode
 from hf_colossal_auto.models import build_model, make_example_inputs
 from hf_colossal_auto.plan import Plan
 from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
@@ -40,6 +43,38 @@ def test_data_parallel_plans_are_priced_on_ordinary_tensors():
     assert again.step_time_s == pytest.approx(plan.step_time_s, rel=1e-12)
     dearer = plan_model(model, batch, num_devices=2, device=costlier, mesh_shape=(1, 2))
     assert dearer.step_time_s > tensor_parallel.step_time_s
+
+
+def test_fsdp_without_tensor_parallelism_is_priced_on_ordinary_tensors(monkeypatch):
+    """tiny-llama, FSDP on a 2x1 mesh: the runtime runs FSDP2 on the plain module (Plan.runs_on_plain_tensors),
+    so the planner prices its ops without DTensor's per-op host cost. Its predicted compute is the same
+    candidate's priced on DTensors (the rule forced off, as every FSDP plan was priced before) on a device
+    whose DTensor cost is 0, lower by that cost on the calibrated device — the DTensor term, linear in
+    ``dtensor_overhead_s`` (twice it: twice the drop) — and does not move with ``dtensor_overhead_s``."""
+    from hf_colossal_auto.hardware import get_device
+    from hf_colossal_auto.solve import candidates
+
+    model = build_model("tiny-llama", device="cpu")
+    batch = make_example_inputs(model, 4, 16)
+    spec = get_device("cpu")
+    assert spec.dtensor_overhead_s > 0
+
+    def compute(dtensor_overhead_s: float) -> float:
+        device = spec.with_overrides(dtensor_overhead_s=dtensor_overhead_s)
+        plan = evaluate_plan(model, batch, "fsdp", num_devices=2, device=device, mesh_shape=(2, 1)).plan
+        assert plan.dp_mode == "fsdp" and plan.runs_on_plain_tensors
+        return plan.compute_time_s
+
+    d = spec.dtensor_overhead_s
+    plain = compute(d)
+    assert compute(10 * d) == pytest.approx(plain, rel=1e-12)
+    with monkeypatch.context() as forced:
+        forced.setattr(candidates, "layout_runs_on_plain_tensors", lambda *args: False)
+        on_dtensors, without_cost, twice = compute(d), compute(0.0), compute(2 * d)
+    assert without_cost == pytest.approx(plain, rel=1e-9)
+    drop = on_dtensors - plain
+    assert drop > 0.1 * plain  # several times an eager op's host cost per op, on hundreds of ops
+    assert twice - plain == pytest.approx(2 * drop, rel=1e-6)
 
 
 def _all_replicated(plan: Plan) -> Plan:
@@ -75,6 +110,28 @@ def _own_rows_gradient_diff(model, reference, batch: dict, rank: int) -> float:
     return max(float((full(planned[n].grad) - g).abs().max()) for n, g in zip(names, wanted, strict=True))
 
 
+class _DTensorOps(TorchDispatchMode):
+    """Counts the aten ops that reach a DTensor (each then runs as DTensor's dispatch runs it: the mode steps
+    aside, as CommDebugMode does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            self.ops += 1
+            return NotImplemented
+        return func(*args, **(kwargs or {}))
+
+
+def _layout(t: torch.Tensor) -> str:
+    """How a parameter or gradient is stored: "plain", or a DTensor's mesh axes and placements."""
+    if not isinstance(t, DTensor):
+        return "plain"
+    return f"{t.device_mesh.mesh_dim_names} {tuple(repr(p) for p in t.placements)}"
+
+
 def _worker(rank: int, store: str, plans: list[str], results: dict) -> None:
     """Each plan applied to tiny-llama built from this rank's own seed (DDP must start every replica from rank
     0's weights); one backward on the rank's rows of the global batch; then, for DDP, a backward inside
@@ -97,7 +154,8 @@ def _worker(rank: int, store: str, plans: list[str], results: dict) -> None:
             local = {
                 k: v[rank * rows : (rank + 1) * rows] if plan.dp_size > 1 else v for k, v in batch.items()
             }
-            model(**local).loss.backward()
+            with _DTensorOps() as counted:  # every aten op of forward and backward
+                model(**local).loss.backward()
             params = dict(model.named_parameters())
 
             def full(t: torch.Tensor) -> torch.Tensor:
@@ -110,6 +168,8 @@ def _worker(rank: int, store: str, plans: list[str], results: dict) -> None:
                 "plain": not any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()),
                 "parameter_type": {type(p).__name__ for p in params.values()} == {"Parameter"},
                 "grad_diff": diff,
+                "dtensor_ops": counted.ops,
+                "stored": sorted({_layout(t) for p in params.values() for t in (p, p.grad)}),
             }
             if plan.tp_size > 1:  # a loss from this rank's rows of the group's output: the group's gradient
                 result["own_rows_diff"] = _own_rows_gradient_diff(model, reference, batch, rank)
@@ -137,8 +197,10 @@ def _worker(rank: int, store: str, plans: list[str], results: dict) -> None:
 def test_pure_data_parallel_keeps_plain_parameters_and_one_process_gradients(tmp_path: Path) -> None:
     """2 gloo processes, tiny-llama: DDP on 2x1 and a 1x2 plan that replicates everything leave ordinary
     ``nn.Parameter`` tensors, Megatron on 1x2 DTensors; each gives one process's gradients on the global batch,
-    although every rank built its model from its own seed (DDP's broadcast of rank 0's weights; FSDP on 2x1 too:
-    the DTensor runtime broadcasts them before sharding); and under DDP
+    although every rank built its model from its own seed (DDP's broadcast of rank 0's weights; FSDP on 2x1 too,
+    before sharding). DDP, the replicated plan and FSDP on 2x1 (FSDP2 on the plain module) run no aten op of
+    forward or backward on a DTensor, Megatron does; FSDP stores parameters and gradients as its Shard(0) DTensors
+    on the data-parallel mesh alone; and under DDP
     a backward inside ``no_sync`` keeps each rank's own gradient, the next one averages what accumulated. On
     the 1x2 plans, per-process rows gathered into the group's batch (a model planned from its first call, in its
     first epoch) with a loss each rank takes from its own rows of the output give one process's gradient of
@@ -152,13 +214,22 @@ def test_pure_data_parallel_keeps_plain_parameters_and_one_process_gradients(tmp
     replicated = _all_replicated(megatron)
     fsdp = evaluate_plan(model, batch, "fsdp", num_devices=2, device="cpu").plan
     assert ddp.shards_nothing and replicated.shards_nothing and not megatron.shards_nothing
-    assert not fsdp.shards_nothing
+    assert not fsdp.shards_nothing and fsdp.runs_on_plain_tensors and not megatron.runs_on_plain_tensors
     plans = [p.to_json() for p in (ddp, megatron, replicated, fsdp)]
     results = spawn_ranks(_worker, str(tmp_path / "store"), plans, timeout=240, what="plain-parameter ranks")
     for rank in (0, 1):
         ddp_run, megatron_run, replicated_run, fsdp_run = results[rank]
         assert ddp_run["plain"] and ddp_run["parameter_type"] and replicated_run["plain"], rank
         assert not megatron_run["plain"] and not fsdp_run["plain"], rank
+        # forward and backward on ordinary tensors wherever the plan runs on them: FSDP2 on the plain module
+        # gathers its parameters as ordinary tensors; only Megatron's ops reach DTensors
+        for run in (ddp_run, replicated_run, fsdp_run):
+            assert run["dtensor_ops"] == 0, (rank, run)
+        assert megatron_run["dtensor_ops"] > 0, rank
+        # FSDP stores parameters and gradients as its shards over the data-parallel mesh alone (no
+        # tensor-parallel axis of one rank, as the DTensor runtime's 2-D DTensors had)
+        assert fsdp_run["stored"] == ["('dp',) ('Shard(dim=0)',)"], (rank, fsdp_run)
+        assert ddp_run["stored"] == ["plain"], (rank, ddp_run)
         for run in (ddp_run, megatron_run, replicated_run, fsdp_run):  # every runtime starts from rank 0's
             assert run["grad_diff"] < 1e-5, (rank, run)
         for run in (megatron_run, replicated_run):  # each rank's own rows' loss: the group's gradient

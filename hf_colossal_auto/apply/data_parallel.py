@@ -1,4 +1,4 @@
-"""Plans that shard nothing run as plain data parallelism: ordinary parameters, gradients averaged by hooks.
+"""Plans without tensor parallelism run on ordinary tensors: plain data parallelism, or FSDP2 on the plain module.
 
 A plan whose tensor-parallel axis splits nothing — a ``(dp, 1)`` mesh under DDP, or a ``(dp, tp)`` one whose
 placements are all replicated — computes each replica's step with whole tensors on every rank. DTensors would
@@ -18,9 +18,16 @@ that after training), and any code that reads ``param.data`` sees a wrapper. So 
   :class:`.micro_batch.GradientSyncControl` is off (``accelerator.no_sync``/``accumulate``: gradients only
   accumulate, and the next synchronising backward all-reduces their sum).
 
-Anything sharded (:attr:`~hf_colossal_auto.plan.Plan.shards_nothing` false: a placement other than replicated on the
-tensor-parallel axis, a tensor-parallel collective, FSDP, experts over the data-parallel axis) keeps the DTensor
-runtime of :mod:`.runtime`. The planner prices plain plans without DTensor's per-op host cost.
+FSDP/HSDP on a ``(dp, 1)`` mesh (no experts over the data-parallel axis, no context parallelism) runs the same
+way up to FSDP (:attr:`~hf_colossal_auto.plan.Plan.runs_on_plain_tensors`, as torchtitan and accelerate run
+FSDP2): ordinary parameters broadcast from rank 0 and the forward wrapped as above, then ``fully_shard``
+(:func:`.runtime._fully_shard`) stores each as its DTensor shard over the data-parallel mesh and gathers it as
+an ordinary tensor for forward and backward, so every op runs eagerly; FSDP reduce-scatters the gradients
+itself, and ``no_sync`` turns that off (no hooks of ours).
+
+Anything else (a placement other than replicated on the tensor-parallel axis, a tensor-parallel collective,
+experts over the data-parallel axis, FSDP over ``dp x cp``) keeps the DTensor runtime of :mod:`.runtime`. The
+planner prices plain plans without DTensor's per-op host cost (the same property decides).
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ from .rng import agreed_forward
 logger = logging.getLogger(__name__)
 
 PLAIN_ATTR = "_hf_colossal_auto_plain_parameters"
-"""Attribute of a planned model: True when its parameters are ordinary tensors (:func:`shards_nothing`)."""
+"""Attribute of a planned model: True when its forward runs on ordinary tensors (``Plan.runs_on_plain_tensors``;
+its stored parameters are ordinary too unless FSDP shards them)."""
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -139,13 +147,17 @@ def plain_gradient_hook(group: dist.ProcessGroup, size: int, control: GradientSy
     return hook
 
 
-def register_plain_gradient_sync(model: nn.Module, mesh: DeviceMesh) -> None:
+def register_plain_gradient_sync(model: nn.Module, mesh: DeviceMesh, reduce: bool = True) -> None:
     """DDP's gradient averaging over the data-parallel axis of ``mesh`` for ordinary parameters, and DDP's
     ``no_sync`` (which ``accelerator.no_sync``/``accumulate`` and the Trainer's accumulation look up) deferring
-    it: :func:`plain_gradient_hook` on every trained parameter."""
+    it: :func:`plain_gradient_hook` on every trained parameter. ``reduce`` False (FSDP2 on the plain module,
+    which reduce-scatters the gradients itself): only ``no_sync``, which turns FSDP's reduction off and on
+    (:func:`.micro_batch.set_gradient_sync` calls the root's ``set_requires_gradient_sync``)."""
     control = GradientSyncControl()
     model._hf_colossal_auto_grad_sync = control
     model.no_sync = functools.partial(no_gradient_sync, model)
+    if not reduce:
+        return
     group, size = _data_parallel_group(mesh)
     if group is None:
         return

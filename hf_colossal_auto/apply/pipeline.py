@@ -185,7 +185,8 @@ class StageModule(nn.Module):
             self.root = root
 
         self.tp_mesh: DeviceMesh | None = None
-        """Set by :func:`_run_plan_in_stages` when the plan shards: the stage then runs on DTensors."""
+        """Set by :func:`_run_plan_in_stages` when the plan runs on DTensors (``Plan.runs_on_plain_tensors`` false):
+        the stage then runs on DTensors."""
         self.forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         """Around each forward: the planned model's (:func:`.runtime.planned_forward`)."""
         self.router_balance: RouterBalance | None = None
@@ -357,7 +358,8 @@ def _run_plan_in_stages(
     pieces (:mod:`.runtime`), on the ``(dp, tp)`` sub-mesh of this rank's pp coordinate. ``model`` is already
     cut to this rank's modules (their FQNs the full model's, as the plan keys them); the stages share them.
 
-    * a plan that shards (:attr:`~hf_colossal_auto.plan.Plan.shards_nothing` false): parameters become
+    * a plan that runs on DTensors (:attr:`~hf_colossal_auto.plan.Plan.runs_on_plain_tensors` false: tensor
+      parallelism that shards something): parameters become
       DTensors on the tensor-parallel sub-mesh (:func:`.runtime.distribute_parameters`), the plan's module
       hooks are installed (:func:`.runtime.install_placement_hooks`), and each stage's forward runs on
       DTensors (:class:`StageModule`) inside the planned forward's context (the tensor-parallel group's
@@ -384,7 +386,7 @@ def _run_plan_in_stages(
         tensor_parallel_mesh,
     )
 
-    sharded = not plan.shards_nothing
+    sharded = not plan.runs_on_plain_tensors  # FSDP without tensor parallelism: plain stages, FSDP2 below
     held = dict(model.named_modules())
     plan = _held_part(plan, held, tied_names)
     if sharded:

@@ -544,9 +544,11 @@ def apply_plan(
     becomes the collective timeout of the groups the plan runs on. ``pretrained``: a HF safetensors checkpoint
     (directory, or a repository in the local HF cache) each rank loads its own shards from once the model is
     sharded (:func:`.pretrained.load_pretrained`, strict) — for a model built on ``meta``, instead of initialising
-    the weights. ``dtensors``: None runs a plan that shards nothing on ordinary parameters
-    (:mod:`.data_parallel`) and any other on DTensors; True forces DTensors (what the calibration times: the
-    per-op cost of a plan that shards).
+    the weights. ``dtensors``: None runs a plan on ordinary tensors where
+    :attr:`~hf_colossal_auto.plan.Plan.runs_on_plain_tensors` (:mod:`.data_parallel`; under FSDP/HSDP the
+    stored parameters are FSDP2's DTensor shards over the data-parallel mesh, its forward and backward on
+    ordinary tensors) and any other on DTensors; True forces DTensors (what the calibration times: the per-op
+    cost of a plan that shards over a tensor-parallel axis).
     """
     if (
         plan.pp_size > 1
@@ -565,9 +567,9 @@ def apply_plan(
         mesh = build_mesh(plan)
     originals = list(model.named_parameters(remove_duplicate=False))
     on_meta = is_meta_model(model)
-    plain = (
-        plan.shards_nothing and not dtensors
-    )  # ordinary parameters, DDP's averaging (apply/data_parallel.py)
+    # ordinary tensors in forward and backward (apply/data_parallel.py): DDP's averaging by hooks, or FSDP2 on
+    # the plain module (its unsharded parameters are ordinary tensors; it reduce-scatters the gradients itself)
+    plain = plan.runs_on_plain_tensors and not dtensors
     if plain:
         keep_plain_parameters(model, mesh, broadcast=_processes_are_real())
         wrap_plain_forward(model)
@@ -594,7 +596,7 @@ def apply_plan(
     elif on_meta:
         materialize_meta_model(model, device)
     if plain:
-        register_plain_gradient_sync(model, mesh)
+        register_plain_gradient_sync(model, mesh, reduce=not fsdp)
     else:
         register_gradient_sync(model, mesh, average_over_dp=not fsdp)
     remap_optimizers_by_name(model, originals, optimizers)

@@ -19,7 +19,7 @@ from ..capture.tracer import trace_training_step
 from ..hardware import ClusterSpec, DeviceSpec, get_device
 from ..hardware.catalog import memory_budget_default
 from ..hardware.roofline import host_time
-from ..plan import Plan
+from ..plan import Plan, layout_runs_on_plain_tensors
 from ..profile.profiler import _module_list_children
 from ..strategies import enumerate_strategies
 from ..strategies.placements import Strategy
@@ -132,6 +132,9 @@ class _Planner:
         """By (micro-batch rows, tensor-parallel size): the modules that can run on local shards, the strategies
         with theirs pinned (one dict per key, so that the problems built from it share their cached edges and
         DTensor rules) and their parameters' placements by canonical FQN."""
+        self.cp = 1
+        """Context-parallel ranks per replica (a context-parallel planner's degree; its meshes' first entry is
+        ``dp x cp``): whether FSDP runs on ordinary tensors depends on it."""
 
     @classmethod
     def for_devices(
@@ -250,9 +253,10 @@ class _Planner:
         local tensor shards — their parameters pinned to Megatron's placements, their ops to the strategies local
         execution runs, priced as eager ops (the plan lists them in :attr:`Plan.local_modules`).
 
-        DDP on a ``(dp, 1)`` mesh shards nothing, so it runs on ordinary tensors
-        (:attr:`~hf_colossal_auto.plan.Plan.shards_nothing`, :mod:`hf_colossal_auto.apply.data_parallel`): its
-        ops are priced without DTensor's per-op host cost. A tensor-parallel mesh's ILP prices every choice on
+        DDP, FSDP and HSDP on a ``(dp, 1)`` mesh run on ordinary tensors
+        (:func:`~hf_colossal_auto.plan.layout_runs_on_plain_tensors`, the rule the runtime reads,
+        :mod:`hf_colossal_auto.apply.data_parallel`): their ops are priced without DTensor's per-op host cost
+        (not FSDP over ``dp x cp``, nor experts over dp, which run on DTensors). A tensor-parallel mesh's ILP prices every choice on
         DTensors, the one that replicates everything too (which the runtime also runs on ordinary tensors: an
         over-prediction the ILP cannot avoid without a variable for "anything sharded")."""
         if recompute_pin is None and self.recompute in ("none", "full"):
@@ -270,7 +274,7 @@ class _Planner:
             strategies = {**strategies, **strategy_pins}
         if param_uses:
             strategies = _pin_param_uses(graph, strategies, param_uses)
-        plain = tp == 1 and (dp_mode == "ddp" or dp == 1) and not expert_dp  # as Plan.shards_nothing
+        plain = layout_runs_on_plain_tensors(tp, dp_mode, self.cp, expert_dp)  # the runtime's own rule
         return build_problem(
             graph,
             strategies,

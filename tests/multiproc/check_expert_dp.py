@@ -5,8 +5,8 @@
 Three models, each on a 2 x 1 mesh with every MoE layer's experts sharded over the data-parallel axis
 (``Plan.expert_data_parallel``): tiny Mixtral under the plan the planner makes when asked for that mode by name
 (``dp_modes=("ddp-ep",)``, DDP for the other parameters), and Mixtral at hidden 256, intermediate 1024, 8
-experts, batch 2 x 8 under the planner's own choice (``plan_model`` with every mode: "fsdp-ep", FSDP for the
-other parameters), and tiny Qwen2-MoE (a shared expert next to the routed ones) under the "ddp-ep" plan; and
+experts, batch 2 x 8 under "fsdp-ep" (FSDP for the other parameters; the planner's own choice there until FSDP
+without tensor parallelism ran on ordinary tensors, tests/test_expert_dp.py), and tiny Qwen2-MoE (a shared expert next to the routed ones) under the "ddp-ep" plan; and
 last tiny Mixtral again under "fsdp-ep" (with its micro-batched step, HF checkpoint and resume). Each rank trains its replica's rows for two AdamW steps
 (gradients clipped to norm 1 by ``torch.nn.utils.clip_grad_norm_``, which the norms are recorded of);
 rank 0 writes, per model: the losses and the one-process reference's (the mean of the replicas' losses, what DDP
@@ -454,7 +454,7 @@ def main() -> None:
         dist.broadcast_object_list(shared, src=0)
         results = [
             run_case("tiny-mixtral", 4, 16, ("ddp-ep",), shared[0]),
-            run_case("wide-mixtral", 2, 8, None, shared[0]),
+            run_case("wide-mixtral", 2, 8, ("fsdp-ep",), shared[0]),
             run_case(
                 "tiny-qwen2-moe", 4, 16, ("ddp-ep",), shared[0]
             ),  # a shared expert next to the routed ones

@@ -39,13 +39,15 @@ def wider_model(preset: str) -> nn.Module:
     return model
 
 
-def wide_mixtral() -> nn.Module:
-    """Tiny Mixtral at hidden 256, intermediate 1024, 8 experts, seeded, on CPU: experts large against the
-    tokens of a small batch, where the solver chooses expert parallelism (over tp, or over dp)."""
+def wide_mixtral(intermediate_size: int = 1024) -> nn.Module:
+    """Tiny Mixtral at hidden 256, intermediate ``intermediate_size``, 8 experts, seeded, on CPU: experts large
+    against the tokens of a small batch, where the solver chooses expert parallelism (over tp; over dp from about
+    2048 on the static CPU spec, where plain FSDP's gathers of the experts cost more than the expert exchange's
+    DTensor ops)."""
     from hf_colossal_auto.models import build_model, load_config
 
     config = load_config("tiny-mixtral")
-    config.hidden_size, config.intermediate_size, config.num_local_experts = 256, 1024, 8
+    config.hidden_size, config.intermediate_size, config.num_local_experts = 256, intermediate_size, 8
     config.head_dim = config.hidden_size // config.num_attention_heads
     torch.manual_seed(0)
     return build_model(config, device="cpu")

@@ -78,11 +78,6 @@ class StageLayout:
         mode = f"hsdp {self.dp // self.shard}x{self.shard}" if self.dp_mode == "hsdp" else self.dp_mode
         return f"{self.dp}x{self.tp} {mode}" + (", lean activations" if self.lean else "")
 
-    @property
-    def plain(self) -> bool:
-        """Runs on ordinary tensors (no DTensor per-op cost): DDP without tensor parallelism."""
-        return self.tp == 1 and (self.dp_mode == "ddp" or self.dp == 1)
-
 
 @dataclass
 class ModelCosts:

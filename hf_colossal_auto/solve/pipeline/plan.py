@@ -49,7 +49,7 @@ def pipeline_plan(
     predictions: the simulated step, the worst rank's memory (state + activations at its peak), per-block costs
     of one step, per-stage figures in ``solver``."""
     stage = candidate.stage
-    priced = pricer.inner(stage.tp, candidate.rows, "none", stage.plain, stage.lean)
+    priced = pricer.inner(stage.tp, candidate.rows, "none", stage.lean)
     flat = priced.planner.to_plan(priced.mesh, priced.dp_mode, priced.built, priced.solution)
     base = hand_pipeline_plan(
         planner.model,

@@ -1,5 +1,5 @@
 """How a stage layout is priced. One ILP of the inner mesh per (tp, rows of one micro-batch per replica, recompute
-option, plain or DTensor pricing), on a cluster of that inner mesh, with the budget lifted and the recompute of
+option, lean or not), on a cluster of that inner mesh, with the budget lifted and the recompute of
 every block pinned to the option ("none", "selective:pointwise" — torchtitan's selective policy — and "full").
 The parameter placements of the "none" solution are pinned in the others, so that every option prices the
 same layout. Identical blocks are solved once (the ILP's folded runs). From each solution every depth unit's
@@ -86,7 +86,7 @@ class InnerPricing:
 
 
 class _Pricer:
-    """Prices stage layouts for one model, caching the inner ILPs by (tp, rows, recompute option, plain) and the
+    """Prices stage layouts for one model, caching the inner ILPs by (tp, rows, recompute option, lean) and the
     per-layout costs by (pp, layout, micro-batches, options). ``fixed_params`` (FQN -> tensor-parallel placement)
     pins a hand configuration's placements in every ILP. ``local``: whether a tensor-parallel layout runs the
     attention / MLP modules that qualify on local shards (:meth:`_Planner.local_layout`): None prices it both ways
@@ -123,23 +123,23 @@ class _Pricer:
             }
         return self._tied_names
 
-    def inner(self, tp: int, rows: int, option: str, plain: bool, lean: bool = False) -> InnerPricing:
-        key = (tp, rows, option, plain, lean)
+    def inner(self, tp: int, rows: int, option: str, lean: bool = False) -> InnerPricing:
+        key = (tp, rows, option, lean)
         if key not in self._inner:
             fixed = self.fixed_params
             budgets = [LIFTED_BUDGET]
             if option != "none" or lean:
-                none = self.inner(tp, rows, "none", plain)
+                none = self.inner(tp, rows, "none")
                 fixed = none.param_choice  # the same layout under every option
                 if lean:
-                    budgets = _lean_budgets(self.inner(tp, rows, option, plain), tp) + budgets
-                self._inner[key] = self._solve(tp, rows, option, plain, fixed, budgets, none.local)
+                    budgets = _lean_budgets(self.inner(tp, rows, option), tp) + budgets
+                self._inner[key] = self._solve(tp, rows, option, fixed, budgets, none.local)
             else:
-                self._inner[key] = self._faster(tp, rows, option, plain, fixed, budgets)
+                self._inner[key] = self._faster(tp, rows, option, fixed, budgets)
         return self._inner[key]
 
     def _faster(
-        self, tp: int, rows: int, option: str, plain: bool, fixed: dict[str, str] | None, budgets: list[int]
+        self, tp: int, rows: int, option: str, fixed: dict[str, str] | None, budgets: list[int]
     ) -> InnerPricing:
         """The layout priced each way :meth:`_ways` offers, the faster kept (the DTensor one on a tie); the DTensor
         ILP is not solved where its ops' host seconds alone exceed the local solution (as the flat search)."""
@@ -147,7 +147,7 @@ class _Pricer:
         for local in self._ways(tp, rows)[::-1]:
             if priced and priced[0].solution.objective_s < priced[0].built.dtensor_host_floor_s:
                 break
-            priced.append(self._solve(tp, rows, option, plain, fixed, budgets, local))
+            priced.append(self._solve(tp, rows, option, fixed, budgets, local))
         return min(priced[::-1], key=lambda p: p.solution.objective_s)
 
     def _ways(self, tp: int, rows: int) -> tuple[bool, ...]:
@@ -183,20 +183,21 @@ class _Pricer:
         tp: int,
         rows: int,
         option: str,
-        plain: bool,
         fixed: dict[str, str] | None,
         budgets: list[int],
         local: bool = False,
     ) -> InnerPricing:
-        """The ILP of one replica's micro-batch on an inner mesh: ``(1, tp)`` (``(2, 1)`` under FSDP where tp = 1,
-        so that its ops are priced on DTensors as a sharded stage runs them), recompute pinned, its activation
+        """The ILP of one replica's micro-batch on the inner mesh ``(1, tp)``, recompute pinned, its activation
         peak under the first of ``budgets`` a choice meets (lean ones, :func:`_lean_budgets`, then lifted), its
-        other memory rows lifted (a stage's state is priced by :func:`_data_parallel_side`)."""
+        other memory rows lifted (a stage's state is priced by :func:`_data_parallel_side`). Its ops are priced
+        as every stage layout of that tp runs them: the planner's build decides by the runtime's rule
+        (:func:`~hf_colossal_auto.plan.layout_runs_on_plain_tensors`), which at tp 1 holds for DDP, FSDP and
+        HSDP alike (a stage has neither context parallelism nor experts over dp) and at tp > 1 for none, so
+        the stage's own dp mode and size do not change it."""
         planner = self.planner
-        dp = 2 if tp == 1 and not plain else 1
-        mode = "fsdp" if dp > 1 else "ddp"
-        inner = self._planner_of(tp, rows, dp)
-        mesh = (dp, tp)
+        mode = "ddp"
+        inner = self._planner_of(tp, rows)
+        mesh = (1, tp)
         built = inner.build(
             mesh,
             mode,
@@ -217,9 +218,9 @@ class _Pricer:
             except InfeasibleError:  # the next, looser budget
                 continue
         assert solution is not None  # the last budget is lifted
-        graph = inner.graph(dp)
+        graph = inner.graph(1)
         units = _unit_costs(planner, built, solution, graph)
-        params, choice = _param_shares(planner, built, solution, graph, tp, dp if mode == "fsdp" else 1)
+        params, choice = _param_shares(planner, built, solution, graph, tp)
         output = max((graph.values[v].nbytes for v in graph.output_values), default=0)
         transient = max(0.0, peak.constant - graph.input_bytes - graph.buffer_bytes)
         return InnerPricing(
@@ -233,7 +234,7 @@ class _Pricer:
         key = (pp, stage, micro_batches, options)
         if key not in self._costs:
             rows = self.planner.batch // (stage.dp * micro_batches)
-            none = self.inner(stage.tp, rows, "none", stage.plain, stage.lean)
+            none = self.inner(stage.tp, rows, "none", stage.lean)
             param_side = _data_parallel_side(self.planner, none.params, pp, stage)
             costs = _with_param_side(none, param_side, self.planner, self.layout)
             costs.options["none"] = costs.blocks
@@ -242,7 +243,7 @@ class _Pricer:
             costs.tied, costs.tie_sync_s = _tied_side(self.planner, self.tied_names(), none.params, pp, stage)
             for option in options:
                 if option != "none":
-                    priced = self.inner(stage.tp, rows, option, stage.plain, stage.lean)
+                    priced = self.inner(stage.tp, rows, option, stage.lean)
                     costs.options[option] = _with_param_side(
                         priced, param_side, self.planner, self.layout
                     ).blocks
@@ -338,7 +339,7 @@ def _unit_costs(planner: _Planner, built: BuiltProblem, solution: Solution, grap
 
 
 def _param_shares(
-    planner: _Planner, built: BuiltProblem, solution: Solution, graph, tp: int, ilp_shard: int
+    planner: _Planner, built: BuiltProblem, solution: Solution, graph, tp: int
 ) -> tuple[list[_ParamShare], dict[str, str]]:
     """Every real parameter's bytes and optimizer seconds on one device after tensor parallelism (from the
     solution's storage placement; the optimizer's temporaries from the optimizer step's memory row), and the
@@ -359,9 +360,9 @@ def _param_shares(
         state = float(graph.optimizer_state_bytes.get(fqn, 0)) / sf
         grad = local if graph.is_trainable(fqn) else 0.0
         terms = row.terms.get(node.name)
-        term = terms[solution.choice[node.name]] * ilp_shard if terms else local + state + grad
+        term = terms[solution.choice[node.name]] if terms else local + state + grad
         temp = max(term - local - state - grad, 0.0)
-        optimizer_s = node.costs[solution.choice[node.name]] * ilp_shard
+        optimizer_s = node.costs[solution.choice[node.name]]
         reals = _real_modules(graph, built.block_of.get(node.name, fqn.rsplit(".", 1)[0]))
         copies = node.multiplicity / len(reals)
         for real in reals:
