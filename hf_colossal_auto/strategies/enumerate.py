@@ -30,7 +30,14 @@ from ..capture.graph import OpNode, Phase, StepGraph, TensorRef, ValueKind
 from .custom_rules import custom_strategies, extra_strategies
 from .dtensor_rules import PARTIAL_VIEWS, dtensor_rule_kind, dtensor_strategies, resolve_op
 from .moe import add_expert_region_strategies
-from .placements import Strategy, evenly_sharded, is_partial, replicate_strategy
+from .placements import (
+    LOOKUP_OPS,
+    Strategy,
+    evenly_sharded,
+    is_partial,
+    reduced_lookup,
+    replicate_strategy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -251,6 +258,7 @@ def enumerate_strategies(
             shape,
         )
     _partial_views_read_once(graph, result)
+    _lookups_reduced(graph, result)
     if Phase.FORWARD in wanted:
         add_expert_region_strategies(graph, result, shape)
     return result
@@ -274,6 +282,35 @@ def _partial_views_read_once(graph: StepGraph, result: dict[int, list[Strategy]]
         ]
         if kept:
             result[index] = kept
+
+
+def _lookups_reduced(graph: StepGraph, result: dict[int, list[Strategy]]) -> None:
+    """A lookup into a vocab-sharded table (:func:`.placements.reduced_lookup`) hands its readers a replicated
+    value: the runtime all-reduces DTensor's masked partial sum where the lookup makes it. Left partial, the
+    planner would price one reduction per reader, each to the placement that reader wants (a reduce-scatter to
+    a norm read hidden-sharded, another to a residual add read batch-sharded, an all-reduce to a third), and
+    let the readers run as DTensor would on a partial input, where the run gives them a replicated one (a
+    norm that runs replicated, not split with a partial gradient to reduce for its inverse norm)."""
+    for index, strategies in result.items():
+        node = graph.nodes[index]
+        if node.op not in LOOKUP_OPS:
+            continue
+        rewritten = []
+        for st in strategies:
+            outs = st.output_placements
+            mesh_axes = len(outs[0]) if outs else 0
+            reduced = [
+                a for a in range(mesh_axes) if reduced_lookup(node.op, st, a) and is_partial(outs[0][a])
+            ]
+            if reduced:
+                outs = tuple(
+                    tuple("R" if a in reduced else p for a, p in enumerate(spec)) if k == 0 else spec
+                    for k, spec in enumerate(outs)
+                )
+                st = Strategy(st.input_placements, outs, st.source)
+            if st not in rewritten:
+                rewritten.append(st)
+        result[index] = rewritten
 
 
 def fallback_ops(strategies: dict[int, list[Strategy]], graph: StepGraph) -> list[str]:

@@ -254,6 +254,24 @@ class Strategy:
         return f"({ins}) -> ({outs}) [{self.source}]"
 
 
+LOOKUP_OPS = frozenset({"aten.embedding.default"})
+"""Embedding lookups: into a table split over its rows (the vocabulary) they make a partial sum, which the
+runtime reduces where it is made (:func:`reduced_lookup`)."""
+
+
+def reduced_lookup(op: str, strategy: Strategy, axis: int) -> bool:
+    """Whether ``strategy`` runs the lookup ``op`` on a vocab-sharded table (its weight read ``S0`` on
+    ``axis``): DTensor makes a masked partial sum there (``_MaskPartial``), valid only until its lookup mask is
+    consumed, so the runtime all-reduces it to replicated where it is made, whatever its readers want
+    (``apply/enforce.py::_lookup_reduced``, ``apply/runtime.py::_reduce_partial_output``). The enumerator gives
+    such strategies a replicated output (:func:`~.enumerate.enumerate_strategies`) and the planner prices the
+    all-reduce once on the lookup (:func:`~hf_colossal_auto.solve.pricing.comm.boundary_reshardings`)."""
+    if op not in LOOKUP_OPS or not strategy.input_placements:
+        return False
+    weight = strategy.input_placements[0]
+    return weight is not None and weight[axis] == "S0"
+
+
 def replicate_strategy(
     n_inputs: int, n_outputs: int, mesh_ndim: int, source: StrategySource = "replicate-fallback"
 ) -> Strategy:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ...capture.graph import OpNode, StepGraph
 from ...hardware.catalog import DeviceSpec, LinkSpec
 from ...hardware.comm import collective_time
-from ...strategies.placements import Strategy, is_partial, is_shard
+from ...strategies.placements import Strategy, is_partial, is_shard, reduced_lookup
 from ..build.names import NodeKind
 from ..problem import (
     DecisionNode,
@@ -157,8 +157,16 @@ def boundary_reshardings(
       replicated, so a partial total weight (a batch- or sequence-sharded loss) is all-reduced in backward.
       Without class weights the runtime computes the mean as a sum over the count of targets
       (``apply/enforce.py::_exact_mean_loss``), which needs no total weight.
+    * An embedding lookup into a vocab-sharded table: the runtime all-reduces the partial sum DTensor makes
+      where the lookup makes it (:func:`~hf_colossal_auto.strategies.placements.reduced_lookup`), once for
+      all its readers; the strategy's output says replicated, what the readers receive.
     """
     out: list[tuple[float, str, float]] = []
+    if reduced_lookup(node.op, strat, axis) and node.outputs:
+        nbytes = float(graph.values[node.outputs[0]].nbytes)
+        seconds, kind = redistribute("P", "R", nbytes, comm)
+        if kind:
+            out.append((seconds, kind, nbytes))
     returned = set(graph.output_values)
     for pos, vid in enumerate(node.outputs):
         if vid in returned and pos < len(strat.output_placements):
