@@ -57,6 +57,7 @@ from torch.overrides import TorchFunctionMode
 from .._torch_compat import dtensor_is_view
 from ..plan import Plan
 from .local_tensor_parallel import inside_regions
+from .redistribute import redistribute_as_planned
 
 logger = logging.getLogger(__name__)
 
@@ -259,23 +260,6 @@ def _tp_placement(plan: Plan, placements: list[str]) -> Placement | None:
     return None
 
 
-def _redistributed(value: Any, placement: Placement) -> Any:
-    if not isinstance(value, DTensor) or value.device_mesh.ndim != 1:
-        return value
-    current = value.placements[0]
-    if current == placement:
-        return value
-    if isinstance(placement, Shard) and placement.dim >= value.dim():
-        return value
-    if isinstance(placement, Shard) and value.shape[placement.dim] % value.device_mesh.size(0):
-        # a batch of another shape than the plan's (the last, smaller batch of an epoch): a dim the plan splits
-        # evenly does not split here, and DTensor refuses to flatten an uneven shard; keep it whole
-        placement = Replicate()
-        if current == placement:
-            return value
-    return value.redistribute(value.device_mesh, [placement])
-
-
 _REDUCE_HOOKED = "_hf_colossal_auto_reduce_hooked"
 """Attribute of a module output that already carries :func:`_reduce_gradient_hook` (an identity module's output
 is its input: hooked once, by the innermost module, whose placement the plan gives the value)."""
@@ -305,7 +289,7 @@ def _enforced(value: Any, placement: Placement) -> Any:
     """A module output redistributed to the plan's placement, with :func:`_reduce_gradient_hook` on it."""
     if not isinstance(value, DTensor) or value.device_mesh.ndim != 1:
         return value
-    value = _redistributed(value, placement)
+    value = redistribute_as_planned(value, placement)
     if value.requires_grad and not getattr(value, _REDUCE_HOOKED, False):
         target = value.placements[0] if isinstance(value.placements[0], Shard) else Replicate()
         value.register_hook(_reduce_gradient_hook(target))
@@ -458,7 +442,7 @@ def _param_use_hooks(uses: dict[str, Placement]):
             if isinstance(param, DTensor):
                 originals[attr] = param
                 # _parameters holds the non-leaf use for this call only (as FSDP swaps unsharded parameters)
-                module._parameters[attr] = _redistributed(param, placement)
+                module._parameters[attr] = redistribute_as_planned(param, placement)
         saved.append(originals)
 
     def post(module: nn.Module, args: Any, output: Any) -> None:

@@ -61,6 +61,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from .._torch_compat import tree_map
 from ..plan import Plan
 from .plan_mismatch import PlanMismatchError
+from .redistribute import redistribute_as_planned
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +298,7 @@ def _left(output: Any, mesh: DeviceMesh, target: Placement | None, heads: int | 
 
     def first(t: torch.Tensor) -> DTensor:
         out = DTensor.from_local(t, mesh, [Partial()], run_check=False)
-        return out if target is None else out.redistribute(mesh, [target])
+        return out if target is None else redistribute_as_planned(out, target)
 
     def other(index: int, t: Any) -> Any:
         if not isinstance(t, torch.Tensor):

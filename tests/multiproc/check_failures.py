@@ -6,7 +6,7 @@
 ``planning``: an impossible memory budget through ``autoparallelize``, the ``AutoParallelAccelerator`` and the
 ``AutoParallelCallback`` in turn, then a plan that only rank 1's model does not fit. Each rank writes
 ``D/rank<r>.json``: per case, the error type and message it caught and the seconds it took. Then planning that
-outlives its limit (``autoparallelize(timeout=0.5)``: every rank raises ``TookTooLongError``), and work on rank 0
+outlives its limit (``autoparallelize(timeout=0.1)``: every rank raises ``TookTooLongError``), and work on rank 0
 that outlives the collective timeout (every rank receives its result: the others wait in heartbeats). Then a saved 1 x 2
 plan applied through every entry point with and without a ``timeout`` setting (``autoparallelize``,
 ``AutoParallelPlugin(timeout=)``, ``HF_COLOSSAL_AUTO_TIMEOUT``, ``AutoParallelCallback(timeout=)``): the
@@ -155,37 +155,38 @@ def _join_planning_threads() -> None:
 
 
 def _planning_limit_case() -> None:
-    """``autoparallelize(timeout=0.5)``: planning tiny-llama takes longer, so every rank raises TookTooLongError
-    naming the model and where rank 0's planning was."""
+    """``autoparallelize(timeout=0.1)``: planning tiny-llama takes longer (about 0.5 s on the 2-core machine; a
+    limit it met before its planning got faster), so every rank raises TookTooLongError naming the model and
+    where rank 0's planning was."""
     from hf_colossal_auto import autoparallelize
     from hf_colossal_auto.models import make_example_inputs
 
     model = _model()
     try:
         autoparallelize(
-            model, make_example_inputs(model, 2, 16), mesh_shape=(1, 2), device="cpu", timeout=0.5
+            model, make_example_inputs(model, 2, 16), mesh_shape=(1, 2), device="cpu", timeout=0.1
         )
     finally:
         _join_planning_threads()
 
 
 def _accelerator_limit_case() -> None:
-    """``AutoParallelPlugin(timeout=0.5)`` bounds the accelerator's planning as autoparallelize's does."""
+    """``AutoParallelPlugin(timeout=0.1)`` bounds the accelerator's planning as autoparallelize's does."""
     from hf_colossal_auto import AutoParallelPlugin
 
     try:
-        _prepare_under(AutoParallelPlugin(mesh_shape=(1, 2), device="cpu", timeout=0.5))
+        _prepare_under(AutoParallelPlugin(mesh_shape=(1, 2), device="cpu", timeout=0.1))
     finally:
         _join_planning_threads()
 
 
 def _callback_limit_case(out: Path) -> None:
-    """``AutoParallelCallback(timeout=0.5)`` bounds the Trainer's planning as autoparallelize's does."""
+    """``AutoParallelCallback(timeout=0.1)`` bounds the Trainer's planning as autoparallelize's does."""
     from hf_colossal_auto import AutoParallelCallback
 
     try:
         _trainer_with(
-            AutoParallelCallback(mesh_shape=(1, 2), device="cpu", timeout=0.5), out / "trainer_limit"
+            AutoParallelCallback(mesh_shape=(1, 2), device="cpu", timeout=0.1), out / "trainer_limit"
         )
     finally:
         _join_planning_threads()
