@@ -96,6 +96,10 @@ SCALE_CASES = {
 }
 SCALE_TARGET_S = 30.0
 SCALE_TP = 8
+SCALE_HAND_LAYOUT = "megatron-local"
+"""The hand configurations' tensor parallelism: Megatron's placements with the attention and MLP modules run on
+local shards (``Plan.local_modules``), as torchtitan's ``ColwiseParallel``/``RowwiseParallel`` and Megatron-LM
+run them, so that they are priced as fast as our runtime runs those layouts."""
 SCALE_MAX_MICRO_BATCHES = 4
 """Hand configurations try 1, 2, ... micro-batches (divisors of the replica's batch) up to this many tries."""
 SCALE_PIPELINE: str | None = "auto"
@@ -651,7 +655,7 @@ def _scale_child(case: str, time_limit_s: float) -> dict:
                 est = evaluate_plan(
                     model,
                     inputs,
-                    "megatron",
+                    SCALE_HAND_LAYOUT,
                     mesh_shape=(dp, tp),
                     recompute=cfg["recompute"],
                     micro_batches=k,
@@ -693,7 +697,7 @@ def _scale_child(case: str, time_limit_s: float) -> dict:
                 est = evaluate_plan(
                     model,
                     inputs,
-                    "megatron",
+                    SCALE_HAND_LAYOUT,
                     pipeline=pp,
                     mesh_shape=(devices // (pp * tp), tp),
                     dp_mode=mode,
