@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from .._torch_compat import dtensor_is_view
+from ..capture.module_kinds import projection_dims
 from ..plan import Plan
 from .local_tensor_parallel import inside_regions
 from .redistribute import redistribute_as_planned
@@ -366,11 +367,8 @@ def _projection_input_hook(rows_are_outputs: bool, copies: _SharedCopies):
 
 def _projection_layout(module: nn.Module) -> bool | None:
     """True for an ``nn.Linear`` (weight ``[out, in]``), False for a ``Conv1D`` (``[in, out]``), else None."""
-    if isinstance(module, nn.Linear):
-        return True
-    if type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor):
-        return False
-    return None
+    dims = projection_dims(module)
+    return None if dims is None else dims == (0, 1)
 
 
 def enforce_projection_inputs(model: nn.Module, local_modules: Collection[str] = ()) -> int:

@@ -59,6 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from .._torch_compat import tree_map
+from ..capture.module_kinds import drawn_dropouts, projection_dims
 from ..plan import Plan
 from .plan_mismatch import PlanMismatchError
 from .redistribute import redistribute_as_planned
@@ -81,32 +82,6 @@ def inside_regions(name: str, regions: Collection[str]) -> bool:
 def _tp_entry(plan: Plan, placements: list[str]) -> str:
     tp_axis = list(plan.mesh_axis_names).index("tp") if "tp" in plan.mesh_axis_names else -1
     return placements[tp_axis]
-
-
-def _projection_dims(module: nn.Module) -> tuple[int, int] | None:
-    """(output-features dim, input-features dim) of a projection's weight: ``nn.Linear`` ``[out, in]``, GPT-2's
-    ``Conv1D`` ``[in, out]``; None for any other module."""
-    if isinstance(module, nn.Linear):
-        return 0, 1
-    if type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor):
-        return 1, 0
-    return None
-
-
-_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-
-
-def _dropout_in(module: nn.Module) -> list[str]:
-    """The dropouts inside ``module`` that draw (``nn.Dropout`` modules with ``p > 0``, and the float
-    ``*dropout*`` attributes HF attention modules pass to their kernels, e.g. Llama's ``attention_dropout``)."""
-    found = []
-    for name, sub in module.named_modules():
-        if isinstance(sub, _DROPOUTS) and sub.p > 0:
-            found.append(f"{name or '.'} (p={sub.p})")
-        for attr, value in vars(sub).items():
-            if "dropout" in attr and isinstance(value, float) and value > 0:
-                found.append(f"{name + '.' if name else ''}{attr}={value}")
-    return found
 
 
 def _layout(model: nn.Module, plan: Plan, fqn: str) -> tuple[dict[str, str], dict[str, int]]:
@@ -134,7 +109,7 @@ def _layout(model: nn.Module, plan: Plan, fqn: str) -> tuple[dict[str, str], dic
     widths: dict[str, int] = {}
     columns, rows = [], []
     for sub_name, sub in module.named_modules():
-        dims = _projection_dims(sub)
+        dims = projection_dims(sub)
         prefix = f"{sub_name}." if sub_name else ""
         if dims is None:
             continue
@@ -217,7 +192,7 @@ def check_local_modules(model: nn.Module, plan: Plan) -> None:
                 f"the plan runs {fqn} on local tensor shards, but it holds MoE experts ({experts[0]}), which "
                 "run as expert regions of their own (apply/moe.py); drop it from local_modules"
             )
-        dropout = _dropout_in(module)
+        dropout = drawn_dropouts(module)
         if dropout:
             raise PlanMismatchError(
                 f"the plan runs {fqn} on local tensor shards, but it draws dropout ({', '.join(dropout[:3])}): "

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from ..capture.module_kinds import projection_dims
 from ..capture.moe import expert_weight_dims, experts_modules
 
 _COLWISE_NAMES = (
@@ -36,12 +37,7 @@ _ROWWISE_NAMES = ("o_proj", "down_proj", "attention.output.dense", "output.dense
 
 def _linear_dims(model: nn.Module, module_fqn: str) -> tuple[int, int] | None:
     """(out-features dim, in-features dim) of a module's weight: (0, 1) for nn.Linear, (1, 0) for GPT-2's Conv1D."""
-    module = dict(model.named_modules()).get(module_fqn)
-    if isinstance(module, nn.Linear):
-        return 0, 1
-    if type(module).__name__ == "Conv1D":
-        return 1, 0
-    return None
+    return projection_dims(dict(model.named_modules()).get(module_fqn))
 
 
 def expert_tp_placements(model: nn.Module) -> dict[str, str]:

@@ -32,13 +32,12 @@ from torch import nn
 
 from .._torch_compat import dtensor_random_ops
 from ..capture.graph import Phase, StepGraph, ValueKind
+from ..capture.module_kinds import drawn_dropouts
 from ..capture.moe import experts_modules
 from ..strategies.placements import Strategy
 from .baselines import _attention_heads, megatron_placements
 from .context_parallel_math import _kernel_dropout
 from .tied import TiedGraph
-
-_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 @dataclass(frozen=True)
@@ -98,9 +97,9 @@ def _module_refusal(model: nn.Module, graph: StepGraph, module: str, nodes: list
     """Why ``module`` would compute something else on local shards: experts, or a random op inside it."""
     if any(_inside(fqn, module) for fqn in experts_modules(model)):
         return "holds MoE experts"
-    for name, sub in model.get_submodule(module).named_modules():
-        if isinstance(sub, _DROPOUTS) and sub.p > 0:
-            return f"dropout {'.'.join(filter(None, (module, name)))} (p={sub.p}) draws per rank"
+    drawn = drawn_dropouts(model.get_submodule(module))  # what the runtime refuses (check_local_modules)
+    if drawn:
+        return f"dropout {module}: {drawn[0]} draws per rank"
     random_ops = {str(op) for op in dtensor_random_ops()}
     for i in nodes:
         node = graph.nodes[i]
