@@ -13,6 +13,11 @@ A ``transformers.Trainer`` (or subclass) the script builds is planned as
 :class:`~hf_colossal_auto.integrations.trainer.AutoParallelCallback` plans it: the runner adds that callback,
 with the same settings, to every Trainer that does not have one (when ``transformers.trainer`` is imported,
 so that scripts without a Trainer do not pay for importing it). Its accelerator is ours too.
+
+When the script has finished (returned, or ``sys.exit(0)``) and gloo's worker threads are still alive, the
+process ends right after the exit steps that matter (non-daemon threads joined, ``atexit`` functions, files
+flushed) and before interpreter teardown, where those threads can abort it
+(:mod:`hf_colossal_auto.integrations.process_exit` says why).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import runpy
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+
+from .integrations.process_exit import finish
 
 logger = logging.getLogger(__name__)
 
@@ -131,11 +138,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("no GPU here: ACCELERATE_USE_CPU=true so that the processes train together on gloo")
     install()
     sys.argv = [target, *rest]
-    if as_module:
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-        runpy.run_path(target, run_name="__main__")
+    try:
+        if as_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as done:
+        if done.code not in (None, 0):
+            raise
+    finish(0)
     return 0
 
 

@@ -30,6 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 
+from hf_colossal_auto.integrations.process_exit import finish
 from hf_colossal_auto.models import build_model
 
 
@@ -204,3 +205,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

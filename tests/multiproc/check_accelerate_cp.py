@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -126,3 +128,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

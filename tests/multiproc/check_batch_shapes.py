@@ -19,6 +19,8 @@ import torch.distributed as dist
 from common import init_gloo, out_argument
 from torch.distributed.tensor import DTensor
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 
 def check(out: str) -> None:
     """The check on the initialized process group (2 ranks); rank 0 writes the figures to ``out``."""
@@ -66,3 +68,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

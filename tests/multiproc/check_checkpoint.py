@@ -34,6 +34,8 @@ import torch.distributed as dist
 import transformers
 from common import init_gloo
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 LAYOUTS = {"tp": ("megatron", "tp"), "ddp": ("ddp", "dp"), "fsdp": ("fsdp", "dp")}
 """Layout -> (evaluate_plan baseline, the mesh axis the world goes on)."""
 LR = 1e-3
@@ -168,3 +170,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

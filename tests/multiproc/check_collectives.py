@@ -28,6 +28,8 @@ import torch.distributed as dist
 from common import close_gloo, init_gloo, write_results
 from torch.profiler import ProfilerActivity, profile
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 # c10d's profiler record -> the plan's kind (DTensor calls them through the functional collectives, whose
 # record above c10d's holds the tensor handed in: c10d's own takes tensor lists, recorded without shapes)
 _C10D = {
@@ -262,3 +264,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

@@ -32,6 +32,8 @@ import torch.distributed as dist
 from common import close_gloo, init_gloo, write_results
 from torch.distributed.tensor import DTensor
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 
 def qwen2_config(**extra):
     from transformers import Qwen2Config
@@ -617,3 +619,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("HF_COLOSSAL_AUTO_NO_CALIBRATE", "1")
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

@@ -24,6 +24,8 @@ from common import close_gloo, init_gloo, out_argument, write_results
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 DROPOUT = 0.1
 SEQ = 64
 ROWS = 2  # per replica
@@ -140,3 +142,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("HF_COLOSSAL_AUTO_NO_CALIBRATE", "1")
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

@@ -25,6 +25,7 @@ from accelerate.utils import InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 
 from hf_colossal_auto.integrations import AutoParallelAccelerator, AutoParallelPlugin
+from hf_colossal_auto.integrations.process_exit import finish
 from hf_colossal_auto.models import build_model
 
 PER_PROCESS, SEQ = 4, 8
@@ -105,3 +106,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

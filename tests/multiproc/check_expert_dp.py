@@ -29,6 +29,8 @@ import transformers
 from common import close_gloo, ddp_reference_loss, init_gloo, out_argument, write_results
 from torch.distributed.tensor import DTensor
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 
 def _model(name: str):
     from common import wide_mixtral
@@ -475,3 +477,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from common import close_gloo, init_gloo
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 TIMEOUT_S = 3.0
 IMPOSSIBLE_BUDGET = 64 * 1024  # bytes: below any model's parameters
 
@@ -347,3 +349,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

@@ -18,6 +18,8 @@ from common import init_gloo, out_argument, write_results
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 STEPS = 4
 
 
@@ -106,3 +108,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from common import init_gloo, out_argument, write_every_rank_and_close
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 LR = 1e-3
 CASES = (  # (schedule, blocks per stage, micro-batches): every offered schedule, uneven cuts
     ("gpipe", [1, 5], 4),
@@ -461,3 +463,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_pipeline_dp import pipelined  # noqa: E402
 from common import init_gloo, out_argument, write_every_rank_and_close  # noqa: E402
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 
 def main() -> None:
     out = out_argument()
@@ -44,3 +46,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

@@ -45,6 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_pipeline import LR, build, config  # noqa: E402
 from common import init_gloo, write_every_rank_and_close  # noqa: E402
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 MODELS = {"tiny-llama": 4, "tiny-gpt2": 2}
 """Preset -> blocks (two stages of equal blocks)."""
 
@@ -293,3 +295,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

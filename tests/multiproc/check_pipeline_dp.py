@@ -43,6 +43,8 @@ from check_pipeline import (  # noqa: E402
 )
 from common import init_gloo, out_argument, write_every_rank_and_close  # noqa: E402
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 
 def reference(model, batch: dict, steps: int = 2) -> dict[str, Any]:
     """One process on the global batch: first step's loss, gradients and norm, parameters after ``steps``
@@ -331,3 +333,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

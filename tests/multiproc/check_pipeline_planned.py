@@ -33,6 +33,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import init_gloo, out_argument, write_every_rank_and_close  # noqa: E402
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 STEPS = 6
 BATCH, SEQ = 8, 32
 SCHEDULES = (
@@ -168,3 +170,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown

@@ -25,6 +25,8 @@ import os
 import sys
 from pathlib import Path
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 
 
@@ -70,3 +72,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()  # the run's gloo groups outlive main(): end before interpreter teardown
