@@ -292,9 +292,9 @@ def test_offered_schedules_are_the_runtimes():
 def test_gloo_every_schedule_trains_like_one_process(tmp_path):
     """The user's loop (``model(**batch).loss.backward()``) under every offered schedule with uneven cuts, a
     model built on meta, GPT-2's tied head across ranks and on one rank: loss, gradients and gradient norm of
-    one step equal one process (fp32), parameters after two AdamW steps within 1 % of one update (Adam divides
-    by the gradient's size: a near-zero gradient's rounding moves its update by up to its whole size, 1e-3 of
-    one update is what was measured); the evaluation forward's logits and loss equal one process's on both
+    one step equal one process (fp32), no receive buffer holds memory between steps, parameters after two
+    AdamW steps within 1 % of one update (Adam divides by the gradient's size: a near-zero gradient's rounding
+    moves its update by up to its whole size, 1e-3 of one update is what was measured); the evaluation forward's logits and loss equal one process's on both
     ranks; gradient accumulation with a scaled loss; save_pretrained reloads in one process with identical
     tensors; AutoParallelAccelerator with a pipeline plan file trains like one process on the global batches;
     a tiny Mixtral (1f1b, interleaved zero bubble, zbv; uneven cuts) with its router load-balancing loss, whose
@@ -319,6 +319,7 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
             assert abs(got["norm"] - got["ref_norm"]) <= 1e-5 * got["ref_norm"], (case, got)
             assert abs(got["eval_loss"] - got["ref_eval_loss"]) <= 1e-5 * got["ref_eval_loss"], (case, got)
             assert got["eval_logits_err"] <= 1e-5 and got["unlabeled_equal"], (case, got)
+            assert got["live_receive_buffers"] == 0, (case, got)
         assert results["accumulation 1f1b"]["grad_err"] <= 1e-5
         moe = [c for c in trained if c.startswith("mixtral aux")]  # the routers' term is a visible part
         assert len(moe) == 3 and all(results[c]["ref_aux"] > 1e-3 for c in moe), moe

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._torch_compat import pipeline_stage_with_transient_receive_buffers
 from ..pipeline_layout import PipelineLayout
 from ..plan import Plan
 from .pipeline_aux import RouterBalance
@@ -502,12 +503,15 @@ def _split_batch(
 
 
 def _make_schedule(runner: PipelineRunner, plan: Plan) -> Any:
-    """torch's ``PipelineStage`` per held stage and the plan's schedule over them (the loss: the model's own,
-    normalised by the global batch's tokens through ``num_items_in_batch``; no rescaling by the schedule)."""
+    """torch's ``PipelineStage`` per held stage (its receive buffers held only while their micro-batch is in
+    flight) and the plan's schedule over them (the loss: the model's own, normalised by the global batch's
+    tokens through ``num_items_in_batch``; no rescaling by the schedule)."""
     from torch.distributed import pipelining
 
     stages = [
-        pipelining.PipelineStage(s, s.index, plan.num_stages, runner.device, group=runner.group)
+        pipeline_stage_with_transient_receive_buffers(
+            s, s.index, plan.num_stages, runner.device, runner.group
+        )
         for s in runner.stages
     ]
     cls = getattr(pipelining, _SCHEDULES[plan.schedule])

@@ -149,6 +149,7 @@ def pipelined(model, plan, data: list[dict], ref: dict[str, Any]) -> dict[str, A
             out["norm"], out["ref_norm"] = float(runner.clip_grad_norm_(1e9)), ref["norm"]
         optimizer.step()
         optimizer.zero_grad()
+    out["live_receive_buffers"] = live_receive_buffers(runner)
     # parameters after two steps, the difference in units of the learning rate (one AdamW update's size)
     out["param_err_lr"] = max(
         (p.detach() - ref["params"][n]).abs().max().item() / LR for n, p in model.named_parameters()
@@ -163,6 +164,20 @@ def pipelined(model, plan, data: list[dict], ref: dict[str, Any]) -> dict[str, A
     out["unlabeled_equal"] = unlabeled.loss is None and torch.equal(unlabeled.logits, evaluated.logits)
     out["seconds"] = time.perf_counter() - started
     return out
+
+
+def live_receive_buffers(runner) -> int:
+    """How many of the stages' receive buffers hold memory between training steps (torch's own stage keeps one
+    per micro-batch and direction; ours drops each after its micro-batch's backward). Test-only peek at the
+    runner's built schedule and torch's stage fields."""
+    schedule = runner._built.schedule
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    infos = [
+        i for st in stages for row in (*st.args_recv_info.values(), *st.grad_recv_info.values()) for i in row
+    ]
+    return sum(
+        1 for i in infos if not i.is_root_arg and isinstance(i.buffer, torch.Tensor) and not i.buffer.is_meta
+    )
 
 
 def accumulation(results: dict, cfg, batch: dict) -> None:

@@ -148,14 +148,20 @@ def _backward_transient(costs: ModelCosts, num_stages: int, index: int) -> int:
     return int(costs.backward_transient_bytes) if index == num_stages - 1 else 0
 
 
-def _receive_bytes(costs: ModelCosts, owner: list[int], micro_batches: int) -> list[float]:
-    """Per rank: the receive buffers torch's stages keep between steps, one per received send of a step (each
-    micro-batch's activation from the previous stage and gradient from the next, where another rank runs it)."""
-    out = [0.0] * (max(owner) + 1)
-    for s, rank in enumerate(owner):
-        neighbours = [t for t in (s - 1, s + 1) if 0 <= t < len(owner) and owner[t] != rank]
-        out[rank] += len(neighbours) * micro_batches * costs.send_bytes
-    return out
+def _received_activation_bytes(costs: ModelCosts, owner: list[int], index: int) -> int:
+    """Per micro-batch in flight on stage ``index``: the activation it received from the previous stage's rank.
+    The runtime allocates that receive buffer for the receive and drops it after the micro-batch's backward
+    (``pipeline_stage_with_transient_receive_buffers``); 0 where the previous stage is on the same rank (the
+    tensor is passed on, not received) or there is none."""
+    return costs.send_bytes if index > 0 and owner[index - 1] != owner[index] else 0
+
+
+def _received_gradient_bytes(costs: ModelCosts, owner: list[int], index: int) -> int:
+    """What a backward of stage ``index`` holds on top for the ranks beside it: the gradient received from the
+    next stage's rank (its buffer allocated for the receive, dropped after that backward) and the gradient of
+    the activation received from the previous stage's rank (made by the backward, alive until sent back)."""
+    received = index < len(owner) - 1 and owner[index + 1] != owner[index]
+    return costs.send_bytes * (int(received) + int(_received_activation_bytes(costs, owner, index) > 0))
 
 
 # -------------------------------------------------------------------------------------------- one candidate
@@ -173,10 +179,10 @@ class PipelineCandidate:
     """Per block (model order), its recompute option."""
     simulation: ScheduleSimulation
     rank_state_bytes: list[float]
-    """Per rank: what it holds while the optimizer steps (:attr:`UnitCost.state_bytes`, receive buffers)."""
+    """Per rank: what it holds while the optimizer steps (:attr:`UnitCost.state_bytes`)."""
     rank_held_bytes: list[float]
     """Per rank: what it holds through the schedule beside the activations and gradients
-    (:attr:`UnitCost.held_bytes`, receive buffers)."""
+    (:attr:`UnitCost.held_bytes`; the receive buffers go with the micro-batches in flight)."""
     rank_peak_bytes: list[float]
     stage_s: list[float]
     """Per stage: forward + backward seconds of one micro-batch (recompute included)."""

@@ -12,12 +12,13 @@ stages' parameters and optimizer state (as the layout holds them: under FSDP the
 gathered through the step), plus what the simulation's walk of the schedule's own action list holds at its peak:
 activations (GPipe every micro-batch, 1F1B ``stages - stage_index``, interleaved more), each held micro-batch
 counting its output too (torch's stage keeps it until the micro-batch's backward: the hidden states sent on, the
-last stage's logits), the gradients from a stage's first backward on (the layout's: under FSDP the unsharded
+last stage's logits) and the activation it received from another rank (its receive buffer, dropped after that
+backward by the runtime's stage), the gradients from a stage's first backward on (the layout's: under FSDP the unsharded
 accumulated gradient), the last stage's backward adding the step's transient (the loss's backward: the logits'
 gradients; another stage's backward transient is not priced, docs/reliability.md), where a block recomputes its
-rematerialised activations while its backward runs (the largest such block of the rank), and the receive buffers
-torch's stages keep between steps (one per received send of a step). The optimizer step: the state (parameters,
-gradients, optimizer state and the step's temporaries, as the layout holds them) and the receive buffers. A head
+rematerialised activations while its backward runs (the largest such block of the rank), a backward receiving
+its gradient from another rank adding that buffer. The optimizer step: the state (parameters, gradients,
+optimizer state and the step's temporaries, as the layout holds them); no receive buffer is alive then. A head
 tied to the embedding on another rank: the last rank holds a copy (its state, gradient and optimizer step, as the
 embedding's) and both ranks all-reduce its gradient (the runtime's tie group). The ILP's own memory model gives
 the per-block bytes. Measured against real ranks in ``tests/multiproc/check_pipeline_planned.py``.
@@ -42,7 +43,8 @@ from .costs import (
     _backward_transient,
     _block_seconds,
     _kept_output_bytes,
-    _receive_bytes,
+    _received_activation_bytes,
+    _received_gradient_bytes,
     _stage_extras,
 )
 from .schedules import _in_flight
@@ -132,27 +134,26 @@ def choose_recompute(
     + the largest rematerialised block) exceeds ``budget``, moves the block that saves the most bytes per second
     of rerun to a higher option (a stage's blocks are moved in order, the lowest option first). None: some rank
     does not fit even with every block at the most recompute offered. The estimate is the higher of the two
-    moments (see the module docstring), the last stage's backward transient and a rank's receive buffers
-    counted."""
+    moments (see the module docstring), the last stage's backward transient and the receive buffers of its
+    micro-batches in flight counted."""
     options = costs.block_options()
     per_option = [costs.options[o] for o in options]
     top = len(options) - 1
     num_stages = len(counts)
     starts = [sum(counts[:s]) for s in range(num_stages)]
     levels = [0] * len(costs.blocks)
-    received = _receive_bytes(costs, owner, micro_batches)
     for rank in sorted(set(owner)):
         mine = [s for s in range(num_stages) if owner[s] == rank]
-        state = fixed = received[rank]
-        held = 0.0
+        state = fixed = held = 0.0
         for s in mine:
             extra = _stage_extras(costs, num_stages, s, owner)
             blocks = costs.blocks[starts[s] : starts[s] + counts[s]]
             state += extra.state_bytes + sum(b.state_bytes for b in blocks)
             fixed += extra.held_bytes + extra.grad_bytes + sum(b.held_bytes + b.grad_bytes for b in blocks)
-            fixed += _backward_transient(costs, num_stages, s)
+            fixed += _backward_transient(costs, num_stages, s) + _received_gradient_bytes(costs, owner, s)
             acts = extra.activation_bytes + sum(b.activation_bytes for b in blocks)
-            held += in_flight[s] * (acts + _kept_output_bytes(costs, num_stages, s))
+            kept = _kept_output_bytes(costs, num_stages, s) + _received_activation_bytes(costs, owner, s)
+            held += in_flight[s] * (acts + kept)
         transient = 0.0
         while max(state, fixed + held + transient) > budget:
             move = _best_move(per_option, levels, mine, starts, counts, in_flight, micro_batches, top)
@@ -206,7 +207,6 @@ def _memory_cut(
     virtual: int,
     in_flight: tuple[int, ...],
     budget: float,
-    micro_batches: int,
 ) -> list[int] | None:
     """A cut in which every stage fits ``budget / virtual`` with full recompute of its blocks (the most offered),
     balancing time without recompute; None when there is none."""
@@ -220,14 +220,15 @@ def _memory_cut(
     )
     owner = list(range(num_stages))  # the tied copy where the first and the last stage differ, as on pp ranks
     extras = [_stage_extras(costs, num_stages, s, owner) for s in range(num_stages)]
-    received = 2 * micro_batches * costs.send_bytes  # a bound: both neighbours on other ranks
 
     def fits(s: int, i: int, j: int) -> bool:
         extra = extras[s]
         kept = extra.activation_bytes + act[j] - act[i] + _kept_output_bytes(costs, num_stages, s)
+        kept += _received_activation_bytes(costs, owner, s)
         held = in_flight[s] * kept + delta + _backward_transient(costs, num_stages, s)
+        held += _received_gradient_bytes(costs, owner, s)
         through = extra.held_bytes + extra.grad_bytes + fixed[j] - fixed[i] + held
-        return max(extra.state_bytes + state[j] - state[i], through) + received <= budget / virtual
+        return max(extra.state_bytes + state[j] - state[i], through) <= budget / virtual
 
     first = _block_seconds(costs.first)
     last = _block_seconds(costs.last)
@@ -305,7 +306,7 @@ def cut_and_recompute(
         counts = _time_cut(costs, num_stages)
         levels = choose_recompute(costs, counts, owner, in_flight, budget, micro_batches)
         if levels is None:
-            counts = _memory_cut(costs, num_stages, virtual, in_flight, budget, micro_batches) or counts
+            counts = _memory_cut(costs, num_stages, virtual, in_flight, budget) or counts
     if levels is None:
         levels = choose_recompute(costs, counts, owner, in_flight, budget, micro_batches)
     if levels is None:
@@ -359,10 +360,14 @@ def _simulate_cut(
                 backward_input_s=s.backward_s / 2,  # a matmul's input and weight gradients cost alike
                 backward_weight_s=s.backward_s / 2,
                 # torch's stage keeps a micro-batch's output (sent on, or the logits) until its backward
-                activation_bytes=int(s.activation_bytes) + _kept_output_bytes(costs, num_stages, index),
+                # and the activation it received, in the buffer dropped after that backward
+                activation_bytes=int(s.activation_bytes)
+                + _kept_output_bytes(costs, num_stages, index)
+                + _received_activation_bytes(costs, owner, index),
                 send_bytes=costs.send_bytes,
                 grad_bytes=int(s.grad_bytes),
-                backward_transient_bytes=_backward_transient(costs, num_stages, index),
+                backward_transient_bytes=_backward_transient(costs, num_stages, index)
+                + _received_gradient_bytes(costs, owner, index),
                 first_forward_extra_s=first_gather + max(s.gather_s - first_gather - s.forward_s, 0.0),
                 last_backward_extra_s=s.sync_s,
             )
@@ -377,10 +382,6 @@ def _simulate_cut(
         rank_held[owner[index]] += s.held_bytes
         rank_transient[owner[index]] = max(rank_transient[owner[index]], transients[index])
     simulation = simulate_schedule(schedule, stage_costs, micro_batches, pp, link, max(rank_optimizer))
-    # torch's stages receive into buffers of their own, one per micro-batch and direction, kept between steps
-    for send in simulation.sends:
-        rank_held[send.dst] += send.nbytes
-        rank_state[send.dst] += send.nbytes
     # the two highest moments: the schedule's (activations and gradients beside the state) and the optimizer step's
     peaks = [
         max(rank_state[r], rank_held[r] + simulation.peak_activation_bytes[r] + rank_transient[r])
@@ -390,7 +391,11 @@ def _simulate_cut(
         max(
             s.state_bytes,
             s.held_bytes + s.grad_bytes + transients[i] + _backward_transient(costs, num_stages, i)
-            + in_flight[i] * (s.activation_bytes + _kept_output_bytes(costs, num_stages, i)),
+            + _received_gradient_bytes(costs, owner, i)
+            + in_flight[i] * (
+                s.activation_bytes + _kept_output_bytes(costs, num_stages, i)
+                + _received_activation_bytes(costs, owner, i)
+            ),
         )
         for i, s in enumerate(stages)
     ]  # fmt: skip

@@ -27,8 +27,11 @@ Memory: a forward keeps ``activation_bytes`` of its stage until that micro-batch
 input/weight split the input gradient frees all but ``weight_grad_bytes`` (what the weight gradient still
 reads), which the weight gradient frees; as a backward starts, its ``backward_transient_bytes`` come on top; a
 stage's first backward (full or weight-gradient) makes its ``grad_bytes``, held from then on (counted whole
-from that action: a bound within it). A rank's peak is the most its stages hold at once along its list.
-Units: seconds and bytes.
+from that action: a bound within it). A tensor sent to another rank lives as long as torch's schedule keeps
+its send's work (:data:`SENDS_KEPT_TO_STEP_END`): the multi-stage runtime keeps every send's work to the end of
+the step, so a sent activation outlives its backward and a sent gradient its send; GPipe keeps its gradient
+sends' works to the end; 1F1B waits each send before the next. A rank's peak is the most its stages hold at
+once along its list. Units: seconds and bytes.
 """
 
 from __future__ import annotations
@@ -45,6 +48,15 @@ TORCH_MULTI_STAGE = {
     "zbv": "ScheduleZBVZeroBubble",
 }
 """Schedules whose action lists are torch's own (multi-stage), by their Plan name."""
+
+SENDS_KEPT_TO_STEP_END: dict[str, frozenset[str]] = {
+    **{name: frozenset({"act", "grad"}) for name in TORCH_MULTI_STAGE},
+    "gpipe": frozenset({"grad"}),
+    "1f1b": frozenset(),
+}
+"""Per schedule, the sends (``"act"``, ``"grad"``) whose tensors torch keeps until the step ends: its multi-stage
+runtime waits every send's work only then (``_PipelineScheduleRuntime``: "send ops should be waited on before
+step() exits"), ``ScheduleGPipe`` its backward sends; ``Schedule1F1B`` waits each send before the next."""
 
 Action = tuple[str, int, int]
 """``(kind, stage, micro-batch)``: kind "F", "B" (full backward), "I" (input gradient), "W" (weight
@@ -183,7 +195,8 @@ def simulate_schedule(
         raise ValueError(f"{len(stages)} stages do not spread over {pp_size} pp ranks evenly")
     actions = _cached_actions(schedule, pp_size, micro_batches, virtual)
     owner = stage_ranks(schedule, len(stages), pp_size)
-    return _Simulator(stages, owner, link or Link(), micro_batches).run(actions, optimizer_s)
+    simulator = _Simulator(stages, owner, link or Link(), micro_batches, SENDS_KEPT_TO_STEP_END[schedule])
+    return simulator.run(actions, optimizer_s)
 
 
 @functools.lru_cache(maxsize=256)
@@ -196,8 +209,16 @@ def _cached_actions(schedule: str, pp_size: int, micro_batches: int, virtual: in
 class _Simulator:
     """List scheduling of each rank's actions in order, earliest start first across ranks."""
 
-    def __init__(self, stages: list[StageCost], owner: list[int], link: Link, micro_batches: int):
+    def __init__(
+        self,
+        stages: list[StageCost],
+        owner: list[int],
+        link: Link,
+        micro_batches: int,
+        kept_sends: frozenset[str] = frozenset(),
+    ):
         self.stages, self.owner, self.link, self.m = stages, owner, link, micro_batches
+        self.kept_sends = kept_sends
         self.done: dict[Action, float] = {}
         self.link_free: dict[tuple[int, int], float] = {}
         self.arrival: dict[tuple[str, int, int], float] = {}  # ("act"|"grad", stage, mb) -> arrival time
@@ -333,14 +354,25 @@ class _Simulator:
                     held += cost.activation_bytes
                     count[s] += 1
                     most[s] = max(most[s], count[s])
-                elif kind == "B":
-                    held -= cost.activation_bytes
+                elif kind == "B":  # what it sent on or back stays with the send's work to the step's end
+                    held -= cost.activation_bytes - self._kept_sent_bytes(s)
                     count[s] -= 1
                 elif kind == "I":
-                    held -= cost.activation_bytes - kept
+                    held -= cost.activation_bytes - kept - self._kept_sent_bytes(s)
                     count[s] -= 1
                 elif kind == "W":
                     held -= kept
                 peak = max(peak, held + grads)
             peaks.append(peak)
         return peaks, most
+
+    def _kept_sent_bytes(self, s: int) -> int:
+        """What a backward of stage ``s`` leaves alive to the step's end under this schedule: its output, sent to
+        another rank (which the backward would otherwise free with its activations), and the input gradient it
+        sends back to another rank."""
+        out = 0
+        if "act" in self.kept_sends and s + 1 < len(self.stages) and self.owner[s + 1] != self.owner[s]:
+            out += self.stages[s].send_bytes
+        if "grad" in self.kept_sends and s > 0 and self.owner[s - 1] != self.owner[s]:
+            out += self.stages[s - 1].send_bytes
+        return out
