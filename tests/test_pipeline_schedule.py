@@ -153,5 +153,7 @@ def test_sent_tensors_live_as_long_as_torchs_schedule_keeps_their_sends():
     assert simulate_schedule("1f1b", stages, m, p).peak_activation_bytes == [0, 0]
     # stages 0, 2 on rank 0 and 1, 3 on rank 1: every boundary crosses ranks; rank 0 sends the activations of
     # stages 0 and 2 and the gradients of stage 2, rank 1 the activations of stage 1 and the gradients of 1 and 3
-    interleaved = simulate_schedule("interleaved-1f1b", [StageCost(F, B / 2, B / 2, send_bytes=sent)] * 4, m, p)
+    interleaved = simulate_schedule(
+        "interleaved-1f1b", [StageCost(F, B / 2, B / 2, send_bytes=sent)] * 4, m, p
+    )
     assert interleaved.peak_activation_bytes == [3 * m * sent, 3 * m * sent]
