@@ -457,7 +457,14 @@ def pipeline_stage_with_transient_receive_buffers(
     once the micro-batch's backward has run (a forward-only step: at its end), so a rank holds the buffers of
     its micro-batches in flight only; the activation buffer is the stage's input, which the backward keeps
     anyway. A dropped buffer is left as a meta tensor of its shape, dtype and stride (torch's ``_RecvInfo``
-    treats a ``None`` buffer as "no tensor"). Private: ``args_recv_info`` / ``grad_recv_info``, ``_RecvInfo``,
+    treats a ``None`` buffer as "no tensor").
+
+    Sent activations likewise: torch's multi-stage schedules keep every send's work, and with it the tensor
+    sent, to the end of the step. Once a micro-batch's backward on this stage is complete (its weight gradient
+    included), the next stage has received that micro-batch's activation (it sent back the gradient this
+    backward used) and nothing here reads the sent output any more, so its storage is freed (resized to 0; the
+    work keeps an empty tensor). The gradients a stage sends back are left to torch: no later action here says
+    they have arrived. Private: ``args_recv_info`` / ``grad_recv_info``, ``_RecvInfo``,
     ``_prepare_forward_infra`` / ``_prepare_backward_infra``."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.stage import _RecvInfo
@@ -477,7 +484,17 @@ def pipeline_stage_with_transient_receive_buffers(
                     info.buffer.size(), info.buffer.stride(), dtype=info.buffer.dtype, device=device
                 )
 
+    def free_sent(tensors) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            if t.is_contiguous() and storage.nbytes() == t.numel() * t.element_size():  # the whole storage
+                storage.resize_(0)
+
     class _Stage(PipelineStage):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._sent: dict[int, list[torch.Tensor]] = {}
+
         def _prepare_forward_infra(self, *args, **kwargs):
             out = super()._prepare_forward_infra(*args, **kwargs)
             for infos in self.args_recv_info.values():
@@ -502,14 +519,31 @@ def pipeline_stage_with_transient_receive_buffers(
             allocate(self.grad_recv_info.get(mb_index), self.device)  # a None gradient zeroes the buffer
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
-        def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        def get_fwd_send_ops(self, fwd_chunk_id: int):
+            ops = super().get_fwd_send_ops(fwd_chunk_id)
+            self._sent[fwd_chunk_id] = [op.tensor for op in ops]
+            return ops
+
+        def backward_one_chunk(
+            self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False
+        ):
+            out = super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            )
             drop(self.args_recv_info.get(bwd_chunk_id))
             drop(self.grad_recv_info.get(bwd_chunk_id))
+            if full_backward:
+                free_sent(self._sent.pop(bwd_chunk_id, ()))
+            return out
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+            out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            free_sent(self._sent.pop(bwd_chunk_id, ()))
             return out
 
         def clear_runtime_states(self) -> None:
             super().clear_runtime_states()
+            self._sent = {}  # a forward-only step's sends: left to torch (no backward says they arrived)
             if not self.has_backward or not torch.is_grad_enabled():  # a forward-only step keeps no input
                 for infos in self.args_recv_info.values():
                     drop(infos)

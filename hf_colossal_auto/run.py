@@ -147,9 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as done:
         if done.code not in (None, 0):
             raise
-    finish(0)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    finish(status)  # the process's own end only: main() called as a function returns
+    sys.exit(status)

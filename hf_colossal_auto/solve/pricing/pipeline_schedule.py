@@ -28,9 +28,9 @@ input/weight split the input gradient frees all but ``weight_grad_bytes`` (what 
 reads), which the weight gradient frees; as a backward starts, its ``backward_transient_bytes`` come on top; a
 stage's first backward (full or weight-gradient) makes its ``grad_bytes``, held from then on (counted whole
 from that action: a bound within it). A tensor sent to another rank lives as long as torch's schedule keeps
-its send's work (:data:`SENDS_KEPT_TO_STEP_END`): the multi-stage runtime keeps every send's work to the end of
-the step, so a sent activation outlives its backward and a sent gradient its send; GPipe keeps its gradient
-sends' works to the end; 1F1B waits each send before the next. A rank's peak is the most its stages hold at
+its send's work (:data:`SENDS_KEPT_TO_STEP_END`): the multi-stage runtime and GPipe keep a sent gradient to the
+end of the step; 1F1B waits each send before the next; a sent activation is the stage's kept output, freed with
+its micro-batch's backward (the runtime's stage frees it even where torch keeps its send). A rank's peak is the most its stages hold at
 once along its list. Units: seconds and bytes.
 """
 
@@ -50,13 +50,15 @@ TORCH_MULTI_STAGE = {
 """Schedules whose action lists are torch's own (multi-stage), by their Plan name."""
 
 SENDS_KEPT_TO_STEP_END: dict[str, frozenset[str]] = {
-    **{name: frozenset({"act", "grad"}) for name in TORCH_MULTI_STAGE},
+    **{name: frozenset({"grad"}) for name in TORCH_MULTI_STAGE},
     "gpipe": frozenset({"grad"}),
     "1f1b": frozenset(),
 }
-"""Per schedule, the sends (``"act"``, ``"grad"``) whose tensors torch keeps until the step ends: its multi-stage
+"""Per schedule, the sends (``"act"``, ``"grad"``) whose tensors live until the step ends: torch's multi-stage
 runtime waits every send's work only then (``_PipelineScheduleRuntime``: "send ops should be waited on before
-step() exits"), ``ScheduleGPipe`` its backward sends; ``Schedule1F1B`` waits each send before the next."""
+step() exits"), ``ScheduleGPipe`` its backward sends; ``Schedule1F1B`` waits each send before the next. A sent
+activation is freed by the runtime's stage once its micro-batch's backward is complete
+(``_torch_compat.pipeline_stage_with_transient_receive_buffers``), as the stage's kept output is priced."""
 
 Action = tuple[str, int, int]
 """``(kind, stage, micro-batch)``: kind "F", "B" (full backward), "I" (input gradient), "W" (weight
