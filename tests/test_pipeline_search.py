@@ -214,9 +214,9 @@ def test_pipeline_argument_refusals():
 UNPRICED_BACKWARD_TRANSIENT = 0.05
 """How far a rank's measured peak may exceed the plan's prediction: a backward's transient on a stage other than
 the last is not priced. Measured on this test's plans (receive buffers held only while their micro-batch is in
-flight, sent tensors kept as torch's schedule keeps its sends): Llama's 1F1B 1.7 % above on both ranks (49,152
+flight, sent gradients kept as torch's schedule keeps its sends): Llama's 1F1B 1.1-1.7 % above (up to 49,152
 bytes: three hidden-state gradients of a micro-batch), interleaved 1F1B within 0.5 % either way, GPT-2's first
-stage 4.2 % (115,000 bytes; alive at its peak, inside a later micro-batch's backward, the word embedding's dense
+stage 3.6 % (115,000 bytes; alive at its peak, inside a later micro-batch's backward, the word embedding's dense
 gradient made anew, 131,072 bytes, beside the accumulated one), its last 1.3 % (docs/reliability.md)."""
 
 GRADIENTS_COUNTED_WHOLE = 0.10
