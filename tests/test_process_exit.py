@@ -23,6 +23,9 @@ OUT = sys.argv[1]
 def gloo_world_of_one():
     before = gloo_worker_threads()
     dist.init_process_group("gloo", init_method="file://" + OUT + "/store", rank=0, world_size=1)
+    deadline = time.monotonic() + 30  # a worker names itself once it runs: on a loaded machine, a moment later
+    while gloo_worker_threads() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     print("gloo threads before/after init:", before, gloo_worker_threads())
 
 

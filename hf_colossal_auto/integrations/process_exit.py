@@ -13,7 +13,7 @@ and FSDP states hold the device mesh, and ``destroy_process_group`` does not sto
 
 What: once a script is done, if gloo's worker threads are still alive, do what a normal exit does before
 finalization (join the non-daemon threads, run the ``atexit`` functions, logging's shutdown among them, flush every
-open file) and end the process with ``os._exit``. Where no gloo thread is alive, nothing changes.
+open file) and end the process with ``os._exit``. Where no group is up and no gloo thread alive, nothing changes.
 """
 
 from __future__ import annotations
@@ -49,12 +49,21 @@ def gloo_worker_threads() -> int:
     return count
 
 
+def process_groups_may_be_alive() -> bool:
+    """Whether collectives' worker threads may outlive the script: gloo's are running (by name; a thread names
+    itself once it runs, so a group made a moment ago may not show yet), or the default group is still up."""
+    import torch.distributed as dist
+
+    return gloo_worker_threads() > 0 or (dist.is_available() and dist.is_initialized())
+
+
 def finish(status: int = 0) -> None:
-    """End the process now with ``status`` if gloo's worker threads are alive, after everything a normal exit
-    does before interpreter finalization; otherwise return, and Python exits as usual.
+    """End the process now with ``status`` if process groups may be alive (:func:`process_groups_may_be_alive`),
+    after everything a normal exit does before interpreter finalization; otherwise return, and Python exits as
+    usual.
 
     Call it from the main thread when the work is done (the runner calls it once the script has returned)."""
-    if gloo_worker_threads() == 0:
+    if not process_groups_may_be_alive():
         return
     logger.debug("gloo's worker threads are alive at exit: ending the process before interpreter teardown")
     _join_non_daemon_threads()
