@@ -469,20 +469,21 @@ def pipeline_stage_with_transient_receive_buffers(
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.stage import _RecvInfo
 
-    def drop(infos) -> None:
+    def move(infos, device, *, to_meta: bool) -> None:
+        """Each received buffer of ``infos`` that is (not) on meta, as an empty one of its shape, stride and
+        dtype on ``device``: dropped (``to_meta``) or allocated for a receive."""
         for info in infos or ():
             buffer = info.buffer if isinstance(info, _RecvInfo) and not info.is_root_arg else None
-            if isinstance(buffer, torch.Tensor) and not buffer.is_meta:
+            if isinstance(buffer, torch.Tensor) and buffer.is_meta != to_meta:
                 info.buffer = torch.empty_strided(
-                    buffer.size(), buffer.stride(), dtype=buffer.dtype, device="meta"
+                    buffer.size(), buffer.stride(), dtype=buffer.dtype, device=device
                 )
 
+    def drop(infos) -> None:
+        move(infos, "meta", to_meta=True)
+
     def allocate(infos, device) -> None:
-        for info in infos or ():
-            if isinstance(info, _RecvInfo) and isinstance(info.buffer, torch.Tensor) and info.buffer.is_meta:
-                info.buffer = torch.empty_strided(
-                    info.buffer.size(), info.buffer.stride(), dtype=info.buffer.dtype, device=device
-                )
+        move(infos, device, to_meta=False)
 
     def free_sent(tensors) -> None:
         for t in tensors:

@@ -14,7 +14,7 @@ A ``transformers.Trainer`` (or subclass) the script builds is planned as
 with the same settings, to every Trainer that does not have one (when ``transformers.trainer`` is imported,
 so that scripts without a Trainer do not pay for importing it). Its accelerator is ours too.
 
-When the script has finished (returned, or ``sys.exit(0)``) and gloo's worker threads are still alive, the
+When the script has finished (returned, or ``sys.exit(0)``) and process groups may still be alive, the
 process ends right after the exit steps that matter (non-daemon threads joined, ``atexit`` functions, files
 flushed) and before interpreter teardown, where those threads can abort it
 (:mod:`hf_colossal_auto.integrations.process_exit` says why).

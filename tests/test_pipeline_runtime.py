@@ -290,18 +290,18 @@ def test_offered_schedules_are_the_runtimes():
 
 # --------------------------------------------------------------------------------------------- 2 gloo ranks
 def test_gloo_every_schedule_trains_like_one_process(tmp_path):
-    """The user's loop (``model(**batch).loss.backward()``) under every offered schedule with uneven cuts, a
-    model built on meta, GPT-2's tied head across ranks and on one rank: loss, gradients and gradient norm of
-    one step equal one process (fp32), no receive buffer holds memory between steps, parameters after two
-    AdamW steps within 1 % of one update (Adam divides by the gradient's size: a near-zero gradient's rounding
-    moves its update by up to its whole size, 1e-3 of one update is what was measured); the evaluation forward's logits and loss equal one process's on both
-    ranks; gradient accumulation with a scaled loss; save_pretrained reloads in one process with identical
-    tensors; AutoParallelAccelerator with a pipeline plan file trains like one process on the global batches;
-    a tiny Mixtral (1f1b, interleaved zero bubble, zbv; uneven cuts) with its router load-balancing loss, whose
-    layers are on both ranks, and without it, trains like one process; router jitter with that loss is refused;
-    a cut inside a block, a batch too small for the micro-batches and a training forward without labels raise on
-    both ranks; ``consolidated_state_dict`` gives one process's full state dict (tied GPT-2 included) on every
-    rank, or on rank 0 alone."""
+    """The user's loop (``model(**batch).loss.backward()``) under every offered schedule with uneven cuts, a model
+    built on meta, GPT-2's tied head across ranks and on one rank: loss, gradients and gradient norm of one step
+    equal one process (fp32), no receive buffer holds memory between steps, parameters after two AdamW steps within
+    1 % of one update (Adam divides by the gradient's size: a near-zero gradient's rounding moves its update by up
+    to its whole size, 1e-3 of one update is what was measured); the evaluation forward's logits and loss equal one
+    process's on both ranks; gradient accumulation with a scaled loss; save_pretrained reloads in one process with
+    identical tensors; AutoParallelAccelerator with a pipeline plan file trains like one process on the global
+    batches; a tiny Mixtral (1f1b, interleaved zero bubble, zbv; uneven cuts) with its router load-balancing loss,
+    whose layers are on both ranks, and without it, trains like one process; router jitter with that loss is
+    refused; a cut inside a block, a batch too small for the micro-batches and a training forward without labels
+    raise on both ranks; ``consolidated_state_dict`` gives one process's full state dict (tied GPT-2 included) on
+    every rank, or on rank 0 alone."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "pipeline.json"

@@ -1,7 +1,7 @@
 """How a process ends while gloo's worker threads are alive (``integrations/process_exit.py``, used by the runner):
 everything a normal exit does before interpreter teardown still happens (non-daemon threads joined, ``atexit``
 functions run, files that were never closed flushed), the exit status is the script's, and nothing changes for a
-process without gloo threads."""
+process without process groups."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def exit_steps():
 """
 
 
-def _run(body: str, tmp_path: Path, *, runner: bool = False) -> subprocess.CompletedProcess:
+def _run(
+    body: str, tmp_path: Path, *, runner: bool = False, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(PRELUDE) + textwrap.dedent(body))
     command = [
@@ -52,7 +54,7 @@ def _run(body: str, tmp_path: Path, *, runner: bool = False) -> subprocess.Compl
         str(script),
         str(tmp_path),
     ]
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **(env or {})}
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
 
 
@@ -104,13 +106,5 @@ def test_the_runner_ends_a_finished_script_with_its_status(tmp_path):
     done = _run(body, tmp_path, runner=True)
     assert done.returncode == 0, done.stderr
     _exit_steps_happened(tmp_path)
-    script = tmp_path / "script.py"
-    failed = subprocess.run(
-        [sys.executable, "-m", "hf_colossal_auto.run", str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "STATUS": "3"},
-        cwd=tmp_path,
-    )
+    failed = _run(body, tmp_path, runner=True, env={"STATUS": "3"})
     assert failed.returncode == 3, failed.stderr

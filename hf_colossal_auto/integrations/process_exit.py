@@ -11,7 +11,7 @@ issue 190489 reports the same abort). It needs only a worker thread descheduled 
 of the script (a loaded machine) and the groups alive at exit, which they are whenever the model is: its DTensors
 and FSDP states hold the device mesh, and ``destroy_process_group`` does not stop a group still referenced.
 
-What: once a script is done, if gloo's worker threads are still alive, do what a normal exit does before
+What: once a script is done, if process groups may still be alive, do what a normal exit does before
 finalization (join the non-daemon threads, run the ``atexit`` functions, logging's shutdown among them, flush every
 open file) and end the process with ``os._exit``. Where no group is up and no gloo thread alive, nothing changes.
 """
@@ -65,7 +65,7 @@ def finish(status: int = 0) -> None:
     Call it from the main thread when the work is done (the runner calls it once the script has returned)."""
     if not process_groups_may_be_alive():
         return
-    logger.debug("gloo's worker threads are alive at exit: ending the process before interpreter teardown")
+    logger.debug("process groups may be alive at exit: ending the process before interpreter teardown")
     _join_non_daemon_threads()
     atexit._run_exitfuncs()
     _flush_open_files()
