@@ -38,6 +38,7 @@ from transformers import (
 )
 
 from hf_colossal_auto import AutoParallelCallback, save_pretrained
+from hf_colossal_auto.integrations.process_exit import finish
 from hf_colossal_auto.run import use_cpu_without_gpus
 
 logger = logging.getLogger("finetune_causal_lm")
@@ -379,3 +380,6 @@ def export(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, final: Path) ->
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    # End before interpreter teardown while the model's process groups are alive (gloo's worker threads can
+    # abort the exit otherwise: hf_colossal_auto/integrations/process_exit.py)
+    finish()

@@ -19,6 +19,8 @@ from _shared.objectives import mask_tokens
 from _shared.recipe import Recipe
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 
 def add_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--mlm_probability", type=float, default=0.15, help="share of tokens to predict")
@@ -76,3 +78,6 @@ BERT = Recipe(
 
 if __name__ == "__main__":
     run(BERT)
+    # End before interpreter teardown while the model's process groups are alive (gloo's worker threads can
+    # abort the exit otherwise: hf_colossal_auto/integrations/process_exit.py)
+    finish()

@@ -17,6 +17,8 @@ from _shared.loop import run
 from _shared.recipe import Recipe
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 
 def example_fn(args: Namespace, tokenizer: PreTrainedTokenizerBase) -> ExampleFn:
     del args, tokenizer
@@ -53,3 +55,6 @@ GPT = Recipe(
 
 if __name__ == "__main__":
     run(GPT)
+    # End before interpreter teardown while the model's process groups are alive (gloo's worker threads can
+    # abort the exit otherwise: hf_colossal_auto/integrations/process_exit.py)
+    finish()

@@ -21,6 +21,8 @@ from _shared.recipe import Recipe
 from _shared.tokenizer import sentinel_ids
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from hf_colossal_auto.integrations.process_exit import finish
+
 NUM_SENTINELS = 100
 
 
@@ -83,3 +85,6 @@ T5 = Recipe(
 
 if __name__ == "__main__":
     run(T5)
+    # End before interpreter teardown while the model's process groups are alive (gloo's worker threads can
+    # abort the exit otherwise: hf_colossal_auto/integrations/process_exit.py)
+    finish()
