@@ -445,8 +445,38 @@ def pipeline_schedule_actions(
     ]
 
 
+def schedule_compute_actions(schedule) -> list[list[tuple[str, int, int]]]:
+    """A built multi-stage ``torch.distributed.pipelining`` schedule's compute actions per pp rank, in the order
+    its runtime runs them (its private ``pipeline_order``), as ``(kind, stage, micro-batch)`` (idle slots
+    dropped)."""
+    order = schedule.pipeline_order
+    return [
+        [
+            (a.computation_type.value, a.stage_index, a.microbatch_index)
+            for a in order[rank]
+            if a is not None and a.computation_type.value in ("F", "B", "I", "W")
+        ]
+        for rank in sorted(order)
+    ]
+
+
+def free_whole_storages(tensors) -> None:
+    """Free the storage of each of ``tensors`` that is its whole storage (resized to 0: whoever still holds the
+    tensor, a send's work among them, holds an empty one); a view of a larger storage is left alone."""
+    for t in tensors:
+        storage = t.untyped_storage()
+        if t.is_contiguous() and storage.nbytes() == t.numel() * t.element_size():
+            storage.resize_(0)
+
+
+def isend_point_to_point_ops(ops) -> list:
+    """Issue ``ops`` (``dist.P2POp`` sends, as a pipeline stage's ``get_bwd_send_ops`` returns them) one by one,
+    as torch's pipelining runtime issues a batch of sends (``_batch_p2p``), and return their works."""
+    return [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer) for op in ops]
+
+
 def pipeline_stage_with_transient_receive_buffers(
-    submodule, stage_index: int, num_stages: int, device, group
+    submodule, stage_index: int, num_stages: int, device, group, gradient_sends=None
 ):
     """torch's ``PipelineStage`` whose receive buffers live only while their micro-batch is in flight.
 
@@ -463,9 +493,13 @@ def pipeline_stage_with_transient_receive_buffers(
     sent, to the end of the step. Once a micro-batch's backward on this stage is complete (its weight gradient
     included), the next stage has received that micro-batch's activation (it sent back the gradient this
     backward used) and nothing here reads the sent output any more, so its storage is freed (resized to 0; the
-    work keeps an empty tensor). The gradients a stage sends back are left to torch: no later action here says
-    they have arrived. Private: ``args_recv_info`` / ``grad_recv_info``, ``_RecvInfo``,
-    ``_prepare_forward_infra`` / ``_prepare_backward_infra``."""
+    work keeps an empty tensor).
+
+    Sent gradients, given ``gradient_sends`` (:class:`hf_colossal_auto.apply.pipeline_sends.GradientSends`,
+    shared by a rank's stages): the stage issues its backward sends itself and hands their works to it instead
+    of to torch's schedule, and tells it as each forward or backward starts (its received input waited), which
+    is when the schedule's order may prove an earlier send received. Private: ``args_recv_info`` /
+    ``grad_recv_info``, ``_RecvInfo``, ``_prepare_forward_infra`` / ``_prepare_backward_infra``."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.stage import _RecvInfo
 
@@ -484,12 +518,6 @@ def pipeline_stage_with_transient_receive_buffers(
 
     def allocate(infos, device) -> None:
         move(infos, device, to_meta=False)
-
-    def free_sent(tensors) -> None:
-        for t in tensors:
-            storage = t.untyped_storage()
-            if t.is_contiguous() and storage.nbytes() == t.numel() * t.element_size():  # the whole storage
-                storage.resize_(0)
 
     class _Stage(PipelineStage):
         def __init__(self, *args, **kwargs) -> None:
@@ -525,21 +553,35 @@ def pipeline_stage_with_transient_receive_buffers(
             self._sent[fwd_chunk_id] = [op.tensor for op in ops]
             return ops
 
+        def get_bwd_send_ops(self, bwd_chunk_id: int):
+            ops = super().get_bwd_send_ops(bwd_chunk_id)
+            if gradient_sends is None or not ops:
+                return ops
+            gradient_sends.issue(self.stage_index, bwd_chunk_id, ops)
+            return []  # nothing for torch's schedule to keep
+
+        def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+            if gradient_sends is not None:
+                gradient_sends.starting(("F", self.stage_index, fwd_chunk_id))
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
         def backward_one_chunk(
             self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False
         ):
+            if gradient_sends is not None:
+                gradient_sends.starting(("B" if full_backward else "I", self.stage_index, bwd_chunk_id))
             out = super().backward_one_chunk(
                 bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
             )
             drop(self.args_recv_info.get(bwd_chunk_id))
             drop(self.grad_recv_info.get(bwd_chunk_id))
             if full_backward:
-                free_sent(self._sent.pop(bwd_chunk_id, ()))
+                free_whole_storages(self._sent.pop(bwd_chunk_id, ()))
             return out
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
             out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-            free_sent(self._sent.pop(bwd_chunk_id, ()))
+            free_whole_storages(self._sent.pop(bwd_chunk_id, ()))
             return out
 
         def clear_runtime_states(self) -> None:

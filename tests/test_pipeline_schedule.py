@@ -141,13 +141,15 @@ def test_gradients_exist_from_a_stages_first_backward_and_the_transient_tops_a_b
     assert expected == m * ACT + grads  # without a transient the end of the first backward is the peak
 
 
-def test_sent_gradients_live_as_long_as_torchs_schedule_keeps_their_sends():
-    """torch's multi-stage runtime and GPipe wait their gradient sends only at the step's end, 1F1B each send
-    before the next: a rank holds the gradients its stages sent back to other ranks accordingly (a sent
-    activation is the stage's kept output, freed with its backward: the runtime's stage frees it). Two ranks,
-    no activations of their own: under GPipe the second stage ends holding the gradients it sent back for every
-    micro-batch (the first sends none back); under 1F1B nothing is held past its send; under interleaved 1F1B
-    (stages 0, 2 on rank 0 and 1, 3 on rank 1) rank 0 holds stage 2's and rank 1 stages 1's and 3's."""
+def test_sent_gradients_live_as_long_as_the_runtime_keeps_their_sends():
+    """GPipe waits its gradient sends only at the step's end, 1F1B each send before the next, and under the
+    multi-stage schedules the runtime frees a sent gradient once the schedule's order proves it received: a rank
+    holds the gradients its stages sent back to other ranks accordingly (a sent activation is the stage's kept
+    output, freed with its backward: the runtime's stage frees it). Two ranks, no activations of their own:
+    under GPipe the second stage ends holding the gradients it sent back for every micro-batch (the first sends
+    none back); under 1F1B nothing is held past its send; under interleaved 1F1B (stages 0, 2 on rank 0 and 1,
+    3 on rank 1) at most two of stage 2's on rank 0 (each freed at the backward of stage 0 that waited on the
+    gradient rank 1 sent after receiving it) and three on rank 1, where torch's runtime would hold all 4 and 8."""
     p, m, sent = 2, 4, 700
     stages = [StageCost(F, B / 2, B / 2, send_bytes=sent)] * p
     assert simulate_schedule("gpipe", stages, m, p).peak_activation_bytes == [0, m * sent]
@@ -155,4 +157,32 @@ def test_sent_gradients_live_as_long_as_torchs_schedule_keeps_their_sends():
     interleaved = simulate_schedule(
         "interleaved-1f1b", [StageCost(F, B / 2, B / 2, send_bytes=sent)] * 4, m, p
     )
-    assert interleaved.peak_activation_bytes == [m * sent, 2 * m * sent]
+    assert interleaved.peak_activation_bytes == [2 * sent, 3 * sent]
+
+
+def test_a_sent_gradient_is_freed_once_a_later_message_proves_it_received():
+    """Interleaved 1F1B, 2 ranks, 4 micro-batches (torch's order): rank 0 sends stage 2's gradients to rank 1,
+    which waits on each at its backward of stage 1 and then sends stage 1's gradient to rank 0, waited on at
+    rank 0's backward of stage 0 — where the send of stage 2 is freed. Rank 1's first gradient of stage 1 is
+    proven received by the activation rank 0 sends it for stage 3's last micro-batch (rank 0 ran stage 0's
+    backward of micro-batch 0 before that forward); the last sends of stage 1 have no later message: in no list
+    (to the step's end). A release always comes after its send on the same rank."""
+    from hf_colossal_auto.pipeline_receipts import gradient_send_releases
+
+    actions = schedule_actions("interleaved-1f1b", 2, 4, 2)
+    releases = gradient_send_releases(actions, [0, 1, 0, 1])
+    assert {a: keys for a, keys in releases.items() if a[1] == 0} == {
+        ("B", 0, mb): [(2, mb)] for mb in range(4)
+    }
+    assert releases[("F", 3, 3)] == [(1, 0)]
+    released = {key for keys in releases.values() for key in keys}
+    assert (1, 2) not in released and (1, 3) not in released
+    for rank_actions in actions:
+        for at, action in enumerate(rank_actions):
+            for stage, mb in releases.get(action, ()):
+                assert rank_actions.index(("B", stage, mb)) < at
+    # Llama 3's 4-D pipeline (16 ranks, 2 stages each, 32 micro-batches): three in four freed before the end
+    big = schedule_actions("interleaved-1f1b", 16, 32, 2)
+    owner = [s % 16 for s in range(32)]
+    sent = sum(1 for rank in big for kind, stage, _ in rank if kind == "B" and stage > 0)
+    assert sum(map(len, gradient_send_releases(big, owner).values())) >= 0.75 * sent

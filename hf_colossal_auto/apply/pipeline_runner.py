@@ -44,10 +44,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._torch_compat import pipeline_stage_with_transient_receive_buffers
+from .._torch_compat import pipeline_stage_with_transient_receive_buffers, schedule_compute_actions
 from ..pipeline_layout import PipelineLayout
+from ..pipeline_receipts import gradient_send_releases
 from ..plan import Plan
 from .pipeline_aux import RouterBalance
+from .pipeline_sends import GradientSends
 from .pipeline_sync import ReplicaSync
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,8 @@ class _Built:
 
     key: tuple
     schedule: Any
+    gradient_sends: GradientSends | None
+    """The sent gradients the stages hold until proven received (multi-stage schedules; None: torch's)."""
 
 
 class _StepGradients(torch.autograd.Function):
@@ -266,6 +270,8 @@ class PipelineRunner:
                 loss_kwargs={"num_items_in_batch": self._count(labels, num_items)},
                 **kwargs,
             )
+            if self._built.gradient_sends is not None:
+                self._built.gradient_sends.wait_all()
             _gradients_to_placements(params)
             self._sum_tied_gradients()
             if reduce:  # else deferred to the backward (:mod:`.pipeline_sync`)
@@ -302,7 +308,7 @@ class PipelineRunner:
     def _schedule(self, shape: torch.Size, kwargs: dict[str, torch.Tensor]) -> Any:
         key = (tuple(shape), tuple(sorted((k, tuple(v.shape)) for k, v in kwargs.items())))
         if self._built is None or self._built.key != key:
-            self._built = _Built(key, _make_schedule(self, self.plan))
+            self._built = _Built(key, *_make_schedule(self, self.plan))
         return self._built.schedule
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -502,15 +508,18 @@ def _split_batch(
     return tensors["input_ids"], tensors.get("labels"), kwargs
 
 
-def _make_schedule(runner: PipelineRunner, plan: Plan) -> Any:
+def _make_schedule(runner: PipelineRunner, plan: Plan) -> tuple[Any, GradientSends | None]:
     """torch's ``PipelineStage`` per held stage (its receive buffers held only while their micro-batch is in
     flight) and the plan's schedule over them (the loss: the model's own, normalised by the global batch's
-    tokens through ``num_items_in_batch``; no rescaling by the schedule)."""
+    tokens through ``num_items_in_batch``; no rescaling by the schedule). Under a multi-stage schedule the
+    stages' sent gradients are held until the schedule's order proves them received (:mod:`.pipeline_sends`),
+    returned with the schedule."""
     from torch.distributed import pipelining
 
+    sends = GradientSends() if plan.virtual_stages > 1 else None
     stages = [
         pipeline_stage_with_transient_receive_buffers(
-            s, s.index, plan.num_stages, runner.device, runner.group
+            s, s.index, plan.num_stages, runner.device, runner.group, gradient_sends=sends
         )
         for s in runner.stages
     ]
@@ -521,4 +530,7 @@ def _make_schedule(runner: PipelineRunner, plan: Plan) -> Any:
         return model.loss_function(logits=logits, labels=labels, vocab_size=vocab, **kwargs)
 
     held = stages[0] if plan.virtual_stages == 1 else stages
-    return cls(held, n_microbatches=plan.micro_batches, loss_fn=loss_fn, scale_grads=False)
+    schedule = cls(held, n_microbatches=plan.micro_batches, loss_fn=loss_fn, scale_grads=False)
+    if sends is not None:
+        sends.releases = gradient_send_releases(schedule_compute_actions(schedule), plan.stage_ranks())
+    return schedule, sends

@@ -27,10 +27,12 @@ Memory: a forward keeps ``activation_bytes`` of its stage until that micro-batch
 input/weight split the input gradient frees all but ``weight_grad_bytes`` (what the weight gradient still
 reads), which the weight gradient frees; as a backward starts, its ``backward_transient_bytes`` come on top; a
 stage's first backward (full or weight-gradient) makes its ``grad_bytes``, held from then on (counted whole
-from that action: a bound within it). A tensor sent to another rank lives as long as torch's schedule keeps
-its send's work (:data:`SENDS_KEPT_TO_STEP_END`): the multi-stage runtime and GPipe keep a sent gradient to the
-end of the step; 1F1B waits each send before the next; a sent activation is the stage's kept output, freed with
-its micro-batch's backward (the runtime's stage frees it even where torch keeps its send). A rank's peak is the most its stages hold at
+from that action: a bound within it). A tensor sent to another rank lives as long as the runtime keeps
+its send's work (:data:`SENDS_KEPT_TO_STEP_END`): GPipe keeps a sent gradient to the end of the step; 1F1B waits
+each send before the next; under the multi-stage schedules a sent gradient lives until the first action of its
+rank whose received input proves it arrived (:mod:`hf_colossal_auto.pipeline_receipts`); a sent activation is
+the stage's kept output, freed with its micro-batch's backward (the runtime's stage frees it even where torch
+keeps its send). A rank's peak is the most its stages hold at
 once along its list. Units: seconds and bytes.
 """
 
@@ -40,6 +42,7 @@ import functools
 import heapq
 from dataclasses import dataclass, field
 
+from ...pipeline_receipts import gradient_send_releases
 from ...plan import PIPELINE_SCHEDULES, stage_ranks
 
 TORCH_MULTI_STAGE = {
@@ -50,15 +53,21 @@ TORCH_MULTI_STAGE = {
 """Schedules whose action lists are torch's own (multi-stage), by their Plan name."""
 
 SENDS_KEPT_TO_STEP_END: dict[str, frozenset[str]] = {
-    **{name: frozenset({"grad"}) for name in TORCH_MULTI_STAGE},
+    **{name: frozenset() for name in TORCH_MULTI_STAGE},
     "gpipe": frozenset({"grad"}),
     "1f1b": frozenset(),
 }
-"""Per schedule, the sends (``"act"``, ``"grad"``) whose tensors live until the step ends: torch's multi-stage
-runtime waits every send's work only then (``_PipelineScheduleRuntime``: "send ops should be waited on before
-step() exits"), ``ScheduleGPipe`` its backward sends; ``Schedule1F1B`` waits each send before the next. A sent
-activation is freed by the runtime's stage once its micro-batch's backward is complete
-(``_torch_compat.pipeline_stage_with_transient_receive_buffers``), as the stage's kept output is priced."""
+"""Per schedule, the sends (``"act"``, ``"grad"``) whose tensors live until the step ends: ``ScheduleGPipe`` waits
+its backward sends only then; ``Schedule1F1B`` waits each send before the next. A sent activation is freed by the
+runtime's stage once its micro-batch's backward is complete
+(``_torch_compat.pipeline_stage_with_transient_receive_buffers``), as the stage's kept output is priced. Under
+the multi-stage schedules (:data:`GRADIENTS_FREED_ON_RECEIPT`) a sent gradient lives until its rank holds proof
+that it arrived."""
+
+GRADIENTS_FREED_ON_RECEIPT = frozenset(TORCH_MULTI_STAGE)
+"""Schedules whose runtime frees a sent gradient once the schedule's order proves it received
+(:func:`hf_colossal_auto.pipeline_receipts.gradient_send_releases`, :mod:`hf_colossal_auto.apply.pipeline_sends`):
+torch's multi-stage runtime would keep each to the step's end."""
 
 Action = tuple[str, int, int]
 """``(kind, stage, micro-batch)``: kind "F", "B" (full backward), "I" (input gradient), "W" (weight
@@ -197,7 +206,14 @@ def simulate_schedule(
         raise ValueError(f"{len(stages)} stages do not spread over {pp_size} pp ranks evenly")
     actions = _cached_actions(schedule, pp_size, micro_batches, virtual)
     owner = stage_ranks(schedule, len(stages), pp_size)
-    simulator = _Simulator(stages, owner, link or Link(), micro_batches, SENDS_KEPT_TO_STEP_END[schedule])
+    receipts = (
+        _cached_receipts(schedule, pp_size, micro_batches, virtual)
+        if schedule in GRADIENTS_FREED_ON_RECEIPT
+        else None
+    )
+    simulator = _Simulator(
+        stages, owner, link or Link(), micro_batches, SENDS_KEPT_TO_STEP_END[schedule], receipts
+    )
     return simulator.run(actions, optimizer_s)
 
 
@@ -206,6 +222,14 @@ def _cached_actions(schedule: str, pp_size: int, micro_batches: int, virtual: in
     """:func:`schedule_actions`, computed once per configuration (torch's multi-stage lists are slow to build);
     callers must not modify the lists."""
     return schedule_actions(schedule, pp_size, micro_batches, virtual)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_receipts(schedule: str, pp_size: int, micro_batches: int, virtual: int) -> dict[Action, list]:
+    """Per action, the gradient sends its rank frees as it starts (:func:`gradient_send_releases`), computed once
+    per configuration; callers must not modify it."""
+    actions = _cached_actions(schedule, pp_size, micro_batches, virtual)
+    return gradient_send_releases(actions, stage_ranks(schedule, pp_size * virtual, pp_size))
 
 
 class _Simulator:
@@ -218,9 +242,11 @@ class _Simulator:
         link: Link,
         micro_batches: int,
         kept_sends: frozenset[str] = frozenset(),
+        receipts: dict[Action, list[tuple[int, int]]] | None = None,
     ):
         self.stages, self.owner, self.link, self.m = stages, owner, link, micro_batches
         self.kept_sends = kept_sends
+        self.receipts = receipts  # None: sent gradients are not held until proven received
         self.done: dict[Action, float] = {}
         self.link_free: dict[tuple[int, int], float] = {}
         self.arrival: dict[tuple[str, int, int], float] = {}  # ("act"|"grad", stage, mb) -> arrival time
@@ -342,8 +368,11 @@ class _Simulator:
             held, peak, grads = 0, 0, 0
             count = [0] * len(self.stages)
             has_grads: set[int] = set()
-            for kind, s, _ in rank:
+            sent_back: dict[tuple[int, int], int] = {}  # gradients sent, not yet proven received
+            for kind, s, m in rank:
                 cost = self.stages[s]
+                for key in (self.receipts or {}).get((kind, s, m), ()):
+                    held -= sent_back.pop(key)
                 kept = cost.activation_bytes if cost.weight_grad_bytes is None else cost.weight_grad_bytes
                 if kind in ("B", "I"):  # as it starts: the incoming gradients' transient on what is held
                     peak = max(peak, held + grads + cost.backward_transient_bytes)
@@ -364,9 +393,17 @@ class _Simulator:
                     count[s] -= 1
                 elif kind == "W":
                     held -= kept
+                if kind in ("B", "I") and self._holds_sent_gradient(s):
+                    sent_back[(s, m)] = self.stages[s - 1].send_bytes
+                    held += sent_back[(s, m)]
                 peak = max(peak, held + grads)
             peaks.append(peak)
         return peaks, most
+
+    def _holds_sent_gradient(self, s: int) -> bool:
+        """Whether a backward of stage ``s`` leaves its input gradient, sent to another rank, alive until proven
+        received."""
+        return self.receipts is not None and s > 0 and self.owner[s - 1] != self.owner[s]
 
     def _kept_sent_bytes(self, s: int) -> int:
         """What a backward of stage ``s`` leaves alive to the step's end under this schedule: its output, sent to
