@@ -200,7 +200,8 @@ def gradient_sends_state(runner, plan) -> dict[str, Any]:
     if sends is None:
         return {"gradient_sends": None}
     priced = gradient_send_releases(
-        schedule_actions(plan.schedule, plan.pp_size, plan.micro_batches, plan.virtual_stages), plan.stage_ranks()
+        schedule_actions(plan.schedule, plan.pp_size, plan.micro_batches, plan.virtual_stages),
+        plan.stage_ranks(),
     )
     return {
         "gradient_sends": {
