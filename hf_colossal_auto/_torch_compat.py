@@ -434,29 +434,24 @@ def pipeline_schedule_actions(
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     ops = get_schedule_ops(getattr(pipelining, schedule_class), pp_size, micro_batches, stages_per_rank)
-    compute = {"F", "B", "I", "W"}
-    return [
-        [
-            None if a is None else (a.computation_type.value, a.stage_index, a.microbatch_index)
-            for a in rank
-            if a is None or a.computation_type.value in compute
-        ]
-        for rank in ops
-    ]
+    return [_compute_actions(rank) for rank in ops]
 
 
 def schedule_compute_actions(schedule) -> list[list[tuple[str, int, int]]]:
     """A built multi-stage ``torch.distributed.pipelining`` schedule's compute actions per pp rank, in the order
-    its runtime runs them (its private ``pipeline_order``), as ``(kind, stage, micro-batch)`` (idle slots
-    dropped)."""
+    its runtime runs them (its private ``pipeline_order``), as :func:`pipeline_schedule_actions` gives them, idle
+    slots dropped."""
     order = schedule.pipeline_order
+    return [[a for a in _compute_actions(order[rank]) if a is not None] for rank in sorted(order)]
+
+
+def _compute_actions(actions) -> list[tuple[str, int, int] | None]:
+    """One rank's torch ``_Action`` list as ``(kind, stage, micro-batch)`` compute actions, None kept where torch
+    has an idle slot, communication and FSDP actions left out."""
     return [
-        [
-            (a.computation_type.value, a.stage_index, a.microbatch_index)
-            for a in order[rank]
-            if a is not None and a.computation_type.value in ("F", "B", "I", "W")
-        ]
-        for rank in sorted(order)
+        None if a is None else (a.computation_type.value, a.stage_index, a.microbatch_index)
+        for a in actions
+        if a is None or a.computation_type.value in ("F", "B", "I", "W")
     ]
 
 
