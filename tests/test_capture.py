@@ -236,6 +236,65 @@ def test_custom_model_traces():
     assert {n.module for n in graph.nodes if n.phase is Phase.FORWARD} >= {"emb", "head"}
 
 
+class _SharedScale(nn.Module):
+    """A module object outside any model's tree, called from every block's forward: what the ``kernels``
+    package makes of a function transformers decorates with ``@use_kernel_forward_from_hub`` (Llama's
+    ``apply_rotary_pos_emb`` on transformers >= 5.25)."""
+
+    def forward(self, x):
+        return x * 2.0 + 1.0
+
+
+_SHARED_SCALE = _SharedScale()
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + _SHARED_SCALE(self.proj(x))
+
+
+class _StackCallingAForeignModule(nn.Module):
+    def __init__(self, depth: int = 6):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(_Block() for _ in range(depth))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def test_ops_of_a_module_outside_the_model_belong_to_the_module_calling_it():
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)}
+    graph = trace_training_step(_StackCallingAForeignModule(), batch)
+    assert len(graph.block_runs) == 1, "the blocks fold: the shared module does not split them"
+    scaled = [
+        n for n in graph.nodes if n.phase is Phase.FORWARD and n.op in ("aten.mul.Tensor", "aten.add.Tensor")
+    ]
+    assert scaled and all(n.module.startswith("blocks.") for n in scaled)
+    assert {n.module for n in scaled} == {f"blocks.{i}" for i in range(4)}  # the traced copies
+
+
+def test_llama_blocks_fold():
+    """Llama's blocks fold whether or not transformers turned its rotary function into a module object."""
+    config = load_config("tiny-llama")
+    config.num_hidden_layers = 6
+    model = build_model(config, device="meta")
+    graph = trace_training_step(model, make_example_inputs(model, 2, 16, device="meta"))
+    assert len(graph.block_runs) == 1
+    assert not [
+        n for n in graph.nodes if n.phase is Phase.FORWARD and n.module == "" and n.op == "aten.neg.default"
+    ]
+
+
 def test_missing_required_key_is_named():
     with pytest.raises(ValueError, match="labels"):
         trace_training_step(_TwoArgs(), {"input_ids": torch.zeros(2, 4, dtype=torch.long)})

@@ -210,20 +210,33 @@ def _register_step_floor(
 
 def _track_module_stack(rec: _Recorder, tracker: Any, root_name: str) -> None:
     """ModTracker hooks that keep ``rec.module_stack`` the modules running now (forward and backward), named
-    by FQN below the root model (``root_name``), so each recorded op knows its module."""
+    by FQN below the root model (``root_name``), so each recorded op knows its module.
 
-    def _name(mod: nn.Module) -> str:
+    A module outside the model's tree is not pushed: its ops belong to the model's module that runs it. With
+    the ``kernels`` package installed (transformers >= 5.25 requires it), ``@use_kernel_forward_from_hub``
+    turns a function such as Llama's ``apply_rotary_pos_emb`` into one module object shared by every
+    attention layer and called from their forwards; pushed, it named its ops after no module (the root), which
+    split every block's ops in two and made identical blocks trace differently."""
+
+    def _name(mod: nn.Module) -> str | None:
         full = tracked_module_name(tracker, mod)
-        return full[len(root_name) + 1 :] if full.startswith(root_name + ".") else ""
+        if full == root_name:
+            return ""
+        return full[len(root_name) + 1 :] if full.startswith(root_name + ".") else None
 
     def _push(mod, *_):
-        if mod is not None:  # a module built inside forward may be gone by backward
-            push_module(rec.module_stack, _name(mod), backward=rec.phase is Phase.BACKWARD)
+        if mod is None:  # a module built inside forward may be gone by backward
+            return
+        name = _name(mod)
+        if name is not None:
+            push_module(rec.module_stack, name, backward=rec.phase is Phase.BACKWARD)
 
     def _pop(mod, *_):
         if mod is None:
             return
         name = _name(mod)
+        if name is None:
+            return
         for i in range(len(rec.module_stack) - 1, -1, -1):
             if rec.module_stack[i] == name:
                 del rec.module_stack[i]
