@@ -58,6 +58,7 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "MemTracker",
+    "comm_debug_mode",
     "storage_key",
     "swapped_parameters",
     "ModTracker",
@@ -90,6 +91,44 @@ def __getattr__(name: str) -> Any:
 
         return ModTracker
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def comm_debug_mode() -> Any:
+    """A ``CommDebugMode`` whose module tracker tolerates a module object called more than once per forward.
+
+    torch 2.13's tracker registers a forward hook on a module at every call and keeps one handle per module
+    name, so a module called twice gets two hooks (each pops its parent list: ``IndexError``), and the
+    hooks beyond one are never removed: they fire in every later forward of the process, with or without a
+    CommDebugMode. transformers >= 5.25 (through the ``kernels`` package it requires) calls one module object,
+    e.g. Llama's ``apply_rotary_pos_emb``, from every attention layer. This tracker keeps one hook per module
+    object and removes them all on exit; ``_CommModeModuleTracker`` is private."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
+
+    class _OneHookPerModule(_CommModeModuleTracker):
+        def __enter__(self):
+            self._hooked: dict[int, Any] = {}
+            return super().__enter__()
+
+        def _fw_pre_hook(self, mod, input):
+            super()._fw_pre_hook(mod, input)
+            handle = self.register_forward_hook_handles.get(self.name)
+            if handle is None or self.activation_checkpointing:
+                return
+            first = self._hooked.setdefault(id(mod), handle)
+            if first is not handle:  # hooked at an earlier call: one hook pops once per call
+                handle.remove()
+                self.register_forward_hook_handles[self.name] = first
+
+        def __exit__(self, *args):
+            super().__exit__(*args)
+            for handle in self._hooked.values():
+                handle.remove()
+            self._hooked.clear()
+
+    mode = CommDebugMode()
+    mode.advanced_module_tracker = _OneHookPerModule()
+    return mode
 
 
 # FlopCounterMode's own registry, keyed by OpOverloadPacket. We read it (never mutate it) so that our

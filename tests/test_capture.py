@@ -283,6 +283,21 @@ def test_ops_of_a_module_outside_the_model_belong_to_the_module_calling_it():
     assert {n.module for n in scaled} == {f"blocks.{i}" for i in range(4)}  # the traced copies
 
 
+def test_comm_debug_mode_runs_a_module_called_from_every_block_and_leaves_no_hook():
+    """torch's own CommDebugMode leaves a hook on a module object per extra call, which breaks every later
+    forward of the process; the adapter's keeps one per module and removes it."""
+    from hf_colossal_auto._torch_compat import comm_debug_mode
+
+    model = _StackCallingAForeignModule()
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)}
+    for _ in range(2):
+        with comm_debug_mode() as comm:
+            model(**batch)["loss"].backward()
+        assert comm.get_total_counts() == 0
+        assert not _SHARED_SCALE._forward_hooks
+    model(**batch)  # no stale hook fires outside the mode
+
+
 def test_llama_blocks_fold():
     """Llama's blocks fold whether or not transformers turned its rotary function into a module object."""
     config = load_config("tiny-llama")

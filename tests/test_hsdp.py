@@ -112,9 +112,8 @@ def _runtime_collectives(model, plan, batch) -> tuple[dict[str, int], list[list[
     values not) and count the collectives one forward + backward issues, by kind; and the ranks of the
     (replicate, shard) mesh FSDP2 was given."""
     import torch.distributed as dist
-    from torch.distributed.tensor.debug import CommDebugMode
 
-    from hf_colossal_auto._torch_compat import fake_process_group
+    from hf_colossal_auto._torch_compat import comm_debug_mode, fake_process_group
     from hf_colossal_auto.apply import apply_plan, build_mesh
 
     if dist.is_initialized():
@@ -122,7 +121,7 @@ def _runtime_collectives(model, plan, batch) -> tuple[dict[str, int], list[list[
     fake_process_group(plan.num_devices)
     try:
         apply_plan(model, plan, build_mesh(plan, "cpu"))
-        with CommDebugMode() as comm:
+        with comm_debug_mode() as comm:
             model(**batch).loss.backward()
         dp_mesh = model._hf_colossal_auto_dp_mesh
         ranks = dp_mesh.mesh.tolist()

@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 from torchrun_launch import run_torchrun
 
-from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
+from hf_colossal_auto._torch_compat import comm_debug_mode, fake_process_group, local_tensor_mode
 from hf_colossal_auto.apply import PlanMismatchError, apply_plan, build_mesh, validate_plan
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.solve.planner import evaluate_plan
@@ -63,7 +62,7 @@ def _step_on_two_simulated_ranks(model: nn.Module, plan, batch: dict) -> tuple[f
     try:
         with local_tensor_mode(2):
             apply_plan(model, plan, build_mesh(plan, "cpu"))
-            with CommDebugMode() as comm:
+            with comm_debug_mode() as comm:
                 loss = model(**batch).loss
                 loss.backward()
             value = (loss.reconcile() if hasattr(loss, "reconcile") else loss).item()

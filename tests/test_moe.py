@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from multiproc.check_numerics import hf_tp_plan
 from test_profiler_accuracy import measure_real_step
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -173,13 +174,14 @@ def _stored(label: str) -> str:
     [("ddp", "replicated"), ("megatron", "TP×2"), ("hf-tp-plan", "TP×2"), ("hf-ep-plan", "EP×2")],
 )
 def test_baselines_place_the_experts_as_named(mixtral_meta, baseline, stored):
-    """Megatron and HF's own ``base_model_tp_plan`` store every expert split on its intermediate dim (gate/up
+    """Megatron and HF's ``base_model_tp_plan`` with its experts' entries (the config's up to transformers 5.24,
+    written out after: ``check_numerics.EXPERTS_TP_ENTRIES``) store every expert split on its intermediate dim (gate/up
     on its output dim, down on its input dim); HF's ``base_model_ep_plan`` stores the experts split on the
     expert dim. How the experts are *used* is the solver's choice (at this tiny width it gathers some), and
     the label says both."""
     model, batch = mixtral_meta
     given = {
-        "hf-tp-plan": model.config.base_model_tp_plan,
+        "hf-tp-plan": hf_tp_plan(model, with_experts=True),
         "hf-ep-plan": model.config.base_model_ep_plan,
     }.get(baseline, baseline)
     mesh = (2, 1) if baseline == "ddp" else (1, 2)

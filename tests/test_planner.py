@@ -442,9 +442,8 @@ def test_redistribution_kinds_are_what_dtensor_runs(device_kind):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.debug import CommDebugMode
 
-    from hf_colossal_auto._torch_compat import fake_process_group
+    from hf_colossal_auto._torch_compat import comm_debug_mode, fake_process_group
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -463,7 +462,7 @@ def test_redistribution_kinds_are_what_dtensor_runs(device_kind):
                     value = DTensor.from_local(torch.randn(8, 8), mesh, [Partial()])
                 else:
                     value = distribute_tensor(torch.randn(8, 8), mesh, [to_dt[src]])
-                with CommDebugMode() as comm:
+                with comm_debug_mode() as comm:
                     value.redistribute(mesh, [to_dt[dst]])
                 ran = [
                     names.get(str(op).split(".")[-1], str(op).split(".")[-1]) for op in comm.get_comm_counts()

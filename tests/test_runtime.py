@@ -36,13 +36,13 @@ def _tiny(preset: str) -> nn.Module:
 
 def _collectives_of_a_step(model: nn.Module, plan, batch) -> dict[str, int]:
     """Apply ``plan`` on 2 simulated ranks and count the collectives of one forward + backward by kind."""
-    from torch.distributed.tensor.debug import CommDebugMode
+    from hf_colossal_auto._torch_compat import comm_debug_mode
 
     _fresh_fake_group(2)
     try:
         with local_tensor_mode(2):
             apply_plan(model, plan, build_mesh(plan, "cpu"))
-            with CommDebugMode() as comm:
+            with comm_debug_mode() as comm:
                 model(**batch).loss.backward()
     finally:
         dist.destroy_process_group()

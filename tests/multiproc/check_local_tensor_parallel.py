@@ -28,9 +28,8 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 
-from hf_colossal_auto._torch_compat import TorchDispatchMode
+from hf_colossal_auto._torch_compat import TorchDispatchMode, comm_debug_mode
 
 
 class DTensorOps(TorchDispatchMode):
@@ -140,7 +139,7 @@ def run(name: str, local: bool, args: argparse.Namespace) -> dict:
         ref_loss.backward()
         if step == 0:
             # CommDebugMode's module tracker fails on a pipeline's stages (they share the model's modules)
-            comm = CommDebugMode() if args.pp == 1 else contextlib.nullcontext()
+            comm = comm_debug_mode() if args.pp == 1 else contextlib.nullcontext()
             with comm, dispatched:
                 loss = model(**rows).loss
                 loss.backward()

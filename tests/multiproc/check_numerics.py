@@ -28,13 +28,25 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
 
+EXPERTS_TP_ENTRIES = {
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+}
+"""TP inside every fused expert, in HF's plan style: what Mixtral's and Qwen3-MoE's ``base_model_tp_plan`` held up
+to transformers 5.24 (5.25 dropped the experts from them: they leave them replicated)."""
+
 
 def hf_tp_plan(model, with_experts: bool) -> dict[str, str]:
-    """The config's own ``base_model_tp_plan``, with or without the entries of the MoE experts."""
+    """The config's own ``base_model_tp_plan``, with or without the entries of the MoE experts (with: the
+    config's, else :data:`EXPERTS_TP_ENTRIES`, so that the case splits the experts on every transformers)."""
     plan = dict(model.config.base_model_tp_plan or {})
     if not plan:
         raise ValueError(f"{type(model).__name__} has no base_model_tp_plan")
-    return {k: v for k, v in plan.items() if with_experts or ".experts" not in k}
+    attention = {k: v for k, v in plan.items() if ".experts" not in k}
+    if not with_experts:
+        return attention
+    return plan if len(attention) < len(plan) else {**attention, **EXPERTS_TP_ENTRIES}
 
 
 _PRICED: dict = {}
