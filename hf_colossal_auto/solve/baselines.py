@@ -35,11 +35,6 @@ _COLWISE_NAMES = (
 _ROWWISE_NAMES = ("o_proj", "down_proj", "attention.output.dense", "output.dense", "fc2", "wo", "o", "c_proj")
 
 
-def _linear_dims(model: nn.Module, module_fqn: str) -> tuple[int, int] | None:
-    """(out-features dim, in-features dim) of a module's weight: (0, 1) for nn.Linear, (1, 0) for GPT-2's Conv1D."""
-    return projection_dims(dict(model.named_modules()).get(module_fqn))
-
-
 def expert_tp_placements(model: nn.Module) -> dict[str, str]:
     """Tensor parallelism inside every expert (strategy (b) of an MoE layer), as for a dense MLP: the
     up/gate projection split on its output (intermediate) dim, the down projection on its input
@@ -61,7 +56,7 @@ def megatron_placements(model: nn.Module) -> dict[str, str]:
     does with expert-model-parallel size 1). Routers stay replicated."""
     out: dict[str, str] = expert_tp_placements(model)
     for fqn, module in model.named_modules():
-        dims = _linear_dims(model, fqn)
+        dims = projection_dims(module)  # (out dim, in dim) of its weight; None: no projection
         if dims is None:
             continue
         leaf = fqn.rsplit(".", 1)[-1]
@@ -85,18 +80,19 @@ def tp_plan_placements(model: nn.Module, tp_plan: Mapping[str, str]) -> dict[str
     """Parameter placements of a HF-style ``tp_plan`` (module pattern -> "colwise" | "rowwise" | ...)."""
     out: dict[str, str] = {}
     names = dict(model.named_modules())
+    experts = experts_modules(model)
     prefixes = ["", *(n + "." for n, m in names.items() if m is not model and n and "." not in n)]
     for pattern, style in tp_plan.items():
         out.update(_expert_tp_plan_placements(model, prefixes, pattern, style))
         for fqn, module in names.items():
             if not any(fnmatch.fnmatchcase(fqn, p + pattern) for p in prefixes):
                 continue
-            dims = _linear_dims(model, fqn)
+            dims = projection_dims(module)
             base = style.split("_", 1)[-1] if style.startswith("packed_") else style
             if isinstance(module, nn.Embedding):
                 out[f"{fqn}.weight"] = "S1" if base in ("colwise", "embedding_colwise") else "S0"
                 continue
-            if dims is None or fqn in experts_modules(model):  # experts: their parameters are named
+            if dims is None or fqn in experts:  # experts: their parameters are named
                 continue
             col, row = dims
             if base in ("colwise", "colwise_rep", "local_colwise"):
@@ -163,12 +159,13 @@ def tensor_parallel_modules(model: nn.Module, placements: Mapping[str, str]) -> 
     whose partial output it reduce-scatters (a Linear / Conv1D weight split on its input features)."""
     sharded: set[str] = set()
     rows: set[str] = set()
+    modules = dict(model.named_modules())
     for fqn, placement in placements.items():
         if placement == "R":
             continue
         module, _, leaf = fqn.rpartition(".")
         sharded.add(module)
-        dims = _linear_dims(model, module)
+        dims = projection_dims(modules.get(module))
         if leaf == "weight" and dims is not None and placement == f"S{dims[1]}":
             rows.add(module)
     return sharded, rows
