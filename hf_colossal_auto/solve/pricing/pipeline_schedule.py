@@ -57,7 +57,7 @@ SENDS_KEPT_TO_STEP_END: dict[str, frozenset[str]] = {
     "gpipe": frozenset({"grad"}),
     "1f1b": frozenset(),
 }
-"""Per schedule, the sends (``"act"``, ``"grad"``) whose tensors live until the step ends: ``ScheduleGPipe`` waits
+"""Per schedule, the sends (``"grad"``: the input gradients sent back) whose tensors live until the step ends: ``ScheduleGPipe`` waits
 its backward sends only then; ``Schedule1F1B`` waits each send before the next. A sent activation is freed by the
 runtime's stage once its micro-batch's backward is complete
 (``_torch_compat.pipeline_stage_with_transient_receive_buffers``), as the stage's kept output is priced. Under
@@ -406,12 +406,9 @@ class _Simulator:
         return self.receipts is not None and s > 0 and self.owner[s - 1] != self.owner[s]
 
     def _kept_sent_bytes(self, s: int) -> int:
-        """What a backward of stage ``s`` leaves alive to the step's end under this schedule: its output, sent to
-        another rank (which the backward would otherwise free with its activations), and the input gradient it
-        sends back to another rank."""
-        out = 0
-        if "act" in self.kept_sends and s + 1 < len(self.stages) and self.owner[s + 1] != self.owner[s]:
-            out += self.stages[s].send_bytes
+        """What a backward of stage ``s`` leaves alive to the step's end under this schedule: the input gradient
+        it sends back to another rank, where the schedule keeps its send's work (``"grad"``). No schedule keeps
+        a sent activation (the runtime's stage frees it with its micro-batch's backward: the kept output)."""
         if "grad" in self.kept_sends and s > 0 and self.owner[s - 1] != self.owner[s]:
-            out += self.stages[s - 1].send_bytes
-        return out
+            return self.stages[s - 1].send_bytes
+        return 0
