@@ -230,8 +230,13 @@ class _TwoArgs(nn.Module):
         return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
 
 
+def _ids_and_labels() -> dict[str, torch.Tensor]:
+    """A 2 x 4 batch of token ids and labels for the toy models here."""
+    return {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)}
+
+
 def test_custom_model_traces():
-    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)}
+    batch = _ids_and_labels()
     graph = trace_training_step(_TwoArgs(), batch)
     assert {n.module for n in graph.nodes if n.phase is Phase.FORWARD} >= {"emb", "head"}
 
@@ -273,7 +278,7 @@ class _StackCallingAForeignModule(nn.Module):
 
 
 def test_ops_of_a_module_outside_the_model_belong_to_the_module_calling_it():
-    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)}
+    batch = _ids_and_labels()
     graph = trace_training_step(_StackCallingAForeignModule(), batch)
     assert len(graph.block_runs) == 1, "the blocks fold: the shared module does not split them"
     scaled = [
@@ -289,7 +294,7 @@ def test_comm_debug_mode_runs_a_module_called_from_every_block_and_leaves_no_hoo
     from hf_colossal_auto._torch_compat import comm_debug_mode
 
     model = _StackCallingAForeignModule()
-    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)}
+    batch = _ids_and_labels()
     for _ in range(2):
         with comm_debug_mode() as comm:
             model(**batch)["loss"].backward()
@@ -316,7 +321,7 @@ def test_missing_required_key_is_named():
 
 
 def test_unknown_key_is_named():
-    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)}
+    batch = _ids_and_labels()
     with pytest.raises(ValueError, match="pixel_values"):
         trace_training_step(_TwoArgs(), {**batch, "pixel_values": torch.zeros(2, 3)})
 

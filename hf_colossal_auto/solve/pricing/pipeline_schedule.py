@@ -57,9 +57,9 @@ SENDS_KEPT_TO_STEP_END: dict[str, frozenset[str]] = {
     "gpipe": frozenset({"grad"}),
     "1f1b": frozenset(),
 }
-"""Per schedule, the sends (``"grad"``: the input gradients sent back) whose tensors live until the step ends: ``ScheduleGPipe`` waits
-its backward sends only then; ``Schedule1F1B`` waits each send before the next. A sent activation is freed by the
-runtime's stage once its micro-batch's backward is complete
+"""Per schedule, the sends (``"grad"``: the input gradients sent back) whose tensors live until the step ends:
+``ScheduleGPipe`` waits its backward sends only then; ``Schedule1F1B`` waits each send before the next. A sent
+activation is freed by the runtime's stage once its micro-batch's backward is complete
 (``_torch_compat.pipeline_stage_with_transient_receive_buffers``), as the stage's kept output is priced. Under
 the multi-stage schedules (:data:`GRADIENTS_FREED_ON_RECEIPT`) a sent gradient lives until its rank holds proof
 that it arrived."""
