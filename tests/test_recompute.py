@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -258,6 +259,65 @@ def test_recompute_frees_activations_and_reruns_only_the_chosen_op_classes(prese
     for option in ("full", "selective:pointwise", "selective:pointwise+attention"):
         assert held[option] < none_held, (option, held[option], none_held)
     assert held["full"] < min(v for k, v in held.items() if k != "full"), held
+
+
+class _WeightCasts(TorchDispatchMode):
+    """Remembers, weakly, every bf16 copy ``_to_copy`` makes of a tensor shaped like one of ``shapes``."""
+
+    def __init__(self, shapes: set[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.shapes = shapes
+        self.casts: list[weakref.ref] = []
+
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        bf16_copy = func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16
+        if bf16_copy and tuple(out.shape) in self.shapes:
+            self.casts.append(weakref.ref(out))
+        return out
+
+    def alive(self) -> int:
+        return sum(ref() is not None for ref in self.casts)
+
+
+@pytest.mark.parametrize("option", ["full", "selective:pointwise"])
+def test_a_recomputed_block_holds_no_autocast_weight_copy_to_the_end_of_forward(option):
+    """Under ``torch.autocast`` torch caches each fp32 parameter's bf16 cast until the outermost autocast exits
+    (after the whole forward; a pipeline runs its whole schedule inside it): a recomputed block kept every
+    weight's copy to that point, where the planner prices it keeping its inputs (full) or its kept outputs
+    (selective) only. The runtime runs recomputed blocks without that cache: at the end of forward, still inside
+    autocast, no copy of a recomputed block's weights is alive (every one was made), and the loss and gradients
+    equal the same blocks run without recompute under the same autocast."""
+    torch.manual_seed(0)
+    reference = build_model("tiny-llama", device="cpu")
+    batch = make_example_inputs(reference, 2, 16, seed=0)
+    plan = plan_model(
+        _meta("tiny-llama"), batch, memory_budget=1 << 40, recompute="full", **_cpu_plan_kwargs()
+    )
+    plan.recompute = dict.fromkeys(plan.recompute, option)
+    model = copy.deepcopy(reference)
+    assert apply_recompute(model, plan) == plan.recompute
+    blocks = tuple(f"{b}." for b in plan.recompute)
+    shapes = {tuple(p.shape) for n, p in model.named_parameters() if n.startswith(blocks) and p.dim() == 2}
+    assert shapes
+    results = []
+    for m in (reference, model):
+        casts = _WeightCasts(shapes)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with casts:
+                loss = m(**batch).loss
+            made, alive = len(casts.casts), casts.alive()
+        loss.backward()
+        results.append((made, alive, loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    (_, kept_without_recompute, ref_loss, ref_grads), (made, alive, loss, grads) = results
+    assert kept_without_recompute > 0  # saved for backward without recompute: the copies exist to be freed
+    assert made >= kept_without_recompute and alive == 0, (option, made, alive)
+    assert torch.equal(loss, ref_loss)
+    for name, grad in ref_grads.items():
+        if grad is not None:
+            torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
 
 
 def test_hf_gradient_checkpointing_yields_to_the_plan(caplog):

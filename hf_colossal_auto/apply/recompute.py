@@ -13,6 +13,16 @@ cache a second time (a training forward of a config with ``use_cache`` on return
 backward has run, and a cache passed in would be read with the block's own keys appended). Without gradients
 (``generate()``, evaluation) nothing is checkpointed and the cache is used as usual.
 
+A recomputed block runs with autocast's weight-cast cache off (:func:`uncached_autocast_casts`), in forward
+and in its rerun (checkpoint restores the flag it saw). Under ``torch.autocast`` torch keeps the low-precision
+copy of every fp32 parameter it casts until the *outermost* autocast context exits: after the whole forward,
+and under a pipeline plan after the whole schedule (the step's forward runs it inside the caller's autocast).
+A checkpointed block would then hold a copy of each of its weights to that point — under FSDP a copy of the
+gathered weight, so a model's whole weights in bf16 at the end of forward — where the planner prices what the
+block keeps as nothing but its inputs (``full``) or its kept outputs (``selective``). Without the cache each
+use casts again (a projection's weight is used once per forward, so nothing is cast twice), the copy is freed
+with the block's forward and made again by its rerun, as priced. The values are the same: a cast is a cast.
+
 HF's own switch (``model.gradient_checkpointing_enable()``, the Trainer's ``gradient_checkpointing=True``)
 would checkpoint every layer a second time, on top of the plan, at the price the planner avoided. The plan
 wins: a plan that decides recompute turns HF's switch off and makes later calls to it warn and do nothing.
@@ -22,6 +32,8 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -78,6 +90,18 @@ def _without_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+@contextmanager
+def uncached_autocast_casts() -> Iterator[None]:
+    """Autocast's weight-cast cache off inside (restored after): see the module doc. The flag is the thread's;
+    non-reentrant checkpoint records it with the autocast state and sets it again for the rerun."""
+    previous = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(previous)
+
+
 def checkpoint_module(module: nn.Module, option: RecomputeOption) -> None:
     """Make ``module``'s forward recompute per ``option`` in backward (in place; idempotent per module)."""
     if option.is_none or getattr(module, "_hf_colossal_auto_recompute", None) is not None:
@@ -96,7 +120,8 @@ def checkpoint_module(module: nn.Module, option: RecomputeOption) -> None:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         extra = {"context_fn": context_fn} if context_fn is not None else {}
-        return checkpoint(inner, *args, use_reentrant=False, **extra, **_without_cache(module, kwargs))
+        with uncached_autocast_casts():
+            return checkpoint(inner, *args, use_reentrant=False, **extra, **_without_cache(module, kwargs))
 
     module.forward = forward
     module._hf_colossal_auto_recompute = option.name
