@@ -93,8 +93,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def comm_debug_mode() -> Any:
-    """A ``CommDebugMode`` whose module tracker tolerates a module object called more than once per forward.
+def comm_debug_mode(modules: bool = True) -> Any:
+    """A ``CommDebugMode`` whose module tracker tolerates a module object called more than once per forward;
+    with ``modules=False``, one that counts the collectives without attributing them to modules (no tracker
+    runs): torch's tracker registers multi-grad hooks on every module's inputs, which autograd refuses under
+    ``torch.autograd.grad`` — what a pipeline stage's backward calls.
 
     torch 2.13's tracker registers a forward hook on a module at every call and keeps one handle per module
     name, so a module called twice gets two hooks (each pops its parent list: ``IndexError``), and the
@@ -126,8 +129,17 @@ def comm_debug_mode() -> Any:
                 handle.remove()
             self._hooked.clear()
 
+    class _NoModules(_CommModeModuleTracker):
+        def __enter__(self):
+            self.name = "Global"  # every collective counted at the top, with no parents
+            self.module_parents_dict = {self.name: set()}
+            return self
+
+        def __exit__(self, *args):
+            return None
+
     mode = CommDebugMode()
-    mode.advanced_module_tracker = _OneHookPerModule()
+    mode.advanced_module_tracker = _OneHookPerModule() if modules else _NoModules()
     return mode
 
 

@@ -280,11 +280,13 @@ def test_fsdp_times_tensor_parallel_with_recompute_runs_local_regions(tmp_path):
 
 
 def test_pipeline_stages_run_local_regions(tmp_path):
-    """pp 2 x tp 2 (1f1b, one block a stage, full recompute): each stage's listed modules run locally."""
+    """pp 2 x tp 2 (1f1b, one block a stage, full recompute): each stage's listed modules run locally, with the
+    DTensor run's collectives (rank 0's stage)."""
     results = _launch(4, "--pp", "2", "--recompute", "full", tmp_path=tmp_path)
     for dtensor, local in zip(results[::2], results[1::2], strict=True):
         for run in (dtensor, local):
             assert run["max_grad_diff"] < 1e-5
             assert run["losses"] == pytest.approx(run["reference_losses"], abs=1e-5)
+        assert local["collectives"] == dtensor["collectives"] and local["collectives"], local["collectives"]
         assert dtensor["dtensor_ops_in_listed_forwards"] > 0 and local["dtensor_ops_in_listed_forwards"] == 0
         assert local["dtensor_ops"] < dtensor["dtensor_ops"] / 2

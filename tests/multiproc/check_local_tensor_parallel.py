@@ -9,7 +9,7 @@ Per model (``--model``, comma-separated: tiny-llama, tiny-gpt2 — its MLPs only
 both runs start from the same seeded weights; each rank of a data-parallel replica trains on the replica's rows.
 Rank 0 writes, per run: the losses of ``--steps`` AdamW steps and the one-process losses (DDP's: the mean of the
 replicas'), the largest gradient difference against one process after the first backward, the collectives of
-one forward + backward by kind (``CommDebugMode``; not with ``--pp``), and the aten ops dispatched on DTensors in
+one forward + backward by kind (``CommDebugMode``), and the aten ops dispatched on DTensors in
 that step (a ``TorchDispatchMode`` sees each op before DTensor's dispatch: the ops DTensor's per-op cost is paid
 on), rank 0's, and of them the most any rank dispatched inside the listed modules' forwards. ``--pp 2``: the plan
 in two pipeline stages (1f1b, one block each, train mode: tiny-llama has no dropout). With
@@ -19,7 +19,6 @@ in two pipeline stages (1f1b, one block each, train mode: tiny-llama has no drop
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import statistics
 import time
@@ -138,13 +137,11 @@ def run(name: str, local: bool, args: argparse.Namespace) -> dict:
         ref_loss = ddp_reference_loss(reference, batch, dp)
         ref_loss.backward()
         if step == 0:
-            # CommDebugMode's module tracker fails on a pipeline's stages (they share the model's modules)
-            comm = comm_debug_mode() if args.pp == 1 else contextlib.nullcontext()
-            with comm, dispatched:
+            # torch's module tracker cannot follow a pipeline stage's backward (autograd.grad): counts only
+            with comm_debug_mode(modules=args.pp == 1) as comm, dispatched:
                 loss = model(**rows).loss
                 loss.backward()
-            if args.pp == 1:
-                counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+            counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
             for fqn, p in model.named_parameters():
                 grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                 worst = max(worst, float((grad - ref_params[fqn].grad).abs().max()))
