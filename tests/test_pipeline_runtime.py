@@ -216,6 +216,35 @@ def test_forward_keywords_of_a_pipelined_model():
         _forward_batch("M", (), {"input_ids": ids, "use_cache": True})
 
 
+def test_a_training_steps_output_refuses_its_logits_and_says_what_to_do():
+    """A pipelined training step returns the loss only (the schedule consumed the logits on the last stage):
+    reading the logits, by attribute or key, raises an ``AttributeError`` naming the two ways out; the loss reads
+    as on any output (attribute, key, index: what the Trainer reads); probing with ``hasattr`` says False."""
+    from accelerate.utils import convert_to_fp32
+
+    from hf_colossal_auto.apply.pipeline_outputs import PipelineOutputError, PipelineTrainingOutput
+
+    loss = torch.tensor(2.5, requires_grad=True)
+    out = PipelineTrainingOutput(loss=loss)
+    assert out.loss is loss and out["loss"] is loss and out[0] is loss and list(out.keys()) == ["loss"]
+    for field in ("logits", "hidden_states", "router_logits", "aux_loss"):
+        with pytest.raises(
+            PipelineOutputError, match=rf"outputs\.{field} of a training step under a pipeline"
+        ):
+            getattr(out, field)
+        assert not hasattr(out, field)
+    with pytest.raises(PipelineOutputError, match=r"model\.loss_function = fn.*pipeline=1"):
+        out["logits"] * 2.0
+    with pytest.raises(AttributeError, match="no attribute 'other'") as plain:
+        _ = out.other
+    assert not isinstance(plain.value, PipelineOutputError)
+    # accelerate's mixed-precision wrapper rebuilds the output around its converted loss
+    converted = convert_to_fp32(PipelineTrainingOutput(loss=torch.tensor(1.0, dtype=torch.bfloat16)))
+    assert type(converted) is PipelineTrainingOutput and converted.loss.dtype == torch.float32
+    with pytest.raises(PipelineOutputError):
+        _ = converted.logits
+
+
 def test_one_copy_per_group_under_pipeline_stages():
     """Mesh (pp 2, dp 2, tp 1): ranks 0 and 2 share group 0's rows, 1 and 3 group 1's; a gather keeps each
     group's once, in group order, as plain accelerate's rank order gives them; values that differ within a

@@ -10,7 +10,8 @@ gradient flowing into the loss. That is the chain rule for any differentiable fu
 and gradient accumulation over several forwards adds up as it does in one process. Terms computed from the
 parameters themselves (a penalty) reach them through ordinary autograd. Terms on the logits cannot be
 honoured (the logits of a training step are consumed inside the schedule): a training forward returns no
-logits, so such a loss fails with an error instead of training on something else.
+logits, and reading them raises an error that says why and what to do (:mod:`.pipeline_outputs`: set the term
+as the model's ``loss_function``, or plan without stages) instead of training on something else.
 
 An *evaluation* forward (``model.eval()`` or ``torch.no_grad()``) runs torch's forward-only schedule and
 returns the logits (broadcast from the last stage) and, with labels, the loss, on every rank.
@@ -160,14 +161,15 @@ class PipelineRunner:
 
     def training_forward(self, batch: Mapping[str, Any], num_items: Any = None) -> Any:
         """The schedule's forwards and backwards over ``batch``; the returned output's ``loss`` applies the
-        step's gradients when its backward runs (:class:`_StepGradients`). No logits (see the module)."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        step's gradients when its backward runs (:class:`_StepGradients`). No logits: reading them raises, saying
+        why (:mod:`.pipeline_outputs`)."""
+        from .pipeline_outputs import PipelineTrainingOutput
 
         defer = self.replica_sync.deferring()
         loss, grads = self._train_step(batch, num_items, reduce=not defer)
         sink = self.replica_sync.receiver(average=num_items is not None) if defer else None
         anchor = torch.zeros((), device=loss.device, requires_grad=True)
-        return CausalLMOutputWithPast(loss=_StepGradients.apply(loss, anchor, grads, sink))
+        return PipelineTrainingOutput(loss=_StepGradients.apply(loss, anchor, grads, sink))
 
     def eval_forward(self, batch: Mapping[str, Any], num_items: Any = None) -> Any:
         """A forward-only pass: the logits (on every rank) and, with labels, the global loss.

@@ -148,7 +148,13 @@ def pipelined(model, plan, data: list[dict], ref: dict[str, Any]) -> dict[str, A
     out: dict[str, Any] = {"held": sorted(n for n, _ in model.named_parameters())}
     for i, batch in enumerate(data):
         outputs = model(**batch)
-        assert outputs.logits is None  # a loss built on logits must fail, not train on something else
+        # a loss built on the logits must fail, not train on something else, and say what to do
+        try:
+            _ = outputs.logits
+        except AttributeError as refused:
+            assert "model.loss_function" in str(refused) and not hasattr(outputs, "hidden_states"), refused
+        else:
+            raise AssertionError("a pipelined training step returned logits")
         outputs.loss.backward()
         if i == 0:
             out["loss"], out["ref_loss"] = outputs.loss.item(), ref["loss"]
