@@ -13,8 +13,9 @@ honoured (the logits of a training step are consumed inside the schedule): a tra
 logits, and reading them raises an error that says why and what to do (:mod:`.pipeline_outputs`: set the term
 as the model's ``loss_function``, or plan without stages) instead of training on something else.
 
-An *evaluation* forward (``model.eval()`` or ``torch.no_grad()``) runs torch's forward-only schedule and
-returns the logits (broadcast from the last stage) and, with labels, the loss, on every rank.
+An *evaluation* forward (``model.eval()`` or ``torch.no_grad()``) runs the stages forward only (each rank its
+stages in stage order over the micro-batches; not torch's ``schedule.eval()``, see :meth:`PipelineRunner.eval_forward`)
+and returns the logits (broadcast from the last stage) and, with labels, the loss, on every rank.
 
 The loss. The last stage computes the model's own loss function (transformers' ``ForCausalLMLoss``: labels
 shifted inside, -100 ignored) per micro-batch as a sum over its tokens divided by the token count of the whole
