@@ -324,7 +324,8 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
     equal one process (fp32), no receive buffer holds memory between steps, parameters after two AdamW steps within
     1 % of one update (Adam divides by the gradient's size: a near-zero gradient's rounding moves its update by up
     to its whole size, 1e-3 of one update is what was measured); the evaluation forward's logits and loss equal one
-    process's on both ranks; gradient accumulation with a scaled loss; save_pretrained reloads in one process with
+    process's on both ranks; gradient accumulation with a scaled loss; a z-loss on the logits set as the model's
+    loss function (the training output refuses its logits, saying to); save_pretrained reloads in one process with
     identical tensors; AutoParallelAccelerator with a pipeline plan file trains like one process on the global
     batches; a tiny Mixtral (1f1b, interleaved zero bubble, zbv; uneven cuts) with its router load-balancing loss,
     whose layers are on both ranks, and without it, trains like one process; router jitter with that loss is
@@ -356,6 +357,8 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
             else:
                 assert {"gpipe", "1f1b"} & set(case.split()), (case, got)
         assert results["accumulation 1f1b"]["grad_err"] <= 1e-5
+        z_loss = results["llama z-loss 1f1b"]  # trained like one process above; its term is a visible part
+        assert z_loss["ref_loss"] - z_loss["plain_ref_loss"] > 1e-2 * z_loss["plain_ref_loss"], z_loss
         moe = [c for c in trained if c.startswith("mixtral aux")]  # the routers' term is a visible part
         assert len(moe) == 3 and all(results[c]["ref_aux"] > 1e-3 for c in moe), moe
         assert any(c.startswith("mixtral no-aux") for c in trained)

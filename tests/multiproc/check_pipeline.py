@@ -10,7 +10,8 @@ runner clips by, and an evaluation forward (``model.eval()``, ``torch.no_grad()`
 loss with labels) after the two steps. The batch has padding (an attention mask) and -100 labels spread so
 that micro-batches carry different token counts (equal weights per micro-batch would be wrong). Also: gradient
 recompute inside the stages (full under zbv, selective under 1f1b); gradient
-accumulation (``loss / 2`` over two half batches) and a loss scaled by 3 (what a gradient scaler does); a model
+accumulation (``loss / 2`` over two half batches) and a loss scaled by 3 (what a gradient scaler does); a term
+on the logits set as the model's loss function (a z-loss; the training output's logits are refused); a model
 built on ``meta`` materialises this rank's stages with the whole model's init values; GPT-2, whose head is tied
 to its embedding, with the tie across ranks (1f1b) and on one rank (zbv), saved with ``save_pretrained`` and
 reloaded in one process; ``AutoParallelAccelerator`` with a pipeline plan file (``HF_COLOSSAL_AUTO_PLAN_PATH``)
@@ -271,6 +272,35 @@ def every_schedule(results: dict) -> None:
     torch.manual_seed(0)
     results["llama meta 1f1b"] = pipelined(model, plan, data, reference_from_meta(cfg, data))
     accumulation(results, cfg, data[0])
+    custom_loss(results, cfg, data, ref)
+
+
+def z_loss(logits, labels, vocab_size, num_items_in_batch=None, **kwargs):
+    """transformers' causal-LM loss plus 1e-2 x each label token's squared log-partition (PaLM's z-loss), both
+    normalised by the batch's label tokens as transformers' losses are: a term on the logits, which a pipelined
+    training step honours only as the model's loss function (its output has no logits)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    kept = labels[..., 1:] != -100
+    count = num_items_in_batch if num_items_in_batch is not None else kept.sum()
+    partition = torch.logsumexp(logits[..., :-1, :].float(), dim=-1)
+    loss = ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=count, **kwargs)
+    return loss + 1e-2 * (partition[kept] ** 2).sum() / count
+
+
+def custom_loss(results: dict, cfg, data: list[dict], plain: dict[str, Any]) -> None:
+    """``model.loss_function = z_loss`` (what a training step's refused ``outputs.logits`` tells the user to do)
+    under 1f1b against one process with the same loss function; ``plain``: the reference without it."""
+    from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
+
+    reference_model = build(cfg, "cpu")
+    reference_model.loss_function = z_loss
+    ref = reference(reference_model, data)
+    model = build(cfg, "cpu")
+    model.loss_function = z_loss
+    plan = hand_pipeline_plan(model, data[0], pp_size=2, schedule="1f1b", micro_batches=4)
+    results["llama z-loss 1f1b"] = pipelined(model, plan, data, ref)
+    results["llama z-loss 1f1b"]["plain_ref_loss"] = plain["loss"]
 
 
 def reference_from_meta(cfg, data: list[dict]) -> dict[str, Any]:
