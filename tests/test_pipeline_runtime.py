@@ -288,6 +288,61 @@ def test_offered_schedules_are_the_runtimes():
     assert set(_SCHEDULES) == set(PIPELINE_SCHEDULES)
 
 
+def test_autoparallelize_pipeline_setting_from_argument_and_environment(monkeypatch):
+    """What ``autoparallelize(model, batch)`` hands the planner: ``pipeline=`` where given (None or "auto":
+    searched, 1: no stages, >= 2: that pp degree), else ``HF_COLOSSAL_AUTO_PIPELINE``, else 1; the argument wins,
+    and a bad variable it overrides is not read (``context_parallel`` likewise). A bad argument or variable is
+    refused before planning, naming the setting and what is allowed. One gloo rank, the planner stubbed (the
+    2-rank plans and their training: ``test_gloo_every_schedule_trains_like_one_process``)."""
+    import torch.distributed as dist
+
+    import hf_colossal_auto.solve.planner as planner
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.integrations.plugin import PluginConfigError
+
+    class Planned(Exception):
+        """The stub's answer: (pipeline, context_parallel) as plan_model got them."""
+
+    def plan_model(model, batch, **kwargs):
+        raise Planned(kwargs["pipeline"], kwargs["context_parallel"])
+
+    def handed(env: str | None = None, cp_env: str | None = None, **kwargs) -> tuple:
+        for name, value in (("PIPELINE", env), ("CONTEXT_PARALLEL", cp_env)):
+            if value is None:
+                monkeypatch.delenv(f"HF_COLOSSAL_AUTO_{name}", raising=False)
+            else:
+                monkeypatch.setenv(f"HF_COLOSSAL_AUTO_{name}", value)
+        with pytest.raises(Planned) as planned:
+            autoparallelize(torch.nn.Linear(2, 2), {"x": torch.zeros(1, 2)}, **kwargs)
+        return planned.value.args
+
+    monkeypatch.setattr(planner, "plan_model", plan_model)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert handed() == (1, 1)  # the default: no stages
+        assert handed(env="2") == (2, 1)
+        assert handed(env="auto") == (None, 1)
+        assert handed(env="1") == (1, 1)
+        assert handed(pipeline=2) == (2, 1)
+        assert handed(pipeline="auto") == (None, 1)
+        assert handed(env="1", pipeline=2) == (2, 1)  # the argument wins
+        assert handed(env="2", pipeline=1) == (1, 1)
+        assert handed(env="2", pipeline=None) == (None, 1)
+        assert handed(env="two", pipeline=2) == (2, 1)  # a variable the argument overrides is not read
+        assert handed(cp_env="two", context_parallel=1) == (1, 1)
+        with pytest.raises(
+            PluginConfigError, match=r"HF_COLOSSAL_AUTO_PIPELINE: expected 'auto'.*pp degree >= 2"
+        ):
+            handed(env="two")
+        for bad in ("two", 0):
+            with pytest.raises(
+                PluginConfigError, match=r"pipeline from autoparallelize: expected 'auto'.*>= 2"
+            ):
+                handed(pipeline=bad)
+    finally:
+        dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------------------------- 2 gloo ranks
 def test_gloo_every_schedule_trains_like_one_process(tmp_path):
     """The user's loop (``model(**batch).loss.backward()``) under every offered schedule with uneven cuts, a model
