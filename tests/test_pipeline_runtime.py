@@ -356,7 +356,10 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
     whose layers are on both ranks, and without it, trains like one process; router jitter with that loss is
     refused; a cut inside a block, a batch too small for the micro-batches and a training forward without labels
     raise on both ranks; ``consolidated_state_dict`` gives one process's full state dict (tied GPT-2 included) on
-    every rank, or on rank 0 alone."""
+    every rank, or on rank 0 alone. Stages planned in the job, ``autoparallelize(model, batch, pipeline=2)`` (over
+    ``HF_COLOSSAL_AUTO_PIPELINE=1``: the argument wins) and ``HF_COLOSSAL_AUTO_PIPELINE=2`` alone, give 2 stages
+    that train like one process; ``pipeline=3`` and ``HF_COLOSSAL_AUTO_PIPELINE=two`` are refused on both ranks
+    naming the setting."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "pipeline.json"
@@ -393,6 +396,19 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
         assert saved["equal"] and saved["tied"] and len(saved["files"]) > 1, saved
         assert results["bad cut"].startswith("PipelineLayoutError") and "whole blocks" in results["bad cut"]
         assert results["small batch"].startswith("PipelineRuntimeError")
+        # planned in the job (autoparallelize): pipeline=2 over HF_COLOSSAL_AUTO_PIPELINE=1, and the variable
+        # alone, each a plan of 2 stages (trained like one process above); bad settings refused by name
+        planned = {c.split()[2]: results[c] for c in trained if c.startswith("llama planned ")}
+        assert sorted(planned) == ["argument", "environment"], trained
+        for how, got in planned.items():
+            assert got["pp_size"] == 2 and got["info"] == [0, 1, 2], (how, got)
+        wrong = results["pipeline=3"]
+        assert wrong.startswith("ValueError") and "pipeline=3" in wrong and "divide the 2 devices" in wrong, (
+            wrong
+        )
+        wrong = results["pipeline variable two"]
+        assert wrong.startswith("PluginConfigError"), wrong
+        assert "HF_COLOSSAL_AUTO_PIPELINE" in wrong and "'auto'" in wrong and "pp degree >= 2" in wrong, wrong
         assert (
             results["no labels"].startswith("PipelineRuntimeError") and "model.eval()" in results["no labels"]
         )
