@@ -317,6 +317,61 @@ def test_offered_schedules_are_the_runtimes():
     assert set(_SCHEDULES) == set(PIPELINE_SCHEDULES)
 
 
+def test_autoparallelize_pipeline_setting_from_argument_and_environment(monkeypatch):
+    """What ``autoparallelize(model, batch)`` hands the planner: ``pipeline=`` where given (None or "auto":
+    searched, 1: no stages, >= 2: that pp degree), else ``HF_COLOSSAL_AUTO_PIPELINE``, else 1; the argument wins,
+    and a bad variable it overrides is not read (``context_parallel`` likewise). A bad argument or variable is
+    refused before planning, naming the setting and what is allowed. One gloo rank, the planner stubbed (the
+    2-rank plans and their training: ``test_gloo_every_schedule_trains_like_one_process``)."""
+    import torch.distributed as dist
+
+    import hf_colossal_auto.solve.planner as planner
+    from hf_colossal_auto import autoparallelize
+    from hf_colossal_auto.integrations.plugin import PluginConfigError
+
+    class Planned(Exception):
+        """The stub's answer: (pipeline, context_parallel) as plan_model got them."""
+
+    def plan_model(model, batch, **kwargs):
+        raise Planned(kwargs["pipeline"], kwargs["context_parallel"])
+
+    def handed(env: str | None = None, cp_env: str | None = None, **kwargs) -> tuple:
+        for name, value in (("PIPELINE", env), ("CONTEXT_PARALLEL", cp_env)):
+            if value is None:
+                monkeypatch.delenv(f"HF_COLOSSAL_AUTO_{name}", raising=False)
+            else:
+                monkeypatch.setenv(f"HF_COLOSSAL_AUTO_{name}", value)
+        with pytest.raises(Planned) as planned:
+            autoparallelize(torch.nn.Linear(2, 2), {"x": torch.zeros(1, 2)}, **kwargs)
+        return planned.value.args
+
+    monkeypatch.setattr(planner, "plan_model", plan_model)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert handed() == (1, 1)  # the default: no stages
+        assert handed(env="2") == (2, 1)
+        assert handed(env="auto") == (None, 1)
+        assert handed(env="1") == (1, 1)
+        assert handed(pipeline=2) == (2, 1)
+        assert handed(pipeline="auto") == (None, 1)
+        assert handed(env="1", pipeline=2) == (2, 1)  # the argument wins
+        assert handed(env="2", pipeline=1) == (1, 1)
+        assert handed(env="2", pipeline=None) == (None, 1)
+        assert handed(env="two", pipeline=2) == (2, 1)  # a variable the argument overrides is not read
+        assert handed(cp_env="two", context_parallel=1) == (1, 1)
+        with pytest.raises(
+            PluginConfigError, match=r"HF_COLOSSAL_AUTO_PIPELINE: expected 'auto'.*pp degree >= 2"
+        ):
+            handed(env="two")
+        for bad in ("two", 0):
+            with pytest.raises(
+                PluginConfigError, match=r"pipeline from autoparallelize: expected 'auto'.*>= 2"
+            ):
+                handed(pipeline=bad)
+    finally:
+        dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------------------------- 2 gloo ranks
 def test_gloo_every_schedule_trains_like_one_process(tmp_path):
     """The user's loop (``model(**batch).loss.backward()``) under every offered schedule with uneven cuts, a model
@@ -331,7 +386,10 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
     whose layers are on both ranks, and without it, trains like one process; router jitter with that loss is
     refused; a cut inside a block, a batch too small for the micro-batches and a training forward without labels
     raise on both ranks; ``consolidated_state_dict`` gives one process's full state dict (tied GPT-2 included) on
-    every rank, or on rank 0 alone."""
+    every rank, or on rank 0 alone. Stages planned in the job, ``autoparallelize(model, batch, pipeline=2)`` (over
+    ``HF_COLOSSAL_AUTO_PIPELINE=1``: the argument wins) and ``HF_COLOSSAL_AUTO_PIPELINE=2`` alone, give 2 stages
+    that train like one process; ``pipeline=3`` and ``HF_COLOSSAL_AUTO_PIPELINE=two`` are refused on both ranks
+    naming the setting."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "pipeline.json"
@@ -370,6 +428,19 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
         assert saved["equal"] and saved["tied"] and len(saved["files"]) > 1, saved
         assert results["bad cut"].startswith("PipelineLayoutError") and "whole blocks" in results["bad cut"]
         assert results["small batch"].startswith("PipelineRuntimeError")
+        # planned in the job (autoparallelize): pipeline=2 over HF_COLOSSAL_AUTO_PIPELINE=1, and the variable
+        # alone, each a plan of 2 stages (trained like one process above); bad settings refused by name
+        planned = {c.split()[2]: results[c] for c in trained if c.startswith("llama planned ")}
+        assert sorted(planned) == ["argument", "environment"], trained
+        for how, got in planned.items():
+            assert got["pp_size"] == 2 and got["info"] == [0, 1, 2], (how, got)
+        wrong = results["pipeline=3"]
+        assert wrong.startswith("ValueError") and "pipeline=3" in wrong and "divide the 2 devices" in wrong, (
+            wrong
+        )
+        wrong = results["pipeline variable two"]
+        assert wrong.startswith("PluginConfigError"), wrong
+        assert "HF_COLOSSAL_AUTO_PIPELINE" in wrong and "'auto'" in wrong and "pp degree >= 2" in wrong, wrong
         assert (
             results["no labels"].startswith("PipelineRuntimeError") and "model.eval()" in results["no labels"]
         )

@@ -55,10 +55,11 @@ def autoparallelize(
     own slices: build the model on ``meta`` (``with torch.device("meta"): AutoModel...from_config(config)``) to
     never hold the full model in any process.
 
-    Pipeline stages are planned when asked: ``pipeline=None`` searches them with the rest (``HF_COLOSSAL_AUTO_
-    PIPELINE=auto`` likewise), an int >= 2 fixes the pp degree; the default is 1 (none). So is context
-    parallelism: ``context_parallel=2`` (or ``HF_COLOSSAL_AUTO_CONTEXT_PARALLEL=2``) splits each sequence over 2
-    ranks of a replica, ``None`` (``auto``) searches the cp degrees; the default is 1 (none). Under a cp plan
+    Pipeline stages are planned when asked: ``pipeline=None`` (or ``"auto"``) searches them with the rest
+    (``HF_COLOSSAL_AUTO_PIPELINE=auto`` likewise), an int >= 2 fixes the pp degree; the default is 1 (none). So
+    is context parallelism: ``context_parallel=2`` (or ``HF_COLOSSAL_AUTO_CONTEXT_PARALLEL=2``) splits each
+    sequence over 2 ranks of a replica, ``None`` (``auto``) searches the cp degrees; the default is 1 (none). An
+    argument wins over its variable, which is then not read. Under a cp plan
     the ``cp`` ranks of a replica are fed the same rows, whole sequences (``data_parallel_info(model).cp_size``;
     ``shard_batch`` and ``data_parallel_loader`` give them the same rows), and the model keeps each rank's part
     of every sequence; a sequence length that ``2 x cp`` does not divide raises on every rank.
@@ -87,14 +88,20 @@ def autoparallelize(
         def make() -> Plan:
             from ..hardware.cluster import launcher_devices_per_node
             from ..solve.planner import plan_model
-            from .plugin import context_parallel_from_env, pipeline_from_env, stages_and_context_parallel
+            from .plugin import (
+                _parse_context_parallel,
+                _parse_pipeline,
+                context_parallel_setting,
+                pipeline_setting,
+                stages_and_context_parallel,
+            )
 
             kwargs = dict(plan_model_kwargs, micro_batches=micro_batches)
             # stages and cp when asked (pipeline= / context_parallel=, or their variables); a fixed degree of
             # one keeps the other off, as the runtime runs them apart
             kwargs["pipeline"], kwargs["context_parallel"] = stages_and_context_parallel(
-                kwargs.get("pipeline", pipeline_from_env(1)),
-                kwargs.get("context_parallel", context_parallel_from_env(1)),
+                _axis_setting(kwargs, "pipeline", _parse_pipeline, pipeline_setting),
+                _axis_setting(kwargs, "context_parallel", _parse_context_parallel, context_parallel_setting),
             )
             kwargs.setdefault("num_devices", world)
             kwargs.setdefault("device", "cpu" if dist.get_backend() != "nccl" else _cuda_kind())
@@ -113,6 +120,19 @@ def autoparallelize(
             plan.micro_batches,
         )
     return apply_plan(model, plan, device_mesh, optimizers, timeout=timeout, pretrained=pretrained)
+
+
+def _axis_setting(kwargs: dict[str, Any], name: str, parse: Any, to_setting: Any) -> int | None:
+    """``pipeline`` / ``context_parallel`` as ``plan_model`` takes it: the argument where given (None or
+    ``"auto"`` searched, else a degree, parsed as the plugin and the callback parse it), else its
+    ``HF_COLOSSAL_AUTO_<NAME>`` variable, else 1. The variable is read only without the argument: the argument
+    wins, and a bad variable it overrides is no error (as under the plugin's constructor)."""
+    from .plugin import _setting_from_env
+
+    if name not in kwargs:
+        return _setting_from_env(name, parse, to_setting, 1)
+    value = kwargs[name]
+    return None if value is None else to_setting(parse(value, name, "autoparallelize"))
 
 
 def _cuda_kind() -> Any:

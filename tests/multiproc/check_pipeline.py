@@ -18,13 +18,17 @@ reloaded in one process; ``AutoParallelAccelerator`` with a pipeline plan file (
 and gradient accumulation, saving with ``save_model``; a cut the model does not have, a batch smaller than the
 micro-batch count, a training forward without labels and a consolidated state dict raise on every rank. A 5-block tiny Mixtral with its router load-balancing
 loss (``output_router_logits``, whose routers live on both ranks) under 1f1b, interleaved zero bubble and zbv
-with uneven cuts, and without it under 1f1b; with router jitter it is refused by name.
+with uneven cuts, and without it under 1f1b; with router jitter it is refused by name. Stages planned in the job:
+``autoparallelize(model, batch, pipeline=2)`` (over ``HF_COLOSSAL_AUTO_PIPELINE=1``) and
+``HF_COLOSSAL_AUTO_PIPELINE=2`` alone train like one process; ``pipeline=3`` and ``HF_COLOSSAL_AUTO_PIPELINE=two``
+are refused on every rank.
 Each rank compares its own parameters; rank 0 writes every rank's results.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from typing import Any
@@ -131,22 +135,40 @@ def halves(batch: dict) -> list[dict]:
     return [{k: v[:rows] for k, v in batch.items()}, {k: v[rows:] for k, v in batch.items()}]
 
 
+def own_rows(batch: dict) -> dict:
+    """This process's rows of a global batch, what it passes as plain DDP would feed it."""
+    rows = batch["input_ids"].shape[0] // dist.get_world_size()
+    start = dist.get_rank() * rows
+    return {k: v[start : start + rows] for k, v in batch.items()}
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = b.abs().max().item()
     return (a - b).abs().max().item() / scale if scale else (a - b).abs().max().item()
 
 
-def pipelined(model, plan, data: list[dict], ref: dict[str, Any]) -> dict[str, Any]:
+def pipelined(model, plan, data: list[dict], ref: dict[str, Any], **planning: Any) -> dict[str, Any]:
     """The pipelined model in the user's loop against ``ref``: first-step loss, gradients and norm, parameters
-    after two steps, then an evaluation forward with and without labels."""
-    from hf_colossal_auto import autoparallelize
+    after two steps, then an evaluation forward with and without labels. ``plan`` None: planned in the job,
+    ``autoparallelize(model, batch, **planning)`` from this process's rows of the first (global) batch."""
+    from hf_colossal_auto import autoparallelize, data_parallel_info
     from hf_colossal_auto.apply.pipeline import pipeline_runner
 
     started = time.perf_counter()
-    autoparallelize(model, plan=plan)  # the torchrun entry point with a fixed plan
+    if plan is None:
+        autoparallelize(model, own_rows(data[0]), **planning)
+        plan = model._hf_colossal_auto_plan
+    else:
+        autoparallelize(model, plan=plan)  # the torchrun entry point with a fixed plan
     runner = pipeline_runner(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    out: dict[str, Any] = {"held": sorted(n for n, _ in model.named_parameters())}
+    info = data_parallel_info(model)
+    out: dict[str, Any] = {
+        "held": sorted(n for n, _ in model.named_parameters()),
+        "pp_size": plan.pp_size,
+        "schedule": plan.schedule,
+        "info": [info.rank, info.size, info.pp_size],
+    }
     for i, batch in enumerate(data):
         outputs = model(**batch)
         # a loss built on the logits must fail, not train on something else, and say what to do
@@ -271,6 +293,15 @@ def every_schedule(results: dict) -> None:
     plan = hand_pipeline_plan(model, data[0], pp_size=2, schedule="1f1b", micro_batches=2)
     torch.manual_seed(0)
     results["llama meta 1f1b"] = pipelined(model, plan, data, reference_from_meta(cfg, data))
+    # planned in the job: autoparallelize(model, batch, pipeline=2) under HF_COLOSSAL_AUTO_PIPELINE=1 (the
+    # argument wins), then HF_COLOSSAL_AUTO_PIPELINE=2 alone; the plan's schedule is the planner's
+    for how, variable, planning in (("argument", "1", {"pipeline": 2}), ("environment", "2", {})):
+        os.environ["HF_COLOSSAL_AUTO_PIPELINE"] = variable
+        try:
+            got = pipelined(build(cfg, "cpu"), None, data, ref, **planning)
+        finally:
+            del os.environ["HF_COLOSSAL_AUTO_PIPELINE"]
+        results[f"llama planned {how} {got['schedule']}"] = got
     accumulation(results, cfg, data[0])
     custom_loss(results, cfg, data, ref)
 
@@ -399,8 +430,9 @@ def reloaded_equal(model, directory: str) -> dict[str, Any]:
 
 
 def refusals(results: dict) -> None:
-    """A cut inside a block, a batch with fewer rows than micro-batches, a training forward without labels: the
-    same error on every rank."""
+    """A cut inside a block, a batch with fewer rows than micro-batches, a training forward without labels,
+    ``autoparallelize(pipeline=3)`` on 2 ranks, ``HF_COLOSSAL_AUTO_PIPELINE=two``: the same error on every rank."""
+    from hf_colossal_auto import autoparallelize
     from hf_colossal_auto.apply.runtime import apply_plan
     from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
 
@@ -414,6 +446,17 @@ def refusals(results: dict) -> None:
     apply_plan(model, plan)
     results["small batch"] = error_of(lambda: model(**{k: v[:1] for k, v in data[0].items()}))
     results["no labels"] = error_of(lambda: model(input_ids=data[0]["input_ids"]))
+    # planning in the job: a pp degree the 2 ranks cannot hold, a variable that is no setting
+    results["pipeline=3"] = error_of(
+        lambda: autoparallelize(build(cfg, "cpu"), own_rows(data[0]), pipeline=3)
+    )
+    os.environ["HF_COLOSSAL_AUTO_PIPELINE"] = "two"
+    try:
+        results["pipeline variable two"] = error_of(
+            lambda: autoparallelize(build(cfg, "cpu"), own_rows(data[0]))
+        )
+    finally:
+        del os.environ["HF_COLOSSAL_AUTO_PIPELINE"]
 
 
 def full_state_dicts(results: dict) -> None:
