@@ -1,24 +1,23 @@
 """Run under torchrun (2 gloo ranks): pipeline plans train like one process, in the user's own loop.
 
-    torchrun --nproc_per_node 2 tests/multiproc/check_pipeline.py --out result.json
-
-Every schedule the runtime offers (gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble with 2 stages a
-rank, zbv) on a 6-block tiny Llama with uneven cuts, fp32, no dropout, against one process on the same
-batches, trained with the ordinary loop (``loss = model(**batch).loss; loss.backward(); optimizer.step()``):
-the loss and every gradient of the first step, every parameter after two AdamW steps, the gradient norm the
-runner clips by, and an evaluation forward (``model.eval()``, ``torch.no_grad()``: logits on every rank, the
-loss with labels) after the two steps. The batch has padding (an attention mask) and -100 labels spread so
-that micro-batches carry different token counts (equal weights per micro-batch would be wrong). Also: gradient
-recompute inside the stages (full under zbv, selective under 1f1b); gradient
-accumulation (``loss / 2`` over two half batches) and a loss scaled by 3 (what a gradient scaler does); a term
-on the logits set as the model's loss function (a z-loss; the training output's logits are refused); a model
-built on ``meta`` materialises this rank's stages with the whole model's init values; GPT-2, whose head is tied
-to its embedding, with the tie across ranks (1f1b) and on one rank (zbv), saved with ``save_pretrained`` and
-reloaded in one process; ``AutoParallelAccelerator`` with a pipeline plan file (``HF_COLOSSAL_AUTO_PLAN_PATH``)
-and gradient accumulation, saving with ``save_model``; a cut the model does not have, a batch smaller than the
-micro-batch count, a training forward without labels and a consolidated state dict raise on every rank. A 5-block tiny Mixtral with its router load-balancing
-loss (``output_router_logits``, whose routers live on both ranks) under 1f1b, interleaved zero bubble and zbv
-with uneven cuts, and without it under 1f1b; with router jitter it is refused by name. Stages planned in the job:
+torchrun --nproc_per_node 2 tests/multiproc/check_pipeline.py --out result.json Every schedule the runtime offers
+(gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble with 2 stages a rank, zbv) on a 6-block tiny Llama with
+uneven cuts, fp32, no dropout, against one process on the same batches, trained with the ordinary loop (``loss =
+model(**batch).loss; loss.backward(); optimizer.step()``): the loss and every gradient of the first step, every
+parameter after two AdamW steps, the gradient norm the runner clips by, and an evaluation forward
+(``model.eval()``, ``torch.no_grad()``: logits on every rank, the loss with labels) after the two steps. The batch
+has padding (an attention mask) and -100 labels spread so that micro-batches carry different token counts (equal
+weights per micro-batch would be wrong). Also: gradient recompute inside the stages (full under zbv, selective
+under 1f1b); gradient accumulation (``loss / 2`` over two half batches) and a loss scaled by 3 (what a gradient
+scaler does); a term on the logits set as the model's loss function (a z-loss; the training output's logits are
+refused); a model built on ``meta`` materialises this rank's stages with the whole model's init values; GPT-2,
+whose head is tied to its embedding, under every schedule (uneven under gpipe) with the tie across ranks (all but
+zbv) and on one rank (zbv), saved with ``save_pretrained`` (1f1b) and reloaded in one process;
+``AutoParallelAccelerator`` with a pipeline plan file (``HF_COLOSSAL_AUTO_PLAN_PATH``) and gradient accumulation,
+saving with ``save_model``; a cut the model does not have, a batch smaller than the micro-batch count, a training
+forward without labels and a consolidated state dict raise on every rank. A 5-block tiny Mixtral with its router
+load-balancing loss (``output_router_logits``, whose routers live on both ranks) under every schedule with uneven
+cuts, and without it under 1f1b; with router jitter it is refused by name. Stages planned in the job:
 ``autoparallelize(model, batch, pipeline=2)`` (over ``HF_COLOSSAL_AUTO_PIPELINE=1``) and
 ``HF_COLOSSAL_AUTO_PIPELINE=2`` alone train like one process; ``pipeline=3`` and ``HF_COLOSSAL_AUTO_PIPELINE=two``
 are refused on every rank.
@@ -344,8 +343,10 @@ def reference_from_meta(cfg, data: list[dict]) -> dict[str, Any]:
     return reference(model, data)
 
 
-MIXTRAL_CASES = (  # (schedule, blocks per stage, router aux loss on)
+MIXTRAL_CASES = (  # (schedule, blocks per stage, router aux loss on): every offered schedule, uneven cuts
+    ("gpipe", [2, 3], True),
     ("1f1b", [4, 1], True),
+    ("interleaved-1f1b", [1, 1, 1, 2], True),
     ("interleaved-zero-bubble", [2, 1, 1, 1], True),
     ("zbv", [1, 1, 2, 1], True),
     ("1f1b", [2, 3], False),
@@ -388,20 +389,33 @@ def aux_term(cfg, batch: dict) -> float:
         return cfg.router_aux_loss_coef * build(cfg, "cpu")(**batch).aux_loss.item()
 
 
+GPT2_CASES = (  # (schedule, blocks per stage) of a 4-block GPT-2: every offered schedule
+    ("gpipe", [3, 1]),  # uneven
+    ("1f1b", [2, 2]),
+    ("interleaved-1f1b", [1, 1, 1, 1]),
+    ("interleaved-zero-bubble", [1, 1, 1, 1]),
+    ("zbv", [1, 1, 1, 1]),
+)
+"""The first and last stages hold the tied embedding: on two ranks under every schedule but zbv (its V puts
+both on rank 0); under the interleaved ones the ranks each run a second stage."""
+
+
 def tied_gpt2(results: dict, directory: str) -> None:
-    """GPT-2's head tied to its embedding, on two ranks (1f1b) and on one (zbv); the first then saved with
-    ``save_pretrained`` in several files and reloaded in one process: every tensor equal."""
+    """GPT-2's head tied to its embedding, on two ranks (gpipe, 1f1b, interleaved 1f1b and zero bubble) and on
+    one (zbv); the 1f1b one then saved with ``save_pretrained`` in several files and reloaded in one process:
+    every tensor equal."""
     from hf_colossal_auto.pipeline_layout import hand_pipeline_plan
 
     cfg = config("tiny-gpt2", 4)
     data = batches(build(cfg, "meta"))
     ref = reference(build(cfg, "cpu"), data)
-    for schedule, cut in (("1f1b", [2, 2]), ("zbv", [1, 1, 1, 1])):
+    for schedule, cut in GPT2_CASES:
         model = build(cfg, "cpu")
         plan = hand_pipeline_plan(
-            model, data[0], pp_size=2, schedule=schedule, micro_batches=4, blocks_per_stage=cut
-        )
-        results[f"gpt2 tied {schedule}"] = pipelined(model, plan, data, ref)
+            model, data[0], pp_size=2, schedule=schedule, micro_batches=4, virtual_stages=len(cut) // 2,
+            blocks_per_stage=cut,
+        )  # fmt: skip
+        results[f"gpt2 tied {schedule} {cut}"] = pipelined(model, plan, data, ref)
         if schedule == "1f1b":
             model.save_pretrained(directory, max_shard_size="300KB")
             results["save gpt2"] = reloaded_equal(model, directory)
