@@ -1,24 +1,25 @@
 """Run under torchrun (2 gloo ranks): pipeline plans train like one process, in the user's own loop.
 
-torchrun --nproc_per_node 2 tests/multiproc/check_pipeline.py --out result.json Every schedule the runtime offers
-(gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble with 2 stages a rank, zbv) on a 6-block tiny Llama with
-uneven cuts, fp32, no dropout, against one process on the same batches, trained with the ordinary loop (``loss =
-model(**batch).loss; loss.backward(); optimizer.step()``): the loss and every gradient of the first step, every
-parameter after two AdamW steps, the gradient norm the runner clips by, and an evaluation forward
-(``model.eval()``, ``torch.no_grad()``: logits on every rank, the loss with labels) after the two steps. The batch
-has padding (an attention mask) and -100 labels spread so that micro-batches carry different token counts (equal
-weights per micro-batch would be wrong). Also: gradient recompute inside the stages (full under zbv, selective
-under 1f1b); gradient accumulation (``loss / 2`` over two half batches) and a loss scaled by 3 (what a gradient
-scaler does); a term on the logits set as the model's loss function (a z-loss; the training output's logits are
-refused); a model built on ``meta`` materialises this rank's stages with the whole model's init values; GPT-2,
-whose head is tied to its embedding, under every schedule (uneven under gpipe) with the tie across ranks (all but
-zbv) and on one rank (zbv), saved with ``save_pretrained`` (1f1b) and reloaded in one process;
-``AutoParallelAccelerator`` with a pipeline plan file (``HF_COLOSSAL_AUTO_PLAN_PATH``) and gradient accumulation,
-saving with ``save_model``; a cut the model does not have, a batch smaller than the micro-batch count, a training
-forward without labels and a consolidated state dict raise on every rank. A 5-block tiny Mixtral with its router
-load-balancing loss (``output_router_logits``, whose routers live on both ranks) under every schedule with uneven
-cuts, and without it under 1f1b; with router jitter it is refused by name. Stages planned in the job:
-``autoparallelize(model, batch, pipeline=2)`` (over ``HF_COLOSSAL_AUTO_PIPELINE=1``) and
+    torchrun --nproc_per_node 2 tests/multiproc/check_pipeline.py --out result.json
+
+Every schedule the runtime offers (gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble with 2 stages a rank,
+zbv) on a 6-block tiny Llama with uneven cuts, fp32, no dropout, against one process on the same batches, trained
+with the ordinary loop (``loss = model(**batch).loss; loss.backward(); optimizer.step()``): the loss and every
+gradient of the first step, every parameter after two AdamW steps, the gradient norm the runner clips by, and an
+evaluation forward (``model.eval()``, ``torch.no_grad()``: logits on every rank, the loss with labels) after the
+two steps. The batch has padding (an attention mask) and -100 labels spread so that micro-batches carry different
+token counts (equal weights per micro-batch would be wrong). Also: gradient recompute inside the stages (full
+under zbv, selective under 1f1b); gradient accumulation (``loss / 2`` over two half batches) and a loss scaled by
+3 (what a gradient scaler does); a term on the logits set as the model's loss function (a z-loss; the training
+output's logits are refused); a model built on ``meta`` materialises this rank's stages with the whole model's
+init values; GPT-2, whose head is tied to its embedding, under every schedule (uneven under gpipe) with the tie
+across ranks (all but zbv) and on one rank (zbv), saved with ``save_pretrained`` (1f1b) and reloaded in one
+process; ``AutoParallelAccelerator`` with a pipeline plan file (``HF_COLOSSAL_AUTO_PLAN_PATH``) and gradient
+accumulation, saving with ``save_model``; a cut the model does not have, a batch smaller than the micro-batch
+count, a training forward without labels and a consolidated state dict raise on every rank. A 5-block tiny Mixtral
+with its router load-balancing loss (``output_router_logits``, whose routers live on both ranks) under every
+schedule with uneven cuts, and without it under 1f1b; with router jitter it is refused by name. Stages planned in
+the job: ``autoparallelize(model, batch, pipeline=2)`` (over ``HF_COLOSSAL_AUTO_PIPELINE=1``) and
 ``HF_COLOSSAL_AUTO_PIPELINE=2`` alone train like one process; ``pipeline=3`` and ``HF_COLOSSAL_AUTO_PIPELINE=two``
 are refused on every rank.
 Each rank compares its own parameters; rank 0 writes every rank's results.
