@@ -408,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plot",
         metavar="PATH",
-        help="write a PNG (matplotlib): the plan's memory over the step and time per block; with --frontier, the frontier",
+        help="write a PNG (matplotlib): the plan's memory over the step and time per block (a pipeline plan's "
+        "stages too); with --frontier, the frontier",
     )
     p.set_defaults(func=cmd_plan)
 
