@@ -148,3 +148,21 @@ def test_cli_frontier_refuses_conflicting_flags(capsys):
     base = ["-q", "plan", "--model", "tiny-gpt2", "--devices", "2", "--device", "cpu"]
     assert main([*base, "--frontier", "--memory-budget", "1GiB"]) == 2
     assert "--memory-budget" in capsys.readouterr().err
+
+
+def test_auto_point_of_a_pipeline_plan_names_its_stages_and_schedule():
+    """Where auto plans stages (``--frontier --pipeline 2``), its point carries the plan's schedule and
+    micro-batches, and the table writes its mesh as pp x dp x tp with the schedule, as for the recipes."""
+    from hf_colossal_auto.solve.frontier import Frontier, _planned_point
+    from hf_colossal_auto.solve.pipeline.schedules import OFFERED_SCHEDULES
+
+    model = build_model("tiny-llama", device="meta")
+    batch = make_example_inputs(model, 8, 16, device="meta")
+    point = _planned_point(model, batch, 1 << 30, "auto", dict(num_devices=2, device="cpu", pipeline=2))
+    assert point.fits and point.mesh_shape == (2, 1, 1) and point.schedule in OFFERED_SCHEDULES
+    assert point.micro_batches >= 2  # at least a micro-batch a stage
+    table = Frontier("t", [1 << 30], {"auto": [point]}).table()
+    assert (
+        f"auto @ 1.00 GiB: pp 2 x 1x1 ddp, {point.schedule} x{point.micro_batches} micro-batches, none"
+        in table
+    )

@@ -106,6 +106,8 @@ class FrontierPoint:
     """Recompute per block, summarised (``"none"``, ``"full x36"``, ``"selective:pointwise x12, none x24"``)."""
     micro_batches: int = 1
     """Micro-batches per replica per step (gradients synchronised once)."""
+    schedule: str | None = None
+    """A plan with pipeline stages: its schedule (``mesh_shape`` then leads with pp); None: no stages."""
 
     @property
     def fits(self) -> bool:
@@ -155,7 +157,9 @@ class Frontier:
             if k == 0:
                 lines.append("  ".join("-" * w for w in widths))
         lines.append("")
-        lines.append("plans (mesh dp x tp, data-parallel mode [x micro-batches], recompute per block):")
+        lines.append(
+            "plans (mesh [pp x] dp x tp, data-parallel mode [, schedule] [x micro-batches], recompute per block):"
+        )
         for name in names:
             lines.extend(self._describe(name))
         for name, why in self.unavailable.items():
@@ -231,7 +235,10 @@ def _mesh_text(point: FrontierPoint) -> str:
     if point.mesh_shape is None:
         return "-"
     micro = f" x{point.micro_batches} micro-batches" if point.micro_batches > 1 else ""
-    return f"{'x'.join(map(str, point.mesh_shape))} {point.dp_mode}{micro}"
+    if point.schedule is None:
+        return f"{'x'.join(map(str, point.mesh_shape))} {point.dp_mode}{micro}"
+    pp, *rest = point.mesh_shape  # a pipeline's: which schedule tells its recipes apart
+    return f"pp {pp} x {'x'.join(map(str, rest))} {point.dp_mode}, {point.schedule}{micro}"
 
 
 def summarize_recompute(plan: Plan) -> str:
@@ -403,6 +410,7 @@ def _baseline_curves(
             bar.update(1)
             continue
         summary = summarize_recompute(est.plan) if est.plan is not None else recompute
+        staged = est.plan if est.plan is not None and est.plan.pp_size > 1 else None
         curves[name] = [
             FrontierPoint(
                 b,
@@ -411,6 +419,7 @@ def _baseline_curves(
                 tuple(est.mesh_shape),
                 est.dp_mode,
                 summary,
+                **_pipeline_fields(staged),
             )
             for b in budget_list
         ]
@@ -466,7 +475,16 @@ def _planned_point(
         plan.dp_label,
         summarize_recompute(plan),
         plan.micro_batches,
+        plan.schedule if plan.pp_size > 1 else None,
     )
+
+
+def _pipeline_fields(plan: Plan | None) -> dict[str, Any]:
+    """A fixed recipe's point's micro-batches and schedule where it has pipeline stages (its recipes differ by
+    schedule alone); none for one without (one forward a replica, as evaluate_plan prices it)."""
+    if plan is None:
+        return {}
+    return {"micro_batches": plan.micro_batches, "schedule": plan.schedule}
 
 
 class _NoBar:
