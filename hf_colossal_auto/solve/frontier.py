@@ -35,7 +35,7 @@ from typing import Any
 from torch import nn
 
 from ..hardware import DeviceSpec, get_device
-from ..plan import Plan
+from ..plan import PIPELINE_SCHEDULES, Plan
 from ..units import format_bytes, format_seconds, parse_bytes
 from .planner import _largest_tp, evaluate_plan, plan_model
 from .problem import InfeasibleError
@@ -56,13 +56,16 @@ BASELINE_RECIPES: dict[str, tuple[str, str]] = {
 """Fixed recipes -> (``evaluate_plan`` baseline, recompute for every block)."""
 PIPELINE_RECIPES: dict[str, tuple[int, str, str, str]] = {
     "fsdp-tp-pp": (8, "interleaved-1f1b", "fsdp", "full"),
+    "fsdp-tp-pp-1f1b": (8, "1f1b", "fsdp", "full"),
     "llama3-4d": (16, "interleaved-1f1b", "fsdp", "selective:pointwise"),
 }
 """Pipeline hand configurations -> (pp degree wanted, schedule, data-parallel mode inside a stage, recompute for
 every block), tensor parallelism the largest that fits a node with Megatron's placements, one row per
-micro-batch: torchtitan's FSDP x TP x PP (pp 8, interleaved 1F1B, full recompute) and Llama 3's 4-D layout
-without context parallelism (tp 8, pp 16, data parallel the rest, interleaved 1F1B). On a smaller cluster the pp
-degree is the largest power of two up to the one wanted that the devices, the blocks and the batch allow."""
+micro-batch: torchtitan's FSDP x TP x PP (pp 8, full recompute) with its interleaved 1F1B layout and with its
+1F1B one (a stage a rank: a larger bubble, fewer stages' activations in flight, and on a model of few blocks a
+higher pp degree), and Llama 3's 4-D layout without context parallelism (tp 8, pp 16, data parallel the rest,
+interleaved 1F1B). On a smaller cluster the pp degree is the largest power of two up to the one wanted that the
+devices, the blocks (the schedule's stages a rank each at least one) and the batch allow."""
 APPROACHES = tuple(PLANNED) + tuple(BASELINE_RECIPES) + tuple(PIPELINE_RECIPES)
 DEFAULT_APPROACHES = ("auto", "tp-only", "tp+full-recompute", "fsdp+full-recompute")
 TOP_MARGIN = 1.1
@@ -444,15 +447,19 @@ def _pipeline_recipe_args(
     want, schedule, dp_mode, recompute = PIPELINE_RECIPES[name]
     per_node = plan_kwargs.get("devices_per_node") or spec.devices_per_node
     blocks = find_layout(model).num_blocks
+    per_rank = PIPELINE_SCHEDULES[schedule][0]  # the fewest stages a rank runs, each of a block at least
     batch = _global_batch(inputs)
     pp = want
     while pp >= 2:
         tp = _largest_tp(num_devices // pp, per_node, model) if num_devices % pp == 0 else 0
-        if tp and pp * 2 <= blocks and batch % (num_devices // (pp * tp)) == 0:
+        if tp and pp * per_rank <= blocks and batch % (num_devices // (pp * tp)) == 0:
             break
         pp //= 2
     if pp < 2:
-        raise ValueError(f"{name}: no pp degree of at least 2 fits {num_devices} devices and {blocks} blocks")
+        raise ValueError(
+            f"{name}: no pp degree of at least 2 fits {num_devices} devices and {blocks} blocks ({schedule} runs "
+            f"{per_rank} stage{'s' * (per_rank > 1)} a rank); use more devices or a model with more blocks"
+        )
     dp = num_devices // (pp * tp)
     args = dict(eval_args)
     args.update(pipeline=pp, mesh_shape=(dp, tp), schedule=schedule, recompute=recompute,
