@@ -402,13 +402,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--frontier",
         action="store_true",
-        help="print predicted step time vs per-device budget for auto and the baselines instead of one plan",
+        help="print predicted step time vs per-device budget for auto and the baselines instead of one plan; with "
+        "--pipeline auto or <pp>, the pipeline recipes too (fsdp-tp-pp: torchtitan's FSDP x TP x PP, interleaved "
+        "1F1B; fsdp-tp-pp-1f1b: the same with 1F1B; llama3-4d: Llama 3's 4-D layout without cp)",
     )
     p.add_argument("--frontier-points", type=int, default=8, help="budgets in the --frontier sweep")
     p.add_argument(
         "--plot",
         metavar="PATH",
-        help="write a PNG (matplotlib): the plan's memory over the step and time per block; with --frontier, the frontier",
+        help="write a PNG (matplotlib): the plan's memory over the step and time per block (a pipeline plan's "
+        "stages too); with --frontier, the frontier",
     )
     p.set_defaults(func=cmd_plan)
 

@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
-from hf_colossal_auto.models import build_model, make_example_inputs
+from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.solve.frontier import (
+    DEFAULT_APPROACHES,
+    PIPELINE_RECIPES,
     TOP_MARGIN,
     PlotUnavailableError,
     default_budgets,
@@ -148,3 +150,83 @@ def test_cli_frontier_refuses_conflicting_flags(capsys):
     base = ["-q", "plan", "--model", "tiny-gpt2", "--devices", "2", "--device", "cpu"]
     assert main([*base, "--frontier", "--memory-budget", "1GiB"]) == 2
     assert "--memory-budget" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def pipeline_front():
+    """The pipeline recipes alone, at a budget nothing fits and one everything does: tiny Llama with 4 blocks on
+    8 CPU devices, 2 a node (so tensor parallelism is 2 wide), batch 8 x 16. Interleaved 1F1B runs two stages a
+    rank, so 4 blocks allow it pp 2 (dp 2, FSDP); 1F1B runs one, so torchtitan's 1F1B layout reaches pp 4."""
+    config = load_config("tiny-llama")
+    config.num_hidden_layers = 4
+    model = build_model(config, device="meta")
+    batch = make_example_inputs(model, 8, 16, device="meta")
+    return frontier(model, batch, num_devices=8, device="cpu", devices_per_node=2, budgets=["1KiB", "1GiB"],
+                    approaches=tuple(PIPELINE_RECIPES), progress=False)  # fmt: skip
+
+
+def test_frontier_prices_every_pipeline_recipe(pipeline_front):
+    """Each pipeline hand configuration (torchtitan's FSDP x TP x PP interleaved and 1F1B, Llama 3's 4-D) gets a
+    point per budget, priced by the pipeline model: its layout (pp x dp x tp, FSDP where dp > 1), schedule,
+    micro-batches (a row each) and recompute, a predicted step time where it fits its budget and none where it
+    does not; the table tells the two torchtitan layouts apart by their mesh and schedule."""
+    front = pipeline_front
+    assert list(front.curves) == ["fsdp-tp-pp", "fsdp-tp-pp-1f1b", "llama3-4d"] and not front.unavailable
+    layouts = {
+        "fsdp-tp-pp": ((2, 2, 2), "fsdp", "interleaved-1f1b", 4, "full x4"),
+        "fsdp-tp-pp-1f1b": ((4, 1, 2), "ddp", "1f1b", 8, "full x4"),
+        "llama3-4d": ((2, 2, 2), "fsdp", "interleaved-1f1b", 4, "selective:pointwise x4"),
+    }
+    for name, points in front.curves.items():
+        tight, roomy = points
+        for p in points:
+            assert (p.mesh_shape, p.dp_mode, p.schedule, p.micro_batches, p.recompute) == layouts[name]
+            assert p.fits == (p.peak_memory_bytes <= p.budget_bytes)
+        assert not tight.fits and tight.step_time_s is None and tight.peak_memory_bytes > 1024
+        assert roomy.fits and roomy.step_time_s > 0 and roomy.peak_memory_bytes == tight.peak_memory_bytes
+    assert front.time_at("fsdp-tp-pp", 1 << 30) != front.time_at("fsdp-tp-pp-1f1b", 1 << 30)
+    text = front.table()
+    assert "  fsdp-tp-pp: pp 2 x 2x2 fsdp, interleaved-1f1b x4 micro-batches, full x4, peak" in text
+    assert "  fsdp-tp-pp-1f1b: pp 4 x 1x2 ddp, 1f1b x8 micro-batches, full x4, peak" in text
+
+
+def test_cli_frontier_with_pipeline_hands_over_the_pipeline_recipes(monkeypatch, capsys):
+    """``plan --frontier --pipeline auto`` sweeps with stages searched and adds every pipeline recipe to auto and
+    the baselines, and prints each priced or why not: on tiny Llama's 2 blocks over 2 devices torchtitan's 1F1B
+    layout is pp 2, the interleaved ones (two stages a rank) do not fit and say so. Only the recipes are priced
+    here, at two budgets (auto's sweep under stages takes half a minute; the fixtures test auto and baselines)."""
+    from hf_colossal_auto.cli import main
+    from hf_colossal_auto.solve import frontier as module
+
+    real, asked = module.frontier, {}
+
+    def recipes_only(model, batch, **kwargs):
+        asked.update(kwargs)
+        return real(model, batch, **{**kwargs, "approaches": tuple(PIPELINE_RECIPES), "budgets": ["1GiB"]})
+
+    monkeypatch.setattr(module, "frontier", recipes_only)
+    argv = ["-q", "plan", "--model", "tiny-llama", "--devices", "2", "--device", "cpu", "--batch-size", "4"]
+    assert main([*argv, "--seq-len", "16", "--frontier", "--pipeline", "auto"]) == 0
+    assert asked["approaches"] == (*DEFAULT_APPROACHES, *PIPELINE_RECIPES) and asked["pipeline"] is None
+    out = capsys.readouterr().out
+    assert "  fsdp-tp-pp-1f1b: pp 2 x 1x1 ddp, 1f1b x4 micro-batches, full x2, peak" in out
+    for name in ("fsdp-tp-pp", "llama3-4d"):
+        assert f"  {name}: not priced: {name}: no pp degree of at least 2 fits 2 devices and 2 blocks" in out
+
+
+def test_auto_point_of_a_pipeline_plan_names_its_stages_and_schedule():
+    """Where auto plans stages (``--frontier --pipeline 2``), its point carries the plan's schedule and
+    micro-batches, and the table writes its mesh as pp x dp x tp with the schedule, as for the recipes."""
+    from hf_colossal_auto.solve.frontier import Frontier, _planned_point
+    from hf_colossal_auto.solve.pipeline.schedules import OFFERED_SCHEDULES
+
+    model = build_model("tiny-llama", device="meta")
+    batch = make_example_inputs(model, 8, 16, device="meta")
+    point = _planned_point(model, batch, 1 << 30, "auto", dict(num_devices=2, device="cpu", pipeline=2))
+    assert point.fits and point.mesh_shape == (2, 1, 1) and point.schedule in OFFERED_SCHEDULES
+    assert point.micro_batches >= 2  # at least a micro-batch a stage
+    table = Frontier("t", [1 << 30], {"auto": [point]}).table()
+    assert (
+        f"auto @ 1.00 GiB: pp 2 x 1x1 ddp, {point.schedule} x{point.micro_batches} micro-batches, none"
+        in table
+    )

@@ -25,6 +25,7 @@ from hf_colossal_auto.solve.pipeline.search import search_pipelines
 from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
 from hf_colossal_auto.solve.pricing.pipeline_schedule import Link
 from hf_colossal_auto.solve.problem import InfeasibleError
+from hf_colossal_auto.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,6 +160,35 @@ def test_pipeline_two_on_tiny_llama_is_a_plan_the_runtime_runs():
     assert plan.peak_memory_bytes == plan.param_memory_bytes + plan.activation_memory_bytes
     assert 0 < plan.solver["bubble_fraction"] < 1
     assert "pipeline" in plan.summary()
+
+
+def _summary_line(plan: Plan, label: str) -> str:
+    """The text after ``label`` on the one summary line it heads (labels are padded to 22 columns)."""
+    (text,) = [line[22:] for line in plan.summary().splitlines() if line.startswith(label.ljust(22))]
+    return text
+
+
+def test_pipeline_plan_summary_shows_its_stages_schedule_bubble_and_per_stage_predictions():
+    """A planner-made pipeline plan's summary says what the planner chose for its stages and predicted of them,
+    on their own lines (not only in the solver's raw record): the stage count, the ranks, the schedule, the
+    micro-batches, the modules each stage holds, the bubble, and each stage's ms per micro-batch and peak
+    memory in stage order, the values plan.solver records."""
+    model = _llama(2)
+    inputs = make_example_inputs(model, 8, 16, device="meta")
+    plan = plan_model(model, inputs, num_devices=2, pipeline=2)
+    seconds, peaks = plan.solver["stage_s_per_micro_batch"], plan.solver["stage_peak_memory_bytes"]
+    assert plan.num_stages == len(plan.stages) == len(seconds) == len(peaks) == 2
+    assert _summary_line(plan, "pipeline") == (
+        f"2 stages on 2 ranks (1 per rank), schedule {plan.schedule}, {plan.micro_batches} micro-batches; "
+        f"modules per stage: {len(plan.stages[0])}, {len(plan.stages[1])}"
+    )
+    bubble = plan.solver["bubble_fraction"]
+    assert 0 < bubble < 1
+    assert _summary_line(plan, "pipeline bubble") == f"{bubble * 100:.1f} % of the ranks' time (predicted)"
+    assert _summary_line(plan, "per stage") == (
+        f"ms per micro-batch: {seconds[0] * 1e3:.3g}, {seconds[1] * 1e3:.3g}; "
+        f"peak memory: {format_bytes(peaks[0])}, {format_bytes(peaks[1])}"
+    )
 
 
 def test_pipeline_search_prices_every_schedule_and_micro_batch_count():

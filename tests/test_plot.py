@@ -6,9 +6,9 @@ import pytest
 
 from hf_colossal_auto.cli import main
 from hf_colossal_auto.hardware.catalog import STATIC_CPU_SPEC
-from hf_colossal_auto.models import build_model, make_example_inputs
+from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.plot import plot_plan
-from hf_colossal_auto.solve.planner import plan_model
+from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -81,3 +81,40 @@ def test_cli_plan_plot(tmp_path, capsys):
     assert main(argv) == 0
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert "wrote" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def pipeline_plan():
+    """pp 2 on 2 devices, ZB-V: 4 stages, two a rank in a V (ranks 0, 1, 1, 0, so a stage's rank is not its
+    index), priced by the planner's pipeline model with each stage's seconds per micro-batch and peak."""
+    config = load_config("tiny-llama")
+    config.num_hidden_layers = 4
+    model = build_model(config, device="meta")
+    batch = make_example_inputs(model, 8, 16, device="meta")
+    zbv = dict(pipeline=2, mesh_shape=(1, 1), schedule="zbv", micro_batches=4)
+    return evaluate_plan(model, batch, "ddp", num_devices=2, device=STATIC_CPU_SPEC, **zbv).plan
+
+
+def test_pipeline_plot_adds_per_stage_time_and_memory_panels(pipeline_plan, tmp_path, monkeypatch):
+    """A pipeline plan's figure keeps the memory and per-block time panels and adds two per-stage panels:
+    one bar per stage of its predicted ms per micro-batch, titled with the predicted bubble, and one bar per
+    stage of its predicted peak under the budget line, each stage named with the pp rank that runs it."""
+    plan = pipeline_plan
+    seconds, peaks = plan.solver["stage_s_per_micro_batch"], plan.solver["stage_peak_memory_bytes"]
+    assert plan.pp_size == 2 and len(seconds) == len(peaks) == plan.num_stages == 4
+    out, figure = _drawn(monkeypatch, plan, tmp_path / "pp.png")
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    memory, time, stage_time, stage_memory = figure.axes
+    (curve,) = [line for line in memory.get_lines() if line.get_label() == "predicted per-device memory"]
+    assert len(curve.get_ydata()) == len(plan.memory_moments)  # the pp ranks' peaks, as before
+    assert len(time.get_yticklabels()) == len(plan.blocks)
+    gib = float(1 << 30)
+    (time_bars,) = stage_time.containers
+    assert [bar.get_height() for bar in time_bars] == pytest.approx([s * 1e3 for s in seconds], rel=1e-12)
+    assert f"bubble {plan.solver['bubble_fraction'] * 100:.1f}%" in stage_time.get_title()
+    (peak_bars,) = stage_memory.containers
+    assert [bar.get_height() * gib for bar in peak_bars] == pytest.approx(peaks, abs=1)
+    (budget,) = [line for line in stage_memory.get_lines() if line.get_label() == "budget"]
+    assert list(budget.get_ydata()) == pytest.approx([plan.memory_budget_bytes / gib] * 2, rel=1e-12)
+    labels = [t.get_text() for t in stage_memory.get_xticklabels()]
+    assert labels == [f"stage {s}\nrank {r}" for s, r in enumerate(plan.stage_ranks())]

@@ -35,7 +35,7 @@ from typing import Any
 from torch import nn
 
 from ..hardware import DeviceSpec, get_device
-from ..plan import Plan
+from ..plan import PIPELINE_SCHEDULES, Plan
 from ..units import format_bytes, format_seconds, parse_bytes
 from .planner import _largest_tp, evaluate_plan, plan_model
 from .problem import InfeasibleError
@@ -56,13 +56,16 @@ BASELINE_RECIPES: dict[str, tuple[str, str]] = {
 """Fixed recipes -> (``evaluate_plan`` baseline, recompute for every block)."""
 PIPELINE_RECIPES: dict[str, tuple[int, str, str, str]] = {
     "fsdp-tp-pp": (8, "interleaved-1f1b", "fsdp", "full"),
+    "fsdp-tp-pp-1f1b": (8, "1f1b", "fsdp", "full"),
     "llama3-4d": (16, "interleaved-1f1b", "fsdp", "selective:pointwise"),
 }
 """Pipeline hand configurations -> (pp degree wanted, schedule, data-parallel mode inside a stage, recompute for
 every block), tensor parallelism the largest that fits a node with Megatron's placements, one row per
-micro-batch: torchtitan's FSDP x TP x PP (pp 8, interleaved 1F1B, full recompute) and Llama 3's 4-D layout
-without context parallelism (tp 8, pp 16, data parallel the rest, interleaved 1F1B). On a smaller cluster the pp
-degree is the largest power of two up to the one wanted that the devices, the blocks and the batch allow."""
+micro-batch: torchtitan's FSDP x TP x PP (pp 8, full recompute) with its interleaved 1F1B layout and with its
+1F1B one (a stage a rank: a larger bubble, fewer stages' activations in flight, and on a model of few blocks a
+higher pp degree), and Llama 3's 4-D layout without context parallelism (tp 8, pp 16, data parallel the rest,
+interleaved 1F1B). On a smaller cluster the pp degree is the largest power of two up to the one wanted that the
+devices, the blocks (the schedule's stages a rank each at least one) and the batch allow."""
 APPROACHES = tuple(PLANNED) + tuple(BASELINE_RECIPES) + tuple(PIPELINE_RECIPES)
 DEFAULT_APPROACHES = ("auto", "tp-only", "tp+full-recompute", "fsdp+full-recompute")
 TOP_MARGIN = 1.1
@@ -106,6 +109,8 @@ class FrontierPoint:
     """Recompute per block, summarised (``"none"``, ``"full x36"``, ``"selective:pointwise x12, none x24"``)."""
     micro_batches: int = 1
     """Micro-batches per replica per step (gradients synchronised once)."""
+    schedule: str | None = None
+    """A plan with pipeline stages: its schedule (``mesh_shape`` then leads with pp); None: no stages."""
 
     @property
     def fits(self) -> bool:
@@ -155,7 +160,9 @@ class Frontier:
             if k == 0:
                 lines.append("  ".join("-" * w for w in widths))
         lines.append("")
-        lines.append("plans (mesh dp x tp, data-parallel mode [x micro-batches], recompute per block):")
+        lines.append(
+            "plans (mesh [pp x] dp x tp, data-parallel mode [, schedule] [x micro-batches], recompute per block):"
+        )
         for name in names:
             lines.extend(self._describe(name))
         for name, why in self.unavailable.items():
@@ -231,7 +238,10 @@ def _mesh_text(point: FrontierPoint) -> str:
     if point.mesh_shape is None:
         return "-"
     micro = f" x{point.micro_batches} micro-batches" if point.micro_batches > 1 else ""
-    return f"{'x'.join(map(str, point.mesh_shape))} {point.dp_mode}{micro}"
+    if point.schedule is None:
+        return f"{'x'.join(map(str, point.mesh_shape))} {point.dp_mode}{micro}"
+    pp, *rest = point.mesh_shape  # a pipeline's: which schedule tells its recipes apart
+    return f"pp {pp} x {'x'.join(map(str, rest))} {point.dp_mode}, {point.schedule}{micro}"
 
 
 def summarize_recompute(plan: Plan) -> str:
@@ -403,6 +413,7 @@ def _baseline_curves(
             bar.update(1)
             continue
         summary = summarize_recompute(est.plan) if est.plan is not None else recompute
+        staged = est.plan if est.plan is not None and est.plan.pp_size > 1 else None
         curves[name] = [
             FrontierPoint(
                 b,
@@ -411,6 +422,7 @@ def _baseline_curves(
                 tuple(est.mesh_shape),
                 est.dp_mode,
                 summary,
+                **_pipeline_fields(staged),
             )
             for b in budget_list
         ]
@@ -435,15 +447,19 @@ def _pipeline_recipe_args(
     want, schedule, dp_mode, recompute = PIPELINE_RECIPES[name]
     per_node = plan_kwargs.get("devices_per_node") or spec.devices_per_node
     blocks = find_layout(model).num_blocks
+    per_rank = PIPELINE_SCHEDULES[schedule][0]  # the fewest stages a rank runs, each of a block at least
     batch = _global_batch(inputs)
     pp = want
     while pp >= 2:
         tp = _largest_tp(num_devices // pp, per_node, model) if num_devices % pp == 0 else 0
-        if tp and pp * 2 <= blocks and batch % (num_devices // (pp * tp)) == 0:
+        if tp and pp * per_rank <= blocks and batch % (num_devices // (pp * tp)) == 0:
             break
         pp //= 2
     if pp < 2:
-        raise ValueError(f"{name}: no pp degree of at least 2 fits {num_devices} devices and {blocks} blocks")
+        raise ValueError(
+            f"{name}: no pp degree of at least 2 fits {num_devices} devices and {blocks} blocks ({schedule} runs "
+            f"{per_rank} stage{'s' * (per_rank > 1)} a rank); use more devices or a model with more blocks"
+        )
     dp = num_devices // (pp * tp)
     args = dict(eval_args)
     args.update(pipeline=pp, mesh_shape=(dp, tp), schedule=schedule, recompute=recompute,
@@ -466,7 +482,16 @@ def _planned_point(
         plan.dp_label,
         summarize_recompute(plan),
         plan.micro_batches,
+        plan.schedule if plan.pp_size > 1 else None,
     )
+
+
+def _pipeline_fields(plan: Plan | None) -> dict[str, Any]:
+    """A fixed recipe's point's micro-batches and schedule where it has pipeline stages (its recipes differ by
+    schedule alone); none for one without (one forward a replica, as evaluate_plan prices it)."""
+    if plan is None:
+        return {}
+    return {"micro_batches": plan.micro_batches, "schedule": plan.schedule}
 
 
 class _NoBar:
