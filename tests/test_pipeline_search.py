@@ -241,6 +241,21 @@ def test_pipeline_argument_refusals():
         plan_model(model, inputs, num_devices=4, pipeline=4)
 
 
+def test_a_fixed_pp_degree_that_nothing_fits_states_a_finite_least():
+    """pipeline=2 under a budget no stage layout's state fits: the error states the least memory a pp 2 plan
+    needs as a finite lower bound (what the frontier's default sweep starts from: `plan --frontier --pipeline 2`
+    failed without one), no higher than the peak of the plan pipeline=2 makes without a budget."""
+    from hf_colossal_auto.solve.problem import InfeasibleError
+
+    model = _llama(2)
+    inputs = make_example_inputs(model, 8, 16, device="meta")
+    with pytest.raises(InfeasibleError, match=r"pp=2 .* state alone fit, so none was priced") as refused:
+        plan_model(model, inputs, num_devices=4, device="cpu", pipeline=2, memory_budget=1)
+    least = refused.value.min_required
+    free = plan_model(model, inputs, num_devices=4, device="cpu", pipeline=2, memory_budget=1 << 40)
+    assert free.pp_size == 2 and 0 < least <= free.peak_memory_bytes, (least, free.peak_memory_bytes)
+
+
 UNPRICED_BACKWARD_TRANSIENT = 0.05
 """How far a rank's measured peak may exceed the plan's prediction: a backward's transient on a stage other than
 the last is not priced. Measured on this test's plans (receive buffers held only while their micro-batch is in

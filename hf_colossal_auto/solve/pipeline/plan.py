@@ -19,7 +19,7 @@ from ..problem import InfeasibleError
 from ..tied import TiedGraph
 from .costs import RECOMPUTE_OFFERED, STAGE_DP_MODES, PipelineCandidate, StageLayout, _block_seconds
 from .cut import _stages, cut_and_recompute, simulate_candidate
-from .pricing import _Pricer
+from .pricing import _Pricer, _state_floor, stage_layouts
 from .schedules import OFFERED_SCHEDULES, _valid_micro_batches
 from .search import _check_degree, _search, p2p_link
 
@@ -161,6 +161,36 @@ def _stage_of_blocks(counts: list[int]) -> list[int]:
     return [s for s, count in enumerate(counts) for _ in range(count)]
 
 
+def _no_pipeline_fits(planner: _Planner, pipeline: int, tried: list) -> InfeasibleError:
+    """What a fixed pp degree with no fitting candidate says: the least peak of the candidates simulated, or,
+    where every stage layout's state alone was over the budget (none simulated), the least such state — a
+    lower bound, which the frontier's sweep starts from (``min_required``)."""
+    least = min((c.peak_bytes for c in tried), default=math.inf)
+    if least < math.inf:
+        why = (
+            f"the least any stage layout, schedule and micro-batch count needs is {format_bytes(least)} (with "
+            "full recompute where it helps)"
+        )
+    else:
+        least = min(
+            (_state_floor(planner, pipeline, s) for s in stage_layouts(planner, pipeline, STAGE_DP_MODES)),
+            default=math.inf,
+        )
+        shown = format_bytes(least) if least < math.inf else "unknown (no stage layout)"
+        why = (
+            "no stage layout's parameters, gradients and optimizer state alone fit, so none was priced: a plan "
+            f"needs at least {shown}"
+        )
+    return InfeasibleError(
+        f"No pipeline plan with pp={pipeline} for {type(planner.model).__name__} on "
+        f"{planner.cluster.num_devices} x {planner.spec.name} fits {format_bytes(planner.budget)} per device: "
+        f"{why}. Use more pp stages, a smaller batch or sequence, or pipeline=None.",
+        min_required=least,
+        exact=False,
+        choice=None,
+    )
+
+
 def with_pipelines(
     planner: _Planner,
     best: Plan | None,
@@ -185,17 +215,7 @@ def with_pipelines(
         return best
     if found is None:
         if pipeline is not None:
-            least = min((c.peak_bytes for c in tried), default=math.inf)
-            raise InfeasibleError(
-                f"No pipeline plan with pp={pipeline} for {type(planner.model).__name__} on "
-                f"{planner.cluster.num_devices} x {planner.spec.name} fits {format_bytes(planner.budget)} per "
-                f"device: the least any stage layout, schedule and micro-batch count needs is "
-                f"{format_bytes(least) if least < math.inf else 'unknown (no candidate)'} (with full recompute "
-                "where it helps). Use more pp stages, a smaller batch or sequence, or pipeline=None.",
-                min_required=least,
-                exact=False,
-                choice=None,
-            )
+            raise _no_pipeline_fits(planner, pipeline, tried)
         return best
     if best is not None and best.step_time_s <= found.step_time_s:
         logger.info(
