@@ -1,0 +1,117 @@
+"""What-if for the scale cases: the plan ``plan_model(pipeline=None)`` makes if the pipeline pricing were given
+smaller figures for levers the runtime does not have yet (predicted only; nothing here changes what runs).
+
+    python scripts/whatif_pipeline_levers.py --case llama3-405b --lever shard-sends
+
+Levers (each patches the figures ``solve/pipeline/pricing._Pricer.inner`` hands the search, per inner ILP):
+
+* ``shard-sends``: a stage sends each tensor-parallel rank's sequence shard of the hidden states (send and
+  receive bytes divided by tp) instead of the whole tensor; ``shard-sends-bf16``: and in bf16 (halved again);
+* ``partial``: selective recompute does not keep the row-parallel projections' partial sums (the ``mm`` outputs
+  of ``o_proj`` / ``down_proj``), which it keeps today only to replay the region's exit;
+* ``casts``: a block without recompute keeps no bf16 cast of a projection's weight or input per micro-batch;
+* ``all``: shard-sends-bf16 and partial together; ``baseline``: nothing patched (today's plan).
+
+Prints the plan (pp, schedule, micro-batches, mesh, recompute counts), its step time and MFU (the model FLOPs of
+``bench_planner.py --scale``), its peak, and each pp rank's predicted activation bytes at its peak. Why: the
+planner's own cost model says which runtime change is worth building first (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_planner import MIXED, SCALE_CASES, SCALE_DEVICE, _model_flops_per_token  # noqa: E402
+
+from hf_colossal_auto.hardware import get_device  # noqa: E402
+from hf_colossal_auto.models import build_model, make_example_inputs  # noqa: E402
+from hf_colossal_auto.solve.build.names import MemoryRow, memory_row_name  # noqa: E402
+from hf_colossal_auto.solve.pipeline import pricing  # noqa: E402
+from hf_colossal_auto.solve.planner import plan_model  # noqa: E402
+from hf_colossal_auto.solve.writeup import _real_modules  # noqa: E402
+
+LEVERS = ("baseline", "shard-sends", "shard-sends-bf16", "partial", "casts", "all")
+GIB = float(1 << 30)
+
+
+def kept_per_block(inner, keep) -> float:
+    """The most any block of ``inner``'s solution keeps for backward in the ops ``keep(op, module)`` selects
+    (the activation-peak row's recompute terms, spread over the real blocks as the pricing spreads them)."""
+    built, choice = inner.built, inner.solution.choice
+    graph = inner.planner.graph(1)
+    unit_of, _ = pricing._units_of(inner.planner.model)
+    row = built.problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
+    per_unit: dict[str, float] = defaultdict(float)
+    for (src, dst), matrix in row.edge_terms.items():
+        if src not in built.recompute_options:
+            continue
+        node = graph.nodes[built.node_of_name[dst]]
+        if keep(node.op, node.module):
+            reals = _real_modules(graph, node.module)
+            for real in reals:
+                per_unit[unit_of(real)] += matrix[choice[src]][choice[dst]] / len(reals)
+    return max(per_unit.values(), default=0.0)
+
+
+def patch(lever: str) -> None:
+    """Patch ``_Pricer.inner`` to apply ``lever`` to each inner ILP's figures once."""
+    original = pricing._Pricer.inner
+
+    def inner(self, tp: int, rows: int, option: str, lean: bool = False):
+        priced = original(self, tp, rows, option, lean)
+        if getattr(priced, "_whatif", False):
+            return priced
+        priced._whatif = True
+        if lever in ("shard-sends", "shard-sends-bf16", "all") and tp > 1:
+            priced.send_bytes //= tp * (1 if lever == "shard-sends" else 2)
+        cut = 0.0
+        if lever in ("partial", "all") and option.startswith("selective"):
+            cut = kept_per_block(
+                priced,
+                lambda op, module: op == "aten.mm.default" and module.endswith(("o_proj", "down_proj")),
+            )
+        if lever == "casts" and option == "none":
+            cut = kept_per_block(
+                priced, lambda op, module: op == "aten._to_copy.default" and module.endswith("_proj")
+            )
+        for name, unit in priced.units.items():
+            if cut and ".layers." in name and unit.activation_bytes > cut:
+                unit.activation_bytes -= cut
+        return priced
+
+    pricing._Pricer.inner = inner
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--case", choices=tuple(SCALE_CASES), default="llama3-405b")
+    p.add_argument("--lever", choices=LEVERS, default="baseline")
+    args = p.parse_args()
+    patch(args.lever)
+    preset, batch, seq, devices, per_node = SCALE_CASES[args.case]
+    model = build_model(preset, device="meta")
+    inputs = make_example_inputs(model, batch, seq, device="meta")
+    started = time.perf_counter()
+    plan = plan_model(model, inputs, pipeline=None, num_devices=devices, device=SCALE_DEVICE,
+                      devices_per_node=per_node, mixed_precision=MIXED, time_limit_s=60.0)  # fmt: skip
+    flops = _model_flops_per_token(model, seq) * batch * seq
+    mfu = flops / (plan.step_time_s * devices * get_device(SCALE_DEVICE).peak_flops["bfloat16"])
+    print(
+        f"{args.case} {args.lever}: planned in {time.perf_counter() - started:.1f} s; pp {plan.pp_size} "
+        f"{plan.schedule}, {plan.micro_batches} micro-batches, mesh {tuple(plan.mesh_shape)} {plan.dp_label}, "
+        f"recompute {dict(Counter(plan.recompute.values()))}; step {plan.step_time_s:.3f} s, MFU {mfu:.1%}, "
+        f"peak {plan.peak_memory_bytes / GIB:.1f} GiB"
+    )
+    activations = plan.solver.get("rank_activation_bytes")
+    if activations:
+        print("activations at each pp rank's peak, GiB:", [round(b / GIB, 1) for b in activations])
+
+
+if __name__ == "__main__":
+    main()
