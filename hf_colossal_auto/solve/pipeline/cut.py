@@ -33,6 +33,7 @@ from ...plan import stage_ranks
 from ..pricing.pipeline_schedule import (
     Link,
     StageCost,
+    _cached_actions,
     simulate_schedule,
 )
 from .costs import (
@@ -314,19 +315,32 @@ def cut_and_recompute(
     return counts, levels
 
 
+def _splits_backward(schedule: str, pp: int, micro_batches: int, virtual: int) -> bool:
+    """Whether ``schedule``'s action list runs input and weight gradients apart (zero-bubble schedules)."""
+    return any(
+        action[0] == "W" for rank in _cached_actions(schedule, pp, micro_batches, virtual) for action in rank
+    )
+
+
 def _refined_bound(
     costs: ModelCosts, pp: int, schedule: str, micro_batches: int, counts: list[int], levels: list[int]
 ) -> float:
     """No simulation of this cut and recompute choice is faster: per rank, the stages before its first one
-    (micro-batch 0 reaches it through them, and its last gradient goes back through them) plus all its own work
-    of the step; and its busy time (compute, gradient synchronisation, optimizer)."""
+    (micro-batch 0 reaches it through their forwards; under a schedule with whole backwards its last gradient
+    goes back through their backwards after its own last one) plus all its own work of the step; and its busy
+    time (compute, gradient synchronisation, optimizer). Under a zero-bubble schedule (backward split into input
+    and weight gradients) the earlier stages' backwards are not counted: the rank's deferred weight gradients
+    may run while its last input gradient travels back through them, so counting both overstated the bound
+    (Llama-3-70B, pp 8 ZB-V: bounded at 5.16 s, simulated 4.90 s, and pruned)."""
     owner = stage_ranks(schedule, len(counts), pp)
     stages, _ = _stages(costs, counts, levels, owner)
+    split = _splits_backward(schedule, pp, micro_batches, len(counts) // pp)
     bound = 0.0
     for rank in range(pp):
         mine = [i for i in range(len(stages)) if owner[i] == rank]
         work = sum(micro_batches * _block_seconds(stages[i]) for i in mine)
-        before = sum(_block_seconds(stages[i]) for i in range(min(mine)))
+        earlier = range(min(mine))
+        before = sum(stages[i].forward_s if split else _block_seconds(stages[i]) for i in earlier)
         busy = work + sum(stages[i].optimizer_s + stages[i].sync_s for i in mine)
         bound = max(bound, before + work, busy)
     return bound
