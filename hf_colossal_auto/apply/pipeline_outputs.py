@@ -43,9 +43,8 @@ def _refusal(name: str) -> PipelineOutputError:
         "loss function (`model.loss_function = fn`: called per micro-batch on the last stage as fn(logits=..., "
         "labels=..., vocab_size=..., num_items_in_batch=...), it sums over the micro-batch's tokens and divides "
         "by num_items_in_batch, the whole batch's count, as transformers' losses do), or plan without pipeline "
-        "stages (pipeline=1, "
-        "HF_COLOSSAL_AUTO_PIPELINE=1). To read the logits, run an evaluation forward (model.eval() or "
-        "torch.no_grad()): it returns them on every rank."
+        "stages (pipeline=1, HF_COLOSSAL_AUTO_PIPELINE=1). To read the logits, run an evaluation forward "
+        "(model.eval() or torch.no_grad()): it returns them on every rank."
     )
 
 

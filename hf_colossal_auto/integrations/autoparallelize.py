@@ -91,17 +91,23 @@ def autoparallelize(
             from .plugin import (
                 _parse_context_parallel,
                 _parse_pipeline,
+                context_parallel_from_env,
                 context_parallel_setting,
+                pipeline_from_env,
                 pipeline_setting,
                 stages_and_context_parallel,
             )
 
             kwargs = dict(plan_model_kwargs, micro_batches=micro_batches)
-            # stages and cp when asked (pipeline= / context_parallel=, or their variables); a fixed degree of
-            # one keeps the other off, as the runtime runs them apart
+            # stages and cp when asked (pipeline= / context_parallel=, else their variables, read only then);
+            # a fixed degree of one keeps the other off, as the runtime runs them apart
             kwargs["pipeline"], kwargs["context_parallel"] = stages_and_context_parallel(
-                _axis_setting(kwargs, "pipeline", _parse_pipeline, pipeline_setting),
-                _axis_setting(kwargs, "context_parallel", _parse_context_parallel, context_parallel_setting),
+                _argument(kwargs, "pipeline", _parse_pipeline, pipeline_setting)
+                if "pipeline" in kwargs
+                else pipeline_from_env(1),
+                _argument(kwargs, "context_parallel", _parse_context_parallel, context_parallel_setting)
+                if "context_parallel" in kwargs
+                else context_parallel_from_env(1),
             )
             kwargs.setdefault("num_devices", world)
             kwargs.setdefault("device", "cpu" if dist.get_backend() != "nccl" else _cuda_kind())
@@ -122,15 +128,11 @@ def autoparallelize(
     return apply_plan(model, plan, device_mesh, optimizers, timeout=timeout, pretrained=pretrained)
 
 
-def _axis_setting(kwargs: dict[str, Any], name: str, parse: Any, to_setting: Any) -> int | None:
-    """``pipeline`` / ``context_parallel`` as ``plan_model`` takes it: the argument where given (None or
-    ``"auto"`` searched, else a degree, parsed as the plugin and the callback parse it), else its
-    ``HF_COLOSSAL_AUTO_<NAME>`` variable, else 1. The variable is read only without the argument: the argument
-    wins, and a bad variable it overrides is no error (as under the plugin's constructor)."""
-    from .plugin import _setting_from_env
-
-    if name not in kwargs:
-        return _setting_from_env(name, parse, to_setting, 1)
+def _argument(kwargs: dict[str, Any], name: str, parse: Any, to_setting: Any) -> int | None:
+    """The ``pipeline`` / ``context_parallel`` argument as ``plan_model`` takes it: None or ``"auto"`` searched,
+    else a degree, parsed as the plugin and the callback parse it (a bad value refused by name). The argument
+    wins over its ``HF_COLOSSAL_AUTO_<NAME>`` variable, which is then not read: a bad variable it overrides is
+    no error (as under the plugin's constructor)."""
     value = kwargs[name]
     return None if value is None else to_setting(parse(value, name, "autoparallelize"))
 
