@@ -268,6 +268,24 @@ def hand_pipeline_plan(
     )
 
 
+def sends_sequence_shards(
+    layout: PipelineLayout, activation_placements: Mapping[str, list[str]], tp: int, seq_len: int
+) -> bool:
+    """Whether a pipeline's stages can send each tensor-parallel rank's sequence shard of the hidden states
+    (:attr:`~hf_colossal_auto.plan.Plan.sequence_sharded_sends`) for free: tensor parallelism (``tp`` > 1), a
+    sequence of ``seq_len`` that divides over it, and every block of ``layout`` returning its hidden states
+    sharded on the sequence dim over tp (``"S1"`` on the placements' last axis, the tp axis: Megatron-LM's
+    sequence parallelism), so that at any cut each rank already holds its shard — no gather before the send,
+    none after the receive. Where a block returns them whole the stages send them whole (a shard would have to
+    be gathered again by the next stage). The planner prices a pipeline by it and writes it in the plan; the
+    runtime follows the plan."""
+    if tp < 2 or seq_len <= 0 or seq_len % tp:
+        return False
+    return all(
+        (activation_placements.get(layout.block(i)) or ["R"])[-1] == "S1" for i in range(layout.num_blocks)
+    )
+
+
 def pipeline_plan_from(
     plan: Plan,
     model: nn.Module,
@@ -284,7 +302,8 @@ def pipeline_plan_from(
     only; the runtime reads the ``(dp, tp)`` entries), and the pipeline fields — ``blocks_per_stage`` (default:
     as even as the blocks divide) over ``pp_size x virtual_stages`` stages (default: the fewest ``schedule``
     runs), ``micro_batches`` a step. Keys (parameter FQNs, module paths, recompute per block) stay the whole
-    model's. Its predicted figures stay ``plan``'s, which priced no pipeline."""
+    model's; the stages send sequence shards where :func:`sends_sequence_shards` says so. Its predicted figures
+    stay ``plan``'s, which priced no pipeline."""
     import dataclasses
 
     from .plan import PIPELINE_SCHEDULES
@@ -322,4 +341,13 @@ def pipeline_plan_from(
         stages=stages,
         schedule=schedule,
         virtual_stages=virtual,
+        sequence_sharded_sends=sends_sequence_shards(
+            layout, plan.activation_placements, plan.tp_size, _sequence_length(plan)
+        ),
     )
+
+
+def _sequence_length(plan: Plan) -> int:
+    """The sequence length of ``plan``'s batch (its ``input_ids``' second dim; 0 when it has none)."""
+    shape = plan.input_shapes.get("input_ids") or []
+    return int(shape[1]) if len(shape) > 1 else 0

@@ -185,6 +185,14 @@ class Plan:
     """The pipeline schedule, a key of :data:`PIPELINE_SCHEDULES`; empty without a pipeline."""
     virtual_stages: int = 1
     """Stages per pp rank: 1 for "gpipe" and "1f1b", at least 2 for the interleaved schedules, 2 for "zbv"."""
+    sequence_sharded_sends: bool = False
+    """Under a pipeline with tensor parallelism: a stage sends each tensor-parallel rank's sequence shard of the
+    hidden states (``[batch, seq / tp, hidden]``) and the next stage takes it as that rank's shard, instead of
+    the whole tensor on every rank (Megatron-LM's pipeline under sequence parallelism). The planner sets it
+    where every block returns its hidden states sequence-sharded over tp (:func:`~hf_colossal_auto.pipeline_layout.sends_sequence_shards`),
+    so a shard is what each rank already holds at any cut; it prices the sends, the receive buffers and the
+    kept outputs at a tp-th. False in plans without it (and written before it existed; left out of the JSON
+    then): the whole tensor is sent."""
     cp_size: int = 1
     """Context-parallel ranks: the mesh axis ``"cp"`` (mesh ``("dp", "cp", "tp")``, after ``"pp"`` when there is
     one). The ``cp`` ranks of a data-parallel replica hold the same rows and each computes a balanced part of
@@ -229,11 +237,22 @@ class Plan:
                 )
             if "pp" in self.mesh_axis_names:
                 raise PipelinePlanError("Plan: a mesh with a 'pp' axis needs pp_size > 1")
+            if self.sequence_sharded_sends:
+                raise PipelinePlanError(
+                    "Plan: sequence_sharded_sends describes what pipeline stages send; a plan with pp_size 1 "
+                    "has no stages. Drop it, or set pp_size to the pipeline ranks."
+                )
             return
         _check_pipeline_mesh(self)
         _check_schedule(self.schedule, self.virtual_stages, pp)
         _check_stage_lists(self.stages, pp * self.virtual_stages, pp, self.virtual_stages)
         _check_pipeline_micro_batches(self.schedule, self.micro_batches, len(self.stages), pp)
+        if self.sequence_sharded_sends and self.tp_size == 1:
+            raise PipelinePlanError(
+                "Plan: sequence_sharded_sends sends each tensor-parallel rank's sequence shard between stages; "
+                f"the mesh {dict(zip(self.mesh_axis_names, self.mesh_shape, strict=False))} has no tensor "
+                "parallelism. Drop it, or plan with a 'tp' axis."
+            )
 
     def _check_context_parallel(self) -> None:
         """Refuse a cp degree that is not the mesh's ``"cp"`` axis, or axes out of :data:`MESH_AXIS_ORDER`."""
@@ -269,6 +288,10 @@ class Plan:
         ):  # a plan without a pipeline writes exactly what it wrote before pipelines existed
             for name in PIPELINE_FIELDS:
                 data.pop(name)
+        if (
+            not self.sequence_sharded_sends
+        ):  # plans that send whole hidden states write what they wrote before
+            data.pop("sequence_sharded_sends")
         if self.cp_size == 1:  # a plan without context parallelism writes what it wrote before cp existed
             data.pop("cp_size")
         if (

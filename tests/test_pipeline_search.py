@@ -460,3 +460,27 @@ def test_hand_pipeline_configurations_priced_by_the_same_model():
     again = evaluate_plan(model, inputs, searched, num_devices=2)
     assert again.step_time_s == pytest.approx(searched.step_time_s, rel=1e-9)
     assert again.peak_memory_bytes == searched.peak_memory_bytes
+
+
+def test_sequence_parallel_stages_send_sequence_shards_priced_at_a_tp_th():
+    """Megatron-LM's sequence parallelism inside pipeline stages (the "megatron-sp" hand layout with pipeline=):
+    its blocks return sequence shards, so the plan sends each tp rank's shard — the simulated sends carry half
+    of plain Megatron's bytes at tp 2, in the same count — and holds less; the plan names its layout, so that
+    evaluate_plan pins it again and gives its prediction back. Without tensor parallelism it is refused."""
+    model = _llama(4)
+    inputs = make_example_inputs(model, 8, 32, device="meta")
+    common = dict(
+        num_devices=4, device="cpu", pipeline=2, mesh_shape=(1, 2), schedule="1f1b", micro_batches=4
+    )
+    sp = evaluate_plan(model, inputs, "megatron-sp", recompute="full", **common).plan
+    plain = evaluate_plan(model, inputs, "megatron", recompute="full", **common).plan
+    assert sp.sequence_sharded_sends and sp.hand_layout == "megatron-sp" and not plain.sequence_sharded_sends
+    assert set(sp.solver["point_to_point"]) == set(plain.solver["point_to_point"]) == {"0->1", "1->0"}
+    for pair, (count, nbytes) in plain.solver["point_to_point"].items():
+        assert sp.solver["point_to_point"][pair] == [count, nbytes // 2]
+    assert sp.peak_memory_bytes < plain.peak_memory_bytes
+    again = evaluate_plan(model, inputs, sp, num_devices=4, device="cpu")
+    assert again.step_time_s == pytest.approx(sp.step_time_s, rel=1e-9)
+    assert again.plan.sequence_sharded_sends
+    with pytest.raises(ValueError, match="megatron-sp: sequence parallelism needs a tensor-parallel axis"):
+        evaluate_plan(model, inputs, "megatron-sp", **{**common, "mesh_shape": (2, 1)})

@@ -192,22 +192,33 @@ class StageModule(nn.Module):
         self.router_balance: RouterBalance | None = None
         """Set by :func:`apply_pipeline_plan` when the model's loss has a router load-balancing term: it reads
         the stage's router logits (:mod:`.pipeline_aux`)."""
+        self.sequence_shards = False
+        """Set by the runner for each step (:attr:`~hf_colossal_auto.plan.Plan.sequence_sharded_sends`, and the
+        step's sequence divides over tp): the hidden states a stage receives and sends are this tensor-parallel
+        rank's sequence shard."""
 
     def forward(self, x: torch.Tensor, **per_token: torch.Tensor) -> torch.Tensor:
         """The stage's part of the model's forward. Under tensor parallelism its inputs (the rank's whole
         micro-batch, or the hidden states received whole) become DTensors replicated over the tensor-parallel
         group, as the runtime's forward does for a whole model, and its output comes back whole: what is sent
-        to the next stage is the hidden states every rank of the group holds alike."""
+        to the next stage is the hidden states every rank of the group holds alike. With
+        :attr:`sequence_shards` the hidden states received are this rank's sequence shard (a DTensor sharded
+        on dim 1) and those sent are its shard of the output: no gather on either side where the blocks
+        return them so sharded (the plan sets it only then), the same values either way."""
+        if self.tp_mesh is not None and self.sequence_shards and not self.is_first:
+            x = _sequence_shard_in(x, self.tp_mesh)
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
         inputs.update(per_token)
         if self.tp_mesh is not None:
             from .runtime import inputs_on_mesh
 
-            inputs = inputs_on_mesh(inputs, self.tp_mesh)
+            inputs = inputs_on_mesh(inputs, self.tp_mesh)  # leaves a DTensor as it is
         with self.forward_context():
             out = self.root(**inputs, use_cache=False)
         result = out.logits if self.is_last else out.last_hidden_state
-        if self.tp_mesh is not None:
+        if self.tp_mesh is not None and self.sequence_shards and not self.is_last:
+            result = _sequence_shard_out(result, self.tp_mesh)
+        elif self.tp_mesh is not None:
             from .runtime import local_outputs
 
             result = local_outputs(result)
@@ -219,6 +230,25 @@ class StageModule(nn.Module):
                 result, getattr(out, "router_logits", None), per_token.get("attention_mask")
             )
         return result
+
+
+def _sequence_shard_in(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The received hidden states (this tensor-parallel rank's sequence shard) as the DTensor they are part of:
+    sharded on dim 1 over ``mesh``. Its backward hands on this rank's shard of the input's gradient."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+
+
+def _sequence_shard_out(result: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This tensor-parallel rank's sequence shard of the stage's output hidden states, to send: no
+    communication where the output is already sharded on dim 1 (the plan's blocks return it so), a local slice
+    of a replicated one, a reduce-scatter of a partial one."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(result, DTensor):
+        result = DTensor.from_local(result, mesh, [Replicate()], run_check=False)
+    return result.redistribute(mesh, [Shard(1)]).to_local()
 
 
 # --------------------------------------------------------------------------------------------- the cut

@@ -185,6 +185,7 @@ class PipelineRunner:
         input_ids, labels, kwargs = _split_batch(
             batch, self.plan.micro_batches, self.device, need_labels=False
         )
+        self._send_sequence_shards(input_ids)
         count = self._count(labels, num_items) if labels is not None else None
         balance = self.router_balance if labels is not None else None
         with torch.no_grad():
@@ -256,6 +257,7 @@ class PipelineRunner:
         tied copies and (unless ``reduce`` is False: deferred) the data-parallel replicas, leaving ``.grad`` as
         it was. ``num_items``: the caller's ``num_items_in_batch`` (see the module docstring)."""
         input_ids, labels, kwargs = _split_batch(batch, self.plan.micro_batches, self.device)
+        self._send_sequence_shards(input_ids)
         over_dp = num_items is None
         aux = self._count_routing(input_ids, kwargs, over_dp) if self.router_balance is not None else None
         schedule = self._schedule(input_ids.shape, kwargs)
@@ -307,6 +309,15 @@ class PipelineRunner:
             )
         balance.start_training(counts, rows)
         return balance.loss_of(counts, probs, rows)
+
+    def _send_sequence_shards(self, input_ids: torch.Tensor) -> None:
+        """Whether this step's stages send sequence shards: the plan's :attr:`~hf_colossal_auto.plan.Plan.
+        sequence_sharded_sends`, where the step's sequence divides over tp (every rank of a pipeline reads the
+        same batch, so all agree; a sequence that does not divide is sent whole, as a plan without it does)."""
+        tp = self.plan.tp_size
+        shards = self.plan.sequence_sharded_sends and input_ids.dim() > 1 and input_ids.shape[1] % tp == 0
+        for stage in self.stages:
+            stage.sequence_shards = shards
 
     def _schedule(self, shape: torch.Size, kwargs: dict[str, torch.Tensor]) -> Any:
         key = (tuple(shape), tuple(sorted((k, tuple(v.shape)) for k, v in kwargs.items())))

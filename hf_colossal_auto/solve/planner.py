@@ -598,22 +598,18 @@ def _hand_pipeline(
     dp_shard_size: int | None,
 ) -> dict[str, Any]:
     """A hand pipeline's pp degree, stage layout and tensor-parallel placements: ``baseline`` "ddp" / "fsdp"
-    (tp = 1), "megatron" (Megatron's placements on tp = ``mesh_shape[-1]``, default the largest that fits a node)
-    or a tp_plan dict, inside each of ``pipeline`` stages."""
+    (tp = 1), "megatron" (Megatron's placements on tp = ``mesh_shape[-1]``, default the largest that fits a node;
+    "megatron-sp" with its sequence parallelism, "megatron-local" run on local shards) or a tp_plan dict, inside
+    each of ``pipeline`` stages."""
     if pipeline is None or pipeline < 2:
         raise ValueError(f"pipeline must be a pp degree >= 2 for a hand pipeline, got {pipeline!r}")
     n = planner.cluster.num_devices
     if n % pipeline:
         raise ValueError(f"pipeline={pipeline} does not divide the {n} devices")
     inner = n // pipeline
-    if baseline == "megatron-sp":
-        raise ValueError(
-            "megatron-sp: sequence parallelism inside pipeline stages is not priced yet (the stage search takes "
-            "parameter placements only); price 'megatron' with pipeline=, or 'megatron-sp' without it"
-        )
     if isinstance(baseline, str) and baseline in ("ddp", "fsdp"):
         tp, fixed, mode = 1, {}, baseline
-    elif baseline in ("megatron", "megatron-local") or not isinstance(baseline, str):
+    elif baseline in ("megatron", "megatron-sp", "megatron-local") or not isinstance(baseline, str):
         tp = mesh_shape[-1] if mesh_shape else _largest_tp(inner, planner.cluster.devices_per_node, model)
         placements = (
             megatron_placements(model) if isinstance(baseline, str) else tp_plan_placements(model, baseline)
@@ -641,8 +637,13 @@ def _hand_pipeline(
             raise ValueError(f"HSDP needs a shard group dividing the {dp} data-parallel ranks of a stage")
     else:
         shard = dp if mode == "fsdp" else 1
+    if baseline == "megatron-sp" and tp < 2:
+        raise ValueError(
+            "megatron-sp: sequence parallelism needs a tensor-parallel axis > 1 inside the stages"
+        )
     return dict(pp=pipeline, stage=StageLayout(tp, dp, mode if dp > 1 else "ddp", shard if dp > 1 else 1),
-                fixed_params=fixed, local=baseline == "megatron-local")  # fmt: skip
+                fixed_params=fixed, local=baseline == "megatron-local",
+                sequence_parallel=baseline == "megatron-sp")  # fmt: skip
 
 
 def _check_estimate_arguments(

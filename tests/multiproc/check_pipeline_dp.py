@@ -43,6 +43,7 @@ from check_pipeline import (  # noqa: E402
 )
 from common import init_gloo, out_argument, write_every_rank_and_close  # noqa: E402
 
+from hf_colossal_auto._torch_compat import recording_point_to_point
 from hf_colossal_auto.integrations.process_exit import finish
 
 
@@ -70,9 +71,12 @@ def reference(model, batch: dict, steps: int = 2) -> dict[str, Any]:
 PRICED_INSIDE: dict[str, tuple[str, dict[str, Any]]] = {
     "hsdp": ("fsdp", {"mesh_shape": (4, 1), "dp_mode": "hsdp", "dp_shard_size": 2}),
     "fsdp-tp": ("megatron", {"mesh_shape": (2, 2), "dp_mode": "fsdp", "recompute": "full"}),
+    "tp-sp": ("megatron-sp", {"mesh_shape": (1, 2), "recompute": "full"}),
 }
-"""Stage layouts of 8 ranks (``check_pipeline_8.py``), priced with the pipeline by ``evaluate_plan``: HSDP over
-dp 4 (shard groups of 2, two replicas), and FSDP over dp 2 times Megatron-LM tensor parallelism over tp 2."""
+"""Stage layouts priced with the pipeline by ``evaluate_plan``: on 8 ranks (``check_pipeline_8.py``) HSDP over
+dp 4 (shard groups of 2, two replicas), and FSDP over dp 2 times Megatron-LM tensor parallelism over tp 2; on 4,
+Megatron-LM's tensor parallelism with its sequence parallelism over tp 2 (its blocks return sequence shards, so
+the stages send them: ``Plan.sequence_sharded_sends``)."""
 
 
 def stage_plan(cfg, batch: dict, inside: str, schedule: str, cut: list[int]):
@@ -145,6 +149,27 @@ def local_fraction(model) -> float:
     return local / sum(p.numel() for p in params)
 
 
+def p2p_by_peer(records: list, predicted: dict[str, list[int]], model) -> tuple[dict, dict]:
+    """This rank's point-to-point ops of one step by ``op:peer`` (count, bytes): measured, and as the plan's
+    simulated schedule has them (``solver["point_to_point"]``, ``"src->dst"`` in pp ranks, mapped to the global
+    ranks of this rank's pipeline)."""
+    from hf_colossal_auto import pipeline_runner
+
+    group = pipeline_runner(model).group
+    rank = dist.get_rank()
+    measured: dict[str, list[int]] = {}
+    for record in records:
+        key = f"{record.op}:{record.peer}"
+        count, nbytes = measured.get(key, [0, 0])
+        measured[key] = [count + 1, nbytes + record.nbytes]
+    expected: dict[str, list[int]] = {}
+    for pair, (count, nbytes) in predicted.items():
+        src, dst = (dist.get_global_rank(group, int(r)) for r in pair.split("->"))
+        if rank in (src, dst):
+            expected[f"isend:{dst}" if src == rank else f"irecv:{src}"] = [count, nbytes]
+    return measured, expected
+
+
 def pipelined(
     preset: str, schedule: str, cut: list[int], directory: str | None, inside: str = "ddp"
 ) -> dict[str, Any]:
@@ -164,8 +189,10 @@ def pipelined(
     local = shard_batch(batch, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     out: dict[str, Any] = {"info": [info.rank, info.size, info.tp_size, info.pp_size, info.world_size]}
+    recorder = recording_point_to_point()
     for i in range(2):
-        loss = model(**local).loss
+        with recorder if i == 1 else contextlib.nullcontext():  # the second step: shapes inferred already
+            loss = model(**local).loss
         loss.backward()
         if i == 0:
             out["loss"], out["ref_loss"] = loss.item(), ref["loss"]
@@ -182,6 +209,11 @@ def pipelined(
     errors = {
         n: (whole(p.detach()) - ref["params"][n]).abs().max().item() / LR for n, p in model.named_parameters()
     }
+    if "point_to_point" in plan.solver:  # a priced plan: its sends and receives by peer, as simulated
+        out["sequence_sharded_sends"] = plan.sequence_sharded_sends
+        out["measured_p2p"], out["predicted_p2p"] = p2p_by_peer(
+            recorder.records, plan.solver["point_to_point"], model
+        )
     out["param_err_lr"] = max(errors.values())
     out["param_err_at"] = max(errors, key=errors.get)  # which parameter, for a failure's message
     model.eval()
@@ -318,6 +350,8 @@ def main() -> None:
         "gpt2 tied zbv": pipelined("tiny-gpt2", "zbv", [1, 1, 1, 1], directory[0]),
         "llama fsdp 1f1b": pipelined("tiny-llama", "1f1b", [2, 1], directory[1], inside="fsdp"),
         "llama tp 1f1b": pipelined("tiny-llama", "1f1b", [1, 2], directory[2], inside="tp"),
+        # sequence parallelism: the stages send each tp rank's sequence shard (half the hidden states)
+        "llama tp-sp 1f1b": pipelined("tiny-llama", "1f1b", [2, 2], None, inside="tp-sp"),
         "gpt2 tied fsdp 1f1b": pipelined("tiny-gpt2", "1f1b", [1, 1], directory[3], inside="fsdp"),
         # MoE with its router aux loss: counts over both dp groups, the aux loss on DTensors in the last stage
         "mixtral fsdp interleaved-zero-bubble": pipelined(

@@ -79,6 +79,7 @@ def pipeline_plan(
         recompute=recompute,
         replicated_ops=flat.replicated_ops,
         local_modules=flat.local_modules,
+        sequence_sharded_sends=priced.sequence_sharded_sends,
     )
     _fill_predictions(plan, planner, candidate, flat)
     plan.solver["pipeline_candidates"] = len(tried)
@@ -244,6 +245,7 @@ def price_pipeline(
     recompute: str | list[str] = "none",
     fixed_params: dict[str, str] | None = None,
     local: bool = False,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """A pipeline configuration written by hand (torchtitan's FSDP x TP x PP, Llama 3's 4-D layout without
     context parallelism, or a pipeline Plan to re-price) priced by the same model as the search: ``stage`` inside
@@ -252,8 +254,9 @@ def price_pipeline(
     ``recompute`` one option for every block, a list (one per block), or "auto" (chosen per block under the
     budget as the search does), ``fixed_params`` the tensor-parallel placements (FQN -> placement; unlisted
     parameters replicated), ``local`` whether its qualifying attention / MLP modules run on local tensor shards
-    (:mod:`..local_tensor_parallel`). Its Plan carries the predictions (``fits`` says whether it meets the
-    budget)."""
+    (:mod:`..local_tensor_parallel`), ``sequence_parallel`` whether the ops between its tensor-parallel regions
+    run on sequence shards (Megatron-LM's sequence parallelism; the plan's ``hand_layout`` "megatron-sp"). Its
+    Plan carries the predictions (``fits`` says whether it meets the budget)."""
     layout = find_layout(planner.model)
     _check_degree(planner, layout, pp)
     virtual = virtual_stages or PIPELINE_SCHEDULES[schedule][0]
@@ -281,7 +284,14 @@ def price_pipeline(
     if fixed_params is not None:
         tied = TiedGraph.build(planner.any_graph(1))
         fixed_params = {tied.canonical_param(k): v for k, v in fixed_params.items()}
-    pricer = _Pricer(planner, layout, fixed_params, pin_unlisted=fixed_params is not None, local=local)
+    pricer = _Pricer(
+        planner,
+        layout,
+        fixed_params,
+        pin_unlisted=fixed_params is not None,
+        local=local,
+        sequence_parallel=sequence_parallel,
+    )
     costs = pricer.costs(pp, stage, micro_batches, options)
     link = p2p_link(planner.cluster, pp)
     if auto:
@@ -295,7 +305,10 @@ def price_pipeline(
         costs, pp, stage, schedule, virtual, micro_batches, link, planner.budget, counts, levels
     )
     candidate.rows = planner.batch // (stage.dp * micro_batches)
-    return pipeline_plan(planner, candidate, [candidate], pricer)
+    plan = pipeline_plan(planner, candidate, [candidate], pricer)
+    if sequence_parallel:  # pinned again when the plan is priced again (pipeline_configuration)
+        plan.hand_layout = "megatron-sp"
+    return plan
 
 
 def pipeline_configuration(planner: _Planner, plan: Plan) -> dict[str, Any]:
@@ -314,4 +327,5 @@ def pipeline_configuration(planner: _Planner, plan: Plan) -> dict[str, Any]:
         recompute=[plan.recompute.get(layout.block(i), "none") for i in range(layout.num_blocks)],
         fixed_params={fqn: p[-1] for fqn, p in plan.param_placements.items()},
         local=bool(plan.local_modules),
+        sequence_parallel=plan.hand_layout == "megatron-sp",
     )

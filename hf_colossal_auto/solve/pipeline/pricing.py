@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...hardware import ClusterSpec
-from ...pipeline_layout import PipelineLayout
+from ...pipeline_layout import PipelineLayout, sends_sequence_shards
 from ..baselines import _attention_heads
 from ..build.builder import BuiltProblem
 from ..build.names import MemoryRow, NodeKind, memory_row_name
@@ -38,7 +38,7 @@ from ..pricing.comm import AxisComm, shard_factor
 from ..pricing.compute import HOST_STREAM, overlap_parts
 from ..problem import InfeasibleError, Solution, memory_usage
 from ..tied import TiedGraph
-from ..writeup import _activation_per_unit, _real_modules, _unit_mapper, _unit_order
+from ..writeup import _activation_per_unit, _real_modules, _unit_mapper, _unit_order, module_output_placements
 from .costs import STAGE_DP_MODES, ModelCosts, StageLayout, UnitCost
 
 
@@ -69,6 +69,8 @@ class InnerPricing:
     """Forward, backward and kept activation bytes per unit (no data-parallel figures)."""
     params: list[_ParamShare]
     send_bytes: int
+    """What a stage sends on per micro-batch and device: the hidden states, a tp-th of them where
+    :attr:`sequence_sharded_sends`."""
     planner: _Planner
     mesh: tuple[int, int]
     dp_mode: str
@@ -83,6 +85,9 @@ class InnerPricing:
     local: bool = False
     """Whether the layout runs its qualifying attention / MLP modules on local tensor shards
     (:mod:`..local_tensor_parallel`; the plan lists them)."""
+    sequence_sharded_sends: bool = False
+    """Whether stages of this layout send each tensor-parallel rank's sequence shard
+    (:func:`~hf_colossal_auto.pipeline_layout.sends_sequence_shards` of the solution's block outputs)."""
 
 
 class _Pricer:
@@ -90,7 +95,10 @@ class _Pricer:
     per-layout costs by (pp, layout, micro-batches, options). ``fixed_params`` (FQN -> tensor-parallel placement)
     pins a hand configuration's placements in every ILP. ``local``: whether a tensor-parallel layout runs the
     attention / MLP modules that qualify on local shards (:meth:`_Planner.local_layout`): None prices it both ways
-    and keeps the faster (the search), True / False one way (a hand configuration, a Plan re-priced)."""
+    and keeps the faster (the search), True / False one way (a hand configuration, a Plan re-priced).
+    ``sequence_parallel``: the ops between the tensor-parallel regions of ``fixed_params`` run on sequence shards
+    (Megatron-LM's sequence parallelism, the ``"megatron-sp"`` hand layout:
+    :func:`~..sequence_parallel.sequence_parallel_pins`), in every ILP of tp > 1."""
 
     def __init__(
         self,
@@ -99,12 +107,18 @@ class _Pricer:
         fixed_params: dict[str, str] | None = None,
         pin_unlisted: bool = False,
         local: bool | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
+        if sequence_parallel and not fixed_params:
+            raise ValueError(
+                "sequence parallelism inside pipeline stages needs the tensor-parallel placements"
+            )
         self.planner = planner
         self.layout = layout
         self.fixed_params = fixed_params
         self.pin_unlisted = pin_unlisted
         self.local = local
+        self.sequence_parallel = sequence_parallel
         self._inner: dict[tuple, InnerPricing] = {}
         self._costs: dict[tuple, ModelCosts] = {}
         self._tied_names: set[str] | None = None
@@ -205,6 +219,7 @@ class _Pricer:
             pin_unlisted=self.pin_unlisted,
             recompute_pin=option,
             budget=LIFTED_BUDGET,
+            strategy_pins=self._sequence_parallel_pins(inner, tp),
             local=local,
         )
         peak = built.problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
@@ -223,10 +238,39 @@ class _Pricer:
         params, choice = _param_shares(planner, built, solution, graph, tp)
         output = max((graph.values[v].nbytes for v in graph.output_values), default=0)
         transient = max(0.0, peak.constant - graph.input_bytes - graph.buffer_bytes)
+        sharded = tp > 1 and sends_sequence_shards(
+            self.layout,
+            module_output_placements(inner.graph(mesh[0], built.micro_batches), built, solution, mesh),
+            tp,
+            _sequence_length(planner.inputs),
+        )
+        sends = _send_bytes(graph, self.layout) // (tp if sharded else 1)
         return InnerPricing(
-            units, params, _send_bytes(graph, self.layout), inner, mesh, mode, built, solution, choice,
-            output, transient, local,
-        )  # fmt: skip
+            units,
+            params,
+            sends,
+            inner,
+            mesh,
+            mode,
+            built,
+            solution,
+            choice,
+            output,
+            transient,
+            local,
+            sharded,
+        )
+
+    def _sequence_parallel_pins(self, inner: _Planner, tp: int) -> dict | None:
+        """The ``"megatron-sp"`` layout's sequence-sharded regions on the inner mesh ``(1, tp)`` (None: not
+        asked for, or no tensor parallelism)."""
+        if not self.sequence_parallel or tp < 2:
+            return None
+        from ..baselines import tensor_parallel_modules
+        from ..sequence_parallel import sequence_parallel_pins
+
+        borders, rows = tensor_parallel_modules(self.planner.model, self.fixed_params or {})
+        return sequence_parallel_pins(inner.graph(1), inner.strategies(1, tp, 1), inner.layers, borders, rows)
 
     def costs(self, pp: int, stage: StageLayout, micro_batches: int, options: tuple[str, ...]) -> ModelCosts:
         """The model's per-unit costs for ``stage`` in a ``pp``-stage pipeline at ``micro_batches`` micro-batches,
@@ -481,6 +525,12 @@ def _send_bytes(graph, layout: PipelineLayout) -> int:
         graph.storages[s].nbytes for args in graph.block_args.values() for s in args if s in graph.storages
     ]
     return max(sizes, default=0)
+
+
+def _sequence_length(inputs: Any) -> int:
+    """The batch's sequence length (its ``input_ids``' second dim; 0 when it has none)."""
+    ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+    return int(ids.shape[1]) if ids is not None and ids.dim() > 1 else 0
 
 
 def _by_role(units: dict[str, UnitCost], layout: PipelineLayout, send_bytes: int) -> ModelCosts:
