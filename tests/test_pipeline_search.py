@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -462,7 +463,7 @@ def test_hand_pipeline_configurations_priced_by_the_same_model():
     assert again.peak_memory_bytes == searched.peak_memory_bytes
 
 
-def test_sequence_parallel_stages_send_sequence_shards_priced_at_a_tp_th():
+def test_sequence_parallel_stages_send_sequence_shards_priced_at_a_tp_th(caplog):
     """Megatron-LM's sequence parallelism inside pipeline stages (the "megatron-sp" hand layout with pipeline=):
     its blocks return sequence shards, so the plan sends each tp rank's shard — the simulated sends carry half
     of plain Megatron's bytes at tp 2, in the same count — and holds less; the plan names its layout, so that
@@ -479,6 +480,15 @@ def test_sequence_parallel_stages_send_sequence_shards_priced_at_a_tp_th():
     for pair, (count, nbytes) in plain.solver["point_to_point"].items():
         assert sp.solver["point_to_point"][pair] == [count, nbytes // 2]
     assert sp.peak_memory_bytes < plain.peak_memory_bytes
+    # DDP inside the stages ("R" on dp, the placements' second axis under pp): no "repeats the same work" warning
+    from hf_colossal_auto.solve.planner import _warn_if_tensor_parallel_repeats
+
+    with caplog.at_level(logging.WARNING, logger="hf_colossal_auto.solve.planner"):
+        _warn_if_tensor_parallel_repeats(model, sp)
+        assert not caplog.records
+        replicated = {f: ["R", "R", "R"] for f in sp.param_placements}
+        _warn_if_tensor_parallel_repeats(model, dataclasses.replace(sp, param_placements=replicated))
+    assert "no parameter is sharded over the tensor-parallel axis of 2" in caplog.text
     again = evaluate_plan(model, inputs, sp, num_devices=4, device="cpu")
     assert again.step_time_s == pytest.approx(sp.step_time_s, rel=1e-9)
     assert again.plan.sequence_sharded_sends

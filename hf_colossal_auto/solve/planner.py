@@ -357,8 +357,10 @@ def _no_plan_error(
 
 def _warn_if_tensor_parallel_repeats(model: nn.Module, plan: Plan) -> None:
     """A plan on a tensor-parallel axis that shards no parameter repeats the same work on its devices: say so,
-    with the model's attention heads (what a tensor-parallel size should divide)."""
-    if plan.tp_size > 1 and all(p[1] == "R" for p in plan.param_placements.values()):
+    with the model's attention heads (what a tensor-parallel size should divide). The tp axis is read by name:
+    a pipeline plan's placements lead with the pp axis."""
+    tp = plan.mesh_axis_names.index("tp") if "tp" in plan.mesh_axis_names else -1
+    if plan.tp_size > 1 and all(p[tp] == "R" for p in plan.param_placements.values()):
         heads = _attention_heads(model)
         logger.warning(
             "%s on mesh %s: no parameter is sharded over the tensor-parallel axis of %d%s; its devices repeat the "
