@@ -1,16 +1,18 @@
 """What-if for the scale cases: the plan ``plan_model(pipeline=None)`` makes if the pipeline pricing were given
 smaller figures for levers the runtime does not have yet (predicted only; nothing here changes what runs).
 
-    python scripts/whatif_pipeline_levers.py --case llama3-405b --lever shard-sends
+    python scripts/whatif_pipeline_levers.py --case llama3-405b --lever partial
 
 Levers (each patches the figures ``solve/pipeline/pricing._Pricer.inner`` hands the search, per inner ILP):
 
-* ``shard-sends``: a stage sends each tensor-parallel rank's sequence shard of the hidden states (send and
-  receive bytes divided by tp) instead of the whole tensor; ``shard-sends-bf16``: and in bf16 (halved again);
+* ``bf16-sends``: a stage sends its hidden states in bf16 (send and receive bytes halved; they are fp32 under
+  autocast with fp32 parameters, so this would change what a step computes — priced to show its worth only).
+  Sending each tensor-parallel rank's sequence shard, this script's first lever, is built
+  (``Plan.sequence_sharded_sends``) and in the baseline;
 * ``partial``: selective recompute does not keep the row-parallel projections' partial sums (the ``mm`` outputs
   of ``o_proj`` / ``down_proj``), which it keeps today only to replay the region's exit;
 * ``casts``: a block without recompute keeps no bf16 cast of a projection's weight or input per micro-batch;
-* ``all``: shard-sends-bf16 and partial together; ``baseline``: nothing patched (today's plan).
+* ``all``: bf16-sends and partial together; ``baseline``: nothing patched (today's plan).
 
 Prints the plan (pp, schedule, micro-batches, mesh, recompute counts), its step time and MFU (the model FLOPs of
 ``bench_planner.py --scale``), its peak, and each pp rank's predicted activation bytes at its peak. Why: the
@@ -36,7 +38,7 @@ from hf_colossal_auto.solve.pipeline import pricing  # noqa: E402
 from hf_colossal_auto.solve.planner import plan_model  # noqa: E402
 from hf_colossal_auto.solve.writeup import _real_modules  # noqa: E402
 
-LEVERS = ("baseline", "shard-sends", "shard-sends-bf16", "partial", "casts", "all")
+LEVERS = ("baseline", "bf16-sends", "partial", "casts", "all")
 GIB = float(1 << 30)
 
 
@@ -68,8 +70,8 @@ def patch(lever: str) -> None:
         if getattr(priced, "_whatif", False):
             return priced
         priced._whatif = True
-        if lever in ("shard-sends", "shard-sends-bf16", "all") and tp > 1:
-            priced.send_bytes //= tp * (1 if lever == "shard-sends" else 2)
+        if lever in ("bf16-sends", "all"):
+            priced.send_bytes //= 2
         cut = 0.0
         if lever in ("partial", "all") and option.startswith("selective"):
             cut = kept_per_block(
