@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-baselines",
         action="store_true",
-        help="skip pricing ddp/fsdp/megatron/megatron-sp/megatron-local",
+        help="skip pricing ddp/fsdp/megatron/megatron-sp/megatron-local/megatron-sp-local",
     )
     p.add_argument("--out", metavar="PATH", help="write the plan JSON here")
     p.add_argument(

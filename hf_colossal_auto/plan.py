@@ -113,9 +113,10 @@ class Plan:
     block enters as the ones after it, which read their predecessor's output. Empty when no run is folded (and
     in plans written before it existed); left out of the JSON then."""
     hand_layout: str = ""
-    """The named hand layout whose activation placements the plan keeps (``"megatron-sp"``: Megatron-LM's sequence
-    parallelism on every block, :func:`hf_colossal_auto.solve.planner.evaluate_plan`), so that pricing the plan
-    again pins them again instead of leaving them to the solver. Empty for the planner's own plans and the other
+    """The named hand layout whose activation placements the plan keeps (``"megatron-sp"`` /
+    ``"megatron-sp-local"``: Megatron-LM's sequence parallelism on every block,
+    :func:`hf_colossal_auto.solve.planner.evaluate_plan`), so that pricing the plan again pins them again instead
+    of leaving them to the solver. Empty for the planner's own plans and the other
     baselines (and in plans written before it existed); left out of the JSON then."""
     local_modules: list[str] = field(default_factory=list)
     """Module FQNs (attention and MLP submodules of blocks) the runtime runs on local tensor shards rather than on

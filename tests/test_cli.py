@@ -41,7 +41,7 @@ def test_plan_prints_the_summary_and_baselines_and_writes_a_plan_that_loads(tmp_
     plan = Plan.load(path)
     assert plan.model_class == "LlamaForCausalLM" and plan.num_devices == 2
     assert "Plan for LlamaForCausalLM" in printed
-    for baseline in ("ddp", "fsdp", "megatron", "megatron-sp", "megatron-local"):
+    for baseline in ("ddp", "fsdp", "megatron", "megatron-sp", "megatron-local", "megatron-sp-local"):
         assert f"  {baseline} " in printed
 
 

@@ -145,6 +145,44 @@ _COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_ten
 """The functional collectives CommDebugMode records under the planner's names for them."""
 
 
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+def test_megatron_sp_local_plans_train_like_one_process_on_local_regions(preset):
+    """The ``megatron-sp-local`` baseline (torchtitan's tensor parallelism: Megatron's placements, sequence
+    parallelism between the regions, attention and MLP on local shards) lists every attention and MLP module as
+    local, returns sequence shards from its blocks, and trains like one process on 2 simulated ranks."""
+    model = _model(preset)
+    batch = make_example_inputs(model, 4, 16)
+    reference = copy.deepcopy(model)
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    plan = evaluate_plan(
+        model, batch, "megatron-sp-local", num_devices=2, device="cpu", mesh_shape=(1, 2)
+    ).plan
+    assert plan.hand_layout == "megatron-sp-local" and plan.local_modules == sorted(_attention_and_mlp(model))
+    assert plan.sequence_parallel_blocks
+    loss, grads, _ = _step_on_two_simulated_ranks(model, plan, batch)
+    assert loss == pytest.approx(float(ref_loss), abs=1e-6)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open gap (docs/reliability.md): at 4 x 16 tokens the megatron-sp layouts' predicted collectives "
+    "differ from the run's (Llama: one backward all-reduce more; GPT-2: reduce-scatters, all-gathers); at one "
+    "sequence of 128 tokens they equal it on real ranks (test_sequence_parallel)",
+)
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("how", ["megatron-sp", "megatron-sp-local"])
+def test_megatron_sp_collectives_at_a_short_sequence_are_the_predicted_ones(preset, how):
+    model = _model(preset)
+    batch = make_example_inputs(model, 4, 16)
+    plan = evaluate_plan(model, batch, how, num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
+    _, _, collectives = _step_on_two_simulated_ranks(model, plan, batch)
+    predicted = {kind: round(n) for kind, n in plan.collectives.items() if n}
+    assert {_COLLECTIVE_KINDS.get(kind, kind): n for kind, n in collectives.items()} == predicted
+
+
 def test_local_region_skips_the_plans_hooks_inside_and_restores_its_parameters():
     """After a step the listed modules hold their DTensor parameters again (swapped only for the forward), and
     no placement hook was installed on a module inside them (they act on DTensors)."""

@@ -537,8 +537,9 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
     all-reduce to the last backward (each gradient reduced once) and gives one process's gradients; so does the
     Trainer's contract (num_items_in_batch of the window, loss x dp), whose logged loss is one process's. A tiny
     Mixtral with its router load-balancing loss under pp 2 x FSDP 2 (interleaved zero bubble) too. And pp 2 x tp
-    2 under Megatron-LM's sequence parallelism, priced with its stages: it trains like one process while each
-    tp rank sends its sequence shard, the step's sends and receives the simulated schedule's."""
+    2 under Megatron-LM's sequence parallelism with attention and MLP on local shards, priced with its stages: it
+    trains like one process while each tp rank sends its sequence shard, the step's sends and receives the
+    simulated schedule's."""
     from torchrun_launch import run_torchrun
 
     out = tmp_path / "pipeline_dp.json"
@@ -581,12 +582,13 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
         contract = results["trainer contract"]  # num_items_in_batch and loss x dp, as the Trainer runs it
         assert contract["grad_err"] <= 1e-5, contract
         assert abs(contract["logged"] - contract["ref_loss"]) <= 1e-5 * contract["ref_loss"], contract
-        # pp 2 x tp 2 with Megatron-LM's sequence parallelism (priced with its stages): the blocks return
+        # pp 2 x tp 2 with Megatron-LM's sequence parallelism and local regions (megatron-sp-local, priced with
+        # its stages): the blocks return
         # sequence shards, so each tp rank sends and receives its half of the hidden states — the simulated
         # schedule's sends and receives by peer, in count and bytes (whole tensors would be twice the bytes)
         sp = results["llama tp-sp 1f1b"]
         assert sp["info"] == [0, 1, 2, 2, 4], sp["info"]
-        assert sp["sequence_sharded_sends"] is True
+        assert sp["sequence_sharded_sends"] is True and sp["local_modules"] > 0  # torchtitan's TP layout
         assert sp["measured_p2p"] == sp["predicted_p2p"] and sp["predicted_p2p"], (rank, sp)
         assert abs(sp["loss"] - sp["ref_loss"]) <= 1e-5 * sp["ref_loss"], sp
         assert sp["grad_err"] <= 1e-5 and abs(sp["norm"] - sp["ref_norm"]) <= 1e-5 * sp["ref_norm"], sp

@@ -463,8 +463,10 @@ def test_hand_pipeline_configurations_priced_by_the_same_model():
     assert again.peak_memory_bytes == searched.peak_memory_bytes
 
 
-def test_sequence_parallel_stages_send_sequence_shards_priced_at_a_tp_th(caplog):
-    """Megatron-LM's sequence parallelism inside pipeline stages (the "megatron-sp" hand layout with pipeline=):
+@pytest.mark.parametrize("layout", ["megatron-sp", "megatron-sp-local"])
+def test_sequence_parallel_stages_send_sequence_shards_priced_at_a_tp_th(layout, caplog):
+    """Megatron-LM's sequence parallelism inside pipeline stages (the "megatron-sp" hand layout with pipeline=,
+    and "megatron-sp-local" with attention and MLP on local shards, torchtitan's TP plan):
     its blocks return sequence shards, so the plan sends each tp rank's shard — the simulated sends carry half
     of plain Megatron's bytes at tp 2, in the same count — and holds less; the plan names its layout, so that
     evaluate_plan pins it again and gives its prediction back. Without tensor parallelism it is refused."""
@@ -473,9 +475,10 @@ def test_sequence_parallel_stages_send_sequence_shards_priced_at_a_tp_th(caplog)
     common = dict(
         num_devices=4, device="cpu", pipeline=2, mesh_shape=(1, 2), schedule="1f1b", micro_batches=4
     )
-    sp = evaluate_plan(model, inputs, "megatron-sp", recompute="full", **common).plan
-    plain = evaluate_plan(model, inputs, "megatron", recompute="full", **common).plan
-    assert sp.sequence_sharded_sends and sp.hand_layout == "megatron-sp" and not plain.sequence_sharded_sends
+    sp = evaluate_plan(model, inputs, layout, recompute="full", **common).plan
+    plain = evaluate_plan(model, inputs, layout.replace("-sp", ""), recompute="full", **common).plan
+    assert sp.sequence_sharded_sends and sp.hand_layout == layout and not plain.sequence_sharded_sends
+    assert bool(sp.local_modules) == layout.endswith("local") == bool(plain.local_modules)
     assert set(sp.solver["point_to_point"]) == set(plain.solver["point_to_point"]) == {"0->1", "1->0"}
     for pair, (count, nbytes) in plain.solver["point_to_point"].items():
         assert sp.solver["point_to_point"][pair] == [count, nbytes // 2]
@@ -492,5 +495,5 @@ def test_sequence_parallel_stages_send_sequence_shards_priced_at_a_tp_th(caplog)
     again = evaluate_plan(model, inputs, sp, num_devices=4, device="cpu")
     assert again.step_time_s == pytest.approx(sp.step_time_s, rel=1e-9)
     assert again.plan.sequence_sharded_sends
-    with pytest.raises(ValueError, match="megatron-sp: sequence parallelism needs a tensor-parallel axis"):
-        evaluate_plan(model, inputs, "megatron-sp", **{**common, "mesh_shape": (2, 1)})
+    with pytest.raises(ValueError, match=f"{layout}: sequence parallelism needs a tensor-parallel axis"):
+        evaluate_plan(model, inputs, layout, **{**common, "mesh_shape": (2, 1)})

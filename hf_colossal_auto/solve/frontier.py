@@ -37,7 +37,7 @@ from torch import nn
 from ..hardware import DeviceSpec, get_device
 from ..plan import PIPELINE_SCHEDULES, Plan
 from ..units import format_bytes, format_seconds, parse_bytes
-from .planner import _largest_tp, evaluate_plan, plan_model
+from .planner import MEGATRON_LAYOUTS, _largest_tp, evaluate_plan, plan_model
 from .problem import InfeasibleError
 
 logger = logging.getLogger(__name__)
@@ -396,11 +396,7 @@ def _baseline_curves(
         else:
             baseline, recompute = BASELINE_RECIPES[name]
             args = dict(eval_args)
-        if (
-            baseline in ("megatron", "megatron-sp", "megatron-local")
-            and mesh_shape is None
-            and name not in PIPELINE_RECIPES
-        ):
+        if baseline in MEGATRON_LAYOUTS and mesh_shape is None and name not in PIPELINE_RECIPES:
             # evaluate_plan picks the tensor-parallel size from the device preset's devices per node and
             # ignores a devices_per_node override; pick it here from the cluster actually asked for.
             per_node = plan_kwargs.get("devices_per_node") or spec.devices_per_node

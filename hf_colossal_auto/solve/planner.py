@@ -23,6 +23,9 @@ Baselines are the same ILP with parameter placements pinned, priced by the same 
   run (as Megatron-LM, torchtitan and HF run the ops between a column- and a row-parallel projection: on local
   tensors, DTensor only at the module's borders; :mod:`~hf_colossal_auto.solve.local_tensor_parallel`), its
   ops priced as eager ops; it needs a tensor-parallel axis > 1 and a module that qualifies;
+* ``"megatron-sp-local"``: both — sequence parallelism between the regions, attention and MLP on local shards:
+  the tensor parallelism torchtitan's TP plan runs (``ColwiseParallel`` / ``RowwiseParallel`` with
+  ``SequenceParallel`` norms) and Megatron-LM with ``--sequence-parallel``;
 * a HF-style tp_plan dict (``{"layers.*.mlp.up_proj": "colwise", ...}``) on the tensor-parallel size you
   give with ``mesh_shape``.
 """
@@ -82,13 +85,15 @@ from .search import (  # noqa: F401 (EXPERT_DP_KEY and EXPERT_FSDP_KEY re-export
     _Search,
     _search_order,
 )
-from .sequence_parallel import sequence_parallel_pins
+from .sequence_parallel import LOCAL_LAYOUTS, SEQUENCE_PARALLEL_LAYOUTS, sequence_parallel_pins
 from .tied import TiedGraph
 
 logger = logging.getLogger(__name__)
 
 
-BASELINES = ("ddp", "fsdp", "megatron", "megatron-sp", "megatron-local")
+BASELINES = ("ddp", "fsdp", "megatron", "megatron-sp", "megatron-local", "megatron-sp-local")
+MEGATRON_LAYOUTS = ("megatron", "megatron-sp", "megatron-local", "megatron-sp-local")
+"""The baselines that place parameters as Megatron-LM does (on a tensor-parallel axis)."""
 """The named hand configurations :func:`evaluate_plan` prices (see the module docstring)."""
 
 
@@ -477,13 +482,15 @@ def evaluate_plan(
     param_uses = _plan_param_uses(model, plan_or_baseline) if pin_uses else None
     pins = None
     layout = plan_or_baseline.hand_layout if isinstance(plan_or_baseline, Plan) else name
-    if layout == "megatron-sp":  # the ops between tensor-parallel regions pinned to sequence shards
+    if (
+        layout in SEQUENCE_PARALLEL_LAYOUTS
+    ):  # the ops between tensor-parallel regions pinned to sequence shards
         borders, rows = tensor_parallel_modules(model, fixed)
         pins = sequence_parallel_pins(
             planner.graph(mesh[0], k), planner.strategies(mesh[0], mesh[1], k), planner.layers, borders, rows
         )
     # a Plan whose modules run on local shards is priced so again (its layout is the same at its tp)
-    local = layout == "megatron-local" or (
+    local = layout in LOCAL_LAYOUTS or (
         isinstance(plan_or_baseline, Plan) and bool(plan_or_baseline.local_modules)
     )
     if local:
@@ -514,7 +521,7 @@ def evaluate_plan(
     )
     plan = planner.to_plan(mesh, dp_mode, built, solution)
     plan.memory_budget_bytes = budget
-    if pins is not None or layout == "megatron-local":
+    if pins is not None or layout in LOCAL_LAYOUTS:
         plan.hand_layout = layout
     return Estimate(name, plan.step_time_s, plan.peak_memory_bytes, budget, tuple(mesh), dp_mode, plan)
 
@@ -601,7 +608,8 @@ def _hand_pipeline(
 ) -> dict[str, Any]:
     """A hand pipeline's pp degree, stage layout and tensor-parallel placements: ``baseline`` "ddp" / "fsdp"
     (tp = 1), "megatron" (Megatron's placements on tp = ``mesh_shape[-1]``, default the largest that fits a node;
-    "megatron-sp" with its sequence parallelism, "megatron-local" run on local shards) or a tp_plan dict, inside
+    "megatron-sp" with its sequence parallelism, "megatron-local" run on local shards, "megatron-sp-local" both)
+    or a tp_plan dict, inside
     each of ``pipeline`` stages."""
     if pipeline is None or pipeline < 2:
         raise ValueError(f"pipeline must be a pp degree >= 2 for a hand pipeline, got {pipeline!r}")
@@ -611,7 +619,7 @@ def _hand_pipeline(
     inner = n // pipeline
     if isinstance(baseline, str) and baseline in ("ddp", "fsdp"):
         tp, fixed, mode = 1, {}, baseline
-    elif baseline in ("megatron", "megatron-sp", "megatron-local") or not isinstance(baseline, str):
+    elif baseline in MEGATRON_LAYOUTS or not isinstance(baseline, str):
         tp = mesh_shape[-1] if mesh_shape else _largest_tp(inner, planner.cluster.devices_per_node, model)
         placements = (
             megatron_placements(model) if isinstance(baseline, str) else tp_plan_placements(model, baseline)
@@ -639,13 +647,13 @@ def _hand_pipeline(
             raise ValueError(f"HSDP needs a shard group dividing the {dp} data-parallel ranks of a stage")
     else:
         shard = dp if mode == "fsdp" else 1
-    if baseline == "megatron-sp" and tp < 2:
+    if baseline in SEQUENCE_PARALLEL_LAYOUTS and tp < 2:
         raise ValueError(
-            "megatron-sp: sequence parallelism needs a tensor-parallel axis > 1 inside the stages"
+            f"{baseline}: sequence parallelism needs a tensor-parallel axis > 1 inside the stages"
         )
     return dict(pp=pipeline, stage=StageLayout(tp, dp, mode if dp > 1 else "ddp", shard if dp > 1 else 1),
-                fixed_params=fixed, local=baseline == "megatron-local",
-                sequence_parallel=baseline == "megatron-sp")  # fmt: skip
+                fixed_params=fixed, local=baseline in LOCAL_LAYOUTS,
+                sequence_parallel=baseline in SEQUENCE_PARALLEL_LAYOUTS)  # fmt: skip
 
 
 def _check_estimate_arguments(
@@ -699,7 +707,7 @@ def _configuration(
             mesh, dp_mode, fixed = (n, 1), "ddp", {}
         elif name == "fsdp":
             mesh, dp_mode, fixed = (n, 1), "fsdp", {}
-        elif name in ("megatron", "megatron-sp", "megatron-local"):
+        elif name in MEGATRON_LAYOUTS:
             t = mesh_shape[-1] if mesh_shape else _largest_tp(n, cluster.devices_per_node, model)
             mesh, dp_mode = (n // t, t), "ddp"
             fixed = megatron_placements(model) if t > 1 else {}
@@ -728,10 +736,10 @@ def _configuration(
         mesh, dp_mode = (n // t, t), "ddp"
         fixed = tp_plan_placements(model, plan_or_baseline)
     if hand_dp_mode is not None:
-        if isinstance(plan_or_baseline, str) and name not in ("megatron", "megatron-sp", "megatron-local"):
+        if isinstance(plan_or_baseline, str) and name not in MEGATRON_LAYOUTS:
             raise ValueError(
-                f"{name}: its data-parallel mode is its name; dp_mode is for 'megatron', 'megatron-sp', "
-                "'megatron-local' or a tp_plan"
+                f"{name}: its data-parallel mode is its name; dp_mode is for "
+                f"{', '.join(repr(n) for n in MEGATRON_LAYOUTS)} or a tp_plan"
             )
         if hand_dp_mode != "ddp" and mesh[0] == 1:
             raise ValueError(

@@ -31,6 +31,14 @@ from .tied import PROJECTION_TYPES
 
 logger = logging.getLogger(__name__)
 
+SEQUENCE_PARALLEL_LAYOUTS = ("megatron-sp", "megatron-sp-local")
+"""The hand layouts (:func:`~.planner.evaluate_plan` baselines, ``Plan.hand_layout``) whose blocks' regions
+between tensor-parallel modules are pinned to sequence shards: Megatron-LM with ``--sequence-parallel``, and the
+same with attention and MLP run on local shards (torchtitan's TP plan)."""
+
+LOCAL_LAYOUTS = ("megatron-local", "megatron-sp-local")
+"""The hand layouts that run every attention / MLP module that qualifies on local tensor shards."""
+
 SEQUENCE_SHARD = ("S1",)
 """The sequence dim of ``[batch, seq, hidden]`` sharded over the (one) tensor-parallel axis the strategies of a
 ``(dp, tp)`` plan are enumerated on."""

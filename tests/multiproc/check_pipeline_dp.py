@@ -71,12 +71,13 @@ def reference(model, batch: dict, steps: int = 2) -> dict[str, Any]:
 PRICED_INSIDE: dict[str, tuple[str, dict[str, Any]]] = {
     "hsdp": ("fsdp", {"mesh_shape": (4, 1), "dp_mode": "hsdp", "dp_shard_size": 2}),
     "fsdp-tp": ("megatron", {"mesh_shape": (2, 2), "dp_mode": "fsdp", "recompute": "full"}),
-    "tp-sp": ("megatron-sp", {"mesh_shape": (1, 2), "recompute": "full"}),
+    "tp-sp": ("megatron-sp-local", {"mesh_shape": (1, 2), "recompute": "full"}),
 }
 """Stage layouts priced with the pipeline by ``evaluate_plan``: on 8 ranks (``check_pipeline_8.py``) HSDP over
 dp 4 (shard groups of 2, two replicas), and FSDP over dp 2 times Megatron-LM tensor parallelism over tp 2; on 4,
-Megatron-LM's tensor parallelism with its sequence parallelism over tp 2 (its blocks return sequence shards, so
-the stages send them: ``Plan.sequence_sharded_sends``)."""
+Megatron-LM's tensor parallelism with its sequence parallelism over tp 2, attention and MLP on local shards
+(torchtitan's TP plan, and the kind of layout the planner chooses at scale): its blocks return sequence shards,
+so the stages send them (``Plan.sequence_sharded_sends``)."""
 
 
 def stage_plan(cfg, batch: dict, inside: str, schedule: str, cut: list[int]):
@@ -214,6 +215,7 @@ def pipelined(
         out["measured_p2p"], out["predicted_p2p"] = p2p_by_peer(
             recorder.records, plan.solver["point_to_point"], model
         )
+    out["local_modules"] = len(plan.local_modules)
     out["param_err_lr"] = max(errors.values())
     out["param_err_at"] = max(errors, key=errors.get)  # which parameter, for a failure's message
     model.eval()

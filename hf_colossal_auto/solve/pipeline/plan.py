@@ -16,6 +16,7 @@ from ...units import format_bytes
 from ..candidates import _Planner
 from ..pricing.pipeline_schedule import point_to_point_traffic
 from ..problem import InfeasibleError
+from ..sequence_parallel import SEQUENCE_PARALLEL_LAYOUTS
 from ..tied import TiedGraph
 from .costs import RECOMPUTE_OFFERED, STAGE_DP_MODES, PipelineCandidate, StageLayout, _block_seconds
 from .cut import _stages, cut_and_recompute, simulate_candidate
@@ -255,7 +256,8 @@ def price_pipeline(
     budget as the search does), ``fixed_params`` the tensor-parallel placements (FQN -> placement; unlisted
     parameters replicated), ``local`` whether its qualifying attention / MLP modules run on local tensor shards
     (:mod:`..local_tensor_parallel`), ``sequence_parallel`` whether the ops between its tensor-parallel regions
-    run on sequence shards (Megatron-LM's sequence parallelism; the plan's ``hand_layout`` "megatron-sp"). Its
+    run on sequence shards (Megatron-LM's sequence parallelism; the plan's ``hand_layout`` "megatron-sp", or
+    "megatron-sp-local" with ``local``). Its
     Plan carries the predictions (``fits`` says whether it meets the budget)."""
     layout = find_layout(planner.model)
     _check_degree(planner, layout, pp)
@@ -307,7 +309,7 @@ def price_pipeline(
     candidate.rows = planner.batch // (stage.dp * micro_batches)
     plan = pipeline_plan(planner, candidate, [candidate], pricer)
     if sequence_parallel:  # pinned again when the plan is priced again (pipeline_configuration)
-        plan.hand_layout = "megatron-sp"
+        plan.hand_layout = "megatron-sp-local" if local else "megatron-sp"
     return plan
 
 
@@ -327,5 +329,5 @@ def pipeline_configuration(planner: _Planner, plan: Plan) -> dict[str, Any]:
         recompute=[plan.recompute.get(layout.block(i), "none") for i in range(layout.num_blocks)],
         fixed_params={fqn: p[-1] for fqn, p in plan.param_placements.items()},
         local=bool(plan.local_modules),
-        sequence_parallel=plan.hand_layout == "megatron-sp",
+        sequence_parallel=plan.hand_layout in SEQUENCE_PARALLEL_LAYOUTS,
     )
