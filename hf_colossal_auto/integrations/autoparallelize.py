@@ -89,10 +89,10 @@ def autoparallelize(
             from ..hardware.cluster import launcher_devices_per_node
             from ..solve.planner import plan_model
             from .plugin import (
-                _parse_context_parallel,
-                _parse_pipeline,
                 context_parallel_from_env,
                 context_parallel_setting,
+                parse_context_parallel,
+                parse_pipeline,
                 pipeline_from_env,
                 pipeline_setting,
                 stages_and_context_parallel,
@@ -102,10 +102,10 @@ def autoparallelize(
             # stages and cp when asked (pipeline= / context_parallel=, else their variables, read only then);
             # a fixed degree of one keeps the other off, as the runtime runs them apart
             kwargs["pipeline"], kwargs["context_parallel"] = stages_and_context_parallel(
-                _argument(kwargs, "pipeline", _parse_pipeline, pipeline_setting)
+                _argument(kwargs, "pipeline", parse_pipeline, pipeline_setting)
                 if "pipeline" in kwargs
                 else pipeline_from_env(1),
-                _argument(kwargs, "context_parallel", _parse_context_parallel, context_parallel_setting)
+                _argument(kwargs, "context_parallel", parse_context_parallel, context_parallel_setting)
                 if "context_parallel" in kwargs
                 else context_parallel_from_env(1),
             )

@@ -125,7 +125,7 @@ def _setting_from_env(name: str, parse: Any, to_setting: Any, default: int | Non
     return to_setting(parse(raw, name, f"environment variable {key}"))
 
 
-def _parse_pipeline(value: Any, key: str, source: str) -> int | str:
+def parse_pipeline(value: Any, key: str, source: str) -> int | str:
     """``"auto"`` (pipeline stages searched) or a pp degree: 1 plans without stages, >= 2 fixes the degree."""
     return _parse_degree_or_auto(
         value, key, source, expected="'auto' (pipeline stages searched), 1 (none) or a pp degree >= 2"
@@ -141,14 +141,14 @@ def pipeline_setting(value: int | str | None) -> int | None:
 def pipeline_from_env(default: int | None) -> int | None:
     """``HF_COLOSSAL_AUTO_PIPELINE`` as ``plan_model(pipeline=)`` takes it, ``default`` where it is unset (for
     the entry points that read no plugin: the Trainer callback, ``autoparallelize``)."""
-    return _setting_from_env("pipeline", _parse_pipeline, pipeline_setting, default)
+    return _setting_from_env("pipeline", parse_pipeline, pipeline_setting, default)
 
 
 CONTEXT_PARALLEL_AUTO = SEARCHED_AXIS
 """The ``context_parallel`` setting that searches cp degrees (the planner's ``context_parallel=None``)."""
 
 
-def _parse_context_parallel(value: Any, key: str, source: str) -> int | str:
+def parse_context_parallel(value: Any, key: str, source: str) -> int | str:
     """``"auto"`` (cp degrees searched) or a cp degree: 1 plans without context parallelism, >= 2 fixes it."""
     return _parse_degree_or_auto(
         value,
@@ -170,7 +170,7 @@ def context_parallel_setting(value: int | str | None) -> int | None:
 def context_parallel_from_env(default: int | None) -> int | None:
     """``HF_COLOSSAL_AUTO_CONTEXT_PARALLEL`` as ``plan_model(context_parallel=)`` takes it, ``default`` where it
     is unset (for the entry points that read no plugin: the Trainer callback, ``autoparallelize``)."""
-    return _setting_from_env("context_parallel", _parse_context_parallel, context_parallel_setting, default)
+    return _setting_from_env("context_parallel", parse_context_parallel, context_parallel_setting, default)
 
 
 def stages_and_context_parallel(pipeline: int | None, context_parallel: int | None) -> tuple[int | None, int]:
@@ -225,8 +225,8 @@ _PARSERS = {
     "plan_kwargs": _parse_mapping,
     "pretrained": _parse_str,
     "routing": _parse_str,
-    "pipeline": _parse_pipeline,
-    "context_parallel": _parse_context_parallel,
+    "pipeline": parse_pipeline,
+    "context_parallel": parse_context_parallel,
 }
 
 

@@ -294,12 +294,12 @@ class AutoParallelCallback(TrainerCallback):
 def _pipeline_setting(value: int | str | None, mesh_shape: Any) -> int | None:
     """The callback's ``pipeline`` as ``plan_model`` takes it (None: searched): ``value``, else
     ``HF_COLOSSAL_AUTO_PIPELINE``, else searched; bad values fail at construction."""
-    from .plugin import PluginConfigError, _parse_pipeline, pipeline_from_env, pipeline_setting
+    from .plugin import PluginConfigError, parse_pipeline, pipeline_from_env, pipeline_setting
 
     if value is None:
         return pipeline_from_env(None)
     try:
-        pipeline = pipeline_setting(_parse_pipeline(value, "pipeline", "AutoParallelCallback"))
+        pipeline = pipeline_setting(parse_pipeline(value, "pipeline", "AutoParallelCallback"))
     except PluginConfigError as exc:
         raise ValueError(str(exc)) from None
     if pipeline is not None and pipeline > 1 and mesh_shape is not None:
@@ -315,16 +315,16 @@ def _context_parallel_setting(value: int | str | None) -> int | None:
     ``HF_COLOSSAL_AUTO_CONTEXT_PARALLEL``, else 1 (none); bad values fail at construction."""
     from .plugin import (
         PluginConfigError,
-        _parse_context_parallel,
         context_parallel_from_env,
         context_parallel_setting,
+        parse_context_parallel,
     )
 
     if value is None:
         return context_parallel_from_env(1)
     try:
         return context_parallel_setting(
-            _parse_context_parallel(value, "context_parallel", "AutoParallelCallback")
+            parse_context_parallel(value, "context_parallel", "AutoParallelCallback")
         )
     except PluginConfigError as exc:
         raise ValueError(str(exc)) from None
