@@ -96,10 +96,13 @@ SCALE_CASES = {
 }
 SCALE_TARGET_S = 30.0
 SCALE_TP = 8
-SCALE_HAND_LAYOUT = "megatron-local"
+SCALE_HAND_LAYOUT = "megatron-sp-local"
 """The hand configurations' tensor parallelism: Megatron's placements with the attention and MLP modules run on
-local shards (``Plan.local_modules``), as torchtitan's ``ColwiseParallel``/``RowwiseParallel`` and Megatron-LM
-run them, so that they are priced as fast as our runtime runs those layouts."""
+local shards (``Plan.local_modules``) and the ops between them on sequence shards, as torchtitan's
+``ColwiseParallel``/``RowwiseParallel`` with ``SequenceParallel`` norms and Megatron-LM with
+``--sequence-parallel`` run them (Llama 3's 4-D layout too), so that they are priced as fast and as lean as our
+runtime runs those layouts; their pipeline stages then send sequence shards. ``--scale-hand-layout
+megatron-local`` prices them without sequence parallelism (the rows before 2026-12-07)."""
 SCALE_MAX_MICRO_BATCHES = 4
 """Hand configurations try 1, 2, ... micro-batches (divisors of the replica's batch) up to this many tries."""
 SCALE_PIPELINE: str | None = "auto"
@@ -597,6 +600,7 @@ def _scale_child(case: str, time_limit_s: float) -> dict:
     )
     out: dict = {
         "case": case,
+        "hand_layout": SCALE_HAND_LAYOUT,
         "model": preset,
         "batch": batch,
         "seq_len": seq,
@@ -765,11 +769,13 @@ def _scale_text(row: dict) -> str:
     )
 
 
-def run_scale(cases: tuple[str, ...], time_limit_s: float, pipeline: str = "auto") -> list[dict]:
+def run_scale(
+    cases: tuple[str, ...], time_limit_s: float, pipeline: str = "auto", hand_layout: str = SCALE_HAND_LAYOUT
+) -> list[dict]:
     results = []
     for case in cases:
         cmd = [sys.executable, __file__, f"--_scale-child={case}", "--time-limit", str(time_limit_s)]
-        cmd += ["--scale-pipeline", pipeline]
+        cmd += ["--scale-pipeline", pipeline, "--scale-hand-layout", hand_layout]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         sys.stderr.write(proc.stderr[-4000:] if proc.returncode else proc.stderr)
@@ -839,12 +845,19 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help='plan_model pipeline at scale: "auto" (stages searched, the default) or "1" (no stages)',
     )
+    p.add_argument(
+        "--scale-hand-layout",
+        default=SCALE_HAND_LAYOUT,
+        choices=("megatron-sp-local", "megatron-local"),
+        help="the scale hand configurations' tensor parallelism (default: with sequence parallelism)",
+    )
     p.add_argument("--_timing-child", dest="timing_child", help=argparse.SUPPRESS)
     p.add_argument("--_scale-child", dest="scale_child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    global SCALE_PIPELINE
+    global SCALE_PIPELINE, SCALE_HAND_LAYOUT
     SCALE_PIPELINE = args.scale_pipeline
+    SCALE_HAND_LAYOUT = args.scale_hand_layout
     if args.scale_child:
         print(json.dumps(_scale_child(args.scale_child, args.time_limit), default=str))
         return 0
@@ -883,7 +896,9 @@ def main(argv: list[str] | None = None) -> int:
         print_grid(out["grid"])
     if args.scale:
         print(f"\n== scale: {', '.join(args.scale_cases)} (one fresh process each) ==")
-        out["scale"] = run_scale(args.scale_cases, args.time_limit, args.scale_pipeline)
+        out["scale"] = run_scale(
+            args.scale_cases, args.time_limit, args.scale_pipeline, args.scale_hand_layout
+        )
         print_scale(out["scale"])
     out["loadavg_1m_start_end"] = [load_start, os.getloadavg()[0]]
     print(f"\n1-minute load average: {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end (2 cores)")
