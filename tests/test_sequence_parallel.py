@@ -176,11 +176,13 @@ def test_megatron_sp_plan_is_priced_again_as_it_was_made(llama_megatron_baseline
     assert again.peak_memory_bytes == sp.peak_memory_bytes
 
 
-def test_megatron_sp_needs_a_tensor_parallel_axis_and_no_pipeline(llama_megatron_baselines):
+def test_megatron_sp_needs_a_tensor_parallel_axis_with_or_without_pipeline_stages(llama_megatron_baselines):
+    """Without a tensor-parallel axis there is nothing to run sequence-parallel, flat or inside pipeline stages
+    (where it is priced since the fourteenth session: tests/test_pipeline_search.py)."""
     model, batch, _ = llama_megatron_baselines
     with pytest.raises(ValueError, match="tensor-parallel axis > 1"):
         evaluate_plan(model, batch, "megatron-sp", num_devices=2, device="cpu", mesh_shape=(2, 1))
-    with pytest.raises(ValueError, match="inside pipeline stages"):
+    with pytest.raises(ValueError, match="tensor-parallel axis > 1 inside the stages"):
         evaluate_plan(model, batch, "megatron-sp", num_devices=2, device="cpu", pipeline=2, mesh_shape=(1, 1))
 
 
