@@ -819,6 +819,7 @@ def _csv(text: str, cast=str) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global SCALE_PIPELINE, SCALE_HAND_LAYOUT
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--timing", action="store_true", help="end-to-end plan_model time in fresh processes")
     p.add_argument("--repeat", type=int, default=3, help="fresh-process runs per timing case (median)")
@@ -855,7 +856,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--_scale-child", dest="scale_child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    global SCALE_PIPELINE, SCALE_HAND_LAYOUT
     SCALE_PIPELINE = args.scale_pipeline
     SCALE_HAND_LAYOUT = args.scale_hand_layout
     if args.scale_child:
