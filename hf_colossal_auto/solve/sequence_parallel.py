@@ -147,8 +147,9 @@ def sequence_parallel_pins(
     tensor_parallel_modules: Collection[str],
     row_parallel_modules: Collection[str],
 ) -> dict[int, list[Strategy]]:
-    """``strategies`` with every op of every block's sequence-parallel region left with its sequence-sharded
-    strategies (a copy; the others untouched). A block with no such op is named in a warning; a model with none
+    """Every op of every block's sequence-parallel region -> its sequence-sharded strategies among
+    ``strategies`` (only those nodes: ``_Planner.build`` lays them over the strategies it prices, which a local
+    layout has already narrowed for its attention and MLP ops — a whole copy would undo that). A block with no such op is named in a warning; a model with none
     at all is refused (:class:`SequenceParallelError`), since its layout would be plain Megatron's."""
     regions = sequence_parallel_regions(
         graph, strategies, blocks, tensor_parallel_modules, row_parallel_modules
@@ -167,7 +168,7 @@ def sequence_parallel_pins(
             "it runs as plain Megatron",
             block,
         )
-    out = dict(strategies)
+    out: dict[int, list[Strategy]] = {}
     for nodes in regions.values():
         for i in nodes:
             out[i] = [s for s in strategies[i] if _sequence_sharded(s)]
