@@ -250,6 +250,25 @@ def test_stages_send_sequence_shards_where_every_block_returns_them():
         assert [s.sequence_shards for s in stages] == [shards, shards]
 
 
+def test_a_pipelined_steps_backward_applies_its_gradients_in_place_once():
+    """The loss's backward scales the step's gradients in place and hands them to ``.grad`` (no copy: a copy per
+    parameter held the rank's gradients twice at the end of backward), adds them where ``.grad`` holds some, and
+    refuses a second backward of the same loss (the gradients are applied)."""
+    from hf_colossal_auto.apply.pipeline_runner import _StepGradients
+
+    fresh, accumulated = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    accumulated.grad = torch.full((2,), 10.0)
+    grads = [(fresh, torch.tensor([1.0, 2.0, 3.0])), (accumulated, torch.tensor([1.0, 1.0]))]
+    made = grads[0][1]
+    anchor = torch.zeros((), requires_grad=True)
+    loss = _StepGradients.apply(torch.tensor(4.0), anchor, grads)
+    (loss * 0.5).backward(retain_graph=True)
+    assert fresh.grad is made and fresh.grad.tolist() == [0.5, 1.0, 1.5]
+    assert accumulated.grad.tolist() == [10.5, 10.5]
+    with pytest.raises(PipelineRuntimeError, match="backpropagated a second time"):
+        loss.backward()
+
+
 def test_forward_keywords_of_a_pipelined_model():
     from hf_colossal_auto.apply.pipeline_runner import _forward_batch
 

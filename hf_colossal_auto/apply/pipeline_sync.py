@@ -49,13 +49,14 @@ class ReplicaSync:
         sums when the step synchronises."""
         return functools.partial(self._receive, sync=self.control.enabled, average=average)
 
-    def _receive(self, grads: list, incoming: torch.Tensor, *, sync: bool, average: bool) -> None:
+    def _receive(self, grads: list, *, sync: bool, average: bool) -> None:
+        """``grads``: the step's ``(parameter, gradient)``, already scaled by what flowed into the loss; the
+        gradients are the step's own, so the first becomes the pending sum itself (no copy)."""
         for param, grad in grads:
-            add = grad * incoming.to(grad.dtype)
             if param in self.pending:
-                self.pending[param].add_(add)
+                self.pending[param].add_(grad)
             else:
-                self.pending[param] = add
+                self.pending[param] = grad
         if sync:
             self.flush(average)
 

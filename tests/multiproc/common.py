@@ -127,14 +127,16 @@ def step_peaks(
     every allocation torch's CPU allocator made since the first step began and had not freed (the profiler's
     memory events), at its most during that step. What persists between steps (optimizer state, a pipeline's
     receive buffers) is thus counted in the later steps, whatever made it. For models ``MemTracker`` cannot
-    follow (a pipeline's stages share submodules with the model, which its module tracker refuses). Step ``i``
-    runs inside ``contexts[i]`` (e.g. a recorder of its communication)."""
+    follow (a pipeline's stages share submodules with the model, which its module tracker refuses); a DTensor
+    parameter counts its local shard. Step ``i`` runs inside ``contexts[i]`` (e.g. a recorder of its
+    communication)."""
     import json
     import tempfile
 
+    from torch.distributed.tensor import DTensor
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    tensors = [*model.parameters(), *model.buffers()]
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in [*model.parameters(), *model.buffers()]]
     held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for i, context in enumerate(contexts):
