@@ -354,6 +354,8 @@ def main() -> None:
         "llama tp 1f1b": pipelined("tiny-llama", "1f1b", [1, 2], directory[2], inside="tp"),
         # sequence parallelism: the stages send each tp rank's sequence shard (half the hidden states)
         "llama tp-sp 1f1b": pipelined("tiny-llama", "1f1b", [2, 2], None, inside="tp-sp"),
+        # GPT-2: a later stage adds zeros for the positions to the shard it receives; its head tied across ranks
+        "gpt2 tied tp-sp 1f1b": pipelined("tiny-gpt2", "1f1b", [1, 1], None, inside="tp-sp"),
         "gpt2 tied fsdp 1f1b": pipelined("tiny-gpt2", "1f1b", [1, 1], directory[3], inside="fsdp"),
         # MoE with its router aux loss: counts over both dp groups, the aux loss on DTensors in the last stage
         "mixtral fsdp interleaved-zero-bubble": pipelined(
