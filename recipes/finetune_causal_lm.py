@@ -112,7 +112,7 @@ def context_parallel_degree(value: str | None) -> int | str | None:
     from hf_colossal_auto.integrations.plugin import (
         ENV_PREFIX,
         PluginConfigError,
-        _parse_context_parallel,
+        parse_context_parallel,
     )
 
     source = ("--context_parallel", "the command line", value)
@@ -122,7 +122,7 @@ def context_parallel_degree(value: str | None) -> int | str | None:
     if source[2] is None:
         return None
     try:
-        return _parse_context_parallel(source[2], source[0], source[1])
+        return parse_context_parallel(source[2], source[0], source[1])
     except PluginConfigError as exc:
         raise SystemExit(str(exc)) from None
 

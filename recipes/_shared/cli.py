@@ -153,12 +153,12 @@ def _check_context_parallel(args: argparse.Namespace, recipe: Recipe) -> None:
     """A fixed ``--context_parallel`` the run cannot use fails here, on every process before any work: another
     objective than causal LM (the cp runtime runs decoder-only causal LMs), a ``--seq_len`` the balanced layout
     (2 x cp equal chunks per sequence) cannot cut. Unset, the variable the plugin reads decides."""
-    from hf_colossal_auto.integrations.plugin import PluginConfigError, _parse_context_parallel
+    from hf_colossal_auto.integrations.plugin import PluginConfigError, parse_context_parallel
 
     if getattr(args, "context_parallel", None) is None:
         return
     try:
-        cp = _parse_context_parallel(args.context_parallel, "--context_parallel", "the command line")
+        cp = parse_context_parallel(args.context_parallel, "--context_parallel", "the command line")
     except PluginConfigError as exc:
         raise SystemExit(str(exc)) from None
     if not isinstance(cp, int) or cp == 1:
