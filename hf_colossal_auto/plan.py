@@ -637,8 +637,9 @@ def _check_pipeline_micro_batches(schedule: str, micro_batches: int, num_stages:
 
 
 def _pipeline_lines(plan: Plan) -> list[str]:
-    """The summary's pipeline lines: stages, what each holds, the schedule and its micro-batches; where the
-    planner priced it, the predicted bubble and each stage's seconds per micro-batch and peak memory."""
+    """The summary's pipeline lines: stages, what each holds, the schedule and its micro-batches, whether the
+    stages send sequence shards; where the planner priced it, the predicted bubble and each stage's seconds per
+    micro-batch and peak memory."""
     if plan.pp_size == 1:
         return []
     held = ", ".join(f"{len(modules)}" for modules in plan.stages)
@@ -646,6 +647,11 @@ def _pipeline_lines(plan: Plan) -> list[str]:
         f"pipeline              {plan.num_stages} stages on {plan.pp_size} ranks ({plan.virtual_stages} per "
         f"rank), schedule {plan.schedule}, {plan.micro_batches} micro-batches; modules per stage: {held}"
     ]
+    if plan.sequence_sharded_sends:
+        lines.append(
+            f"stage sends           each tensor-parallel rank's sequence shard (1/{plan.tp_size} of the hidden "
+            "states)"
+        )
     seconds = plan.solver.get("stage_s_per_micro_batch")
     peaks = plan.solver.get("stage_peak_memory_bytes")
     if "bubble_fraction" in plan.solver:

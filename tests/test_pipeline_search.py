@@ -478,6 +478,8 @@ def test_sequence_parallel_stages_send_sequence_shards_priced_at_a_tp_th(layout,
     sp = evaluate_plan(model, inputs, layout, recompute="full", **common).plan
     plain = evaluate_plan(model, inputs, layout.replace("-sp", ""), recompute="full", **common).plan
     assert sp.sequence_sharded_sends and sp.hand_layout == layout and not plain.sequence_sharded_sends
+    assert "stage sends           each tensor-parallel rank's sequence shard (1/2" in sp.summary()
+    assert "stage sends" not in plain.summary()
     assert bool(sp.local_modules) == layout.endswith("local") == bool(plain.local_modules)
     assert set(sp.solver["point_to_point"]) == set(plain.solver["point_to_point"]) == {"0->1", "1->0"}
     for pair, (count, nbytes) in plain.solver["point_to_point"].items():
