@@ -116,8 +116,8 @@ class Plan:
     """The named hand layout whose activation placements the plan keeps (``"megatron-sp"`` /
     ``"megatron-sp-local"``: Megatron-LM's sequence parallelism on every block,
     :func:`hf_colossal_auto.solve.planner.evaluate_plan`), so that pricing the plan again pins them again instead
-    of leaving them to the solver. Empty for the planner's own plans and the other
-    baselines (and in plans written before it existed); left out of the JSON then."""
+    of leaving them to the solver. Empty for the planner's own plans and the other baselines (and in plans
+    written before it existed); left out of the JSON then."""
     local_modules: list[str] = field(default_factory=list)
     """Module FQNs (attention and MLP submodules of blocks) the runtime runs on local tensor shards rather than on
     DTensors: column-parallel projections in, row-parallel out, every op between on this rank's shard with no
@@ -190,9 +190,9 @@ class Plan:
     """Under a pipeline with tensor parallelism: a stage sends each tensor-parallel rank's sequence shard of the
     hidden states (``[batch, seq / tp, hidden]``) and the next stage takes it as that rank's shard, instead of
     the whole tensor on every rank (Megatron-LM's pipeline under sequence parallelism). The planner sets it
-    where every block returns its hidden states sequence-sharded over tp (:func:`~hf_colossal_auto.pipeline_layout.sends_sequence_shards`),
-    so a shard is what each rank already holds at any cut; it prices the sends, the receive buffers and the
-    kept outputs at a tp-th. False in plans without it (and written before it existed; left out of the JSON
+    where every block returns its hidden states sequence-sharded over tp
+    (:func:`~hf_colossal_auto.pipeline_layout.sends_sequence_shards`), so a shard is what each rank already holds
+    at any cut; it prices the sends, the receive buffers and the kept outputs at a tp-th. False in plans without it (and written before it existed; left out of the JSON
     then): the whole tensor is sent."""
     cp_size: int = 1
     """Context-parallel ranks: the mesh axis ``"cp"`` (mesh ``("dp", "cp", "tp")``, after ``"pp"`` when there is

@@ -205,7 +205,8 @@ class StageModule(nn.Module):
         :attr:`sequence_shards` the hidden states received are this rank's sequence shard (a DTensor sharded
         on dim 1) and those sent are its shard of the output: no gather on either side where the blocks
         return them so sharded (the plan sets it only then), the same values either way."""
-        if self.tp_mesh is not None and self.sequence_shards and not self.is_first:
+        shards = self.tp_mesh is not None and self.sequence_shards
+        if shards and not self.is_first:
             x = _sequence_shard_in(x, self.tp_mesh)
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
         inputs.update(per_token)
@@ -216,7 +217,7 @@ class StageModule(nn.Module):
         with self.forward_context():
             out = self.root(**inputs, use_cache=False)
         result = out.logits if self.is_last else out.last_hidden_state
-        if self.tp_mesh is not None and self.sequence_shards and not self.is_last:
+        if shards and not self.is_last:
             result = _sequence_shard_out(result, self.tp_mesh)
         elif self.tp_mesh is not None:
             from .runtime import local_outputs
@@ -243,12 +244,13 @@ def _sequence_shard_in(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 def _sequence_shard_out(result: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """This tensor-parallel rank's sequence shard of the stage's output hidden states, to send: no
     communication where the output is already sharded on dim 1 (the plan's blocks return it so), a local slice
-    of a replicated one, a reduce-scatter of a partial one."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    of a replicated one (a plain tensor is taken as replicated, as the stage's inputs are), a reduce-scatter of
+    a partial one."""
+    from torch.distributed.tensor import Shard
 
-    if not isinstance(result, DTensor):
-        result = DTensor.from_local(result, mesh, [Replicate()], run_check=False)
-    return result.redistribute(mesh, [Shard(1)]).to_local()
+    from .runtime import inputs_on_mesh
+
+    return inputs_on_mesh(result, mesh).redistribute(mesh, [Shard(1)]).to_local()
 
 
 # --------------------------------------------------------------------------------------------- the cut

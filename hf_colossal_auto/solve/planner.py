@@ -51,7 +51,6 @@ from .baselines import (
     _attention_heads,
     _largest_tp,
     megatron_placements,
-    tensor_parallel_modules,
     tp_plan_placements,
 )
 from .build.builder import BuiltProblem
@@ -85,16 +84,17 @@ from .search import (  # noqa: F401 (EXPERT_DP_KEY and EXPERT_FSDP_KEY re-export
     _Search,
     _search_order,
 )
-from .sequence_parallel import LOCAL_LAYOUTS, SEQUENCE_PARALLEL_LAYOUTS, sequence_parallel_pins
+from .sequence_parallel import LOCAL_LAYOUTS, SEQUENCE_PARALLEL_LAYOUTS, hand_layout_pins
 from .tied import TiedGraph
 
 logger = logging.getLogger(__name__)
 
 
 BASELINES = ("ddp", "fsdp", "megatron", "megatron-sp", "megatron-local", "megatron-sp-local")
+"""The named hand configurations :func:`evaluate_plan` prices (see the module docstring)."""
+
 MEGATRON_LAYOUTS = ("megatron", "megatron-sp", "megatron-local", "megatron-sp-local")
 """The baselines that place parameters as Megatron-LM does (on a tensor-parallel axis)."""
-"""The named hand configurations :func:`evaluate_plan` prices (see the module docstring)."""
 
 
 @dataclass
@@ -482,13 +482,9 @@ def evaluate_plan(
     param_uses = _plan_param_uses(model, plan_or_baseline) if pin_uses else None
     pins = None
     layout = plan_or_baseline.hand_layout if isinstance(plan_or_baseline, Plan) else name
-    if (
-        layout in SEQUENCE_PARALLEL_LAYOUTS
-    ):  # the ops between tensor-parallel regions pinned to sequence shards
-        borders, rows = tensor_parallel_modules(model, fixed)
-        pins = sequence_parallel_pins(
-            planner.graph(mesh[0], k), planner.strategies(mesh[0], mesh[1], k), planner.layers, borders, rows
-        )
+    # the ops between tensor-parallel regions pinned to sequence shards
+    if layout in SEQUENCE_PARALLEL_LAYOUTS:
+        pins = hand_layout_pins(planner, fixed, mesh, k)
     # a Plan whose modules run on local shards is priced so again (its layout is the same at its tp)
     local = layout in LOCAL_LAYOUTS or (
         isinstance(plan_or_baseline, Plan) and bool(plan_or_baseline.local_modules)
@@ -609,8 +605,7 @@ def _hand_pipeline(
     """A hand pipeline's pp degree, stage layout and tensor-parallel placements: ``baseline`` "ddp" / "fsdp"
     (tp = 1), "megatron" (Megatron's placements on tp = ``mesh_shape[-1]``, default the largest that fits a node;
     "megatron-sp" with its sequence parallelism, "megatron-local" run on local shards, "megatron-sp-local" both)
-    or a tp_plan dict, inside
-    each of ``pipeline`` stages."""
+    or a tp_plan dict, inside each of ``pipeline`` stages."""
     if pipeline is None or pipeline < 2:
         raise ValueError(f"pipeline must be a pp degree >= 2 for a hand pipeline, got {pipeline!r}")
     n = planner.cluster.num_devices

@@ -24,10 +24,15 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from ..capture.graph import Phase, StepGraph
 from ..strategies.placements import Strategy
+from .baselines import tensor_parallel_modules
 from .tied import PROJECTION_TYPES
+
+if TYPE_CHECKING:
+    from .candidates import _Planner
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +145,23 @@ def _row_parallel_outputs(
     return out
 
 
+def hand_layout_pins(
+    planner: _Planner, placements: Mapping[str, str], mesh: tuple[int, int], micro_batches: int = 1
+) -> dict[int, list[Strategy]]:
+    """:func:`sequence_parallel_pins` of a hand layout's tensor-parallel ``placements`` (parameter FQN -> its
+    placement on tp) on ``planner``'s step at ``mesh`` ``(dp, tp)``: what ``evaluate_plan`` and the pipeline
+    pricing hand ``_Planner.build(strategy_pins=...)`` for the ``"megatron-sp"`` layouts."""
+    borders, rows = tensor_parallel_modules(planner.model, placements)
+    dp, tp = mesh
+    return sequence_parallel_pins(
+        planner.graph(dp, micro_batches),
+        planner.strategies(dp, tp, micro_batches),
+        planner.layers,
+        borders,
+        rows,
+    )
+
+
 def sequence_parallel_pins(
     graph: StepGraph,
     strategies: Mapping[int, list[Strategy]],
@@ -149,8 +171,9 @@ def sequence_parallel_pins(
 ) -> dict[int, list[Strategy]]:
     """Every op of every block's sequence-parallel region -> its sequence-sharded strategies among
     ``strategies`` (only those nodes: ``_Planner.build`` lays them over the strategies it prices, which a local
-    layout has already narrowed for its attention and MLP ops — a whole copy would undo that). A block with no such op is named in a warning; a model with none
-    at all is refused (:class:`SequenceParallelError`), since its layout would be plain Megatron's."""
+    layout has already narrowed for its attention and MLP ops — a whole copy would undo that). A block with no
+    such op is named in a warning; a model with none at all is refused (:class:`SequenceParallelError`), since
+    its layout would be plain Megatron's."""
     regions = sequence_parallel_regions(
         graph, strategies, blocks, tensor_parallel_modules, row_parallel_modules
     )

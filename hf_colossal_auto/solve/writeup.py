@@ -434,15 +434,6 @@ def _ancestors(module: str) -> list[str]:
     return [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
 
 
-def module_output_placements(
-    graph: StepGraph, built: BuiltProblem, solution: Solution, mesh: tuple[int, int]
-) -> dict[str, list[str]]:
-    """The ``activation_placements`` :func:`_make_plan` writes for ``solution`` (module FQN -> placement per
-    mesh axis of its forward output), without writing the rest of the plan: what the pipeline pricing reads to
-    decide how stages send (:func:`~hf_colossal_auto.pipeline_layout.sends_sequence_shards`)."""
-    return _module_output_placements(built, solution, graph, TiedGraph.build(graph), mesh)
-
-
 def _module_output_placements(built, solution, graph, tied, mesh) -> dict[str, list[str]]:
     """Module FQN -> placement per mesh axis of the module's forward output: the output of the *last* forward
     op run inside the module or any of its children (what the module returns; a module ending in a child's

@@ -41,7 +41,7 @@ from check_pipeline import (  # noqa: E402
     relative,
     reloaded_equal,
 )
-from common import init_gloo, out_argument, write_every_rank_and_close  # noqa: E402
+from common import init_gloo, out_argument, p2p_by_peer, write_every_rank_and_close  # noqa: E402
 
 from hf_colossal_auto._torch_compat import recording_point_to_point
 from hf_colossal_auto.integrations.process_exit import finish
@@ -148,27 +148,6 @@ def local_fraction(model) -> float:
     params = list(model.parameters())
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
     return local / sum(p.numel() for p in params)
-
-
-def p2p_by_peer(records: list, predicted: dict[str, list[int]], model) -> tuple[dict, dict]:
-    """This rank's point-to-point ops of one step by ``op:peer`` (count, bytes): measured, and as the plan's
-    simulated schedule has them (``solver["point_to_point"]``, ``"src->dst"`` in pp ranks, mapped to the global
-    ranks of this rank's pipeline)."""
-    from hf_colossal_auto import pipeline_runner
-
-    group = pipeline_runner(model).group
-    rank = dist.get_rank()
-    measured: dict[str, list[int]] = {}
-    for record in records:
-        key = f"{record.op}:{record.peer}"
-        count, nbytes = measured.get(key, [0, 0])
-        measured[key] = [count + 1, nbytes + record.nbytes]
-    expected: dict[str, list[int]] = {}
-    for pair, (count, nbytes) in predicted.items():
-        src, dst = (dist.get_global_rank(group, int(r)) for r in pair.split("->"))
-        if rank in (src, dst):
-            expected[f"isend:{dst}" if src == rank else f"irecv:{src}"] = [count, nbytes]
-    return measured, expected
 
 
 def pipelined(

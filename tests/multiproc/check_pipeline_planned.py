@@ -102,7 +102,7 @@ def planned_choice() -> dict[str, Any]:
 def measured_schedule(preset: str, schedule: str, micro_batches: int) -> dict[str, Any]:
     """The search's plan for ``schedule`` at ``micro_batches``: one measured step's peak memory and
     point-to-point ops on this rank, beside the plan's predictions."""
-    from common import step_peaks
+    from common import p2p_by_peer, step_peaks
 
     from hf_colossal_auto._torch_compat import recording_point_to_point
     from hf_colossal_auto.apply.runtime import apply_plan
@@ -127,17 +127,7 @@ def measured_schedule(preset: str, schedule: str, micro_batches: int) -> dict[st
     warm_up, recorder = recording_point_to_point(), recording_point_to_point()
     warm_up_peak, peak = step_peaks(model, optimizer, batch, [warm_up, recorder])
     rank = dist.get_rank()
-    sent: dict[str, list[int]] = {}
-    for record in recorder.records:
-        key = f"{record.op}:{record.peer}"
-        count, nbytes = sent.get(key, [0, 0])
-        sent[key] = [count + 1, nbytes + record.nbytes]
-    predicted: dict[str, list[int]] = {}
-    for pair, (count, nbytes) in plan.solver["point_to_point"].items():
-        src, dst = (int(r) for r in pair.split("->"))
-        if rank in (src, dst):
-            op, peer = ("isend", dst) if src == rank else ("irecv", src)
-            predicted[f"{op}:{peer}"] = [count, nbytes]
+    sent, predicted = p2p_by_peer(recorder.records, plan.solver["point_to_point"], model)
     out = {
         "schedule": schedule,
         "micro_batches": micro_batches,

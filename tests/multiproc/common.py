@@ -119,6 +119,30 @@ def _one_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch: di
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
+def p2p_by_peer(records: list, predicted: dict[str, list[int]], model: nn.Module) -> tuple[dict, dict]:
+    """This rank's point-to-point ops of one step by ``op:peer`` (count, bytes): measured (``records`` of
+    ``_torch_compat.recording_point_to_point``), and as a pipeline plan's simulated schedule has them
+    (``predicted``: its ``solver["point_to_point"]``, ``"src->dst"`` in pp ranks, mapped to the global ranks
+    of this rank's pipeline)."""
+    import torch.distributed as dist
+
+    from hf_colossal_auto import pipeline_runner
+
+    group = pipeline_runner(model).group
+    rank = dist.get_rank()
+    measured: dict[str, list[int]] = {}
+    for record in records:
+        key = f"{record.op}:{record.peer}"
+        count, nbytes = measured.get(key, [0, 0])
+        measured[key] = [count + 1, nbytes + record.nbytes]
+    expected: dict[str, list[int]] = {}
+    for pair, (count, nbytes) in predicted.items():
+        src, dst = (dist.get_global_rank(group, int(r)) for r in pair.split("->"))
+        if rank in (src, dst):
+            expected[f"isend:{dst}" if src == rank else f"irecv:{src}"] = [count, nbytes]
+    return measured, expected
+
+
 def step_peaks(
     model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any], contexts: list[Any]
 ) -> list[int]:

@@ -257,8 +257,8 @@ def price_pipeline(
     parameters replicated), ``local`` whether its qualifying attention / MLP modules run on local tensor shards
     (:mod:`..local_tensor_parallel`), ``sequence_parallel`` whether the ops between its tensor-parallel regions
     run on sequence shards (Megatron-LM's sequence parallelism; the plan's ``hand_layout`` "megatron-sp", or
-    "megatron-sp-local" with ``local``). Its
-    Plan carries the predictions (``fits`` says whether it meets the budget)."""
+    "megatron-sp-local" with ``local``). Its Plan carries the predictions (``fits`` says whether it meets the
+    budget)."""
     layout = find_layout(planner.model)
     _check_degree(planner, layout, pp)
     virtual = virtual_stages or PIPELINE_SCHEDULES[schedule][0]

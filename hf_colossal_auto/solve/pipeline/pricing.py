@@ -33,12 +33,19 @@ from ..baselines import _attention_heads
 from ..build.builder import BuiltProblem
 from ..build.names import MemoryRow, NodeKind, memory_row_name
 from ..candidates import LIFTED_BUDGET, _first_rows, _Planner
+from ..context_parallel_search import sequence_length
 from ..ilp import solve
 from ..pricing.comm import AxisComm, shard_factor
 from ..pricing.compute import HOST_STREAM, overlap_parts
 from ..problem import InfeasibleError, Solution, memory_usage
 from ..tied import TiedGraph
-from ..writeup import _activation_per_unit, _real_modules, _unit_mapper, _unit_order, module_output_placements
+from ..writeup import (
+    _activation_per_unit,
+    _module_output_placements,
+    _real_modules,
+    _unit_mapper,
+    _unit_order,
+)
 from .costs import STAGE_DP_MODES, ModelCosts, StageLayout, UnitCost
 
 
@@ -234,15 +241,16 @@ class _Pricer:
                 continue
         assert solution is not None  # the last budget is lifted
         graph = inner.graph(1)
-        units = _unit_costs(planner, built, solution, graph)
+        tied = TiedGraph.build(graph)
+        units = _unit_costs(planner, built, solution, graph, tied)
         params, choice = _param_shares(planner, built, solution, graph, tp)
         output = max((graph.values[v].nbytes for v in graph.output_values), default=0)
         transient = max(0.0, peak.constant - graph.input_bytes - graph.buffer_bytes)
         sharded = tp > 1 and sends_sequence_shards(
             self.layout,
-            module_output_placements(inner.graph(mesh[0], built.micro_batches), built, solution, mesh),
+            _module_output_placements(built, solution, graph, tied, mesh),
             tp,
-            _sequence_length(planner.inputs),
+            sequence_length(planner.inputs),
         )
         sends = _send_bytes(graph, self.layout) // (tp if sharded else 1)
         return InnerPricing(
@@ -266,11 +274,9 @@ class _Pricer:
         asked for, or no tensor parallelism)."""
         if not self.sequence_parallel or tp < 2:
             return None
-        from ..baselines import tensor_parallel_modules
-        from ..sequence_parallel import sequence_parallel_pins
+        from ..sequence_parallel import hand_layout_pins
 
-        borders, rows = tensor_parallel_modules(self.planner.model, self.fixed_params or {})
-        return sequence_parallel_pins(inner.graph(1), inner.strategies(1, tp, 1), inner.layers, borders, rows)
+        return hand_layout_pins(inner, self.fixed_params or {}, (1, tp))
 
     def costs(self, pp: int, stage: StageLayout, micro_batches: int, options: tuple[str, ...]) -> ModelCosts:
         """The model's per-unit costs for ``stage`` in a ``pp``-stage pipeline at ``micro_batches`` micro-batches,
@@ -334,7 +340,9 @@ def _units_of(model) -> tuple[Callable[[str], str], dict[str, int]]:
     return cached[1], cached[2]
 
 
-def _unit_costs(planner: _Planner, built: BuiltProblem, solution: Solution, graph) -> dict[str, UnitCost]:
+def _unit_costs(
+    planner: _Planner, built: BuiltProblem, solution: Solution, graph, tied: TiedGraph
+) -> dict[str, UnitCost]:
     """Per depth unit: forward / backward seconds of one micro-batch and the activation bytes it keeps, read off
     the solved problem (a node's cost spread over the real blocks it stands for). Ops and reshardings are split by
     their module's backward share; reruns of recompute (edges from a recompute node) and the reshardings a rerun
@@ -376,7 +384,6 @@ def _unit_costs(planner: _Planner, built: BuiltProblem, solution: Solution, grap
             for k, seconds in overlap_parts(problem, overlap, choice):
                 if total > 0 and exposed > 0:
                     spread(built.block_of.get(k, ""), exposed * seconds / total)
-    tied = TiedGraph.build(graph)
     for unit, nbytes in _activation_per_unit(built, solution, graph, tied, unit_of, 1).items():
         units[unit].activation_bytes += nbytes
     return dict(units)
@@ -525,12 +532,6 @@ def _send_bytes(graph, layout: PipelineLayout) -> int:
         graph.storages[s].nbytes for args in graph.block_args.values() for s in args if s in graph.storages
     ]
     return max(sizes, default=0)
-
-
-def _sequence_length(inputs: Any) -> int:
-    """The batch's sequence length (its ``input_ids``' second dim; 0 when it has none)."""
-    ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
-    return int(ids.shape[1]) if ids is not None and ids.dim() > 1 else 0
 
 
 def _by_role(units: dict[str, UnitCost], layout: PipelineLayout, send_bytes: int) -> ModelCosts:
