@@ -380,3 +380,36 @@ def test_measured_peak_on_two_ranks_stays_under_the_budget(case, two_rank_result
         assert -RANKS_UNDER <= error <= max_over, (f"{error:+.4%}", r)
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, r
         assert r["max_grad_err"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("option", ["full", "selective:pointwise"])
+def test_a_checkpointed_block_reruns_in_each_backward_pass(option):
+    """What the pipeline pricing assumes of the zero-bubble schedules (``plan.SPLIT_BACKWARD_SCHEDULES``): torch
+    runs a stage's backward as an input-gradient pass and a later weight-gradient pass over the retained graph
+    (``torch.distributed.pipelining``'s own two functions, called here as its schedules call them). A block
+    checkpointed in full reruns its forward in the input pass and in each of the weight pass's
+    ``autograd.grad`` calls, one per parameter group (here the two linears; priced so:
+    ``ModelCosts.weight_groups``); one checkpointed selectively cannot serve the second pass (its cached outputs
+    are spent), which is why the runtime refuses it. The search offers neither there. If torch ever changes
+    either, this fails first."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from hf_colossal_auto.apply.recompute import checkpoint_module
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    runs = []
+    block[0].register_forward_pre_hook(lambda *_: runs.append(1))
+    checkpoint_module(block, parse_option(option))
+    x = torch.randn(4, 8, requires_grad=True)
+    out = block(x)
+    assert len(runs) == 1
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
+    assert len(runs) == 2  # the input gradients' pass reran the forward
+    if option == "full":
+        stage_backward_weight(block.parameters(), groups)
+        assert len(groups) == 2 and len(runs) == 4  # and the weight pass ran it once per group
+        assert all(p.grad is not None for p in block.parameters())
+    else:
+        with pytest.raises(RuntimeError, match="backward"):
+            stage_backward_weight(block.parameters(), groups)

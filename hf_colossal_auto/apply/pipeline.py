@@ -67,7 +67,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._torch_compat import tensor_is_view
 from ..pipeline_layout import PipelineLayout, PipelineLayoutError, find_layout
-from ..plan import Plan
+from ..plan import SPLIT_BACKWARD_SCHEDULES, Plan
 from ..recompute_options import parse_option
 from .agree import DEFAULT_TIMEOUT_S, as_timedelta, raise_if_any_rank_failed, set_timeout
 from .materialize import is_meta_model, materialize_meta_model
@@ -331,7 +331,7 @@ def check_pipeline_plan(model: nn.Module, plan: Plan) -> PipelineLayout:
     selective = sorted(
         fqn for fqn, text in plan.recompute.items() if not (o := parse_option(text)).is_none and not o.is_full
     )
-    if selective and plan.schedule in _SPLIT_BACKWARD:
+    if selective and plan.schedule in SPLIT_BACKWARD_SCHEDULES:
         raise PipelineRuntimeError(
             f"the plan recomputes {len(selective)} blocks selectively ({selective[0]}: "
             f"{plan.recompute[selective[0]]!r}) under the {plan.schedule!r} schedule, which runs each backward "
@@ -355,10 +355,6 @@ def check_pipeline_plan(model: nn.Module, plan: Plan) -> PipelineLayout:
             "embeddings."
         )
     return layout
-
-
-_SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv")
-"""Schedules that split each backward into an input-gradient and a weight-gradient pass."""
 
 
 def _held_part(plan: Plan, held: dict[str, nn.Module], tied_names: Sequence[tuple[str, str]]) -> Plan:

@@ -363,6 +363,8 @@ def _simulate_cut(
     options = costs.block_options()
     owner = stage_ranks(schedule, num_stages, pp)
     stages, transients = _stages(costs, counts, levels, owner)
+    reruns = _stage_reruns(costs, counts, levels)
+    weight_reruns = _stage_reruns(costs, counts, levels, weight_pass=True)
     stage_costs = []
     for index, s in enumerate(stages):
         first_gather = s.gather_s / (
@@ -371,8 +373,9 @@ def _simulate_cut(
         stage_costs.append(
             StageCost(
                 forward_s=s.forward_s,
-                backward_input_s=s.backward_s / 2,  # a matmul's input and weight gradients cost alike
-                backward_weight_s=s.backward_s / 2,
+                # a matmul's input and weight gradients cost alike; a split's input pass reruns the recompute
+                backward_input_s=(s.backward_s + reruns[index]) / 2,
+                backward_weight_s=(s.backward_s - reruns[index]) / 2,
                 # torch's stage keeps a micro-batch's output (sent on, or the logits) until its backward
                 # and the activation it received, in the buffer dropped after that backward
                 activation_bytes=int(s.activation_bytes)
@@ -384,6 +387,7 @@ def _simulate_cut(
                 + _received_gradient_bytes(costs, owner, index),
                 first_forward_extra_s=first_gather + max(s.gather_s - first_gather - s.forward_s, 0.0),
                 last_backward_extra_s=s.sync_s,
+                weight_rerun_s=weight_reruns[index],
             )
         )
     rank_optimizer = [0.0] * pp
@@ -417,6 +421,36 @@ def _simulate_cut(
         pp, stage, schedule, virtual, micro_batches, list(counts), [options[lv] for lv in levels], simulation,
         rank_state, rank_held, peaks, [s.forward_s + s.backward_s for s in stages], stage_peaks, costs,
     )  # fmt: skip
+
+
+def block_reruns(costs: ModelCosts, levels: list[int]) -> list[float]:
+    """Per block, the seconds its recompute reruns in one backward pass (its option against no recompute)."""
+    options = costs.block_options()
+    return [
+        _block_seconds(costs.options[options[level]][b]) - _block_seconds(costs.blocks[b])
+        for b, level in enumerate(levels)
+    ]
+
+
+def weight_pass_reruns(costs: ModelCosts, b: int) -> int:
+    """How often block ``b``'s recompute reruns in a weight-gradient pass (:attr:`ModelCosts.weight_groups`)."""
+    return costs.weight_groups[b] if costs.weight_groups else 1
+
+
+def _stage_reruns(
+    costs: ModelCosts, counts: list[int], levels: list[int], weight_pass: bool = False
+) -> list[float]:
+    """Per stage, the seconds its blocks' recompute reruns in one backward pass, or (``weight_pass``) in a
+    weight-gradient pass of an input / weight split."""
+    per_block = block_reruns(costs, levels)
+    reruns, start = [], 0
+    for count in counts:
+        blocks = range(start, start + count)
+        reruns.append(
+            sum(per_block[b] * (weight_pass_reruns(costs, b) if weight_pass else 1) for b in blocks)
+        )
+        start += count
+    return reruns
 
 
 def _stages(

@@ -110,6 +110,11 @@ class StageCost:
     logits' gradients in the loss's backward)."""
     first_forward_extra_s: float = 0.0
     last_backward_extra_s: float = 0.0
+    weight_rerun_s: float = 0.0
+    """What a weight-gradient pass (``"W"``) runs again beside :attr:`backward_weight_s`: a block checkpointed in
+    full reruns its forward in every backward pass, and torch's weight pass is one per parameter group
+    (:data:`~hf_colossal_auto.plan.SPLIT_BACKWARD_SCHEDULES`); a full backward (``"B"``) reruns it once, in
+    :attr:`backward_input_s` + :attr:`backward_weight_s`."""
 
     @property
     def backward_s(self) -> float:
@@ -275,7 +280,7 @@ class _Simulator:
             "F": cost.forward_s,
             "B": cost.backward_s,
             "I": cost.backward_input_s,
-            "W": cost.backward_weight_s,
+            "W": cost.backward_weight_s + cost.weight_rerun_s,
         }[kind]
         if kind == "F" and m == 0:
             seconds += cost.first_forward_extra_s
