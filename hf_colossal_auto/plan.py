@@ -32,10 +32,11 @@ PIPELINE_SCHEDULES: dict[str, tuple[int, int | None]] = {
 ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``)."""
 
 SPLIT_BACKWARD_SCHEDULES = frozenset({"interleaved-zero-bubble", "zbv"})
-"""Schedules whose runtime splits each backward into an input-gradient and a weight-gradient pass (two
-``torch.autograd.grad`` calls over one retained graph). A block checkpointed in full reruns its forward in each
-of them (non-reentrant checkpoint recomputes once per backward pass); one checkpointed selectively cannot run
-there (its cached outputs serve one backward only), so those plans recompute blocks in full or not at all."""
+"""Schedules whose runtime splits each backward into an input-gradient and a weight-gradient pass (separate
+``torch.autograd.grad`` calls over one retained graph). A checkpointed block reruns its forward in each pass
+(non-reentrant checkpoint recomputes once per backward pass): twice a micro-batch, priced so. The runtime makes
+the weight pass one call (torch's makes one per parameter group) and lets a selective policy's kept outputs
+serve both reruns (torch's serve one)."""
 
 PIPELINE_FIELDS = ("pp_size", "stages", "schedule", "virtual_stages")
 """The Plan's pipeline fields: written to JSON only for a plan with pipeline stages (``pp_size > 1``), so that

@@ -153,9 +153,9 @@ def test_models_without_a_causal_lm_layout_are_refused(preset):
 
 
 def test_what_runs_inside_a_stage_and_what_is_refused():
-    """Tensor parallelism, FSDP/HSDP and recompute inside a stage pass the check; experts split over the
-    data-parallel axis, selective recompute under a split-backward schedule and FSDP of a tie held twice on
-    one rank are refused by name, with what to do."""
+    """Tensor parallelism, FSDP/HSDP and recompute (selective too under a split-backward schedule) inside a
+    stage pass the check; experts split over the data-parallel axis and FSDP of a tie held twice on one rank
+    are refused by name, with what to do."""
     llama = _llama()
     check_pipeline_plan(llama, _plan(num_devices=4, mesh_shape=(2, 1, 2)))
     check_pipeline_plan(llama, _plan(num_devices=4, mesh_shape=(2, 2, 1), dp_mode="fsdp"))
@@ -167,8 +167,7 @@ def test_what_runs_inside_a_stage_and_what_is_refused():
         check_pipeline_plan(llama, _plan(expert_data_parallel=["model.layers.0.mlp"]))
     zbv = {"schedule": "zbv", "virtual_stages": 2, "stages": _llama_cut(4)}
     check_pipeline_plan(llama, _plan(**zbv, recompute={"model.layers.0": "full"}))
-    with pytest.raises(PipelineRuntimeError, match="selectively .* schedule 'gpipe', '1f1b'"):
-        check_pipeline_plan(llama, _plan(**zbv, recompute={"model.layers.0": "selective:pointwise"}))
+    check_pipeline_plan(llama, _plan(**zbv, recompute={"model.layers.0": "selective:pointwise"}))
     config = load_config("tiny-gpt2")
     config.n_layer = 4  # zbv: 2 stages on each of 2 ranks
     gpt2 = build_model(config, device="meta")
@@ -492,7 +491,12 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
         assert any(c.startswith("mixtral no-aux") for c in trained)
         jitter = results["mixtral jitter"]
         assert jitter.startswith("PipelineRuntimeError") and "router_jitter_noise" in jitter, jitter
-        for case in ("llama recompute 1f1b selective:pointwise", "llama recompute zbv full"):
+        for case in (
+            "llama recompute 1f1b selective:pointwise",
+            "llama recompute zbv full",
+            "llama recompute zbv selective:pointwise",
+            "llama recompute interleaved-zero-bubble selective:pointwise",
+        ):
             assert case in trained and results[case]["recomputed"], case
         saved = results["save gpt2"]
         assert saved["equal"] and saved["tied"] and len(saved["files"]) > 1, saved

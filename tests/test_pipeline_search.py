@@ -502,23 +502,18 @@ def test_sequence_parallel_stages_send_sequence_shards_priced_at_a_tp_th(layout,
 
 
 @pytest.mark.parametrize("schedule", OFFERED_SCHEDULES)
-def test_full_recompute_is_priced_once_per_backward_pass_and_selective_not_offered_under_a_split(schedule):
+def test_recompute_is_priced_once_per_backward_pass(schedule):
     """Under the zero-bubble schedules torch runs each backward as an input-gradient pass and a weight-gradient
-    pass of one ``autograd.grad`` per parameter group, and a block checkpointed in full reruns its forward in
-    every one (``test_recompute.py::test_a_checkpointed_block_reruns_in_each_backward_pass``): every rank's busy
-    time grows by one rerun per micro-batch and block under a schedule with whole backwards, by 1 + its weight
-    groups under a split. Neither recompute is offered there (a selective checkpoint cannot serve two passes:
-    the runtime refuses it; a full one costs more than it saves)."""
+    pass, and a checkpointed block reruns its forward in both (the runtime makes the weight pass one
+    ``autograd.grad``: ``test_recompute.py::test_a_checkpointed_block_reruns_once_in_each_backward_pass``):
+    every rank's busy time grows by one rerun per micro-batch and block under a schedule with whole backwards,
+    by two under a split (the plans it chose before ran their recompute's cost once)."""
     from hf_colossal_auto.plan import SPLIT_BACKWARD_SCHEDULES
-    from hf_colossal_auto.solve.pipeline.costs import RECOMPUTE_OFFERED, recompute_offered
 
     split = schedule in SPLIT_BACKWARD_SCHEDULES
-    offered = recompute_offered(schedule)
-    assert offered == (("none",) if split else RECOMPUTE_OFFERED)
     pp, virtual = 2, (1 if schedule in ("gpipe", "1f1b") else 2)
     m, blocks = 4, 2 * pp * virtual
     costs = _synthetic_costs(blocks, act_none=100.0, act_full=10.0, state=50.0)  # full: +1 s a backward
-    costs.weight_groups = [3] * blocks  # three weight groups a block: three more reruns in a weight pass
     stage = StageLayout(1, 1, "ddp", 1)
     counts = [2] * (pp * virtual)
     free = simulate_candidate(
@@ -530,18 +525,4 @@ def test_full_recompute_is_priced_once_per_backward_pass_and_selective_not_offer
     per_rank = blocks // pp  # blocks a rank holds, each rerun 1 s per micro-batch and pass
     for rank in range(pp):
         extra = full.simulation.busy_s[rank] - free.simulation.busy_s[rank]
-        assert extra == pytest.approx((1 + 3 if split else 1) * m * per_rank * 1.0), (schedule, rank)
-
-
-def test_a_hand_pipeline_with_selective_recompute_under_a_split_schedule_is_refused():
-    from hf_colossal_auto.plan import PipelinePlanError
-    from hf_colossal_auto.solve.pipeline.plan import price_pipeline
-
-    _, _, planner = _tiny_llama_planner()
-    stage = StageLayout(1, 2, "ddp", 1)
-    with pytest.raises(PipelinePlanError, match="two passes.*'selective:pointwise'.*'interleaved-1f1b'"):
-        price_pipeline(
-            planner, pp=2, stage=stage, schedule="zbv", micro_batches=4, recompute="selective:pointwise"
-        )
-    plan = price_pipeline(planner, pp=2, stage=stage, schedule="zbv", micro_batches=4, recompute="auto")
-    assert not any(o.startswith("selective") for o in plan.recompute.values())
+        assert extra == pytest.approx((2 if split else 1) * m * per_rank * 1.0), (schedule, rank)

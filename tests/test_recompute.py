@@ -383,33 +383,40 @@ def test_measured_peak_on_two_ranks_stays_under_the_budget(case, two_rank_result
 
 
 @pytest.mark.parametrize("option", ["full", "selective:pointwise"])
-def test_a_checkpointed_block_reruns_in_each_backward_pass(option):
+def test_a_checkpointed_block_reruns_once_in_each_backward_pass(option):
     """What the pipeline pricing assumes of the zero-bubble schedules (``plan.SPLIT_BACKWARD_SCHEDULES``): torch
     runs a stage's backward as an input-gradient pass and a later weight-gradient pass over the retained graph
-    (``torch.distributed.pipelining``'s own two functions, called here as its schedules call them). A block
-    checkpointed in full reruns its forward in the input pass and in each of the weight pass's
-    ``autograd.grad`` calls, one per parameter group (here the two linears; priced so:
-    ``ModelCosts.weight_groups``); one checkpointed selectively cannot serve the second pass (its cached outputs
-    are spent), which is why the runtime refuses it. The search offers neither there. If torch ever changes
-    either, this fails first."""
+    (``torch.distributed.pipelining``'s own two functions, called here as its schedules call them), and a
+    checkpointed block reruns its forward in each. torch's weight pass is one ``autograd.grad`` per parameter
+    group (here the two linears), a rerun in each; the runtime's stage merges them
+    (``merged_weight_groups``): one rerun, the same gradients. torch's selective cache serves one pass only (the
+    second raises); the runtime's (``replayable_selective_checkpoint_contexts``, for ``passes=2``) serves both.
+    If torch changes any of this, this fails first."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+    from hf_colossal_auto._torch_compat import merged_weight_groups
     from hf_colossal_auto.apply.recompute import checkpoint_module
 
-    torch.manual_seed(0)
-    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
-    runs = []
-    block[0].register_forward_pre_hook(lambda *_: runs.append(1))
-    checkpoint_module(block, parse_option(option))
-    x = torch.randn(4, 8, requires_grad=True)
-    out = block(x)
-    assert len(runs) == 1
-    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
-    assert len(runs) == 2  # the input gradients' pass reran the forward
+    def step(passes: int | None, merge: bool) -> tuple[int, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+        runs = []
+        block[0].register_forward_pre_hook(lambda *_: runs.append(1))
+        if passes is not None:
+            checkpoint_module(block, parse_option(option), passes)
+        x = torch.randn(4, 8, requires_grad=True)
+        out = block(x)
+        _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
+        assert len(groups) == 2
+        stage_backward_weight(block.parameters(), merged_weight_groups(groups) if merge else groups)
+        return len(runs) - 1, [p.grad for p in block.parameters()]
+
+    _, reference = step(None, merge=False)
+    reruns, grads = step(2, merge=True)
+    assert reruns == 2  # once in the input pass, once in the (merged) weight pass
+    assert all(torch.allclose(g, r, atol=1e-6) for g, r in zip(grads, reference, strict=True))
     if option == "full":
-        stage_backward_weight(block.parameters(), groups)
-        assert len(groups) == 2 and len(runs) == 4  # and the weight pass ran it once per group
-        assert all(p.grad is not None for p in block.parameters())
+        assert step(1, merge=False)[0] == 3  # torch's groups: a rerun each in the weight pass
     else:
-        with pytest.raises(RuntimeError, match="backward"):
-            stage_backward_weight(block.parameters(), groups)
+        with pytest.raises(RuntimeError, match="backward an extra time"):
+            step(1, merge=True)

@@ -44,8 +44,8 @@ per stage and read under any plan (:mod:`.pipeline_checkpoint`).
 
 An MoE model's router load-balancing loss spans the stages; :mod:`.pipeline_aux` adds it as one process does.
 
-Not yet (refused by name): experts split over the data-parallel axis inside a stage, selective recompute under
-the split-backward schedules (zero bubble), FSDP of a tied embedding held twice on one rank, full state dicts.
+Not yet (refused by name): experts split over the data-parallel axis inside a stage, FSDP of a tied embedding held
+twice on one rank, full state dicts.
 """
 
 from __future__ import annotations
@@ -67,8 +67,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._torch_compat import tensor_is_view
 from ..pipeline_layout import PipelineLayout, PipelineLayoutError, find_layout
-from ..plan import SPLIT_BACKWARD_SCHEDULES, Plan
-from ..recompute_options import parse_option
+from ..plan import Plan
 from .agree import DEFAULT_TIMEOUT_S, as_timedelta, raise_if_any_rank_failed, set_timeout
 from .materialize import is_meta_model, materialize_meta_model
 from .pipeline_aux import RouterAuxError, RouterBalance, router_balance
@@ -318,8 +317,9 @@ def _device(mesh: DeviceMesh) -> torch.device:
 
 def check_pipeline_plan(model: nn.Module, plan: Plan) -> PipelineLayout:
     """The model's layout, after checking that the plan's stages cut it whole and that the runtime runs the
-    plan inside a stage: tensor parallelism, DDP/FSDP/HSDP and recompute run; experts split over the
-    data-parallel axis, and FSDP of an embedding tied to a head on the same rank, do not. Raises
+    plan inside a stage: tensor parallelism, DDP/FSDP/HSDP and recompute (selective too under the zero-bubble
+    schedules) run; experts split over the data-parallel axis, and FSDP of an embedding tied to a head on the
+    same rank, do not. Raises
     :class:`PipelineLayoutError` or :class:`PipelineRuntimeError`."""
     if plan.expert_data_parallel:
         raise PipelineRuntimeError(
@@ -327,17 +327,6 @@ def check_pipeline_plan(model: nn.Module, plan: Plan) -> PipelineLayout:
             f"({len(plan.expert_data_parallel)} MoE layers in expert_data_parallel), which the pipeline runtime "
             "does not apply inside a stage yet; plan without them (dp_modes without 'ddp-ep'/'fsdp-ep'), or "
             "without pipeline stages"
-        )
-    selective = sorted(
-        fqn for fqn, text in plan.recompute.items() if not (o := parse_option(text)).is_none and not o.is_full
-    )
-    if selective and plan.schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise PipelineRuntimeError(
-            f"the plan recomputes {len(selective)} blocks selectively ({selective[0]}: "
-            f"{plan.recompute[selective[0]]!r}) under the {plan.schedule!r} schedule, which runs each backward "
-            "in two passes (input gradients, then weight gradients); torch's selective checkpoint allows one "
-            "backward through a recomputed region. Plan with recompute 'full' or 'none' for those blocks, or "
-            "with schedule 'gpipe', '1f1b' or 'interleaved-1f1b'."
         )
     layout = find_layout(model)
     layout.block_ranges(plan.stages)

@@ -5,7 +5,10 @@ kept; its forward reruns in backward). ``selective:<classes>`` adds a selective-
 policy keeps the outputs of every op *not* in the listed classes and recomputes the rest — decided op by op
 with :func:`hf_colossal_auto.capture.op_classes.op_class`, the same function the planner priced the option
 with. Both work on DTensor-sharded blocks (the policy sees DTensor-level aten ops, as the planner's trace
-did) and under FSDP2 (its pre-backward hook unshards the parameters before the block is recomputed).
+did) and under FSDP2 (its pre-backward hook unshards the parameters before the block is recomputed). Under a
+pipeline schedule that splits each backward into an input and a weight pass, a block reruns in each
+(the runtime's stage makes the weight pass one ``autograd.grad``, so once there), and a selective policy's kept
+outputs serve both.
 
 A block that is checkpointed is given no KV cache while it records for backward (``use_cache=False``, the
 cache arguments None), as HF's own ``GradientCheckpointingLayer`` does: its rerun in backward would write the
@@ -40,8 +43,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .._torch_compat import replayable_selective_checkpoint_contexts
 from ..capture.op_classes import op_class
-from ..plan import Plan
+from ..plan import SPLIT_BACKWARD_SCHEDULES, Plan
 from ..recompute_options import RecomputeOption, parse_option
 
 logger = logging.getLogger(__name__)
@@ -102,8 +106,11 @@ def uncached_autocast_casts() -> Iterator[None]:
         torch.set_autocast_cache_enabled(previous)
 
 
-def checkpoint_module(module: nn.Module, option: RecomputeOption) -> None:
-    """Make ``module``'s forward recompute per ``option`` in backward (in place; idempotent per module)."""
+def checkpoint_module(module: nn.Module, option: RecomputeOption, passes: int = 1) -> None:
+    """Make ``module``'s forward recompute per ``option`` in backward (in place; idempotent per module).
+    ``passes``: backward passes each forward serves (2 under a schedule that splits input and weight gradients:
+    a selective policy's kept outputs then serve both reruns, :func:`~.._torch_compat.
+    replayable_selective_checkpoint_contexts`)."""
     if option.is_none or getattr(module, "_hf_colossal_auto_recompute", None) is not None:
         return
     inner = module.forward
@@ -111,9 +118,12 @@ def checkpoint_module(module: nn.Module, option: RecomputeOption) -> None:
         context_fn = None
     else:
         policy = selective_policy(option)
+        contexts = (
+            create_selective_checkpoint_contexts if passes == 1 else replayable_selective_checkpoint_contexts
+        )
 
         def context_fn():
-            return create_selective_checkpoint_contexts(policy)
+            return contexts(policy)
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -131,6 +141,7 @@ def apply_recompute(model: nn.Module, plan: Plan) -> dict[str, str]:
     """Apply ``plan.recompute`` to ``model``; returns block FQN -> option applied (``none`` left out)."""
     if not plan.recompute:
         return {}
+    passes = 2 if plan.schedule in SPLIT_BACKWARD_SCHEDULES else 1
     modules = dict(model.named_modules())
     applied: dict[str, str] = {}
     for fqn, text in sorted(plan.recompute.items()):
@@ -143,7 +154,7 @@ def apply_recompute(model: nn.Module, plan: Plan) -> dict[str, str]:
                 "plan recomputes %s but %s has no such module; it runs without", fqn, type(model).__name__
             )
             continue
-        checkpoint_module(module, option)
+        checkpoint_module(module, option, passes)
         applied[fqn] = option.name
     _plan_wins_over_hf_checkpointing(model)
     if applied:

@@ -9,7 +9,7 @@ gradient of the first step, every parameter after two AdamW steps, the gradient 
 evaluation forward (``model.eval()``, ``torch.no_grad()``: logits on every rank, the loss with labels) after the
 two steps. The batch has padding (an attention mask) and -100 labels spread so that micro-batches carry different
 token counts (equal weights per micro-batch would be wrong). Also: gradient recompute inside the stages (full
-under zbv, selective under 1f1b); gradient accumulation (``loss / 2`` over two half batches) and a loss scaled by
+and selective under zbv, selective under interleaved zero bubble and 1f1b); gradient accumulation (``loss / 2`` over two half batches) and a loss scaled by
 3 (what a gradient scaler does); a term on the logits set as the model's loss function (a z-loss; the training
 output's logits are refused); a model built on ``meta`` materialises this rank's stages with the whole model's
 init values; GPT-2, whose head is tied to its embedding, under every schedule (uneven under gpipe) with the tie
@@ -274,9 +274,15 @@ def every_schedule(results: dict) -> None:
         )  # fmt: skip
         plan = type(plan).from_dict(json.loads(plan.to_json()))  # the plan as a file carries it
         results[f"llama {schedule} {cut}"] = pipelined(model, plan, data, ref)
-    # recompute inside the stages: full under zbv (its split backward: input gradients first, weight gradients
-    # later, each through the recomputed blocks), selective under 1f1b
-    for schedule, cut, option in (("zbv", [2, 1, 1, 2], "full"), ("1f1b", [4, 2], "selective:pointwise")):
+    # recompute inside the stages: under zbv and interleaved zero bubble (their split backward: input gradients
+    # first, weight gradients later, each rerunning the recomputed blocks; a selective policy's kept outputs
+    # serve both) full and selective, selective under 1f1b
+    for schedule, cut, option in (
+        ("zbv", [2, 1, 1, 2], "full"),
+        ("zbv", [2, 1, 1, 2], "selective:pointwise"),
+        ("interleaved-zero-bubble", [2, 1, 1, 2], "selective:pointwise"),
+        ("1f1b", [4, 2], "selective:pointwise"),
+    ):
         model = build(cfg, "cpu")
         plan = hand_pipeline_plan(
             model, data[0], pp_size=2, schedule=schedule, micro_batches=4, blocks_per_stage=cut,

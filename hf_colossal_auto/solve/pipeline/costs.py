@@ -11,7 +11,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...plan import SPLIT_BACKWARD_SCHEDULES
 from ..pricing.pipeline_schedule import ScheduleSimulation
 
 STAGE_DP_MODES = ("ddp", "fsdp", "hsdp")
@@ -20,15 +19,6 @@ STAGE_DP_MODES = ("ddp", "fsdp", "hsdp")
 RECOMPUTE_OFFERED = ("none", "selective:pointwise", "full")
 """Recompute options a block of a stage may take, least recompute first (torchtitan's selective policy keeps
 matmul and attention outputs and reruns the pointwise ops)."""
-
-
-def recompute_offered(schedule: str) -> tuple[str, ...]:
-    """The options :data:`RECOMPUTE_OFFERED` a block may take under ``schedule``; under an input / weight split
-    (:data:`~hf_colossal_auto.plan.SPLIT_BACKWARD_SCHEDULES`) none but ``"none"``: a selective checkpoint
-    cannot serve the two passes (the runtime refuses it), and a full one reruns the block's forward in the
-    input pass and once more per weight group in the weight pass (:attr:`ModelCosts.weight_groups`: 9 a Llama
-    block), which no memory it saves pays for. A hand configuration may still price ``"full"`` there."""
-    return ("none",) if schedule in SPLIT_BACKWARD_SCHEDULES else RECOMPUTE_OFFERED
 
 
 @dataclass
@@ -116,10 +106,6 @@ class ModelCosts:
     tie_sync_s: float = 0.0
     """The tied parameters' gradient all-reduce between the first and the last stage's ranks (the runtime's tie
     group), on both, after the schedule, where those ranks differ."""
-    weight_groups: list[int] = field(default_factory=list)
-    """Per block, the ``autograd.grad`` calls torch's weight-gradient pass makes for it under an input / weight
-    split: one per module owning trainable parameters (``stage_backward_weight`` runs one per parameter group,
-    each its own backward pass, so a block checkpointed in full reruns its forward in each). Empty: one."""
     backward_transient_bytes: float = 0.0
     """Per micro-batch: what the step allocates at its highest point beyond what forwards keep, the inputs and
     the buffers (the activation-peak row's transient: in a causal LM the loss's backward, the logits'

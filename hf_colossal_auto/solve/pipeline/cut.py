@@ -364,7 +364,6 @@ def _simulate_cut(
     owner = stage_ranks(schedule, num_stages, pp)
     stages, transients = _stages(costs, counts, levels, owner)
     reruns = _stage_reruns(costs, counts, levels)
-    weight_reruns = _stage_reruns(costs, counts, levels, weight_pass=True)
     stage_costs = []
     for index, s in enumerate(stages):
         first_gather = s.gather_s / (
@@ -387,7 +386,7 @@ def _simulate_cut(
                 + _received_gradient_bytes(costs, owner, index),
                 first_forward_extra_s=first_gather + max(s.gather_s - first_gather - s.forward_s, 0.0),
                 last_backward_extra_s=s.sync_s,
-                weight_rerun_s=weight_reruns[index],
+                weight_rerun_s=reruns[index],  # a split's weight pass reruns it again
             )
         )
     rank_optimizer = [0.0] * pp
@@ -432,23 +431,12 @@ def block_reruns(costs: ModelCosts, levels: list[int]) -> list[float]:
     ]
 
 
-def weight_pass_reruns(costs: ModelCosts, b: int) -> int:
-    """How often block ``b``'s recompute reruns in a weight-gradient pass (:attr:`ModelCosts.weight_groups`)."""
-    return costs.weight_groups[b] if costs.weight_groups else 1
-
-
-def _stage_reruns(
-    costs: ModelCosts, counts: list[int], levels: list[int], weight_pass: bool = False
-) -> list[float]:
-    """Per stage, the seconds its blocks' recompute reruns in one backward pass, or (``weight_pass``) in a
-    weight-gradient pass of an input / weight split."""
+def _stage_reruns(costs: ModelCosts, counts: list[int], levels: list[int]) -> list[float]:
+    """Per stage, the seconds its blocks' recompute reruns in one backward pass."""
     per_block = block_reruns(costs, levels)
     reruns, start = [], 0
     for count in counts:
-        blocks = range(start, start + count)
-        reruns.append(
-            sum(per_block[b] * (weight_pass_reruns(costs, b) if weight_pass else 1) for b in blocks)
-        )
+        reruns.append(sum(per_block[start : start + count]))
         start += count
     return reruns
 

@@ -13,7 +13,6 @@ from typing import Any
 from ...pipeline_layout import PipelineLayoutError, find_layout, hand_pipeline_plan
 from ...plan import (
     PIPELINE_SCHEDULES,
-    SPLIT_BACKWARD_SCHEDULES,
     BlockCost,
     PipelinePlanError,
     Plan,
@@ -25,14 +24,13 @@ from ..pricing.pipeline_schedule import point_to_point_traffic
 from ..problem import InfeasibleError
 from ..sequence_parallel import SEQUENCE_PARALLEL_LAYOUTS
 from ..tied import TiedGraph
-from .costs import STAGE_DP_MODES, PipelineCandidate, StageLayout, _block_seconds, recompute_offered
+from .costs import RECOMPUTE_OFFERED, STAGE_DP_MODES, PipelineCandidate, StageLayout, _block_seconds
 from .cut import (
     _splits_backward,
     _stages,
     block_reruns,
     cut_and_recompute,
     simulate_candidate,
-    weight_pass_reruns,
 )
 from .pricing import _Pricer, _state_floor, stage_layouts
 from .schedules import OFFERED_SCHEDULES, _valid_micro_batches
@@ -116,9 +114,10 @@ def _fill_predictions(plan: Plan, planner: _Planner, candidate: PipelineCandidat
     for index, stage in enumerate(stages):
         comm[owner[index]] += stage.sync_s + stage.gather_s
         compute[owner[index]] += m * (stage.forward_s + stage.backward_s) + stage.optimizer_s
-    split = _splits_backward(candidate.schedule, pp, m, candidate.virtual)  # the weight pass reruns too
-    rerun = [m * seconds * (1 + (weight_pass_reruns(costs, b) if split else 0))
-             for b, seconds in enumerate(block_reruns(costs, levels))]  # fmt: skip
+    passes = (
+        2 if _splits_backward(candidate.schedule, pp, m, candidate.virtual) else 1
+    )  # the weight pass reruns
+    rerun = [passes * m * seconds for seconds in block_reruns(costs, levels)]
     worst = max(range(pp), key=lambda r: candidate.rank_peak_bytes[r])
     slowest = max(range(pp), key=lambda r: sim.busy_s[r])
     plan.device = planner.spec.name
@@ -297,14 +296,7 @@ def price_pipeline(
         blocks_per_stage = [base + (s < extra) for s in range(num_stages)]
     per_block = [recompute] * layout.num_blocks if isinstance(recompute, str) else list(recompute)
     auto = per_block == ["auto"] * layout.num_blocks
-    options = recompute_offered(schedule) if auto else tuple(dict.fromkeys(["none", *per_block]))
-    selective = sorted({o for o in options if o.startswith("selective")})
-    if selective and schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise PipelinePlanError(
-            f"schedule {schedule!r} runs each backward in two passes (input gradients, then weight gradients), "
-            f"which a selective checkpoint ({selective[0]!r}) cannot serve; recompute 'full', 'none' or 'auto' "
-            "under it, or use schedule 'gpipe', '1f1b' or 'interleaved-1f1b'"
-        )
+    options = RECOMPUTE_OFFERED if auto else tuple(dict.fromkeys(["none", *per_block]))
     if fixed_params is not None:
         tied = TiedGraph.build(planner.any_graph(1))
         fixed_params = {tied.canonical_param(k): v for k, v in fixed_params.items()}

@@ -129,7 +129,6 @@ class _Pricer:
         self._inner: dict[tuple, InnerPricing] = {}
         self._costs: dict[tuple, ModelCosts] = {}
         self._tied_names: set[str] | None = None
-        self._weight_groups: list[int] | None = None
         self.ilps = 0
 
     def tied_names(self) -> set[str]:
@@ -144,19 +143,6 @@ class _Pricer:
                 n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in shared
             }
         return self._tied_names
-
-    def weight_groups(self) -> list[int]:
-        """Per block of the layout, its modules owning trainable parameters (:attr:`ModelCosts.weight_groups`)."""
-        if self._weight_groups is None:
-            model, layout = self.planner.model, self.layout
-            self._weight_groups = [
-                sum(
-                    any(p.requires_grad for p in m.parameters(recurse=False))
-                    for m in model.get_submodule(layout.block(i)).modules()
-                )
-                for i in range(layout.num_blocks)
-            ]
-        return self._weight_groups
 
     def inner(self, tp: int, rows: int, option: str, lean: bool = False) -> InnerPricing:
         key = (tp, rows, option, lean)
@@ -305,7 +291,6 @@ class _Pricer:
             costs.output_bytes = none.output_bytes
             costs.backward_transient_bytes = none.backward_transient_bytes
             costs.tied, costs.tie_sync_s = _tied_side(self.planner, self.tied_names(), none.params, pp, stage)
-            costs.weight_groups = self.weight_groups()
             for option in options:
                 if option != "none":
                     priced = self.inner(stage.tp, rows, option, stage.lean)

@@ -22,12 +22,12 @@ from ...plan import stage_ranks
 from ..candidates import _Planner
 from ..pricing.pipeline_schedule import Link
 from .costs import (
+    RECOMPUTE_OFFERED,
     STAGE_DP_MODES,
     ModelCosts,
     PipelineCandidate,
     StageLayout,
     _block_seconds,
-    recompute_offered,
 )
 from .cut import _refined_bound, _time_cut, choose_recompute, cut_and_recompute, simulate_candidate
 from .pricing import _Pricer, _state_floor, stage_layouts
@@ -203,7 +203,7 @@ def _prepare(pricer: _Pricer, entry: _Entry, budget: float) -> tuple[ModelCosts,
     in_flight = _in_flight(entry.schedule, pp, m, entry.virtual)
     counts = _time_cut(costs, num_stages)
     if choose_recompute(costs, counts, owner, in_flight, budget, m) is None:
-        costs = pricer.costs(pp, entry.stage, m, recompute_offered(entry.schedule))
+        costs = pricer.costs(pp, entry.stage, m, RECOMPUTE_OFFERED)
     counts, levels = cut_and_recompute(costs, pp, entry.schedule, entry.virtual, m, budget)
     return costs, counts, levels
 

@@ -111,10 +111,9 @@ class StageCost:
     first_forward_extra_s: float = 0.0
     last_backward_extra_s: float = 0.0
     weight_rerun_s: float = 0.0
-    """What a weight-gradient pass (``"W"``) runs again beside :attr:`backward_weight_s`: a block checkpointed in
-    full reruns its forward in every backward pass, and torch's weight pass is one per parameter group
-    (:data:`~hf_colossal_auto.plan.SPLIT_BACKWARD_SCHEDULES`); a full backward (``"B"``) reruns it once, in
-    :attr:`backward_input_s` + :attr:`backward_weight_s`."""
+    """What a weight-gradient pass (``"W"``) runs again beside :attr:`backward_weight_s`: a checkpointed block
+    reruns its forward in every backward pass (:data:`~hf_colossal_auto.plan.SPLIT_BACKWARD_SCHEDULES`); a
+    full backward (``"B"``) reruns it once, in :attr:`backward_input_s` + :attr:`backward_weight_s`."""
 
     @property
     def backward_s(self) -> float:
