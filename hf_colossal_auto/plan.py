@@ -106,7 +106,9 @@ class Plan:
     recompute: dict[str, str] = field(default_factory=dict)
     """Block FQN -> activation-recompute option: "none", "full" (checkpoint the block) or
     "selective:<op classes>" (recompute those classes, keep the other ops' outputs; see
-    :mod:`hf_colossal_auto.capture.op_classes`). Blocks not listed are not recomputed."""
+    :mod:`hf_colossal_auto.capture.op_classes`), optionally ";rerun=<module>,<module>" (recompute the ops of
+    those modules of the block too: :mod:`hf_colossal_auto.recompute_options`). Blocks not listed are not
+    recomputed."""
     solver: dict[str, Any] = field(default_factory=dict)
     """status, gap, solve time, solver name, problem size."""
     alternatives: list[dict[str, Any]] = field(default_factory=list)
@@ -446,7 +448,7 @@ class Plan:
                 (
                     b.name or "(model)",
                     shown,
-                    b.recompute.removeprefix("selective:"),
+                    _short_recompute(b.recompute),
                     format_bytes(b.memory_bytes),
                     format_seconds(b.compute_s),
                     format_seconds(b.communication_s),
@@ -554,6 +556,14 @@ def unpriced_plan(**fields: Any) -> Plan:
         activation_memory_bytes=0,
     )
     return Plan(**{**unpriced, **fields})
+
+
+def _short_recompute(option: str) -> str:
+    """A recompute option as the summary's table shows it: ``pointwise+attention (rerun o_proj, down_proj)``."""
+    classes, _, rerun = option.removeprefix("selective:").partition(";rerun=")
+    if not rerun:
+        return classes
+    return f"{classes} (rerun {', '.join(path.rsplit('.', 1)[-1] for path in rerun.split(','))})"
 
 
 def stage_ranks(schedule: str, num_stages: int, pp_size: int) -> list[int]:

@@ -495,6 +495,7 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
             "llama recompute 1f1b selective:pointwise",
             "llama recompute zbv full",
             "llama recompute zbv selective:pointwise",
+            "llama recompute zbv selective:pointwise;rerun=mlp.down_proj,self_attn.o_proj",
             "llama recompute interleaved-zero-bubble selective:pointwise",
         ):
             assert case in trained and results[case]["recomputed"], case

@@ -4,11 +4,13 @@
 kept; its forward reruns in backward). ``selective:<classes>`` adds a selective-checkpoint context whose
 policy keeps the outputs of every op *not* in the listed classes and recomputes the rest — decided op by op
 with :func:`hf_colossal_auto.capture.op_classes.op_class`, the same function the planner priced the option
-with. Both work on DTensor-sharded blocks (the policy sees DTensor-level aten ops, as the planner's trace
-did) and under FSDP2 (its pre-backward hook unshards the parameters before the block is recomputed). Under a
-pipeline schedule that splits each backward into an input and a weight pass, a block reruns in each
-(the runtime's stage makes the weight pass one ``autograd.grad``, so once there), and a selective policy's kept
-outputs serve both.
+with. ``;rerun=<modules>`` recomputes every op run inside those modules of the block as well
+(:class:`_InsideModules`: forward hooks count the calls entered, reset as each forward or rerun of the block
+starts, since a rerun may stop inside one). Both work on DTensor-sharded blocks (the policy sees DTensor-level
+aten ops, as the planner's trace did) and under FSDP2 (its pre-backward hook unshards the parameters before the
+block is recomputed). Under a pipeline schedule that splits each backward into an input and a weight pass, a
+block reruns in each (the runtime's stage makes the weight pass one ``autograd.grad``, so once there), and a
+selective policy's kept outputs serve both.
 
 A block that is checkpointed is given no KV cache while it records for backward (``use_cache=False``, the
 cache arguments None), as HF's own ``GradientCheckpointingLayer`` does: its rerun in backward would write the
@@ -51,8 +53,43 @@ from ..recompute_options import RecomputeOption, parse_option
 logger = logging.getLogger(__name__)
 
 
-def selective_policy(option: RecomputeOption):
-    """The selective-checkpoint policy of ``option``: keep what the option keeps, recompute the rest.
+class _InsideModules:
+    """Whether an op runs inside one of a block's ``;rerun=`` modules: their forward pre-hooks count a call in,
+    their forward hooks (also on an exception) count it out. A rerun that stops early (non-reentrant checkpoint
+    raises once every saved tensor is back) may leave a call counted in: :meth:`reset` as every forward or
+    rerun of the block starts."""
+
+    def __init__(self, block: nn.Module, paths: frozenset[str]) -> None:
+        self.depth = 0
+        for path in sorted(paths):
+            try:
+                module = block.get_submodule(path)
+            except AttributeError:
+                logger.warning(
+                    "recompute option reruns %s, which %s does not have; its ops are kept as the option's "
+                    "classes decide", path, type(block).__name__,
+                )  # fmt: skip
+                continue
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._leave, always_call=True)
+
+    def _enter(self, *_: Any) -> None:
+        self.depth += 1
+
+    def _leave(self, *_: Any) -> None:
+        self.depth = max(self.depth - 1, 0)
+
+    def reset(self) -> None:
+        self.depth = 0
+
+    @property
+    def inside(self) -> bool:
+        return self.depth > 0
+
+
+def selective_policy(option: RecomputeOption, rerun: _InsideModules | None = None):
+    """The selective-checkpoint policy of ``option``: keep what the option keeps, recompute the rest (with
+    ``rerun``, every op inside the option's ``;rerun=`` modules too).
 
     Views are never kept, as the planner prices it (``RecomputeOption.caches``): a cached view holds its base
     alive, so keeping the transpose of a recomputed attention output kept that output too (rerunning a view
@@ -61,6 +98,8 @@ def selective_policy(option: RecomputeOption):
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op_class(str(func)) in recomputed or getattr(func, "is_view", False):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if rerun is not None and rerun.inside:
             return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE
 
@@ -114,10 +153,11 @@ def checkpoint_module(module: nn.Module, option: RecomputeOption, passes: int = 
     if option.is_none or getattr(module, "_hf_colossal_auto_recompute", None) is not None:
         return
     inner = module.forward
+    rerun = _InsideModules(module, option.rerun_modules) if option.rerun_modules else None
     if option.is_full:
         context_fn = None
     else:
-        policy = selective_policy(option)
+        policy = selective_policy(option, rerun)
         contexts = (
             create_selective_checkpoint_contexts if passes == 1 else replayable_selective_checkpoint_contexts
         )
@@ -125,13 +165,18 @@ def checkpoint_module(module: nn.Module, option: RecomputeOption, passes: int = 
         def context_fn():
             return contexts(policy)
 
+    def run(*args: Any, **kwargs: Any) -> Any:  # the forward checkpoint records and reruns
+        if rerun is not None:
+            rerun.reset()
+        return inner(*args, **kwargs)
+
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         extra = {"context_fn": context_fn} if context_fn is not None else {}
         with uncached_autocast_casts():
-            return checkpoint(inner, *args, use_reentrant=False, **extra, **_without_cache(module, kwargs))
+            return checkpoint(run, *args, use_reentrant=False, **extra, **_without_cache(module, kwargs))
 
     module.forward = forward
     module._hf_colossal_auto_recompute = option.name

@@ -11,6 +11,11 @@ options, cheapest in time first:
   recompute, the greedy order of a knapsack over classes (torch's SAC estimator ranks ops the same way);
 * ``full``: the block is checkpointed; only what leaves the block is kept and its whole forward reruns.
 
+Each selective level also comes with its ``;rerun=`` twin where the block has modules whose kept outputs no
+backward reads (:func:`unread_modules`: a sub-layer's last projection): the twin recomputes those modules too,
+keeping less; the ILP weighs the bytes against the rerun (free where the module comes after the last tensor
+the block's backward reads: :attr:`RecomputeUnit.last_saved`).
+
 Under any option a recomputed op's forward time is paid again, and so are the collectives that feed it
 (DTensor redistributes its inputs again when it reruns): the builder prices them as conditional costs.
 """
@@ -26,10 +31,16 @@ from ..capture.op_classes import ATTENTION, POINTWISE, op_class
 from ..recompute_options import (  # noqa: F401 (re-exported: the options are the Plan's contract)
     FULL_RECOMPUTE,
     NO_RECOMPUTE,
+    RERUN,
     RecomputeOption,
+    in_module,
     parse_option,
     selective,
 )
+
+UNREAD = "*"
+"""In a recompute pin (never in a Plan), ``"selective:<classes>;rerun=*"``: that level with its unit's
+:func:`unread_modules` rerun (the pipeline pricing pins it for every block)."""
 
 
 @dataclass
@@ -93,6 +104,47 @@ def find_units(graph: StepGraph, canonical: dict[int, int], layers: Iterable[str
     return units
 
 
+def unread_modules(
+    graph: StepGraph, unit: RecomputeUnit, saved_bytes: dict[int, float], option: RecomputeOption
+) -> list[str]:
+    """Paths inside the unit's block of the modules whose every output ``option`` keeps is read by no backward
+    and leaves no block (``saved_bytes``: per canonical node, what its backward reads of its outputs): what the
+    policy keeps there only to replay the block's forward, not for any gradient. A sub-layer's last projection
+    (its output goes to the residual add or, under tensor parallelism, the reduce-scatter of a full-size partial
+    sum: neither saves it), and the projections feeding rotary embeddings (their multiplications by the
+    position tables save the tables only); never one whose output a later op saves (gate / up before the
+    activation). Rerunning one costs its matmul unless it comes after :attr:`RecomputeUnit.last_saved`; the
+    ILP weighs that against the bytes, for all of them together (the option's ``;rerun=`` twin). Leaf modules
+    only: a module holding others (an attention block) may carry the tensor-parallel region's own collectives
+    in its hooks, which a rerun must not repeat."""
+    prefixes = sorted({unit.name, *unit.blocks}, key=len, reverse=True)
+    by_module: dict[str, list[OpNode]] = defaultdict(list)
+    for i in unit.nodes:
+        node = graph.nodes[i]
+        block = next((b for b in prefixes if node.module.startswith(b + ".")), None)
+        if block is not None:
+            by_module[node.module[len(block) + 1 :]].append(node)
+    unread: list[str] = []
+    for path in sorted(by_module):
+        if any(other != path and in_module(other, path) for other in by_module):
+            continue  # leaf modules only (a projection): a region's own hooks (tensor parallelism) stay out
+        kept = [n for n in by_module[path] if option.caches(n)]
+        if any(graph.values[v].nbytes for n in kept for v in n.outputs) and all(
+            not saved_bytes.get(n.index) and n.index not in unit.escaping for n in kept
+        ):
+            unread.append(path)
+    return unread
+
+
+def resolve_pin(text: str, graph: StepGraph, unit: RecomputeUnit, saved_bytes: dict[int, float]) -> str:
+    """A recompute pin for ``unit``: ``text`` itself, or for ``"<level>;rerun=*"`` (:data:`UNREAD`) the level
+    with the unit's :func:`unread_modules` (the level alone where it has none)."""
+    if not text.endswith(RERUN + UNREAD):
+        return text
+    level = parse_option(text[: -len(RERUN + UNREAD)])
+    return selective(level.recomputed, unread_modules(graph, unit, saved_bytes, level)).name
+
+
 def unit_options(
     graph: StepGraph, unit: RecomputeUnit, saved_bytes: dict[int, float], forward_s: dict[int, float]
 ) -> list[RecomputeOption]:
@@ -110,5 +162,11 @@ def unit_options(
         (c for c in (POINTWISE, ATTENTION) if freed[c] > 0),
         key=lambda c: (-freed[c] / max(cost[c], 1e-30), c),
     )
-    levels = [selective(ranked[: k + 1]) for k in range(len(ranked))]
+    levels: list[RecomputeOption] = []
+    for k in range(len(ranked)):
+        level = selective(ranked[: k + 1])
+        levels.append(level)
+        unread = unread_modules(graph, unit, saved_bytes, level)
+        if unread:
+            levels.append(selective(level.recomputed, unread))
     return [NO_RECOMPUTE, *levels, FULL_RECOMPUTE]

@@ -9,7 +9,8 @@ gradient of the first step, every parameter after two AdamW steps, the gradient 
 evaluation forward (``model.eval()``, ``torch.no_grad()``: logits on every rank, the loss with labels) after the
 two steps. The batch has padding (an attention mask) and -100 labels spread so that micro-batches carry different
 token counts (equal weights per micro-batch would be wrong). Also: gradient recompute inside the stages (full
-and selective under zbv, selective under interleaved zero bubble and 1f1b); gradient accumulation (``loss / 2`` over two half batches) and a loss scaled by
+and selective under zbv, the latter also rerunning two projections, selective under interleaved zero bubble
+and 1f1b); gradient accumulation (``loss / 2`` over two half batches) and a loss scaled by
 3 (what a gradient scaler does); a term on the logits set as the model's loss function (a z-loss; the training
 output's logits are refused); a model built on ``meta`` materialises this rank's stages with the whole model's
 init values; GPT-2, whose head is tied to its embedding, under every schedule (uneven under gpipe) with the tie
@@ -280,6 +281,7 @@ def every_schedule(results: dict) -> None:
     for schedule, cut, option in (
         ("zbv", [2, 1, 1, 2], "full"),
         ("zbv", [2, 1, 1, 2], "selective:pointwise"),
+        ("zbv", [2, 1, 1, 2], "selective:pointwise;rerun=mlp.down_proj,self_attn.o_proj"),
         ("interleaved-zero-bubble", [2, 1, 1, 2], "selective:pointwise"),
         ("1f1b", [4, 2], "selective:pointwise"),
     ):

@@ -10,7 +10,7 @@ from ..problem import (
     ConditionalCost,
     DecisionNode,
 )
-from ..recompute import RecomputeOption, RecomputeUnit, parse_option, unit_options
+from ..recompute import RecomputeOption, RecomputeUnit, parse_option, resolve_pin, unit_options
 from .names import NodeKind, _node_name, _recompute_node_name
 
 
@@ -97,7 +97,8 @@ class _RecomputePart:
         recompute_pin = self.recompute_pin
         if recompute_pin is None:
             return None
-        return recompute_pin if isinstance(recompute_pin, str) else recompute_pin.get(unit.name, "none")
+        text = recompute_pin if isinstance(recompute_pin, str) else recompute_pin.get(unit.name, "none")
+        return resolve_pin(text, self.graph, unit, self.saved_for_backward)
 
     def _pin_recompute(self, unit: RecomputeUnit, rc: str, options: list[RecomputeOption]) -> None:
         """Fixes a unit's recompute option when ``recompute_pin`` names one (:meth:`_pinned_option`)."""

@@ -16,9 +16,21 @@ from ..pricing.pipeline_schedule import ScheduleSimulation
 STAGE_DP_MODES = ("ddp", "fsdp", "hsdp")
 """Data-parallel modes offered inside a stage."""
 
-RECOMPUTE_OFFERED = ("none", "selective:pointwise", "full")
-"""Recompute options a block of a stage may take, least recompute first (torchtitan's selective policy keeps
-matmul and attention outputs and reruns the pointwise ops)."""
+RECOMPUTE_OFFERED = ("none", "selective:pointwise", "selective:pointwise;rerun=*", "full")
+"""Recompute options a block of a stage may take, least recompute first: torchtitan's selective policy (keeps
+matmul and attention outputs, reruns the pointwise ops), then the same rerunning the block's modules whose kept
+outputs no backward reads (a pin: each block's own modules, :func:`~..recompute.unread_modules`; priced under
+the name it resolves to, not offered where there is none)."""
+
+
+def _offered_rank(name: str) -> int:
+    """Where option ``name`` comes in :data:`RECOMPUTE_OFFERED` (a resolved ``;rerun=`` twin where its pin
+    does; a hand configuration's own option after all of them)."""
+    if name in RECOMPUTE_OFFERED:
+        return RECOMPUTE_OFFERED.index(name)
+    base, rerun, _ = name.partition(";rerun=")
+    pin = f"{base}{rerun}*"
+    return RECOMPUTE_OFFERED.index(pin) if rerun and pin in RECOMPUTE_OFFERED else len(RECOMPUTE_OFFERED)
 
 
 @dataclass
@@ -114,9 +126,7 @@ class ModelCosts:
 
     def block_options(self) -> list[str]:
         """The options priced, least recompute first (a hand configuration's own option last)."""
-        return [o for o in RECOMPUTE_OFFERED if o in self.options] + [
-            o for o in self.options if o not in RECOMPUTE_OFFERED
-        ]
+        return sorted(self.options, key=_offered_rank)  # stable: hand configurations' options as given
 
 
 def _stage_extras(costs: ModelCosts, num_stages: int, index: int, owner: list[int] | None = None) -> UnitCost:

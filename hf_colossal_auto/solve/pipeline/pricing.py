@@ -38,6 +38,7 @@ from ..ilp import solve
 from ..pricing.comm import AxisComm, shard_factor
 from ..pricing.compute import HOST_STREAM, overlap_parts
 from ..problem import InfeasibleError, Solution, memory_usage
+from ..recompute import RERUN, UNREAD
 from ..tied import TiedGraph
 from ..writeup import (
     _activation_per_unit,
@@ -95,6 +96,9 @@ class InnerPricing:
     sequence_sharded_sends: bool = False
     """Whether stages of this layout send each tensor-parallel rank's sequence shard
     (:func:`~hf_colossal_auto.pipeline_layout.sends_sequence_shards` of the solution's block outputs)."""
+    recompute_names: frozenset[str] = frozenset()
+    """The recompute options the solution runs its units under: the pinned one, as the builder resolved it
+    (a ``;rerun=*`` pin names each unit's own modules)."""
 
 
 class _Pricer:
@@ -253,6 +257,9 @@ class _Pricer:
             sequence_length(planner.inputs),
         )
         sends = _send_bytes(graph, self.layout) // (tp if sharded else 1)
+        chosen = frozenset(
+            options[solution.choice[rc]].name for rc, options in built.recompute_options.items()
+        )
         return InnerPricing(
             units,
             params,
@@ -267,6 +274,7 @@ class _Pricer:
             transient,
             local,
             sharded,
+            chosen,
         )
 
     def _sequence_parallel_pins(self, inner: _Planner, tp: int) -> dict | None:
@@ -294,11 +302,21 @@ class _Pricer:
             for option in options:
                 if option != "none":
                     priced = self.inner(stage.tp, rows, option, stage.lean)
-                    costs.options[option] = _with_param_side(
-                        priced, param_side, self.planner, self.layout
-                    ).blocks
+                    name = _option_name(option, priced)
+                    if name is not None and name not in costs.options:
+                        costs.options[name] = _with_param_side(
+                            priced, param_side, self.planner, self.layout
+                        ).blocks
             self._costs[key] = costs
         return self._costs[key]
+
+
+def _option_name(option: str, priced: InnerPricing) -> str | None:
+    """The name ``option``'s blocks are priced under: ``option``, or for a ``;rerun=*`` pin the one option every
+    unit resolved it to (None where the units resolved it differently: not offered)."""
+    if not option.endswith(RERUN + UNREAD):
+        return option
+    return next(iter(priced.recompute_names)) if len(priced.recompute_names) == 1 else None
 
 
 LEAN_FRACTIONS = (0.125, 0.25, 0.5)
