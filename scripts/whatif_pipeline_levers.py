@@ -10,7 +10,9 @@ Levers (each patches the figures ``solve/pipeline/pricing._Pricer.inner`` hands 
   Sending each tensor-parallel rank's sequence shard, this script's first lever, is built
   (``Plan.sequence_sharded_sends``) and in the baseline;
 * ``partial``: selective recompute does not keep the row-parallel projections' partial sums (the ``mm`` outputs
-  of ``o_proj`` / ``down_proj``), which it keeps today only to replay the region's exit;
+  of ``o_proj`` / ``down_proj``) and pays no rerun for it. Built since as the ``;rerun=`` twin of
+  ``selective:pointwise`` (in the baseline), which pays its reruns (``o_proj``'s matmul): this lever now shows
+  what those reruns cost;
 * ``casts``: a block without recompute keeps no bf16 cast of a projection's weight or input per micro-batch;
 * ``all``: bf16-sends and partial together; ``baseline``: nothing patched (today's plan).
 

@@ -368,6 +368,15 @@ def test_rerun_modules_keep_nothing_and_rerun_only_what_the_backward_needs(prese
     assert reruns[()] == reruns[(last,)] == 0 and reruns[(last, earlier)] == blocks, reruns
 
 
+def test_the_summary_shows_a_rerun_twin_by_its_modules_short_names():
+    plan = plan_model(_meta("tiny-llama"), make_example_inputs(_meta("tiny-llama"), 2, 16), memory_budget=1 << 40,
+                      recompute="full", **_cpu_plan_kwargs())  # fmt: skip
+    for block in plan.blocks:
+        if block.recompute == "full":
+            block.recompute = "selective:pointwise;rerun=mlp.down_proj,self_attn.o_proj"
+    assert "pointwise (rerun down_proj, o_proj)" in plan.summary()
+
+
 class _WeightCasts(TorchDispatchMode):
     """Remembers, weakly, every bf16 copy ``_to_copy`` makes of a tensor shaped like one of ``shapes``."""
 
