@@ -66,6 +66,17 @@ def _free_peak(model, batch, n: int = 1, **kw) -> int:
     ).peak_memory_bytes
 
 
+def _reference_batch_and_plan(preset: str):
+    """A CPU model in eval mode (seeded), a 2 x 16 batch and a one-device plan recomputing every block in full
+    (whose ``recompute`` the runtime checks overwrite)."""
+    torch.manual_seed(0)
+    reference = build_model(preset, device="cpu")
+    reference.eval()
+    batch = make_example_inputs(reference, 2, 16, seed=0)
+    plan = plan_model(_meta(preset), batch, memory_budget=1 << 40, recompute="full", **_cpu_plan_kwargs())
+    return reference, batch, plan
+
+
 def test_op_classes_and_options_round_trip():
     assert op_class("aten.addmm.default") == MATMUL
     assert op_class("aten._scaled_dot_product_flash_attention_for_cpu.default") == ATTENTION
@@ -225,11 +236,7 @@ def test_the_predicted_peak_of_a_rerun_twin_matches_its_trace(preset, option):
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_recomputing_blocks_changes_no_loss_or_gradient(preset):
-    torch.manual_seed(0)
-    reference = build_model(preset, device="cpu")
-    reference.eval()
-    batch = make_example_inputs(reference, 2, 16, seed=0)
-    plan = plan_model(_meta(preset), batch, memory_budget=1 << 40, recompute="full", **_cpu_plan_kwargs())
+    reference, batch, plan = _reference_batch_and_plan(preset)
     blocks = sorted(plan.recompute)
     ref_loss = reference(**batch).loss
     ref_loss.backward()
@@ -294,11 +301,7 @@ def test_recompute_frees_activations_and_reruns_only_the_chosen_op_classes(prese
     (b) backward runs forward ops again: under ``full`` ops of every class, under a selective policy allocating
     ops of exactly the chosen classes (views of kept outputs are rerun too: they allocate nothing, and keeping
     one would pin its base)."""
-    torch.manual_seed(0)
-    reference = build_model(preset, device="cpu")
-    reference.eval()
-    batch = make_example_inputs(reference, 2, 16, seed=0)
-    plan = plan_model(_meta(preset), batch, memory_budget=1 << 40, recompute="full", **_cpu_plan_kwargs())
+    reference, batch, plan = _reference_batch_and_plan(preset)
     (none_held, none_attention), none_backward, ref_loss = _step(copy.deepcopy(reference), batch)
     assert none_attention > 0  # the attention outputs are saved without recompute
     held = {}
@@ -341,11 +344,7 @@ def test_rerun_modules_keep_nothing_and_rerun_only_what_the_backward_needs(prese
     the module before the block's last saved tensor (the attention's output projection: the norm and the MLP
     after it are replayed) and not that of the block's last projection (the replay stops once every saved tensor
     is back, before it), as the planner prices them (:attr:`RecomputeUnit.last_saved`)."""
-    torch.manual_seed(0)
-    reference = build_model(preset, device="cpu")
-    reference.eval()
-    batch = make_example_inputs(reference, 2, 16, seed=0)
-    plan = plan_model(_meta(preset), batch, memory_budget=1 << 40, recompute="full", **_cpu_plan_kwargs())
+    reference, batch, plan = _reference_batch_and_plan(preset)
     blocks = len(plan.recompute)
     output_bytes = 2 * 16 * reference.config.hidden_size * 4
     _, none_backward, ref_loss = _step(copy.deepcopy(reference), batch)

@@ -150,7 +150,7 @@ def checkpoint_module(module: nn.Module, option: RecomputeOption, passes: int = 
     ``passes``: backward passes each forward serves (2 under a schedule that splits input and weight gradients:
     a selective policy's kept outputs then serve both reruns, :func:`~.._torch_compat.
     replayable_selective_checkpoint_contexts`)."""
-    if option.is_none or getattr(module, "_hf_colossal_auto_recompute", None) is not None:
+    if option.is_none or is_recomputed(module):
         return
     inner = module.forward
     rerun = _InsideModules(module, option.rerun_modules) if option.rerun_modules else None
@@ -180,6 +180,11 @@ def checkpoint_module(module: nn.Module, option: RecomputeOption, passes: int = 
 
     module.forward = forward
     module._hf_colossal_auto_recompute = option.name
+
+
+def is_recomputed(module: nn.Module) -> bool:
+    """Whether :func:`checkpoint_module` made ``module`` recompute in backward."""
+    return getattr(module, "_hf_colossal_auto_recompute", None) is not None
 
 
 def apply_recompute(model: nn.Module, plan: Plan) -> dict[str, str]:

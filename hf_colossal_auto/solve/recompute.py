@@ -148,8 +148,8 @@ def resolve_pin(text: str, graph: StepGraph, unit: RecomputeUnit, saved_bytes: d
 def unit_options(
     graph: StepGraph, unit: RecomputeUnit, saved_bytes: dict[int, float], forward_s: dict[int, float]
 ) -> list[RecomputeOption]:
-    """``none``, the selective levels worth having (classes that free bytes, best bytes-per-second first), and
-    ``full``. ``saved_bytes``/``forward_s``: per canonical node, unsharded, for ranking only."""
+    """``none``, the selective levels worth having (classes that free bytes, best bytes-per-second first), each
+    followed by its ``;rerun=`` twin where it has :func:`unread_modules`, and ``full``. ``saved_bytes``/``forward_s``: per canonical node, unsharded, for ranking only."""
     freed: dict[str, float] = defaultdict(float)
     cost: dict[str, float] = defaultdict(float)
     for i in unit.nodes:
