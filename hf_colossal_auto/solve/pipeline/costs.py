@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..pricing.pipeline_schedule import ScheduleSimulation
+from ..recompute import RERUN, UNREAD
 
 STAGE_DP_MODES = ("ddp", "fsdp", "hsdp")
 """Data-parallel modes offered inside a stage."""
@@ -28,8 +29,8 @@ def _offered_rank(name: str) -> int:
     does; a hand configuration's own option after all of them)."""
     if name in RECOMPUTE_OFFERED:
         return RECOMPUTE_OFFERED.index(name)
-    base, rerun, _ = name.partition(";rerun=")
-    pin = f"{base}{rerun}*"
+    base, rerun, _ = name.partition(RERUN)
+    pin = f"{base}{rerun}{UNREAD}"
     return RECOMPUTE_OFFERED.index(pin) if rerun and pin in RECOMPUTE_OFFERED else len(RECOMPUTE_OFFERED)
 
 
