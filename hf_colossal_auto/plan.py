@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .recompute_options import RERUN
 from .units import format_bytes, format_seconds
 
 PLAN_FORMAT_VERSION = 1
@@ -201,8 +202,8 @@ class Plan:
     the whole tensor on every rank (Megatron-LM's pipeline under sequence parallelism). The planner sets it
     where every block returns its hidden states sequence-sharded over tp
     (:func:`~hf_colossal_auto.pipeline_layout.sends_sequence_shards`), so a shard is what each rank already holds
-    at any cut; it prices the sends, the receive buffers and the kept outputs at a tp-th. False in plans without it (and written before it existed; left out of the JSON
-    then): the whole tensor is sent."""
+    at any cut; it prices the sends, the receive buffers and the kept outputs at a tp-th. False in plans without
+    it (and written before it existed; left out of the JSON then): the whole tensor is sent."""
     cp_size: int = 1
     """Context-parallel ranks: the mesh axis ``"cp"`` (mesh ``("dp", "cp", "tp")``, after ``"pp"`` when there is
     one). The ``cp`` ranks of a data-parallel replica hold the same rows and each computes a balanced part of
@@ -560,7 +561,7 @@ def unpriced_plan(**fields: Any) -> Plan:
 
 def _short_recompute(option: str) -> str:
     """A recompute option as the summary's table shows it: ``pointwise+attention (rerun o_proj, down_proj)``."""
-    classes, _, rerun = option.removeprefix("selective:").partition(";rerun=")
+    classes, _, rerun = option.removeprefix("selective:").partition(RERUN)
     if not rerun:
         return classes
     return f"{classes} (rerun {', '.join(path.rsplit('.', 1)[-1] for path in rerun.split(','))})"

@@ -319,8 +319,7 @@ def check_pipeline_plan(model: nn.Module, plan: Plan) -> PipelineLayout:
     """The model's layout, after checking that the plan's stages cut it whole and that the runtime runs the
     plan inside a stage: tensor parallelism, DDP/FSDP/HSDP and recompute (selective too under the zero-bubble
     schedules) run; experts split over the data-parallel axis, and FSDP of an embedding tied to a head on the
-    same rank, do not. Raises
-    :class:`PipelineLayoutError` or :class:`PipelineRuntimeError`."""
+    same rank, do not. Raises :class:`PipelineLayoutError` or :class:`PipelineRuntimeError`."""
     if plan.expert_data_parallel:
         raise PipelineRuntimeError(
             f"the plan runs pipeline stages with experts split over the data-parallel axis "

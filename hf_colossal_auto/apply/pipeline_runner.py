@@ -555,7 +555,7 @@ def _make_schedule(runner: PipelineRunner, plan: Plan) -> tuple[Any, GradientSen
             runner.group,
             gradient_sends=sends,
             merge_weight_pass=any(is_recomputed(m) for m in s.modules()),
-        )  # fmt: skip
+        )
         for s in runner.stages
     ]
     cls = getattr(pipelining, _SCHEDULES[plan.schedule])

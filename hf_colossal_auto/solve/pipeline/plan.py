@@ -100,13 +100,14 @@ def _fill_predictions(plan: Plan, planner: _Planner, candidate: PipelineCandidat
     stages, _ = _stages(costs, candidate.blocks_per_stage, levels, owner)
     # under an input / weight split the weight pass reruns a recomputed block once more (StageCost.weight_rerun_s)
     passes = 2 if _splits_backward(candidate.schedule, pp, m, candidate.virtual) else 1
-    rerun = [passes * m * seconds for seconds in block_reruns(costs, levels)]
+    once = block_reruns(costs, levels)
+    rerun = [passes * m * seconds for seconds in once]
     comm, compute = [0.0] * pp, [0.0] * pp
-    for index, stage in enumerate(stages):
+    for index, stage in enumerate(stages):  # a stage's backward_s holds one pass's reruns
         comm[owner[index]] += stage.sync_s + stage.gather_s
         compute[owner[index]] += m * (stage.forward_s + stage.backward_s) + stage.optimizer_s
     for b, s in enumerate(_stage_of_blocks(candidate.blocks_per_stage)):
-        compute[owner[s]] += rerun[b] * (passes - 1) / passes  # the second pass's reruns
+        compute[owner[s]] += (passes - 1) * m * once[b]
     worst = max(range(pp), key=lambda r: candidate.rank_peak_bytes[r])
     slowest = max(range(pp), key=lambda r: sim.busy_s[r])
     plan.device = planner.spec.name

@@ -96,9 +96,13 @@ class InnerPricing:
     sequence_sharded_sends: bool = False
     """Whether stages of this layout send each tensor-parallel rank's sequence shard
     (:func:`~hf_colossal_auto.pipeline_layout.sends_sequence_shards` of the solution's block outputs)."""
-    recompute_names: frozenset[str] = frozenset()
-    """The recompute options the solution runs its units under: the pinned one, as the builder resolved it
-    (a ``;rerun=*`` pin names each unit's own modules)."""
+
+    @property
+    def recompute_names(self) -> frozenset[str]:
+        """The recompute options the solution runs its units under: the pinned one, as the builder resolved it
+        (a ``;rerun=*`` pin names each unit's own modules)."""
+        choice = self.solution.choice
+        return frozenset(options[choice[rc]].name for rc, options in self.built.recompute_options.items())
 
 
 class _Pricer:
@@ -257,9 +261,6 @@ class _Pricer:
             sequence_length(planner.inputs),
         )
         sends = _send_bytes(graph, self.layout) // (tp if sharded else 1)
-        chosen = frozenset(
-            options[solution.choice[rc]].name for rc, options in built.recompute_options.items()
-        )
         return InnerPricing(
             units,
             params,
@@ -274,7 +275,6 @@ class _Pricer:
             transient,
             local,
             sharded,
-            chosen,
         )
 
     def _sequence_parallel_pins(self, inner: _Planner, tp: int) -> dict | None:
