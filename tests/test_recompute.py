@@ -367,6 +367,30 @@ def test_rerun_modules_keep_nothing_and_rerun_only_what_the_backward_needs(prese
     assert reruns[()] == reruns[(last,)] == 0 and reruns[(last, earlier)] == blocks, reruns
 
 
+def test_a_rerun_twin_with_dropout_on_gives_the_loss_and_gradients_without_recompute():
+    """GPT-2 in train mode (dropout 0.1 in attention and MLP): the twin's reruns replay the same masks
+    (checkpoint restores the RNG state), so loss and gradients are those of the same step without recompute."""
+    torch.manual_seed(0)
+    reference = build_model("tiny-gpt2", device="cpu")
+    reference.train()
+    batch = make_example_inputs(reference, 2, 16, seed=0)
+    plan = plan_model(
+        _meta("tiny-gpt2"), batch, memory_budget=1 << 40, recompute="full", **_cpu_plan_kwargs()
+    )
+    results = []
+    for option in ("none", "selective:pointwise;rerun=attn.c_proj,mlp.c_proj"):
+        model = copy.deepcopy(reference)
+        plan.recompute = dict.fromkeys(plan.recompute, option)
+        apply_recompute(model, plan)
+        torch.manual_seed(1)
+        loss = model(**batch).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (loss, grads), (twin_loss, twin_grads) = results
+    assert torch.equal(twin_loss, loss)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(twin_grads, grads, strict=True))
+
+
 def test_the_summary_shows_a_rerun_twin_by_its_modules_short_names():
     plan = plan_model(_meta("tiny-llama"), make_example_inputs(_meta("tiny-llama"), 2, 16), memory_budget=1 << 40,
                       recompute="full", **_cpu_plan_kwargs())  # fmt: skip
