@@ -14,7 +14,9 @@ thread per rank) rank 0 makes the candidates, each with its predicted step time 
 * ``pp-<schedule>-m<count>`` (causal LMs: Llama, GPT-2): pipeline stages, pp 2 x dp 1, under GPipe and 1F1B
   at 2 and 4 micro-batches, interleaved 1F1B and ZB-V (two stages a rank) at 4; the cut and the prediction are
   the pipeline search's for that schedule and count (``--no-pipeline`` leaves them out; counts the global
-  batch does not divide are left out).
+  batch does not divide are left out); ``pp-zbv-m4-full-rc``: ZB-V at 4 with every block recomputed
+  (``evaluate_plan(pipeline=2, recompute="full")``): the split backward's reruns (input pass, then the
+  runtime's one weight-pass ``autograd.grad``) as priced.
 
 ``--long`` (issue 28): long sequences, Llama at 2 x 2048 tokens (hidden 256, 4 layers, vocab 512 unless given),
 with two more candidates, each priced and measured like the rest:
@@ -76,6 +78,9 @@ PIPELINE_CANDIDATES = (
 )
 """(schedule, micro-batches) of the pp=2 candidates (causal LMs only: the pipeline runtime's scope), each as the
 pipeline search cuts and prices it (``pp-<schedule>-m<count>``)."""
+
+RECOMPUTED_PIPELINE = ("zbv", 4)
+"""The pp=2 candidate with every block recomputed (``pp-zbv-m4-full-rc``): a hand pipeline, ``evaluate_plan``."""
 
 
 LONG_DEFAULTS = {"families": "llama", "hidden": 256, "layers": 4, "vocab": 512, "batch": 2, "seq": 2048}
@@ -204,6 +209,11 @@ def _candidates(
         plan = _pipeline_candidate(model, batch, spec, world, schedule, micro_batches)
         if plan is not None:
             out[f"pp-{schedule}-m{micro_batches}"] = (plan, plan.step_time_s)
+    if pipeline and not rows % RECOMPUTED_PIPELINE[1] and "pp-zbv-m4" in out:  # a causal LM, as above
+        schedule, micro_batches = RECOMPUTED_PIPELINE
+        est = evaluate_plan(model, batch, "ddp", num_devices=world, device=spec, mesh_shape=(1, 1),
+                            pipeline=world, schedule=schedule, micro_batches=micro_batches, recompute="full")  # fmt: skip
+        out[f"pp-{schedule}-m{micro_batches}-full-rc"] = (est.plan, est.step_time_s)
     if long:
         out.update(_long_candidates(model, batch, spec, world))
     return out
@@ -371,7 +381,7 @@ def worker(args) -> None:
         meta_batch = make_example_inputs(meta, args.batch, args.seq, device="meta")
         for n in names:
             plan = prepared[n][4]
-            if plan.pp_size > 1:  # the search's plan for the same schedule and count, at the drifted rates
+            if plan.pp_size > 1 and not n.endswith("-full-rc"):  # the search's, at the drifted rates
                 again = _pipeline_candidate(
                     meta, meta_batch, drifted, world, plan.schedule, plan.micro_batches
                 )

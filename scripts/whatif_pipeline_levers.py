@@ -20,7 +20,10 @@ Levers on the schedule's simulation (each patches the stage figures ``solve/pipe
 ``simulate_schedule``), for the zero-bubble schedules' split backward (``plan.SPLIT_BACKWARD_SCHEDULES``):
 
 * ``one-rerun``: a weight pass reruns no recomputed block (as if the input pass's recomputation served it; the
-  memory of keeping it until then is not priced, so this is an upper bound on the lever);
+  memory of keeping it until then is not priced, so this is an upper bound on the lever). Priced with that
+  memory (an experiment, docs/benchmarks.md "Sixteenth session"): ZB-V's middle ranks hold up to ``pp``
+  micro-batches between input and weight pass (32 at 405B), so holding the reruns there does not fit, and
+  holding them only where at most 2 or 4 wait gains nothing (18.78 s / 18.82 s against 18.78 s);
 * ``full-backward``: a stage holding recomputed blocks runs its whole backward in the input slot (one rerun, no
   weight deferral there).
 

@@ -594,6 +594,10 @@ def test_gloo_pipeline_times_ddp_trains_like_one_process(tmp_path):
         assert 0.5 < results["llama tp 1f1b"]["local_fraction"] < 0.9, results["llama tp 1f1b"]
         assert results["llama tp 1f1b"]["recomputed"] == 1 + rank // 2
         assert results["llama fsdp 1f1b"]["recomputed"] == 0
+        for case in ("llama fsdp 1f1b", "gpt2 tied fsdp 1f1b", "mixtral fsdp interleaved-zero-bubble"):
+            units, issued = results[case]["gathered_before_forward"]  # every unit's, as the step starts
+            assert units > 1 and issued == units, (case, units, issued)
+        assert results["llama 1f1b"]["gathered_before_forward"] == [0, 0]
         for case in ("gpt2 tied zbv", "llama fsdp 1f1b", "llama tp 1f1b", "gpt2 tied fsdp 1f1b"):
             saved = results[case]["saved"]
             assert saved["equal"] and saved["tied"] == ("gpt2" in case), (case, saved)

@@ -85,12 +85,15 @@ def test_uneven_stages_and_extras_move_the_step():
     sim = simulate_schedule("1f1b", heavy_last, m, p)
     # the slow stage runs all the time after the first forward: F + m x (2F + 2B), then the first stage's B
     assert sim.step_time_s == pytest.approx(F + m * (2 * F + 2 * B) + B)
-    extras = [StageCost(F, B / 2, B / 2, first_forward_extra_s=0.5, last_backward_extra_s=0.75)] * p
+    extras = [StageCost(F, B / 2, B / 2, unsharded_at_s=0.5, last_backward_extra_s=0.75)] * p
     plain = simulate_schedule("1f1b", _equal(p), m, p).step_time_s
     with_extras = simulate_schedule("1f1b", extras, m, p, optimizer_s=0.1).step_time_s
-    # both first forwards are on the forward chain; the second stage's sync runs while the first stage does
-    # its last backward, whose own sync then ends the step
-    assert with_extras == pytest.approx(plain + 2 * 0.5 + 0.75 + 0.1)
+    # the first stage's gather delays the forward chain; the second stage's, gathered meanwhile, does not; the
+    # second stage's sync runs while the first stage does its last backward, whose own sync then ends the step
+    assert with_extras == pytest.approx(plain + 0.5 + 0.75 + 0.1)
+    late = [StageCost(F, B / 2, B / 2), StageCost(F, B / 2, B / 2, unsharded_at_s=F + 0.25)]
+    # the second stage's parameters arrive 0.25 s after its first micro-batch: the chain waits that long
+    assert simulate_schedule("1f1b", late, m, p).step_time_s == pytest.approx(plain + 0.25)
 
 
 @pytest.mark.parametrize("schedule", list(PIPELINE_SCHEDULES))

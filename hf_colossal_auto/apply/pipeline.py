@@ -384,8 +384,9 @@ def _run_plan_in_stages(
       units as in the runtime;
     * FSDP/HSDP: each stage is an FSDP2 root over its blocks' units (:func:`.runtime._fully_shard`), as
       torchtitan shards each model part, kept gathered from forward to backward (``reshard_after_forward``
-      False: a stage runs several micro-batches' forwards before their backwards); torch's ``PipelineStage``
-      defers the gradient reduction to the last micro-batch. Gradients are reduce-scattered as *sums* (divide
+      False: a stage runs several micro-batches' forwards before their backwards), every stage's gathers
+      issued as a step starts (:meth:`.pipeline_runner.PipelineRunner._prefetch_parameters`); torch's
+      ``PipelineStage`` defers the gradient reduction to the last micro-batch. Gradients are reduce-scattered as *sums* (divide
       factor 1): each replica's loss is its share of the global batch's, normalised by the global token count
       (:mod:`.pipeline_runner`), so the global gradient is their sum, as DDP's all-reduce makes it."""
     from .moe import install_aux_loss_region

@@ -156,6 +156,7 @@ class PipelineRunner:
         self.model, self.plan, self.layout, self.stages = model, plan, layout, stages
         self.group, self.device, self.dp_group = group, device, dp_group
         self.fsdp = fsdp  # FSDP reduces the gradients over dp itself (summed: apply/pipeline.py)
+        self._gathered_before = False  # a step ran FSDP2's lazy set-up: _prefetch_parameters
         self.tie_group, self.tied = tie_group, tied
         self.router_balance = router_balance  # the MoE load-balancing loss over stages (:mod:`.pipeline_aux`)
         # no_sync defers the dp reduction (not FSDP's, which reduce-scatters each step itself)
@@ -281,6 +282,7 @@ class PipelineRunner:
         for param in params:
             param.grad = None
         losses: list[torch.Tensor] | None = [] if self.holds_last else None
+        self._prefetch_parameters()
         try:
             schedule.step(
                 *((input_ids,) if self.holds_first else ()),
@@ -423,6 +425,24 @@ class PipelineRunner:
                 dist.all_reduce(_local(param.grad), group=self.dp_group)
             if average:
                 param.grad.div_(self.plan.dp_size)
+
+    def _prefetch_parameters(self) -> None:
+        """FSDP: issue every stage's all-gathers as the step starts, in stage order (FSDP2's pre-forward waits for
+        each unit's): they run while this rank waits for its first micro-batch, as the pipeline pricing has them
+        (``StageCost.unsharded_at_s``). Left to FSDP2 (each unit gathered at its first forward, only the next
+        one prefetched) a stage's gathers sat on the forward chain of the step's first micro-batch, one stage
+        after another. Not before the stages' first forward, where FSDP2 sets up its state."""
+        if not self.fsdp:
+            return
+        if not self._gathered_before:
+            self._gathered_before = True
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for stage in self.stages:
+            for module in stage.modules():  # the stage's root (its embedding or head) first, then its blocks
+                if isinstance(module, FSDPModule):
+                    module.unshard(async_op=True)
 
     def _reshard(self) -> None:
         """FSDP: free the blocks an evaluation forward gathered (kept gathered after forward, for backward),

@@ -150,6 +150,40 @@ def local_fraction(model) -> float:
     return local / sum(p.numel() for p in params)
 
 
+@contextlib.contextmanager
+def gathers_before_forward(model):
+    """Yields ``[FSDP units, units whose all-gather was issued (async) before any unit's training forward]``,
+    filled in as the context exits: the pipeline runtime issues every stage's gathers as the schedule starts."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from hf_colossal_auto import pipeline_runner
+
+    stages = pipeline_runner(model).stages  # each an FSDP root over its blocks' units
+    units = [m for stage in stages for m in stage.modules() if isinstance(m, FSDPModule)]
+    issued: set[int] = set()
+    forwarded: list[bool] = [False]
+    original = FSDPModule.unshard
+
+    def unshard(self, async_op: bool = False):
+        if async_op and not forwarded[0]:
+            issued.add(id(self))
+        return original(self, async_op=async_op)
+
+    def training_forward(*_: object) -> None:  # not the MoE counting pass's (no gradients, resharded after)
+        forwarded[0] = forwarded[0] or torch.is_grad_enabled()
+
+    hooks = [m.register_forward_pre_hook(training_forward) for m in units]
+    counts = [len(units), 0]
+    FSDPModule.unshard = unshard
+    try:
+        yield counts
+    finally:
+        FSDPModule.unshard = original
+        for hook in hooks:
+            hook.remove()
+        counts[1] = len(issued)
+
+
 def pipelined(
     preset: str, schedule: str, cut: list[int], directory: str | None, inside: str = "ddp"
 ) -> dict[str, Any]:
@@ -171,8 +205,14 @@ def pipelined(
     out: dict[str, Any] = {"info": [info.rank, info.size, info.tp_size, info.pp_size, info.world_size]}
     recorder = recording_point_to_point()
     for i in range(2):
-        with recorder if i == 1 else contextlib.nullcontext():  # the second step: shapes inferred already
+        second = i == 1  # the second step: shapes inferred, FSDP2 set up
+        with (
+            recorder if second else contextlib.nullcontext(),
+            gathers_before_forward(model) if second else contextlib.nullcontext() as gathers,
+        ):
             loss = model(**local).loss
+        if gathers is not None:
+            out["gathered_before_forward"] = gathers
         loss.backward()
         if i == 0:
             out["loss"], out["ref_loss"] = loss.item(), ref["loss"]

@@ -364,11 +364,9 @@ def _simulate_cut(
     owner = stage_ranks(schedule, num_stages, pp)
     stages, transients = _stages(costs, counts, levels, owner)
     reruns = _stage_reruns(costs, counts, levels)
+    unsharded_at = _unsharded_at(stages, owner)
     stage_costs = []
     for index, s in enumerate(stages):
-        first_gather = s.gather_s / (
-            counts[index] + 1
-        )  # the first block's (or embedding's) gather, not hidden
         stage_costs.append(
             StageCost(
                 forward_s=s.forward_s,
@@ -384,7 +382,7 @@ def _simulate_cut(
                 grad_bytes=int(s.grad_bytes),
                 backward_transient_bytes=_backward_transient(costs, num_stages, index)
                 + _received_gradient_bytes(costs, owner, index),
-                first_forward_extra_s=first_gather + max(s.gather_s - first_gather - s.forward_s, 0.0),
+                unsharded_at_s=unsharded_at[index],
                 last_backward_extra_s=s.sync_s,
                 weight_rerun_s=reruns[index],  # a split's weight pass reruns it again
             )
@@ -420,6 +418,16 @@ def _simulate_cut(
         pp, stage, schedule, virtual, micro_batches, list(counts), [options[lv] for lv in levels], simulation,
         rank_state, rank_held, peaks, [s.forward_s + s.backward_s for s in stages], stage_peaks, costs,
     )  # fmt: skip
+
+
+def _unsharded_at(stages: list[UnitCost], owner: list[int]) -> list[float]:
+    """Per stage, when its parameters are gathered: the runtime issues each rank's stages' all-gathers as the
+    step starts, in stage order, one after another on its data-parallel link (0 without FSDP)."""
+    out, issued = [], [0.0] * (max(owner, default=0) + 1)
+    for stage, rank in zip(stages, owner, strict=True):
+        issued[rank] += stage.gather_s
+        out.append(issued[rank] if stage.gather_s > 0 else 0.0)
+    return out
 
 
 def block_reruns(costs: ModelCosts, levels: list[int]) -> list[float]:

@@ -18,10 +18,11 @@ have arrived: a forward needs the previous stage's forward of the same micro-bat
 stages are on different ranks), a backward (full or input-gradient) needs its own forward and the next
 stage's backward (plus the send back), a weight gradient its input gradient. A send takes ``latency +
 bytes / bandwidth`` on the directed link between two ranks, one send at a time per link, without holding the
-ranks' compute (sends are asynchronous). Extras per stage: ``first_forward_extra_s`` before its first
-forward (e.g. an FSDP all-gather not hidden), ``last_backward_extra_s`` on its rank after its last backward
-or weight gradient, the gradient already sent on (e.g. the data-parallel gradient sync), and ``optimizer_s``
-per rank after everything.
+ranks' compute (sends are asynchronous). Extras per stage: ``unsharded_at_s``, before which its first
+forward cannot start (its FSDP all-gathers, issued as the step starts: they run while the rank waits for its
+first micro-batch), ``last_backward_extra_s`` on its rank after its last backward or weight gradient, the
+gradient already sent on (e.g. the data-parallel gradient sync), and ``optimizer_s`` per rank after
+everything.
 
 Memory: a forward keeps ``activation_bytes`` of its stage until that micro-batch's backward ends; under the
 input/weight split the input gradient frees all but ``weight_grad_bytes`` (what the weight gradient still
@@ -108,7 +109,11 @@ class StageCost:
     backward_transient_bytes: int = 0
     """What a backward (full or input-gradient) allocates on top of what is held while it runs (e.g. the
     logits' gradients in the loss's backward)."""
-    first_forward_extra_s: float = 0.0
+    unsharded_at_s: float = 0.0
+    """When, from the step's start, the stage's parameters are gathered: its first forward starts no earlier. The
+    runtime issues every stage's data-parallel all-gathers as the step starts (``apply/pipeline_runner``), one
+    after another on the rank's data-parallel link; a bound for the first forward, whose first block could start
+    on its own unit's."""
     last_backward_extra_s: float = 0.0
     weight_rerun_s: float = 0.0
     """What a weight-gradient pass (``"W"``) runs again beside :attr:`backward_weight_s`: a checkpointed block
@@ -262,6 +267,8 @@ class _Simulator:
         needs: list[float | None] = []
         if kind == "F" and s > 0:
             needs.append(self.arrival.get(("act", s, m)))
+        if kind == "F" and m == 0:
+            needs.append(self.stages[s].unsharded_at_s)
         if kind in ("B", "I"):
             needs.append(self.done.get(("F", s, m)))
             if s < len(self.stages) - 1:
@@ -281,8 +288,6 @@ class _Simulator:
             "I": cost.backward_input_s,
             "W": cost.backward_weight_s + cost.weight_rerun_s,
         }[kind]
-        if kind == "F" and m == 0:
-            seconds += cost.first_forward_extra_s
         return seconds
 
     def _send(self, kind: str, s: int, m: int, produced: float) -> None:
