@@ -407,6 +407,29 @@ def test_choose_recompute_is_none_only_when_full_recompute_cannot_fit():
     assert choose_recompute(costs, [2, 2], owner, (2, 1), 2 * 50 + 2 * 20 - 1, 4) is None
 
 
+def test_every_block_keeps_its_activations_whichever_moment_of_the_step_is_highest():
+    """What a micro-batch's forward keeps per block is read at the end of forward. At one row a micro-batch the
+    tiny Llama's step is highest late in backward (its gradients outweigh its activations), where the blocks
+    whose backward has run hold nothing: read there, three of its four blocks kept 0 bytes and a 4-rank pp x dp
+    step measured 25-30 % above its prediction. Each block keeps the same, half of what it keeps at two rows."""
+    config = load_config("tiny-llama")
+    config.hidden_size, config.intermediate_size, config.vocab_size = 256, 704, 2000
+    config.num_attention_heads = config.num_key_value_heads = 8
+    config.head_dim, config.num_hidden_layers = 32, 4
+    model = build_model(config, device="meta")
+    inputs = make_example_inputs(model, 8, 128, device="meta")
+    planner = _Planner.for_devices(model, inputs, 2, "cpu", None, None, None, "adamw", 60.0, "none")
+    kept = {}
+    for m in (4, 8):  # two rows a micro-batch, then one
+        _, tried = search_pipelines(
+            planner, 2, ("1f1b",), micro_batches=m, dp_modes=("ddp",), exhaustive=True
+        )
+        (candidate,) = [c for c in tried if c.record(planner.budget)["tp"] == 1]
+        kept[candidate.rows] = [b.activation_bytes for b in candidate.costs.blocks]
+    assert len(set(kept[1])) == 1 and kept[1][0] > 0
+    assert kept[1] == [b / 2 for b in kept[2]]
+
+
 def _tiny_llama_planner(budget=None, devices=4):
     model = _llama(4)
     inputs = make_example_inputs(model, 8, 32, device="meta")

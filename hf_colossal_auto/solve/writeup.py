@@ -396,10 +396,13 @@ def _unit_order(model: nn.Module, unit_of) -> list[str]:
     return list(seen)
 
 
-def _activation_per_unit(built, solution, graph, tied, unit_of, tp) -> dict[str, float]:
-    """Activation bytes at the peak per depth unit (the recompute choice applied)."""
+def _activation_per_unit(
+    built, solution, graph, tied, unit_of, tp, row: str | None = None
+) -> dict[str, float]:
+    """Activation bytes per depth unit at the moment of memory row ``row`` (default the activation peak), the
+    recompute choice applied."""
     out: dict[str, float] = defaultdict(float)
-    constraint = built.problem.memory_constraint(memory_row_name(MemoryRow.ACTIVATION_PEAK))
+    constraint = built.problem.memory_constraint(row or memory_row_name(MemoryRow.ACTIVATION_PEAK))
 
     def add(name: str, per_copy: float) -> None:
         module = graph.nodes[built.node_of_name[name]].module
@@ -416,6 +419,16 @@ def _activation_per_unit(built, solution, graph, tied, unit_of, tp) -> dict[str,
         if src in built.recompute_options:
             add(dst, matrix[solution.choice[src]][solution.choice[dst]])
     return out
+
+
+def forward_peak_row(problem: Problem) -> str:
+    """The name of the memory row at the forward's highest point: the end of forward, where every block holds
+    what it keeps for backward (the other phase's row when the step's highest point is in its backward, where
+    the blocks whose backward has run hold nothing)."""
+    forward = memory_row_name(MemoryRow.PHASE_PEAK, "forward")
+    if any(c.name == forward for c in problem.memory_constraints):
+        return forward
+    return memory_row_name(MemoryRow.ACTIVATION_PEAK)
 
 
 def _recompute_choice(built: BuiltProblem, solution: Solution) -> dict[str, str]:

@@ -46,6 +46,7 @@ from ..writeup import (
     _real_modules,
     _unit_mapper,
     _unit_order,
+    forward_peak_row,
 )
 from .costs import STAGE_DP_MODES, ModelCosts, StageLayout, UnitCost
 
@@ -402,7 +403,10 @@ def _unit_costs(
             for k, seconds in overlap_parts(problem, overlap, choice):
                 if total > 0 and exposed > 0:
                     spread(built.block_of.get(k, ""), exposed * seconds / total)
-    for unit, nbytes in _activation_per_unit(built, solution, graph, tied, unit_of, 1).items():
+    # what a micro-batch's forward keeps per block: the blocks' terms at the end of forward (at the step's
+    # highest point, late in backward where gradients outweigh activations, the blocks already done hold none)
+    kept = _activation_per_unit(built, solution, graph, tied, unit_of, 1, forward_peak_row(problem))
+    for unit, nbytes in kept.items():
         units[unit].activation_bytes += nbytes
     return dict(units)
 
