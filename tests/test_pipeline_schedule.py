@@ -3,6 +3,8 @@ uneven stages and the first/last micro-batch's extras move the step as the actio
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hf_colossal_auto.plan import PIPELINE_SCHEDULES, stage_ranks
@@ -189,3 +191,16 @@ def test_a_sent_gradient_is_freed_once_a_later_message_proves_it_received():
     owner = [s % 16 for s in range(32)]
     sent = sum(1 for rank in big for kind, stage, _ in rank if kind == "B" and stage > 0)
     assert sum(map(len, gradient_send_releases(big, owner).values())) >= 0.75 * sent
+
+
+def test_the_gradient_synchronisation_transient_comes_on_top_as_a_stages_last_backward_ends():
+    """FSDP2 reduce-scatters a unit's gradients from a copy of them after the stage's last backward: its
+    ``sync_transient_bytes`` come on top of what is held then (the gradients), once, not at every backward."""
+    p, m = 2, 4
+    for schedule, v in (("1f1b", 1), ("zbv", 2)):
+        held_in_flight = [StageCost(F, B / 2, B / 2, activation_bytes=100, grad_bytes=10)] * (p * v)
+        with_sync = [dataclasses.replace(s, sync_transient_bytes=1000) for s in held_in_flight]
+        plain = simulate_schedule(schedule, held_in_flight, m, p).peak_activation_bytes
+        synced = simulate_schedule(schedule, with_sync, m, p).peak_activation_bytes
+        # on top of what is held then, which is less than the rank's peak without it (micro-batches freed)
+        assert all(0 < s - q <= 1000 for s, q in zip(synced, plain, strict=True)), (schedule, synced, plain)

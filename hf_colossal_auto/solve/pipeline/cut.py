@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable
 
 from ...plan import stage_ranks
+from ..pricing.comm import SHARDED_DP_MODES
 from ..pricing.pipeline_schedule import (
     Link,
     StageCost,
@@ -384,6 +385,7 @@ def _simulate_cut(
                 + _received_gradient_bytes(costs, owner, index),
                 unsharded_at_s=unsharded_at[index],
                 last_backward_extra_s=s.sync_s,
+                sync_transient_bytes=_sync_transient(costs, counts, index, stage, owner),
                 weight_rerun_s=reruns[index],  # a split's weight pass reruns it again
             )
         )
@@ -418,6 +420,20 @@ def _simulate_cut(
         pp, stage, schedule, virtual, micro_batches, list(counts), [options[lv] for lv in levels], simulation,
         rank_state, rank_held, peaks, [s.forward_s + s.backward_s for s in stages], stage_peaks, costs,
     )  # fmt: skip
+
+
+def _sync_transient(
+    costs: ModelCosts, counts: list[int], index: int, stage: StageLayout, owner: list[int]
+) -> int:
+    """What stage ``index``'s gradient synchronisation allocates on top as its last backward ends: under FSDP /
+    HSDP the reduce-scatter of a unit's gradients from a copy of them, with its shard (the largest unit: a
+    block, or what the stage holds besides its blocks); nothing under DDP (the runtime all-reduces in place)."""
+    if stage.dp_mode not in SHARDED_DP_MODES or stage.dp < 2:
+        return 0
+    start = sum(counts[:index])
+    units = [b.grad_bytes for b in costs.blocks[start : start + counts[index]]]
+    units.append(_stage_extras(costs, len(counts), index, owner).grad_bytes)
+    return int(max(units) * (1 + 1 / stage.shard))
 
 
 def _unsharded_at(stages: list[UnitCost], owner: list[int]) -> list[float]:

@@ -28,7 +28,8 @@ Memory: a forward keeps ``activation_bytes`` of its stage until that micro-batch
 input/weight split the input gradient frees all but ``weight_grad_bytes`` (what the weight gradient still
 reads), which the weight gradient frees; as a backward starts, its ``backward_transient_bytes`` come on top; a
 stage's first backward (full or weight-gradient) makes its ``grad_bytes``, held from then on (counted whole
-from that action: a bound within it). A tensor sent to another rank lives as long as the runtime keeps
+from that action: a bound within it), and its last its ``sync_transient_bytes`` as it ends (the gradient
+synchronisation's). A tensor sent to another rank lives as long as the runtime keeps
 its send's work (:data:`SENDS_KEPT_TO_STEP_END`): GPipe keeps a sent gradient to the end of the step; 1F1B waits
 each send before the next; under the multi-stage schedules a sent gradient lives until the first action of its
 rank whose received input proves it arrived (:mod:`hf_colossal_auto.pipeline_receipts`); a sent activation is
@@ -115,6 +116,10 @@ class StageCost:
     after another on the rank's data-parallel link; a bound for the first forward, whose first block could start
     on its own unit's."""
     last_backward_extra_s: float = 0.0
+    sync_transient_bytes: int = 0
+    """What the stage's gradient synchronisation allocates on top of what is held as its last backward (full or
+    weight-gradient) ends: FSDP2 reduce-scatters each unit's gradients from a copy of them (its largest unit's,
+    with its shard)."""
     weight_rerun_s: float = 0.0
     """What a weight-gradient pass (``"W"``) runs again beside :attr:`backward_weight_s`: a checkpointed block
     reruns its forward in every backward pass (:data:`~hf_colossal_auto.plan.SPLIT_BACKWARD_SCHEDULES`); a
@@ -376,6 +381,7 @@ class _Simulator:
         for rank in actions:
             held, peak, grads = 0, 0, 0
             count = [0] * len(self.stages)
+            backwards_left = [self.m] * len(self.stages)  # B or W actions of each stage still to come
             has_grads: set[int] = set()
             sent_back: dict[tuple[int, int], int] = {}  # gradients sent, not yet proven received
             for kind, s, m in rank:
@@ -390,6 +396,10 @@ class _Simulator:
                     grads += cost.grad_bytes
                 # an action's end, before it frees anything (a bound within it)
                 peak = max(peak, held + grads)
+                if kind in ("B", "W"):
+                    backwards_left[s] -= 1
+                    if not backwards_left[s]:  # the stage's gradient synchronisation
+                        peak = max(peak, held + grads + cost.sync_transient_bytes)
                 if kind == "F":
                     held += cost.activation_bytes
                     count[s] += 1
