@@ -666,9 +666,9 @@ def _saves_fewer(rerun: list[bool], x: torch.Tensor) -> torch.Tensor:
 
 def _saves_more(rerun: list[bool], x: torch.Tensor) -> torch.Tensor:
     y = x.sin()
-    try:  # a block that swallows everything, the rerun's stop at its last saved tensor included
+    try:  # a fallback that swallows the rerun's stop at its last saved tensor
         z = y.cos()
-    except BaseException:
+    except Exception:
         z = y.tan()
     return z * 2
 
@@ -694,7 +694,7 @@ def _backward_inside_forward(rerun: list[bool], x: torch.Tensor) -> torch.Tensor
 )
 def test_a_rerun_that_does_not_save_what_the_forward_saved_is_refused_by_name(fn, message):
     """As torch's checkpoint guards its rerun: a rerun that saves fewer tensors than the forward, more (a block
-    that swallows the rerun's stop), one of another dtype (or shape, or device), or a backward over the block
+    whose fallback swallows the rerun's stop), one of another dtype (or shape, or device), or a backward over the block
     inside its own forward raise, naming the block, instead of training on the wrong tensors."""
     from hf_colossal_auto.apply.shared_rerun import SharedRerunError, checkpoint_with_shared_rerun
 

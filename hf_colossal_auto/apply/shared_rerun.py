@@ -46,10 +46,11 @@ class SharedRerunError(RuntimeError):
     what it computes), or a backward reached the block before its forward had finished."""
 
 
-class _AllSaved(BaseException):
+class _AllSaved(Exception):
     """Stops the rerun once every tensor the forward saved is back: the rest of the block's forward is not
-    needed (torch's ``_StopRecomputationError``). A ``BaseException`` so that a block's own ``except Exception``
-    around an op does not swallow it and run on."""
+    needed (torch's ``_StopRecomputationError``). An ``Exception``, as torch's: modules run their
+    ``always_call`` forward hooks on an ``Exception`` only (a module tracker's stack stays balanced). A block
+    whose own ``except Exception`` swallows it runs on and saves more than its forward did, which is refused."""
 
 
 @dataclass(frozen=True)
