@@ -522,7 +522,7 @@ def isend_point_to_point_ops(ops) -> list:
 
 
 def pipeline_stage_with_transient_receive_buffers(
-    submodule, stage_index: int, num_stages: int, device, group, gradient_sends=None, merge_weight_pass=False
+    submodule, stage_index: int, num_stages: int, device, group, gradient_sends=None
 ):
     """torch's ``PipelineStage`` whose receive buffers live only while their micro-batch is in flight.
 
@@ -540,11 +540,6 @@ def pipeline_stage_with_transient_receive_buffers(
     included), the next stage has received that micro-batch's activation (it sent back the gradient this
     backward used) and nothing here reads the sent output any more, so its storage is freed (resized to 0; the
     work keeps an empty tensor).
-
-    With ``merge_weight_pass`` (a stage holding checkpointed blocks) the weight-gradient pass of a split backward
-    runs as one ``autograd.grad`` (:func:`merged_weight_groups`), so that a checkpointed block reruns once in it,
-    not once per parameter group. Not otherwise: without reruns to save, the one call was slower than torch's
-    per-group ones (``scripts/bench_zero_bubble_weight_pass.py``: 0.581 s a step against 0.487 s).
 
     Sent gradients, given ``gradient_sends`` (:class:`hf_colossal_auto.apply.pipeline_sends.GradientSends`,
     shared by a rank's stages): the stage issues its backward sends itself and hands their works to it instead
@@ -632,10 +627,6 @@ def pipeline_stage_with_transient_receive_buffers(
             return out
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
-            state = self.backward_state.get(bwd_chunk_id) if merge_weight_pass else None
-            if state is not None:  # one autograd.grad for the weight pass: merged_weight_groups
-                inputs, groups, *rest = state
-                self.backward_state[bwd_chunk_id] = (inputs, merged_weight_groups(groups), *rest)
             out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
             free_whole_storages(self._sent.pop(bwd_chunk_id, ()))
             return out
@@ -648,62 +639,6 @@ def pipeline_stage_with_transient_receive_buffers(
                     drop(infos)
 
     return _Stage(submodule, stage_index, num_stages, device, group=group)
-
-
-def merged_weight_groups(param_groups: list[dict] | None) -> list[dict] | None:
-    """``param_groups`` (``stage_backward_input``'s) as one group, for ``stage_backward_weight``.
-
-    torch's weight-gradient pass runs one ``autograd.grad`` per parameter group (9 a Llama block), each its own
-    backward pass: a block checkpointed in full reruns its forward in every one of them. In one group the pass
-    is one ``autograd.grad`` over every group's intermediates (their gradients from the input pass, each
-    intermediate's incoming gradient replaced by its own, torch's guard against counting a gradient twice
-    through an intermediate that descends from another) to every parameter: the same gradients, one rerun.
-    An intermediate no gradient reached in the input pass adds nothing and is left out. Private: the groups'
-    ``params`` / ``intermediates`` / ``grads`` keys (None, as torch's first stage keeps it: no input pass ran)."""
-    if param_groups is None or len(param_groups) < 2:
-        return param_groups
-    params: list[Any] = []
-    intermediates: list[Any] = []
-    grads: list[Any] = []
-    seen: set[int] = set()
-    for group in param_groups:
-        captured = group.get("grads") or [None] * len(group["intermediates"])
-        reached = [(node, grad) for node, grad in zip(group["intermediates"], captured, strict=True) if grad]
-        if not any(g is not None for _, grad in reached for g in grad):
-            continue  # torch's pass skips a group no gradient reached: its parameters get none
-        params.extend(group["params"])
-        for node, grad in reached:
-            if id(node) not in seen:
-                seen.add(id(node))
-                intermediates.append(node)
-                grads.append(grad)
-    return [{"params": params, "intermediates": intermediates, "grads": grads}]
-
-
-class _KeptEntries(dict):
-    """A selective checkpoint's cache of one op's outputs that keeps each entry when a rerun reads it (torch marks
-    it consumed: one backward pass per checkpoint)."""
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        from torch.utils.checkpoint import _CONSUMED
-
-        if value is not _CONSUMED:
-            super().__setitem__(key, value)
-
-
-def replayable_selective_checkpoint_contexts(policy) -> tuple[Any, Any]:
-    """``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`` whose kept outputs serve every
-    rerun of the region, not only the first: torch's zero-bubble schedules run a stage's backward as an input
-    pass and a weight pass, and a checkpointed block reruns in each (torch's own cache raises "backward an extra
-    time" in the second). The outputs live until the region's graph is freed (after the weight pass), as the
-    schedule holds its activations anyway. Private: ``_CachingTorchDispatchMode``, ``_CachedTorchDispatchMode``,
-    ``_CONSUMED``."""
-    from collections import defaultdict
-
-    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
-
-    storage: dict[Any, dict[int, Any]] = defaultdict(_KeptEntries)
-    return _CachingTorchDispatchMode(policy, storage), _CachedTorchDispatchMode(None, storage)
 
 
 def flatten_mesh_axes(mesh, names: tuple[str, ...], flat_name: str):

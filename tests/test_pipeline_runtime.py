@@ -499,6 +499,10 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
             "llama recompute interleaved-zero-bubble selective:pointwise",
         ):
             assert case in trained and results[case]["recomputed"], case
+            # one rerun a micro-batch (4), split backward or not: torch's checkpoint reran a block in the input
+            # pass and in each parameter group's autograd.grad of the weight pass (9 in a Llama block)
+            runs = results[case]["attention_runs"]
+            assert runs and set(runs) == {2 * 4}, (case, runs)
         saved = results["save gpt2"]
         assert saved["equal"] and saved["tied"] and len(saved["files"]) > 1, saved
         assert results["bad cut"].startswith("PipelineLayoutError") and "whole blocks" in results["bad cut"]

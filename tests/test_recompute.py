@@ -521,41 +521,186 @@ def test_measured_peak_on_two_ranks_stays_under_the_budget(case, two_rank_result
         assert r["max_grad_err"] <= 1e-5, r
 
 
-@pytest.mark.parametrize("option", ["full", "selective:pointwise"])
-def test_a_checkpointed_block_reruns_once_in_each_backward_pass(option):
-    """What the pipeline pricing assumes of the zero-bubble schedules (``plan.SPLIT_BACKWARD_SCHEDULES``): torch
-    runs a stage's backward as an input-gradient pass and a later weight-gradient pass over the retained graph
-    (``torch.distributed.pipelining``'s own two functions, called here as its schedules call them), and a
-    checkpointed block reruns its forward in each. torch's weight pass is one ``autograd.grad`` per parameter
-    group (here the two linears), a rerun in each; the runtime's stage merges them
-    (``merged_weight_groups``): one rerun, the same gradients. torch's selective cache serves one pass only (the
-    second raises); the runtime's (``replayable_selective_checkpoint_contexts``, for ``passes=2``) serves both.
-    If torch changes any of this, this fails first."""
+def _block(dropout: float = 0.0) -> torch.nn.Sequential:
+    """A small block (seeded): two linears around a GELU, dropout after it when ``dropout`` (train mode)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Dropout(dropout), torch.nn.Linear(8, 8)
+    )
+
+
+def _split_backward(block: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """One forward of ``block`` and its backward as torch's zero-bubble schedules run it: the input pass
+    (``stage_backward_input``, the graph retained), then the weight pass (``stage_backward_weight``, one
+    ``autograd.grad`` per parameter group: here one per linear). Returns the output, the input's gradient and
+    the parameters' gradients."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    from hf_colossal_auto._torch_compat import merged_weight_groups
+    out = block(x)
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
+    assert len(groups) == 2
+    stage_backward_weight(block.parameters(), groups)
+    return [out.detach(), x.grad, *(p.grad for p in block.parameters())]
+
+
+def _checkpointed(block: torch.nn.Module, option: str | None, passes: int) -> torch.nn.Module:
     from hf_colossal_auto.apply.recompute import checkpoint_module
 
-    def step(passes: int | None, merge: bool) -> tuple[int, list[torch.Tensor]]:
-        torch.manual_seed(0)
-        block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
-        runs = []
+    if option is not None:
+        checkpoint_module(block, parse_option(option), passes, "the block")
+    return block
+
+
+SPLIT_OPTIONS = ["full", "selective:pointwise", "selective:pointwise;rerun=0"]
+"""Full, selective, and selective rerunning the first linear too (its twin)."""
+
+
+@pytest.mark.parametrize("option", SPLIT_OPTIONS)
+def test_a_checkpointed_block_reruns_once_for_both_passes_of_a_split_backward(option):
+    """Under the zero-bubble schedules (``plan.SPLIT_BACKWARD_SCHEDULES``) torch runs a stage's backward as an
+    input-gradient pass and a later weight-gradient pass over the retained graph (``torch.distributed.
+    pipelining``'s own two functions, called here as its schedules call them). The runtime's checkpoint
+    (``passes=2``: :func:`~hf_colossal_auto.apply.shared_rerun.checkpoint_with_shared_rerun`) reruns the block
+    once for both, with the gradients of the block run without checkpoint. torch's own (``passes=1``) reruns it
+    in the input pass and again in each ``autograd.grad`` of the weight pass (one per parameter group), and its
+    selective cache serves one pass only (the second to read a kept output raises): if torch changes that, this
+    fails and the shared rerun may no longer be needed."""
+    runs: list[int] = []
+
+    def step(option: str | None, passes: int) -> list[torch.Tensor]:
+        block = _checkpointed(_block(), option, passes)
         block[0].register_forward_pre_hook(lambda *_: runs.append(1))
-        if passes is not None:
-            checkpoint_module(block, parse_option(option), passes)
+        torch.manual_seed(1)
+        return _split_backward(block, torch.randn(4, 8, requires_grad=True))
+
+    reference = step(None, 1)
+    runs.clear()
+    shared = step(option, 2)
+    assert len(runs) == 2, runs  # the forward and one rerun
+    for got, want in zip(shared, reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    runs.clear()
+    if option == "selective:pointwise":  # the first linear's kept output is read by the rerun of each pass
+        with pytest.raises(RuntimeError, match="backward an extra time"):
+            step(option, 1)
+    else:  # the twin reruns that linear: no kept output is read before its reruns stop
+        step(option, 1)  # torch: the forward, a rerun in the input pass and one per parameter group
+        assert len(runs) == 4, runs
+
+
+@pytest.mark.parametrize("option", SPLIT_OPTIONS)
+def test_the_shared_rerun_replays_the_forwards_dropout(option):
+    """A block with dropout in train mode: the rerun restores the forward's RNG state, so the output and every
+    gradient of a split backward are bitwise those of the block without checkpoint at the same seed, and the
+    caller's RNG state after the step is the same too (the rerun forks it)."""
+    results = []
+    for name in (None, option):
+        block = _checkpointed(_block(dropout=0.5), name, 2).train()
+        torch.manual_seed(1)
+        x = torch.randn(4, 8, requires_grad=True)
+        results.append((_split_backward(block, x), torch.get_rng_state()))
+    (reference, reference_rng), (shared, rng) = results
+    block = _block(dropout=0.5).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():  # dropout dropped something
+        assert not torch.equal(reference[0], block(torch.randn(4, 8)))
+    for got, want in zip(shared, reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(rng, reference_rng)
+
+
+@pytest.mark.parametrize("option", SPLIT_OPTIONS)
+def test_the_rerun_tensors_live_from_the_input_pass_to_the_weight_pass(option):
+    """What the pipeline pricing holds from a micro-batch's I action to its W action: the tensors the rerun
+    rematerialises (the first linear's output, the GELU's: new storages of the block's forward ops) are made in
+    the input pass, are alive when it ends, and are freed once the weight pass has run. torch's checkpoint
+    frees them inside the input pass (and reruns in the weight pass)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    forward_ops = {torch.ops.aten.addmm.default, torch.ops.aten.gelu.default}
+
+    def alive(ops: _OpsAndStorages) -> int:
+        return sum(not ref.expired() for ref, _, func in ops.storages.values() if func in forward_ops)
+
+    counts = {}
+    for passes in (2, 1):
+        block = _checkpointed(_block(), option, passes)
+        recorded = _OpsAndStorages()
         x = torch.randn(4, 8, requires_grad=True)
         out = block(x)
-        _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
-        assert len(groups) == 2
-        stage_backward_weight(block.parameters(), merged_weight_groups(groups) if merge else groups)
-        return len(runs) - 1, [p.grad for p in block.parameters()]
+        with recorded:
+            _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
+        counts[passes] = alive(recorded)
+        if passes == 2:
+            stage_backward_weight(block.parameters(), groups)
+            assert alive(recorded) == 0, option
+    rematerialised = 1 if option == "selective:pointwise" else 2  # the kept addmm output is not a new storage
+    assert counts == {2: rematerialised, 1: 0}, counts
 
-    _, reference = step(None, merge=False)
-    reruns, grads = step(2, merge=True)
-    assert reruns == 2  # once in the input pass, once in the (merged) weight pass
-    assert all(torch.allclose(g, r, atol=1e-6) for g, r in zip(grads, reference, strict=True))
-    if option == "full":
-        assert step(1, merge=False)[0] == 3  # torch's groups: a rerun each in the weight pass
-    else:
-        with pytest.raises(RuntimeError, match="backward an extra time"):
-            step(1, merge=True)
+
+@pytest.mark.parametrize("option", ["full", "selective:pointwise"])
+def test_the_shared_rerun_runs_under_the_forwards_autocast(option):
+    """Under CPU bf16 autocast the shared rerun (split backward) gives the gradients of torch's checkpoint (one
+    backward): the rerun casts as the forward did (autocast restored, its weight-cast cache off as the runtime
+    runs recomputed blocks)."""
+    results = []
+    for passes in (1, 2):
+        block = _checkpointed(_block(), option, passes)
+        torch.manual_seed(1)
+        x = torch.randn(4, 8, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if passes == 2:
+                results.append(_split_backward(block, x))
+                continue
+            out = block(x)
+        out.backward(torch.ones_like(out))
+        results.append([out.detach(), x.grad, *(p.grad for p in block.parameters())])
+    assert results[0][0].dtype == torch.bfloat16
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _saves_fewer(rerun: list[bool], x: torch.Tensor) -> torch.Tensor:
+    return x.sin() * 2 if rerun else x.sin().cos()  # the forward saves x and sin(x), the rerun x only
+
+
+def _saves_more(rerun: list[bool], x: torch.Tensor) -> torch.Tensor:
+    y = x.sin()
+    try:  # a fallback that swallows the rerun's stop at its last saved tensor
+        z = y.cos()
+    except Exception:
+        z = y.tan()
+    return z * 2
+
+
+def _saves_another_dtype(rerun: list[bool], x: torch.Tensor) -> torch.Tensor:
+    return (x.double() if rerun else x).sin()
+
+
+def _backward_inside_forward(rerun: list[bool], x: torch.Tensor) -> torch.Tensor:
+    y = x.sin()
+    (grad,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    return y * grad
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (_saves_fewer, "saved 1 tensors for backward where its forward saved 2"),
+        (_saves_more, "saved more tensors for backward than its forward"),
+        (_saves_another_dtype, "torch.float64"),
+        (_backward_inside_forward, "before its forward finished"),
+    ],
+)
+def test_a_rerun_that_does_not_save_what_the_forward_saved_is_refused_by_name(fn, message):
+    """As torch's checkpoint guards its rerun: a rerun that saves fewer tensors than the forward, more (a block
+    whose fallback swallows the rerun's stop), one of another dtype (or shape, or device), or a backward over the block
+    inside its own forward raise, naming the block, instead of training on the wrong tensors."""
+    from hf_colossal_auto.apply.shared_rerun import SharedRerunError, checkpoint_with_shared_rerun
+
+    rerun: list[bool] = []
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(SharedRerunError, match=f"the block.*{message}"):
+        out = checkpoint_with_shared_rerun(fn, rerun, x, region_name="the block")
+        rerun.append(True)
+        out.sum().backward()

@@ -53,7 +53,6 @@ from ..plan import Plan
 from .pipeline_aux import RouterBalance
 from .pipeline_sends import GradientSends
 from .pipeline_sync import ReplicaSync
-from .recompute import is_recomputed
 
 logger = logging.getLogger(__name__)
 
@@ -568,13 +567,7 @@ def _make_schedule(runner: PipelineRunner, plan: Plan) -> tuple[Any, GradientSen
     sends = GradientSends() if plan.virtual_stages > 1 else None
     stages = [
         pipeline_stage_with_transient_receive_buffers(
-            s,
-            s.index,
-            plan.num_stages,
-            runner.device,
-            runner.group,
-            gradient_sends=sends,
-            merge_weight_pass=any(is_recomputed(m) for m in s.modules()),
+            s, s.index, plan.num_stages, runner.device, runner.group, gradient_sends=sends
         )
         for s in runner.stages
     ]

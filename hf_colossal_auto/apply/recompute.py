@@ -8,9 +8,11 @@ with. ``;rerun=<modules>`` recomputes every op run inside those modules of the b
 (:class:`_InsideModules`: forward hooks count the calls entered, reset as each forward or rerun of the block
 starts, since a rerun may stop inside one). Both work on DTensor-sharded blocks (the policy sees DTensor-level
 aten ops, as the planner's trace did) and under FSDP2 (its pre-backward hook unshards the parameters before the
-block is recomputed). Under a pipeline schedule that splits each backward into an input and a weight pass, a
-block reruns in each (the runtime's stage makes the weight pass one ``autograd.grad``, so once there), and a
-selective policy's kept outputs serve both.
+block is recomputed). Under a pipeline schedule that splits each backward into an input and a weight pass
+(``plan.SPLIT_BACKWARD_SCHEDULES``), torch's checkpoint would rerun a block in the input pass and again in each
+``autograd.grad`` of the weight pass (one per parameter group): there the block is checkpointed by
+:func:`.shared_rerun.checkpoint_with_shared_rerun`, whose one rerun (in the input pass) serves both passes, its
+tensors held until the weight pass has used them.
 
 A block that is checkpointed is given no KV cache while it records for backward (``use_cache=False``, the
 cache arguments None), as HF's own ``GradientCheckpointingLayer`` does: its rerun in backward would write the
@@ -45,10 +47,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .._torch_compat import replayable_selective_checkpoint_contexts
 from ..capture.op_classes import op_class
 from ..plan import SPLIT_BACKWARD_SCHEDULES, Plan
 from ..recompute_options import RecomputeOption, parse_option
+from .shared_rerun import checkpoint_with_shared_rerun
 
 logger = logging.getLogger(__name__)
 
@@ -145,11 +147,14 @@ def uncached_autocast_casts() -> Iterator[None]:
         torch.set_autocast_cache_enabled(previous)
 
 
-def checkpoint_module(module: nn.Module, option: RecomputeOption, passes: int = 1) -> None:
+def checkpoint_module(
+    module: nn.Module, option: RecomputeOption, passes: int = 1, name: str | None = None
+) -> None:
     """Make ``module``'s forward recompute per ``option`` in backward (in place; idempotent per module).
-    ``passes``: backward passes each forward serves (2 under a schedule that splits input and weight gradients:
-    a selective policy's kept outputs then serve both reruns, :func:`~.._torch_compat.
-    replayable_selective_checkpoint_contexts`)."""
+    ``passes``: backward passes each forward serves. 1: torch's non-reentrant checkpoint. 2 (a schedule that
+    splits input and weight gradients): :func:`.shared_rerun.checkpoint_with_shared_rerun`, one rerun for both
+    passes (torch's would rerun once in the input pass and once per parameter group in the weight pass), a
+    selective policy's kept outputs read by that one rerun. ``name``: the block in errors (its FQN)."""
     if option.is_none or is_recomputed(module):
         return
     inner = module.forward
@@ -158,12 +163,11 @@ def checkpoint_module(module: nn.Module, option: RecomputeOption, passes: int = 
         context_fn = None
     else:
         policy = selective_policy(option, rerun)
-        contexts = (
-            create_selective_checkpoint_contexts if passes == 1 else replayable_selective_checkpoint_contexts
-        )
 
         def context_fn():
-            return contexts(policy)
+            return create_selective_checkpoint_contexts(policy)
+
+    block = name or type(module).__name__
 
     def run(*args: Any, **kwargs: Any) -> Any:  # the forward checkpoint records and reruns
         if rerun is not None:
@@ -174,9 +178,14 @@ def checkpoint_module(module: nn.Module, option: RecomputeOption, passes: int = 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        kwargs = _without_cache(module, kwargs)
         with uncached_autocast_casts():
-            return checkpoint(run, *args, use_reentrant=False, **extra, **_without_cache(module, kwargs))
+            if passes > 1:
+                return checkpoint_with_shared_rerun(
+                    run, *args, context_fn=context_fn, region_name=block, **kwargs
+                )
+            extra = {"context_fn": context_fn} if context_fn is not None else {}
+            return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = forward
     module._hf_colossal_auto_recompute = option.name
@@ -204,7 +213,7 @@ def apply_recompute(model: nn.Module, plan: Plan) -> dict[str, str]:
                 "plan recomputes %s but %s has no such module; it runs without", fqn, type(model).__name__
             )
             continue
-        checkpoint_module(module, option, passes)
+        checkpoint_module(module, option, passes, fqn)
         applied[fqn] = option.name
     _plan_wins_over_hf_checkpointing(model)
     if applied:

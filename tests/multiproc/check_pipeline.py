@@ -204,6 +204,24 @@ def pipelined(model, plan, data: list[dict], ref: dict[str, Any], **planning: An
     return out
 
 
+def attention_runs(model, batch: dict) -> list[int]:
+    """How many times each held block's attention runs in one more training step (shapes already inferred):
+    its forward per micro-batch, plus its reruns where the block is recomputed."""
+    from collections import Counter
+
+    runs: Counter[str] = Counter()
+    hooks = [
+        module.register_forward_pre_hook(lambda *_, name=name: runs.update([name]))
+        for name, module in model.named_modules()
+        if name.endswith("self_attn")
+    ]
+    model(**batch).loss.backward()
+    model.zero_grad()
+    for hook in hooks:
+        hook.remove()
+    return sorted(runs.values())
+
+
 def live_receive_buffers(runner) -> int:
     """How many of the stages' receive buffers hold memory between training steps (torch's own stage keeps one
     per micro-batch and direction; ours drops each after its micro-batch's backward). Test-only peek at the
@@ -276,8 +294,8 @@ def every_schedule(results: dict) -> None:
         plan = type(plan).from_dict(json.loads(plan.to_json()))  # the plan as a file carries it
         results[f"llama {schedule} {cut}"] = pipelined(model, plan, data, ref)
     # recompute inside the stages: under zbv and interleaved zero bubble (their split backward: input gradients
-    # first, weight gradients later, each rerunning the recomputed blocks; a selective policy's kept outputs
-    # serve both) full and selective, selective under 1f1b
+    # first, weight gradients later, one rerun of each recomputed block serving both) full and selective,
+    # selective under 1f1b
     for schedule, cut, option in (
         ("zbv", [2, 1, 1, 2], "full"),
         ("zbv", [2, 1, 1, 2], "selective:pointwise"),
@@ -290,12 +308,13 @@ def every_schedule(results: dict) -> None:
             model, data[0], pp_size=2, schedule=schedule, micro_batches=4, blocks_per_stage=cut,
             recompute=option,
         )  # fmt: skip
-        results[f"llama recompute {schedule} {option}"] = pipelined(model, plan, data, ref)
-        results[f"llama recompute {schedule} {option}"]["recomputed"] = sorted(
+        results[f"llama recompute {schedule} {option}"] = got = pipelined(model, plan, data, ref)
+        got["recomputed"] = sorted(
             name
             for name, module in model.named_modules()
             if getattr(module, "_hf_colossal_auto_recompute", None)
         )
+        got["attention_runs"] = attention_runs(model, data[0])
     # built on meta: this rank's stages get the values the whole model's init gives (rank 0's RNG state)
     model = build(cfg, "meta")
     plan = hand_pipeline_plan(model, data[0], pp_size=2, schedule="1f1b", micro_batches=2)
