@@ -16,16 +16,10 @@ Levers (each patches the figures ``solve/pipeline/pricing._Pricer.inner`` hands 
 * ``casts``: a block without recompute keeps no bf16 cast of a projection's weight or input per micro-batch;
 * ``all``: bf16-sends and partial together; ``baseline``: nothing patched (today's plan).
 
-Levers on the schedule's simulation (each patches the stage figures ``solve/pipeline/cut`` hands
-``simulate_schedule``), for the zero-bubble schedules' split backward (``plan.SPLIT_BACKWARD_SCHEDULES``):
-
-* ``one-rerun``: a weight pass reruns no recomputed block (as if the input pass's recomputation served it; the
-  memory of keeping it until then is not priced, so this is an upper bound on the lever). Priced with that
-  memory (an experiment, docs/benchmarks.md "Sixteenth session"): ZB-V's middle ranks hold up to ``pp``
-  micro-batches between input and weight pass (32 at 405B), so holding the reruns there does not fit, and
-  holding them only where at most 2 or 4 wait gains nothing (18.78 s / 18.82 s against 18.78 s);
-* ``full-backward``: a stage holding recomputed blocks runs its whole backward in the input slot (one rerun, no
-  weight deferral there).
+The split-backward levers of earlier sessions are gone: ``one-rerun`` is built (``apply/shared_rerun``: the
+input pass's rerun serves the weight pass, its tensors priced as held until then: ZB-V's middle ranks hold up to
+``pp`` micro-batches between the two passes, 32 at 405B, so the scale plans keep interleaved 1F1B), and
+``full-backward`` changed nothing.
 
 Prints the plan (pp, schedule, micro-batches, mesh, recompute counts), its step time and MFU (the model FLOPs of
 ``bench_planner.py --scale``), its peak, and each pp rank's predicted activation bytes at its peak. Why: the
@@ -35,7 +29,6 @@ planner's own cost model says which runtime change is worth building first (docs
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from collections import Counter, defaultdict
@@ -48,11 +41,11 @@ from bench_planner import MIXED, SCALE_CASES, SCALE_DEVICE, _model_flops_per_tok
 from hf_colossal_auto.hardware import get_device  # noqa: E402
 from hf_colossal_auto.models import build_model, make_example_inputs  # noqa: E402
 from hf_colossal_auto.solve.build.names import MemoryRow, memory_row_name  # noqa: E402
-from hf_colossal_auto.solve.pipeline import cut, pricing  # noqa: E402
+from hf_colossal_auto.solve.pipeline import pricing  # noqa: E402
 from hf_colossal_auto.solve.planner import plan_model  # noqa: E402
 from hf_colossal_auto.solve.writeup import _real_modules  # noqa: E402
 
-LEVERS = ("baseline", "bf16-sends", "partial", "casts", "all", "one-rerun", "full-backward")
+LEVERS = ("baseline", "bf16-sends", "partial", "casts", "all")
 GIB = float(1 << 30)
 
 
@@ -104,33 +97,12 @@ def patch(lever: str) -> None:
     pricing._Pricer.inner = inner
 
 
-def patch_schedule(lever: str) -> None:
-    """Patch the stage figures the pipeline search simulates for ``lever`` (the split-backward levers)."""
-    original = cut.simulate_schedule
-
-    def simulate(schedule, stages, micro_batches, pp_size, link=None, optimizer_s=0.0):
-        patched = []
-        for s in stages:
-            if s.weight_rerun_s > 0 and lever == "one-rerun":
-                s = dataclasses.replace(s, weight_rerun_s=0.0)
-            elif s.weight_rerun_s > 0 and lever == "full-backward":
-                s = dataclasses.replace(
-                    s, backward_input_s=s.backward_input_s + s.backward_weight_s, backward_weight_s=0.0,
-                    weight_rerun_s=0.0,
-                )  # fmt: skip
-            patched.append(s)
-        return original(schedule, patched, micro_batches, pp_size, link, optimizer_s)
-
-    cut.simulate_schedule = simulate
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--case", choices=tuple(SCALE_CASES), default="llama3-405b")
     p.add_argument("--lever", choices=LEVERS, default="baseline")
     args = p.parse_args()
     patch(args.lever)
-    patch_schedule(args.lever)
     preset, batch, seq, devices, per_node = SCALE_CASES[args.case]
     model = build_model(preset, device="meta")
     inputs = make_example_inputs(model, batch, seq, device="meta")

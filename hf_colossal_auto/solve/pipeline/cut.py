@@ -49,7 +49,7 @@ from .costs import (
     _received_gradient_bytes,
     _stage_extras,
 )
-from .schedules import _in_flight
+from .schedules import _awaiting_weight, _in_flight
 
 
 def cut_blocks(
@@ -130,14 +130,16 @@ def choose_recompute(
     in_flight: tuple[int, ...],
     budget: float,
     micro_batches: int,
+    awaiting: tuple[int, ...] = (),
 ) -> list[int] | None:
     """Per block, the index into ``costs.block_options()`` of its recompute option: each rank starts without
     recompute and, while its estimate (state + per stage its activations times its most micro-batches in flight
-    + the largest rematerialised block) exceeds ``budget``, moves the block that saves the most bytes per second
-    of rerun to a higher option (a stage's blocks are moved in order, the lowest option first). None: some rank
-    does not fit even with every block at the most recompute offered. The estimate is the higher of the two
-    moments (see the module docstring), the last stage's backward transient and the receive buffers of its
-    micro-batches in flight counted."""
+    + what recompute rematerialises, :func:`_rematerialised_held`) exceeds ``budget``, moves the block that saves
+    the most bytes per second of rerun to a higher option (a stage's blocks are moved in order, the lowest option
+    first). None: some rank does not fit even with every block at the most recompute offered. The estimate is
+    the higher of the two moments (see the module docstring), the last stage's backward transient and the receive
+    buffers of its micro-batches in flight counted. ``awaiting``: per stage the most micro-batches between their
+    input and weight gradients (:func:`~.schedules._awaiting_weight`; empty under whole backwards)."""
     options = costs.block_options()
     per_option = [costs.options[o] for o in options]
     top = len(options) - 1
@@ -158,15 +160,30 @@ def choose_recompute(
             held += in_flight[s] * (acts + kept)
         transient = 0.0
         while max(state, fixed + held + transient) > budget:
-            move = _best_move(per_option, levels, mine, starts, counts, in_flight, micro_batches, top)
+            move = _best_move(
+                per_option, levels, mine, starts, counts, in_flight, micro_batches, top, awaiting
+            )
             if move is None:
                 return None
             b, s, target = move
             before, after = per_option[levels[b]][b], per_option[target][b]
-            held -= in_flight[s] * (before.activation_bytes - after.activation_bytes)
+            held -= (in_flight[s] - _rematerialised_held(awaiting, s)) * (
+                before.activation_bytes - after.activation_bytes
+            )
             levels[b] = target
-            transient = max(transient, per_option[0][b].activation_bytes - after.activation_bytes)
+            if not awaiting:
+                transient = max(transient, per_option[0][b].activation_bytes - after.activation_bytes)
     return levels
+
+
+def _rematerialised_held(awaiting: tuple[int, ...], stage: int) -> int:
+    """How many micro-batches' worth of a stage's rematerialised activations (its blocks' recompute, against
+    none) a rank holds at once. Under whole backwards none: a block's rerun lives only while its backward runs
+    (the largest block's, a transient on top). Under the input/weight split the one rerun, in the input pass,
+    serves the weight pass too (``apply/shared_rerun``), and what it rematerialised is held from the input to
+    the weight gradient: the stage's most micro-batches in that window (at least one: a stage whose backward is
+    whole holds its blocks' reruns within it)."""
+    return max(awaiting[stage], 1) if awaiting else 0
 
 
 def _best_move(
@@ -178,9 +195,12 @@ def _best_move(
     in_flight: tuple[int, ...],
     micro_batches: int,
     top: int,
+    awaiting: tuple[int, ...] = (),
 ) -> tuple[int, int, int] | None:
     """(block, stage, option) of the upgrade that saves the most activation bytes per second of rerun among the
-    next block (lowest option, first in the stage) of each of ``stages``; None when none saves any."""
+    next block (lowest option, first in the stage) of each of ``stages``; None when none saves any (under the
+    input/weight split a stage whose micro-batches wait for their weight gradient as long as they are in flight
+    saves nothing by recompute: :func:`_rematerialised_held`)."""
     best: tuple[float, int, int, int] | None = None
     for s in stages:
         blocks = range(starts[s], starts[s] + counts[s])
@@ -189,7 +209,7 @@ def _best_move(
         b = min(blocks, key=lambda i: (levels[i], i))
         low = levels[b]
         for target in range(low + 1, top + 1):
-            saved = in_flight[s] * (
+            saved = (in_flight[s] - _rematerialised_held(awaiting, s)) * (
                 per_option[low][b].activation_bytes - per_option[target][b].activation_bytes
             )
             if saved <= 0:
@@ -209,6 +229,7 @@ def _memory_cut(
     virtual: int,
     in_flight: tuple[int, ...],
     budget: float,
+    awaiting: tuple[int, ...] = (),
 ) -> list[int] | None:
     """A cut in which every stage fits ``budget / virtual`` with full recompute of its blocks (the most offered),
     balancing time without recompute; None when there is none."""
@@ -217,6 +238,9 @@ def _memory_cut(
     state = _prefix([b.state_bytes for b in costs.blocks])
     fixed = _prefix([b.held_bytes + b.grad_bytes for b in costs.blocks])
     act = _prefix([b.activation_bytes for b in most])
+    rematerialised = _prefix(
+        [b.activation_bytes - f.activation_bytes for b, f in zip(costs.blocks, most, strict=True)]
+    )
     delta = max(
         (b.activation_bytes - f.activation_bytes for b, f in zip(costs.blocks, most, strict=True)), default=0
     )
@@ -227,7 +251,9 @@ def _memory_cut(
         extra = extras[s]
         kept = extra.activation_bytes + act[j] - act[i] + _kept_output_bytes(costs, num_stages, s)
         kept += _received_activation_bytes(costs, owner, s)
-        held = in_flight[s] * kept + delta + _backward_transient(costs, num_stages, s)
+        waiting = _rematerialised_held(awaiting, s)
+        rerun = waiting * (rematerialised[j] - rematerialised[i]) if waiting else delta
+        held = in_flight[s] * kept + rerun + _backward_transient(costs, num_stages, s)
         held += _received_gradient_bytes(costs, owner, s)
         through = extra.held_bytes + extra.grad_bytes + fixed[j] - fixed[i] + held
         return max(extra.state_bytes + state[j] - state[i], through) <= budget / virtual
@@ -237,7 +263,8 @@ def _memory_cut(
     # with no block's bytes negative, the prefix differences (and so every term of ``fits``) only grow as a
     # stage takes more blocks: a stage that does not fit does not fit with more
     monotone = all(b.state_bytes >= 0 and b.held_bytes + b.grad_bytes >= 0 for b in costs.blocks) and all(
-        b.activation_bytes >= 0 for b in most
+        f.activation_bytes >= 0 and b.activation_bytes >= f.activation_bytes
+        for b, f in zip(costs.blocks, most, strict=True)
     )
     return cut_blocks(per_block, num_stages, first, last, fits, fits_monotone=monotone)
 
@@ -303,14 +330,15 @@ def cut_and_recompute(
     num_stages = pp * virtual
     owner = stage_ranks(schedule, num_stages, pp)
     in_flight = _in_flight(schedule, pp, micro_batches, virtual)
+    awaiting = _split_awaiting(schedule, pp, micro_batches, virtual)
     levels = None
     if counts is None:
         counts = _time_cut(costs, num_stages)
-        levels = choose_recompute(costs, counts, owner, in_flight, budget, micro_batches)
+        levels = choose_recompute(costs, counts, owner, in_flight, budget, micro_batches, awaiting)
         if levels is None:
-            counts = _memory_cut(costs, num_stages, virtual, in_flight, budget) or counts
+            counts = _memory_cut(costs, num_stages, virtual, in_flight, budget, awaiting) or counts
     if levels is None:
-        levels = choose_recompute(costs, counts, owner, in_flight, budget, micro_batches)
+        levels = choose_recompute(costs, counts, owner, in_flight, budget, micro_batches, awaiting)
     if levels is None:
         levels = [len(costs.block_options()) - 1] * len(costs.blocks)
     return counts, levels
@@ -321,6 +349,14 @@ def _splits_backward(schedule: str, pp: int, micro_batches: int, virtual: int) -
     return any(
         action[0] == "W" for rank in _cached_actions(schedule, pp, micro_batches, virtual) for action in rank
     )
+
+
+def _split_awaiting(schedule: str, pp: int, micro_batches: int, virtual: int) -> tuple[int, ...]:
+    """Per stage the most micro-batches awaiting their weight gradient (:func:`~.schedules._awaiting_weight`)
+    under a schedule that splits backward; empty under whole backwards."""
+    if not _splits_backward(schedule, pp, micro_batches, virtual):
+        return ()
+    return _awaiting_weight(schedule, pp, micro_batches, virtual)
 
 
 def _refined_bound(
@@ -365,20 +401,31 @@ def _simulate_cut(
     owner = stage_ranks(schedule, num_stages, pp)
     stages, transients = _stages(costs, counts, levels, owner)
     reruns = _stage_reruns(costs, counts, levels)
+    awaiting = _split_awaiting(schedule, pp, micro_batches, virtual)
+    rematerialised = _stage_rematerialised(costs, counts, levels)
+    if (
+        awaiting
+    ):  # held from the input to the weight gradient: in the simulation's walk, not a transient on top
+        transients = [0.0] * num_stages
     unsharded_at = _unsharded_at(stages, owner)
     stage_costs = []
     for index, s in enumerate(stages):
+        # torch's stage keeps a micro-batch's output (sent on, or the logits) until its backward
+        # and the activation it received, in the buffer dropped after that backward
+        kept = (
+            int(s.activation_bytes)
+            + _kept_output_bytes(costs, num_stages, index)
+            + _received_activation_bytes(costs, owner, index)
+        )
         stage_costs.append(
             StageCost(
                 forward_s=s.forward_s,
-                # a matmul's input and weight gradients cost alike; a split's input pass reruns the recompute
+                # a matmul's input and weight gradients cost alike; a split's input pass reruns the recompute,
+                # which serves its weight pass too (apply/shared_rerun)
                 backward_input_s=(s.backward_s + reruns[index]) / 2,
                 backward_weight_s=(s.backward_s - reruns[index]) / 2,
-                # torch's stage keeps a micro-batch's output (sent on, or the logits) until its backward
-                # and the activation it received, in the buffer dropped after that backward
-                activation_bytes=int(s.activation_bytes)
-                + _kept_output_bytes(costs, num_stages, index)
-                + _received_activation_bytes(costs, owner, index),
+                activation_bytes=kept,
+                weight_grad_bytes=kept + int(rematerialised[index]) if awaiting else None,
                 send_bytes=costs.send_bytes,
                 grad_bytes=int(s.grad_bytes),
                 backward_transient_bytes=_backward_transient(costs, num_stages, index)
@@ -386,7 +433,6 @@ def _simulate_cut(
                 unsharded_at_s=unsharded_at[index],
                 last_backward_extra_s=s.sync_s,
                 sync_transient_bytes=_sync_transient(costs, counts, index, stage, owner),
-                weight_rerun_s=reruns[index],  # a split's weight pass reruns it again
             )
         )
     rank_optimizer = [0.0] * pp
@@ -408,7 +454,7 @@ def _simulate_cut(
         max(
             s.state_bytes,
             s.held_bytes + s.grad_bytes + transients[i] + _backward_transient(costs, num_stages, i)
-            + _received_gradient_bytes(costs, owner, i)
+            + _received_gradient_bytes(costs, owner, i) + _rematerialised_held(awaiting, i) * rematerialised[i]
             + in_flight[i] * (
                 s.activation_bytes + _kept_output_bytes(costs, num_stages, i)
                 + _received_activation_bytes(costs, owner, i)
@@ -456,13 +502,28 @@ def block_reruns(costs: ModelCosts, levels: list[int]) -> list[float]:
 
 
 def _stage_reruns(costs: ModelCosts, counts: list[int], levels: list[int]) -> list[float]:
-    """Per stage, the seconds its blocks' recompute reruns in one backward pass."""
-    per_block = block_reruns(costs, levels)
-    reruns, start = [], 0
+    """Per stage, the seconds its blocks' recompute reruns in one backward."""
+    return _per_stage(block_reruns(costs, levels), counts)
+
+
+def _stage_rematerialised(costs: ModelCosts, counts: list[int], levels: list[int]) -> list[float]:
+    """Per stage, the activation bytes its blocks' recompute rematerialises in one backward (each block's
+    option against none)."""
+    options = costs.block_options()
+    per_block = [
+        costs.blocks[b].activation_bytes - costs.options[options[level]][b].activation_bytes
+        for b, level in enumerate(levels)
+    ]
+    return _per_stage(per_block, counts)
+
+
+def _per_stage(per_block: list[float], counts: list[int]) -> list[float]:
+    """``per_block`` summed over each stage's blocks (``counts[s]`` of them, in order)."""
+    out, start = [], 0
     for count in counts:
-        reruns.append(sum(per_block[start : start + count]))
+        out.append(sum(per_block[start : start + count]))
         start += count
-    return reruns
+    return out
 
 
 def _stages(

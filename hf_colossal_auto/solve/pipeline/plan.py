@@ -19,7 +19,7 @@ from ..problem import InfeasibleError
 from ..sequence_parallel import SEQUENCE_PARALLEL_LAYOUTS
 from ..tied import TiedGraph
 from .costs import RECOMPUTE_OFFERED, STAGE_DP_MODES, PipelineCandidate, StageLayout, _block_seconds
-from .cut import _splits_backward, _stages, block_reruns, cut_and_recompute, simulate_candidate
+from .cut import _stages, block_reruns, cut_and_recompute, simulate_candidate
 from .pricing import _Pricer, _state_floor, stage_layouts
 from .schedules import OFFERED_SCHEDULES, _valid_micro_batches
 from .search import _check_degree, _search, p2p_link
@@ -98,16 +98,12 @@ def _fill_predictions(plan: Plan, planner: _Planner, candidate: PipelineCandidat
     levels = [options.index(o) for o in candidate.recompute]
     owner = stage_ranks(candidate.schedule, len(candidate.blocks_per_stage), pp)
     stages, _ = _stages(costs, candidate.blocks_per_stage, levels, owner)
-    # under an input / weight split the weight pass reruns a recomputed block once more (StageCost.weight_rerun_s)
-    passes = 2 if _splits_backward(candidate.schedule, pp, m, candidate.virtual) else 1
-    once = block_reruns(costs, levels)
-    rerun = [passes * m * seconds for seconds in once]
+    # one rerun a micro-batch, under an input / weight split too (its weight pass reads the input pass's)
+    rerun = [m * seconds for seconds in block_reruns(costs, levels)]
     comm, compute = [0.0] * pp, [0.0] * pp
-    for index, stage in enumerate(stages):  # a stage's backward_s holds one pass's reruns
+    for index, stage in enumerate(stages):  # a stage's backward_s holds its reruns
         comm[owner[index]] += stage.sync_s + stage.gather_s
         compute[owner[index]] += m * (stage.forward_s + stage.backward_s) + stage.optimizer_s
-    for b, s in enumerate(_stage_of_blocks(candidate.blocks_per_stage)):
-        compute[owner[s]] += (passes - 1) * m * once[b]
     worst = max(range(pp), key=lambda r: candidate.rank_peak_bytes[r])
     slowest = max(range(pp), key=lambda r: sim.busy_s[r])
     plan.device = planner.spec.name

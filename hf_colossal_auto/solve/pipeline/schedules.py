@@ -83,3 +83,21 @@ def _in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> tupl
             elif kind in ("B", "W"):  # under the input/weight split the weight gradient frees them
                 count[s] -= 1
     return tuple(most)
+
+
+@functools.lru_cache(maxsize=512)
+def _awaiting_weight(schedule: str, pp: int, micro_batches: int, virtual: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batches between their input and weight gradients at once along the schedule's
+    action list (all 0 under a schedule with whole backwards). A recomputed block's one rerun, in the input pass,
+    serves the weight pass (``apply/shared_rerun``): its rematerialised tensors are held that long."""
+    actions = _cached_actions(schedule, pp, micro_batches, virtual)
+    most = [0] * (pp * virtual)
+    for rank in actions:
+        count = [0] * (pp * virtual)
+        for kind, s, _ in rank:
+            if kind == "I":
+                count[s] += 1
+                most[s] = max(most[s], count[s])
+            elif kind == "W":
+                count[s] -= 1
+    return tuple(most)

@@ -29,7 +29,14 @@ from .costs import (
     StageLayout,
     _block_seconds,
 )
-from .cut import _refined_bound, _time_cut, choose_recompute, cut_and_recompute, simulate_candidate
+from .cut import (
+    _refined_bound,
+    _split_awaiting,
+    _time_cut,
+    choose_recompute,
+    cut_and_recompute,
+    simulate_candidate,
+)
 from .pricing import _Pricer, _state_floor, stage_layouts
 from .schedules import (
     OFFERED_SCHEDULES,
@@ -201,8 +208,9 @@ def _prepare(pricer: _Pricer, entry: _Entry, budget: float) -> tuple[ModelCosts,
     num_stages = pp * entry.virtual
     owner = stage_ranks(entry.schedule, num_stages, pp)
     in_flight = _in_flight(entry.schedule, pp, m, entry.virtual)
+    awaiting = _split_awaiting(entry.schedule, pp, m, entry.virtual)
     counts = _time_cut(costs, num_stages)
-    if choose_recompute(costs, counts, owner, in_flight, budget, m) is None:
+    if choose_recompute(costs, counts, owner, in_flight, budget, m, awaiting) is None:
         costs = pricer.costs(pp, entry.stage, m, RECOMPUTE_OFFERED)
     counts, levels = cut_and_recompute(costs, pp, entry.schedule, entry.virtual, m, budget)
     return costs, counts, levels

@@ -103,7 +103,8 @@ class StageCost:
     send_bytes: int = 0
     """The activation this stage sends the next one per micro-batch (its gradient comes back the same size)."""
     weight_grad_bytes: int | None = None
-    """What the weight gradient still reads after the input gradient (None: all of ``activation_bytes``)."""
+    """What is held from the input gradient to the weight gradient (None: all of ``activation_bytes``); more than
+    it where a recomputed block's rerun, in the input pass, is held for the weight pass (``apply/shared_rerun``)."""
     grad_bytes: int = 0
     """The stage's parameter gradients: made by its first backward (full or weight-gradient), held to the end
     of the step."""
@@ -120,10 +121,6 @@ class StageCost:
     """What the stage's gradient synchronisation allocates on top of what is held as its last backward (full or
     weight-gradient) ends: FSDP2 reduce-scatters each unit's gradients from a copy of them (its largest unit's,
     with its shard)."""
-    weight_rerun_s: float = 0.0
-    """What a weight-gradient pass (``"W"``) runs again beside :attr:`backward_weight_s`: a checkpointed block
-    reruns its forward in every backward pass (:data:`~hf_colossal_auto.plan.SPLIT_BACKWARD_SCHEDULES`); a
-    full backward (``"B"``) reruns it once, in :attr:`backward_input_s` + :attr:`backward_weight_s`."""
 
     @property
     def backward_s(self) -> float:
@@ -291,7 +288,7 @@ class _Simulator:
             "F": cost.forward_s,
             "B": cost.backward_s,
             "I": cost.backward_input_s,
-            "W": cost.backward_weight_s + cost.weight_rerun_s,
+            "W": cost.backward_weight_s,
         }[kind]
         return seconds
 
