@@ -72,17 +72,7 @@ def _in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> tupl
     """Per stage, the most micro-batches whose activations it holds at once along the schedule's action list (as
     the simulation's memory walk holds them: until the full backward, or under the input/weight split until the
     weight gradient; it does not depend on the stages' costs)."""
-    actions = _cached_actions(schedule, pp, micro_batches, virtual)
-    most = [0] * (pp * virtual)
-    for rank in actions:
-        count = [0] * (pp * virtual)
-        for kind, s, _ in rank:
-            if kind == "F":
-                count[s] += 1
-                most[s] = max(most[s], count[s])
-            elif kind in ("B", "W"):  # under the input/weight split the weight gradient frees them
-                count[s] -= 1
-    return tuple(most)
+    return _most_at_once(schedule, pp, micro_batches, virtual, "F", ("B", "W"))
 
 
 @functools.lru_cache(maxsize=512)
@@ -90,14 +80,21 @@ def _awaiting_weight(schedule: str, pp: int, micro_batches: int, virtual: int) -
     """Per stage, the most micro-batches between their input and weight gradients at once along the schedule's
     action list (all 0 under a schedule with whole backwards). A recomputed block's one rerun, in the input pass,
     serves the weight pass (``apply/shared_rerun``): its rematerialised tensors are held that long."""
-    actions = _cached_actions(schedule, pp, micro_batches, virtual)
+    return _most_at_once(schedule, pp, micro_batches, virtual, "I", ("W",))
+
+
+def _most_at_once(
+    schedule: str, pp: int, micro_batches: int, virtual: int, opens: str, closes: tuple[str, ...]
+) -> tuple[int, ...]:
+    """Per stage, the most micro-batches at once between an action of kind ``opens`` and one of ``closes``, along
+    each rank's action list."""
     most = [0] * (pp * virtual)
-    for rank in actions:
+    for rank in _cached_actions(schedule, pp, micro_batches, virtual):
         count = [0] * (pp * virtual)
         for kind, s, _ in rank:
-            if kind == "I":
+            if kind == opens:
                 count[s] += 1
                 most[s] = max(most[s], count[s])
-            elif kind == "W":
+            elif kind in closes:
                 count[s] -= 1
     return tuple(most)
