@@ -59,6 +59,9 @@ class UnitCost:
     first backward in a step, held to its end."""
     activation_bytes: float = 0.0
     """What one micro-batch's forward keeps for backward."""
+    deferred_grad_bytes: float = 0.0
+    """One micro-batch's gradients of the outputs of the ops that read its parameters: what the input pass of a
+    split backward keeps for the weight pass (torch's ``stage_backward_input`` hands them on)."""
 
     def add(self, other: UnitCost) -> None:
         self.forward_s += other.forward_s
@@ -70,6 +73,7 @@ class UnitCost:
         self.held_bytes += other.held_bytes
         self.grad_bytes += other.grad_bytes
         self.activation_bytes += other.activation_bytes
+        self.deferred_grad_bytes += other.deferred_grad_bytes
 
 
 @dataclass(frozen=True)

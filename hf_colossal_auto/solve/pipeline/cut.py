@@ -157,7 +157,8 @@ def choose_recompute(
             fixed += _backward_transient(costs, num_stages, s) + _received_gradient_bytes(costs, owner, s)
             acts = extra.activation_bytes + sum(b.activation_bytes for b in blocks)
             kept = _kept_output_bytes(costs, num_stages, s) + _received_activation_bytes(costs, owner, s)
-            held += in_flight[s] * (acts + kept)
+            deferred = extra.deferred_grad_bytes + sum(b.deferred_grad_bytes for b in blocks)
+            held += in_flight[s] * (acts + kept) + _rematerialised_held(awaiting, s) * deferred
         transient = 0.0
         while max(state, fixed + held + transient) > budget:
             move = _best_move(
@@ -241,6 +242,7 @@ def _memory_cut(
     rematerialised = _prefix(
         [b.activation_bytes - f.activation_bytes for b, f in zip(costs.blocks, most, strict=True)]
     )
+    deferred = _prefix([b.deferred_grad_bytes for b in costs.blocks])
     delta = max(
         (b.activation_bytes - f.activation_bytes for b, f in zip(costs.blocks, most, strict=True)), default=0
     )
@@ -252,7 +254,12 @@ def _memory_cut(
         kept = extra.activation_bytes + act[j] - act[i] + _kept_output_bytes(costs, num_stages, s)
         kept += _received_activation_bytes(costs, owner, s)
         waiting = _rematerialised_held(awaiting, s)
-        rerun = waiting * (rematerialised[j] - rematerialised[i]) if waiting else delta
+        rerun = (
+            waiting
+            * (rematerialised[j] - rematerialised[i] + deferred[j] - deferred[i] + extra.deferred_grad_bytes)
+            if waiting
+            else delta
+        )
         held = in_flight[s] * kept + rerun + _backward_transient(costs, num_stages, s)
         held += _received_gradient_bytes(costs, owner, s)
         through = extra.held_bytes + extra.grad_bytes + fixed[j] - fixed[i] + held
@@ -425,7 +432,10 @@ def _simulate_cut(
                 backward_input_s=(s.backward_s + reruns[index]) / 2,
                 backward_weight_s=(s.backward_s - reruns[index]) / 2,
                 activation_bytes=kept,
-                weight_grad_bytes=kept + int(rematerialised[index]) if awaiting else None,
+                # held to the weight gradient beside them: the rerun's tensors, the outputs' gradients it reads
+                weight_grad_bytes=kept + int(rematerialised[index] + s.deferred_grad_bytes)
+                if awaiting
+                else None,
                 send_bytes=costs.send_bytes,
                 grad_bytes=int(s.grad_bytes),
                 backward_transient_bytes=_backward_transient(costs, num_stages, index)
@@ -454,7 +464,8 @@ def _simulate_cut(
         max(
             s.state_bytes,
             s.held_bytes + s.grad_bytes + transients[i] + _backward_transient(costs, num_stages, i)
-            + _received_gradient_bytes(costs, owner, i) + _rematerialised_held(awaiting, i) * rematerialised[i]
+            + _received_gradient_bytes(costs, owner, i)
+            + _rematerialised_held(awaiting, i) * (rematerialised[i] + s.deferred_grad_bytes)
             + in_flight[i] * (
                 s.activation_bytes + _kept_output_bytes(costs, num_stages, i)
                 + _received_activation_bytes(costs, owner, i)

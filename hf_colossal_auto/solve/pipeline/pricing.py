@@ -27,11 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ...capture.graph import Phase, ValueKind
 from ...hardware import ClusterSpec
 from ...pipeline_layout import PipelineLayout, sends_sequence_shards
 from ..baselines import _attention_heads
 from ..build.builder import BuiltProblem
-from ..build.names import MemoryRow, NodeKind, memory_row_name
+from ..build.names import MemoryRow, NodeKind, _node_name, memory_row_name
 from ..candidates import LIFTED_BUDGET, _first_rows, _Planner
 from ..context_parallel_search import sequence_length
 from ..ilp import solve
@@ -251,7 +252,7 @@ class _Pricer:
         assert solution is not None  # the last budget is lifted
         graph = inner.graph(1)
         tied = TiedGraph.build(graph)
-        units = _unit_costs(planner, built, solution, graph, tied)
+        units = _unit_costs(planner, built, solution, graph, tied, tp)
         params, choice = _param_shares(planner, built, solution, graph, tp)
         output = max((graph.values[v].nbytes for v in graph.output_values), default=0)
         transient = max(0.0, peak.constant - graph.input_bytes - graph.buffer_bytes)
@@ -360,7 +361,7 @@ def _units_of(model) -> tuple[Callable[[str], str], dict[str, int]]:
 
 
 def _unit_costs(
-    planner: _Planner, built: BuiltProblem, solution: Solution, graph, tied: TiedGraph
+    planner: _Planner, built: BuiltProblem, solution: Solution, graph, tied: TiedGraph, tp: int
 ) -> dict[str, UnitCost]:
     """Per depth unit: forward / backward seconds of one micro-batch and the activation bytes it keeps, read off
     the solved problem (a node's cost spread over the real blocks it stands for). Ops and reshardings are split by
@@ -408,7 +409,40 @@ def _unit_costs(
     kept = _activation_per_unit(built, solution, graph, tied, unit_of, 1, forward_peak_row(problem))
     for unit, nbytes in kept.items():
         units[unit].activation_bytes += nbytes
+    for unit, nbytes in _deferred_gradients(built, solution, graph, unit_of, tp).items():
+        units[unit].deferred_grad_bytes += nbytes
     return dict(units)
+
+
+_PARAMETER_VIEWS = frozenset({"aten._to_copy.default", "aten.t.default"})
+"""Ops that hand a parameter on to the op that reads it (a cast, a transpose) without being that op."""
+
+
+def _deferred_gradients(built: BuiltProblem, solution: Solution, graph, unit_of, tp: int) -> dict[str, float]:
+    """Per depth unit, the bytes on one device of one micro-batch's gradients of the outputs of the forward ops
+    that read a parameter (through views and casts): a matmul's, the embedding's, a norm's product with its
+    weight. A split backward's input pass keeps them for its weight pass (the weight gradient of each such op
+    is computed from its output's gradient), held from the input to the weight gradient."""
+    carries = {v for v, info in graph.values.items() if info.kind == ValueKind.PARAM}
+    out: dict[str, float] = defaultdict(float)
+    for node in graph.nodes:
+        if node.phase != Phase.FORWARD or not any(v in carries for v in node.inputs):
+            continue
+        if node.is_view or node.op in _PARAMETER_VIEWS:
+            carries.update(node.outputs)
+            continue
+        name = _node_name(node.index)
+        if name not in built.strategies:
+            continue
+        strategy = built.strategies[name][solution.choice[name]]
+        nbytes = sum(
+            graph.values[v].nbytes / shard_factor(spec[-1] if spec else None, tp)
+            for v, spec in zip(node.outputs, strategy.output_placements, strict=False)
+        )
+        reals = _real_modules(graph, node.module)
+        for real in reals:
+            out[unit_of(real)] += nbytes * built.problem.node(name).multiplicity / len(reals)
+    return out
 
 
 def _param_shares(
