@@ -9,8 +9,8 @@ Every rank plans (the planner is deterministic: the same plan everywhere) and bu
 * ``plan_model(pipeline=2)``'s own choice runs ``loss = model(**batch).loss; loss.backward();
   optimizer.step()`` for a few steps; its first loss is set beside one process's, its measured step time
   (steps after the first, between barriers) beside the prediction.
-* Per schedule (Llama: GPipe, 1F1B, interleaved 1F1B; GPT-2, tied across the ranks: 1F1B; the schedule and the micro-batch count fixed, the cut and the
-  predictions the search's): two steps from a fresh optimizer, the first a warm-up (torch's shape inference
+* Per schedule (Llama: GPipe, 1F1B, interleaved 1F1B, ZB-V; GPT-2, tied across the ranks: 1F1B; the schedule and the micro-batch count fixed, the cut and the
+  predictions the search's; and Llama under ZB-V with every block recomputed, a hand pipeline): two steps from a fresh optimizer, the first a warm-up (torch's shape inference
   and the optimizer state happen there); the second runs under the point-to-point recorder. Each rank reports
   its sends and receives by peer (count, bytes) beside the simulated schedule's (``solver["point_to_point"]``),
   and each step's peak memory (the profiler's memory events: ``MemTracker`` cannot follow stages that share
@@ -38,13 +38,17 @@ from hf_colossal_auto.integrations.process_exit import finish
 STEPS = 6
 BATCH, SEQ = 8, 32
 SCHEDULES = (
-    ("tiny-llama", "gpipe", 2),
-    ("tiny-llama", "1f1b", 4),
-    ("tiny-llama", "interleaved-1f1b", 4),
-    ("tiny-gpt2", "1f1b", 4),
+    ("tiny-llama", "gpipe", 2, "none"),
+    ("tiny-llama", "1f1b", 4, "none"),
+    ("tiny-llama", "interleaved-1f1b", 4, "none"),
+    ("tiny-gpt2", "1f1b", 4, "none"),
+    ("tiny-llama", "zbv", 4, "none"),
+    ("tiny-llama", "zbv", 4, "full"),
 )
-"""(preset, schedule, micro-batches) whose traffic and memory are measured, by result key ``preset schedule``:
-GPT-2's head is tied to its embedding across the two ranks (a copy each, the gradient all-reduced)."""
+"""(preset, schedule, micro-batches, recompute) whose traffic and memory are measured, by result key ``preset
+schedule`` (`` full`` appended for every block recomputed: a hand pipeline, ``evaluate_plan``): GPT-2's head is
+tied to its embedding across the two ranks (a copy each, the gradient all-reduced); ZB-V's split backward holds
+the gradients its input pass hands the weight pass, and with recompute the one rerun's tensors, between them."""
 
 
 def _config(preset: str = "tiny-llama"):
@@ -99,8 +103,11 @@ def planned_choice() -> dict[str, Any]:
     }
 
 
-def measured_schedule(preset: str, schedule: str, micro_batches: int) -> dict[str, Any]:
-    """The search's plan for ``schedule`` at ``micro_batches``: one measured step's peak memory and
+def measured_schedule(
+    preset: str, schedule: str, micro_batches: int, recompute: str = "none"
+) -> dict[str, Any]:
+    """The search's plan for ``schedule`` at ``micro_batches`` (with ``recompute`` other than "none": the hand
+    pipeline recomputing every block so, priced by ``evaluate_plan``): one measured step's peak memory and
     point-to-point ops on this rank, beside the plan's predictions."""
     from common import p2p_by_peer, step_peaks
 
@@ -109,14 +116,17 @@ def measured_schedule(preset: str, schedule: str, micro_batches: int) -> dict[st
     from hf_colossal_auto.models import build_model, make_example_inputs
     from hf_colossal_auto.solve.candidates import _Planner
     from hf_colossal_auto.solve.pipeline.plan import search_pipeline_plan
+    from hf_colossal_auto.solve.planner import evaluate_plan
 
     cfg = _config(preset)
     meta = build_model(cfg, device="meta")
-    planner = _Planner.for_devices(
-        meta, make_example_inputs(meta, BATCH, SEQ, device="meta"), 2, "cpu", None, None, None, "adamw", 60.0,
-        "none",
-    )  # fmt: skip
-    plan = search_pipeline_plan(planner, 2, schedules=(schedule,), micro_batches=micro_batches)
+    inputs = make_example_inputs(meta, BATCH, SEQ, device="meta")
+    if recompute == "none":
+        planner = _Planner.for_devices(meta, inputs, 2, "cpu", None, None, None, "adamw", 60.0, "none")
+        plan = search_pipeline_plan(planner, 2, schedules=(schedule,), micro_batches=micro_batches)
+    else:
+        plan = evaluate_plan(meta, inputs, "ddp", num_devices=2, device="cpu", mesh_shape=(1, 1), pipeline=2,
+                             schedule=schedule, micro_batches=micro_batches, recompute=recompute).plan  # fmt: skip
     assert plan is not None, f"no {schedule} plan at {micro_batches} micro-batches"
     torch.manual_seed(0)
     model = build_model(cfg, device="cpu")
@@ -152,8 +162,9 @@ def main() -> None:
     init_gloo(timeout_s=120)
     started = time.perf_counter()
     results: dict[str, Any] = {"planned": planned_choice()}
-    for preset, schedule, micro_batches in SCHEDULES:
-        results[f"{preset} {schedule}"] = measured_schedule(preset, schedule, micro_batches)
+    for preset, schedule, micro_batches, recompute in SCHEDULES:
+        key = f"{preset} {schedule}" + ("" if recompute == "none" else f" {recompute}")
+        results[key] = measured_schedule(preset, schedule, micro_batches, recompute)
     results["total_seconds"] = time.perf_counter() - started
     write_every_rank_and_close(results, out)
 
