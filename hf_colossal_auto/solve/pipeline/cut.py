@@ -16,8 +16,10 @@ last stage's logits) and the activation it received from another rank (its recei
 backward by the runtime's stage), the gradients from a stage's first backward on (the layout's: under FSDP the unsharded
 accumulated gradient), the last stage's backward adding the step's transient (the loss's backward: the logits'
 gradients; another stage's backward transient is not priced, docs/reliability.md), where a block recomputes its
-rematerialised activations while its backward runs (the largest such block of the rank), a backward receiving
-its gradient from another rank adding that buffer. The optimizer step: the state (parameters, gradients,
+rematerialised activations while its backward runs (the largest such block of the rank; under a split backward
+instead held, with the gradients the input pass hands the weight pass, from the input to the weight gradient), a
+backward receiving its gradient from another rank adding that buffer, a stage's FSDP reduce-scatter its copy of a
+unit's gradients as its last backward ends. The optimizer step: the state (parameters, gradients,
 optimizer state and the step's temporaries, as the layout holds them); no receive buffer is alive then. A head
 tied to the embedding on another rank: the last rank holds a copy (its state, gradient and optimizer step, as the
 embedding's) and both ranks all-reduce its gradient (the runtime's tie group). The ILP's own memory model gives
@@ -410,9 +412,8 @@ def _simulate_cut(
     reruns = _stage_reruns(costs, counts, levels)
     awaiting = _split_awaiting(schedule, pp, micro_batches, virtual)
     rematerialised = _stage_rematerialised(costs, counts, levels)
-    if (
-        awaiting
-    ):  # held from the input to the weight gradient: in the simulation's walk, not a transient on top
+    # under a split the reruns are held from the input to the weight gradient: in the simulation's walk
+    if awaiting:
         transients = [0.0] * num_stages
     unsharded_at = _unsharded_at(stages, owner)
     stage_costs = []
