@@ -436,24 +436,22 @@ class PipelineRunner:
         if not self._gathered_before:
             self._gathered_before = True
             return
-        from torch.distributed.fsdp import FSDPModule
-
-        for stage in self.stages:
-            for module in stage.modules():  # the stage's root (its embedding or head) first, then its blocks
-                if isinstance(module, FSDPModule):
-                    module.unshard(async_op=True)
+        for unit in self._fsdp_units():  # each stage's root (its embedding or head) first, then its blocks
+            unit.unshard(async_op=True)
 
     def _reshard(self) -> None:
         """FSDP: free the blocks an evaluation forward gathered (kept gathered after forward, for backward),
         so that the model's parameters are the sharded ones again."""
         if not self.fsdp:
             return
+        for unit in self._fsdp_units():
+            unit.reshard()
+
+    def _fsdp_units(self) -> list[nn.Module]:
+        """Every FSDP2 unit of this rank's stages, in stage order, each stage's root before its blocks."""
         from torch.distributed.fsdp import FSDPModule
 
-        for stage in self.stages:
-            for module in stage.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+        return [m for stage in self.stages for m in stage.modules() if isinstance(m, FSDPModule)]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -21,14 +21,15 @@ it (or the graph is freed after it): the block's rematerialised tensors are held
 its W action, not freed inside the input pass as torch's checkpoint frees them (the pipeline pricing holds them
 so). Under an ordinary backward (``retain_graph=False``) each is freed as its node runs, as torch's are.
 
-Public torch APIs only: ``torch.autograd.graph.saved_tensors_hooks``, ``torch.random.fork_rng``,
-``torch.utils.checkpoint.get_device_states`` / ``set_device_states``, the autocast getters.
+Public torch APIs (``torch.autograd.graph.saved_tensors_hooks``, ``torch.random.fork_rng``,
+``torch.utils.checkpoint.get_device_states`` / ``set_device_states``, the autocast getters) and torch's pytree
+through the adapter (``_torch_compat.tree_flatten`` / ``tree_map``) for the block's arguments.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import get_device_states, set_device_states
+
+from .._torch_compat import tree_flatten, tree_map
 
 ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 """torch's ``context_fn``: the contexts the forward and its rerun run under (a selective-checkpoint policy's)."""
@@ -119,28 +122,12 @@ class _ForwardState:
             )
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors of ``value`` and of the plain tuples, lists and dicts in it (a block's arguments)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif type(value) in (tuple, list):
-        for item in value:
-            yield from _tensors(item)
-    elif type(value) is dict:
-        for item in value.values():
-            yield from _tensors(item)
-
-
 def _detached(value: Any) -> Any:
-    """``value`` with every tensor (in plain tuples, lists and dicts too) detached, ``requires_grad`` kept: the
-    rerun's graph is its own, thrown away once the saved tensors are back."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(value.requires_grad)
-    if type(value) in (tuple, list):
-        return type(value)(_detached(item) for item in value)
-    if type(value) is dict:
-        return {key: _detached(item) for key, item in value.items()}
-    return value
+    """``value`` with every tensor in it detached, ``requires_grad`` kept: the rerun's graph is its own, thrown
+    away once the saved tensors are back."""
+    return tree_map(
+        lambda x: x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x, value
+    )
 
 
 class _Region:
@@ -159,7 +146,8 @@ class _Region:
         self.args, self.kwargs = args, kwargs
         self.name = name
         self.rerun_context = rerun_context
-        self.state: _ForwardState | None = _ForwardState.record([*_tensors(args), *_tensors(kwargs)])
+        tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        self.state: _ForwardState | None = _ForwardState.record(tensors)
         self.holders: list[weakref.ref[_Holder]] = []
         self.forward_done = False
         self.recorded = 0  # tensors the rerun has saved so far

@@ -14,6 +14,10 @@ Views and in-place ops allocate nothing; a policy never keeps them (keeping a vi
 
 from __future__ import annotations
 
+WEIGHT_COPIES = ("aten._to_copy.default", "aten.clone.default", "aten.contiguous.default")
+"""Ops that copy a weight on its way to the op that reads it (a cast for mixed precision), giving the same
+values and split: a walk from a parameter to its readers goes through them, as through views."""
+
 MATMUL = "matmul"
 ATTENTION = "attention"
 POINTWISE = "pointwise"

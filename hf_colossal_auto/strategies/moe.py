@@ -31,14 +31,13 @@ from torch import nn
 
 from ..capture.graph import Phase, StepGraph, ValueKind
 from ..capture.moe import expert_weight_dims, experts_modules
+from ..capture.op_classes import WEIGHT_COPIES
 from .placements import Strategy
 
 GROUPED_MM = "aten._grouped_mm.default"
 EXPERT_REGION = "expert-region"
 """Source of the strategies :func:`add_expert_region_strategies` offers."""
 _FLOATING = ("float", "bfloat", "half", "complex")
-_WEIGHT_COPIES = ("aten._to_copy.default", "aten.clone.default", "aten.contiguous.default")
-"""Ops that, reading an expert-split weight, give the same split (a cast for mixed precision)."""
 
 
 def experts_choice(module: nn.Module, fqn: str, tp_placements: Mapping[str, str], tp_size: int) -> str | None:
@@ -100,7 +99,7 @@ def expert_regions(graph: StepGraph) -> dict[str, tuple[int, int]]:
             if value.kind is ValueKind.PARAM or value.producer is None:
                 break
             made = graph.nodes[value.producer]
-            if not (made.is_view or made.op in _WEIGHT_COPIES) or not made.inputs:
+            if not (made.is_view or made.op in WEIGHT_COPIES) or not made.inputs:
                 break
             vid = made.inputs[0]
         value = graph.values[vid]
@@ -154,7 +153,7 @@ def expert_region_labels(graph: StepGraph, module: str, num_experts: int) -> dic
         outs = []
         for vid in node.outputs:
             value = graph.values[vid]
-            copies = node.is_view or node.op in _WEIGHT_COPIES
+            copies = node.is_view or node.op in WEIGHT_COPIES
             if copies and "S0" in ins and "P" not in ins and value.shape[:1] == (num_experts,):
                 outs.append("S0")
             elif vid in needs and value.dtype.startswith(_FLOATING):

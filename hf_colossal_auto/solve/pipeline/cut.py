@@ -363,9 +363,8 @@ def _splits_backward(schedule: str, pp: int, micro_batches: int, virtual: int) -
 def _split_awaiting(schedule: str, pp: int, micro_batches: int, virtual: int) -> tuple[int, ...]:
     """Per stage the most micro-batches awaiting their weight gradient (:func:`~.schedules._awaiting_weight`)
     under a schedule that splits backward; empty under whole backwards."""
-    if not _splits_backward(schedule, pp, micro_batches, virtual):
-        return ()
-    return _awaiting_weight(schedule, pp, micro_batches, virtual)
+    awaiting = _awaiting_weight(schedule, pp, micro_batches, virtual)
+    return awaiting if any(awaiting) else ()
 
 
 def _refined_bound(

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...capture.graph import Phase, ValueKind
+from ...capture.op_classes import WEIGHT_COPIES
 from ...hardware import ClusterSpec
 from ...pipeline_layout import PipelineLayout, sends_sequence_shards
 from ..baselines import _attention_heads
@@ -414,10 +415,6 @@ def _unit_costs(
     return dict(units)
 
 
-_PARAMETER_VIEWS = frozenset({"aten._to_copy.default", "aten.t.default"})
-"""Ops that hand a parameter on to the op that reads it (a cast, a transpose) without being that op."""
-
-
 def _deferred_gradients(built: BuiltProblem, solution: Solution, graph, unit_of, tp: int) -> dict[str, float]:
     """Per depth unit, the bytes on one device of one micro-batch's gradients of the outputs of the forward ops
     that read a parameter (through views and casts): a matmul's, the embedding's, a norm's product with its
@@ -428,7 +425,7 @@ def _deferred_gradients(built: BuiltProblem, solution: Solution, graph, unit_of,
     for node in graph.nodes:
         if node.phase != Phase.FORWARD or not any(v in carries for v in node.inputs):
             continue
-        if node.is_view or node.op in _PARAMETER_VIEWS:
+        if node.is_view or node.op in WEIGHT_COPIES:  # a transpose, a cast: on to the reader
             carries.update(node.outputs)
             continue
         name = _node_name(node.index)
