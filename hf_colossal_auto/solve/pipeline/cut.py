@@ -250,22 +250,30 @@ def _memory_cut(
     )
     owner = list(range(num_stages))  # the tied copy where the first and the last stage differ, as on pp ranks
     extras = [_stage_extras(costs, num_stages, s, owner) for s in range(num_stages)]
+    # per stage, what does not depend on its blocks (``fits`` is asked O(stages x blocks^2) times)
+    kept_base = [
+        e.activation_bytes
+        + _kept_output_bytes(costs, num_stages, s)
+        + _received_activation_bytes(costs, owner, s)
+        for s, e in enumerate(extras)
+    ]
+    waiting = [_rematerialised_held(awaiting, s) for s in range(num_stages)]
+    through_base = [
+        e.held_bytes + e.grad_bytes + _backward_transient(costs, num_stages, s)
+        + _received_gradient_bytes(costs, owner, s) + (0 if waiting[s] else delta)
+        for s, e in enumerate(extras)
+    ]  # fmt: skip
+    per_stage = budget / virtual
 
     def fits(s: int, i: int, j: int) -> bool:
         extra = extras[s]
-        kept = extra.activation_bytes + act[j] - act[i] + _kept_output_bytes(costs, num_stages, s)
-        kept += _received_activation_bytes(costs, owner, s)
-        waiting = _rematerialised_held(awaiting, s)
-        rerun = (
-            waiting
-            * (rematerialised[j] - rematerialised[i] + deferred[j] - deferred[i] + extra.deferred_grad_bytes)
-            if waiting
-            else delta
-        )
-        held = in_flight[s] * kept + rerun + _backward_transient(costs, num_stages, s)
-        held += _received_gradient_bytes(costs, owner, s)
-        through = extra.held_bytes + extra.grad_bytes + fixed[j] - fixed[i] + held
-        return max(extra.state_bytes + state[j] - state[i], through) <= budget / virtual
+        held = in_flight[s] * (kept_base[s] + act[j] - act[i])
+        if waiting[s]:
+            held += waiting[s] * (
+                rematerialised[j] - rematerialised[i] + deferred[j] - deferred[i] + extra.deferred_grad_bytes
+            )
+        through = through_base[s] + fixed[j] - fixed[i] + held
+        return max(extra.state_bytes + state[j] - state[i], through) <= per_stage
 
     first = _block_seconds(costs.first)
     last = _block_seconds(costs.last)

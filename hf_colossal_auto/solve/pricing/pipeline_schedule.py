@@ -262,35 +262,43 @@ class _Simulator:
         self.link_free: dict[tuple[int, int], float] = {}
         self.arrival: dict[tuple[str, int, int], float] = {}  # ("act"|"grad", stage, mb) -> arrival time
         self.sends: list[Send] = []
+        self.durations = [
+            {"F": c.forward_s, "B": c.backward_s, "I": c.backward_input_s, "W": c.backward_weight_s}
+            for c in stages
+        ]
 
     def _ready(self, action: Action) -> float | None:
         """When ``action``'s inputs are there (None: not yet produced)."""
         kind, s, m = action
-        needs: list[float | None] = []
-        if kind == "F" and s > 0:
-            needs.append(self.arrival.get(("act", s, m)))
-        if kind == "F" and m == 0:
-            needs.append(self.stages[s].unsharded_at_s)
-        if kind in ("B", "I"):
-            needs.append(self.done.get(("F", s, m)))
+        ready = 0.0
+        if kind == "F":
+            if s > 0:
+                arrived = self.arrival.get(("act", s, m))
+                if arrived is None:
+                    return None
+                ready = max(ready, arrived)
+            if m == 0:
+                ready = max(ready, self.stages[s].unsharded_at_s)
+        elif kind in ("B", "I"):
+            forward = self.done.get(("F", s, m))
+            if forward is None:
+                return None
+            ready = max(ready, forward)
             if s < len(self.stages) - 1:
-                needs.append(self.arrival.get(("grad", s, m)))
-        if kind == "W":
-            needs.append(self.done.get(("I", s, m)))
-        if any(n is None for n in needs):
-            return None
-        return max([0.0, *needs])  # type: ignore[list-item]
+                arrived = self.arrival.get(("grad", s, m))
+                if arrived is None:
+                    return None
+                ready = max(ready, arrived)
+        elif kind == "W":
+            inputs = self.done.get(("I", s, m))
+            if inputs is None:
+                return None
+            ready = max(ready, inputs)
+        return ready
 
     def _duration(self, action: Action) -> float:
-        kind, s, m = action
-        cost = self.stages[s]
-        seconds = {
-            "F": cost.forward_s,
-            "B": cost.backward_s,
-            "I": cost.backward_input_s,
-            "W": cost.backward_weight_s,
-        }[kind]
-        return seconds
+        kind, s, _ = action
+        return self.durations[s][kind]
 
     def _send(self, kind: str, s: int, m: int, produced: float) -> None:
         """The activation (forward) or gradient (backward) of ``(s, m)`` to the stage that reads it."""
@@ -317,8 +325,10 @@ class _Simulator:
         free = [0.0] * ranks
         busy = [0.0] * ranks
         timeline: list[tuple[int, Action, float, float]] = []
-        remaining = {s: sum(1 for rank in actions for a in rank if a[1] == s and a[0] in "BW") for s in
-                     range(len(self.stages))}  # fmt: skip
+        remaining = [0] * len(self.stages)  # per stage, its B or W actions still to run
+        for rank in actions:
+            for kind, s, _ in rank:
+                remaining[s] += kind in ("B", "W")
         heap: list[tuple[float, int]] = []
         start_of: list[float | None] = [None] * ranks
 
