@@ -6,6 +6,7 @@ private symbol is fixed in one file. Each import says which public behaviour we 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -481,11 +482,26 @@ def pipeline_schedule_actions(
     ``pipeline_order``, what its runtime executes), as ``(kind, stage, micro-batch)`` with kind "F" (forward),
     "B" (full backward), "I" (input gradient), "W" (weight gradient); None where torch's list has an idle
     slot. Made by torch's schedule visualiser helper (a mocked stage: no process group, no model)."""
-    from torch.distributed import pipelining
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    ops = get_schedule_ops(getattr(pipelining, schedule_class), pp_size, micro_batches, stages_per_rank)
+    ops = get_schedule_ops(_compute_only_schedule(schedule_class), pp_size, micro_batches, stages_per_rank)
     return [_compute_actions(rank) for rank in ops]
+
+
+@functools.cache
+def _compute_only_schedule(schedule_class: str) -> type:
+    """torch's schedule class whose construction stops at its compute actions (``pipeline_order``): the
+    multi-stage schedules lower those to communication and FSDP actions as they are built (private
+    ``_prepare_schedule_with_comms``), most of their construction time at 64 stages and 32 micro-batches, and
+    nothing the compute actions depend on (it runs last in each ``__init__``)."""
+    from torch.distributed import pipelining
+
+    base = getattr(pipelining, schedule_class)
+    return type(base.__name__, (base,), {"_prepare_schedule_with_comms": _no_lowering})
+
+
+def _no_lowering(self, actions, format: str = "compute_only") -> None:
+    """Stands for the lowering to communication actions, which a list of compute actions does not need."""
 
 
 def schedule_compute_actions(schedule) -> list[list[tuple[str, int, int]]]:

@@ -165,7 +165,9 @@ class Plan:
     """Micro-batches each replica's batch (``global_batch_size / dp``) runs in per step, gradients accumulated
     and synchronised once after the last (:func:`hf_colossal_auto.accumulate`). Plans written before it
     existed load as 1 (the batch in one piece). Under a pipeline (``pp_size > 1``) the schedule's micro-batches:
-    it runs them through the stages itself, at least one per stage."""
+    it runs them through the stages itself, at least one per stage, or under the interleaved schedules at least
+    one per pp rank, in equal rounds of ``pp_size`` (torch's flexible interleaving, as Llama 3 runs it: more
+    stages per rank than micro-batches per rank shrink the bubble further)."""
     dp_shard_size: int = 0
     """Ranks a parameter's data-parallel copy is sharded over: 1 under DDP, dp under FSDP, the shard group
     under HSDP (its replicate groups have ``dp // dp_shard_size`` ranks). Under "fsdp" and "ddp" it is always
@@ -639,13 +641,23 @@ def _check_stage_lists(stages: list[list[str]], expected: int, pp: int, virtual:
 
 
 def _check_pipeline_micro_batches(schedule: str, micro_batches: int, num_stages: int, pp: int) -> None:
-    """At least one micro-batch per stage, and a count torch's interleaved schedules can split into rounds."""
-    if micro_batches < num_stages:
-        raise PipelinePlanError(
-            f"Plan: the pipeline has {num_stages} stages and {micro_batches} micro-batches; a schedule needs at "
-            f"least one micro-batch per stage (micro_batches >= {num_stages})"
+    """A micro-batch count the schedule runs: at least one per stage, except under the interleaved schedules,
+    which take any count of at least one per pp rank that torch splits into equal rounds of ``pp``
+    (``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``: ``micro_batches // pp`` rounds). There a
+    rank's stages take turns within a round, so 32 micro-batches run through 64 stages on 16 ranks (4 a rank)."""
+    interleaved = schedule.startswith("interleaved")
+    least = pp if interleaved else num_stages
+    if micro_batches < least:
+        needed = (
+            f"at least one micro-batch per pp rank (micro_batches >= {pp})"
+            if interleaved
+            else f"at least one micro-batch per stage (micro_batches >= {num_stages})"
         )
-    if schedule.startswith("interleaved"):
+        raise PipelinePlanError(
+            f"Plan: the pipeline has {num_stages} stages on {pp} ranks and {micro_batches} micro-batches; "
+            f"schedule {schedule!r} needs {needed}"
+        )
+    if interleaved:
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds:
             raise PipelinePlanError(

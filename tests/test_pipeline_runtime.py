@@ -441,7 +441,7 @@ def test_autoparallelize_pipeline_setting_from_argument_and_environment(monkeypa
 # --------------------------------------------------------------------------------------------- 2 gloo ranks
 def test_gloo_every_schedule_trains_like_one_process(tmp_path):
     """The user's loop (``model(**batch).loss.backward()``) under every offered schedule, uneven cuts included, for
-    tiny Llama, GPT-2 (its head tied to its embedding: across ranks, on one rank under zbv) and Mixtral (with
+    tiny Llama (the interleaved schedules also with 4 stages a rank and fewer micro-batches than stages), GPT-2 (its head tied to its embedding: across ranks, on one rank under zbv) and Mixtral (with
     its router load-balancing loss, whose layers are on both ranks; without it under 1f1b), and a model built on
     meta: loss, gradients and gradient norm of one step equal one process (fp32), no receive buffer holds memory
     between steps, parameters after two AdamW steps within 1 % of one update (Adam divides by the gradient's
@@ -465,6 +465,9 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
     for model in ("llama", "gpt2 tied", "mixtral aux"):  # each model under every offered schedule
         for schedule in PIPELINE_SCHEDULES:
             assert any(c.startswith(f"{model} {schedule} [") for c in trained), (model, schedule)
+    four = [c for c in trained if c.startswith("llama four a rank ")]  # 8 stages, 4 or 2 micro-batches
+    assert {c.split()[4] for c in four} == {"interleaved-1f1b", "interleaved-zero-bubble"}, trained
+    assert {c.split()[5] for c in four} == {"m4", "m2"}, trained
     cuts = [json.loads(c[c.index("[") :]) for c in trained if c.startswith("gpt2 tied") and c.endswith("]")]
     assert any(len(set(cut)) > 1 for cut in cuts), cuts  # GPT-2 under an uneven cut
     for results in ranks:
@@ -544,7 +547,8 @@ def test_gloo_every_schedule_trains_like_one_process(tmp_path):
         held = [set(r[case]["held"]) for r in ranks]
         if "gpt2" not in case:
             assert not held[0] & held[1], case
-        expected = 6 * 9 + 3 if "llama" in case else 5 * 9 + 3 if "mixtral" in case else None
+        blocks = 10 if "four a rank" in case else 6 if "llama" in case else 5 if "mixtral" in case else None
+        expected = blocks * 9 + 3 if blocks else None
         if expected:
             assert len(held[0] | held[1]) == expected, case
         if "recompute" in case:  # every block recomputed, each on the rank that holds it

@@ -141,7 +141,7 @@ def test_one_micro_batch_leaves_a_pipelines_schedule_count_to_the_search():
     model = _llama(2)
     inputs = make_example_inputs(model, 8, 16, device="meta")
     searched = plan_model(model, inputs, num_devices=2, pipeline=2, micro_batches=1)
-    assert searched.pp_size == 2 and searched.micro_batches >= searched.num_stages
+    assert searched.pp_size == 2 and _runs(searched.schedule, searched.micro_batches, searched.num_stages, 2)
     fixed = plan_model(model, inputs, num_devices=2, pipeline=2, micro_batches=4)
     assert fixed.micro_batches == 4
 
@@ -153,7 +153,7 @@ def test_pipeline_two_on_tiny_llama_is_a_plan_the_runtime_runs():
     inputs = make_example_inputs(model, 8, 16, device="meta")
     plan = plan_model(model, inputs, num_devices=2, pipeline=2)
     assert plan.pp_size == 2 and tuple(plan.mesh_shape) == (2, 1, 1) and plan.dp_mode == "ddp"
-    assert plan.schedule in OFFERED_SCHEDULES and plan.micro_batches >= plan.num_stages
+    assert plan.schedule in OFFERED_SCHEDULES and _runs(plan.schedule, plan.micro_batches, plan.num_stages, 2)
     assert 8 % plan.micro_batches == 0
     check_pipeline_plan(model, plan)  # what apply_pipeline_plan checks before it cuts the model
     assert Plan.from_dict(plan.to_dict()) == plan
@@ -202,7 +202,9 @@ def test_pipeline_search_prices_every_schedule_and_micro_batch_count():
     best, tried = search_pipelines(planner, 2, exhaustive=True)
     assert best is not None and best in tried
     assert {c.schedule for c in tried} == set(OFFERED_SCHEDULES)
-    assert all(c.micro_batches >= c.pp * c.virtual and 8 % c.micro_batches == 0 for c in tried)
+    assert all(
+        _runs(c.schedule, c.micro_batches, c.pp * c.virtual, c.pp) and 8 % c.micro_batches == 0 for c in tried
+    )
     assert best.step_time_s == min(c.step_time_s for c in tried if c.peak_bytes <= planner.budget)
     gpipe = {c.micro_batches: c for c in tried if c.schedule == "gpipe"}
     bubbles = [gpipe[m].simulation.bubble_fraction for m in sorted(gpipe)]
@@ -210,6 +212,35 @@ def test_pipeline_search_prices_every_schedule_and_micro_batch_count():
     one_f = {c.micro_batches: c for c in tried if c.schedule == "1f1b"}
     m = max(one_f)
     assert max(one_f[m].simulation.peak_activation_bytes) < max(gpipe[m].simulation.peak_activation_bytes)
+
+
+def _runs(schedule: str, micro_batches: int, num_stages: int, pp: int) -> bool:
+    """Whether torch's schedule runs the count: a micro-batch per stage, or under the interleaved schedules one
+    per pp rank in equal rounds of ``pp``."""
+    if schedule.startswith("interleaved"):
+        return micro_batches >= pp and micro_batches % max(1, micro_batches // pp) == 0
+    return micro_batches >= num_stages
+
+
+def test_interleaved_schedules_are_offered_four_stages_a_rank_with_fewer_micro_batches_than_stages():
+    """pp 2 on an 8-block model: the interleaved schedules are priced with 2 and with 4 stages a rank, the latter
+    also at 4 micro-batches (fewer than its 8 stages: torch's rounds of pp); at one micro-batch count, 4 stages
+    a rank leave interleaved 1F1B less bubble than 2."""
+    model = _llama(8)
+    inputs = make_example_inputs(model, 8, 16, device="meta")
+    planner = _Planner.for_devices(model, inputs, 2, "a100-80gb", None, None, None, "adamw", 60.0, "none")
+    _, tried = search_pipelines(planner, 2, exhaustive=True)
+    offered = {(c.schedule, c.virtual) for c in tried}
+    for schedule in ("interleaved-1f1b", "interleaved-zero-bubble"):
+        assert {(schedule, 2), (schedule, 4)} <= offered
+    assert ("zbv", 4) not in offered and ("1f1b", 2) not in offered
+    assert any(c.virtual == 4 and c.micro_batches < c.pp * c.virtual for c in tried)
+    by = {(c.virtual, c.micro_batches): c for c in tried if c.schedule == "interleaved-1f1b"}
+    common = [m for v, m in by if v == 4 and (2, m) in by]
+    assert common
+    for m in common:
+        two, four = by[(2, m)].simulation, by[(4, m)].simulation
+        assert four.bubble_fraction < two.bubble_fraction
 
 
 def test_pipeline_chosen_where_only_stages_fit():
@@ -277,7 +308,7 @@ def test_planned_pipelines_run_on_two_gloo_ranks_as_predicted(tmp_path):
     """One launch (2 gloo ranks, a 4-block tiny Llama). The plan pipeline=2 chooses runs in the ordinary loop: its
     first loss is one process's, it trains, and its measured step is within a loose factor of the prediction (the
     static CPU spec is deliberately conservative and the machine shared: no tighter timing claim). For GPipe,
-    1F1B, interleaved 1F1B and ZB-V (also with every block recomputed: one rerun held to the weight pass) (and
+    1F1B, interleaved 1F1B (2 stages a rank, and 4 on an 8-block Llama with 4 micro-batches) and ZB-V (also with every block recomputed: one rerun held to the weight pass) (and
     GPT-2's 1F1B, its head tied to the embedding across the ranks) the point-to-point
     sends and receives of a step, by peer, are the simulated
     schedule's, in count and bytes (c10d's isend / irecv as torch's pipelining issues them), and each rank's
@@ -301,6 +332,7 @@ def test_planned_pipelines_run_on_two_gloo_ranks_as_predicted(tmp_path):
             "tiny-gpt2 1f1b",
             "tiny-llama zbv",
             "tiny-llama zbv full",  # the one rerun's tensors held to the weight pass, with its gradients
+            "tiny-llama-8 interleaved-1f1b",  # 4 stages a rank, 4 micro-batches for its 8 stages
         ):
             measured = figures[schedule]
             assert measured["rank"] == rank

@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 tests/multiproc/check_pipeline.py --out result.json
 
 Every schedule the runtime offers (gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble with 2 stages a rank,
-zbv) on a 6-block tiny Llama with uneven cuts, fp32, no dropout, against one process on the same batches, trained
+zbv) on a 6-block tiny Llama with uneven cuts (and the interleaved ones with 4 stages a rank and fewer micro-batches
+than stages on a 10-block one), fp32, no dropout, against one process on the same batches, trained
 with the ordinary loop (``loss = model(**batch).loss; loss.backward(); optimizer.step()``): the loss and every
 gradient of the first step, every parameter after two AdamW steps, the gradient norm the runner clips by, and an
 evaluation forward (``model.eval()``, ``torch.no_grad()``: logits on every rank, the loss with labels) after the
@@ -54,6 +55,12 @@ CASES = (  # (schedule, blocks per stage, micro-batches): every offered schedule
     ("interleaved-1f1b", [2, 1, 2, 1], 4),
     ("interleaved-zero-bubble", [1, 2, 1, 2], 4),
     ("zbv", [2, 1, 1, 2], 4),
+)
+
+FOUR_A_RANK = (  # (schedule, blocks per stage, micro-batches): 8 stages on 2 ranks, fewer micro-batches than stages
+    ("interleaved-1f1b", [2, 1, 1, 1, 1, 1, 2, 1], 4),
+    ("interleaved-zero-bubble", [1, 2, 1, 1, 2, 1, 1, 1], 4),
+    ("interleaved-1f1b", [1, 1, 2, 1, 1, 2, 1, 1], 2),
 )
 
 
@@ -293,6 +300,18 @@ def every_schedule(results: dict) -> None:
         )  # fmt: skip
         plan = type(plan).from_dict(json.loads(plan.to_json()))  # the plan as a file carries it
         results[f"llama {schedule} {cut}"] = pipelined(model, plan, data, ref)
+    # four stages a rank with fewer micro-batches than stages (torch's interleaving in rounds of pp, as the search
+    # offers it): a 10-block Llama, uneven cuts, 4 and 2 micro-batches for 8 stages
+    cfg10 = config("tiny-llama", 10)
+    data10 = batches(build(cfg10, "meta"))
+    ref10 = reference(build(cfg10, "cpu"), data10)
+    for schedule, cut, micro in FOUR_A_RANK:
+        model = build(cfg10, "cpu")
+        plan = hand_pipeline_plan(
+            model, data10[0], pp_size=2, schedule=schedule, micro_batches=micro, virtual_stages=4,
+            blocks_per_stage=cut,
+        )  # fmt: skip
+        results[f"llama four a rank {schedule} m{micro} {cut}"] = pipelined(model, plan, data10, ref10)
     # recompute inside the stages: under zbv and interleaved zero bubble (their split backward: input gradients
     # first, weight gradients later, one rerun of each recomputed block serving both) full and selective,
     # selective under 1f1b

@@ -4,12 +4,12 @@ plan predicts.
     torchrun --nproc_per_node 2 tests/multiproc/check_pipeline_planned.py --out result.json
 
 Every rank plans (the planner is deterministic: the same plan everywhere) and builds the same seeded tiny Llama
-(4 blocks) or tiny GPT-2 (batch 8 x 32, the static CPU spec).
+(4 blocks; 8 for 4 stages a rank) or tiny GPT-2 (batch 8 x 32, the static CPU spec).
 
 * ``plan_model(pipeline=2)``'s own choice runs ``loss = model(**batch).loss; loss.backward();
   optimizer.step()`` for a few steps; its first loss is set beside one process's, its measured step time
   (steps after the first, between barriers) beside the prediction.
-* Per schedule (Llama: GPipe, 1F1B, interleaved 1F1B, ZB-V; GPT-2, tied across the ranks: 1F1B; the schedule and the micro-batch count fixed, the cut and the
+* Per schedule (Llama: GPipe, 1F1B, interleaved 1F1B with 2 and with 4 stages a rank, ZB-V; GPT-2, tied across the ranks: 1F1B; the schedule and the micro-batch count fixed, the cut and the
   predictions the search's; and Llama under ZB-V with every block recomputed, a hand pipeline): two steps from a fresh optimizer, the first a warm-up (torch's shape inference
   and the optimizer state happen there); the second runs under the point-to-point recorder. Each rank reports
   its sends and receives by peer (count, bytes) beside the simulated schedule's (``solver["point_to_point"]``),
@@ -44,19 +44,25 @@ SCHEDULES = (
     ("tiny-gpt2", "1f1b", 4, "none"),
     ("tiny-llama", "zbv", 4, "none"),
     ("tiny-llama", "zbv", 4, "full"),
+    ("tiny-llama-8", "interleaved-1f1b", 4, "none"),
 )
 """(preset, schedule, micro-batches, recompute) whose traffic and memory are measured, by result key ``preset
 schedule`` (`` full`` appended for every block recomputed: a hand pipeline, ``evaluate_plan``): GPT-2's head is
 tied to its embedding across the two ranks (a copy each, the gradient all-reduced); ZB-V's split backward holds
-the gradients its input pass hands the weight pass, and with recompute the one rerun's tensors, between them."""
+the gradients its input pass hands the weight pass, and with recompute the one rerun's tensors, between them.
+``tiny-llama-8`` (8 blocks): 4 stages a rank, a hand pipeline (``evaluate_plan``), with fewer micro-batches
+than its 8 stages."""
+
+FOUR_A_RANK = {"tiny-llama-8": 4}
+"""Presets measured with 4 stages a rank (a hand pipeline of one block a stage)."""
 
 
 def _config(preset: str = "tiny-llama"):
     from hf_colossal_auto.models import load_config
 
-    cfg = load_config(preset)
-    if preset == "tiny-llama":
-        cfg.num_hidden_layers = 4
+    cfg = load_config(preset.removesuffix("-8"))
+    if preset.startswith("tiny-llama"):
+        cfg.num_hidden_layers = 8 if preset.endswith("-8") else 4
     return cfg
 
 
@@ -121,12 +127,13 @@ def measured_schedule(
     cfg = _config(preset)
     meta = build_model(cfg, device="meta")
     inputs = make_example_inputs(meta, BATCH, SEQ, device="meta")
-    if recompute == "none":
+    if recompute == "none" and preset not in FOUR_A_RANK:
         planner = _Planner.for_devices(meta, inputs, 2, "cpu", None, None, None, "adamw", 60.0, "none")
         plan = search_pipeline_plan(planner, 2, schedules=(schedule,), micro_batches=micro_batches)
     else:
         plan = evaluate_plan(meta, inputs, "ddp", num_devices=2, device="cpu", mesh_shape=(1, 1), pipeline=2,
-                             schedule=schedule, micro_batches=micro_batches, recompute=recompute).plan  # fmt: skip
+                             schedule=schedule, micro_batches=micro_batches, recompute=recompute,
+                             virtual_stages=FOUR_A_RANK.get(preset)).plan  # fmt: skip
     assert plan is not None, f"no {schedule} plan at {micro_batches} micro-batches"
     torch.manual_seed(0)
     model = build_model(cfg, device="cpu")

@@ -1,6 +1,6 @@
-"""The schedule and the micro-batch count: every offered schedule (GPipe, 1F1B; interleaved 1F1B, interleaved zero
-bubble and ZB-V with two stages per rank) and the micro-batch counts with the fewest rows per micro-batch (one or
-two sequences; :data:`MAX_ROW_OPTIONS`), each simulated on its action list
+"""The schedule and the micro-batch count: every offered schedule (GPipe, 1F1B; interleaved 1F1B and interleaved
+zero bubble with two or four stages per rank, ZB-V with two) and the micro-batch counts with the fewest rows per
+micro-batch (one or two sequences; :data:`MAX_ROW_OPTIONS`), each simulated on its action list
 (:func:`~..pricing.pipeline_schedule.simulate_schedule`): point-to-point sends on the link the pp axis crosses,
 the stage's gradient synchronisation after its last backward, the optimizer step after everything.
 """
@@ -25,14 +25,23 @@ EFFICIENT_MICRO_BATCH_TOKENS = 4096
 size run near their peak (more rows would only grow the bubble), and every row count costs an ILP per layout."""
 
 
+INTERLEAVED_VIRTUAL_STAGES = (2, 4)
+"""Stages per rank offered to the schedules that take any number (the interleaved ones): each doubling halves
+their bubble (``(pp - 1) / (virtual x micro_batches)`` of a step) for more micro-batches held in warm-up and
+twice the sends. Measured with ``scripts/bench_planner.py --scale``: 4 a rank is chosen at Llama-3-70B / 1024 and
+405B / 8192; 3, 5, 6 or 8 were never chosen there (126 or 80 blocks cut into stages of unequal depth) and each
+one offered adds seconds of search."""
+
+
 def _schedules_for(num_blocks: int, pp: int, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
-    """(schedule, stages per rank) offered for ``pp`` ranks: one stage a rank for GPipe and 1F1B, two for the
-    multi-stage schedules, where the blocks give every stage at least one."""
+    """(schedule, stages per rank) offered for ``pp`` ranks: one stage a rank for GPipe and 1F1B, two for ZB-V,
+    :data:`INTERLEAVED_VIRTUAL_STAGES` for the interleaved schedules, where the blocks give every stage at least
+    one."""
     out = []
     for schedule in schedules:
-        virtual = PIPELINE_SCHEDULES[schedule][0]
-        if pp * virtual <= num_blocks:
-            out.append((schedule, virtual))
+        least, most = PIPELINE_SCHEDULES[schedule]
+        offered = (least,) if least == most else tuple(v for v in INTERLEAVED_VIRTUAL_STAGES if v >= least)
+        out += [(schedule, v) for v in offered if pp * v <= num_blocks]
     return out
 
 
