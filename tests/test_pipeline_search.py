@@ -16,12 +16,14 @@ from torchrun_launch import run_torchrun
 
 from hf_colossal_auto.apply.pipeline import check_pipeline_plan
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
+from hf_colossal_auto.pipeline_layout import find_layout
 from hf_colossal_auto.plan import SPLIT_BACKWARD_SCHEDULES, Plan, stage_ranks
 from hf_colossal_auto.solve.candidates import _Planner
 from hf_colossal_auto.solve.pipeline import cut as cut_module
 from hf_colossal_auto.solve.pipeline.costs import ModelCosts, StageLayout, UnitCost
 from hf_colossal_auto.solve.pipeline.cut import choose_recompute, cut_blocks, simulate_candidate
 from hf_colossal_auto.solve.pipeline.plan import _stage_of_blocks, with_pipelines
+from hf_colossal_auto.solve.pipeline.pricing import _Pricer
 from hf_colossal_auto.solve.pipeline.schedules import OFFERED_SCHEDULES, _in_flight
 from hf_colossal_auto.solve.pipeline.search import search_pipelines
 from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
@@ -308,7 +310,8 @@ def test_planned_pipelines_run_on_two_gloo_ranks_as_predicted(tmp_path):
     """One launch (2 gloo ranks, a 4-block tiny Llama). The plan pipeline=2 chooses runs in the ordinary loop: its
     first loss is one process's, it trains, and its measured step is within a loose factor of the prediction (the
     static CPU spec is deliberately conservative and the machine shared: no tighter timing claim). For GPipe,
-    1F1B, interleaved 1F1B (2 stages a rank, and 4 on an 8-block Llama with 4 micro-batches) and ZB-V (also with every block recomputed: one rerun held to the weight pass) (and
+    1F1B, interleaved 1F1B (2 stages a rank, also under bf16 autocast, and 4 on an 8-block Llama with 4
+    micro-batches) and ZB-V (also with every block recomputed: one rerun held to the weight pass) (and
     GPT-2's 1F1B, its head tied to the embedding across the ranks) the point-to-point
     sends and receives of a step, by peer, are the simulated
     schedule's, in count and bytes (c10d's isend / irecv as torch's pipelining issues them), and each rank's
@@ -333,6 +336,7 @@ def test_planned_pipelines_run_on_two_gloo_ranks_as_predicted(tmp_path):
             "tiny-llama zbv",
             "tiny-llama zbv full",  # the one rerun's tensors held to the weight pass, with its gradients
             "tiny-llama-8 interleaved-1f1b",  # 4 stages a rank, 4 micro-batches for its 8 stages
+            "tiny-llama interleaved-1f1b bf16",  # under autocast: weight casts kept once a step
         ):
             measured = figures[schedule]
             assert measured["rank"] == rank
@@ -478,6 +482,78 @@ def test_every_block_keeps_its_activations_whichever_moment_of_the_step_is_highe
     # the two norms' products with their weights (hidden each)
     per_token = 4 * (7 * config.hidden_size + 2 * config.intermediate_size)
     assert [b.deferred_grad_bytes for b in candidate.costs.blocks] == [1 * 128 * per_token] * 4
+
+
+def _saved_per_block(model, batch, micro_batches: int) -> list[dict[str, int]]:
+    """Per micro-batch, per block, the bytes of the storages its forward saves for backward that no earlier
+    micro-batch saved (parameters excluded), the forwards run one after another inside one bf16 autocast region,
+    as a pipeline schedule runs them inside the step's forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    per = [dict.fromkeys(range(len(model.model.layers)), 0) for _ in range(micro_batches)]
+    where = [0, -1]  # micro-batch, block (-1: outside every block)
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(1, i))
+        layer.register_forward_hook(lambda m, a, o: where.__setitem__(1, -1))
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if where[1] >= 0 and ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            per[where[0]][where[1]] += t.untyped_storage().nbytes()
+        return t
+
+    kept = []
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
+        for m in range(micro_batches):
+            where[0] = m
+            kept.append(model(**batch).loss)
+    return per
+
+
+def test_weight_casts_are_kept_once_a_step_by_blocks_without_recompute():
+    """Under bf16 autocast a projection's weight is cast once per autocast region (torch's cast cache), and a
+    pipeline schedule runs every micro-batch inside the step's forward: measured, a second micro-batch's forward
+    keeps per block the pricing's ``activation_bytes``, the first also its ``cached_cast_bytes`` (the casts,
+    priced as held once a step); a fully recomputed block keeps none of them (its rerun casts anew, so what it
+    rematerialises counts them)."""
+    config = load_config("tiny-llama")
+    config.num_hidden_layers = 3
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu")
+    batch = make_example_inputs(model, 2, 32, seed=0)
+    first, second = _saved_per_block(model, batch, 2)
+    meta = build_model(config, device="meta")
+    planner = _Planner.for_devices(
+        meta,
+        make_example_inputs(meta, 4, 32, device="meta"),
+        2,
+        "cpu",
+        None,
+        None,
+        "bf16",
+        "adamw",
+        60.0,
+        "none",
+    )
+    _, tried = search_pipelines(planner, 2, ("1f1b",), micro_batches=2, dp_modes=("ddp",), exhaustive=True)
+    (candidate,) = [c for c in tried if c.record(planner.budget)["tp"] == 1]
+    blocks = candidate.costs.blocks
+    # block 0 is the first to save the rotary embedding's cos / sin, made before the blocks (priced with it)
+    assert [b.activation_bytes for b in blocks[1:]] == [second[i] for i in range(1, 3)]
+    assert [b.activation_bytes + b.cached_cast_bytes for b in blocks[1:]] == [first[i] for i in range(1, 3)]
+    weights = sum(p.numel() for n, p in model.model.layers[0].named_parameters() if n.endswith("proj.weight"))
+    assert all(b.cached_cast_bytes == 2 * weights for b in blocks)  # bf16 copies of the seven projections
+    assert all(b.held_bytes >= b.cached_cast_bytes for b in blocks)
+    costs = _Pricer(planner, find_layout(meta)).costs(2, candidate.stage, 2, ("none", "full"))
+    full = costs.options["full"]
+    assert all(f.cached_cast_bytes == 0 for f in full)
+    assert cut_module.block_rematerialised(costs, [costs.block_options().index("full")] * 3) == [
+        b.kept_alone - f.activation_bytes for b, f in zip(costs.blocks, full, strict=True)
+    ]
 
 
 def _tiny_llama_planner(budget=None, devices=4):

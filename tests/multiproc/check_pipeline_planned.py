@@ -45,13 +45,19 @@ SCHEDULES = (
     ("tiny-llama", "zbv", 4, "none"),
     ("tiny-llama", "zbv", 4, "full"),
     ("tiny-llama-8", "interleaved-1f1b", 4, "none"),
+    ("tiny-llama", "interleaved-1f1b", 4, "bf16"),
 )
-"""(preset, schedule, micro-batches, recompute) whose traffic and memory are measured, by result key ``preset
-schedule`` (`` full`` appended for every block recomputed: a hand pipeline, ``evaluate_plan``): GPT-2's head is
+"""(preset, schedule, micro-batches, variant: a recompute option or a mixed precision) whose traffic and memory
+are measured, by result key ``preset schedule`` (the variant appended unless "none"; `` full``: every block
+recomputed, a hand pipeline, ``evaluate_plan``): GPT-2's head is
 tied to its embedding across the two ranks (a copy each, the gradient all-reduced); ZB-V's split backward holds
 the gradients its input pass hands the weight pass, and with recompute the one rerun's tensors, between them.
 ``tiny-llama-8`` (8 blocks): 4 stages a rank, a hand pipeline (``evaluate_plan``), with fewer micro-batches
-than its 8 stages."""
+than its 8 stages. ``bf16`` instead of a recompute option: planned for bf16 mixed precision, the forward under
+``torch.autocast`` as accelerate wraps it (the blocks' weight casts kept once a step: autocast's cache)."""
+
+MIXED_PRECISION = ("bf16",)
+"""Variants that plan for mixed precision (no recompute) and run the forward under ``torch.autocast``."""
 
 FOUR_A_RANK = {"tiny-llama-8": 4}
 """Presets measured with 4 stages a rank (a hand pipeline of one block a stage)."""
@@ -110,11 +116,12 @@ def planned_choice() -> dict[str, Any]:
 
 
 def measured_schedule(
-    preset: str, schedule: str, micro_batches: int, recompute: str = "none"
+    preset: str, schedule: str, micro_batches: int, variant: str = "none"
 ) -> dict[str, Any]:
-    """The search's plan for ``schedule`` at ``micro_batches`` (with ``recompute`` other than "none": the hand
-    pipeline recomputing every block so, priced by ``evaluate_plan``): one measured step's peak memory and
-    point-to-point ops on this rank, beside the plan's predictions."""
+    """The search's plan for ``schedule`` at ``micro_batches`` (``variant`` a recompute option other than
+    "none": the hand pipeline recomputing every block so, priced by ``evaluate_plan``; a mixed precision: the
+    search's plan for it, run under autocast): one measured step's peak memory and point-to-point ops on this
+    rank, beside the plan's predictions."""
     from common import p2p_by_peer, step_peaks
 
     from hf_colossal_auto._torch_compat import recording_point_to_point
@@ -125,10 +132,12 @@ def measured_schedule(
     from hf_colossal_auto.solve.planner import evaluate_plan
 
     cfg = _config(preset)
+    mixed = variant if variant in MIXED_PRECISION else None
+    recompute = "none" if mixed else variant
     meta = build_model(cfg, device="meta")
     inputs = make_example_inputs(meta, BATCH, SEQ, device="meta")
     if recompute == "none" and preset not in FOUR_A_RANK:
-        planner = _Planner.for_devices(meta, inputs, 2, "cpu", None, None, None, "adamw", 60.0, "none")
+        planner = _Planner.for_devices(meta, inputs, 2, "cpu", None, None, mixed, "adamw", 60.0, "none")
         plan = search_pipeline_plan(planner, 2, schedules=(schedule,), micro_batches=micro_batches)
     else:
         plan = evaluate_plan(meta, inputs, "ddp", num_devices=2, device="cpu", mesh_shape=(1, 1), pipeline=2,
@@ -139,6 +148,8 @@ def measured_schedule(
     model = build_model(cfg, device="cpu")
     batch = make_example_inputs(model, BATCH, SEQ, seed=0)
     apply_plan(model, plan)
+    if mixed:  # accelerate's forward wrapper
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     dist.barrier()
     warm_up, recorder = recording_point_to_point(), recording_point_to_point()
@@ -169,9 +180,9 @@ def main() -> None:
     init_gloo(timeout_s=120)
     started = time.perf_counter()
     results: dict[str, Any] = {"planned": planned_choice()}
-    for preset, schedule, micro_batches, recompute in SCHEDULES:
-        key = f"{preset} {schedule}" + ("" if recompute == "none" else f" {recompute}")
-        results[key] = measured_schedule(preset, schedule, micro_batches, recompute)
+    for preset, schedule, micro_batches, variant in SCHEDULES:
+        key = f"{preset} {schedule}" + ("" if variant == "none" else f" {variant}")
+        results[key] = measured_schedule(preset, schedule, micro_batches, variant)
     results["total_seconds"] = time.perf_counter() - started
     write_every_rank_and_close(results, out)
 

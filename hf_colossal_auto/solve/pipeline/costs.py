@@ -53,7 +53,12 @@ class UnitCost:
     held_bytes: float = 0.0
     """Parameters and optimizer state on one device (under FSDP the shards plus the parameters gathered through
     the step): what the rank holds through the schedule (the optimizer state from the first step on), beside
-    the activations and the gradients."""
+    the activations and the gradients; under mixed precision also :attr:`cached_cast_bytes`."""
+    cached_cast_bytes: float = 0.0
+    """Of :attr:`held_bytes`, the low-precision copies of its weights a unit without recompute keeps for
+    backward: ``torch.autocast`` caches a weight's cast until the step's forward (the whole schedule) returns,
+    so every micro-batch's forward reads, and keeps, the one copy. A recomputed unit's forward and rerun cast
+    anew per micro-batch (cache off), so its rerun rematerialises them: :meth:`kept_alone`."""
     grad_bytes: float = 0.0
     """Parameter gradients on one device (under FSDP the unsharded accumulated gradient): made by the stage's
     first backward in a step, held to its end."""
@@ -63,6 +68,12 @@ class UnitCost:
     """One micro-batch's gradients of the outputs of the ops that read its parameters: what the input pass of a
     split backward keeps for the weight pass (torch's ``stage_backward_input`` hands them on)."""
 
+    @property
+    def kept_alone(self) -> float:
+        """What one micro-batch's forward keeps for backward counting the weight casts it would keep alone (the
+        measure of what recompute rematerialises against no recompute)."""
+        return self.activation_bytes + self.cached_cast_bytes
+
     def add(self, other: UnitCost) -> None:
         self.forward_s += other.forward_s
         self.backward_s += other.backward_s
@@ -71,6 +82,7 @@ class UnitCost:
         self.gather_s += other.gather_s
         self.state_bytes += other.state_bytes
         self.held_bytes += other.held_bytes
+        self.cached_cast_bytes += other.cached_cast_bytes
         self.grad_bytes += other.grad_bytes
         self.activation_bytes += other.activation_bytes
         self.deferred_grad_bytes += other.deferred_grad_bytes

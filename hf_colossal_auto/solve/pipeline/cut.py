@@ -173,9 +173,10 @@ def choose_recompute(
             held -= (in_flight[s] - _rematerialised_held(awaiting, s)) * (
                 before.activation_bytes - after.activation_bytes
             )
+            fixed -= before.held_bytes - after.held_bytes  # weight casts kept once a step without recompute
             levels[b] = target
             if not awaiting:
-                transient = max(transient, per_option[0][b].activation_bytes - after.activation_bytes)
+                transient = max(transient, per_option[0][b].kept_alone - after.kept_alone)
     return levels
 
 
@@ -214,7 +215,7 @@ def _best_move(
         for target in range(low + 1, top + 1):
             saved = (in_flight[s] - _rematerialised_held(awaiting, s)) * (
                 per_option[low][b].activation_bytes - per_option[target][b].activation_bytes
-            )
+            ) + (per_option[low][b].held_bytes - per_option[target][b].held_bytes)
             if saved <= 0:
                 continue
             extra = micro_batches * (
@@ -239,15 +240,11 @@ def _memory_cut(
     most = costs.options[costs.block_options()[-1]]
     per_block = [_block_seconds(b) for b in costs.blocks]
     state = _prefix([b.state_bytes for b in costs.blocks])
-    fixed = _prefix([b.held_bytes + b.grad_bytes for b in costs.blocks])
+    fixed = _prefix([b.held_bytes + b.grad_bytes for b in most])
     act = _prefix([b.activation_bytes for b in most])
-    rematerialised = _prefix(
-        [b.activation_bytes - f.activation_bytes for b, f in zip(costs.blocks, most, strict=True)]
-    )
+    rematerialised = _prefix([b.kept_alone - f.kept_alone for b, f in zip(costs.blocks, most, strict=True)])
     deferred = _prefix([b.deferred_grad_bytes for b in costs.blocks])
-    delta = max(
-        (b.activation_bytes - f.activation_bytes for b, f in zip(costs.blocks, most, strict=True)), default=0
-    )
+    delta = max((b.kept_alone - f.kept_alone for b, f in zip(costs.blocks, most, strict=True)), default=0)
     owner = list(range(num_stages))  # the tied copy where the first and the last stage differ, as on pp ranks
     extras = [_stage_extras(costs, num_stages, s, owner) for s in range(num_stages)]
     # per stage, what does not depend on its blocks (``fits`` is asked O(stages x blocks^2) times)
@@ -279,8 +276,8 @@ def _memory_cut(
     last = _block_seconds(costs.last)
     # with no block's bytes negative, the prefix differences (and so every term of ``fits``) only grow as a
     # stage takes more blocks: a stage that does not fit does not fit with more
-    monotone = all(b.state_bytes >= 0 and b.held_bytes + b.grad_bytes >= 0 for b in costs.blocks) and all(
-        f.activation_bytes >= 0 and b.activation_bytes >= f.activation_bytes
+    monotone = all(b.state_bytes >= 0 and b.held_bytes + b.grad_bytes >= 0 for b in most) and all(
+        f.activation_bytes >= 0 and b.kept_alone >= f.kept_alone
         for b, f in zip(costs.blocks, most, strict=True)
     )
     return cut_blocks(per_block, num_stages, first, last, fits, fits_monotone=monotone)
@@ -528,12 +525,17 @@ def _stage_reruns(costs: ModelCosts, counts: list[int], levels: list[int]) -> li
 def _stage_rematerialised(costs: ModelCosts, counts: list[int], levels: list[int]) -> list[float]:
     """Per stage, the activation bytes its blocks' recompute rematerialises in one backward (each block's
     option against none)."""
+    return _per_stage(block_rematerialised(costs, levels), counts)
+
+
+def block_rematerialised(costs: ModelCosts, levels: list[int]) -> list[float]:
+    """Per block, the bytes its recompute rematerialises in one backward pass: what its forward would keep alone
+    without recompute (the weight casts included, which a rerun makes anew) against its option's."""
     options = costs.block_options()
-    per_block = [
-        costs.blocks[b].activation_bytes - costs.options[options[level]][b].activation_bytes
+    return [
+        costs.blocks[b].kept_alone - costs.options[options[level]][b].kept_alone
         for b, level in enumerate(levels)
     ]
-    return _per_stage(per_block, counts)
 
 
 def _per_stage(per_block: list[float], counts: list[int]) -> list[float]:
@@ -552,17 +554,15 @@ def _stages(
     runs besides; with the stages' ranks ``owner``, the tied head's copy, :func:`_stage_extras`), and the
     activations its largest recomputed block rematerialises during its backward."""
     options = costs.block_options()
+    rematerialised = block_rematerialised(costs, levels)
     stages: list[UnitCost] = []
     transients: list[float] = []
     start = 0
     for index, count in enumerate(counts):
         stage = _stage_extras(costs, len(counts), index, owner)
-        transient = 0.0
         for b in range(start, start + count):
-            chosen = costs.options[options[levels[b]]][b]
-            stage.add(chosen)
-            transient = max(transient, costs.blocks[b].activation_bytes - chosen.activation_bytes)
+            stage.add(costs.options[options[levels[b]]][b])
         stages.append(stage)
-        transients.append(transient)
+        transients.append(max([0.0, *rematerialised[start : start + count]]))
         start += count
     return stages, transients
