@@ -9,7 +9,8 @@ gives the step and each rank's exact peak.
 
 Memory per rank, checked exactly per stage and schedule: the higher of two moments. Through the schedule: its
 stages' parameters and optimizer state (as the layout holds them: under FSDP the shards plus the parameters
-gathered through the step), plus what the simulation's walk of the schedule's own action list holds at its peak:
+gathered through the step; under mixed precision the weight casts of blocks without recompute, once a step:
+autocast's cache), plus what the simulation's walk of the schedule's own action list holds at its peak:
 activations (GPipe every micro-batch, 1F1B ``stages - stage_index``, interleaved more), each held micro-batch
 counting its output too (torch's stage keeps it until the micro-batch's backward: the hidden states sent on, the
 last stage's logits) and the activation it received from another rank (its receive buffer, dropped after that
