@@ -243,6 +243,17 @@ def _cached_receipts(schedule: str, pp_size: int, micro_batches: int, virtual: i
     return gradient_send_releases(actions, stage_ranks(schedule, pp_size * virtual, pp_size))
 
 
+def _last_backwards(actions: list[list[Action]]) -> frozenset[Action]:
+    """Each stage's last backward action (its whole backward, or its last weight gradient under a split): where
+    its gradients are complete and its data-parallel synchronisation starts."""
+    last: dict[int, Action] = {}
+    for rank in actions:
+        for action in rank:
+            if action[0] in ("B", "W"):
+                last[action[1]] = action
+    return frozenset(last.values())
+
+
 class _Simulator:
     """List scheduling of each rank's actions in order, earliest start first across ranks."""
 
@@ -325,10 +336,7 @@ class _Simulator:
         free = [0.0] * ranks
         busy = [0.0] * ranks
         timeline: list[tuple[int, Action, float, float]] = []
-        remaining = [0] * len(self.stages)  # per stage, its B or W actions still to run
-        for rank in actions:
-            for kind, s, _ in rank:
-                remaining[s] += kind in ("B", "W")
+        last = _last_backwards(actions)
         heap: list[tuple[float, int]] = []
         start_of: list[float | None] = [None] * ranks
 
@@ -355,9 +363,8 @@ class _Simulator:
             action = actions[r][position[r]]
             kind, s, m = action
             end = start + self._duration(action)
-            remaining[s] -= kind in ("B", "W")
             # after the stage's last backward (its gradient already sent on): e.g. the gradient sync
-            extra = self.stages[s].last_backward_extra_s if kind in ("B", "W") and remaining[s] == 0 else 0.0
+            extra = self.stages[s].last_backward_extra_s if action in last else 0.0
             self.done[action] = end
             busy[r] += end - start + extra
             free[r] = end + extra
@@ -385,10 +392,10 @@ class _Simulator:
         """Per rank the peak activation bytes along its list, per stage the most micro-batches in flight."""
         peaks: list[int] = []
         most = [0] * len(self.stages)
+        last = _last_backwards(actions)
         for rank in actions:
             held, peak, grads = 0, 0, 0
             count = [0] * len(self.stages)
-            backwards_left = [self.m] * len(self.stages)  # B or W actions of each stage still to come
             has_grads: set[int] = set()
             sent_back: dict[tuple[int, int], int] = {}  # gradients sent, not yet proven received
             for kind, s, m in rank:
@@ -403,10 +410,8 @@ class _Simulator:
                     grads += cost.grad_bytes
                 # an action's end, before it frees anything (a bound within it)
                 peak = max(peak, held + grads)
-                if kind in ("B", "W"):
-                    backwards_left[s] -= 1
-                    if not backwards_left[s]:  # the stage's gradient synchronisation
-                        peak = max(peak, held + grads + cost.sync_transient_bytes)
+                if (kind, s, m) in last:  # the stage's gradient synchronisation
+                    peak = max(peak, held + grads + cost.sync_transient_bytes)
                 if kind == "F":
                     held += cost.activation_bytes
                     count[s] += 1
