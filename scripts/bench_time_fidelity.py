@@ -16,7 +16,9 @@ thread per rank) rank 0 makes the candidates, each with its predicted step time 
   the pipeline search's for that schedule and count (``--no-pipeline`` leaves them out; counts the global
   batch does not divide are left out); ``pp-zbv-m4-full-rc``: ZB-V at 4 with every block recomputed
   (``evaluate_plan(pipeline=2, recompute="full")``): the split backward's reruns (input pass, then the
-  runtime's one weight-pass ``autograd.grad``) as priced.
+  runtime's one weight-pass ``autograd.grad``) as priced; ``pp-interleaved-1f1b-m4-v4``: interleaved 1F1B with
+  4 stages a rank at 4 micro-batches, fewer than its 8 stages (a hand pipeline, even cut; models of 8 blocks
+  or more, e.g. ``--layers 8``).
 
 ``--long`` (issue 28): long sequences, Llama at 2 x 2048 tokens (hidden 256, 4 layers, vocab 512 unless given),
 with two more candidates, each priced and measured like the rest:
@@ -81,6 +83,10 @@ pipeline search cuts and prices it (``pp-<schedule>-m<count>``)."""
 
 RECOMPUTED_PIPELINE = ("zbv", 4)
 """The pp=2 candidate with every block recomputed (``pp-zbv-m4-full-rc``): a hand pipeline, ``evaluate_plan``."""
+
+FOUR_A_RANK_PIPELINE = ("interleaved-1f1b", 4, 4)
+"""(schedule, micro-batches, stages a rank) of ``pp-interleaved-1f1b-m4-v4``: a hand pipeline, ``evaluate_plan``,
+where the model has a block for each of its stages."""
 
 
 LONG_DEFAULTS = {"families": "llama", "hidden": 256, "layers": 4, "vocab": 512, "batch": 2, "seq": 2048}
@@ -175,6 +181,7 @@ def _candidates(
 ) -> dict[str, tuple[object, float]]:
     """name -> (plan, predicted seconds), made on one rank."""
     from hf_colossal_auto.capture.moe import experts_modules
+    from hf_colossal_auto.pipeline_layout import PipelineLayoutError
     from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
 
     out: dict[str, tuple[object, float]] = {}
@@ -214,6 +221,15 @@ def _candidates(
         est = evaluate_plan(model, batch, "ddp", num_devices=world, device=spec, mesh_shape=(1, 1),
                             pipeline=world, schedule=schedule, micro_batches=micro_batches, recompute="full")  # fmt: skip
         out[f"pp-{schedule}-m{micro_batches}-full-rc"] = (est.plan, est.step_time_s)
+    schedule, micro_batches, virtual = FOUR_A_RANK_PIPELINE
+    if pipeline and not rows % micro_batches and "pp-zbv-m4" in out:
+        try:
+            est = evaluate_plan(model, batch, "ddp", num_devices=world, device=spec, mesh_shape=(1, 1),
+                                pipeline=world, schedule=schedule, micro_batches=micro_batches,
+                                virtual_stages=virtual)  # fmt: skip
+            out[f"pp-{schedule}-m{micro_batches}-v{virtual}"] = (est.plan, est.step_time_s)
+        except PipelineLayoutError as exc:  # fewer blocks than stages
+            print(f"pp-{schedule}-m{micro_batches}-v{virtual} left out: {exc}", flush=True)
     if long:
         out.update(_long_candidates(model, batch, spec, world))
     return out
