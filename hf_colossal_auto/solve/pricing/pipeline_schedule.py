@@ -243,15 +243,19 @@ def _cached_receipts(schedule: str, pp_size: int, micro_batches: int, virtual: i
     return gradient_send_releases(actions, stage_ranks(schedule, pp_size * virtual, pp_size))
 
 
-def _last_backwards(actions: list[list[Action]]) -> frozenset[Action]:
-    """Each stage's last backward action (its whole backward, or its last weight gradient under a split): where
-    its gradients are complete and its data-parallel synchronisation starts."""
-    last: dict[int, Action] = {}
-    for rank in actions:
-        for action in rank:
-            if action[0] in ("B", "W"):
-                last[action[1]] = action
-    return frozenset(last.values())
+def _last_backwards(actions: list[list[Action]]) -> list[list[bool]]:
+    """Per rank, per action, whether it is its stage's last backward action (its whole backward, or its last
+    weight gradient under a split): where the stage's gradients are complete and its data-parallel
+    synchronisation starts."""
+    last: dict[int, tuple[int, int]] = {}
+    for r, rank in enumerate(actions):
+        for i, (kind, s, _) in enumerate(rank):
+            if kind in ("B", "W"):
+                last[s] = (r, i)
+    flags = [[False] * len(rank) for rank in actions]
+    for r, i in last.values():
+        flags[r][i] = True
+    return flags
 
 
 class _Simulator:
@@ -364,24 +368,25 @@ class _Simulator:
             kind, s, m = action
             end = start + self._duration(action)
             # after the stage's last backward (its gradient already sent on): e.g. the gradient sync
-            extra = self.stages[s].last_backward_extra_s if action in last else 0.0
+            extra = self.stages[s].last_backward_extra_s if last[r][position[r]] else 0.0
             self.done[action] = end
             busy[r] += end - start + extra
             free[r] = end + extra
             position[r] += 1
             left -= 1
             timeline.append((r, action, start, end))
-            touched = {r}
+            reader = r  # the rank whose stage reads what this action sends
             if kind == "F":
                 self._send("act", s, m, end)
                 if s + 1 < len(self.stages):
-                    touched.add(self.owner[s + 1])
+                    reader = self.owner[s + 1]
             elif kind in ("B", "I"):
                 self._send("grad", s, m, end)
                 if s > 0:
-                    touched.add(self.owner[s - 1])
-            for t in touched:
-                refresh(t)
+                    reader = self.owner[s - 1]
+            refresh(r)  # after the send: the reader may be this rank (ZB-V's turn of the V)
+            if reader != r:
+                refresh(reader)
         for r in range(ranks):
             free[r] += optimizer_s
             busy[r] += optimizer_s
@@ -393,12 +398,12 @@ class _Simulator:
         peaks: list[int] = []
         most = [0] * len(self.stages)
         last = _last_backwards(actions)
-        for rank in actions:
+        for rank, rank_last in zip(actions, last, strict=True):
             held, peak, grads = 0, 0, 0
             count = [0] * len(self.stages)
             has_grads: set[int] = set()
             sent_back: dict[tuple[int, int], int] = {}  # gradients sent, not yet proven received
-            for kind, s, m in rank:
+            for (kind, s, m), is_last in zip(rank, rank_last, strict=True):
                 cost = self.stages[s]
                 for key in (self.receipts or {}).get((kind, s, m), ()):
                     held -= sent_back.pop(key)
@@ -410,7 +415,7 @@ class _Simulator:
                     grads += cost.grad_bytes
                 # an action's end, before it frees anything (a bound within it)
                 peak = max(peak, held + grads)
-                if (kind, s, m) in last:  # the stage's gradient synchronisation
+                if is_last:  # the stage's gradient synchronisation
                     peak = max(peak, held + grads + cost.sync_transient_bytes)
                 if kind == "F":
                     held += cost.activation_bytes
