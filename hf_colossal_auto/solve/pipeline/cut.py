@@ -171,9 +171,7 @@ def choose_recompute(
                 return None
             b, s, target = move
             before, after = per_option[levels[b]][b], per_option[target][b]
-            held -= (in_flight[s] - _rematerialised_held(awaiting, s)) * (
-                before.activation_bytes - after.activation_bytes
-            )
+            held -= _kept_saved(before, after, in_flight[s], _rematerialised_held(awaiting, s))
             fixed -= before.held_bytes - after.held_bytes  # weight casts kept once a step without recompute
             levels[b] = target
             if not awaiting:
@@ -189,6 +187,14 @@ def _rematerialised_held(awaiting: tuple[int, ...], stage: int) -> int:
     the weight gradient: the stage's most micro-batches in that window (at least one: a stage whose backward is
     whole holds its blocks' reruns within it)."""
     return max(awaiting[stage], 1) if awaiting else 0
+
+
+def _kept_saved(before: UnitCost, after: UnitCost, in_flight: int, waiting: int) -> float:
+    """What a stage holds less for its micro-batches when a block moves from option ``before`` to ``after``: its
+    kept activations times the micro-batches in flight, less (under the input/weight split) what the rerun
+    rematerialises, weight casts included, times the micro-batches awaiting their weight pass."""
+    rematerialised = before.kept_alone - after.kept_alone
+    return in_flight * (before.activation_bytes - after.activation_bytes) - waiting * rematerialised
 
 
 def _best_move(
@@ -214,9 +220,9 @@ def _best_move(
         b = min(blocks, key=lambda i: (levels[i], i))
         low = levels[b]
         for target in range(low + 1, top + 1):
-            saved = (in_flight[s] - _rematerialised_held(awaiting, s)) * (
-                per_option[low][b].activation_bytes - per_option[target][b].activation_bytes
-            ) + (per_option[low][b].held_bytes - per_option[target][b].held_bytes)
+            before, after = per_option[low][b], per_option[target][b]
+            saved = _kept_saved(before, after, in_flight[s], _rematerialised_held(awaiting, s))
+            saved += before.held_bytes - after.held_bytes
             if saved <= 0:
                 continue
             extra = micro_batches * (
