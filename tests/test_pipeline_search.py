@@ -24,7 +24,7 @@ from hf_colossal_auto.solve.pipeline.costs import ModelCosts, StageLayout, UnitC
 from hf_colossal_auto.solve.pipeline.cut import choose_recompute, cut_blocks, simulate_candidate
 from hf_colossal_auto.solve.pipeline.plan import _stage_of_blocks, with_pipelines
 from hf_colossal_auto.solve.pipeline.pricing import _Pricer
-from hf_colossal_auto.solve.pipeline.schedules import OFFERED_SCHEDULES, _in_flight
+from hf_colossal_auto.solve.pipeline.schedules import OFFERED_SCHEDULES, _in_flight, _valid_micro_batches
 from hf_colossal_auto.solve.pipeline.search import search_pipelines
 from hf_colossal_auto.solve.planner import evaluate_plan, plan_model
 from hf_colossal_auto.solve.pricing.pipeline_schedule import Link
@@ -143,7 +143,9 @@ def test_one_micro_batch_leaves_a_pipelines_schedule_count_to_the_search():
     model = _llama(2)
     inputs = make_example_inputs(model, 8, 16, device="meta")
     searched = plan_model(model, inputs, num_devices=2, pipeline=2, micro_batches=1)
-    assert searched.pp_size == 2 and _runs(searched.schedule, searched.micro_batches, searched.num_stages, 2)
+    assert searched.pp_size == 2 and _valid_micro_batches(
+        searched.schedule, searched.micro_batches, searched.num_stages, 2
+    )
     fixed = plan_model(model, inputs, num_devices=2, pipeline=2, micro_batches=4)
     assert fixed.micro_batches == 4
 
@@ -155,7 +157,9 @@ def test_pipeline_two_on_tiny_llama_is_a_plan_the_runtime_runs():
     inputs = make_example_inputs(model, 8, 16, device="meta")
     plan = plan_model(model, inputs, num_devices=2, pipeline=2)
     assert plan.pp_size == 2 and tuple(plan.mesh_shape) == (2, 1, 1) and plan.dp_mode == "ddp"
-    assert plan.schedule in OFFERED_SCHEDULES and _runs(plan.schedule, plan.micro_batches, plan.num_stages, 2)
+    assert plan.schedule in OFFERED_SCHEDULES and _valid_micro_batches(
+        plan.schedule, plan.micro_batches, plan.num_stages, 2
+    )
     assert 8 % plan.micro_batches == 0
     check_pipeline_plan(model, plan)  # what apply_pipeline_plan checks before it cuts the model
     assert Plan.from_dict(plan.to_dict()) == plan
@@ -205,7 +209,8 @@ def test_pipeline_search_prices_every_schedule_and_micro_batch_count():
     assert best is not None and best in tried
     assert {c.schedule for c in tried} == set(OFFERED_SCHEDULES)
     assert all(
-        _runs(c.schedule, c.micro_batches, c.pp * c.virtual, c.pp) and 8 % c.micro_batches == 0 for c in tried
+        _valid_micro_batches(c.schedule, c.micro_batches, c.pp * c.virtual, c.pp) and 8 % c.micro_batches == 0
+        for c in tried
     )
     assert best.step_time_s == min(c.step_time_s for c in tried if c.peak_bytes <= planner.budget)
     gpipe = {c.micro_batches: c for c in tried if c.schedule == "gpipe"}
@@ -214,14 +219,6 @@ def test_pipeline_search_prices_every_schedule_and_micro_batch_count():
     one_f = {c.micro_batches: c for c in tried if c.schedule == "1f1b"}
     m = max(one_f)
     assert max(one_f[m].simulation.peak_activation_bytes) < max(gpipe[m].simulation.peak_activation_bytes)
-
-
-def _runs(schedule: str, micro_batches: int, num_stages: int, pp: int) -> bool:
-    """Whether torch's schedule runs the count: a micro-batch per stage, or under the interleaved schedules one
-    per pp rank in equal rounds of ``pp``."""
-    if schedule.startswith("interleaved"):
-        return micro_batches >= pp and micro_batches % max(1, micro_batches // pp) == 0
-    return micro_batches >= num_stages
 
 
 def test_interleaved_schedules_are_offered_four_stages_a_rank_with_fewer_micro_batches_than_stages():
@@ -503,7 +500,7 @@ def _saved_per_block(model, batch, micro_batches: int) -> list[dict[str, int]]:
             per[where[0]][where[1]] += t.untyped_storage().nbytes()
         return t
 
-    kept = []
+    kept = []  # every micro-batch's graph alive: no saved storage is freed and its address reused
     with (
         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         torch.autocast("cpu", dtype=torch.bfloat16),

@@ -249,9 +249,10 @@ def _memory_cut(
     state = _prefix([b.state_bytes for b in costs.blocks])
     fixed = _prefix([b.held_bytes + b.grad_bytes for b in most])
     act = _prefix([b.activation_bytes for b in most])
-    rematerialised = _prefix([b.kept_alone - f.kept_alone for b, f in zip(costs.blocks, most, strict=True)])
+    rerun = block_rematerialised(costs, [len(costs.block_options()) - 1] * len(costs.blocks))
+    rematerialised = _prefix(rerun)
     deferred = _prefix([b.deferred_grad_bytes for b in costs.blocks])
-    delta = max((b.kept_alone - f.kept_alone for b, f in zip(costs.blocks, most, strict=True)), default=0)
+    delta = max(rerun, default=0)
     owner = list(range(num_stages))  # the tied copy where the first and the last stage differ, as on pp ranks
     extras = [_stage_extras(costs, num_stages, s, owner) for s in range(num_stages)]
     # per stage, what does not depend on its blocks (``fits`` is asked O(stages x blocks^2) times)
@@ -283,10 +284,9 @@ def _memory_cut(
     last = _block_seconds(costs.last)
     # with no block's bytes negative, the prefix differences (and so every term of ``fits``) only grow as a
     # stage takes more blocks: a stage that does not fit does not fit with more
-    monotone = all(b.state_bytes >= 0 and b.held_bytes + b.grad_bytes >= 0 for b in most) and all(
-        f.activation_bytes >= 0 and b.kept_alone >= f.kept_alone
-        for b, f in zip(costs.blocks, most, strict=True)
-    )
+    monotone = all(
+        b.state_bytes >= 0 and b.held_bytes + b.grad_bytes >= 0 and b.activation_bytes >= 0 for b in most
+    ) and all(r >= 0 for r in rerun)
     return cut_blocks(per_block, num_stages, first, last, fits, fits_monotone=monotone)
 
 
