@@ -44,6 +44,7 @@ __all__ = [
     "register_dtensor_op_handler",
     "allow_implicit_replication",
     "local_tensor_mode",
+    "simulated_rank_tensors",
     "DTensorSpec",
     "MaskPartial",
     "OpSchema",
@@ -268,6 +269,12 @@ def local_tensor_mode(world_size: int):
     from torch.distributed._local_tensor import LocalTensorMode
 
     return LocalTensorMode(frozenset(range(world_size)))
+
+
+def simulated_rank_tensors(t) -> dict:
+    """Under :func:`local_tensor_mode`: rank -> the tensor that rank holds of DTensor ``t`` (its local shard as
+    each simulated rank would have it), for tests that look at storages."""
+    return dict(t.to_local()._local_tensors)
 
 
 def register_dtensor_op_handler(op, handler) -> None:

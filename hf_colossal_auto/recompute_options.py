@@ -50,8 +50,15 @@ class RecomputeOption:
         )
 
     def caches(self, node: OpNode) -> bool:
-        """Does a selective policy keep this op's output (views never: they would pin their base)?"""
-        return not self.is_none and not self.is_full and not node.is_view and not self.recomputes(node)
+        """Does a selective policy keep this op's output (views never: they would pin their base; a shared cast
+        is kept, or not, as the cast it aliases)?"""
+        return (
+            not self.is_none
+            and not self.is_full
+            and not node.is_view
+            and node.shared_with is None
+            and not self.recomputes(node)
+        )
 
 
 NO_RECOMPUTE = RecomputeOption("none", frozenset())

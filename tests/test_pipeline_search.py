@@ -15,6 +15,7 @@ import torch
 from torchrun_launch import run_torchrun
 
 from hf_colossal_auto.apply.pipeline import check_pipeline_plan
+from hf_colossal_auto.apply.shared_casts import share_sibling_casts
 from hf_colossal_auto.models import build_model, load_config, make_example_inputs
 from hf_colossal_auto.pipeline_layout import find_layout
 from hf_colossal_auto.plan import SPLIT_BACKWARD_SCHEDULES, Plan, stage_ranks
@@ -521,6 +522,7 @@ def test_weight_casts_are_kept_once_a_step_by_blocks_without_recompute():
     config.num_hidden_layers = 3
     torch.manual_seed(0)
     model = build_model(config, device="cpu")
+    share_sibling_casts(model)  # as the runtime runs it: q, k, v (gate, up) share one cast of their input
     batch = make_example_inputs(model, 2, 32, seed=0)
     first, second = _saved_per_block(model, batch, 2)
     meta = build_model(config, device="meta")

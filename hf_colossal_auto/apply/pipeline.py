@@ -402,6 +402,7 @@ def _run_plan_in_stages(
         planned_forward,
         tensor_parallel_mesh,
     )
+    from .shared_casts import share_sibling_casts
 
     sharded = not plan.runs_on_plain_tensors  # FSDP without tensor parallelism: plain stages, FSDP2 below
     held = dict(model.named_modules())
@@ -412,6 +413,7 @@ def _run_plan_in_stages(
         install_placement_hooks(model, plan, mesh)
         install_sdpa_mask_placement()
         install_aux_loss_region(model)  # MoE: the last stage's copy of the model computes the aux loss too
+    share_sibling_casts(model)  # after the placement hooks (apply/shared_casts.py)
     recomputed = apply_recompute(model, plan)
     install_replica_rng(model, mesh, recomputed=bool(recomputed))
     for stage in stages:

@@ -72,6 +72,7 @@ from .plan_mismatch import PlanMismatchError
 from .pretrained import install_save_pretrained, load_pretrained
 from .recompute import apply_recompute
 from .rng import agreed_forward, fused_attention_dropout_region, install_replica_rng
+from .shared_casts import share_sibling_casts
 
 logger = logging.getLogger(__name__)
 
@@ -577,6 +578,7 @@ def apply_plan(
         _distribute(model, plan, mesh)
     if plan.cp_size > 1:  # sequences split over the cp axis (the outermost forward wrapper)
         install_context_parallel(model, plan, mesh)
+    share_sibling_casts(model)  # after the placement hooks: the cast of the copy each projection reads
     # inside FSDP's per-block hooks, as torchtitan orders AC and FSDP
     recomputed = apply_recompute(model, plan)
     install_replica_rng(model, mesh, recomputed=bool(recomputed))

@@ -88,11 +88,16 @@ class OpNode:
     mutates: bool = False
     """An in-place op (``bernoulli_``, ``add_``, ``copy_``): its outputs alias its inputs, yet it runs a kernel
     over them, so it costs time where a view costs none."""
+    shared_with: int | None = None
+    """A sibling projection's cast of the same input that the runtime makes once and shares (the index of the
+    node that makes it, :mod:`hf_colossal_auto.capture.shared_casts`): this one allocates nothing and runs no
+    kernel, its output an alias in that node's storage."""
 
     @property
     def launches_kernel(self) -> bool:
-        """False only for a pure view (``view``, ``t``, ``detach``): no kernel, no time on the device."""
-        return self.mutates or not self.is_view
+        """False for a pure view (``view``, ``t``, ``detach``) and a shared cast: no kernel, no time on the
+        device."""
+        return (self.mutates or not self.is_view) and self.shared_with is None
 
 
 @dataclass(frozen=True)

@@ -338,7 +338,7 @@ def _node_profiles(
             flops=n.flops,
             bytes_read=n.bytes_read,
             bytes_written=n.bytes_written,
-            output_bytes=sum(graph.values[v].nbytes for v in n.outputs) if not n.is_view else 0,
+            output_bytes=sum(graph.values[v].nbytes for v in n.outputs) if n.launches_kernel else 0,
             saved_bytes=mem.saved_bytes_per_node.get(n.index, 0),
             time_s=times[n.index],
             count=counts.get(n.index, 1),

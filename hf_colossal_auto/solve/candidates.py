@@ -15,6 +15,7 @@ from torch import nn
 from ..capture.batch_rows import TracesByRows
 from ..capture.graph import Phase, StepGraph, ValueKind
 from ..capture.moe import RoutingLoad
+from ..capture.shared_casts import share_sibling_casts
 from ..capture.tracer import trace_training_step
 from ..hardware import ClusterSpec, DeviceSpec, get_device
 from ..hardware.catalog import memory_budget_default
@@ -165,13 +166,17 @@ class _Planner:
         return self._graphs.get(self.batch // (dp * micro_batches))
 
     def _trace(self, rows: int) -> StepGraph:
-        return trace_training_step(
+        """The step as a planned model runs it: traced, then its sibling projections' input casts shared as the
+        runtime shares them under autocast (:mod:`hf_colossal_auto.capture.shared_casts`)."""
+        graph = trace_training_step(
             self.model,
             _first_rows(self.inputs, rows),
             mixed_precision=self.mixed_precision,
             optimizer=self.optimizer,
             device_kind=self.spec.kind,
         )
+        share_sibling_casts(graph)
+        return graph
 
     def any_graph(self, dp: int, micro_batches: int = 1) -> StepGraph:
         """A step at hand already, else the one of ``graph(dp, micro_batches)``: for what does not depend on the
