@@ -185,7 +185,8 @@ def test_megatron_sp_collectives_at_a_short_sequence_are_the_predicted_ones(pres
 
 def test_local_region_skips_the_plans_hooks_inside_and_restores_its_parameters():
     """After a step the listed modules hold their DTensor parameters again (swapped only for the forward), and
-    no placement hook was installed on a module inside them (they act on DTensors)."""
+    no placement hook was installed on a module inside them (they act on DTensors); the projections' shared-cast
+    hooks (``apply/shared_casts.py``, plain tensors or DTensors alike) are the only ones there."""
     model = _model("tiny-llama")
     batch = make_example_inputs(model, 4, 16)
     plan = _megatron(model, batch)
@@ -196,7 +197,9 @@ def test_local_region_skips_the_plans_hooks_inside_and_restores_its_parameters()
         assert all(isinstance(p, DTensor) for p in module.parameters()), fqn
         for name, sub in module.named_modules():
             if name:  # the module's own output hook stays: it places the region's output as planned
-                assert not sub._forward_pre_hooks and not sub._forward_hooks, f"{fqn}.{name}"
+                pre = [h.__qualname__ for h in sub._forward_pre_hooks.values()]
+                assert all(q.startswith("_cast_input_hook.") for q in pre), f"{fqn}.{name}: {pre}"
+                assert not sub._forward_hooks, f"{fqn}.{name}"
 
 
 def _refusal(plan, model) -> str:
