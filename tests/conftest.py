@@ -49,3 +49,21 @@ def _no_leaked_process_group():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def two_ranks():
+    """Two ranks simulated in this process (a fake process group, ``LocalTensorMode``): their 1-D CPU mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    fake_process_group(2)
+    try:
+        with local_tensor_mode(2):
+            yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()

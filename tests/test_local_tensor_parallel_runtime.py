@@ -53,9 +53,11 @@ def _megatron(model: nn.Module, batch: dict, kind: str = "megatron"):
     return evaluate_plan(model, batch, kind, num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
 
 
-def _step_on_two_simulated_ranks(model: nn.Module, plan, batch: dict) -> tuple[float, dict, dict[str, int]]:
+def _step_on_two_simulated_ranks(
+    model: nn.Module, plan, batch: dict, autocast: bool = False
+) -> tuple[float, dict, dict[str, int]]:
     """``plan`` applied on 2 simulated ranks (LocalTensorMode): the loss, each parameter's full gradient and the
-    collectives of one forward + backward by kind."""
+    collectives of one forward (under bf16 autocast with ``autocast``) + backward by kind."""
     if dist.is_initialized():
         dist.destroy_process_group()
     fake_process_group(2)
@@ -63,7 +65,8 @@ def _step_on_two_simulated_ranks(model: nn.Module, plan, batch: dict) -> tuple[f
         with local_tensor_mode(2):
             apply_plan(model, plan, build_mesh(plan, "cpu"))
             with comm_debug_mode() as comm:
-                loss = model(**batch).loss
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = model(**batch).loss
                 loss.backward()
             value = (loss.reconcile() if hasattr(loss, "reconcile") else loss).item()
             grads = {}
@@ -331,3 +334,25 @@ def test_pipeline_stages_run_local_regions(tmp_path):
         assert local["collectives"] == dtensor["collectives"] and local["collectives"], local["collectives"]
         assert dtensor["dtensor_ops_in_listed_forwards"] > 0 and local["dtensor_ops_in_listed_forwards"] == 0
         assert local["dtensor_ops"] < dtensor["dtensor_ops"] / 2
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["dtensors", "local-regions"])
+def test_a_tensor_parallel_step_under_autocast_is_unchanged_by_the_shared_casts(local, monkeypatch):
+    """Megatron's layout under bf16 autocast, on DTensors and on local shards: the projections' shared casts
+    (``apply/shared_casts.py``) leave the loss and every gradient bit for bit as the same plan without them."""
+    from hf_colossal_auto.apply import runtime
+
+    reference = _model("tiny-llama")
+    batch = make_example_inputs(reference, 4, 16, seed=0)
+    plan = _megatron(reference, batch)
+    if local:
+        plan.local_modules = _attention_and_mlp(reference)
+    model = copy.deepcopy(reference)
+    shared = _step_on_two_simulated_ranks(model, plan, batch, autocast=True)
+    hooks = [h.__qualname__ for h in model.model.layers[0].self_attn.k_proj._forward_pre_hooks.values()]
+    assert any(q.startswith("_cast_input_hook.") for q in hooks)  # the shared casts ran
+    monkeypatch.setattr(runtime, "share_sibling_casts", lambda model: 0)
+    plain = _step_on_two_simulated_ranks(copy.deepcopy(reference), plan, batch, autocast=True)
+    assert shared[0] == plain[0] and shared[2] == plain[2]
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(shared[1][name], grad, rtol=0, atol=0, msg=name)

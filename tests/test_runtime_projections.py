@@ -7,28 +7,12 @@ the plan priced gathering the input. These tests hold the runtime to the plan's 
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode
 from hf_colossal_auto.apply.enforce import enforce_projection_inputs
 from hf_colossal_auto.apply.simulate import _CollectiveRecorder
-
-
-@pytest.fixture
-def two_ranks():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    fake_process_group(2)
-    try:
-        with local_tensor_mode(2):
-            yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _sharded(dense: nn.Linear, mesh, dim: int) -> nn.Linear:

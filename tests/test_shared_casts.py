@@ -8,13 +8,11 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hf_colossal_auto import plan_model
-from hf_colossal_auto._torch_compat import fake_process_group, local_tensor_mode, simulated_rank_tensors
+from hf_colossal_auto._torch_compat import simulated_rank_tensors
 from hf_colossal_auto.apply.enforce import enforce_projection_inputs
 from hf_colossal_auto.apply.recompute import apply_recompute
 from hf_colossal_auto.apply.shared_casts import share_sibling_casts
@@ -120,18 +118,6 @@ def test_the_capture_is_rewritten_only_where_the_runtime_shares():
     assert share_in_graph(graph) == 0
 
 
-@pytest.fixture
-def two_ranks():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    fake_process_group(2)
-    try:
-        with local_tensor_mode(2):
-            yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
-
-
 class _Attention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -190,54 +176,3 @@ def test_tensor_parallel_siblings_gather_once_and_cast_once(two_ranks):
     assert plain[1] == 3 and shared[1] == 1  # three casts of the gathered input kept, then one
     for a, b in zip(plain[2:], shared[2:], strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
-
-
-def _planned_step_under_autocast(model: nn.Module, plan, batch: dict) -> tuple[torch.Tensor, dict]:
-    """``plan`` applied on 2 simulated ranks, one bf16-autocast forward + backward: the loss and full gradients."""
-    from hf_colossal_auto.apply import apply_plan
-    from hf_colossal_auto.apply.runtime import build_mesh
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    fake_process_group(2)
-    try:
-        with local_tensor_mode(2):
-            apply_plan(model, plan, build_mesh(plan, "cpu"))
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(**batch).loss
-            loss.backward()
-            value = loss.full_tensor() if isinstance(loss, DTensor) else loss
-            value = (value.reconcile() if hasattr(value, "reconcile") else value).detach().clone()
-            grads = {}
-            for name, p in model.named_parameters():
-                grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                grads[name] = (grad.reconcile() if hasattr(grad, "reconcile") else grad).clone()
-    finally:
-        dist.destroy_process_group()
-    return value, grads
-
-
-@pytest.mark.parametrize("local", [False, True], ids=["dtensors", "local-regions"])
-def test_a_planned_tensor_parallel_step_under_autocast_is_unchanged(local, monkeypatch):
-    """Megatron's layout on 2 simulated ranks under bf16 autocast, on DTensors and with the attention and MLP run
-    on local shards (``Plan.local_modules``): the shared casts leave the loss and every gradient bit for bit as
-    the same plan without them."""
-    from hf_colossal_auto.apply import runtime
-    from hf_colossal_auto.solve.planner import evaluate_plan
-
-    torch.manual_seed(0)
-    reference = build_model("tiny-llama", device="cpu")
-    reference.eval()  # no dropout
-    batch = make_example_inputs(reference, 4, 16, seed=0)
-    plan = evaluate_plan(reference, batch, "megatron", num_devices=2, device="cpu", mesh_shape=(1, 2)).plan
-    if local:
-        plan.local_modules = [n for n, _ in reference.named_modules() if n.endswith((".self_attn", ".mlp"))]
-    model = copy.deepcopy(reference)
-    shared = _planned_step_under_autocast(model, plan, batch)
-    hooks = [h.__qualname__ for h in model.model.layers[0].self_attn.k_proj._forward_pre_hooks.values()]
-    assert any(q.startswith("_cast_input_hook.") for q in hooks)  # the shared casts ran
-    monkeypatch.setattr(runtime, "share_sibling_casts", lambda model: 0)
-    plain = _planned_step_under_autocast(copy.deepcopy(reference), plan, batch)
-    torch.testing.assert_close(shared[0], plain[0], rtol=0, atol=0)
-    for name, grad in plain[1].items():
-        torch.testing.assert_close(shared[1][name], grad, rtol=0, atol=0, msg=name)
