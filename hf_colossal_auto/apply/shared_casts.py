@@ -60,11 +60,8 @@ class _SiblingCasts:
         self.made: dict[tuple[int, torch.dtype, bool], _Made] = {}
 
     def get(self, x: torch.Tensor, dtype: torch.dtype) -> _Made:
-        key = (
-            id(x),
-            dtype,
-            torch.is_grad_enabled(),
-        )  # a no-grad cast is not reused by a forward that records
+        # a no-grad cast is not reused by a forward that records
+        key = (id(x), dtype, torch.is_grad_enabled())
         if key not in self.made:
             with torch.no_grad():
                 self.made[key] = _Made(x, x.to(dtype))
