@@ -13,7 +13,9 @@ Levers (each patches the figures ``solve/pipeline/pricing._Pricer.inner`` hands 
   of ``o_proj`` / ``down_proj``) and pays no rerun for it. Built since as the ``;rerun=`` twin of
   ``selective:pointwise`` (in the baseline), which pays its reruns (``o_proj``'s matmul): this lever now shows
   what those reruns cost;
-* ``casts``: a block without recompute keeps no bf16 cast of a projection's weight or input per micro-batch;
+* ``casts``: a block without recompute keeps no bf16 cast of a projection's weight or input per micro-batch (the
+  part built: sibling projections share one cast of their input, ``apply/shared_casts.py``, in the baseline; the
+  weight casts are held once a step, not per micro-batch);
 * ``all``: bf16-sends and partial together; ``baseline``: nothing patched (today's plan).
 
 The split-backward levers of earlier sessions are gone: ``one-rerun`` is built (``apply/shared_rerun``: the
