@@ -176,3 +176,34 @@ def test_tensor_parallel_siblings_gather_once_and_cast_once(two_ranks):
     assert plain[1] == 3 and shared[1] == 1  # three casts of the gathered input kept, then one
     for a, b in zip(plain[2:], shared[2:], strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_the_rewrite_holds_for_folded_blocks():
+    """The planner traces a few copies of a run of identical blocks and replays them (``profile.memory.unroll``):
+    rewritten, the folded step's memory timeline equals the rewritten full trace's, peak and end of forward."""
+    from hf_colossal_auto.models import load_config
+    from hf_colossal_auto.profile.memory import unroll
+
+    config = load_config("tiny-llama")
+    config.num_hidden_layers = 8
+    model = build_model(config)
+    batch = make_example_inputs(model, 2, 16)
+
+    def timeline(fold: bool) -> tuple[int, int, int]:
+        graph = trace_training_step(model, batch, mixed_precision="bf16", fold_blocks=fold)
+        assert bool(graph.block_runs) == fold
+        aliases = share_in_graph(graph)
+        step = unroll(graph)
+        first_backward = next(i for i, n in enumerate(step.order) if graph.nodes[n].phase is Phase.BACKWARD)
+        live = peak = step.initial_bytes
+        at_end = None
+        for position, delta, _ in step.events:
+            if at_end is None and position >= first_backward:
+                at_end = live
+            live += delta
+            peak = max(peak, live)
+        return aliases, peak, at_end
+
+    (traced, *full), (folded, *replayed) = timeline(False), timeline(True)
+    assert traced == 3 * 8 and 0 < folded < traced  # three casts shared a block, in the traced blocks only
+    assert replayed == full
