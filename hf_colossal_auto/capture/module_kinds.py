@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+PROJECTION_TYPES = ("Linear", "Conv1D")
+"""The class names (``StepGraph.module_types``) of the modules :func:`projection_dims` recognises: what the
+runtime's projection hooks act on (redistributed inputs, shared casts) and the planner prices as projections."""
+
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 

@@ -17,10 +17,9 @@ import dataclasses
 from collections import Counter, defaultdict
 
 from .graph import MemoryEvent, OpNode, Phase, StepGraph, ValueKind
+from .module_kinds import PROJECTION_TYPES
 
 _CAST = "aten._to_copy.default"
-_PROJECTIONS = ("Linear", "Conv1D")
-"""Module classes the runtime hooks (``capture.module_kinds.projection_dims``: ``nn.Linear``, GPT-2's ``Conv1D``)."""
 
 
 def _input_casts(graph: StepGraph) -> dict[tuple[int, str, str], list[OpNode]]:
@@ -28,7 +27,7 @@ def _input_casts(graph: StepGraph) -> dict[tuple[int, str, str], list[OpNode]]:
     parents with two or more projection children (the runtime's hooks)."""
     children: dict[str, set[str]] = defaultdict(set)
     for module, kind in graph.module_types.items():
-        if kind in _PROJECTIONS and module:
+        if kind in PROJECTION_TYPES and module:
             children[module.rpartition(".")[0]].add(module)
     groups: dict[tuple[int, str, str], list[OpNode]] = defaultdict(list)
     for node in graph.nodes:
@@ -41,7 +40,7 @@ def _input_casts(graph: StepGraph) -> dict[tuple[int, str, str], list[OpNode]]:
             continue
         module = node.module
         parent = module.rpartition(".")[0]
-        if graph.module_types.get(module) not in _PROJECTIONS or not parent or len(children[parent]) < 2:
+        if graph.module_types.get(module) not in PROJECTION_TYPES or not parent or len(children[parent]) < 2:
             continue
         source = graph.values[node.inputs[0]]
         if source.kind in (ValueKind.PARAM, ValueKind.BUFFER):

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..capture.graph import OpNode, StepGraph, ValueKind
+from ..capture.module_kinds import PROJECTION_TYPES
 from ..strategies.moe import EXPERT_REGION
 from ..strategies.placements import Strategy, is_partial, is_shard
 from .build.names import _node_name, _param_node_name
@@ -17,7 +18,7 @@ from .pricing.comm import gradient_at_producer
 from .problem import (
     FollowsInputs,
 )
-from .tied import PROJECTION_TYPES, TiedGraph, forward_producers
+from .tied import TiedGraph, forward_producers
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from ..capture.graph import Phase, StepGraph
+from ..capture.module_kinds import PROJECTION_TYPES
 from ..strategies.placements import Strategy
 from .baselines import tensor_parallel_modules
-from .tied import PROJECTION_TYPES
 
 if TYPE_CHECKING:
     from .candidates import _Planner

@@ -7,6 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..capture.graph import Phase, StepGraph, ValueKind
+from ..capture.module_kinds import PROJECTION_TYPES
 
 
 @dataclass
@@ -70,11 +71,6 @@ def forward_producers(graph: StepGraph) -> dict[int, tuple[int, int]]:
         if n.phase is Phase.FORWARD
         for pos, vid in enumerate(n.outputs)
     }
-
-
-PROJECTION_TYPES = ("Linear", "Conv1D")
-"""Module classes whose input the runtime redistributes in a pre-hook and shares between them
-(:func:`hf_colossal_auto.apply.enforce.enforce_projection_inputs`)."""
 
 
 def shared_projection_inputs(graph: StepGraph, tied: TiedGraph) -> dict[tuple[int, int], str]:
