@@ -23,6 +23,12 @@ input pass's rerun serves the weight pass, its tensors priced as held until then
 ``pp`` micro-batches between the two passes, 32 at 405B, so the scale plans keep interleaved 1F1B), and
 ``full-backward`` changed nothing.
 
+Forcing a schedule the search rejects, to see what it would need: ``--schedule interleaved-zero-bubble:4`` offers only
+that schedule with that many stages a rank, ``--pipeline 16`` fixes the degree, ``--budget 300GiB`` lets it fit,
+and ``--weight-pass-rerun F`` scales what a stage holds of its blocks' rerun from the input pass to the weight pass
+(``F=0``: none of the rerun's tensors held; the outputs' gradients the weight pass reads and the kept activations
+stay). With ``--schedule`` the per-rank peaks are printed too.
+
 Prints the plan (pp, schedule, micro-batches, mesh, recompute counts), its step time and MFU (the model FLOPs of
 ``bench_planner.py --scale``), its peak, and each pp rank's predicted activation bytes at its peak. Why: the
 planner's own cost model says which runtime change is worth building first (docs/benchmarks.md).
@@ -43,7 +49,7 @@ from bench_planner import MIXED, SCALE_CASES, SCALE_DEVICE, _model_flops_per_tok
 from hf_colossal_auto.hardware import get_device  # noqa: E402
 from hf_colossal_auto.models import build_model, make_example_inputs  # noqa: E402
 from hf_colossal_auto.solve.build.names import MemoryRow, memory_row_name  # noqa: E402
-from hf_colossal_auto.solve.pipeline import pricing  # noqa: E402
+from hf_colossal_auto.solve.pipeline import cut, pricing  # noqa: E402
 from hf_colossal_auto.solve.planner import plan_model  # noqa: E402
 from hf_colossal_auto.solve.writeup import _real_modules  # noqa: E402
 
@@ -99,18 +105,51 @@ def patch(lever: str) -> None:
     pricing._Pricer.inner = inner
 
 
+def force_schedule(text: str) -> None:
+    """Offer only ``schedule:stages_a_rank`` to the pipeline search."""
+    from hf_colossal_auto.solve.pipeline import search
+
+    schedule, _, virtual = text.partition(":")
+    offered = search._schedules_for
+
+    def only(num_blocks: int, pp: int, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
+        return [o for o in offered(num_blocks, pp, schedules) if o == (schedule, int(virtual or 1))]
+
+    search._schedules_for = only
+
+
+def scale_weight_pass_rerun(factor: float) -> None:
+    """Scale what a stage holds of its blocks' rerun from the input to the weight pass (``cut._stage_rematerialised``,
+    read by the schedule simulation's ``weight_grad_bytes``)."""
+    original = cut._stage_rematerialised
+    cut._stage_rematerialised = lambda costs, counts, levels: [
+        x * factor for x in original(costs, counts, levels)
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--case", choices=tuple(SCALE_CASES), default="llama3-405b")
     p.add_argument("--lever", choices=LEVERS, default="baseline")
+    p.add_argument("--schedule", help="offer only SCHEDULE:STAGES_A_RANK (e.g. interleaved-zero-bubble:4)")
+    p.add_argument("--pipeline", type=int, help="fix the pp degree (default: searched)")
+    p.add_argument("--budget", help="per-device memory budget (default: the device's)")
+    p.add_argument(
+        "--weight-pass-rerun", type=float, default=1.0, help="scale of the rerun held to the weight pass"
+    )
     args = p.parse_args()
     patch(args.lever)
+    if args.schedule:
+        force_schedule(args.schedule)
+    if args.weight_pass_rerun != 1.0:
+        scale_weight_pass_rerun(args.weight_pass_rerun)
     preset, batch, seq, devices, per_node = SCALE_CASES[args.case]
     model = build_model(preset, device="meta")
     inputs = make_example_inputs(model, batch, seq, device="meta")
     started = time.perf_counter()
-    plan = plan_model(model, inputs, pipeline=None, num_devices=devices, device=SCALE_DEVICE,
-                      devices_per_node=per_node, mixed_precision=MIXED, time_limit_s=60.0)  # fmt: skip
+    plan = plan_model(model, inputs, pipeline=args.pipeline, num_devices=devices, device=SCALE_DEVICE,
+                      devices_per_node=per_node, mixed_precision=MIXED, time_limit_s=60.0,
+                      memory_budget=args.budget)  # fmt: skip
     flops = _model_flops_per_token(model, seq) * batch * seq
     mfu = flops / (plan.step_time_s * devices * get_device(SCALE_DEVICE).peak_flops["bfloat16"])
     print(
@@ -122,6 +161,9 @@ def main() -> None:
     activations = plan.solver.get("rank_activation_bytes")
     if activations:
         print("activations at each pp rank's peak, GiB:", [round(b / GIB, 1) for b in activations])
+    peaks = plan.solver.get("rank_peak_memory_bytes")
+    if args.schedule and peaks:
+        print("each pp rank's peak, GiB:", [round(b / GIB, 1) for b in peaks])
 
 
 if __name__ == "__main__":
