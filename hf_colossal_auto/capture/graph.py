@@ -220,6 +220,15 @@ class StepGraph:
             return Segment(start, start)
         return Segment(idx[0], idx[-1] + 1)
 
+    def made_inside(self, vid: int, module: str) -> bool:
+        """Whether value ``vid`` was made by an op of ``module`` or of a module inside it: not one of that
+        module's inputs (the value a projection's runtime hooks act on is its module input)."""
+        producer = self.values[vid].producer
+        if producer is None:
+            return False
+        made_in = self.nodes[producer].module
+        return made_in == module or made_in.startswith(module + ".")
+
     def repeat_of_node(self) -> list[int]:
         """How many blocks each traced node stands for (1, or ``1 + repeat`` inside a representative)."""
         counts = [1] * len(self.nodes)

@@ -45,10 +45,8 @@ def _input_casts(graph: StepGraph) -> dict[tuple[int, str, str], list[OpNode]]:
         source = graph.values[node.inputs[0]]
         if source.kind in (ValueKind.PARAM, ValueKind.BUFFER):
             continue  # a weight: autocast's own cache
-        if source.producer is not None:
-            made_in = graph.nodes[source.producer].module
-            if made_in == module or made_in.startswith(module + "."):
-                continue  # made inside the projection: not its module input
+        if graph.made_inside(source.id, module):
+            continue  # made inside the projection: not its module input
         groups[(source.id, parent, graph.values[node.outputs[0]].dtype)].append(node)
     return {key: nodes for key, nodes in groups.items() if len(nodes) > 1}
 

@@ -88,8 +88,7 @@ def shared_projection_inputs(graph: StepGraph, tied: TiedGraph) -> dict[tuple[in
             value = graph.values[vid]
             if value.kind is ValueKind.PARAM or value.producer is None:
                 continue
-            made_in = graph.nodes[value.producer].module
-            if made_in == module or made_in.startswith(module + "."):
+            if graph.made_inside(vid, module):
                 continue  # made inside the projection: not its module input
             uses[(vid, module.rpartition(".")[0])].append((i, k))
     shared: dict[tuple[int, int], str] = {}
