@@ -131,6 +131,51 @@ def viewed_param(
     return params[0] if len(params) == len(node.inputs) == 1 else None
 
 
+def _passes_gradient(graph: StepGraph, node) -> bool:
+    """Whether a partial gradient passes back through ``node`` unreduced: a view, or a cast from one floating
+    dtype to another (autocast's ``_to_copy``): DTensor keeps a partial placement through such a cast (it
+    commutes with the sum), and the runtime's gathered copies sit before it, so the partial gradient meets
+    the other uses' at the value cast."""
+    if node.is_view:
+        return True
+    if node.op != "aten._to_copy.default" or len(node.inputs) != 1 or len(node.outputs) != 1:
+        return False
+    src, out = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    return src.shape == out.shape and src.dtype.startswith(_FLOATING) and out.dtype.startswith(_FLOATING)
+
+
+def gradient_root(graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, int]], vid: int) -> int:
+    """Where a partial gradient arriving at ``vid`` is reduced: back through views and floating-point casts
+    (:func:`_passes_gradient`) to the value they start from, summed there with that value's other uses (q, k
+    and v each cast one normed input under autocast; the runtime reduces their summed gradient once, in the
+    input's dtype). :func:`view_root` without the casts is what the memory and parameter-node rules read."""
+    while vid in producer and producer[vid][0] in tied.canonical:
+        node = graph.nodes[producer[vid][0]]
+        ins = [v for v in node.inputs if graph.values[v].kind is not ValueKind.PARAM]
+        if not _passes_gradient(graph, node) or len(ins) != 1 or ins[0] not in producer:
+            break
+        if producer[ins[0]][0] not in tied.canonical:
+            break
+        vid = ins[0]
+    return vid
+
+
+def reduced_param(
+    graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, int]], root: int
+) -> int | None:
+    """The parameter a :func:`gradient_root` is a view or a cast of (a weight's low-precision copy under
+    autocast, gathered for use before it is cast), else None: the partial gradient is reduced straight to the
+    parameter's storage placement, in the parameter's dtype (:func:`viewed_param` for casts too)."""
+    src = producer.get(root)
+    if src is None or src[0] not in tied.canonical:
+        return None
+    node = graph.nodes[src[0]]
+    if not _passes_gradient(graph, node):
+        return None
+    params = [v for v in node.inputs if graph.values[v].kind is ValueKind.PARAM and graph.values[v].name]
+    return params[0] if len(params) == len(node.inputs) == 1 else None
+
+
 _FLOATING = ("float", "bfloat", "half", "complex")
 
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from ...capture.graph import ValueKind
 from ...strategies.placements import is_shard
-from ..pricing.comm import _edge_time_calls, _forward_time, _partial_gradient, redistribute
-from ..rules import _view_partial_to
-from ..tied import view_root, viewed_param
+from ..pricing.comm import (
+    _edge_time_calls,
+    _forward_time,
+    _partial_gradient,
+    gradient_at_producer,
+    redistribute,
+)
+from ..tied import gradient_root, reduced_param
 from .names import _node_name, _param_node_name
 
 
@@ -112,8 +117,9 @@ class _EdgesPart:
 
     def _add_activation_use(self, v_idx: int, k: int, vid: int) -> None:
         """Forward op -> consumer: the value redistributed from the producer's output placement to the one the
-        consumer reads, and its gradient back (a partial gradient passing back through a view is reduced where
-        the viewed value was made, shared among that value's readers). A module input shared by sibling
+        consumer reads, and its gradient back (a partial gradient passing back through views and casts is
+        reduced where the value they start from was made, shared among that value's readers:
+        :meth:`_root_partial`, :meth:`_storage_partial`). A module input shared by sibling
         projections is redistributed once for all of them: its forward part is priced by
         :meth:`_add_shared_copy` instead. When the consumer can be recomputed, the forward part is also noted
         for the rerun. A value between two copies of one tied node costs nothing."""
@@ -131,9 +137,10 @@ class _EdgesPart:
         u_c = tied.canonical[u_idx]
         u_strats = self.strat_of[_node_name(u_c)]
         is_shared = (v_idx, k) in self.shared_uses
-        root = view_root(graph, tied, self.producer, vid)
-        through_view = root != vid and graph.nodes[u_idx].is_view
-        of_param = self._storage_partial(v_idx, k, vid, root)
+        root = gradient_root(graph, tied, self.producer, vid)
+        reduced_elsewhere = self._storage_partial(v_idx, k, vid, root) or (
+            root != vid and self._root_partial(v_idx, k, vid, root)
+        )
 
         priced = [
             [
@@ -144,10 +151,9 @@ class _EdgesPart:
                     value.nbytes,
                     axis,
                     tp_comm,
-                    consumers=self.readers[root] if through_view else self.readers[vid],
+                    consumers=self.readers[vid],
                     forward=not is_shared,
-                    partial_to=_view_partial_to(us, axis) if through_view else None,
-                    partial_elsewhere=of_param,
+                    partial_elsewhere=reduced_elsewhere,
                     needs_grad=vid in self.grads,
                 )
                 for s in v_strats
@@ -170,17 +176,18 @@ class _EdgesPart:
             self._add_forward(_node_name(u_c), _node_name(v_c), forward)
 
     def _storage_partial(self, v_idx: int, k: int, vid: int, root: int) -> bool:
-        """A use whose partial gradient is reduced to a parameter's storage placement (``root`` is a view of
-        the parameter, :func:`viewed_param`): prices that reduction on an edge parameter -> consumer, the two
-        choices it depends on (the consumer's strategy makes the gradient partial, the storage says where it
-        is reduced to), and says so (the view -> consumer edge then leaves it out)."""
-        pvid = viewed_param(self.graph, self.tied, self.producer, root)
+        """A use whose partial gradient is reduced to a parameter's storage placement (``root`` is a view or a
+        cast of the parameter, :func:`reduced_param`): prices that reduction, in the parameter's dtype, on an
+        edge parameter -> consumer, the two choices it depends on (the consumer's strategy makes the gradient
+        partial, the storage says where it is reduced to), and says so (the view -> consumer edge then leaves
+        it out)."""
+        pvid = reduced_param(self.graph, self.tied, self.producer, root)
         if pvid is None or vid not in self.grads:
             return False
         pname = _param_node_name(self.tied.canonical_param(self.graph.values[pvid].name))
         if pname not in self.param_options:
             return False
-        axis, nbytes = self.axis, self.graph.values[vid].nbytes
+        axis, nbytes = self.axis, self.graph.values[pvid].nbytes
         w = self.tied.weight[v_idx]
         v_name = _node_name(self.tied.canonical[v_idx])
         share = 1.0 / self.readers[root]
@@ -195,6 +202,42 @@ class _EdgesPart:
             for o in self.param_options[pname]
         ]
         self._add_edge(pname, v_name, *_weighted_pairs(priced, w * share))
+        return True
+
+    def _root_partial(self, v_idx: int, k: int, vid: int, root: int) -> bool:
+        """A use whose partial gradient passes back through views and casts to ``root`` (an activation,
+        :func:`gradient_root`) and is reduced there, once, with the other uses' (q, k and v of one normed input:
+        one reduction, in the input's dtype): prices that reduction on an edge root's producer -> consumer, the
+        two choices it depends on (the consumer's strategy makes the gradient partial, the producer's output
+        placement is where it is reduced to), a ``1 / readers`` share per use, and says so (the edge into the
+        consumer then leaves it out). False where no gradient reaches ``vid`` or the root is made by no op
+        of the problem."""
+        made = self.producer.get(root)
+        if made is None or vid not in self.grads or made[0] not in self.tied.canonical:
+            return False
+        u_c, pos = self.tied.canonical[made[0]], made[1]
+        v_c = self.tied.canonical[v_idx]
+        if u_c == v_c:
+            return False
+        axis, nbytes = self.axis, self.graph.values[root].nbytes
+        u_name, v_name = _node_name(u_c), _node_name(v_c)
+        partial = [_partial_gradient(s, k, axis) for s in self.strat_of[v_name]]
+        priced = [
+            [
+                _reduction(
+                    redistribute(
+                        "P", gradient_at_producer(us.output_placements[pos][axis]), nbytes, self.tp_comm
+                    )
+                )
+                if p
+                else (0.0, 0.0)
+                for p in partial
+            ]
+            for us in self.strat_of[u_name]
+        ]
+        if any(t for row in priced for t, _ in row):  # nothing to reduce on one device: no edge
+            share = self.tied.weight[v_idx] / self.readers[root]
+            self._add_edge(u_name, v_name, *_weighted_pairs(priced, share))
         return True
 
     def _add_shared_copy(self, v_idx: int, k: int, vid: int, u_c: int, pos: int) -> None:

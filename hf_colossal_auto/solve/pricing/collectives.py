@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from ...hardware.skew import sync_wait
 from ...strategies.placements import is_shard
 from ..build.names import _node_name, _param_node_name
-from ..tied import differentiable_values, forward_producers, shared_projection_inputs, view_root, viewed_param
+from ..tied import (
+    differentiable_values,
+    forward_producers,
+    gradient_root,
+    reduced_param,
+    shared_projection_inputs,
+)
 from .comm import (
     SHARDED_DP_MODES,
     boundary_reshardings,
@@ -224,8 +230,8 @@ def _tensor_parallel_collectives(
             outs = tuple(p[0] for p in strat.output_placements)
             grad_from = gradient_at_consumer(dst, splits_work(ins, outs))
             if grad_from == "P" and not is_param:
-                partial_roots[view_root(graph, tied, producer, vid)] = (
-                    w  # reduced once where the viewed value was made
+                partial_roots[gradient_root(graph, tied, producer, vid)] = (
+                    w  # reduced once where the viewed (or cast) value was made
                 )
                 continue
             grad_to = src if is_param and is_shard(src) else gradient_at_producer(src)
@@ -244,15 +250,17 @@ def _tensor_parallel_collectives(
             counts[kind] += w
             nbytes[kind] += w * _given_bytes(kind, graph.values[vid].nbytes, tp)
     for vid, w in partial_roots.items():
-        # a view of a parameter (a gathered weight's transpose): reduced to the parameter's storage placement
-        pvid = viewed_param(graph, tied, producer, vid)
+        # a view or a cast of a parameter (a gathered weight's transpose): reduced to the parameter's storage
+        # placement, in its dtype
+        pvid = reduced_param(graph, tied, producer, vid)
         made = source(pvid) if pvid is not None else None
         src, is_param = made if made is not None else source(vid)
         grad_to = src if is_param and is_shard(src) else gradient_at_producer(src)
-        _, kind = redistribute("P", grad_to, graph.values[vid].nbytes, tp_comm)
+        size = graph.values[pvid if made is not None else vid].nbytes
+        _, kind = redistribute("P", grad_to, size, tp_comm)
         if kind:
             counts[kind] += w
-            nbytes[kind] += w * _given_bytes(kind, graph.values[vid].nbytes, tp)
+            nbytes[kind] += w * _given_bytes(kind, size, tp)
             if vid in producer:
                 backward_syncs.add(producer[vid][0])
     return counts, nbytes, forward_syncs, backward_syncs
