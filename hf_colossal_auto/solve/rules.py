@@ -14,6 +14,7 @@ from ..capture.module_kinds import PROJECTION_TYPES
 from ..strategies.moe import EXPERT_REGION
 from ..strategies.placements import Strategy, is_partial, is_shard
 from .build.names import _node_name, _param_node_name
+from .pricing.comm import gradient_at_producer
 from .problem import (
     FollowsInputs,
 )
@@ -380,3 +381,10 @@ def _same_strategy(planned: Strategy, chosen: Strategy) -> bool:
     return all(
         p is None or p == c for p, c in zip(planned.input_placements, chosen.input_placements, strict=True)
     )
+
+
+def _view_partial_to(view: Strategy, axis: int) -> str | None:
+    """Where a partial gradient arriving at a view's output is reduced to: its input's gradient placement."""
+    if not view.input_placements or view.input_placements[0] is None:
+        return None
+    return gradient_at_producer(view.input_placements[0][axis])

@@ -12,7 +12,8 @@ from ..pricing.comm import (
     gradient_at_producer,
     redistribute,
 )
-from ..tied import gradient_root, reduced_param
+from ..rules import _view_partial_to
+from ..tied import gradient_root, reduced_param, view_root
 from .names import _node_name, _param_node_name
 
 
@@ -117,9 +118,9 @@ class _EdgesPart:
 
     def _add_activation_use(self, v_idx: int, k: int, vid: int) -> None:
         """Forward op -> consumer: the value redistributed from the producer's output placement to the one the
-        consumer reads, and its gradient back (a partial gradient passing back through views and casts is
-        reduced where the value they start from was made, shared among that value's readers:
-        :meth:`_root_partial`, :meth:`_storage_partial`). A module input shared by sibling
+        consumer reads, and its gradient back (a partial gradient passing back through a view is reduced where
+        the viewed value was made, shared among that value's readers; through a cast too, priced apart:
+        :meth:`_root_partial`; to a parameter's storage: :meth:`_storage_partial`). A module input shared by sibling
         projections is redistributed once for all of them: its forward part is priced by
         :meth:`_add_shared_copy` instead. When the consumer can be recomputed, the forward part is also noted
         for the rerun. A value between two copies of one tied node costs nothing."""
@@ -137,9 +138,11 @@ class _EdgesPart:
         u_c = tied.canonical[u_idx]
         u_strats = self.strat_of[_node_name(u_c)]
         is_shared = (v_idx, k) in self.shared_uses
-        root = gradient_root(graph, tied, self.producer, vid)
+        root = view_root(graph, tied, self.producer, vid)
+        through_view = root != vid and graph.nodes[u_idx].is_view
+        cast_root = gradient_root(graph, tied, self.producer, vid)
         reduced_elsewhere = self._storage_partial(v_idx, k, vid, root) or (
-            root != vid and self._root_partial(v_idx, k, vid, root)
+            cast_root != root and self._root_partial(v_idx, k, vid, cast_root)
         )
 
         priced = [
@@ -151,8 +154,9 @@ class _EdgesPart:
                     value.nbytes,
                     axis,
                     tp_comm,
-                    consumers=self.readers[vid],
+                    consumers=self.readers[root] if through_view else self.readers[vid],
                     forward=not is_shared,
+                    partial_to=_view_partial_to(us, axis) if through_view else None,
                     partial_elsewhere=reduced_elsewhere,
                     needs_grad=vid in self.grads,
                 )
@@ -205,13 +209,15 @@ class _EdgesPart:
         return True
 
     def _root_partial(self, v_idx: int, k: int, vid: int, root: int) -> bool:
-        """A use whose partial gradient passes back through views and casts to ``root`` (an activation,
-        :func:`gradient_root`) and is reduced there, once, with the other uses' (q, k and v of one normed input:
-        one reduction, in the input's dtype): prices that reduction on an edge root's producer -> consumer, the
-        two choices it depends on (the consumer's strategy makes the gradient partial, the producer's output
-        placement is where it is reduced to), a ``1 / readers`` share per use, and says so (the edge into the
-        consumer then leaves it out). False where no gradient reaches ``vid`` or the root is made by no op
-        of the problem."""
+        """A use whose partial gradient passes back through a floating-point cast (and views) to ``root`` (an
+        activation, :func:`gradient_root`) and is reduced there, once, with the other uses' (under autocast q,
+        k and v each cast one normed input: one reduction, in the input's dtype): prices that reduction on an
+        edge root's producer -> consumer, the two choices it depends on (the consumer's strategy makes the
+        gradient partial, the producer's output placement is where it is reduced to; the cast reads the
+        runtime's copy, whose placement says nothing of it), a ``1 / readers`` share per use, and says so (the
+        edge into the consumer then leaves it out). False where no gradient reaches ``vid`` or the root is made
+        by no op of the problem. A chain of views alone is priced on the edge into the consumer, as the view
+        before it places it (:func:`edge_reshardings`' ``partial_to``): no edge more for the solver."""
         made = self.producer.get(root)
         if made is None or vid not in self.grads or made[0] not in self.tied.canonical:
             return False

@@ -246,6 +246,7 @@ def edge_reshardings(
     param: bool = False,
     consumers: int = 1,
     forward: bool = True,
+    partial_to: str | None = None,
     partial_elsewhere: bool = False,
     needs_grad: bool = True,
 ) -> list[tuple[float, str, float]]:
@@ -257,10 +258,12 @@ def edge_reshardings(
     ``consumers`` readers carries ``1/consumers`` of that reduction; exact when the readers agree (q, k and v
     projections of one normed input), an undercount when only some of them produce partial gradients.
     ``forward=False`` leaves the forward resharding out (a use in :func:`shared_projection_inputs`: priced
-    once for all its readers by a :class:`SharedCost`). ``partial_elsewhere``: a partial gradient passes back
-    through views and casts and is reduced where the value they start from was made, priced on another edge
-    (``_EdgesPart._root_partial``, ``_EdgesPart._storage_partial``), not here. A value that needs no gradient
-    (RoPE's cos/sin, masks) has no backward part.
+    once for all its readers by a :class:`SharedCost`). ``partial_to``: a partial gradient of a view passes
+    through it and is reduced where the viewed value was made, to this placement (``consumers`` then counts
+    that value's readers). ``partial_elsewhere``: a partial gradient is reduced to a parameter's storage, or
+    passes back through a cast to where the value cast was made, and is priced on another edge
+    (``_EdgesPart._storage_partial``, ``_EdgesPart._root_partial``), not here. A value that needs no
+    gradient (RoPE's cos/sin, masks) has no backward part.
     """
     spec = consumer.input_placements[k] if k < len(consumer.input_placements) else None
     dst = spec[axis] if spec is not None else src_place
@@ -276,6 +279,8 @@ def edge_reshardings(
     if grad_from == "P" and partial_elsewhere and spec is not None:
         return out
     grad_to = src_place if param and is_shard(src_place) else gradient_at_producer(src_place)
+    if grad_from == "P" and partial_to is not None:
+        grad_to = partial_to
     t, kind = redistribute(grad_from, grad_to, nbytes, comm)
     if kind:
         share = 1.0 / consumers if grad_from == "P" else 1.0
