@@ -96,18 +96,26 @@ def test_predicted_collectives_and_bytes_equal_what_the_runtime_runs(preset, kin
 
 @pytest.mark.parametrize(
     ("kind", "shape"),
-    [("megatron", (4, 64)), ("megatron-local", (4, 64)), ("megatron-sp-local", (1, 128))],
+    [("megatron", (4, 64)), ("megatron-local", (4, 64)), ("megatron-sp-local", (1, 128)), ("auto", (4, 64))],
 )
 def test_predicted_collectives_under_autocast_equal_what_the_runtime_runs(kind, shape):
     """Llama at hidden 256 on a 1 x 2 tensor-parallel mesh, planned for bf16 and run under autocast: q, k and v
     (gate and up) each cast the normed input, and their partial input gradients pass back through the casts
     and are reduced once, in fp32, where the input was made (an all-reduce, or a reduce-scatter under sequence
-    parallelism), as without autocast, not once per projection in bf16. Counts and bytes per kind, exactly."""
+    parallelism), as without autocast, not once per projection in bf16. The solver's own plan there splits the
+    head's input features: its partial logits are reduce-scattered at the head's boundary to the batch shard
+    the loss reads, and that shard, returned, is gathered (not the partial sum all-reduced). Counts and bytes
+    per kind, exactly."""
     model = wider_model("tiny-llama")
     batch = make_example_inputs(model, *shape, seed=0)
-    plan = evaluate_plan(
-        model, batch, kind, num_devices=2, device="cpu", mesh_shape=(1, 2), mixed_precision="bf16"
-    ).plan
+    if kind == "auto":
+        plan = plan_model(
+            model, batch, num_devices=2, device="cpu", mesh_shape=(1, 2), mixed_precision="bf16"
+        )
+    else:
+        plan = evaluate_plan(
+            model, batch, kind, num_devices=2, device="cpu", mesh_shape=(1, 2), mixed_precision="bf16"
+        ).plan
     predicted = {k: int(v) for k, v in plan.collectives.items() if not k.startswith("dp_") and v}
     predicted_bytes = {k: int(v) for k, v in plan.collective_bytes.items() if not k.startswith("dp_") and v}
     assert predicted.get("all_reduce", 0) + predicted.get("reduce_scatter", 0) > 0

@@ -61,8 +61,13 @@ class _CollectiveRecorder(TorchDispatchMode):
             return NotImplemented
         kind = _KINDS.get(func._overloadpacket.__name__)
         if kind is not None and func.namespace in ("_c10d_functional", "c10d_functional", "_dtensor"):
-            self.counts[kind] += 1
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if func._overloadpacket.__name__ == "shard_dim_alltoall" and first is not None and first.is_cpu:
+                # a CPU mesh runs it as an all-gather and a chunk (gloo has no all-to-all; torch's
+                # ``shard_dim_alltoall``), except under LocalTensorMode, which simulates ranks: count what a
+                # gloo run sends
+                kind = "all_gather"
+            self.counts[kind] += 1
             if first is not None:
                 self.bytes[kind] += first.numel() * first.element_size()
         return func(*args, **kwargs)

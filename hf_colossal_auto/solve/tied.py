@@ -98,6 +98,50 @@ def shared_projection_inputs(graph: StepGraph, tied: TiedGraph) -> dict[tuple[in
     return shared
 
 
+def returned_through_hook(graph: StepGraph, tied: TiedGraph, node: int) -> dict[int, tuple[int, int]]:
+    """Output position -> (forward node, input position) of the one op outside the node's module that reads
+    that output, for each output the model returns (its logits) where the node is its module's last forward op
+    and one op outside reads it: the runtime gives a partial sum of it the placement that reader takes it in,
+    at the module boundary (:func:`~.boundaries.reduced_where_read`), and returns *that* to the caller
+    (gathered there), not the partial sum (all-reduced). Empty for every other node."""
+    n = graph.nodes[node]
+    returned = set(graph.output_values).intersection(n.outputs)
+    if not returned or _last_forward_op(graph, tied).get(n.module) != node:
+        return {}
+    inside = (n.module, n.module + ".") if n.module else None
+    out: dict[int, tuple[int, int]] = {}
+    for pos, vid in enumerate(n.outputs):
+        if vid not in returned or inside is None:
+            continue  # the root module's output: no boundary between it and the caller
+        outside = [
+            (j, k)
+            for j in sorted(tied.canonical)
+            for k, read in enumerate(graph.nodes[j].inputs)
+            if read == vid
+            and not (graph.nodes[j].module == inside[0] or graph.nodes[j].module.startswith(inside[1]))
+        ]
+        if len(outside) == 1:
+            out[pos] = outside[0]
+    return out
+
+
+def _last_forward_op(graph: StepGraph, tied: TiedGraph) -> dict[str, int]:
+    """Module FQN -> the last canonical forward op run inside it or its children (what it returns; the module
+    output placements of a plan are read from it); kept on the graph."""
+    if "_last_forward_op" not in graph.__dict__:
+        last: dict[str, int] = {}
+        for i in sorted(tied.canonical):
+            if graph.nodes[i].outputs:
+                module = graph.nodes[i].module
+                while True:
+                    last[module] = i
+                    if not module:
+                        break
+                    module = module.rpartition(".")[0]
+        graph.__dict__["_last_forward_op"] = last
+    return graph.__dict__["_last_forward_op"]
+
+
 def view_root(graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, int]], vid: int) -> int:
     """The activation a chain of views starts from: a partial gradient passes back through views (a linear's
     flattening of its input) and is reduced once there, summed with the value's other uses."""

@@ -205,7 +205,12 @@ def _split_nodes(split: _TimeSplit, built: BuiltProblem, solution: Solution, tp_
                     t
                     for t, _, _ in (
                         boundary_reshardings(
-                            graph, graph.nodes[built.node_of_name[node.name]], strat, 0, tp_comm
+                            graph,
+                            graph.nodes[built.node_of_name[node.name]],
+                            strat,
+                            0,
+                            tp_comm,
+                            built.returned_as(node.name),
                         )
                         if strat is not None
                         else ()

@@ -67,12 +67,14 @@ from ..tied import (
     _weighted,
     differentiable_values,
     forward_producers,
+    returned_through_hook,
     shared_projection_inputs,
     value_readers,
 )
 from .edges import _EdgesPart
 from .expert_exchange import ExpertExchange, _ExpertExchangePart
 from .memory_rows import _MemoryRowsPart
+from .names import _node_name
 from .nodes import _NodesPart
 from .recompute import _RecomputePart
 
@@ -122,6 +124,13 @@ class BuiltProblem:
     """Canonical FQNs of the per-expert weights stored ``E/dp`` experts per data-parallel rank then."""
     local_modules: tuple[str, ...] = ()
     """The modules whose ops the problem prices as run on local shards (:attr:`Plan.local_modules`)."""
+    returned_via: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    """Op node name -> output position -> (reader, input position): returned outputs whose return to the caller
+    the edge to that reader prices, not the node (:func:`~..tied.returned_through_hook`)."""
+
+    def returned_as(self, name: str) -> dict[int, None]:
+        """``boundary_reshardings``' ``returned_as`` for the node's cost as built: those outputs left out."""
+        return dict.fromkeys(self.returned_via.get(name, {}))
 
 
 def build_problem(
@@ -307,6 +316,16 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         self.readers = value_readers(graph, self.tied)
         self.grads = differentiable_values(graph)
         self.shared_uses = shared_projection_inputs(graph, self.tied)
+        returned = set(graph.output_values)
+        self.returned_via: dict[tuple[int, int], tuple[int, int]] = {
+            reader: (c, pos)
+            for c in self.canon_nodes
+            if returned.intersection(graph.nodes[c].outputs)
+            for pos, reader in returned_through_hook(graph, self.tied, c).items()
+        }
+        """(reader, input position) -> (node, output position) of a returned output its module's boundary gives
+        that reader's placement before the model returns it (:func:`returned_through_hook`): the gather to the
+        caller is priced on the edge to the reader."""
         self.units = (
             find_units(graph, self.tied.canonical, recompute_layers) if recompute_layers is not None else []
         )
@@ -496,4 +515,11 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
             expert_data_parallel=self.expert_dp,
             expert_dp_params=frozenset(self.expert_dp_params),
             local_modules=self.local_modules,
+            returned_via=self._returned_by_node(),
         )
+
+    def _returned_by_node(self) -> dict[str, dict[int, tuple[int, int]]]:
+        out: dict[str, dict[int, tuple[int, int]]] = {}
+        for reader, (node, pos) in self.returned_via.items():
+            out.setdefault(_node_name(node), {})[pos] = reader
+        return out

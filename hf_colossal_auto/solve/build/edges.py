@@ -4,7 +4,7 @@ shared copy of a module input its sibling projections read alike."""
 from __future__ import annotations
 
 from ...capture.graph import ValueKind
-from ...strategies.placements import is_shard
+from ...strategies.placements import is_partial, is_shard
 from ..pricing.comm import (
     _edge_time_calls,
     _forward_time,
@@ -168,6 +168,8 @@ class _EdgesPart:
             self._add_shared_copy(v_idx, k, vid, u_c, pos)
         if u_c == v_c:
             return
+        if self.returned_via.get((v_idx, k)) == (u_idx, pos):
+            priced = self._returned_from_reader(priced, u_strats, v_strats, pos, k, value.nbytes)
         self._add_edge(_node_name(u_c), _node_name(v_c), *_weighted_pairs(priced, w))
         if v_c in self.unit_index_of:
             forward = [
@@ -178,6 +180,29 @@ class _EdgesPart:
                 for us in u_strats
             ]
             self._add_forward(_node_name(u_c), _node_name(v_c), forward)
+
+    def _returned_from_reader(
+        self, priced: list[list[tuple[float, float]]], u_strats, v_strats, pos: int, k: int, nbytes: float
+    ) -> list[list[tuple[float, float]]]:
+        """``priced`` plus the return to the caller of a partial output the module boundary gives this reader's
+        placement first (:attr:`returned_via`): gathered from that placement (left partial where the reader
+        takes it partial: all-reduced)."""
+        axis = self.axis
+        out = []
+        for us, row in zip(u_strats, priced, strict=True):
+            made = us.output_placements[pos][axis]
+            new_row = []
+            for s, (t, n) in zip(v_strats, row, strict=True):
+                if is_partial(made):
+                    spec = s.input_placements[k] if k < len(s.input_placements) else None
+                    read = spec[axis] if spec is not None else made
+                    seconds, kind = redistribute(
+                        made if is_partial(read) else read, "R", nbytes, self.tp_comm
+                    )
+                    t, n = t + seconds, n + (1.0 if kind else 0.0)
+                new_row.append((t, n))
+            out.append(new_row)
+        return out
 
     def _storage_partial(self, v_idx: int, k: int, vid: int, root: int) -> bool:
         """A use whose partial gradient is reduced to a parameter's storage placement (``root`` is a view or a

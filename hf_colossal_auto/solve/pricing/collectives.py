@@ -7,7 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ...hardware.skew import sync_wait
-from ...strategies.placements import is_shard
+from ...strategies.placements import is_partial, is_shard
 from ..build.names import _node_name, _param_node_name
 from ..tied import (
     differentiable_values,
@@ -240,7 +240,13 @@ def _tensor_parallel_collectives(
                 counts[kind] += w
                 nbytes[kind] += w * _given_bytes(kind, size, tp)
                 backward_syncs.add(v_idx)
-        for _seconds, kind, size in boundary_reshardings(graph, graph.nodes[v_idx], strat, 0, tp_comm):
+        returned_as = {
+            pos: _read_placement(built, solution, tied, reader)
+            for pos, reader in built.returned_via.get(v_name, {}).items()
+        }
+        for _seconds, kind, size in boundary_reshardings(
+            graph, graph.nodes[v_idx], strat, 0, tp_comm, returned_as
+        ):
             counts[kind] += w
             nbytes[kind] += w * _given_bytes(kind, size, tp)
             forward_syncs.add(v_idx)
@@ -264,6 +270,16 @@ def _tensor_parallel_collectives(
             if vid in producer:
                 backward_syncs.add(producer[vid][0])
     return counts, nbytes, forward_syncs, backward_syncs
+
+
+def _read_placement(built, solution, tied, reader: tuple[int, int]) -> str:
+    """The tensor-parallel placement a reader ``(node, input position)`` takes its input in ("P" where its
+    strategy leaves that open or reads it partial: the value then stays as made)."""
+    j, k = reader
+    name = _node_name(tied.canonical[j])
+    spec = built.strategies[name][solution.choice[name]].input_placements
+    read = spec[k][0] if k < len(spec) and spec[k] is not None else "P"
+    return "P" if is_partial(read) else read
 
 
 def _add_data_parallel_collectives(

@@ -4,6 +4,7 @@ and at module boundaries, and the data-parallel gradient synchronisation with it
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -147,12 +148,20 @@ _MEAN_REDUCTION = 1  # torch's Reduction.MEAN
 
 
 def boundary_reshardings(
-    graph: StepGraph, node: OpNode, strat: Strategy, axis: int, comm: AxisComm
+    graph: StepGraph,
+    node: OpNode,
+    strat: Strategy,
+    axis: int,
+    comm: AxisComm,
+    returned_as: Mapping[int, str | None] | None = None,
 ) -> list[tuple[float, str, float]]:
     """Collectives an op's strategy costs outside the edges between ops: ``(seconds, kind, bytes)`` each.
 
     * An output the model returns (its loss, its logits) is handed to the caller as an ordinary tensor, so a
-      sharded or partial one is gathered or reduced in forward (the runtime's ``wrap_forward``).
+      sharded or partial one is gathered or reduced in forward (the runtime's ``wrap_forward``). A partial one
+      that its module's boundary gives its reader's placement first (``returned_as``: output position -> that
+      placement, :func:`~hf_colossal_auto.solve.boundaries.returned_through_hook`) is gathered from there;
+      ``None``: not known here (the edge to the reader prices it).
     * ``nll_loss`` with mean reduction and class weights: DTensor's backward kernel needs the total weight
       replicated, so a partial total weight (a batch- or sequence-sharded loss) is all-reduced in backward.
       Without class weights the runtime computes the mean as a sum over the count of targets
@@ -171,7 +180,12 @@ def boundary_reshardings(
     for pos, vid in enumerate(node.outputs):
         if vid in returned and pos < len(strat.output_placements):
             nbytes = float(graph.values[vid].nbytes)
-            seconds, kind = redistribute(strat.output_placements[pos][axis], "R", nbytes, comm)
+            made = strat.output_placements[pos][axis]
+            if is_partial(made) and returned_as is not None and pos in returned_as:
+                if returned_as[pos] is None:
+                    continue
+                made = returned_as[pos] or made
+            seconds, kind = redistribute(made, "R", nbytes, comm)
             if kind:
                 out.append((seconds, kind, nbytes))
     if node.op.startswith("aten.nll_loss") and "forward" in node.op and len(strat.output_placements) > 1:
