@@ -127,19 +127,17 @@ def returned_through_hook(graph: StepGraph, tied: TiedGraph, node: int) -> dict[
 
 def _last_forward_op(graph: StepGraph, tied: TiedGraph) -> dict[str, int]:
     """Module FQN -> the last canonical forward op run inside it or its children (what it returns; the module
-    output placements of a plan are read from it); kept on the graph."""
-    if "_last_forward_op" not in graph.__dict__:
-        last: dict[str, int] = {}
-        for i in sorted(tied.canonical):
-            if graph.nodes[i].outputs:
-                module = graph.nodes[i].module
-                while True:
-                    last[module] = i
-                    if not module:
-                        break
-                    module = module.rpartition(".")[0]
-        graph.__dict__["_last_forward_op"] = last
-    return graph.__dict__["_last_forward_op"]
+    output placements of a plan are read from it)."""
+    last: dict[str, int] = {}
+    for i in sorted(tied.canonical):
+        if graph.nodes[i].outputs:
+            module = graph.nodes[i].module
+            while True:
+                last[module] = i
+                if not module:
+                    break
+                module = module.rpartition(".")[0]
+    return last
 
 
 def view_root(graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, int]], vid: int) -> int:

@@ -220,6 +220,19 @@ def build_problem(
     ).build()
 
 
+def _returned_via(
+    graph: StepGraph, tied: TiedGraph, canon_nodes: list[int]
+) -> dict[tuple[int, int], tuple[int, int]]:
+    """:attr:`_ProblemBuilder.returned_via` of a step."""
+    returned = set(graph.output_values)
+    return {
+        reader: (c, pos)
+        for c in canon_nodes
+        if returned.intersection(graph.nodes[c].outputs)
+        for pos, reader in returned_through_hook(graph, tied, c).items()
+    }
+
+
 class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _ExpertExchangePart):
     """Builds the ILP of :func:`build_problem` for one mesh and data-parallel mode, one part per method.
 
@@ -316,13 +329,9 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         self.readers = value_readers(graph, self.tied)
         self.grads = differentiable_values(graph)
         self.shared_uses = shared_projection_inputs(graph, self.tied)
-        returned = set(graph.output_values)
-        self.returned_via: dict[tuple[int, int], tuple[int, int]] = {
-            reader: (c, pos)
-            for c in self.canon_nodes
-            if returned.intersection(graph.nodes[c].outputs)
-            for pos, reader in returned_through_hook(graph, self.tied, c).items()
-        }
+        self.returned_via: dict[tuple[int, int], tuple[int, int]] = self._of_step(
+            ("returned_via",), lambda: _returned_via(graph, self.tied, self.canon_nodes)
+        )
         """(reader, input position) -> (node, output position) of a returned output its module's boundary gives
         that reader's placement before the model returns it (:func:`returned_through_hook`): the gather to the
         caller is priced on the edge to the reader."""
