@@ -3,7 +3,9 @@ the graph walks every part of the ILP shares (producers, readers, views, shared 
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..capture.graph import Phase, StepGraph, ValueKind
@@ -143,15 +145,7 @@ def _last_forward_op(graph: StepGraph, tied: TiedGraph) -> dict[str, int]:
 def view_root(graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, int]], vid: int) -> int:
     """The activation a chain of views starts from: a partial gradient passes back through views (a linear's
     flattening of its input) and is reduced once there, summed with the value's other uses."""
-    while vid in producer and producer[vid][0] in tied.canonical:
-        node = graph.nodes[producer[vid][0]]
-        ins = [v for v in node.inputs if graph.values[v].kind is not ValueKind.PARAM]
-        if not node.is_view or len(ins) != 1 or ins[0] not in producer:
-            break
-        if producer[ins[0]][0] not in tied.canonical:
-            break
-        vid = ins[0]
-    return vid
+    return _walk_back(graph, tied, producer, vid, lambda node: node.is_view)
 
 
 def viewed_param(
@@ -163,14 +157,7 @@ def viewed_param(
     a weight stored sharded for its use (``apply/enforce.py``), the view passes the partial gradient back, and
     the gather's backward reduces it straight to the weight's stored placement (a reduce-scatter to a shard,
     an all-reduce to a replica)."""
-    src = producer.get(root)
-    if src is None or src[0] not in tied.canonical:
-        return None
-    node = graph.nodes[src[0]]
-    if not node.is_view:
-        return None
-    params = [v for v in node.inputs if graph.values[v].kind is ValueKind.PARAM and graph.values[v].name]
-    return params[0] if len(params) == len(node.inputs) == 1 else None
+    return _param_behind(graph, tied, producer, root, lambda node: node.is_view)
 
 
 def _passes_gradient(graph: StepGraph, node) -> bool:
@@ -191,15 +178,7 @@ def gradient_root(graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[i
     (:func:`_passes_gradient`) to the value they start from, summed there with that value's other uses (q, k
     and v each cast one normed input under autocast; the runtime reduces their summed gradient once, in the
     input's dtype). :func:`view_root` without the casts is what the memory and parameter-node rules read."""
-    while vid in producer and producer[vid][0] in tied.canonical:
-        node = graph.nodes[producer[vid][0]]
-        ins = [v for v in node.inputs if graph.values[v].kind is not ValueKind.PARAM]
-        if not _passes_gradient(graph, node) or len(ins) != 1 or ins[0] not in producer:
-            break
-        if producer[ins[0]][0] not in tied.canonical:
-            break
-        vid = ins[0]
-    return vid
+    return _walk_back(graph, tied, producer, vid, functools.partial(_passes_gradient, graph))
 
 
 def reduced_param(
@@ -208,11 +187,33 @@ def reduced_param(
     """The parameter a :func:`gradient_root` is a view or a cast of (a weight's low-precision copy under
     autocast, gathered for use before it is cast), else None: the partial gradient is reduced straight to the
     parameter's storage placement, in the parameter's dtype (:func:`viewed_param` for casts too)."""
+    return _param_behind(graph, tied, producer, root, functools.partial(_passes_gradient, graph))
+
+
+def _walk_back(
+    graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, int]], vid: int, passes: Callable
+) -> int:
+    """Back from ``vid`` through the single-input forward ops ``passes`` lets a gradient through."""
+    while vid in producer and producer[vid][0] in tied.canonical:
+        node = graph.nodes[producer[vid][0]]
+        ins = [v for v in node.inputs if graph.values[v].kind is not ValueKind.PARAM]
+        if not passes(node) or len(ins) != 1 or ins[0] not in producer:
+            break
+        if producer[ins[0]][0] not in tied.canonical:
+            break
+        vid = ins[0]
+    return vid
+
+
+def _param_behind(
+    graph: StepGraph, tied: TiedGraph, producer: dict[int, tuple[int, int]], root: int, passes: Callable
+) -> int | None:
+    """The parameter ``root`` is made from by one op ``passes`` lets a gradient through, else None."""
     src = producer.get(root)
     if src is None or src[0] not in tied.canonical:
         return None
     node = graph.nodes[src[0]]
-    if not _passes_gradient(graph, node):
+    if not passes(node):
         return None
     params = [v for v in node.inputs if graph.values[v].kind is ValueKind.PARAM and graph.values[v].name]
     return params[0] if len(params) == len(node.inputs) == 1 else None
