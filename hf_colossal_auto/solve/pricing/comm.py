@@ -160,7 +160,7 @@ def boundary_reshardings(
     * An output the model returns (its loss, its logits) is handed to the caller as an ordinary tensor, so a
       sharded or partial one is gathered or reduced in forward (the runtime's ``wrap_forward``). A partial one
       that its module's boundary gives its reader's placement first (``returned_as``: output position -> that
-      placement, :func:`~hf_colossal_auto.solve.boundaries.returned_through_hook`) is gathered from there;
+      placement, :func:`~hf_colossal_auto.solve.tied.returned_through_hook`) is gathered from there;
       ``None``: not known here (the edge to the reader prices it).
     * ``nll_loss`` with mean reduction and class weights: DTensor's backward kernel needs the total weight
       replicated, so a partial total weight (a batch- or sequence-sharded loss) is all-reduced in backward.
