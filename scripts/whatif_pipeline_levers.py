@@ -16,6 +16,11 @@ Levers (each patches the figures ``solve/pipeline/pricing._Pricer.inner`` hands 
 * ``casts``: a block without recompute keeps no bf16 cast of a projection's weight or input per micro-batch (the
   part built: sibling projections share one cast of their input, ``apply/shared_casts.py``, in the baseline; the
   weight casts are held once a step, not per micro-batch);
+* ``cast-first``: a projection input that sibling projections share is cast to bf16 on its shard and gathered
+  in bf16 (half the all-gather's bytes, in forward and in a recomputed block's rerun), its gradient still
+  reduced once in fp32. Today the runtime gathers the fp32 input and casts the gathered copy (priced so); this
+  lever patches the builder's edges (``_EdgesPart._add_activation_use``: the shared copy priced at the cast's
+  bytes), not the pipeline pricing;
 * ``all``: bf16-sends and partial together; ``baseline``: nothing patched (today's plan).
 
 The split-backward levers of earlier sessions are gone: ``one-rerun`` is built (``apply/shared_rerun``: the
@@ -53,7 +58,7 @@ from hf_colossal_auto.solve.pipeline import cut, pricing  # noqa: E402
 from hf_colossal_auto.solve.planner import plan_model  # noqa: E402
 from hf_colossal_auto.solve.writeup import _real_modules  # noqa: E402
 
-LEVERS = ("baseline", "bf16-sends", "partial", "casts", "all")
+LEVERS = ("baseline", "bf16-sends", "partial", "casts", "cast-first", "all")
 GIB = float(1 << 30)
 
 
@@ -105,6 +110,30 @@ def patch(lever: str) -> None:
     pricing._Pricer.inner = inner
 
 
+def cast_first() -> None:
+    """Price the shared copy of a projection input at the bytes of its low-precision cast (see the module doc)."""
+    import dataclasses
+
+    from hf_colossal_auto.solve.build.edges import _EdgesPart
+
+    original = _EdgesPart._add_activation_use
+
+    def use(self, v_idx: int, k: int, vid: int) -> None:
+        node, value = self.graph.nodes[v_idx], self.graph.values[vid]
+        cast = self.graph.values[node.outputs[0]] if node.outputs else None
+        if (v_idx, k) not in self.shared_uses or node.op != "aten._to_copy.default" or cast is None:
+            return original(self, v_idx, k, vid)
+        if cast.nbytes >= value.nbytes:
+            return original(self, v_idx, k, vid)
+        self.graph.values[vid] = dataclasses.replace(value, nbytes=cast.nbytes)
+        try:
+            return original(self, v_idx, k, vid)
+        finally:
+            self.graph.values[vid] = value
+
+    _EdgesPart._add_activation_use = use
+
+
 def force_schedule(text: str) -> None:
     """Offer only ``schedule:stages_a_rank`` to the pipeline search."""
     from hf_colossal_auto.solve.pipeline import search
@@ -139,6 +168,8 @@ def main() -> None:
     )
     args = p.parse_args()
     patch(args.lever)
+    if args.lever == "cast-first":
+        cast_first()
     if args.schedule:
         force_schedule(args.schedule)
     if args.weight_pass_rerun != 1.0:
