@@ -100,45 +100,41 @@ def shared_projection_inputs(graph: StepGraph, tied: TiedGraph) -> dict[tuple[in
     return shared
 
 
-def returned_through_hook(graph: StepGraph, tied: TiedGraph, node: int) -> dict[int, tuple[int, int]]:
-    """Output position -> (forward node, input position) of the one op outside the node's module that reads
-    that output, for each output the model returns (its logits) where the node is its module's last forward op
-    and one op outside reads it: the runtime gives a partial sum of it the placement that reader takes it in,
-    at the module boundary (:func:`~.boundaries.reduced_where_read`), and returns *that* to the caller
-    (gathered there), not the partial sum (all-reduced). Empty for every other node."""
-    n = graph.nodes[node]
-    returned = set(graph.output_values).intersection(n.outputs)
-    if not returned or _last_forward_op(graph, tied).get(n.module) != node:
-        return {}
-    inside = (n.module, n.module + ".") if n.module else None
-    out: dict[int, tuple[int, int]] = {}
-    for pos, vid in enumerate(n.outputs):
-        if vid not in returned or inside is None:
-            continue  # the root module's output: no boundary between it and the caller
-        outside = [
-            (j, k)
-            for j in sorted(tied.canonical)
-            for k, read in enumerate(graph.nodes[j].inputs)
-            if read == vid
-            and not (graph.nodes[j].module == inside[0] or graph.nodes[j].module.startswith(inside[1]))
-        ]
-        if len(outside) == 1:
-            out[pos] = outside[0]
-    return out
+def returned_through_hook(graph: StepGraph, tied: TiedGraph) -> dict[tuple[int, int], tuple[int, int]]:
+    """(reader, input position) -> (node, output position) for each output the model returns (its logits) that
+    is the output of its node's module (the node is the module's last forward op, :func:`last_forward_ops`)
+    and that one op outside the module reads: the runtime gives a partial sum of it the placement that reader
+    takes it in, at the module boundary (:func:`~.boundaries.reduced_where_read`), and returns *that* to the
+    caller (gathered there), not the partial sum (all-reduced)."""
+    returned = set(graph.output_values)
+    last = last_forward_ops(graph, tied)
+    made: dict[
+        int, tuple[int, int]
+    ] = {}  # returned value -> (node, output position), where a module returns it
+    for i in tied.canonical:
+        module = graph.nodes[i].module
+        if last.get(module) == i:  # the root module ("") has no boundary before the caller: not in ``last``
+            made.update({vid: (i, pos) for pos, vid in enumerate(graph.nodes[i].outputs) if vid in returned})
+    outside: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for j in sorted(tied.canonical):
+        for k, vid in enumerate(graph.nodes[j].inputs):
+            if vid in made:
+                module, reader = graph.nodes[made[vid][0]].module, graph.nodes[j].module
+                if not (reader == module or reader.startswith(module + ".")):
+                    outside[vid].append((j, k))
+    return {readers[0]: made[vid] for vid, readers in outside.items() if len(readers) == 1}
 
 
-def _last_forward_op(graph: StepGraph, tied: TiedGraph) -> dict[str, int]:
-    """Module FQN -> the last canonical forward op run inside it or its children (what it returns; the module
-    output placements of a plan are read from it)."""
+def last_forward_ops(graph: StepGraph, tied: TiedGraph) -> dict[str, int]:
+    """Module FQN -> the last canonical forward op run inside it or its children: what the module returns, the
+    output its plan placement (``Plan.activation_placements``) is read from. The root module ``""`` is not in
+    it (its output is the model's output)."""
     last: dict[str, int] = {}
     for i in sorted(tied.canonical):
         if graph.nodes[i].outputs:
-            module = graph.nodes[i].module
-            while True:
-                last[module] = i
-                if not module:
-                    break
-                module = module.rpartition(".")[0]
+            parts = graph.nodes[i].module.split(".") if graph.nodes[i].module else []
+            for n in range(len(parts), 0, -1):
+                last[".".join(parts[:n])] = i
     return last
 
 

@@ -32,7 +32,7 @@ from .pricing.collectives import _collective_prediction, _recompute_collectives,
 from .pricing.comm import SHARDED_DP_MODES, AxisComm, boundary_reshardings
 from .pricing.compute import HOST_STREAM, overlap_parts
 from .problem import MemoryConstraint, Problem, Solution, evaluate, memory_usage
-from .tied import TiedGraph
+from .tied import TiedGraph, last_forward_ops
 
 logger = logging.getLogger(__name__)
 
@@ -446,27 +446,14 @@ def _recompute_choice(built: BuiltProblem, solution: Solution) -> dict[str, str]
     return out
 
 
-def _ancestors(module: str) -> list[str]:
-    """``a.b.c`` -> ``["a.b.c", "a.b", "a"]`` (the root ``""`` excluded: its output is the model's output)."""
-    parts = module.split(".") if module else []
-    return [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
-
-
 def _module_output_placements(built, solution, graph, tied, mesh) -> dict[str, list[str]]:
     """Module FQN -> placement per mesh axis of the module's forward output: the output of the *last* forward
     op run inside the module or any of its children (what the module returns; a module ending in a child's
     op returns that child's output). The runtime redistributes module outputs to these placements, so that
     redistributions happen where autograd sees them, as the planner's edges price them."""
     copies = tuple(f"{c}." for c in _copies_not_rep(graph))
-    last: dict[str, int] = {}
-    for i in sorted(tied.canonical):
-        n = graph.nodes[i]
-        if not n.outputs:
-            continue
-        for module in _ancestors(n.module):
-            if (module + ".").startswith(copies):
-                continue  # inside a traced copy: the representative decides for it
-            last[module] = i
+    # a module inside a traced copy is left out: the representative decides for it
+    last = {m: i for m, i in last_forward_ops(graph, tied).items() if not (m + ".").startswith(copies)}
     dp_place = "S0" if mesh[0] > 1 else "R"
     out: dict[str, list[str]] = {}
     for module, i in sorted(last.items()):

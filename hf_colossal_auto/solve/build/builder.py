@@ -39,6 +39,7 @@ unit, the highest point of its backward and its rerun as its backward starts.
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,19 +221,6 @@ def build_problem(
     ).build()
 
 
-def _returned_via(
-    graph: StepGraph, tied: TiedGraph, canon_nodes: list[int]
-) -> dict[tuple[int, int], tuple[int, int]]:
-    """:attr:`_ProblemBuilder.returned_via` of a step."""
-    returned = set(graph.output_values)
-    return {
-        reader: (c, pos)
-        for c in canon_nodes
-        if returned.intersection(graph.nodes[c].outputs)
-        for pos, reader in returned_through_hook(graph, tied, c).items()
-    }
-
-
 class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _ExpertExchangePart):
     """Builds the ILP of :func:`build_problem` for one mesh and data-parallel mode, one part per method.
 
@@ -330,11 +318,15 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
         self.grads = differentiable_values(graph)
         self.shared_uses = shared_projection_inputs(graph, self.tied)
         self.returned_via: dict[tuple[int, int], tuple[int, int]] = self._of_step(
-            ("returned_via",), lambda: _returned_via(graph, self.tied, self.canon_nodes)
+            ("returned_via",), lambda: returned_through_hook(graph, self.tied)
         )
         """(reader, input position) -> (node, output position) of a returned output its module's boundary gives
         that reader's placement before the model returns it (:func:`returned_through_hook`): the gather to the
         caller is priced on the edge to the reader."""
+        self.returned_by_node: dict[str, dict[int, tuple[int, int]]] = defaultdict(dict)
+        """:attr:`returned_via` by op node name and output position (:attr:`BuiltProblem.returned_via`)."""
+        for reader, (node, pos) in self.returned_via.items():
+            self.returned_by_node[_node_name(node)][pos] = reader
         self.units = (
             find_units(graph, self.tied.canonical, recompute_layers) if recompute_layers is not None else []
         )
@@ -524,11 +516,5 @@ class _ProblemBuilder(_NodesPart, _EdgesPart, _RecomputePart, _MemoryRowsPart, _
             expert_data_parallel=self.expert_dp,
             expert_dp_params=frozenset(self.expert_dp_params),
             local_modules=self.local_modules,
-            returned_via=self._returned_by_node(),
+            returned_via=dict(self.returned_by_node),
         )
-
-    def _returned_by_node(self) -> dict[str, dict[int, tuple[int, int]]]:
-        out: dict[str, dict[int, tuple[int, int]]] = {}
-        for reader, (node, pos) in self.returned_via.items():
-            out.setdefault(_node_name(node), {})[pos] = reader
-        return out

@@ -4,7 +4,7 @@ shared copy of a module input its sibling projections read alike."""
 from __future__ import annotations
 
 from ...capture.graph import ValueKind
-from ...strategies.placements import is_partial, is_shard
+from ...strategies.placements import is_partial
 from ..pricing.comm import (
     _edge_time_calls,
     _forward_time,
@@ -216,22 +216,24 @@ class _EdgesPart:
         pname = _param_node_name(self.tied.canonical_param(self.graph.values[pvid].name))
         if pname not in self.param_options:
             return False
-        axis, nbytes = self.axis, self.graph.values[pvid].nbytes
         w = self.tied.weight[v_idx]
         v_name = _node_name(self.tied.canonical[v_idx])
         share = 1.0 / self.readers[root]
-        partial = [_partial_gradient(s, k, axis) for s in self.strat_of[v_name]]
-        priced = [
-            [
-                _reduction(redistribute("P", o if is_shard(o) else "R", nbytes, self.tp_comm))
-                if p
-                else (0.0, 0.0)
-                for p in partial
-            ]
-            for o in self.param_options[pname]
-        ]
+        to = [gradient_at_producer(o) for o in self.param_options[pname]]
+        priced = self._reductions(to, v_name, k, self.graph.values[pvid].nbytes)
         self._add_edge(pname, v_name, *_weighted_pairs(priced, w * share))
         return True
+
+    def _reductions(
+        self, reduced_to: list[str], v_name: str, k: int, nbytes: float
+    ) -> list[list[tuple[float, float]]]:
+        """(seconds, collectives) of a partial gradient of consumer ``v_name``'s input ``k`` reduced to each of
+        ``reduced_to`` (one row each), for each of the consumer's strategies (nothing where it makes none)."""
+        partial = [_partial_gradient(s, k, self.axis) for s in self.strat_of[v_name]]
+        return [
+            [_reduction(redistribute("P", to, nbytes, self.tp_comm)) if p else (0.0, 0.0) for p in partial]
+            for to in reduced_to
+        ]
 
     def _root_partial(self, v_idx: int, k: int, vid: int, root: int) -> bool:
         """A use whose partial gradient passes back through a floating-point cast (and views) to ``root`` (an
@@ -250,22 +252,9 @@ class _EdgesPart:
         v_c = self.tied.canonical[v_idx]
         if u_c == v_c:
             return False
-        axis, nbytes = self.axis, self.graph.values[root].nbytes
         u_name, v_name = _node_name(u_c), _node_name(v_c)
-        partial = [_partial_gradient(s, k, axis) for s in self.strat_of[v_name]]
-        priced = [
-            [
-                _reduction(
-                    redistribute(
-                        "P", gradient_at_producer(us.output_placements[pos][axis]), nbytes, self.tp_comm
-                    )
-                )
-                if p
-                else (0.0, 0.0)
-                for p in partial
-            ]
-            for us in self.strat_of[u_name]
-        ]
+        to = [gradient_at_producer(us.output_placements[pos][self.axis]) for us in self.strat_of[u_name]]
+        priced = self._reductions(to, v_name, k, self.graph.values[root].nbytes)
         if any(t for row in priced for t, _ in row):  # nothing to reduce on one device: no edge
             share = self.tied.weight[v_idx] / self.readers[root]
             self._add_edge(u_name, v_name, *_weighted_pairs(priced, share))

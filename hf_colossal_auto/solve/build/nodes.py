@@ -32,11 +32,6 @@ class _NodesPart:
         pname = _param_node_name(self.tied.canonical_param(self.graph.values[pvid].name))
         return pname if pname in self.param_options else None
 
-    def returned_on_edge(self, c: int) -> dict[int, None]:
-        """Output positions of node ``c`` whose return to the caller the edge to their one reader prices
-        (:attr:`returned_via`), for :func:`boundary_reshardings`."""
-        return {pos: None for node, pos in self.returned_via.values() if node == c}
-
     # ---------------------------------------------------------------- op nodes
     def _add_op_nodes(self) -> None:
         """One node per canonical forward op, its strategies the ones DTensor's rules allow (replicated when
@@ -51,7 +46,7 @@ class _NodesPart:
             node = graph.nodes[c]
             strats = self.strategies.get(c) or [_replicated(node)]
             name = _node_name(c)
-            returned_as = self.returned_on_edge(c)
+            returned_as = dict.fromkeys(self.returned_by_node.get(name, {}))  # priced on the reader's edge
             costs = [
                 (
                     self._expert_dp_node_time(c)
